@@ -1,0 +1,55 @@
+#pragma once
+// Arguments of the softmax-family attention call (softmax, fox, path, path_fox).
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+#include "attnmix/core/scalar.hpp"
+#include "attnmix/core/tensor_view.hpp"
+
+namespace attnmix {
+
+// Tensors. Inputs of type T; gates, Householder parameters and statistics in accum_t<T>
+// (float, or double when T is double). Absent optional views are left default-constructed.
+template <class T>
+struct attention_args {
+  view4<const T> q{};  // [B, T, HQ, D]
+  view4<const T> k{};  // [B, T, H, D]    HQ % H == 0; query head hq reads KV head hq / (HQ/H)
+  view4<const T> v{};  // [B, T, H, Dv]
+  view4<T> out{};      // [B, T, HQ, Dv]
+  view3<const accum_t<T>> g{};     // fox, path_fox: log forget gate (<= 0) [B, T, HQ]
+  view4<const accum_t<T>> w{};     // path, path_fox: Householder directions [B, T, H, D]
+  view3<const accum_t<T>> beta{};  // path, path_fox: Householder strengths in [0, 2] [B, T, H]
+  view3<accum_t<T>> lse{};  // optional output: natural-log log-sum-exp of each row [B, T, HQ]
+};
+
+// Runtime values.
+struct attention_params {
+  std::optional<double> scale;  // softmax scale; default 1/sqrt(D)
+  index_t window = 0;  // > 0: causal query i sees keys i-window < j <= i (|i-j| < window if
+                       // bidirectional); 0: no window
+  view1<const std::int32_t> cu_seqlens;  // packed batch: B == 1, [N+1] sequence offsets
+};
+
+// One sequence of a (dense or packed) batch: tokens [start, start + length) of batch row `batch`.
+struct sequence {
+  index_t batch, start, length;
+};
+
+// Sizes resolved and checked by the front door, handed to every backend.
+struct attention_problem {
+  index_t batch, tokens, q_heads, kv_heads, head_dim, value_dim;
+  double scale;
+  index_t window;
+  const std::int32_t* cu_seqlens;  // host copy of the offsets, or nullptr for a dense batch
+  index_t num_sequences;
+
+  index_t group() const { return q_heads / kv_heads; }
+  sequence seq(index_t n) const {
+    if (cu_seqlens == nullptr) return {n, 0, tokens};
+    return {0, cu_seqlens[n], index_t{cu_seqlens[n + 1]} - cu_seqlens[n]};
+  }
+};
+
+}  // namespace attnmix

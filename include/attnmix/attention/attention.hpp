@@ -1,0 +1,133 @@
+#pragma once
+// attnmix::attention: the front door of the softmax-family kinds (softmax, fox, path,
+// path_fox). It validates every argument, then dispatches to detail::attention_impl of the
+// chosen backend. Include the backend headers (attnmix/attnmix.hpp, attnmix/cuda.cuh) to use it.
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "attnmix/attention/args.hpp"
+#include "attnmix/core/error.hpp"
+#include "attnmix/core/fwd.hpp"
+#include "attnmix/core/policy.hpp"
+#include "attnmix/core/tags.hpp"
+#include "attnmix/core/traits.hpp"
+#include "attnmix/core/validate.hpp"
+
+namespace attnmix {
+namespace detail {
+
+template <class Backend>
+inline constexpr memory_space space_of =
+    std::is_same_v<Backend, backend::cuda> ? memory_space::device : memory_space::host;
+
+template <class T, int R>
+void check_tensor(const std::string& fn, const char* arg, const tensor_view<T, R>& v,
+                  memory_space space, const char* backend) {
+  check_layout(fn, arg, v);
+  check_space(fn, arg, v, space, backend);
+}
+
+// Checks everything attention() needs and returns the resolved sizes. Throws attnmix::error.
+template <class Kind, class T, class Backend>
+attention_problem validate_attention(const std::string& fn, const attention_args<T>& a,
+                                     const attention_params& p) {
+  constexpr memory_space space = space_of<Backend>;
+  const char* be = Backend::name;
+  check_given(fn, "q", a.q);
+  check_given(fn, "k", a.k);
+  check_given(fn, "v", a.v);
+  check_given(fn, "out", a.out);
+  check_tensor(fn, "q", a.q, space, be);
+  check_tensor(fn, "k", a.k, space, be);
+  check_tensor(fn, "v", a.v, space, be);
+  check_tensor(fn, "out", a.out, space, be);
+
+  const index_t B = a.q.extent(0), T_ = a.q.extent(1), HQ = a.q.extent(2), D = a.q.extent(3);
+  const index_t H = a.k.extent(2), Dv = a.v.extent(3);
+  require(HQ >= 1 && D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
+          shape_string(a.q));
+  require(H >= 1, fn, "k", "must have at least one head but has shape ", shape_string(a.k));
+  require(HQ % H == 0, fn, "k", "has H = ", H, " heads, which does not divide the HQ = ", HQ,
+          " heads of 'q'");
+  check_shape(fn, "k", a.k, {B, T_, H, D}, "[B, T, H, D]");
+  require(Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_string(a.v));
+  check_shape(fn, "v", a.v, {B, T_, H, Dv}, "[B, T, H, Dv]");
+  check_shape(fn, "out", a.out, {B, T_, HQ, Dv}, "[B, T, HQ, Dv]");
+  check_non_overlapping(fn, "out", a.out);
+
+  if constexpr (kind_traits<Kind>::uses_forget_gate) {
+    check_given(fn, "g", a.g, "(the log forget gate) is required by this kind");
+    check_tensor(fn, "g", a.g, space, be);
+    check_shape(fn, "g", a.g, {B, T_, HQ}, "[B, T, HQ]");
+  } else {
+    check_not_given(fn, "g", a.g, "this kind has no forget gate");
+  }
+  if constexpr (kind_traits<Kind>::uses_householder) {
+    check_given(fn, "w", a.w, "(the Householder directions) is required by this kind");
+    check_given(fn, "beta", a.beta, "(the Householder strengths) is required by this kind");
+    check_tensor(fn, "w", a.w, space, be);
+    check_tensor(fn, "beta", a.beta, space, be);
+    check_shape(fn, "w", a.w, {B, T_, H, D}, "[B, T, H, D]");
+    check_shape(fn, "beta", a.beta, {B, T_, H}, "[B, T, H]");
+  } else {
+    check_not_given(fn, "w", a.w, "this kind has no Householder transforms");
+    check_not_given(fn, "beta", a.beta, "this kind has no Householder transforms");
+  }
+  if (a.lse.has_value()) {
+    check_tensor(fn, "lse", a.lse, space, be);
+    check_shape(fn, "lse", a.lse, {B, T_, HQ}, "[B, T, HQ]");
+    check_non_overlapping(fn, "lse", a.lse);
+  }
+  const auto no_alias = [&](const char* out_name, const auto& out) {
+    check_no_alias(fn, out_name, out, "q", a.q);
+    check_no_alias(fn, out_name, out, "k", a.k);
+    check_no_alias(fn, out_name, out, "v", a.v);
+    check_no_alias(fn, out_name, out, "g", a.g);
+    check_no_alias(fn, out_name, out, "w", a.w);
+    check_no_alias(fn, out_name, out, "beta", a.beta);
+  };
+  no_alias("out", a.out);
+  no_alias("lse", a.lse);
+  check_no_alias(fn, "lse", a.lse, "out", a.out);
+
+  const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(D));
+  require(std::isfinite(scale), fn, "scale", "must be finite but is ", scale);
+  require(p.window >= 0, fn, "window", "must be >= 0 (0: no window) but is ", p.window);
+
+  attention_problem prob{B, T_, HQ, H, D, Dv, scale, p.window, nullptr, B};
+  if (p.cu_seqlens.has_value()) {
+    check_space(fn, "cu_seqlens", p.cu_seqlens, memory_space::host, "offset validation");
+    require(B == 1, fn, "q", "must have B = 1 when cu_seqlens is given but has B = ", B);
+    check_offsets(fn, "cu_seqlens", p.cu_seqlens, T_);
+    prob.cu_seqlens = p.cu_seqlens.data();
+    prob.num_sequences = p.cu_seqlens.extent(0) - 1;
+  }
+  return prob;
+}
+
+}  // namespace detail
+
+// Softmax-family attention forward.
+//   out[b,i,hq,:] = sum_j softmax_j(z_ij) v[b,j,hq/(HQ/H),:]
+// with z_ij = scale * q_i.k_j (softmax), plus G_i - G_j for fox (G the per-sequence inclusive
+// cumsum of g; before or after the scale per Policy::gate), with PaTH's Householder products
+// for path and path_fox. Masking follows Policy::mask, params.window and params.cu_seqlens.
+// Throws attnmix::error (and writes nothing) when an argument is invalid.
+template <class Kind, class Policy = default_policy_t<Kind>, class T, class Backend = backend::cpu>
+void attention(const attention_args<T>& args, const attention_params& params = {},
+               const Backend& backend = Backend{}) {
+  static_assert(kind_traits<Kind>::softmax_family,
+                "attnmix::attention: Kind must be kind::softmax, fox, path or path_fox");
+  static_assert(is_scalar_v<T>, "attnmix::attention: T must be float, double, half or bfloat16");
+  static_assert(is_backend_v<Backend>, "attnmix::attention: Backend must be backend::cpu or cuda");
+  static_assert(std::is_same_v<Kind, kind::softmax> || Policy::mask == mask_type::causal,
+                "attnmix::attention: fox, path and path_fox are causal only; only kind::softmax "
+                "takes mask_type::bidirectional");
+  const std::string fn = std::string("attnmix::attention<") + Kind::name + ">";
+  const attention_problem prob = detail::validate_attention<Kind, T, Backend>(fn, args, params);
+  detail::attention_impl<Kind, Backend, Policy>::run(args, prob, backend);
+}
+
+}  // namespace attnmix

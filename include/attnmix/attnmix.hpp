@@ -1,0 +1,20 @@
+#pragma once
+// attnmix: attention primitives (softmax, FoX, PaTH, BLA, GBLA, causal linear attention) with
+// an Eigen CPU backend. Include <attnmix/cuda.cuh> from nvcc-compiled code for the CUDA backend.
+
+#include "attnmix/config.hpp"
+#include "attnmix/core/error.hpp"
+#include "attnmix/core/fwd.hpp"
+#include "attnmix/core/host_tensor.hpp"
+#include "attnmix/core/policy.hpp"
+#include "attnmix/core/scalar.hpp"
+#include "attnmix/core/tags.hpp"
+#include "attnmix/core/tensor_view.hpp"
+#include "attnmix/core/traits.hpp"
+#include "attnmix/core/validate.hpp"
+
+#include "attnmix/attention/args.hpp"
+#include "attnmix/attention/attention.hpp"
+
+#include "attnmix/cpu/fox.hpp"
+#include "attnmix/cpu/softmax.hpp"

@@ -1,0 +1,21 @@
+#pragma once
+// Primary templates of every operation. Backends specialise them in cpu/<kind>.hpp and
+// cuda/<kind>.cuh; an unspecialised use fails to compile with a message saying what to include.
+
+#include "attnmix/core/traits.hpp"
+
+namespace attnmix {
+namespace detail {
+
+// Softmax-family attention forward: static void run(const attention_args<T>&,
+// const attention_problem&, const Backend&).
+template <class Kind, class Backend, class Policy, class Enable = void>
+struct attention_impl {
+  static_assert(dependent_false<Kind, Backend>,
+                "attnmix::attention: no implementation of this kind for this backend. For "
+                "backend::cpu include <attnmix/attnmix.hpp> (or attnmix/cpu/<kind>.hpp); for "
+                "backend::cuda include <attnmix/cuda.cuh> in a translation unit compiled by nvcc.");
+};
+
+}  // namespace detail
+}  // namespace attnmix

@@ -1,0 +1,49 @@
+#pragma once
+// Backend and kind tags. Backends are objects because they carry runtime state (a thread
+// count, a CUDA stream); kinds are empty types that only select code.
+
+namespace attnmix {
+
+namespace backend {
+
+// Eigen on the host. threads = 0 uses std::thread::hardware_concurrency().
+struct cpu {
+  int threads = 0;
+  static constexpr const char* name = "cpu";
+};
+
+// CUDA on the current device. `stream` is a cudaStream_t (nullptr: the legacy default stream),
+// kept as void* so that host-only translation units can name the tag.
+struct cuda {
+  void* stream = nullptr;
+  static constexpr const char* name = "cuda";
+};
+
+}  // namespace backend
+
+namespace kind {
+
+struct softmax {  // softmax attention (SA)
+  static constexpr const char* name = "softmax";
+};
+struct fox {  // Forgetting Transformer attention: SA plus a cumulative log forget gate bias
+  static constexpr const char* name = "fox";
+};
+struct path {  // PaTH: SA whose scores pass through accumulated Householder transforms
+  static constexpr const char* name = "path";
+};
+struct path_fox {  // PaTH plus the FoX forget gate
+  static constexpr const char* name = "path_fox";
+};
+struct bla {  // bidirectional linear attention
+  static constexpr const char* name = "bla";
+};
+struct gbla {  // gated BLA: key gate and gated RMSNorm on top of BLA
+  static constexpr const char* name = "gbla";
+};
+struct linear_causal {  // causal linear attention with a recurrent state
+  static constexpr const char* name = "linear_causal";
+};
+
+}  // namespace kind
+}  // namespace attnmix

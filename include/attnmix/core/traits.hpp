@@ -1,0 +1,59 @@
+#pragma once
+// Compile-time facts about kinds and backends.
+
+#include <type_traits>
+
+#include "attnmix/core/tags.hpp"
+
+namespace attnmix {
+
+// true once the header implementing (Kind, Backend) has been included: cpu/<kind>.hpp or
+// cuda/<kind>.cuh specialise it. Tests skip and stacks static_assert on it.
+template <class Kind, class Backend>
+struct is_implemented : std::false_type {};
+template <class Kind, class Backend>
+inline constexpr bool is_implemented_v = is_implemented<Kind, Backend>::value;
+
+// Which extra inputs a softmax-family kind reads.
+template <class Kind>
+struct kind_traits {
+  static constexpr bool softmax_family = false;
+  static constexpr bool uses_forget_gate = false;   // g: [B,T,HQ]
+  static constexpr bool uses_householder = false;   // w: [B,T,H,D], beta: [B,T,H]
+};
+template <>
+struct kind_traits<kind::softmax> {
+  static constexpr bool softmax_family = true;
+  static constexpr bool uses_forget_gate = false;
+  static constexpr bool uses_householder = false;
+};
+template <>
+struct kind_traits<kind::fox> {
+  static constexpr bool softmax_family = true;
+  static constexpr bool uses_forget_gate = true;
+  static constexpr bool uses_householder = false;
+};
+template <>
+struct kind_traits<kind::path> {
+  static constexpr bool softmax_family = true;
+  static constexpr bool uses_forget_gate = false;
+  static constexpr bool uses_householder = true;
+};
+template <>
+struct kind_traits<kind::path_fox> {
+  static constexpr bool softmax_family = true;
+  static constexpr bool uses_forget_gate = true;
+  static constexpr bool uses_householder = true;
+};
+
+template <class Backend>
+inline constexpr bool is_backend_v =
+    std::is_same_v<Backend, backend::cpu> || std::is_same_v<Backend, backend::cuda>;
+
+namespace detail {
+// For static_asserts in primary templates that must only fire on instantiation.
+template <class...>
+inline constexpr bool dependent_false = false;
+}  // namespace detail
+
+}  // namespace attnmix

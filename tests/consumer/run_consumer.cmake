@@ -1,0 +1,28 @@
+# cmake -P script: builds and runs tests/consumer/project against attnmix in MODE
+# (find_package after installing the build tree into WORK/prefix, or add_subdirectory).
+file(REMOVE_RECURSE ${WORK})
+set(_args -S ${CONSUMER_SOURCE} -B ${WORK}/build -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX}
+          -DATTNMIX_MODE=${MODE} -DCMAKE_BUILD_TYPE=Release)
+if(MODE STREQUAL "find_package")
+  execute_process(COMMAND ${CMAKE_COMMAND} --install ${ATTNMIX_BUILD} --prefix ${WORK}/prefix
+                  RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "install failed: ${rc}")
+  endif()
+  list(APPEND _args -DCMAKE_PREFIX_PATH=${WORK}/prefix)
+else()
+  list(APPEND _args -DATTNMIX_SOURCE_DIR=${ATTNMIX_SOURCE})
+endif()
+foreach(step IN ITEMS configure build run)
+  if(step STREQUAL "configure")
+    set(_cmd ${CMAKE_COMMAND} ${_args})
+  elseif(step STREQUAL "build")
+    set(_cmd ${CMAKE_COMMAND} --build ${WORK}/build)
+  else()
+    set(_cmd ${WORK}/build/consumer)
+  endif()
+  execute_process(COMMAND ${_cmd} RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "consumer ${MODE}: ${step} failed (${rc})")
+  endif()
+endforeach()

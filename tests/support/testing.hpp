@@ -1,0 +1,89 @@
+#pragma once
+// Helpers for attnmix tests: seeded random inputs, poisoned outputs, error norms.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnmix/core/host_tensor.hpp"
+
+namespace attnmix_test {
+
+using attnmix::index_t;
+
+// A fresh seed per run unless ATTNMIX_TEST_SEED is set; tests INFO() it so that a failure
+// can be replayed.
+inline std::uint64_t test_seed() {
+  static const std::uint64_t seed = []() -> std::uint64_t {
+    if (const char* s = std::getenv("ATTNMIX_TEST_SEED")) return std::strtoull(s, nullptr, 10);
+    return (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  }();
+  return seed;
+}
+
+class rng {
+ public:
+  explicit rng(std::uint64_t salt = 0) : gen_(test_seed() ^ (salt * 0x9E3779B97F4A7C15ull)) {}
+
+  double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(gen_); }
+  double normal() { return std::normal_distribution<double>(0.0, 1.0)(gen_); }
+  index_t integer(index_t lo, index_t hi) {  // inclusive
+    return std::uniform_int_distribution<index_t>(lo, hi)(gen_);
+  }
+
+  template <class T, int R>
+  void fill_normal(attnmix::host_tensor<T, R>& t, double sigma = 1.0) {
+    for (auto& x : t.storage()) x = static_cast<T>(sigma * normal());
+  }
+  template <class T, int R>
+  void fill_uniform(attnmix::host_tensor<T, R>& t, double lo, double hi) {
+    for (auto& x : t.storage()) x = static_cast<T>(uniform(lo, hi));
+  }
+
+ private:
+  std::mt19937_64 gen_;
+};
+
+// NaN everywhere, so that an element the call forgets to write fails the comparison.
+template <class T, int R>
+void poison(attnmix::host_tensor<T, R>& t) {
+  t.fill(std::numeric_limits<T>::quiet_NaN());
+}
+
+template <class T>
+std::vector<double> to_double(const std::vector<T>& x) {
+  return std::vector<double>(x.begin(), x.end());
+}
+
+// ||out - ref|| / ||ref|| (Frobenius); NaN anywhere in out gives +inf. ||ref|| == 0 compares
+// absolutely.
+template <class T>
+double rel_error(const std::vector<T>& out, const std::vector<double>& ref) {
+  if (out.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const double o = static_cast<double>(out[i]);
+    if (!std::isfinite(o)) return std::numeric_limits<double>::infinity();
+    num += (o - ref[i]) * (o - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+template <class T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// DESIGN.md tolerances for relative error against a float64 oracle.
+template <class T>
+constexpr double tolerance() {
+  return sizeof(T) >= 8 ? 1e-12 : sizeof(T) == 4 ? 1e-5 : 1e-2;
+}
+
+}  // namespace attnmix_test
