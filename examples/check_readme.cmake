@@ -1,0 +1,10 @@
+# Fails unless README contains SOURCE (minus its first comment line) verbatim.
+file(READ ${README} readme)
+file(READ ${SOURCE} source)
+string(FIND "${source}" "\n" first_newline)
+math(EXPR start "${first_newline} + 1")
+string(SUBSTRING "${source}" ${start} -1 body)
+string(FIND "${readme}" "${body}" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "README.md does not show ${SOURCE} verbatim")
+endif()
