@@ -15,6 +15,8 @@
 
 #include "attnmix/attention/args.hpp"
 #include "attnmix/attention/attention.hpp"
+#include "attnmix/attention/path_cache.hpp"
 
 #include "attnmix/cpu/fox.hpp"
+#include "attnmix/cpu/path.hpp"
 #include "attnmix/cpu/softmax.hpp"

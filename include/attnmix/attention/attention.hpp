@@ -95,6 +95,8 @@ attention_problem validate_attention(const std::string& fn, const attention_args
   const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(D));
   require(std::isfinite(scale), fn, "scale", "must be finite but is ", scale);
   require(p.window >= 0, fn, "window", "must be >= 0 (0: no window) but is ", p.window);
+  if constexpr (kind_traits<Kind>::uses_householder)
+    require(p.window == 0, fn, "window", "must be 0: PaTH has no sliding window, but is ", p.window);
 
   attention_problem prob{B, T_, HQ, H, D, Dv, scale, p.window, nullptr, B};
   if (p.cu_seqlens.has_value()) {
