@@ -17,5 +17,15 @@ struct attention_impl {
                 "backend::cuda include <attnmix/cuda.cuh> in a translation unit compiled by nvcc.");
 };
 
+// Linear-attention forward (bla, gbla, linear_causal): static void run(const
+// linear_attention_args<T>&, const linear_attention_problem&, const Backend&).
+template <class Kind, class Backend, class Policy, class Enable = void>
+struct linear_attention_impl {
+  static_assert(dependent_false<Kind, Backend>,
+                "attnmix::linear_attention: no implementation of this kind for this backend. For "
+                "backend::cpu include <attnmix/attnmix.hpp> (or attnmix/cpu/<kind>.hpp); for "
+                "backend::cuda include <attnmix/cuda.cuh> in a translation unit compiled by nvcc.");
+};
+
 }  // namespace detail
 }  // namespace attnmix

@@ -1,0 +1,69 @@
+#pragma once
+// Arguments of the linear-attention call (bla, gbla, linear_causal).
+
+#include <cstdint>
+#include <optional>
+
+#include "attnmix/attention/args.hpp"
+#include "attnmix/core/scalar.hpp"
+#include "attnmix/core/tensor_view.hpp"
+
+namespace attnmix {
+
+// The state of one linear-attention prefix, per sequence n (N = B for a dense batch, the
+// number of cu_seqlens segments for a packed one) and KV head h. With w_j the (prefix)
+// softmax weights of the key gate (w_j = 1 without it) and p_j = w_j phi(k_j):
+//   S[n,h] = sum_j p_j v_j^T   [D, Dv]      z[n,h] = sum_j p_j   [D]
+//   lse[n,h] = log sum_j exp(a_j)            (key gate only; -inf for an empty prefix)
+// A fresh state is S = 0, z = 0 (and lse = -inf), which is what an absent state_in means.
+template <class A>
+struct linear_state {
+  view4<A> S{};              // [N, H, D, Dv]
+  view3<A> z{};              // [N, H, D]
+  tensor_view<A, 2> lse{};   // [N, H]
+};
+
+// Tensors. Activations of type T; gate logits, norm weights and states in accum_t<T>.
+// Absent optional views are left default-constructed.
+template <class T>
+struct linear_attention_args {
+  using accum = accum_t<T>;
+  view4<const T> q{};  // [B, T, HQ, D]
+  view4<const T> k{};  // [B, T, H, D]    HQ % H == 0; query head hq reads KV head hq / (HQ/H)
+  view4<const T> v{};  // [B, T, H, Dv]
+  view4<T> out{};      // [B, T, HQ, Dv]
+  // Optional validity mask [B, T]: nonzero = real token. Pad keys leave S and z alone; pad
+  // query rows are written as zeros (Policy::zero_pad_rows).
+  tensor_view<const std::uint8_t, 2> mask{};
+  view3<const accum> a{};     // key-gate logits [B, T, Hg]: Hg = 1 (key_gate::shared), H (per_head)
+  view4<const T> gate{};      // gated norm: output-gate pre-activation [B, T, HQ, Dv]
+  view1<const accum> gamma{};  // gated norm weight: [Dv] (norm_weight::shared) or [HQ*Dv]; absent: 1
+  linear_state<const accum> state_in{};  // linear_causal only: the state before token 0
+  linear_state<accum> state_out{};       // the state after the last token (any subset of S, z, lse)
+};
+
+// Runtime values.
+struct linear_attention_params {
+  // Multiplies phi(q) (after the feature map). Default: 1 with the normaliser on (where it
+  // cancels but for eps), 1/sqrt(D) with it off (fla's convention).
+  std::optional<double> scale;
+  double eps = 1e-6;       // added to the denominator phi(q).z
+  double norm_eps = 1e-5;  // added to the mean square of the gated RMSNorm
+  view1<const std::int32_t> cu_seqlens;  // packed batch: B == 1, [N+1] sequence offsets
+};
+
+// Sizes resolved and checked by the front door, handed to every backend.
+struct linear_attention_problem {
+  index_t batch, tokens, q_heads, kv_heads, gate_heads, head_dim, value_dim;
+  double scale, eps, norm_eps;
+  const std::int32_t* cu_seqlens;  // host copy of the offsets, or nullptr for a dense batch
+  index_t num_sequences;
+
+  index_t group() const { return q_heads / kv_heads; }
+  sequence seq(index_t n) const {
+    if (cu_seqlens == nullptr) return {n, 0, tokens};
+    return {0, cu_seqlens[n], index_t{cu_seqlens[n + 1]} - cu_seqlens[n]};
+  }
+};
+
+}  // namespace attnmix

@@ -1,0 +1,30 @@
+#pragma once
+// Bidirectional linear attention (BLA) on the CPU: the two-pass reduce-then-read algorithm of
+// cpu/detail/linear.hpp.
+
+#include <type_traits>
+
+#include "attnmix/attention/linear_attention.hpp"
+#include "attnmix/cpu/detail/linear.hpp"
+
+namespace attnmix {
+
+template <>
+struct is_implemented<kind::bla, backend::cpu> : std::true_type {};
+
+namespace detail {
+
+template <class Policy>
+struct linear_attention_impl<kind::bla, backend::cpu, Policy> {
+  template <class T>
+  static void run(const linear_attention_args<T>& a, const linear_attention_problem& p,
+                  const backend::cpu& be) {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "attnmix: the CPU backend computes in float or double; convert half/bfloat16 "
+                  "inputs first (attnmix::convert)");
+    cpu::bidirectional_forward<Policy>(a, p, be);
+  }
+};
+
+}  // namespace detail
+}  // namespace attnmix

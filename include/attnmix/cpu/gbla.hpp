@@ -1,0 +1,30 @@
+#pragma once
+// GBLA core on the CPU: BLA with the key gate applied on load in the reduce pass and the gated
+// RMSNorm fused into the read pass (cpu/detail/linear.hpp).
+
+#include <type_traits>
+
+#include "attnmix/attention/linear_attention.hpp"
+#include "attnmix/cpu/detail/linear.hpp"
+
+namespace attnmix {
+
+template <>
+struct is_implemented<kind::gbla, backend::cpu> : std::true_type {};
+
+namespace detail {
+
+template <class Policy>
+struct linear_attention_impl<kind::gbla, backend::cpu, Policy> {
+  template <class T>
+  static void run(const linear_attention_args<T>& a, const linear_attention_problem& p,
+                  const backend::cpu& be) {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "attnmix: the CPU backend computes in float or double; convert half/bfloat16 "
+                  "inputs first (attnmix::convert)");
+    cpu::bidirectional_forward<Policy>(a, p, be);
+  }
+};
+
+}  // namespace detail
+}  // namespace attnmix
