@@ -1,7 +1,8 @@
 #pragma once
 // attnmix with its CUDA backend. Include from translation units compiled by nvcc and link
 // attnmix::cuda. The kinds the CUDA backend implements are those with
-// is_implemented_v<Kind, backend::cuda>.
+// is_implemented_v<Kind, backend::cuda>; call them through the same front doors as the CPU
+// path, with device-memory views and attnmix::backend::cuda{stream}.
 
 #if !defined(__CUDACC__)
 #error "attnmix/cuda.cuh must be compiled by a CUDA compiler (nvcc); use attnmix/attnmix.hpp otherwise"
@@ -9,3 +10,6 @@
 
 #include "attnmix/attnmix.hpp"
 #include "attnmix/cuda/runtime.cuh"
+
+#include "attnmix/cuda/fox.cuh"
+#include "attnmix/cuda/softmax.cuh"

@@ -27,3 +27,40 @@ inline bool cuda_device_available() {
       return;                                                                           \
     }                                                                                   \
   } while (0)
+
+#include <vector>
+
+#include "attnmix/cuda/runtime.cuh"
+
+namespace attnmix_test {
+
+// Device memory for tests; contents start as NaN (0xFF bytes) so unwritten outputs show.
+template <class T>
+class device_buffer {
+ public:
+  explicit device_buffer(std::size_t n) : n_(n) {
+    attnmix::detail::cuda::check(cudaMalloc(&ptr_, (n > 0 ? n : 1) * sizeof(T)), "cudaMalloc");
+    attnmix::detail::cuda::check(cudaMemset(ptr_, 0xFF, (n > 0 ? n : 1) * sizeof(T)), "cudaMemset");
+  }
+  explicit device_buffer(const std::vector<T>& host) : device_buffer(host.size()) {
+    attnmix::detail::cuda::check(
+        cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+  ~device_buffer() { (void)cudaFree(ptr_); }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+
+  T* get() const { return ptr_; }
+  std::vector<T> to_host() const {
+    std::vector<T> h(n_);
+    attnmix::detail::cuda::check(cudaMemcpy(h.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost),
+                                 "cudaMemcpy");
+    return h;
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  std::size_t n_;
+};
+
+}  // namespace attnmix_test

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Times PyTorch's scaled_dot_product_attention (cuDNN and flash backends) on the shapes of
+bench_attention_cuda and prints the ratio table against that benchmark's JSON output.
+
+    bench_attention_cuda --benchmark_out=ours.json --benchmark_out_format=json
+    python3 bench/sdpa_peer.py ours.json > table.md
+
+Run both in the same call on the same GPU: a figure from another run is not a comparison.
+"""
+import json
+import re
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def time_ms(fn, warmup=5, reps=30):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def sdpa_ms(backend, B, T, H, D, causal):
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with sdpa_kernel([backend]):
+        return time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+
+
+def main():
+    ours = json.load(open(sys.argv[1]))
+    rows = []
+    for b in ours["benchmarks"]:
+        m = re.match(r"(\w+)/B:(\d+)/T:(\d+)/H:(\d+)", b["name"])
+        if not m or b.get("run_type") == "aggregate":
+            continue
+        kind, B, T, H = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
+        ms = b["real_time"] if b["time_unit"] == "ms" else b["real_time"] / 1e6
+        rows.append((kind, B, T, H, ms))
+    peers = {}
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print()
+    print("| kernel | B | T | H | D | attnmix ms | cuDNN ms | flash ms | attnmix / cuDNN | attnmix / flash |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for kind, B, T, H, ms in rows:
+        causal = kind != "sa_bidirectional"
+        key = (B, T, H, causal)
+        if key not in peers:
+            peers[key] = (sdpa_ms(SDPBackend.CUDNN_ATTENTION, B, T, H, 64, causal),
+                          sdpa_ms(SDPBackend.FLASH_ATTENTION, B, T, H, 64, causal))
+            torch.cuda.empty_cache()
+        cudnn, flash = peers[key]
+        print(f"| {kind} | {B} | {T} | {H} | 64 | {ms:.3f} | {cudnn:.3f} | {flash:.3f} | "
+              f"{ms / cudnn:.2f} | {ms / flash:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

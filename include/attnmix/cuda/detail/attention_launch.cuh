@@ -1,0 +1,168 @@
+#pragma once
+// Host side of the CUDA softmax-family kernels: device-memory checks, stream-ordered scratch,
+// the gate cumsum, and the choice between the tensor-core and the CUDA-core kernel.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "attnmix/attention/args.hpp"
+#include "attnmix/core/policy.hpp"
+#include "attnmix/core/tags.hpp"
+#include "attnmix/cuda/detail/attention_mma.cuh"
+#include "attnmix/cuda/detail/attention_simt.cuh"
+#include "attnmix/cuda/detail/gate.cuh"
+#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/runtime.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+// Stream-ordered scratch, released on the same stream when it goes out of scope.
+class stream_buffer {
+ public:
+  stream_buffer(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
+    if (bytes > 0) check(cudaMallocAsync(&ptr_, bytes, stream), "cudaMallocAsync");
+  }
+  ~stream_buffer() {
+    if (ptr_ != nullptr) (void)cudaFreeAsync(ptr_, stream_);
+  }
+  stream_buffer(const stream_buffer&) = delete;
+  stream_buffer& operator=(const stream_buffer&) = delete;
+  unsigned char* get() const { return static_cast<unsigned char*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
+
+inline bool aligned_for_vectors(const void* p, index_t s0, index_t s1, index_t s2, int elems) {
+  return reinterpret_cast<std::uintptr_t>(p) % (2 * elems) == 0 && s0 % elems == 0 &&
+         s1 % elems == 0 && s2 % elems == 0;
+}
+
+template <class Dev, int D, int Dv>
+void launch_mma(const attention_kernel_params& kp, index_t max_len, index_t sequences,
+                cudaStream_t stream) {
+  constexpr int warps = 4, bc = 64;
+  using tile = mma_tile<D, Dv, warps, bc>;
+  auto kernel = attention_mma_kernel<Dev, D, Dv, warps, bc>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
+        "cudaFuncSetAttribute");
+  const dim3 grid(static_cast<unsigned>(kp.q_heads * sequences),
+                  static_cast<unsigned>((max_len + tile::br - 1) / tile::br));
+  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
+}
+
+template <class Dev, int MaxChunks>
+void launch_simt(const attention_kernel_params& kp, index_t max_len, index_t sequences,
+                 cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((max_len + 3) / 4), static_cast<unsigned>(kp.q_heads),
+                  static_cast<unsigned>(sequences));
+  attention_simt_kernel<Dev, MaxChunks><<<grid, 128, 0, stream>>>(kp);
+}
+
+// Runs one softmax-family forward. gate_coef: factor of (G_i - G_j), ignored without a.g.
+template <class Policy, class T>
+void run_attention(const std::string& fn, const attention_args<T>& a, const attention_problem& p,
+                   const backend::cuda& be, double gate_coef) {
+  using Dev = device_t<T>;
+  check_device_pointer(fn, "q", a.q);
+  check_device_pointer(fn, "k", a.k);
+  check_device_pointer(fn, "v", a.v);
+  check_device_pointer(fn, "out", a.out);
+  check_device_pointer(fn, "g", a.g);
+  check_device_pointer(fn, "lse", a.lse);
+  require(p.head_dim <= 256, fn, "q", "has head dim D = ", p.head_dim,
+          " but the CUDA backend supports D <= 256");
+  require(p.value_dim <= 256, fn, "v", "has head dim Dv = ", p.value_dim,
+          " but the CUDA backend supports Dv <= 256");
+  require(p.num_sequences <= 65535, fn, "cu_seqlens", "holds ", p.num_sequences,
+          " sequences but the CUDA backend supports at most 65535");
+
+  index_t max_len = 0;
+  for (index_t n = 0; n < p.num_sequences; ++n) max_len = std::max(max_len, p.seq(n).length);
+  if (max_len == 0) return;
+
+  cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
+  const bool gated = a.g.has_value();
+  const std::size_t cu_bytes =
+      p.cu_seqlens != nullptr ? static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t) : 0;
+  const std::size_t cu_padded = (cu_bytes + 255) / 256 * 256;
+  const std::size_t gate_bytes =
+      gated ? static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double) : 0;
+  stream_buffer scratch(cu_padded + gate_bytes, stream);
+
+  attention_kernel_params kp{};
+  kp.q = a.q.data(), kp.k = a.k.data(), kp.v = a.v.data(), kp.out = a.out.data();
+  kp.lse = a.lse.has_value() ? a.lse.data() : nullptr;
+  for (int i = 0; i < 3; ++i) {
+    kp.q_stride[i] = a.q.stride(i), kp.k_stride[i] = a.k.stride(i), kp.v_stride[i] = a.v.stride(i);
+    kp.out_stride[i] = a.out.stride(i);
+    kp.lse_stride[i] = a.lse.has_value() ? a.lse.stride(i) : 0;
+  }
+  kp.tokens = p.tokens;
+  kp.q_heads = static_cast<int>(p.q_heads), kp.group = static_cast<int>(p.group());
+  kp.head_dim = static_cast<int>(p.head_dim), kp.value_dim = static_cast<int>(p.value_dim);
+  constexpr double log2e = 1.4426950408889634;
+  kp.scale_log2 = static_cast<float>(p.scale * log2e);
+  kp.window = p.window;
+  kp.causal = Policy::mask == mask_type::causal;
+  if (cu_bytes > 0) {
+    check(cudaMemcpyAsync(scratch.get(), p.cu_seqlens, cu_bytes, cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync(cu_seqlens)");
+    kp.cu_seqlens = reinterpret_cast<const std::int32_t*>(scratch.get());
+  }
+  if (gated) {
+    auto* G = reinterpret_cast<double*>(scratch.get() + cu_padded);
+    kp.gate_cumsum = G;
+    kp.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
+    gate_cumsum_kernel<<<dim3(static_cast<unsigned>(p.q_heads), static_cast<unsigned>(p.num_sequences)),
+                         256, 0, stream>>>(a.g.data(), a.g.stride(0), a.g.stride(1), a.g.stride(2),
+                                           kp, G);
+    check(cudaGetLastError(), "gate_cumsum_kernel launch");
+  }
+
+  constexpr bool tensor_cores = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
+  const bool aligned =
+      aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 8) &&
+      aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8) &&
+      aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2), 8) &&
+      aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1), a.out.stride(2), 2);
+  const index_t D = p.head_dim, Dv = p.value_dim;
+  bool launched = false;
+  if constexpr (tensor_cores) {
+    if (aligned) {
+      launched = true;
+      if (D == 64 && Dv == 64)
+        launch_mma<Dev, 64, 64>(kp, max_len, p.num_sequences, stream);
+      else if (D == 128 && Dv == 128)
+        launch_mma<Dev, 128, 128>(kp, max_len, p.num_sequences, stream);
+      else if (D == 64 && Dv == 128)
+        launch_mma<Dev, 64, 128>(kp, max_len, p.num_sequences, stream);
+      else if (D == 128 && Dv == 64)
+        launch_mma<Dev, 128, 64>(kp, max_len, p.num_sequences, stream);
+      else
+        launched = false;
+    }
+  }
+  if (!launched) {
+    const index_t widest = std::max(D, Dv);
+    if (widest <= 64)
+      launch_simt<Dev, 2>(kp, max_len, p.num_sequences, stream);
+    else if (widest <= 128)
+      launch_simt<Dev, 4>(kp, max_len, p.num_sequences, stream);
+    else
+      launch_simt<Dev, 8>(kp, max_len, p.num_sequences, stream);
+  }
+  check(cudaGetLastError(), "attention kernel launch");
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

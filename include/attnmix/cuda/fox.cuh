@@ -1,0 +1,29 @@
+#pragma once
+// FoX on CUDA: softmax attention plus the forget-gate bias, with G summed in double on device.
+
+#include <string>
+#include <type_traits>
+
+#include "attnmix/attention/attention.hpp"
+#include "attnmix/cuda/detail/attention_launch.cuh"
+
+namespace attnmix {
+
+template <>
+struct is_implemented<kind::fox, backend::cuda> : std::true_type {};
+
+namespace detail {
+
+template <class Policy>
+struct attention_impl<kind::fox, backend::cuda, Policy> {
+  template <class T>
+  static void run(const attention_args<T>& a, const attention_problem& p, const backend::cuda& be) {
+    static_assert(!std::is_same_v<T, double>,
+                  "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
+    const double coef = Policy::gate == gate_scaling::before_scale ? p.scale : 1.0;
+    cuda::run_attention<Policy>("attnmix::attention<fox>", a, p, be, coef);
+  }
+};
+
+}  // namespace detail
+}  // namespace attnmix

@@ -1,0 +1,28 @@
+#pragma once
+// Softmax attention on CUDA: float, half and bfloat16 inputs with float accumulation.
+
+#include <string>
+#include <type_traits>
+
+#include "attnmix/attention/attention.hpp"
+#include "attnmix/cuda/detail/attention_launch.cuh"
+
+namespace attnmix {
+
+template <>
+struct is_implemented<kind::softmax, backend::cuda> : std::true_type {};
+
+namespace detail {
+
+template <class Policy>
+struct attention_impl<kind::softmax, backend::cuda, Policy> {
+  template <class T>
+  static void run(const attention_args<T>& a, const attention_problem& p, const backend::cuda& be) {
+    static_assert(!std::is_same_v<T, double>,
+                  "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
+    cuda::run_attention<Policy>("attnmix::attention<softmax>", a, p, be, 0.0);
+  }
+};
+
+}  // namespace detail
+}  // namespace attnmix

@@ -1,0 +1,163 @@
+// CUDA softmax attention and FoX against the CPU path in double, in float, half and bfloat16.
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attnmix/cuda.cuh"
+#include "cpu/attention_harness.hpp"
+#include "support/cuda_testing.cuh"
+
+using namespace attnmix_test;
+using attnmix::index_t;
+
+namespace {
+
+template <class T>
+std::vector<T> round_to(const std::vector<float>& x) {
+  std::vector<T> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = attnmix::convert<T>(x[i]);
+  return y;
+}
+template <class To, class From>
+std::vector<To> widen(const std::vector<From>& x) {
+  std::vector<To> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = attnmix::convert<To>(x[i]);
+  return y;
+}
+
+struct cuda_case_result {
+  double error;        // kernel vs double
+  double plain_error;  // float CPU path on the same inputs, output rounded to T, vs double
+  double lse_error;
+};
+
+// q, k, v drawn in float and rounded to T; the double reference sees the rounded values.
+// `row_pad` adds elements between tokens (an unaligned stride when odd).
+template <class Kind, class Policy, class T>
+cuda_case_result run_cuda_case(const attention_case& c, std::uint64_t salt, index_t row_pad = 0) {
+  constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+  rng r(salt);
+  attnmix::host_tensor<float, 4> qf({c.B, c.T, c.HQ, c.D + row_pad}), kf({c.B, c.T, c.H, c.D + row_pad}),
+      vf({c.B, c.T, c.H, c.Dv + row_pad});
+  attnmix::host_tensor<float, 3> g({c.B, c.T, c.HQ});
+  r.fill_normal(qf), r.fill_normal(kf), r.fill_normal(vf);
+  r.fill_uniform(g, c.gate_lo, c.gate_hi);
+  const auto q = round_to<T>(qf.storage()), k = round_to<T>(kf.storage()), v = round_to<T>(vf.storage());
+
+  attnmix::attention_params params;
+  params.scale = c.scale;
+  params.window = c.window;
+  if (!c.cu_seqlens.empty())
+    params.cu_seqlens = {c.cu_seqlens.data(), {static_cast<index_t>(c.cu_seqlens.size())}};
+
+  // Views over [.., D + row_pad] storage that use the first D elements of each head.
+  auto view_of = [&](auto* data, index_t H, index_t D, attnmix::memory_space s) {
+    using E = std::remove_pointer_t<decltype(data)>;
+    const index_t Dp = D + row_pad;
+    return attnmix::view4<E>(data, {c.B, c.T, H, D}, {c.T * H * Dp, H * Dp, Dp, 1}, s);
+  };
+  const auto dev = attnmix::memory_space::device, host = attnmix::memory_space::host;
+
+  // The kernel.
+  device_buffer<T> dq(q), dk(k), dv(v), dout(static_cast<std::size_t>(c.B * c.T * c.HQ * c.Dv));
+  device_buffer<float> dg(g.storage()), dlse(static_cast<std::size_t>(c.B * c.T * c.HQ));
+  attnmix::attention_args<T> a{view_of(static_cast<const T*>(dq.get()), c.HQ, c.D, dev),
+                               view_of(static_cast<const T*>(dk.get()), c.H, c.D, dev),
+                               view_of(static_cast<const T*>(dv.get()), c.H, c.Dv, dev),
+                               attnmix::view4<T>(dout.get(), {c.B, c.T, c.HQ, c.Dv}, dev)};
+  if constexpr (gated) a.g = attnmix::view3<const float>(dg.get(), {c.B, c.T, c.HQ}, dev);
+  a.lse = attnmix::view3<float>(dlse.get(), {c.B, c.T, c.HQ}, dev);
+  attnmix::attention<Kind, Policy>(a, params, attnmix::backend::cuda{});
+  attnmix::detail::cuda::check(cudaDeviceSynchronize(), "kernel");
+  const auto out = widen<double>(dout.to_host());
+  const auto lse = widen<double>(dlse.to_host());
+
+  // The CPU path in double (the reference) and in float (the "plain" computation).
+  const auto qd = widen<double>(q), kd = widen<double>(k), vd = widen<double>(v);
+  const auto gd = widen<double>(g.storage());
+  std::vector<double> ref(out.size()), ref_lse(lse.size());
+  attnmix::attention_args<double> ad{view_of(qd.data(), c.HQ, c.D, host), view_of(kd.data(), c.H, c.D, host),
+                                     view_of(vd.data(), c.H, c.Dv, host),
+                                     attnmix::view4<double>(ref.data(), {c.B, c.T, c.HQ, c.Dv})};
+  if constexpr (gated) ad.g = attnmix::view3<const double>(gd.data(), {c.B, c.T, c.HQ});
+  ad.lse = attnmix::view3<double>(ref_lse.data(), {c.B, c.T, c.HQ});
+  attnmix::attention<Kind, Policy>(ad, params);
+
+  const auto qs = widen<float>(q), ks = widen<float>(k), vs = widen<float>(v);
+  std::vector<float> plain(out.size());
+  attnmix::attention_args<float> af{view_of(qs.data(), c.HQ, c.D, host), view_of(ks.data(), c.H, c.D, host),
+                                    view_of(vs.data(), c.H, c.Dv, host),
+                                    attnmix::view4<float>(plain.data(), {c.B, c.T, c.HQ, c.Dv})};
+  if constexpr (gated) af.g = g.view();
+  attnmix::attention<Kind, Policy>(af, params);
+  const auto plain_rounded = widen<double>(round_to<T>(plain));
+
+  return {rel_error(out, ref), rel_error(plain_rounded, ref), rel_error(lse, ref_lse)};
+}
+
+std::vector<attention_case> cuda_cases() {
+  std::vector<attention_case> cases = standard_cases();
+  cases.push_back({2, 300, 4, 2, 64, 64});
+  cases.push_back({1, 257, 2, 1, 128, 128});
+  cases.push_back({1, 190, 4, 4, 64, 128, 0, {0, 1, 100, 100, 190}});
+  cases.push_back({2, 140, 2, 1, 128, 64, 33});
+  cases.push_back({1, 100, 2, 2, 96, 40});  // head dims the tensor-core kernel does not tile
+  cases.push_back({1, 2048, 4, 2, 64, 64});
+  return cases;
+}
+
+template <class Kind, class Policy, class T>
+void sweep(std::uint64_t salt, index_t row_pad = 0) {
+  for (const attention_case& c : cuda_cases()) {
+    INFO("seed " << test_seed() << " " << c.describe() << " dtype "
+                 << attnmix::scalar_traits<T>::name << " row_pad " << row_pad);
+    const cuda_case_result r = run_cuda_case<Kind, Policy, T>(c, ++salt, row_pad);
+    CAPTURE(r.error, r.plain_error, r.lse_error);
+    CHECK(r.error <= tolerance<T>());
+    if constexpr (sizeof(T) == 2) CHECK(r.error <= 2 * r.plain_error);
+    CHECK(r.lse_error <= (sizeof(T) == 2 ? 1e-2 : 1e-5));
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("CUDA softmax attention matches the CPU path", "[cuda][softmax]", float,
+                   attnmix::half, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(1000);
+  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, TestType>(2000);
+}
+
+TEMPLATE_TEST_CASE("CUDA FoX matches the CPU path in both gate conventions", "[cuda][fox]", float,
+                   attnmix::half, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(3000);
+  sweep<attnmix::kind::fox,
+        attnmix::with_gate_scaling<attnmix::fox_policy, attnmix::gate_scaling::before_scale>, TestType>(4000);
+}
+
+TEST_CASE("CUDA attention on unaligned strides takes the portable kernel", "[cuda][softmax]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  sweep<attnmix::kind::softmax, attnmix::softmax_policy, attnmix::bfloat16>(5000, 3);
+  sweep<attnmix::kind::fox, attnmix::fox_policy, attnmix::half>(6000, 1);
+}
+
+TEST_CASE("CUDA attention rejects host pointers marked as device memory", "[cuda][errors]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  std::vector<float> host(4 * 8 * 2 * 16, 1.0f);
+  device_buffer<float> d(host.size()), out(host.size());
+  const auto dev = attnmix::memory_space::device;
+  attnmix::view4<const float> good(d.get(), {4, 8, 2, 16}, dev), lying(host.data(), {4, 8, 2, 16}, dev);
+  try {
+    attnmix::attention<attnmix::kind::softmax>(
+        attnmix::attention_args<float>{good, lying, good, attnmix::view4<float>(out.get(), {4, 8, 2, 16}, dev)},
+        {}, attnmix::backend::cuda{});
+    FAIL("accepted");
+  } catch (const attnmix::error& e) {
+    CHECK(std::string(e.what()).find("argument 'k' is marked as device memory") != std::string::npos);
+  }
+  for (float x : out.to_host()) CHECK(std::isnan(x));  // untouched
+}
