@@ -186,6 +186,23 @@ attnmix::linear_attention_params make_params(const linear_case& c) {
   return params;
 }
 
+// Relative error of log-sum-exp values; -inf (a sequence without a valid key) must match
+// exactly.
+template <class A>
+double lse_error(const std::vector<A>& out, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double o = static_cast<double>(out[i]), x = ref[i];
+    if (std::isinf(x)) {
+      if (o != x) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    if (!std::isfinite(o)) return std::numeric_limits<double>::infinity();
+    num += (o - x) * (o - x), den += x * x;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 template <class Kind, class Policy, class T>
 linear_errors run_linear_case(const linear_case& c, std::uint64_t salt) {
   constexpr bool causal = attnmix::linear_kind_traits<Kind>::causal;
@@ -208,20 +225,7 @@ linear_errors run_linear_case(const linear_case& c, std::uint64_t salt) {
       c.with_gamma ? to_double(in.gamma.storage()) : std::vector<double>{});
   linear_errors e{rel_error(in.out.storage(), ref.out), rel_error(in.S_out.storage(), ref.S),
                   rel_error(in.z_out.storage(), ref.z), 0.0};
-  if (Policy::gate != attnmix::key_gate::off) {
-    // lse is -inf for sequences without a valid key; compare those exactly.
-    double num = 0, den = 0;
-    for (std::size_t i = 0; i < ref.lse.size(); ++i) {
-      const double o = static_cast<double>(in.lse_out.storage()[i]), x = ref.lse[i];
-      if (std::isinf(x)) {
-        if (o != x) return {e.out, e.S, e.z, std::numeric_limits<double>::infinity()};
-        continue;
-      }
-      num += (o - x) * (o - x), den += x * x;
-    }
-    e.lse = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-    if (std::isnan(e.lse)) e.lse = std::numeric_limits<double>::infinity();
-  }
+  if (Policy::gate != attnmix::key_gate::off) e.lse = lse_error(in.lse_out.storage(), ref.lse);
   return e;
 }
 
