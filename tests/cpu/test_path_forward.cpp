@@ -1,6 +1,8 @@
 // PaTH and PaTH-FoX forward on the CPU: the two float64 oracles against each other, then the
 // blocked forward against them for every chunk size, and the beta = 0 identities.
 
+#include <array>
+#include <limits>
 #include <string>
 
 #include "cpu/test_path_harness.hpp"
@@ -154,4 +156,63 @@ TEMPLATE_TEST_CASE("beta = 0 reduces PaTH to softmax attention and PaTH-FoX to F
   pair(path{}, attnmix::kind::softmax{}, attnmix::path_policy{}, attnmix::softmax_policy{});
   pair(path_fox{}, attnmix::kind::fox{}, attnmix::path_fox_policy{}, before_fox{});
   pair(path_fox{}, attnmix::kind::fox{}, after_path{}, attnmix::fox_policy{});
+}
+
+TEST_CASE("PaTH-FoX forward reads and writes strided views", "[path_fox][cpu]") {
+  // Every tensor lives inside a padded buffer: rows and heads further apart than dense.
+  const path_case c{2, 70, 4, 2, 16, 8};
+  INFO("seed " << test_seed() << " " << c.describe());
+  const path_inputs in = make_path_inputs(c, 91);
+  const index_t pad = 3;
+  auto padded4 = [&](const std::vector<double>& x, index_t heads, index_t dim) {
+    std::vector<double> y(static_cast<std::size_t>(c.B * c.T * heads * (dim + pad)), -7.0);
+    for (index_t row = 0; row < c.B * c.T * heads; ++row)
+      for (index_t d = 0; d < dim; ++d) y[row * (dim + pad) + d] = x[row * dim + d];
+    return y;
+  };
+  auto strides4 = [&](index_t heads, index_t dim) {
+    return std::array<index_t, 4>{c.T * heads * (dim + pad), heads * (dim + pad), dim + pad, 1};
+  };
+  auto padded3 = [&](const std::vector<double>& x, index_t heads) {  // one spare per token
+    std::vector<double> y(static_cast<std::size_t>(c.B * c.T * (heads + 1)), -7.0);
+    for (index_t tok = 0; tok < c.B * c.T; ++tok)
+      for (index_t h = 0; h < heads; ++h) y[tok * (heads + 1) + h] = x[tok * heads + h];
+    return y;
+  };
+  const auto q = padded4(in.q, c.HQ, c.D), k = padded4(in.k, c.H, c.D), v = padded4(in.v, c.H, c.Dv);
+  const auto w = padded4(in.w, c.H, c.D), beta = padded3(in.beta, c.H), g = padded3(in.g, c.HQ);
+  std::vector<double> out(static_cast<std::size_t>(c.B * c.T * c.HQ * (c.Dv + pad)),
+                          std::numeric_limits<double>::quiet_NaN());
+  std::vector<double> lse(static_cast<std::size_t>(c.B * c.T * (c.HQ + 1)), std::numeric_limits<double>::quiet_NaN());
+  for (std::size_t i = 0; i < out.size(); ++i)
+    if (i % (c.Dv + pad) >= static_cast<std::size_t>(c.Dv)) out[i] = -7.0;
+  for (std::size_t i = c.HQ; i < lse.size(); i += c.HQ + 1) lse[i] = -7.0;
+  using attnmix::view3;
+  using attnmix::view4;
+  attnmix::attention_args<double> a{
+      view4<const double>(q.data(), {c.B, c.T, c.HQ, c.D}, strides4(c.HQ, c.D)),
+      view4<const double>(k.data(), {c.B, c.T, c.H, c.D}, strides4(c.H, c.D)),
+      view4<const double>(v.data(), {c.B, c.T, c.H, c.Dv}, strides4(c.H, c.Dv)),
+      view4<double>(out.data(), {c.B, c.T, c.HQ, c.Dv}, strides4(c.HQ, c.Dv))};
+  a.w = view4<const double>(w.data(), {c.B, c.T, c.H, c.D}, strides4(c.H, c.D));
+  a.beta = view3<const double>(beta.data(), {c.B, c.T, c.H}, {c.T * (c.H + 1), c.H + 1, 1});
+  a.g = view3<const double>(g.data(), {c.B, c.T, c.HQ}, {c.T * (c.HQ + 1), c.HQ + 1, 1});
+  a.lse = view3<double>(lse.data(), {c.B, c.T, c.HQ}, {c.T * (c.HQ + 1), c.HQ + 1, 1});
+  attnmix::attention<path_fox, with_chunk<attnmix::path_fox_policy, 16>>(a);
+
+  const auto ref = attnmix_ref::path_query_scan(path_oracle_problem(c, gate_mode::gate_before_scale),
+                                                in.q, in.k, in.v, in.w, in.beta, in.g);
+  std::vector<double> dense_out, dense_lse;
+  bool padding_kept = true;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (i % (c.Dv + pad) < static_cast<std::size_t>(c.Dv)) dense_out.push_back(out[i]);
+    else padding_kept = padding_kept && out[i] == -7.0;
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    if (i % (c.HQ + 1) != static_cast<std::size_t>(c.HQ)) dense_lse.push_back(lse[i]);
+    else padding_kept = padding_kept && lse[i] == -7.0;
+  }
+  CHECK(padding_kept);
+  CHECK(rel_error(dense_out, ref.out) <= tolerance<double>());
+  CHECK(rel_error(dense_lse, ref.lse) <= tolerance<double>());
 }
