@@ -35,11 +35,13 @@ using row_array = Eigen::Array<T, 1, Eigen::Dynamic>;
 
 // dst = phi(src) element-wise, vectorised; the same function as attnmix::apply_feature_map.
 template <feature_map F, class Dst, class Src>
-void apply_phi(Dst& dst, const Src& src) {
+void apply_phi(Dst&& dst, const Src& src) {
   using T = typename Src::Scalar;
   const auto x = src.array();
   if constexpr (F == feature_map::elu_plus_one) {
-    dst.array() = (x > T(0)).select(x + T(1), x.exp());
+    // exp(min(x, 0)) + max(x, 0): the same function, but without a select, which Eigen 3.4
+    // evaluates one scalar std::exp at a time.
+    dst.array() = x.min(T(0)).exp() + x.max(T(0));
   } else if constexpr (F == feature_map::relu) {
     dst.array() = x.max(T(0));
   } else if constexpr (F == feature_map::squared_relu) {
@@ -56,6 +58,7 @@ template <class T>
 struct linear_scratch {
   matrix<T> k, v, p, r, num, scores, weights, act;
   vec<T> den, carry, ell, w, u, rstd;
+  vec<T> ones;  // column sums as products: z += P^T 1
   std::vector<unsigned char> valid;
 };
 
@@ -90,7 +93,7 @@ void gated_norm_rows(const linear_attention_args<T>& a, const linear_attention_p
   auto x = num.array();
   if constexpr (Policy::order == norm_gate_order::gate_then_norm) x *= ws.act.array();
   ws.rstd = (num.rowwise().squaredNorm().array() / T(Dv) + T(p.norm_eps)).rsqrt().matrix();
-  x.colwise() *= ws.rstd.array();
+  num = ws.rstd.asDiagonal() * num;  // (a broadcast column would go one scalar at a time)
   if constexpr (Policy::order == norm_gate_order::norm_then_gate) x *= ws.act.array();
   if (a.gamma.has_value()) {
     const T* gamma = a.gamma.data() + (Policy::weight == norm_weight::per_head ? hq * Dv : 0);
@@ -195,6 +198,22 @@ std::vector<gate_stats> key_gate_stats(const linear_attention_args<T>& a,
 
 // ---- bidirectional (bla, gbla) ------------------------------------------------------------
 
+// Tokens [t0, t0 + rows) of every head of a [B, T, Hx, W] view as one rows x (Hx * W) block:
+// a map when the heads are packed (the usual layout), else a copy into `buf`. Walking all
+// heads of a token block together streams through memory; one head at a time would touch a
+// few cache lines of every page, which costs the CPU path about 2x.
+template <class T>
+const_rows<T> token_block(const view4<const T>& x, index_t b, index_t t0, index_t rows,
+                          matrix<T>& buf) {
+  const index_t heads = x.extent(2), W = x.extent(3);
+  if (heads == 1 || x.stride(2) == W) return rows_of(&x(b, t0, 0, 0), rows, heads * W, x.stride(1));
+  buf.resize(rows, heads * W);
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t h = 0; h < heads; ++h)
+      buf.row(r).segment(h * W, W) = rows_of(&x(b, t0 + r, h, 0), 1, W, W);
+  return rows_of(static_cast<const T*>(buf.data()), rows, heads * W, heads * W);
+}
+
 template <class Policy, class T>
 void bidirectional_forward(const linear_attention_args<T>& a, const linear_attention_problem& p,
                            const backend::cpu& be) {
@@ -206,81 +225,85 @@ void bidirectional_forward(const linear_attention_args<T>& a, const linear_atten
 
   std::vector<gate_stats> stats;
   if constexpr (gated) stats = key_gate_stats(a, p);
-
-  // Split the reduction over token ranges only when (sequence, head) pairs alone cannot keep
-  // every thread busy; with one part per pair the workspace is one state per head.
-  const int threads = worker_count(be, std::numeric_limits<int>::max());
-  index_t max_len = 0;
-  for (index_t n = 0; n < N; ++n) max_len = std::max(max_len, p.seq(n).length);
-  index_t parts = 1;
-  if (N * H > 0 && N * H < 4 * threads)
-    parts = std::max<index_t>(1, std::min((4 * threads + N * H - 1) / (N * H),
-                                          (max_len + block - 1) / block));
-  std::vector<T> states(static_cast<std::size_t>(N * H * parts * state_size));
-  auto slot = [&](index_t n, index_t h, index_t part) {
-    return states.data() + ((n * H + h) * parts + part) * state_size;
+  auto stats_of = [&](index_t n, index_t h) {
+    return stats[static_cast<std::size_t>(n * p.gate_heads + (p.gate_heads == 1 ? 0 : h))];
   };
 
-  // Pass 1: partial states.
+  // Pass 1 runs one task per (sequence, part), every head at once. Split the sequences into
+  // parts only as far as needed to keep every thread busy: the workspace is one state per
+  // (sequence, part, head).
+  const int threads = worker_count(be, std::numeric_limits<int>::max());
+  index_t max_blocks = 0;
+  for (index_t n = 0; n < N; ++n)
+    max_blocks = std::max(max_blocks, (p.seq(n).length + block - 1) / block);
+  const index_t parts =
+      N == 0 ? 1 : std::max<index_t>(1, std::min((4 * threads + N - 1) / N, max_blocks));
+  std::vector<T> states(static_cast<std::size_t>(N * parts * H * state_size));
+  auto slot = [&](index_t n, index_t part, index_t h) {
+    return states.data() + ((n * parts + part) * H + h) * state_size;
+  };
+
   {
-    const index_t tasks = N * H * parts;
-    const int workers = worker_count(be, tasks);
+    const int workers = worker_count(be, N * parts);
     std::vector<linear_scratch<T>> scratch(static_cast<std::size_t>(workers));
-    parallel_for(tasks, workers, [&](index_t task, int worker) {
+    parallel_for(N * parts, workers, [&](index_t task, int worker) {
       linear_scratch<T>& ws = scratch[static_cast<std::size_t>(worker)];
-      const index_t part = task % parts, nh = task / parts, h = nh % H, n = nh / H;
+      const index_t part = task % parts, n = task / parts;
       const sequence s = p.seq(n);
-      // Block-aligned token range of this part.
       const index_t blocks = (s.length + block - 1) / block;
       const index_t j_begin = std::min(s.length, (blocks * part / parts) * block);
       const index_t j_end = std::min(s.length, (blocks * (part + 1) / parts) * block);
-      T* st = slot(n, h, part);
-      Eigen::Map<matrix<T>> S(st, D, Dv);
-      Eigen::Map<vec<T>> z(st + D * Dv, D);
-      S.setZero();
-      z.setZero();
-      const gate_stats gs = gated ? stats[static_cast<std::size_t>(
-                                        n * p.gate_heads + (p.gate_heads == 1 ? 0 : h))]
-                                  : gate_stats{};
+      std::fill(slot(n, part, 0), slot(n, part, 0) + H * state_size, T(0));
+      if (ws.ones.size() != block) ws.ones.setOnes(block);
       for (index_t j0 = j_begin; j0 < j_end; j0 += block) {
         const index_t rows = std::min(block, j_end - j0);
-        const T* k0 = &a.k(s.batch, s.start + j0, h, 0);
-        const T* v0 = &a.v(s.batch, s.start + j0, h, 0);
         const bool all_valid = load_validity(a, s, j0, rows, ws);
+        const auto kb = token_block(a.k, s.batch, s.start + j0, rows, ws.k);
+        const auto vb = token_block(a.v, s.batch, s.start + j0, rows, ws.v);
         index_t kept = rows;
         if (all_valid) {
-          ws.p.resize(rows, D);
-          apply_phi<Policy::phi>(ws.p, rows_of(k0, rows, D, a.k.stride(1)));
+          ws.p.resize(rows, H * D);
+          apply_phi<Policy::phi>(ws.p, kb);
         } else {
           // Drop pad tokens: they must not reach S or z, and their k, v may hold anything.
+          // (ws.k, ws.v may back kb, vb; gather into the scratch rows that are free.)
+          ws.r.resize(rows, H * D);
+          ws.num.resize(rows, H * Dv);
           kept = 0;
-          ws.k.resize(rows, D);
-          ws.v.resize(rows, Dv);
           for (index_t r = 0; r < rows; ++r) {
             if (!ws.valid[static_cast<std::size_t>(r)]) continue;
-            ws.k.row(kept) = rows_of(k0 + r * a.k.stride(1), 1, D, D);
-            ws.v.row(kept) = rows_of(v0 + r * a.v.stride(1), 1, Dv, Dv);
+            ws.r.row(kept) = kb.row(r);
+            ws.num.row(kept) = vb.row(r);
             ++kept;
           }
           if (kept == 0) continue;
-          ws.p.resize(kept, D);
-          apply_phi<Policy::phi>(ws.p, ws.k.topRows(kept));
+          ws.p.resize(kept, H * D);
+          apply_phi<Policy::phi>(ws.p, ws.r.topRows(kept));
         }
-        if constexpr (gated) {
-          ws.w.resize(kept);
-          const index_t g = p.gate_heads == 1 ? 0 : h;
-          for (index_t r = 0, i = 0; r < rows; ++r) {
-            if (!all_valid && !ws.valid[static_cast<std::size_t>(r)]) continue;
-            const double logit = static_cast<double>(a.a(s.batch, s.start + j0 + r, g));
-            ws.w(i++) = static_cast<T>(std::exp(logit - gs.max) * gs.inv_sum);
+        for (index_t h = 0; h < H; ++h) {
+          auto ph = ws.p.middleCols(h * D, D);
+          if constexpr (gated) {
+            // Shared gate: the weights of head 0 serve every head; compute them once.
+            if (p.gate_heads != 1 || h == 0) {
+              const gate_stats gs = stats_of(n, h);
+              ws.w.resize(kept);
+              for (index_t r = 0, i = 0; r < rows; ++r) {
+                if (!all_valid && !ws.valid[static_cast<std::size_t>(r)]) continue;
+                const double logit = static_cast<double>(a.a(s.batch, s.start + j0 + r, p.gate_heads == 1 ? 0 : h));
+                ws.w(i++) = static_cast<T>(std::exp(logit - gs.max) * gs.inv_sum);
+              }
+            }
+            ph = ws.w.asDiagonal() * ph;
           }
-          ws.p.array().colwise() *= ws.w.array();
+          T* st = slot(n, part, h);
+          Eigen::Map<matrix<T>> S(st, D, Dv);
+          Eigen::Map<vec<T>> z(st + D * Dv, D);
+          if (all_valid)
+            S.noalias() += ph.transpose() * vb.middleCols(h * Dv, Dv);
+          else
+            S.noalias() += ph.transpose() * ws.num.topRows(kept).middleCols(h * Dv, Dv);
+          z.noalias() += ph.transpose() * ws.ones.head(kept);
         }
-        if (all_valid)
-          S.noalias() += ws.p.transpose() * rows_of(v0, rows, Dv, a.v.stride(1));
-        else
-          S.noalias() += ws.p.transpose() * ws.v.topRows(kept);
-        z.noalias() += ws.p.colwise().sum().transpose();
       }
     });
   }
@@ -288,15 +311,16 @@ void bidirectional_forward(const linear_attention_args<T>& a, const linear_atten
   // Combine the parts into part 0 and hand out the state.
   if (parts > 1) {
     parallel_for(N * H, worker_count(be, N * H), [&](index_t nh, int) {
-      Eigen::Map<vec<T>> total(slot(nh / H, nh % H, 0), state_size);
+      const index_t n = nh / H, h = nh % H;
+      Eigen::Map<vec<T>> total(slot(n, 0, h), state_size);
       for (index_t part = 1; part < parts; ++part)
-        total += Eigen::Map<const vec<T>>(slot(nh / H, nh % H, part), state_size);
+        total += Eigen::Map<const vec<T>>(slot(n, part, h), state_size);
     });
   }
   const auto& so = a.state_out;
   for (index_t n = 0; n < N; ++n)
     for (index_t h = 0; h < H; ++h) {
-      const T* st = slot(n, h, 0);
+      const T* st = slot(n, 0, h);
       if (so.S.has_value())
         for (index_t d = 0; d < D; ++d)
           for (index_t c = 0; c < Dv; ++c) so.S(n, h, d, c) = st[d * Dv + c];
@@ -304,21 +328,19 @@ void bidirectional_forward(const linear_attention_args<T>& a, const linear_atten
         for (index_t d = 0; d < D; ++d) so.z(n, h, d) = st[D * Dv + d];
       if constexpr (gated) {
         if (so.lse.has_value()) {
-          const gate_stats gs =
-              stats[static_cast<std::size_t>(n * p.gate_heads + (p.gate_heads == 1 ? 0 : h))];
+          const gate_stats gs = stats_of(n, h);
           so.lse(n, h) = static_cast<T>(gs.inv_sum > 0 ? gs.max - std::log(gs.inv_sum) : gs.max);
         }
       }
     }
 
-  // Pass 2: read, per (sequence, query head, block of query rows).
+  // Pass 2: read, one task per (sequence, block of query rows), every query head at once.
   struct task {
-    index_t seq, head, i0;
+    index_t seq, i0;
   };
   std::vector<task> tasks;
   for (index_t n = 0; n < N; ++n)
-    for (index_t hq = 0; hq < p.q_heads; ++hq)
-      for (index_t i0 = 0; i0 < p.seq(n).length; i0 += block) tasks.push_back({n, hq, i0});
+    for (index_t i0 = 0; i0 < p.seq(n).length; i0 += block) tasks.push_back({n, i0});
   const int workers = worker_count(be, static_cast<index_t>(tasks.size()));
   std::vector<linear_scratch<T>> scratch(static_cast<std::size_t>(workers));
   const T scale = static_cast<T>(p.scale), eps = static_cast<T>(p.eps);
@@ -327,20 +349,24 @@ void bidirectional_forward(const linear_attention_args<T>& a, const linear_atten
     const task tk = tasks[static_cast<std::size_t>(ti)];
     const sequence s = p.seq(tk.seq);
     const index_t rows = std::min(block, s.length - tk.i0);
-    const T* st = slot(tk.seq, tk.head / p.group(), 0);
-    const Eigen::Map<const matrix<T>> S(st, D, Dv);
-    const Eigen::Map<const vec<T>> z(st + D * Dv, D);
-    ws.r.resize(rows, D);
-    apply_phi<Policy::phi>(ws.r, rows_of(&a.q(s.batch, s.start + tk.i0, tk.head, 0), rows, D,
-                                          a.q.stride(1)));
+    ws.r.resize(rows, p.q_heads * D);
+    apply_phi<Policy::phi>(ws.r, token_block(a.q, s.batch, s.start + tk.i0, rows, ws.k));
     ws.r *= scale;
-    ws.num.noalias() = ws.r * S;
-    if constexpr (Policy::normalize) {
-      ws.den.noalias() = ws.r * z;
-      ws.num.array().colwise() /= ws.den.array() + eps;
-    }
     const bool all_valid = load_validity(a, s, tk.i0, rows, ws);
-    write_rows<Policy>(a, p, s, tk.head, tk.i0, ws.num, all_valid, ws);
+    for (index_t hq = 0; hq < p.q_heads; ++hq) {
+      const T* st = slot(tk.seq, 0, hq / p.group());
+      const Eigen::Map<const matrix<T>> S(st, D, Dv);
+      const Eigen::Map<const vec<T>> z(st + D * Dv, D);
+      const auto rh = ws.r.middleCols(hq * D, D);
+      ws.num.noalias() = rh * S;
+      if constexpr (Policy::normalize) {
+        ws.den.noalias() = rh * z;
+        // A diagonal product: Eigen 3.4 divides by a broadcast column one scalar at a time.
+        ws.den = (ws.den.array() + eps).inverse().matrix();
+        ws.num = ws.den.asDiagonal() * ws.num;
+      }
+      write_rows<Policy>(a, p, s, hq, tk.i0, ws.num, all_valid, ws);
+    }
   });
   if constexpr (Policy::norm == gated_norm::full_width) full_width_norm<Policy>(a, p, be);
 }
@@ -415,6 +441,7 @@ void causal_chunked(const linear_attention_args<T>& a, const linear_attention_pr
   const index_t g = p.gate_heads == 1 ? 0 : h;
   const T scale = static_cast<T>(p.scale), eps = static_cast<T>(p.eps);
   const sequence s = p.seq(n);
+  if (ws.ones.size() < C) ws.ones.setOnes(C);
   for (index_t c0 = 0; c0 < s.length; c0 += C) {
     const index_t rows = std::min(C, s.length - c0);
     const index_t t0 = s.start + c0;
@@ -467,7 +494,7 @@ void causal_chunked(const linear_attention_args<T>& a, const linear_attention_pr
       else
         ws.scores.template triangularView<Eigen::StrictlyUpper>().setZero();
       ws.num.noalias() = ws.r * cs.S;
-      if constexpr (gated) ws.num.array().colwise() *= ws.carry.array();
+      if constexpr (gated) ws.num = ws.carry.asDiagonal() * ws.num;
       if (all_valid)
         ws.num.noalias() += ws.scores * vmap;
       else
@@ -480,9 +507,11 @@ void causal_chunked(const linear_attention_args<T>& a, const linear_attention_pr
           ws.den.array() += eps;
         }
         ws.den += ws.scores.rowwise().sum();
-        ws.num.array().colwise() /= ws.den.array();
+        ws.den = ws.den.cwiseInverse();
+        ws.num = ws.den.asDiagonal() * ws.num;
       } else if constexpr (gated) {
-        ws.num.array().colwise() /= ws.ell.array();
+        ws.den = ws.ell.cwiseInverse();
+        ws.num = ws.den.asDiagonal() * ws.num;
       }
       write_rows<Policy>(a, p, s, hq, c0, ws.num, all_valid, ws);
     }
@@ -502,7 +531,7 @@ void causal_chunked(const linear_attention_args<T>& a, const linear_attention_pr
       cs.S.noalias() += ws.p.transpose() * vmap;
     else
       cs.S.noalias() += ws.p.transpose() * ws.v;
-    cs.z.noalias() += ws.p.colwise().sum().transpose();
+    cs.z.noalias() += ws.p.transpose() * ws.ones.head(rows);
   }
 }
 
