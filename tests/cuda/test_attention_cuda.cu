@@ -109,9 +109,14 @@ std::vector<attention_case> cuda_cases() {
   return cases;
 }
 
+// Short enough for compute-sanitizer: every kernel path, tail tiles, varlen, windows.
+std::vector<attention_case> small_cases() {
+  return {{1, 70, 2, 1, 64, 64, 0, {0, 0, 1, 70}}, {2, 33, 2, 2, 128, 64, 9}, {1, 20, 2, 1, 40, 24}};
+}
+
 template <class Kind, class Policy, class T>
-void sweep(std::uint64_t salt, index_t row_pad = 0) {
-  for (const attention_case& c : cuda_cases()) {
+void sweep(std::uint64_t salt, index_t row_pad = 0, bool small = false) {
+  for (const attention_case& c : small ? small_cases() : cuda_cases()) {
     INFO("seed " << test_seed() << " " << c.describe() << " dtype "
                  << attnmix::scalar_traits<T>::name << " row_pad " << row_pad);
     const cuda_case_result r = run_cuda_case<Kind, Policy, T>(c, ++salt, row_pad);
@@ -143,6 +148,14 @@ TEST_CASE("CUDA attention on unaligned strides takes the portable kernel", "[cud
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   sweep<attnmix::kind::softmax, attnmix::softmax_policy, attnmix::bfloat16>(5000, 3);
   sweep<attnmix::kind::fox, attnmix::fox_policy, attnmix::half>(6000, 1);
+}
+
+TEST_CASE("CUDA attention, a small sweep for compute-sanitizer", "[cuda][small]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  sweep<attnmix::kind::softmax, attnmix::softmax_policy, attnmix::bfloat16>(7000, 0, true);
+  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, attnmix::half>(7100, 0, true);
+  sweep<attnmix::kind::fox, attnmix::fox_policy, float>(7200, 0, true);
+  sweep<attnmix::kind::fox, attnmix::fox_policy, attnmix::bfloat16>(7300, 0, true);
 }
 
 TEST_CASE("CUDA attention rejects host pointers marked as device memory", "[cuda][errors]") {
