@@ -216,3 +216,16 @@ TEST_CASE("PaTH-FoX forward reads and writes strided views", "[path_fox][cpu]") 
   CHECK(rel_error(dense_out, ref.out) <= tolerance<double>());
   CHECK(rel_error(dense_lse, ref.lse) <= tolerance<double>());
 }
+
+TEST_CASE("PaTH-FoX keeps float accuracy over a long sequence", "[path_fox][cpu]") {
+  // ~50 chunk products in a row with eigenvalues near -1, and G down to about -300.
+  path_case c{1, 3000, 1, 1, 32, 32, {}, beta_range::near_two};
+  c.gate_lo = -0.2, c.gate_hi = 0.0;
+  INFO("seed " << test_seed() << " " << c.describe());
+  const path_inputs in = make_path_inputs(c, 31);
+  const auto ref = attnmix_ref::path_query_scan(path_oracle_problem(c, gate_mode::gate_before_scale),
+                                                in.q, in.k, in.v, in.w, in.beta, in.g);
+  const path_outputs o = run_path_forward<path_fox, attnmix::path_fox_policy, float>(c, in);
+  CHECK(rel_error(o.out, ref.out) <= tolerance<float>());
+  CHECK(rel_error(o.lse, ref.lse) <= tolerance<float>());
+}
