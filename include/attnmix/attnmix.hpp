@@ -27,3 +27,11 @@
 #include "attnmix/cpu/gbla.hpp"
 #include "attnmix/cpu/linear_causal.hpp"
 #include "attnmix/cpu/softmax.hpp"
+
+// Layers and hybrid stacks (CPU). Weights in and out: <attnmix/io/safetensors.hpp>, which
+// needs nlohmann-json, so it is not part of this umbrella.
+#include "attnmix/layers/attention_layer.hpp"
+#include "attnmix/layers/linear_layer.hpp"
+#include "attnmix/layers/mlp.hpp"
+#include "attnmix/layers/path_layer.hpp"
+#include "attnmix/stack/stack.hpp"

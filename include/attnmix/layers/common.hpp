@@ -1,0 +1,190 @@
+#pragma once
+// Shared vocabulary of the parameterised layers: the runtime configuration, named parameters,
+// the token layout of a (dense or packed) batch, and argument checks.
+//
+// Activations inside the layers are contiguous row-major [rows, features] buffers with
+// rows = B * T (token-major, as [B, T, D] is laid out); every layer reads and writes whole rows.
+// Parameters follow PyTorch's (and flash-linear-attention's) shapes: a linear map in -> out
+// holds weight [out, in] and computes y = x W^T + b.
+
+#include <cstdint>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "attnmix/attention/args.hpp"
+#include "attnmix/core/error.hpp"
+#include "attnmix/core/tags.hpp"
+#include "attnmix/core/tensor_view.hpp"
+#include "attnmix/core/validate.hpp"
+
+namespace attnmix {
+namespace layers {
+
+// Runtime sizes and constants shared by every layer of a model (fla's model config).
+struct config {
+  index_t hidden_size = 256;
+  index_t num_heads = 4;          // query heads HQ
+  index_t num_kv_heads = 0;       // KV heads H; 0: num_heads
+  index_t head_dim = 0;           // d; 0: hidden_size / num_heads
+  index_t intermediate_size = 0;  // MLP width; 0: fla's rule (see mlp_width)
+  double norm_eps = 1e-6;         // block RMSNorms (attn_norm, mlp_norm, norm)
+  double head_norm_eps = 1e-5;    // qk-norm and the gated RMSNorm of linear layers
+  double rope_theta = 10000.0;    // RoPE base (attention layers whose policy enables RoPE)
+  index_t w_rank = 32;            // PaTH: rank of the low-rank w projection (MHA only)
+  std::optional<double> scale;    // softmax-family scale; default 1/sqrt(d)
+
+  index_t kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
+  index_t dim() const { return head_dim > 0 ? head_dim : hidden_size / num_heads; }
+};
+
+// Throws attnmix::error when a config cannot describe a layer.
+inline void validate_config(const std::string& fn, const config& c) {
+  detail::require(c.hidden_size >= 1, fn, "config.hidden_size", "must be >= 1 but is ",
+                  c.hidden_size);
+  detail::require(c.num_heads >= 1, fn, "config.num_heads", "must be >= 1 but is ", c.num_heads);
+  detail::require(c.num_kv_heads >= 0 && c.num_heads % c.kv_heads() == 0, fn,
+                  "config.num_kv_heads", "must divide num_heads = ", c.num_heads, " but is ",
+                  c.kv_heads());
+  detail::require(c.dim() >= 1, fn, "config.head_dim", "must be >= 1 but resolves to ", c.dim(),
+                  " (hidden_size ", c.hidden_size, " / num_heads ", c.num_heads, ")");
+  detail::require(c.norm_eps > 0 && c.head_norm_eps > 0, fn, "config.norm_eps",
+                  "and head_norm_eps must be > 0");
+  detail::require(c.w_rank >= 1, fn, "config.w_rank", "must be >= 1 but is ", c.w_rank);
+}
+
+// One named tensor of a layer, owned, row-major, with a dynamic shape (rank 1-3).
+template <class T>
+struct parameter {
+  std::vector<index_t> shape;
+  std::vector<T> data;
+
+  parameter() = default;
+  explicit parameter(std::vector<index_t> s, T fill = T(0)) : shape(std::move(s)) {
+    data.assign(static_cast<std::size_t>(numel()), fill);
+  }
+  index_t numel() const {
+    return std::accumulate(shape.begin(), shape.end(), index_t{1},
+                           [](index_t a, index_t b) { return a * b; });
+  }
+  bool empty() const { return shape.empty(); }
+  const T* ptr() const { return data.data(); }
+  T* ptr() { return data.data(); }
+};
+
+inline std::string shape_string(const std::vector<index_t>& s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// How the rows of an activation buffer split into sequences: a dense batch of B sequences of T
+// tokens, or a packed batch (B == 1) with cu_seqlens offsets.
+struct token_layout {
+  index_t batch = 0, tokens = 0;
+  std::vector<std::int32_t> cu_seqlens;  // empty: dense
+
+  index_t rows() const { return batch * tokens; }
+  bool packed() const { return !cu_seqlens.empty(); }
+  index_t num_sequences() const {
+    return packed() ? static_cast<index_t>(cu_seqlens.size()) - 1 : batch;
+  }
+  // Sequence n as (batch row, first token, length); rows of its tokens start at
+  // batch * tokens + start.
+  sequence seq(index_t n) const {
+    if (!packed()) return {n, 0, tokens};
+    return {0, cu_seqlens[static_cast<std::size_t>(n)],
+            index_t{cu_seqlens[static_cast<std::size_t>(n) + 1]} -
+                cu_seqlens[static_cast<std::size_t>(n)]};
+  }
+  index_t first_row(index_t n) const {
+    const sequence s = seq(n);
+    return s.batch * tokens + s.start;
+  }
+  view1<const std::int32_t> cu_view() const {
+    if (!packed()) return {};
+    return {cu_seqlens.data(), {static_cast<index_t>(cu_seqlens.size())}};
+  }
+  attention_params attention(const std::optional<double>& scale) const {
+    attention_params p;
+    p.scale = scale;
+    p.cu_seqlens = cu_view();
+    return p;
+  }
+};
+
+namespace detail {
+
+// A [B, T, D] activation view the layers can read as whole rows: contiguous.
+template <class T>
+void check_activation(const std::string& fn, const char* arg, const view3<T>& v, index_t D) {
+  attnmix::detail::check_given(fn, arg, v);
+  attnmix::detail::check_layout(fn, arg, v);
+  attnmix::detail::check_space(fn, arg, v, memory_space::host, "cpu");
+  attnmix::detail::require(v.extent(2) == D, fn, arg, "has shape ", attnmix::shape_string(v),
+                           " but its last dimension must be hidden_size = ", D);
+  attnmix::detail::require(
+      v.stride(2) == 1 && v.stride(1) == D && (v.extent(0) <= 1 || v.stride(0) == v.extent(1) * D),
+      fn, arg, "must be contiguous ([B, T, D] row-major) but has strides [", v.stride(0), ", ",
+      v.stride(1), ", ", v.stride(2), "]");
+}
+
+// out must have the shape of x.
+template <class T>
+void check_same_shape(const std::string& fn, const view3<T>& out, const view3<const T>& x) {
+  attnmix::detail::require(out.shape() == x.shape(), fn, "out", "has shape ",
+                           attnmix::shape_string(out), " but must have the shape of 'x', ",
+                           attnmix::shape_string(x));
+}
+
+// Resolves the token layout of x ([B, T, D]) and optional cu_seqlens (then B == 1).
+template <class T>
+token_layout make_layout(const std::string& fn, const view3<T>& x,
+                         const view1<const std::int32_t>& cu_seqlens) {
+  token_layout L{x.extent(0), x.extent(1), {}};
+  if (cu_seqlens.has_value()) {
+    attnmix::detail::check_space(fn, "cu_seqlens", cu_seqlens, memory_space::host,
+                                 "offset validation");
+    attnmix::detail::require(L.batch == 1, fn, "x",
+                             "must have B = 1 when cu_seqlens is given but has B = ", L.batch);
+    attnmix::detail::check_offsets(fn, "cu_seqlens", cu_seqlens, L.tokens);
+    for (index_t i = 0; i < cu_seqlens.extent(0); ++i) L.cu_seqlens.push_back(cu_seqlens(i));
+  }
+  return L;
+}
+
+// For static_asserts: the layers run their projections on the CPU backend only.
+template <class Backend>
+inline constexpr bool layers_run_on = std::is_same_v<Backend, backend::cpu>;
+
+}  // namespace detail
+
+// Fills every parameter of `model` (anything with visit_parameters) as fla initialises a
+// fresh model: weights N(0, stddev), biases 0, norm weights 1. `jitter` > 0 perturbs the
+// biases and norm weights by N(0, jitter) so that tests see them.
+template <class Model>
+void randomize_parameters(Model& model, std::uint64_t seed, double stddev = 0.02,
+                          double jitter = 0.0) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  model.visit_parameters([&](const std::string& name, auto& p) {
+    using T = typename std::decay_t<decltype(p.data)>::value_type;
+    const auto ends_with = [&](const char* suffix) {
+      const std::string s(suffix);
+      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+    };
+    const bool is_norm = ends_with("norm.weight");
+    const bool is_bias = ends_with(".bias");
+    for (auto& x : p.data) {
+      const double r = normal(gen);
+      x = static_cast<T>(is_norm ? 1.0 + jitter * r : is_bias ? jitter * r : stddev * r);
+    }
+  });
+}
+
+}  // namespace layers
+}  // namespace attnmix

@@ -1,0 +1,240 @@
+#pragma once
+// Linear-attention mixer layers: BLA, GBLA (spec/gbla.md §2.1) and causal linear attention.
+// GBLA, on the block's normed input u:
+//   c = SiLU(conv1d(u))         depthwise causal conv, kernel 4, "conv1d.weight" [D, 1, 4],
+//                               restarting at sequence starts (Policy::use_conv)
+//   q = q_proj c [HQ*d], k = k_proj c [H*d], v = v_proj c [H*d]           (no bias)
+//   a = a_proj u [Hg]           key-gate logits (Hg = 1 shared, H per head; no bias)
+//   g = g_proj u [HQ*d]         output gate of the gated RMSNorm, weight "o_norm.weight" [d]
+//   y = o_proj linear_attention<Kind, Policy::core>(q, k, v, a, g, o_norm.weight)
+// The ablation switches are the policy's: use_conv, and the core policy's key gate, gated norm,
+// normaliser and feature map (core/linear_policy.hpp). BLA is GBLA with all of them off.
+// The causal kind keeps (S, z, lse) per sequence and KV head, plus the conv state, to decode.
+
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "attnmix/attention/linear_attention.hpp"
+#include "attnmix/core/linear_policy.hpp"
+#include "attnmix/cpu/bla.hpp"
+#include "attnmix/cpu/gbla.hpp"
+#include "attnmix/cpu/linear_causal.hpp"
+#include "attnmix/layers/common.hpp"
+#include "attnmix/layers/detail/cpu_ops.hpp"
+#include "attnmix/layers/linear.hpp"
+#include "attnmix/layers/mixer.hpp"
+#include "attnmix/layers/short_conv.hpp"
+
+namespace attnmix {
+namespace layers {
+
+struct gbla_layer_policy {
+  using kind = attnmix::kind::gbla;
+  using core = gbla_policy;
+  static constexpr bool use_conv = true;
+  static constexpr index_t conv_size = 4;
+  static constexpr bool conv_silu = true;
+  static constexpr const char* name = "gbla";
+};
+struct bla_layer_policy : gbla_layer_policy {
+  using kind = attnmix::kind::bla;
+  using core = bla_policy;
+  static constexpr bool use_conv = false;
+  static constexpr const char* name = "bla";
+};
+struct linear_causal_layer_policy : gbla_layer_policy {
+  using kind = attnmix::kind::linear_causal;
+  using core = linear_causal_policy;
+  static constexpr bool use_conv = false;
+  static constexpr const char* name = "linear_causal";
+};
+
+// Decoding state of a causal linear-attention layer for N sequences.
+template <class T>
+class linear_layer_cache {
+  using A = accum_t<T>;
+
+ public:
+  linear_layer_cache() = default;
+  linear_layer_cache(index_t n, index_t capacity, index_t heads, index_t d, conv_state<T> conv)
+      : conv(std::move(conv)), n_(n), cap_(capacity), h_(heads), d_(d),
+        S(static_cast<std::size_t>(n * heads * d * d), A(0)),
+        z(static_cast<std::size_t>(n * heads * d), A(0)),
+        lse(static_cast<std::size_t>(n * heads), -std::numeric_limits<A>::infinity()),
+        lengths_(static_cast<std::size_t>(n), 0) {}
+
+  index_t sequences() const { return n_; }
+  index_t capacity() const { return cap_; }
+  index_t length(index_t n) const { return lengths_[static_cast<std::size_t>(n)]; }
+  void set_length(index_t n, index_t len) { lengths_[static_cast<std::size_t>(n)] = len; }
+
+  linear_state<A> state() {
+    return {view4<A>(S.data(), {n_, h_, d_, d_}), view3<A>(z.data(), {n_, h_, d_}),
+            tensor_view<A, 2>(lse.data(), {n_, h_})};
+  }
+
+  conv_state<T> conv;
+
+ private:
+  index_t n_ = 0, cap_ = 0, h_ = 0, d_ = 0;
+
+ public:
+  std::vector<A> S, z, lse;
+
+ private:
+  std::vector<index_t> lengths_;
+};
+
+template <class T, class Policy = gbla_layer_policy>
+class linear_layer : public mixer_api<linear_layer<T, Policy>, T> {
+  using K = typename Policy::kind;
+  using Core = typename Policy::core;
+  using A = accum_t<T>;
+  static constexpr bool gated = Core::gate != key_gate::off;
+  static constexpr bool normed = Core::norm != gated_norm::off;
+
+ public:
+  static constexpr const char* name = Policy::name;
+  static constexpr bool causal = linear_kind_traits<K>::causal;
+  using policy = Policy;
+  using kind = K;
+  using cache_type = linear_layer_cache<T>;
+
+  linear_layer() = default;
+  explicit linear_layer(const config& c)
+      : D_(c.hidden_size), HQ_(c.num_heads), H_(c.kv_heads()), d_(c.dim()),
+        norm_eps_(c.head_norm_eps),
+        q_proj(D_, HQ_ * d_), k_proj(D_, H_ * d_), v_proj(D_, H_ * d_), o_proj(HQ_ * d_, D_) {
+    validate_config(std::string("attnmix::layers::") + name, c);
+    if constexpr (Policy::use_conv) conv1d = short_conv<T>(D_, Policy::conv_size, Policy::conv_silu);
+    if constexpr (gated) a_proj = linear<T>(D_, Core::gate == key_gate::shared ? 1 : H_);
+    if constexpr (normed) {
+      g_proj = linear<T>(D_, HQ_ * d_);
+      o_norm_weight = parameter<A>({Core::weight == norm_weight::shared ? d_ : HQ_ * d_}, A(1));
+    }
+  }
+
+  index_t hidden_size() const { return D_; }
+
+  cache_type make_cache(index_t sequences, index_t capacity) const {
+    static_assert(causal, "attnmix::layers::linear_layer: only causal layers have a cache");
+    return cache_type(sequences, capacity, H_, d_,
+                      conv_state<T>(sequences, Policy::use_conv ? Policy::conv_size : 1, D_));
+  }
+
+  void forward_rows(const T* x, T* y, const token_layout& L, const backend::cpu& be) const {
+    run(x, y, L, nullptr, false, be);
+  }
+  void prefill_rows(const T* x, T* y, const token_layout& L, cache_type& cache,
+                    const backend::cpu& be) const {
+    static_assert(causal, "attnmix::layers::linear_layer: only causal layers have a cache");
+    run(x, y, L, &cache, false, be);
+    for (index_t n = 0; n < L.num_sequences(); ++n) cache.set_length(n, L.seq(n).length);
+  }
+  void decode_rows(const T* x, T* y, index_t N, cache_type& cache, const backend::cpu& be) const {
+    static_assert(causal, "attnmix::layers::linear_layer: only causal layers decode");
+    run(x, y, token_layout{N, 1, {}}, &cache, true, be);
+    for (index_t n = 0; n < N; ++n) cache.set_length(n, cache.length(n) + 1);
+  }
+
+  template <class F>
+  void visit_parameters(F&& f, const std::string& prefix = "") {
+    visit(*this, f, prefix);
+  }
+  template <class F>
+  void visit_parameters(F&& f, const std::string& prefix = "") const {
+    visit(*this, f, prefix);
+  }
+
+ private:
+  index_t D_ = 0, HQ_ = 0, H_ = 0, d_ = 0;
+  double norm_eps_ = 1e-5;
+
+ public:
+  short_conv<T> conv1d;
+  linear<T> q_proj, k_proj, v_proj, o_proj, a_proj, g_proj;
+  parameter<A> o_norm_weight;  // "o_norm.weight"
+
+ private:
+  template <class Self, class F>
+  static void visit(Self& s, F& f, const std::string& prefix) {
+    if constexpr (Policy::use_conv) s.conv1d.visit_parameters(f, prefix + "conv1d.");
+    s.q_proj.visit_parameters(f, prefix + "q_proj.");
+    s.k_proj.visit_parameters(f, prefix + "k_proj.");
+    s.v_proj.visit_parameters(f, prefix + "v_proj.");
+    if constexpr (gated) s.a_proj.visit_parameters(f, prefix + "a_proj.");
+    if constexpr (normed) {
+      s.g_proj.visit_parameters(f, prefix + "g_proj.");
+      f(prefix + "o_norm.weight", s.o_norm_weight);
+    }
+    s.o_proj.visit_parameters(f, prefix + "o_proj.");
+  }
+
+  // cache: with step, continue from its state and conv state (one token per sequence);
+  // without, start fresh and leave the final states there.
+  void run(const T* u, T* y, const token_layout& L, cache_type* cache, bool step,
+           const backend::cpu& be) const {
+    const index_t rows = L.rows();
+    const T* c = u;
+    std::vector<T> conv_out;
+    if constexpr (Policy::use_conv) {
+      conv_out.resize(static_cast<std::size_t>(rows * D_));
+      if (step)
+        conv1d.step(u, conv_out.data(), rows, cache->conv, be);
+      else
+        conv1d.apply(u, conv_out.data(), L, be, cache ? &cache->conv : nullptr);
+      c = conv_out.data();
+    }
+    std::vector<T> q(static_cast<std::size_t>(rows * HQ_ * d_)), k(static_cast<std::size_t>(rows * H_ * d_)),
+        v(k.size()), o(q.size()), g;
+    std::vector<A> a;
+    q_proj.apply(c, rows, q.data(), be);
+    k_proj.apply(c, rows, k.data(), be);
+    v_proj.apply(c, rows, v.data(), be);
+    linear_attention_args<T> args;
+    args.q = view4<const T>(q.data(), {L.batch, L.tokens, HQ_, d_});
+    args.k = view4<const T>(k.data(), {L.batch, L.tokens, H_, d_});
+    args.v = view4<const T>(v.data(), {L.batch, L.tokens, H_, d_});
+    args.out = view4<T>(o.data(), {L.batch, L.tokens, HQ_, d_});
+    if constexpr (gated) {
+      const index_t Hg = a_proj.out_features();
+      std::vector<T> logits(static_cast<std::size_t>(rows * Hg));
+      a_proj.apply(u, rows, logits.data(), be);
+      a.assign(logits.begin(), logits.end());
+      args.a = view3<const A>(a.data(), {L.batch, L.tokens, Hg});
+    }
+    if constexpr (normed) {
+      g.resize(q.size());
+      g_proj.apply(u, rows, g.data(), be);
+      args.gate = view4<const T>(g.data(), {L.batch, L.tokens, HQ_, d_});
+      args.gamma = view1<const A>(o_norm_weight.ptr(), {o_norm_weight.numel()});
+    }
+    if constexpr (causal) {
+      if (cache != nullptr) {
+        linear_state<A> st = cache->state();
+        if (step) {
+          args.state_in = {st.S, st.z, gated ? tensor_view<const A, 2>(st.lse) : tensor_view<const A, 2>()};
+        }
+        args.state_out = {st.S, st.z, gated ? st.lse : tensor_view<A, 2>()};
+        if (!step && L.num_sequences() != cache->sequences()) {
+          // The state views must cover exactly the call's sequences.
+          const index_t N = L.num_sequences();
+          args.state_out.S = view4<A>(cache->S.data(), {N, H_, d_, d_});
+          args.state_out.z = view3<A>(cache->z.data(), {N, H_, d_});
+          if (gated) args.state_out.lse = tensor_view<A, 2>(cache->lse.data(), {N, H_});
+        }
+      }
+    }
+    linear_attention_params p;
+    p.norm_eps = norm_eps_;
+    p.cu_seqlens = L.cu_view();
+    attnmix::linear_attention<K, Core>(args, p, be);
+    o_proj.apply(o.data(), rows, y, be);
+  }
+};
+
+}  // namespace layers
+}  // namespace attnmix

@@ -1,0 +1,88 @@
+#pragma once
+// layers::mlp: the feed-forward half of a block, D -> I -> D.
+//   swiglu: down_proj( SiLU(gate_proj x) * up_proj x )     (fla's GatedMLP, no bias)
+//   gelu:   down_proj( GELU(up_proj x) )                    (exact erf GELU)
+//   relu:   down_proj( ReLU(up_proj x) )                    (T5 / TIGER)
+// gate_proj, up_proj: [I, D]; down_proj: [D, I].
+
+#include <string>
+#include <vector>
+
+#include "attnmix/layers/common.hpp"
+#include "attnmix/layers/detail/cpu_ops.hpp"
+#include "attnmix/layers/linear.hpp"
+
+namespace attnmix {
+namespace layers {
+
+enum class mlp_kind { swiglu, gelu, relu };
+
+inline const char* to_string(mlp_kind k) {
+  return k == mlp_kind::swiglu ? "swiglu" : k == mlp_kind::gelu ? "gelu" : "relu";
+}
+
+// fla's default width: 256 * ceil(D * 4 * 2/3 / 256) for SwiGLU (same parameter count as a
+// 4D plain MLP), 4 D for GELU and ReLU. config.intermediate_size > 0 overrides it.
+inline index_t mlp_width(const config& c, mlp_kind k) {
+  if (c.intermediate_size > 0) return c.intermediate_size;
+  if (k != mlp_kind::swiglu) return 4 * c.hidden_size;
+  const index_t x = c.hidden_size * 4 * 2 / 3;
+  return 256 * ((x + 255) / 256);
+}
+
+template <class T, mlp_kind Kind = mlp_kind::swiglu>
+class mlp {
+ public:
+  static constexpr mlp_kind kind = Kind;
+
+  mlp() = default;
+  explicit mlp(const config& c)
+      : D_(c.hidden_size), I_(mlp_width(c, Kind)),
+        gate_proj(Kind == mlp_kind::swiglu ? linear<T>(D_, I_) : linear<T>()),
+        up_proj(D_, I_), down_proj(I_, D_) {}
+
+  index_t width() const { return I_; }
+
+  // x, y: [rows, D] (distinct buffers).
+  void apply(const T* x, index_t rows, T* y, const backend::cpu& be) const {
+    using A = accum_t<T>;
+    std::vector<T> h(static_cast<std::size_t>(rows * I_));
+    up_proj.apply(x, rows, h.data(), be);
+    if constexpr (Kind == mlp_kind::swiglu) {
+      std::vector<T> g(h.size());
+      gate_proj.apply(x, rows, g.data(), be);
+      for (std::size_t i = 0; i < h.size(); ++i)
+        h[i] = static_cast<T>(detail::silu(A(g[i])) * A(h[i]));
+    } else if constexpr (Kind == mlp_kind::gelu) {
+      for (auto& v : h) v = static_cast<T>(detail::gelu(A(v)));
+    } else {
+      for (auto& v : h) v = v > T(0) ? v : T(0);
+    }
+    down_proj.apply(h.data(), rows, y, be);
+  }
+
+  template <class F>
+  void visit_parameters(F&& f, const std::string& prefix = "") {
+    visit(*this, f, prefix);
+  }
+  template <class F>
+  void visit_parameters(F&& f, const std::string& prefix = "") const {
+    visit(*this, f, prefix);
+  }
+
+ private:
+  template <class Self, class F>
+  static void visit(Self& s, F& f, const std::string& prefix) {
+    if constexpr (Kind == mlp_kind::swiglu) s.gate_proj.visit_parameters(f, prefix + "gate_proj.");
+    s.up_proj.visit_parameters(f, prefix + "up_proj.");
+    s.down_proj.visit_parameters(f, prefix + "down_proj.");
+  }
+
+  index_t D_ = 0, I_ = 0;
+
+ public:
+  linear<T> gate_proj, up_proj, down_proj;
+};
+
+}  // namespace layers
+}  // namespace attnmix

@@ -1,0 +1,398 @@
+#pragma once
+// Hybrid stacks: a compile-time list of mixer layers, each in a pre-norm residual block
+// (spec/gbla.md §5.2, fla's blocks):
+//   h  = x + attn( attn_norm(x) )
+//   x' = h + mlp( mlp_norm(h) )
+// and a final RMSNorm "norm". Parameter names follow fla's models: "layers.{i}.attn_norm.weight",
+// "layers.{i}.attn.<mixer parameter>", "layers.{i}.mlp_norm.weight", "layers.{i}.mlp.<...>",
+// "norm.weight".
+//
+//   using encoder = attnmix::stack<float, attnmix::repeat<3, attnmix::layer::sa,
+//                                  attnmix::layer::gbla, attnmix::layer::gbla>>;
+//   encoder enc(cfg);                       // cfg: attnmix::layers::config
+//   attnmix::layers::randomize_parameters(enc, seed);   // or attnmix::io::load(enc, file)
+//   enc.forward(x, out, {mask});            // x, out: [B, T, D]; mask [B, T] optional
+//
+// Causal stacks (every layer causal) also prefill a cache and decode token by token.
+// A layer whose kind has no implementation on the stack's backend is a compile-time error that
+// names the layer.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "attnmix/core/traits.hpp"
+#include "attnmix/layers/attention_layer.hpp"
+#include "attnmix/layers/common.hpp"
+#include "attnmix/layers/linear_layer.hpp"
+#include "attnmix/layers/mlp.hpp"
+#include "attnmix/layers/norm.hpp"
+#include "attnmix/layers/path_layer.hpp"
+
+namespace attnmix {
+
+// Layer tags: what a stack is a list of. Each names its mixer type for a scalar T and checks,
+// at compile time, that it runs on a backend.
+namespace layer {
+
+#define ATTNMIX_DEFINE_LAYER(tag, kind_, ...)                                                     \
+  struct tag {                                                                                    \
+    static constexpr const char* name = #tag;                                                     \
+    using kind = kind_;                                                                           \
+    template <class T>                                                                            \
+    using type = __VA_ARGS__;                                                                     \
+    template <class Backend>                                                                      \
+    static constexpr bool check_backend() {                                                       \
+      static_assert(is_implemented_v<kind_, Backend> && layers::detail::layers_run_on<Backend>,   \
+                    "attnmix::stack: layer::" #tag                                                \
+                    " has no implementation on this backend (the layers run on backend::cpu; "    \
+                    "include <attnmix/attnmix.hpp>)");                                            \
+      return true;                                                                                \
+    }                                                                                             \
+  }
+
+ATTNMIX_DEFINE_LAYER(sa, attnmix::kind::softmax, layers::attention_layer<T, layers::sa_layer_policy>);
+ATTNMIX_DEFINE_LAYER(causal_sa, attnmix::kind::softmax,
+                     layers::attention_layer<T, layers::causal_sa_layer_policy>);
+ATTNMIX_DEFINE_LAYER(fox, attnmix::kind::fox, layers::attention_layer<T, layers::fox_layer_policy>);
+ATTNMIX_DEFINE_LAYER(path, attnmix::kind::path, layers::path_layer<T, layers::path_layer_policy>);
+ATTNMIX_DEFINE_LAYER(path_fox, attnmix::kind::path_fox,
+                     layers::path_layer<T, layers::path_fox_layer_policy>);
+ATTNMIX_DEFINE_LAYER(bla, attnmix::kind::bla, layers::linear_layer<T, layers::bla_layer_policy>);
+ATTNMIX_DEFINE_LAYER(gbla, attnmix::kind::gbla, layers::linear_layer<T, layers::gbla_layer_policy>);
+ATTNMIX_DEFINE_LAYER(linear_causal, attnmix::kind::linear_causal,
+                     layers::linear_layer<T, layers::linear_causal_layer_policy>);
+
+#undef ATTNMIX_DEFINE_LAYER
+
+// A user-defined layer from any mixer template and kind, e.g.
+//   using my_gbla = attnmix::layer::custom<attnmix::kind::gbla, my_gbla_mixer>;
+// (Its compile-time backend check names the kind instead of the tag.)
+template <class Kind, template <class> class Mixer>
+struct custom {
+  static constexpr const char* name = Kind::name;
+  using kind = Kind;
+  template <class T>
+  using type = Mixer<T>;
+  template <class Backend>
+  static constexpr bool check_backend() {
+    static_assert(is_implemented_v<Kind, Backend> && layers::detail::layers_run_on<Backend>,
+                  "attnmix::stack: a custom layer's kind has no implementation on this backend");
+    return true;
+  }
+};
+
+}  // namespace layer
+
+// A list of layer tags; repeat<N, L...> is L... repeated N times.
+template <class... Layers>
+struct layer_list {
+  static constexpr std::size_t size = sizeof...(Layers);
+};
+
+namespace detail {
+template <class A, class B>
+struct concat_lists;
+template <class... A, class... B>
+struct concat_lists<layer_list<A...>, layer_list<B...>> {
+  using type = layer_list<A..., B...>;
+};
+template <int N, class List>
+struct repeat_list {
+  using type = typename concat_lists<List, typename repeat_list<N - 1, List>::type>::type;
+};
+template <class List>
+struct repeat_list<0, List> {
+  using type = layer_list<>;
+};
+// Flattens nested layer_lists.
+template <class... L>
+struct flatten;
+template <>
+struct flatten<> {
+  using type = layer_list<>;
+};
+template <class... In, class... Rest>
+struct flatten<layer_list<In...>, Rest...> {
+  using type = typename concat_lists<typename flatten<In...>::type,
+                                     typename flatten<Rest...>::type>::type;
+};
+template <class L, class... Rest>
+struct flatten<L, Rest...> {
+  using type = typename concat_lists<layer_list<L>, typename flatten<Rest...>::type>::type;
+};
+}  // namespace detail
+
+template <int N, class... Layers>
+using repeat = typename detail::repeat_list<N, typename detail::flatten<Layers...>::type>::type;
+
+// Knobs of a stack.
+struct stack_policy {
+  static constexpr layers::mlp_kind mlp = layers::mlp_kind::swiglu;
+};
+template <layers::mlp_kind M>
+struct with_mlp : stack_policy {
+  static constexpr layers::mlp_kind mlp = M;
+};
+
+// Runtime inputs of a stack forward besides x and out.
+struct stack_inputs {
+  // Encoder batches: [B, T] validity mask (nonzero = real token), any pattern (right or left
+  // padding); pad rows of `out` are written as zeros and never influence valid ones.
+  tensor_view<const std::uint8_t, 2> mask{};
+  // Packed batch (B == 1): [N+1] sequence offsets. Not together with mask.
+  view1<const std::int32_t> cu_seqlens{};
+  // Called after each block with (block index, layer name, seconds).
+  std::function<void(index_t, const char*, double)> on_layer{};
+};
+
+template <class T, class Policy, class Backend, class List>
+class basic_stack_impl;
+
+template <class T, class Policy, class Backend, class... Layers>
+class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
+  static_assert(sizeof...(Layers) >= 1, "attnmix::stack: a stack needs at least one layer");
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "attnmix::stack: the CPU layers compute in float or double");
+  static_assert(is_backend_v<Backend>, "attnmix::stack: Backend must be backend::cpu or cuda");
+  static_assert((Layers::template check_backend<Backend>() && ...),
+                "attnmix::stack: a layer has no implementation on this backend");
+
+  template <class Layer>
+  struct block {
+    using mixer_type = typename Layer::template type<T>;
+    layers::rms_norm<T> attn_norm;
+    mixer_type attn;
+    layers::rms_norm<T> mlp_norm;
+    layers::mlp<T, Policy::mlp> mlp;
+    explicit block(const layers::config& c)
+        : attn_norm(c.hidden_size, c.norm_eps), attn(c), mlp_norm(c.hidden_size, c.norm_eps),
+          mlp(c) {}
+  };
+
+ public:
+  using scalar = T;
+  using backend_type = Backend;
+  static constexpr std::size_t num_layers = sizeof...(Layers);
+  static constexpr bool causal = (Layers::template type<T>::causal && ...);
+  using cache_type = std::conditional_t<
+      causal, std::tuple<typename Layers::template type<T>::cache_type...>, std::tuple<>>;
+
+  explicit basic_stack_impl(const layers::config& c)
+      : cfg_(c), blocks_(block<Layers>(c)...), norm(c.hidden_size, c.norm_eps) {
+    layers::validate_config("attnmix::stack", c);
+  }
+
+  const layers::config& config() const { return cfg_; }
+  index_t hidden_size() const { return cfg_.hidden_size; }
+  // Layer names in order, e.g. {"sa", "gbla", "gbla", ...}.
+  static std::vector<const char*> layer_names() { return {Layers::name...}; }
+
+  // Encoder / full-sequence forward. x, out: [B, T, D] contiguous, distinct; see stack_inputs.
+  // Throws attnmix::error on bad arguments.
+  void forward(const view3<const T>& x, const view3<T>& out, const stack_inputs& in = {},
+               const Backend& be = Backend{}) const {
+    const std::string fn = "attnmix::stack::forward";
+    const index_t D = cfg_.hidden_size;
+    layers::detail::check_activation(fn, "x", x, D);
+    layers::detail::check_activation(fn, "out", out, D);
+    layers::detail::check_same_shape(fn, out, x);
+    attnmix::detail::check_no_alias(fn, "out", out, "x", x);
+    if (!in.mask.has_value()) {
+      const layers::token_layout L = layers::detail::make_layout(fn, x, in.cu_seqlens);
+      std::vector<T> h(x.data(), x.data() + L.rows() * D);
+      run_blocks(h, L, nullptr, in.on_layer, be);
+      norm.apply(h.data(), L.rows(), out.data(), be);
+      return;
+    }
+    attnmix::detail::check_not_given(fn, "cu_seqlens", in.cu_seqlens, "'mask' was given too");
+    attnmix::detail::check_layout(fn, "mask", in.mask);
+    attnmix::detail::check_shape(fn, "mask", in.mask, {x.extent(0), x.extent(1)}, "[B, T]");
+    // Pack the valid tokens of each row into one varlen batch, run, scatter back.
+    const index_t B = x.extent(0), Tn = x.extent(1);
+    layers::token_layout L{1, 0, {0}};
+    std::vector<index_t> src;
+    for (index_t b = 0; b < B; ++b) {
+      for (index_t t = 0; t < Tn; ++t)
+        if (in.mask(b, t) != 0) src.push_back(b * Tn + t);
+      L.cu_seqlens.push_back(static_cast<std::int32_t>(src.size()));
+    }
+    L.tokens = static_cast<index_t>(src.size());
+    std::vector<T> h(static_cast<std::size_t>(L.tokens * D));
+    for (std::size_t r = 0; r < src.size(); ++r)
+      std::copy_n(x.data() + src[r] * D, D, h.data() + static_cast<index_t>(r) * D);
+    run_blocks(h, L, nullptr, in.on_layer, be);
+    norm.apply(h.data(), L.tokens, h.data(), be);
+    std::fill(out.data(), out.data() + B * Tn * D, T(0));
+    for (std::size_t r = 0; r < src.size(); ++r)
+      std::copy_n(h.data() + static_cast<index_t>(r) * D, D, out.data() + src[r] * D);
+  }
+
+  // Causal stacks: a cache for `sequences` sequences of up to `capacity` tokens.
+  cache_type make_cache(index_t sequences, index_t capacity) const {
+    static_assert(causal, "attnmix::stack: only stacks of causal layers have a decoding cache");
+    return make_cache_impl(sequences, capacity, std::index_sequence_for<Layers...>{});
+  }
+
+  // Causal stacks: forward over prompts (x [B, T, D], or packed with cu_seqlens) that fills
+  // `cache` (sequence n -> slot n, replacing its content).
+  void prefill(const view3<const T>& x, const view3<T>& out, cache_type& cache,
+               const view1<const std::int32_t>& cu_seqlens = {}, const Backend& be = Backend{}) const {
+    static_assert(causal, "attnmix::stack: only stacks of causal layers prefill a cache");
+    const std::string fn = "attnmix::stack::prefill";
+    const index_t D = cfg_.hidden_size;
+    layers::detail::check_activation(fn, "x", x, D);
+    layers::detail::check_activation(fn, "out", out, D);
+    layers::detail::check_same_shape(fn, out, x);
+    attnmix::detail::check_no_alias(fn, "out", out, "x", x);
+    const layers::token_layout L = layers::detail::make_layout(fn, x, cu_seqlens);
+    const auto& c0 = std::get<0>(cache);
+    attnmix::detail::require(L.num_sequences() <= c0.sequences(), fn, "cache", "holds ",
+                             c0.sequences(), " sequences but the batch has ", L.num_sequences());
+    for (index_t n = 0; n < L.num_sequences(); ++n)
+      attnmix::detail::require(L.seq(n).length <= c0.capacity(), fn, "cache", "has capacity ",
+                               c0.capacity(), " but sequence ", n, " has ", L.seq(n).length,
+                               " tokens");
+    std::vector<T> h(x.data(), x.data() + L.rows() * D);
+    run_blocks(h, L, &cache, {}, be);
+    norm.apply(h.data(), L.rows(), out.data(), be);
+  }
+
+  // Causal stacks: one new token per cached sequence. x, out: [N, 1, D], N = the cache's
+  // sequences. Row n of out equals the full forward's output at that token.
+  void decode(const view3<const T>& x, const view3<T>& out, cache_type& cache,
+              const Backend& be = Backend{}) const {
+    static_assert(causal, "attnmix::stack: only stacks of causal layers decode");
+    const std::string fn = "attnmix::stack::decode";
+    const index_t D = cfg_.hidden_size;
+    layers::detail::check_activation(fn, "x", x, D);
+    layers::detail::check_activation(fn, "out", out, D);
+    layers::detail::check_same_shape(fn, out, x);
+    attnmix::detail::check_no_alias(fn, "out", out, "x", x);
+    const auto& c0 = std::get<0>(cache);
+    attnmix::detail::require(x.extent(1) == 1 && x.extent(0) == c0.sequences(), fn, "x",
+                             "must be [N, 1, D] with N = ", c0.sequences(),
+                             " (the cache's sequences) but has shape ", attnmix::shape_string(x));
+    for (index_t n = 0; n < c0.sequences(); ++n)
+      attnmix::detail::require(c0.length(n) < c0.capacity(), fn, "cache", "sequence ", n,
+                               " is full (capacity ", c0.capacity(), ")");
+    const index_t N = x.extent(0);
+    std::vector<T> h(x.data(), x.data() + N * D), t(h.size()), m(h.size());
+    for_each_block([&](auto& b, auto I) {
+      b.attn_norm.apply(h.data(), N, t.data(), be);
+      b.attn.decode_rows(t.data(), m.data(), N, std::get<decltype(I)::value>(cache), be);
+      add(h, m);
+      b.mlp_norm.apply(h.data(), N, t.data(), be);
+      b.mlp.apply(t.data(), N, m.data(), be);
+      add(h, m);
+    });
+    norm.apply(h.data(), N, out.data(), be);
+  }
+
+  // Visits every parameter as f(name, parameter<T>&) (or parameter<accum_t<T>>&).
+  template <class F>
+  void visit_parameters(F&& f, const std::string& prefix = "") {
+    visit(*this, f, prefix);
+  }
+  template <class F>
+  void visit_parameters(F&& f, const std::string& prefix = "") const {
+    visit(*this, f, prefix);
+  }
+
+  // Block i's mixer (e.g. to read a parameter).
+  template <std::size_t I>
+  auto& mixer() {
+    return std::get<I>(blocks_).attn;
+  }
+
+ private:
+  layers::config cfg_;
+  std::tuple<block<Layers>...> blocks_;
+
+ public:
+  layers::rms_norm<T> norm;
+
+ private:
+  template <class Self, class F>
+  static void visit(Self& s, F& f, const std::string& prefix) {
+    s.for_each_block_of(s, [&](auto& b, auto I) {
+      const std::string p = prefix + "layers." + std::to_string(decltype(I)::value) + ".";
+      b.attn_norm.visit_parameters(f, p + "attn_norm.");
+      b.attn.visit_parameters(f, p + "attn.");
+      b.mlp_norm.visit_parameters(f, p + "mlp_norm.");
+      b.mlp.visit_parameters(f, p + "mlp.");
+    });
+    s.norm.visit_parameters(f, prefix + "norm.");
+  }
+
+  template <class Self, class F, std::size_t... I>
+  static void for_each_block_impl(Self& s, F& f, std::index_sequence<I...>) {
+    (f(std::get<I>(s.blocks_), std::integral_constant<std::size_t, I>{}), ...);
+  }
+  template <class Self, class F>
+  static void for_each_block_of(Self& s, F&& f) {
+    for_each_block_impl(s, f, std::index_sequence_for<Layers...>{});
+  }
+  template <class F>
+  void for_each_block(F&& f) const {
+    for_each_block_of(*this, f);
+  }
+
+  template <std::size_t... I>
+  cache_type make_cache_impl(index_t n, index_t cap, std::index_sequence<I...>) const {
+    return cache_type(std::get<I>(blocks_).attn.make_cache(n, cap)...);
+  }
+
+  static void add(std::vector<T>& h, const std::vector<T>& m) {
+    for (std::size_t i = 0; i < h.size(); ++i) h[i] += m[i];
+  }
+
+  // h: [rows, D] residual stream, updated in place through every block.
+  void run_blocks(std::vector<T>& h, const layers::token_layout& L, cache_type* cache,
+                  const std::function<void(index_t, const char*, double)>& on_layer,
+                  const Backend& be) const {
+    const index_t rows = L.rows();
+    std::vector<T> t(h.size()), m(h.size());
+    const char* names[] = {Layers::name...};
+    for_each_block([&](auto& b, auto I) {
+      const auto t0 = std::chrono::steady_clock::now();
+      b.attn_norm.apply(h.data(), rows, t.data(), be);
+      if constexpr (causal) {
+        if (cache != nullptr)
+          b.attn.prefill_rows(t.data(), m.data(), L, std::get<decltype(I)::value>(*cache), be);
+        else
+          b.attn.forward_rows(t.data(), m.data(), L, be);
+      } else {
+        b.attn.forward_rows(t.data(), m.data(), L, be);
+      }
+      add(h, m);
+      b.mlp_norm.apply(h.data(), rows, t.data(), be);
+      b.mlp.apply(t.data(), rows, m.data(), be);
+      add(h, m);
+      if (on_layer) {
+        const double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        on_layer(static_cast<index_t>(decltype(I)::value), names[decltype(I)::value], s);
+      }
+    });
+    (void)cache;
+  }
+};
+
+// A stack of Layers (tags, layer_lists or repeat<...>) in scalar T, with an explicit policy and
+// backend.
+template <class T, class Policy, class Backend, class... Layers>
+using basic_stack =
+    basic_stack_impl<T, Policy, Backend, typename detail::flatten<Layers...>::type>;
+
+// The usual CPU stack with SwiGLU MLPs: attnmix::stack<float, repeat<3, layer::sa, layer::gbla,
+// layer::gbla>>.
+template <class T, class... Layers>
+using stack = basic_stack<T, stack_policy, backend::cpu, Layers...>;
+
+}  // namespace attnmix
