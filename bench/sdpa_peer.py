@@ -2,8 +2,9 @@
 """Times PyTorch's scaled_dot_product_attention (cuDNN and flash backends) on the shapes of
 bench_attention_cuda and prints the ratio table against that benchmark's JSON output.
 
-    bench_attention_cuda --benchmark_out=ours.json --benchmark_out_format=json
-    python3 bench/sdpa_peer.py ours.json > table.md
+    bench_attention_cuda --benchmark_out=sa.json --benchmark_out_format=json
+    bench_linear_cuda --benchmark_out=linear.json --benchmark_out_format=json
+    python3 bench/sdpa_peer.py sa.json linear.json > table.md
 
 Run both in the same call on the same GPU: a figure from another run is not a comparison.
 """
@@ -39,9 +40,9 @@ def sdpa_ms(backend, B, T, H, D, causal):
 
 
 def main():
-    ours = json.load(open(sys.argv[1]))
     rows = []
-    for b in ours["benchmarks"]:
+    benchmarks = [b for path in sys.argv[1:] for b in json.load(open(path))["benchmarks"]]
+    for b in benchmarks:
         m = re.match(r"(\w+)/B:(\d+)/T:(\d+)/H:(\d+)", b["name"])
         if not m or b.get("run_type") == "aggregate":
             continue
@@ -54,7 +55,7 @@ def main():
     print("| kernel | B | T | H | D | attnmix ms | cuDNN ms | flash ms | attnmix / cuDNN | attnmix / flash |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for kind, B, T, H, ms in rows:
-        causal = kind != "sa_bidirectional"
+        causal = kind in ("sa_causal", "fox_causal")  # bidirectional SA is the peer of BLA/GBLA
         key = (B, T, H, causal)
         if key not in peers:
             peers[key] = (sdpa_ms(SDPBackend.CUDNN_ATTENTION, B, T, H, 64, causal),

@@ -11,5 +11,8 @@
 #include "attnmix/attnmix.hpp"
 #include "attnmix/cuda/runtime.cuh"
 
+#include "attnmix/cuda/bla.cuh"
 #include "attnmix/cuda/fox.cuh"
+#include "attnmix/cuda/gbla.cuh"
+#include "attnmix/cuda/linear_causal.cuh"
 #include "attnmix/cuda/softmax.cuh"

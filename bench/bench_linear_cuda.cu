@@ -1,0 +1,100 @@
+// CUDA GBLA core and BLA forward, bf16, timed with CUDA events. Counter GB/s: the bytes the core
+// must move (q, k, v, gate read, out written in bf16, the gate logits in float) over the time;
+// compare with the device's copy bandwidth (bytes read + written) for the memory floor.
+
+#include <benchmark/benchmark.h>
+
+#include <random>
+#include <vector>
+
+#include "attnmix/cuda.cuh"
+
+namespace {
+
+using attnmix::index_t;
+using attnmix::detail::cuda::check;
+
+template <class T>
+struct device_array {
+  T* ptr = nullptr;
+  explicit device_array(std::size_t n, unsigned seed = 1) {
+    check(cudaMalloc(&ptr, n * sizeof(T)), "cudaMalloc");
+    std::vector<T> h(n);
+    std::mt19937 gen(seed);
+    std::normal_distribution<float> dist;
+    for (auto& x : h) x = attnmix::convert<T>(dist(gen));
+    check(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+  ~device_array() { cudaFree(ptr); }
+};
+
+template <class Kind, class Policy>
+void BM_linear_cuda(benchmark::State& state) {
+  using T = attnmix::bfloat16;
+  constexpr bool normed = Policy::norm != attnmix::gated_norm::off;
+  constexpr bool gated = Policy::gate != attnmix::key_gate::off;
+  const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
+  const std::size_t n = static_cast<std::size_t>(B * Tn * H * D);
+  device_array<T> q(n, 1), k(n, 2), v(n, 3), gate(n, 4), out(n, 5);
+  device_array<float> a(static_cast<std::size_t>(B * Tn), 6), gamma(static_cast<std::size_t>(D), 7);
+  const auto dev = attnmix::memory_space::device;
+  attnmix::linear_attention_args<T> args;
+  args.q = attnmix::view4<const T>(q.ptr, {B, Tn, H, D}, dev);
+  args.k = attnmix::view4<const T>(k.ptr, {B, Tn, H, D}, dev);
+  args.v = attnmix::view4<const T>(v.ptr, {B, Tn, H, D}, dev);
+  args.out = attnmix::view4<T>(out.ptr, {B, Tn, H, D}, dev);
+  if constexpr (gated) args.a = attnmix::view3<const float>(a.ptr, {B, Tn, 1}, dev);
+  if constexpr (normed) {
+    args.gate = attnmix::view4<const T>(gate.ptr, {B, Tn, H, D}, dev);
+    args.gamma = attnmix::view1<const float>(gamma.ptr, {D}, dev);
+  }
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "event"), check(cudaEventCreate(&stop), "event");
+  for (int i = 0; i < 3; ++i) attnmix::linear_attention<Kind, Policy>(args, {}, attnmix::backend::cuda{});
+  for (auto _ : state) {
+    check(cudaEventRecord(start), "record");
+    attnmix::linear_attention<Kind, Policy>(args, {}, attnmix::backend::cuda{});
+    check(cudaEventRecord(stop), "record");
+    check(cudaEventSynchronize(stop), "sync");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    state.SetIterationTime(ms / 1e3);
+  }
+  const double bytes = double(B) * Tn * H * D * 2 * (normed ? 5 : 4) + (gated ? double(B) * Tn * 4 : 0);
+  state.counters["GB/s"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["MB"] = bytes / 1e6;
+  cudaEventDestroy(start), cudaEventDestroy(stop);
+}
+
+// Device-to-device copy of a buffer the size of the GBLA inputs: the bandwidth ceiling.
+void BM_copy(benchmark::State& state) {
+  const std::size_t bytes = static_cast<std::size_t>(state.range(0)) << 20;
+  void *src, *dst;
+  check(cudaMalloc(&src, bytes), "cudaMalloc"), check(cudaMalloc(&dst, bytes), "cudaMalloc");
+  check(cudaMemset(src, 1, bytes), "memset");
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "event"), check(cudaEventCreate(&stop), "event");
+  for (auto _ : state) {
+    check(cudaEventRecord(start), "record");
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice), "copy");
+    check(cudaEventRecord(stop), "record");
+    check(cudaEventSynchronize(stop), "sync");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    state.SetIterationTime(ms / 1e3);
+  }
+  state.counters["GB/s"] = benchmark::Counter(2.0 * bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  cudaEventDestroy(start), cudaEventDestroy(stop);
+  cudaFree(src), cudaFree(dst);
+}
+
+void shapes(benchmark::internal::Benchmark* b) {
+  for (int T : {2048, 8192, 32768}) b->Args({8, T, 16});
+  b->ArgNames({"B", "T", "H"})->UseManualTime()->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace
+
+BENCHMARK(BM_copy)->Arg(2048)->ArgNames({"MiB"})->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::gbla, attnmix::gbla_policy)->Name("gbla")->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::bla, attnmix::bla_policy)->Name("bla")->Apply(shapes);

@@ -1,0 +1,447 @@
+#pragma once
+// CUDA kernels of the linear-attention kinds, on CUDA cores with float accumulation.
+//   bidirectional (bla, gbla): reduce (split over token blocks) -> combine -> read, spec gbla §3.2;
+//   causal (linear_causal): a recurrent scan per (sequence, KV head) with the state in registers.
+// Every kernel reads what linear_kernel_params describes; Policy supplies the compile-time knobs.
+
+#include <cmath>
+#include <cstdint>
+
+#include "attnmix/core/linear_policy.hpp"
+#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/math/feature_map.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+struct linear_kernel_params {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  const std::uint8_t* mask;  // [B, T] or nullptr
+  const float* a;            // key-gate logits [B, T, Hg] or nullptr
+  const void* gate;          // gated norm [B, T, HQ, Dv] or nullptr
+  const float* gamma;        // [Dv] or [HQ * Dv], or nullptr (ones)
+  index_t q_stride[3], k_stride[3], v_stride[3], out_stride[3], gate_stride[3];
+  index_t mask_stride[2], a_stride[3], gamma_stride;
+  const std::int32_t* cu_seqlens;  // device copy, or nullptr for a dense batch
+  index_t tokens;
+  int q_heads, kv_heads, group, gate_heads, head_dim, value_dim;
+  float scale, eps, norm_eps;
+  // States [N, H, D, Dv], [N, H, D], [N, H] (any may be nullptr), strides in elements.
+  const float* S_in;
+  const float* z_in;
+  const float* lse_in;
+  float* S_out;
+  float* z_out;
+  float* lse_out;
+  index_t S_in_stride[4], z_in_stride[3], lse_in_stride[2];
+  index_t S_out_stride[4], z_out_stride[3], lse_out_stride[2];
+
+  __device__ void sequence(int n, index_t& batch, index_t& start, index_t& length) const {
+    if (cu_seqlens == nullptr) {
+      batch = n, start = 0, length = tokens;
+    } else {
+      batch = 0, start = cu_seqlens[n], length = cu_seqlens[n + 1] - start;
+    }
+  }
+  __device__ bool valid(index_t batch, index_t t) const {
+    return mask == nullptr || mask[batch * mask_stride[0] + t * mask_stride[1]] != 0;
+  }
+  // Key-gate logit of token t (absolute index in the batch row), -inf at pads.
+  __device__ float logit(index_t batch, index_t t, int h) const {
+    if (!valid(batch, t)) return -INFINITY;
+    return a[batch * a_stride[0] + t * a_stride[1] + (gate_heads == 1 ? 0 : h) * a_stride[2]];
+  }
+};
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+// exp(x - m) with m = -inf (nothing seen) giving 0 rather than NaN.
+__device__ __forceinline__ float shifted_exp(float x, float m) {
+  return x == -INFINITY ? 0.f : __expf(x - m);
+}
+
+// Block-wide reduction of 256 threads through `scratch` (>= 8 floats); every thread gets it.
+template <bool Max>
+__device__ float block_reduce(float x, float* scratch) {
+  x = Max ? warp_max(x) : warp_sum(x);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float y = lane < blockDim.x / 32 ? scratch[lane] : (Max ? -INFINITY : 0.f);
+  return Max ? warp_max(y) : warp_sum(y);
+}
+
+// ---- bidirectional: reduce ---------------------------------------------------------------
+// The state of a block of tokens: S_p (D x Dv), z_p (D), and for the key gate the block max
+// M_p and mass ell_p = sum exp(a_j - M_p). Workspace layout per (n, h, p):
+// [S_p: D*Dv][z_p: D][M_p][ell_p].
+inline __host__ __device__ index_t partial_floats(int D, int Dv) { return index_t(D) * Dv + D + 2; }
+
+// CTA (block p, KV head h, sequence n), 256 threads; each thread owns Blocks 4x4 tiles of S_p.
+template <class T, class Policy, int Blocks>
+__global__ void __launch_bounds__(256)
+    linear_reduce_kernel(const linear_kernel_params p, index_t block_tokens, float* partial,
+                         index_t partials) {
+  constexpr int tile = 32;  // tokens staged in shared memory at a time
+  constexpr bool gated = Policy::gate != key_gate::off;
+  extern __shared__ __align__(16) float smem[];
+  const int D = p.head_dim, Dv = p.value_dim;
+  float* pk = smem;              // [tile][D]   masked, gated phi(k)
+  float* sv = pk + tile * D;     // [tile][Dv]
+  float* weight = sv + tile * Dv;  // [tile]
+  __shared__ float scratch[8];
+
+  const int blk = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  index_t batch, start, length;
+  p.sequence(n, batch, start, length);
+  const index_t t0 = blk * block_tokens, t1 = min(t0 + block_tokens, length);
+  float* out = partial + ((index_t(n) * p.kv_heads + h) * partials + blk) * partial_floats(D, Dv);
+
+  // Key gate: the block max first.
+  float M = 0.f;
+  if (gated) {
+    float mx = -INFINITY;
+    for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x) mx = fmaxf(mx, p.logit(batch, start + t, h));
+    M = block_reduce<true>(mx, scratch);
+  }
+
+  const int bd = D / 4, bdv = Dv / 4;  // 4x4 tiles of S_p
+  float acc[Blocks][16] = {};
+  float zacc[Blocks][4] = {};
+  float ell = 0.f;
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] + h * p.k_stride[2];
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] + h * p.v_stride[2];
+  for (index_t base = t0; base < t1; base += tile) {
+    const int rows = static_cast<int>(min(index_t(tile), t1 - base));
+    __syncthreads();
+    if (threadIdx.x < tile) {
+      float w = 0.f;
+      if (threadIdx.x < rows) {
+        const index_t t = base + threadIdx.x;
+        if (gated)
+          w = shifted_exp(p.logit(batch, start + t, h), M);
+        else
+          w = p.valid(batch, start + t) ? 1.f : 0.f;
+      }
+      weight[threadIdx.x] = w;
+    }
+    __syncthreads();
+    // Pad tokens (weight 0) are skipped, not multiplied: their k and v may hold anything.
+    for (int idx = threadIdx.x; idx < tile * D; idx += blockDim.x) {
+      const int r = idx / D, d = idx % D;
+      pk[idx] = r < rows && weight[r] != 0.f
+                    ? weight[r] * apply_feature_map<Policy::phi>(to_float(k[(base + r) * p.k_stride[1] + d]))
+                    : 0.f;
+    }
+    for (int idx = threadIdx.x; idx < tile * Dv; idx += blockDim.x) {
+      const int r = idx / Dv, e = idx % Dv;
+      sv[idx] = r < rows && weight[r] != 0.f ? to_float(v[(base + r) * p.v_stride[1] + e]) : 0.f;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int r = 0; r < rows; ++r) ell += weight[r];
+#pragma unroll
+    for (int b = 0; b < Blocks; ++b) {
+      const int id = threadIdx.x + b * 256;
+      if (id >= bd * bdv) break;
+      const int d0 = (id / bdv) * 4, e0 = (id % bdv) * 4;
+      for (int r = 0; r < rows; ++r) {
+        const float4 kk = *reinterpret_cast<const float4*>(pk + r * D + d0);
+        const float4 vv = *reinterpret_cast<const float4*>(sv + r * Dv + e0);
+        const float kd[4] = {kk.x, kk.y, kk.z, kk.w}, ve[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[b][i * 4 + j] += kd[i] * ve[j];
+          zacc[b][i] += kd[i];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < Blocks; ++b) {
+    const int id = threadIdx.x + b * 256;
+    if (id >= bd * bdv) break;
+    const int d0 = (id / bdv) * 4, e0 = (id % bdv) * 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[(d0 + i) * Dv + e0 + j] = acc[b][i * 4 + j];
+      if (e0 == 0) out[D * Dv + d0 + i] = zacc[b][i];
+    }
+  }
+  if (threadIdx.x == 0) {
+    out[D * Dv + D] = gated ? M : 0.f;
+    out[D * Dv + D + 1] = ell;
+  }
+}
+
+// ---- bidirectional: combine ---------------------------------------------------------------
+// CTA (KV head h, sequence n): merges the partial states with a log-sum-exp over the block
+// maxima; writes the final, softmax-normalised S and z (`state`: [N, H, D*Dv + D]) and any
+// state_out the caller asked for.
+template <class Policy>
+__global__ void __launch_bounds__(256)
+    linear_combine_kernel(const linear_kernel_params p, const float* partial, index_t partials,
+                          float* state) {
+  constexpr bool gated = Policy::gate != key_gate::off;
+  __shared__ float scratch[8];
+  const int h = blockIdx.x, n = blockIdx.y, D = p.head_dim, Dv = p.value_dim;
+  const index_t stride = partial_floats(D, Dv);
+  const float* part = partial + (index_t(n) * p.kv_heads + h) * partials * stride;
+  float M = 0.f, ell = 0.f;
+  if (gated) {
+    float mx = -INFINITY;
+    for (index_t q = threadIdx.x; q < partials; q += blockDim.x)
+      if (part[q * stride + D * Dv + D + 1] > 0.f) mx = fmaxf(mx, part[q * stride + D * Dv + D]);
+    M = block_reduce<true>(mx, scratch);
+    float sum = 0.f;
+    for (index_t q = threadIdx.x; q < partials; q += blockDim.x) {
+      const float l = part[q * stride + D * Dv + D + 1];
+      if (l > 0.f) sum += l * __expf(part[q * stride + D * Dv + D] - M);
+    }
+    ell = block_reduce<false>(sum, scratch);
+  }
+  const float inv = gated ? (ell > 0.f ? 1.f / ell : 0.f) : 1.f;
+  float* out = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
+  for (int idx = threadIdx.x; idx < D * Dv + D; idx += blockDim.x) {
+    float sum = 0.f;
+    for (index_t q = 0; q < partials; ++q) {
+      const float* pq = part + q * stride;
+      const float alpha = gated ? (pq[D * Dv + D + 1] > 0.f ? __expf(pq[D * Dv + D] - M) : 0.f) : 1.f;
+      sum += alpha * pq[idx];
+    }
+    sum *= inv;
+    out[idx] = sum;
+    if (idx < D * Dv) {
+      if (p.S_out != nullptr)
+        p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + (idx / Dv) * p.S_out_stride[2] +
+                (idx % Dv) * p.S_out_stride[3]] = sum;
+    } else if (p.z_out != nullptr) {
+      p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] + (idx - D * Dv) * p.z_out_stride[2]] = sum;
+    }
+  }
+  if (gated && p.lse_out != nullptr && threadIdx.x == 0)
+    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] = ell > 0.f ? M + logf(ell) : -INFINITY;
+}
+
+// ---- the per-row epilogue shared by both forms ---------------------------------------------
+// o: this lane's values of one row (e = lane + 32 c); applies the gated RMSNorm of Policy and
+// writes the row (zeros for a pad row when Policy::zero_pad_rows).
+template <class T, class Policy, int VC>
+__device__ void write_row(const linear_kernel_params& p, index_t batch, index_t t, int hq,
+                          float (&o)[VC], bool valid) {
+  const int lane = threadIdx.x % 32, Dv = p.value_dim;
+  T* out = static_cast<T*>(p.out) + batch * p.out_stride[0] + t * p.out_stride[1] + hq * p.out_stride[2];
+  if (!valid) {
+    if (Policy::zero_pad_rows)
+#pragma unroll
+      for (int c = 0; c < VC; ++c)
+        if (lane + 32 * c < Dv) out[lane + 32 * c] = from_float<T>(0.f);
+    return;
+  }
+  if constexpr (Policy::norm == gated_norm::per_head) {
+    const T* g = static_cast<const T*>(p.gate) + batch * p.gate_stride[0] + t * p.gate_stride[1] +
+                 hq * p.gate_stride[2];
+    float act[VC];
+#pragma unroll
+    for (int c = 0; c < VC; ++c) {
+      const int e = lane + 32 * c;
+      act[c] = e < Dv ? apply_gate_activation<Policy::activation>(to_float(g[e])) : 0.f;
+      if (Policy::order == norm_gate_order::gate_then_norm) o[c] *= act[c];
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int c = 0; c < VC; ++c) ss += lane + 32 * c < Dv ? o[c] * o[c] : 0.f;
+    const float rstd = rsqrtf(warp_sum(ss) / Dv + p.norm_eps);
+#pragma unroll
+    for (int c = 0; c < VC; ++c) {
+      const int e = lane + 32 * c;
+      o[c] *= rstd;
+      if (Policy::order == norm_gate_order::norm_then_gate) o[c] *= act[c];
+      if (p.gamma != nullptr && e < Dv)
+        o[c] *= p.gamma[(Policy::weight == norm_weight::per_head ? hq * Dv : 0) + e];
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < VC; ++c)
+    if (lane + 32 * c < Dv) out[lane + 32 * c] = from_float<T>(o[c]);
+}
+
+// ---- bidirectional: read ------------------------------------------------------------------
+// CTA (16-row query tile, query head hq, sequence n), 4 warps of 4 rows each; S and z of the
+// KV head sit in shared memory, and every S element read serves the warp's 4 rows.
+template <class T, class Policy, int VC>
+__global__ void __launch_bounds__(128)
+    linear_read_kernel(const linear_kernel_params p, const float* state) {
+  constexpr int rows_per_warp = 4;
+  extern __shared__ __align__(16) float smem[];
+  const int D = p.head_dim, Dv = p.value_dim;
+  float* sS = smem;                          // [D][Dv]
+  float* sz = sS + D * Dv;                   // [D]
+  float* sr = sz + D;                        // [4 warps][rows_per_warp][D]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int hq = blockIdx.y, n = blockIdx.z, h = hq / p.group;
+  index_t batch, start, length;
+  p.sequence(n, batch, start, length);
+  const index_t i0 = index_t(blockIdx.x) * 16;
+  if (i0 >= length) return;
+  const float* st = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
+  for (int idx = threadIdx.x; idx < D * Dv + D; idx += blockDim.x) smem[idx] = st[idx];
+
+  float* r = sr + warp * rows_per_warp * D;
+  bool valid[rows_per_warp];
+  index_t t[rows_per_warp];
+#pragma unroll
+  for (int w = 0; w < rows_per_warp; ++w) {
+    t[w] = i0 + warp * rows_per_warp + w;
+    valid[w] = t[w] < length && p.valid(batch, start + t[w]);
+    const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + min(t[w], length - 1)) * p.q_stride[1] +
+                 hq * p.q_stride[2];
+    for (int d = lane; d < D; d += 32)
+      r[w * D + d] = valid[w] ? p.scale * apply_feature_map<Policy::phi>(to_float(q[d])) : 0.f;
+  }
+  __syncthreads();
+
+  float num[rows_per_warp][VC] = {}, den[rows_per_warp] = {};
+  for (int d = 0; d < D; ++d) {
+    float s[VC];
+#pragma unroll
+    for (int c = 0; c < VC; ++c) s[c] = lane + 32 * c < Dv ? sS[d * Dv + lane + 32 * c] : 0.f;
+    const float zd = sz[d];
+#pragma unroll
+    for (int w = 0; w < rows_per_warp; ++w) {
+      const float rd = r[w * D + d];
+#pragma unroll
+      for (int c = 0; c < VC; ++c) num[w][c] += rd * s[c];
+      den[w] += rd * zd;
+    }
+  }
+#pragma unroll
+  for (int w = 0; w < rows_per_warp; ++w) {
+    if (t[w] >= length) continue;
+    if (Policy::normalize) {
+      const float inv = 1.f / (den[w] + p.eps);
+#pragma unroll
+      for (int c = 0; c < VC; ++c) num[w][c] *= inv;
+    }
+    write_row<T, Policy>(p, batch, start + t[w], hq, num[w], valid[w]);
+  }
+}
+
+// ---- causal: recurrent scan ---------------------------------------------------------------
+// CTA (KV head h, sequence n) with 32 * VC threads: thread e owns column e of S (D floats in
+// registers); z lives in shared memory. Token by token: fold k_t, v_t into the state (with the
+// running-max rescaling of the prefix-softmax key gate), then read it with the queries of every
+// query head of the group.
+template <class T, class Policy, int DC, int VC>
+__global__ void linear_causal_kernel(const linear_kernel_params p) {
+  constexpr bool gated = Policy::gate != key_gate::off;
+  constexpr int max_d = 32 * DC;
+  __shared__ float sk[max_d], sz[max_d], sr[max_d];
+  __shared__ float scratch[8];
+  const int D = p.head_dim, Dv = p.value_dim, e = threadIdx.x, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int h = blockIdx.x, n = blockIdx.y;
+  index_t batch, start, length;
+  p.sequence(n, batch, start, length);
+
+  float S[max_d];
+#pragma unroll
+  for (int d = 0; d < max_d; ++d) S[d] = 0.f;
+  float m = gated ? -INFINITY : 0.f, ell = gated ? 0.f : 1.f;
+  if (p.S_in != nullptr) {
+#pragma unroll
+    for (int d = 0; d < max_d; ++d)
+      if (d < D && e < Dv)
+        S[d] = p.S_in[n * p.S_in_stride[0] + h * p.S_in_stride[1] + d * p.S_in_stride[2] + e * p.S_in_stride[3]];
+    if (gated) {
+      m = p.lse_in[n * p.lse_in_stride[0] + h * p.lse_in_stride[1]];
+      ell = m == -INFINITY ? 0.f : 1.f;  // a stored state is normalised: mass 1 at m = lse
+    }
+  }
+  for (int d = threadIdx.x; d < max_d; d += blockDim.x)
+    sz[d] = p.z_in != nullptr && d < D ? p.z_in[n * p.z_in_stride[0] + h * p.z_in_stride[1] + d * p.z_in_stride[2]] : 0.f;
+
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] + h * p.k_stride[2];
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] + h * p.v_stride[2];
+  for (index_t t = 0; t < length; ++t) {
+    const bool valid = p.valid(batch, start + t);
+    float w = valid ? 1.f : 0.f, rescale = 1.f;
+    if (gated && valid) {
+      const float a = p.logit(batch, start + t, h), m_new = fmaxf(m, a);
+      rescale = shifted_exp(m, m_new);
+      w = __expf(a - m_new);
+      ell = ell * rescale + w;
+      m = m_new;
+    }
+    __syncthreads();  // the previous token's readers are done with sk, sz and sr
+    // A pad token (w = 0) is skipped, not multiplied: its k and v may hold anything.
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+      const float pkd = w != 0.f ? w * apply_feature_map<Policy::phi>(to_float(k[t * p.k_stride[1] + d])) : 0.f;
+      sk[d] = pkd;
+      sz[d] = sz[d] * rescale + pkd;
+    }
+    __syncthreads();
+    const float ve = e < Dv && w != 0.f ? to_float(v[t * p.v_stride[1] + e]) : 0.f;
+#pragma unroll
+    for (int d = 0; d < max_d; ++d)
+      if (d < D) S[d] = S[d] * rescale + sk[d] * ve;
+
+    for (int g = 0; g < p.group; ++g) {
+      const int hq = h * p.group + g;
+      const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + t) * p.q_stride[1] + hq * p.q_stride[2];
+      __syncthreads();
+      for (int d = threadIdx.x; d < D; d += blockDim.x) sr[d] = p.scale * apply_feature_map<Policy::phi>(to_float(q[d]));
+      __syncthreads();
+      float num = 0.f, den = 0.f;
+#pragma unroll
+      for (int d = 0; d < max_d; ++d)
+        if (d < D) num += sr[d] * S[d], den += sr[d] * sz[d];
+      // S and z carry the unnormalised gate mass ell; dividing by it gives the prefix softmax.
+      const float inv_mass = gated ? (ell > 0.f ? 1.f / ell : 0.f) : 1.f;
+      float o = num * inv_mass;
+      if (Policy::normalize) o /= den * inv_mass + p.eps;
+      // The epilogue works on whole rows per warp: gather the row through shared memory.
+      __syncthreads();
+      if (e < Dv) sr[e] = o;  // sr is free again (num and den are in registers)
+      __syncthreads();
+      if (warp == 0) {
+        float row[VC];
+#pragma unroll
+        for (int c = 0; c < VC; ++c) row[c] = lane + 32 * c < Dv ? sr[lane + 32 * c] : 0.f;
+        write_row<T, Policy>(p, batch, start + t, hq, row, valid);
+      }
+    }
+    (void)warps;
+  }
+  (void)scratch;
+
+  const float inv = gated && ell > 0.f ? 1.f / ell : 1.f;
+  if (p.S_out != nullptr && e < Dv)
+    for (int d = 0; d < D; ++d)
+      p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + d * p.S_out_stride[2] + e * p.S_out_stride[3]] = S[d] * inv;
+  __syncthreads();
+  if (p.z_out != nullptr)
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+      p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] + d * p.z_out_stride[2]] = sz[d] * inv;
+  if (gated && p.lse_out != nullptr && threadIdx.x == 0)
+    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] = ell > 0.f ? m + logf(ell) : m;
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

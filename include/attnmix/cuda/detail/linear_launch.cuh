@@ -1,0 +1,162 @@
+#pragma once
+// Host side of the CUDA linear-attention kernels: checks, stream-ordered workspace, launches.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include "attnmix/attention/linear_args.hpp"
+#include "attnmix/core/linear_policy.hpp"
+#include "attnmix/core/tags.hpp"
+#include "attnmix/cuda/detail/attention_launch.cuh"
+#include "attnmix/cuda/detail/linear_kernels.cuh"
+#include "attnmix/cuda/runtime.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+template <int N, class V>
+void copy_strides(index_t (&dst)[N], const V& view) {
+  for (int i = 0; i < N; ++i) dst[i] = view.has_value() ? view.stride(i) : 0;
+}
+
+// Calls f(std::integral_constant<int, C>) with C the number of 32-wide chunks covering n (<= 128).
+template <class F>
+void chunk_switch(index_t n, F&& f) {
+  if (n <= 32)
+    f(std::integral_constant<int, 1>{});
+  else if (n <= 64)
+    f(std::integral_constant<int, 2>{});
+  else
+    f(std::integral_constant<int, 4>{});
+}
+
+template <class Kind, class Policy, class T>
+void run_linear(const std::string& fn, const linear_attention_args<T>& a,
+                const linear_attention_problem& p, const backend::cuda& be) {
+  static_assert(Policy::norm != gated_norm::full_width,
+                "attnmix: the CUDA backend has the per-head gated RMSNorm only; full_width runs on "
+                "the CPU backend");
+  using Dev = device_t<T>;
+  constexpr bool causal = linear_kind_traits<Kind>::causal;
+  check_device_pointer(fn, "q", a.q);
+  check_device_pointer(fn, "k", a.k);
+  check_device_pointer(fn, "v", a.v);
+  check_device_pointer(fn, "out", a.out);
+  check_device_pointer(fn, "mask", a.mask);
+  check_device_pointer(fn, "a", a.a);
+  check_device_pointer(fn, "gate", a.gate);
+  check_device_pointer(fn, "gamma", a.gamma);
+  check_device_pointer(fn, "state_in.S", a.state_in.S);
+  check_device_pointer(fn, "state_in.z", a.state_in.z);
+  check_device_pointer(fn, "state_in.lse", a.state_in.lse);
+  check_device_pointer(fn, "state_out.S", a.state_out.S);
+  check_device_pointer(fn, "state_out.z", a.state_out.z);
+  check_device_pointer(fn, "state_out.lse", a.state_out.lse);
+  const index_t D = p.head_dim, Dv = p.value_dim;
+  require(D % 4 == 0 && D <= 128, fn, "q", "has head dim D = ", D,
+          " but the CUDA backend needs D <= 128 and a multiple of 4");
+  require(Dv % 4 == 0 && Dv <= 128, fn, "v", "has head dim Dv = ", Dv,
+          " but the CUDA backend needs Dv <= 128 and a multiple of 4");
+  require(p.num_sequences <= 65535, fn, "cu_seqlens", "holds ", p.num_sequences,
+          " sequences but the CUDA backend supports at most 65535");
+  if (p.num_sequences == 0) return;
+
+  index_t max_len = 0;
+  for (index_t n = 0; n < p.num_sequences; ++n) max_len = std::max(max_len, p.seq(n).length);
+  const index_t N = p.num_sequences, H = p.kv_heads;
+  // Without tokens only the states have something to say (fresh, or passed through).
+  cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
+
+  // Blocks of the reduce pass: enough CTAs to fill the GPU several times over.
+  const index_t target = 4 * 132;
+  index_t partials = std::clamp<index_t>((target + H * N - 1) / (H * N), 1, std::max<index_t>(1, (max_len + 63) / 64));
+  const index_t block_tokens = std::max<index_t>(32, ((max_len + partials - 1) / partials + 31) / 32 * 32);
+  partials = std::max<index_t>(1, (max_len + block_tokens - 1) / block_tokens);
+
+  const std::size_t cu_bytes = p.cu_seqlens != nullptr ? static_cast<std::size_t>(N + 1) * sizeof(std::int32_t) : 0;
+  const std::size_t cu_padded = (cu_bytes + 255) / 256 * 256;
+  const std::size_t partial_bytes =
+      causal ? 0 : static_cast<std::size_t>(N * H * partials * partial_floats(int(D), int(Dv))) * sizeof(float);
+  const std::size_t state_bytes = causal ? 0 : static_cast<std::size_t>(N * H * (D * Dv + D)) * sizeof(float);
+  stream_buffer scratch(cu_padded + partial_bytes + state_bytes, stream);
+
+  linear_kernel_params kp{};
+  kp.q = a.q.data(), kp.k = a.k.data(), kp.v = a.v.data(), kp.out = a.out.data();
+  kp.mask = a.mask.has_value() ? a.mask.data() : nullptr;
+  kp.a = a.a.has_value() ? a.a.data() : nullptr;
+  kp.gate = a.gate.has_value() ? a.gate.data() : nullptr;
+  kp.gamma = a.gamma.has_value() ? a.gamma.data() : nullptr;
+  copy_strides(kp.q_stride, a.q), copy_strides(kp.k_stride, a.k), copy_strides(kp.v_stride, a.v);
+  copy_strides(kp.out_stride, a.out), copy_strides(kp.gate_stride, a.gate);
+  copy_strides(kp.mask_stride, a.mask), copy_strides(kp.a_stride, a.a);
+  kp.gamma_stride = a.gamma.has_value() ? a.gamma.stride(0) : 0;
+  kp.tokens = p.tokens;
+  kp.q_heads = int(p.q_heads), kp.kv_heads = int(H), kp.group = int(p.group());
+  kp.gate_heads = int(p.gate_heads), kp.head_dim = int(D), kp.value_dim = int(Dv);
+  kp.scale = float(p.scale), kp.eps = float(p.eps), kp.norm_eps = float(p.norm_eps);
+  const auto& si = a.state_in;
+  const auto& so = a.state_out;
+  kp.S_in = si.S.has_value() ? si.S.data() : nullptr;
+  kp.z_in = si.z.has_value() ? si.z.data() : nullptr;
+  kp.lse_in = si.lse.has_value() ? si.lse.data() : nullptr;
+  kp.S_out = so.S.has_value() ? so.S.data() : nullptr;
+  kp.z_out = so.z.has_value() ? so.z.data() : nullptr;
+  kp.lse_out = so.lse.has_value() ? so.lse.data() : nullptr;
+  copy_strides(kp.S_in_stride, si.S), copy_strides(kp.z_in_stride, si.z), copy_strides(kp.lse_in_stride, si.lse);
+  copy_strides(kp.S_out_stride, so.S), copy_strides(kp.z_out_stride, so.z), copy_strides(kp.lse_out_stride, so.lse);
+  if (cu_bytes > 0) {
+    check(cudaMemcpyAsync(scratch.get(), p.cu_seqlens, cu_bytes, cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync(cu_seqlens)");
+    kp.cu_seqlens = reinterpret_cast<const std::int32_t*>(scratch.get());
+  }
+
+  if constexpr (causal) {
+    chunk_switch(D, [&](auto dc) {
+      chunk_switch(Dv, [&](auto vc) {
+        constexpr int DC = decltype(dc)::value, VC = decltype(vc)::value;
+        linear_causal_kernel<Dev, Policy, DC, VC>
+            <<<dim3(unsigned(H), unsigned(N)), 32 * VC, 0, stream>>>(kp);
+      });
+    });
+  } else {
+    float* partial = reinterpret_cast<float*>(scratch.get() + cu_padded);
+    float* state = reinterpret_cast<float*>(scratch.get() + cu_padded + partial_bytes);
+    const index_t tiles = (D / 4) * (Dv / 4);
+    const int reduce_smem = int((32 * (D + Dv) + 32) * sizeof(float));
+    auto reduce = [&](auto blocks) {
+      constexpr int Blocks = decltype(blocks)::value;
+      linear_reduce_kernel<Dev, Policy, Blocks>
+          <<<dim3(unsigned(partials), unsigned(H), unsigned(N)), 256, reduce_smem, stream>>>(
+              kp, block_tokens, partial, partials);
+    };
+    if (tiles <= 256)
+      reduce(std::integral_constant<int, 1>{});
+    else if (tiles <= 512)
+      reduce(std::integral_constant<int, 2>{});
+    else
+      reduce(std::integral_constant<int, 4>{});
+    check(cudaGetLastError(), "linear_reduce_kernel launch");
+    linear_combine_kernel<Policy><<<dim3(unsigned(H), unsigned(N)), 256, 0, stream>>>(kp, partial, partials, state);
+    check(cudaGetLastError(), "linear_combine_kernel launch");
+    if (max_len > 0) {
+      const int read_smem = int((D * Dv + D + 16 * D) * sizeof(float));
+      chunk_switch(Dv, [&](auto vc) {
+        constexpr int VC = decltype(vc)::value;
+        auto kernel = linear_read_kernel<Dev, Policy, VC>;
+        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, read_smem),
+              "cudaFuncSetAttribute");
+        kernel<<<dim3(unsigned((max_len + 15) / 16), unsigned(p.q_heads), unsigned(N)), 128, read_smem,
+                 stream>>>(kp, state);
+      });
+    }
+  }
+  check(cudaGetLastError(), "linear attention kernel launch");
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

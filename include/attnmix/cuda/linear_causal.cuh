@@ -1,0 +1,28 @@
+#pragma once
+// kind::linear_causal on CUDA: float, half and bfloat16 inputs, float states (cuda/detail/linear_kernels.cuh).
+
+#include <type_traits>
+
+#include "attnmix/attention/linear_attention.hpp"
+#include "attnmix/cuda/detail/linear_launch.cuh"
+
+namespace attnmix {
+
+template <>
+struct is_implemented<kind::linear_causal, backend::cuda> : std::true_type {};
+
+namespace detail {
+
+template <class Policy>
+struct linear_attention_impl<kind::linear_causal, backend::cuda, Policy> {
+  template <class T>
+  static void run(const linear_attention_args<T>& a, const linear_attention_problem& p,
+                  const backend::cuda& be) {
+    static_assert(!std::is_same_v<T, double>,
+                  "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
+    cuda::run_linear<kind::linear_causal, Policy>("attnmix::linear_attention<linear_causal>", a, p, be);
+  }
+};
+
+}  // namespace detail
+}  // namespace attnmix
