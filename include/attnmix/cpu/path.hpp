@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attnmix/attention/attention.hpp"
@@ -234,12 +235,13 @@ void path_query_chunk(const attention_args<T>& a, const attention_problem& p, pa
     for (index_t r = 0; r < n; ++r) a.lse(b, t0 + r, hq) = ws.m(r) + std::log(ws.l(r));
 }
 
-// The blocked forward. G: gate cumsum laid out like g ([B, T, HQ], contiguous) or nullptr.
+// The blocked forward over prepared chunks. G: gate cumsum laid out like g ([B, T, HQ],
+// contiguous) or nullptr.
 template <class T>
 void path_forward(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be,
-                  index_t chunk, const double* G, double coef) {
+                  path_chunks<T>& c, const double* G, double coef) {
   check_cpu_scalar<T>();
-  path_chunks<T> c = path_prepare<T>(a.k, a.w, a.beta, p, chunk, be);
+  const index_t chunk = c.chunk;
 
   struct task {
     index_t seq, head, chunk;
@@ -264,14 +266,13 @@ void path_forward(const attention_args<T>& a, const attention_problem& p, const 
   });
 }
 
-// The prefill key cache. out(n, h) returns {pointer to token 0 of sequence n in KV head h,
-// token stride} of where kappa goes.
+// The prefill key cache from prepared chunks. out(n, h) returns {pointer to token 0 of
+// sequence n in KV head h, token stride} of where kappa goes.
 template <class T, class Out>
-void path_key_cache(const view4<const T>& k, const view4<const T>& w, const view3<const T>& beta,
-                    const attention_problem& p, index_t chunk, const backend::cpu& be, Out out) {
+void path_key_cache(const view4<const T>& w, const attention_problem& p, const backend::cpu& be,
+                    path_chunks<T>& c, Out out) {
   check_cpu_scalar<T>();
-  path_chunks<T> c = path_prepare<T>(k, w, beta, p, chunk, be);
-  const index_t D = p.head_dim, tasks = p.num_sequences * p.kv_heads;
+  const index_t D = p.head_dim, tasks = p.num_sequences * p.kv_heads, chunk = c.chunk;
   const int workers = worker_count(be, tasks);
   struct suffix_scratch {
     matrix<T> s, tmp, proj;
@@ -281,6 +282,7 @@ void path_key_cache(const view4<const T>& k, const view4<const T>& w, const view
     suffix_scratch& ws = scratch[static_cast<std::size_t>(worker)];
     const index_t n = i / p.kv_heads, h = i % p.kv_heads;
     const sequence s = p.seq(n);
+    if (s.length == 0) return;  // nothing to write; out(n, h) might point past the end
     const auto [dst, dst_stride] = out(n, h);
     const index_t chunks = math::chunk_count(s.length, chunk);
     // S = P_last ... P_{ci+1}, the transitions after chunk ci; kappa = S k~, i.e. rows K~ S^T.
@@ -353,7 +355,9 @@ struct attention_impl<kind::path, backend::cpu, Policy> {
   template <class T>
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be) {
     static_assert(Policy::chunk >= 1, "attnmix: Policy::chunk must be positive");
-    cpu::path_forward(a, p, be, Policy::chunk, nullptr, 0.0);
+    cpu::check_cpu_scalar<T>();
+    auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
+    cpu::path_forward(a, p, be, c, nullptr, 0.0);
   }
 };
 
@@ -364,7 +368,8 @@ struct attention_impl<kind::path_fox, backend::cpu, Policy> {
     static_assert(Policy::chunk >= 1, "attnmix: Policy::chunk must be positive");
     cpu::check_cpu_scalar<T>();
     const std::vector<double> G = cpu::gate_cumsum(a.g, p);
-    cpu::path_forward(a, p, be, Policy::chunk, G.data(), cpu::gate_coefficient<Policy>(p));
+    auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
+    cpu::path_forward(a, p, be, c, G.data(), cpu::gate_coefficient<Policy>(p));
   }
 };
 
@@ -374,8 +379,10 @@ struct path_cache_impl<backend::cpu> {
   static void key_cache(const path_key_cache_args<T>& a, const attention_problem& p,
                         const backend::cpu& be) {
     static_assert(Policy::chunk >= 1, "attnmix: Policy::chunk must be positive");
+    cpu::check_cpu_scalar<T>();
     const auto& out = a.key_cache;
-    cpu::path_key_cache(a.k, a.w, a.beta, p, Policy::chunk, be, [&](index_t n, index_t h) {
+    auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
+    cpu::path_key_cache(a.w, p, be, c, [&](index_t n, index_t h) {
       const sequence s = p.seq(n);
       return std::pair<T*, index_t>(&out(s.batch, s.start, h, 0), out.stride(1));
     });
@@ -384,14 +391,23 @@ struct path_cache_impl<backend::cpu> {
   template <class Kind, class Policy, class T>
   static void prefill(path_cache<T>& cache, const attention_args<T>& a, const attention_problem& p,
                       const std::vector<index_t>& slots, const backend::cpu& be) {
-    attention_impl<Kind, backend::cpu, Policy>::run(a, p, be);
+    static_assert(Policy::chunk >= 1, "attnmix: Policy::chunk must be positive");
+    cpu::check_cpu_scalar<T>();
+    // The forward and the key cache share the per-chunk UT data.
+    auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
+    if constexpr (kind_traits<Kind>::uses_forget_gate) {
+      const std::vector<double> G = cpu::gate_cumsum(a.g, p);
+      cpu::path_forward(a, p, be, c, G.data(), cpu::gate_coefficient<Policy>(p));
+    } else {
+      cpu::path_forward(a, p, be, c, nullptr, 0.0);
+    }
     const index_t cap = cache.capacity(), H = p.kv_heads, HQ = p.q_heads, D = p.head_dim,
                   Dv = p.value_dim;
     T* keys = path_cache_access::keys(cache);
     T* values = path_cache_access::values(cache);
     double* gates = path_cache_access::gates(cache);
     const auto slot_of = [&](index_t n) { return slots[static_cast<std::size_t>(n)]; };
-    cpu::path_key_cache(a.k, a.w, a.beta, p, Policy::chunk, be, [&](index_t n, index_t h) {
+    cpu::path_key_cache(a.w, p, be, c, [&](index_t n, index_t h) {
       return std::pair<T*, index_t>(keys + (slot_of(n) * cap * H + h) * D, H * D);
     });
     for (index_t n = 0; n < p.num_sequences; ++n) {
