@@ -4,7 +4,7 @@
 // floor). Shapes: B = 1, H = 16, D = Dv = 64.
 // Counters: GFLOP/s with FLOPs = 4*B*H*T*D*Dv (the two products S = P^T V and R S); GB/s over
 // the bytes a fused implementation must move (q, k, v read, out written; for GBLA also the
-// output gate and the key-gate logits).
+// output gate and the key-gate logits). Second argument: threads (1, or 0 for every core).
 
 #include <benchmark/benchmark.h>
 
@@ -34,6 +34,7 @@ double linear_flops(index_t T) { return 4.0 * B * H * double(T) * D * Dv; }
 template <class Kind, class Policy>
 void BM_linear(benchmark::State& state) {
   const index_t T = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
   constexpr bool gated = Policy::gate != attnmix::key_gate::off;
   constexpr bool normed = Policy::norm != attnmix::gated_norm::off;
   attnmix::host_tensor<float, 4> q({B, T, H, D}), k({B, T, H, D}), v({B, T, H, Dv});
@@ -44,7 +45,7 @@ void BM_linear(benchmark::State& state) {
   if constexpr (gated) args.a = a.view();
   if constexpr (normed) args.gate = gate.view();
   for (auto _ : state) {
-    attnmix::linear_attention<Kind, Policy>(args);
+    attnmix::linear_attention<Kind, Policy>(args, {}, attnmix::backend::cpu{threads});
     benchmark::DoNotOptimize(out.data());
   }
   double bytes = 4.0 * B * T * H * D * sizeof(float);
@@ -63,12 +64,14 @@ void BM_linear(benchmark::State& state) {
 // Bidirectional softmax attention on the same shapes; FLOPs = 4*B*H*T^2*D.
 void BM_softmax_bidirectional(benchmark::State& state) {
   const index_t T = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
   attnmix::host_tensor<float, 4> q({B, T, H, D}), k({B, T, H, D}), v({B, T, H, Dv}),
       out({B, T, H, Dv});
   randomize(q, 1), randomize(k, 2), randomize(v, 3);
   attnmix::attention_args<float> args{q.view(), k.view(), v.view(), out.view()};
   for (auto _ : state) {
-    attnmix::attention<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy>(args);
+    attnmix::attention<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy>(
+        args, {}, attnmix::backend::cpu{threads});
     benchmark::DoNotOptimize(out.data());
   }
   state.counters["GFLOP/s"] = benchmark::Counter(4.0 * B * H * double(T) * double(T) * D / 1e9,
@@ -76,14 +79,15 @@ void BM_softmax_bidirectional(benchmark::State& state) {
 }
 
 // Eigen SGEMMs of BLA's shapes, per head: S = P^T V (D x T times T x Dv) and N = R S (T x D
-// times D x Dv), heads spread over every core; no feature map, mask or division. The rate the
+// times D x Dv), heads spread over the threads; no feature map, mask or division. The rate the
 // two products of BLA can reach.
 void BM_eigen_products(benchmark::State& state) {
   const index_t T = state.range(0);
   using mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   std::vector<mat> p(H, mat::Random(T, D)), v(H, mat::Random(T, Dv)), s(H, mat(D, Dv)),
       n(H, mat(T, Dv));
-  const int workers = attnmix::detail::cpu::worker_count(attnmix::backend::cpu{}, H);
+  const int threads = static_cast<int>(state.range(1));
+  const int workers = attnmix::detail::cpu::worker_count(attnmix::backend::cpu{threads}, H);
   for (auto _ : state) {
     attnmix::detail::cpu::parallel_for(H, workers, [&](index_t h, int) {
       s[h].noalias() = p[h].transpose() * v[h];
@@ -133,7 +137,12 @@ using causal_recurrent =
     attnmix::with_causal_form<attnmix::linear_causal_policy, attnmix::causal_form::recurrent>;
 
 void lengths(benchmark::internal::Benchmark* b) {
-  for (int T : {2048, 8192, 32768}) b->Arg(T);
+  for (int threads : {1, 0})
+    for (int T : {2048, 8192, 32768}) b->Args({T, threads});
+  b->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+void at_8192(benchmark::internal::Benchmark* b) {
+  for (int threads : {1, 0}) b->Args({8192, threads});
   b->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 
@@ -143,15 +152,15 @@ BENCHMARK(BM_linear<attnmix::kind::bla, attnmix::bla_policy>)->Name("bla")->Appl
 BENCHMARK(BM_linear<attnmix::kind::gbla, attnmix::gbla_policy>)->Name("gbla")->Apply(lengths);
 BENCHMARK(BM_linear<attnmix::kind::linear_causal, attnmix::linear_causal_policy>)
     ->Name("linear_causal_chunked")
-    ->Arg(8192)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+    ->Apply(at_8192);
 BENCHMARK(BM_linear<attnmix::kind::linear_causal, causal_recurrent>)
     ->Name("linear_causal_recurrent")
-    ->Arg(8192)
+    ->Apply(at_8192);
+BENCHMARK(BM_softmax_bidirectional)->Name("softmax_bidirectional")->Apply(at_8192);
+BENCHMARK(BM_eigen_products)->Name("eigen_products")->Apply(lengths);
+BENCHMARK(BM_eigen_sgemm_square)
+    ->Name("eigen_sgemm_square")
+    ->Arg(1024)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-BENCHMARK(BM_softmax_bidirectional)->Name("softmax_bidirectional")->Arg(8192)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_eigen_products)->Name("eigen_products")->Apply(lengths);
-BENCHMARK(BM_eigen_sgemm_square)->Name("eigen_sgemm_square")->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_copy)->Name("copy")->Apply(lengths);
+BENCHMARK(BM_copy)->Name("copy")->Arg(8192)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();

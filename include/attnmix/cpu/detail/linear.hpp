@@ -2,12 +2,15 @@
 // Shared internals of the CPU linear-attention kinds (cpu/bla.hpp, cpu/gbla.hpp,
 // cpu/linear_causal.hpp):
 //  * bidirectional_forward: the two-pass reduce-then-read algorithm of spec gbla.md §3.2. Pass 1
-//    reduces S = P^T V and z = P^T 1 per (sequence, KV head), split over token ranges when there
-//    are fewer (sequence, head) pairs than threads, then combines the partial states; pass 2
-//    reads o = (R S) / (R z + eps) per query block with the gated-norm epilogue fused.
+//    reduces S = P^T V and z = P^T 1 per (sequence, KV head), one task per (sequence, token
+//    range) over every head, split into as many ranges as keep the threads busy, then combines
+//    the partial states; pass 2 reads o = (R S) / (R z + eps) per block of query rows with the
+//    gated-norm epilogue fused. With several ranges per sequence the summation order, and so
+//    the rounding, depends on the thread count.
 //  * causal_forward: the chunked form (one carried state plus a masked chunk x chunk product per
 //    chunk) and the recurrent form (one rank-1 update per token) of spec §4, with the key gate
-//    as a prefix softmax kept stable by a running max.
+//    as a prefix softmax kept stable by a running max. One task per (sequence, KV head), so a
+//    single long sequence with few heads uses few threads.
 // Everything is O(T D Dv) time and O(D Dv) state per head; nothing is T x T.
 
 #include <algorithm>
@@ -53,7 +56,7 @@ void apply_phi(Dst&& dst, const Src& src) {
   }
 }
 
-// Per-thread scratch, O(block * (D + Dv) + chunk^2) elements.
+// Per-thread scratch, O(block * heads * (D + Dv) + chunk^2) elements.
 template <class T>
 struct linear_scratch {
   matrix<T> k, v, p, r, num, scores, weights, act;
