@@ -10,6 +10,10 @@ if(NOT Eigen3_FOUND)
     "  Or pass -DEigen3_DIR=<prefix>/share/eigen3/cmake")
 endif()
 
+# nlohmann-json: only attnmix/io (safetensors) needs it, so it is optional; the attnmix::io
+# target exists when it is found (Debian: nlohmann-json3-dev).
+find_package(nlohmann_json 3 QUIET)
+
 # CUDA backend. The library itself needs no CUDA language; nvcc is enabled only for the
 # project's own CUDA tests and benchmarks, so a parent project never gets CUDA switched on.
 set(ATTNMIX_HAS_CUDA OFF)

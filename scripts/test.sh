@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/dependencies.sh
-attnmix_require_packages build-essential cmake ninja-build libeigen3-dev catch2 libbenchmark-dev
+attnmix_require_packages build-essential cmake ninja-build libeigen3-dev catch2 libbenchmark-dev nlohmann-json3-dev
 cmake --workflow --preset "${1:-default}"

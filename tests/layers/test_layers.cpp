@@ -1,0 +1,254 @@
+// Each mixer layer against its float64 oracle (dense and packed batches, float and double), the
+// MLPs, and decoding against the full forward for every cached layer.
+
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "layers/layer_harness.hpp"
+
+namespace {
+
+using namespace attnmix_test;
+using attnmix::host_tensor;
+namespace L = attnmix::layers;
+
+using oracle = std::function<std::vector<double>(const layer_ref::params&, const std::vector<double>&,
+                                                 const layer_ref::dims&, const layer_ref::layout&)>;
+
+L::config small_config(index_t heads, index_t kv_heads) {
+  L::config c;
+  c.hidden_size = 48;
+  c.num_heads = heads;
+  c.num_kv_heads = kv_heads;
+  c.head_dim = 16;  // HQ * d != D on purpose for the GQA cases
+  c.w_rank = 8;
+  return c;
+}
+
+// Runs the float and the double mixer over a dense and a packed batch against the oracle.
+template <class Layer>
+void check_mixer(const L::config& c, const oracle& ref, std::uint64_t salt) {
+  rng r(salt);
+  INFO("seed " << test_seed() << " salt " << salt << " layer " << Layer::name);
+  typename Layer::template type<float> mf(c);
+  typename Layer::template type<double> md(c);
+  L::randomize_parameters(mf, test_seed() ^ salt, 0.15, 0.3);
+  copy_parameters(mf, md);
+  const auto params = parameters_of(mf);
+  const auto dm = dims_of(c);
+
+  struct batch {
+    index_t B, T;
+    std::vector<std::int32_t> cu;
+  };
+  for (const batch& b : {batch{2, 37, {}}, batch{1, 33, {0, 1, 20, 20, 33}}, batch{1, 1, {}}}) {
+    INFO("B=" << b.B << " T=" << b.T << " packed=" << !b.cu.empty());
+    auto xf = random_activations<float>(r, b.B, b.T, c.hidden_size);
+    host_tensor<double, 3> xd(xf.shape());
+    for (index_t i = 0; i < xf.size(); ++i) xd.data()[i] = xf.data()[i];
+    host_tensor<float, 3> yf(xf.shape());
+    host_tensor<double, 3> yd(xf.shape());
+    poison(yf);
+    poison(yd);
+    attnmix::view1<const std::int32_t> cu;
+    if (!b.cu.empty()) cu = {b.cu.data(), {static_cast<index_t>(b.cu.size())}};
+    mf.forward(xf.view(), yf.view(), cu);
+    md.forward(xd.view(), yd.view(), cu);
+    const auto want = ref(params, as_double(xf), dm, layer_ref::layout{b.B, b.T, to_long(b.cu)});
+    CHECK(rel_error(yf.storage(), want) <= 4 * tolerance<float>());
+    CHECK(rel_error(yd.storage(), want) <= 1e-11);
+  }
+}
+
+template <class Cache>
+index_t cache_length(const Cache& c) {
+  return c.length(0);
+}
+
+// Decoding after a prefill of P tokens equals the full forward, token by token (double).
+template <class Layer>
+void check_decode(const L::config& c, index_t P, std::uint64_t salt) {
+  rng r(salt);
+  INFO("seed " << test_seed() << " salt " << salt << " layer " << Layer::name << " prefill " << P);
+  typename Layer::template type<double> m(c);
+  L::randomize_parameters(m, test_seed() ^ salt, 0.15, 0.3);
+  const index_t N = 2, T = 19, D = c.hidden_size;
+  auto x = random_activations<double>(r, N, T, D);
+  host_tensor<double, 3> full(x.shape());
+  m.forward(x.view(), full.view());
+
+  auto cache = m.make_cache(N, T);
+  if (P > 0) {
+    host_tensor<double, 3> xp({N, P, D}), yp({N, P, D});
+    for (index_t n = 0; n < N; ++n)
+      for (index_t t = 0; t < P; ++t)
+        for (index_t e = 0; e < D; ++e) xp(n, t, e) = x(n, t, e);
+    poison(yp);
+    m.prefill(xp.view(), yp.view(), cache);
+    std::vector<double> got, want;
+    for (index_t n = 0; n < N; ++n)
+      for (index_t t = 0; t < P; ++t)
+        for (index_t e = 0; e < D; ++e) got.push_back(yp(n, t, e)), want.push_back(full(n, t, e));
+    CHECK(rel_error(got, want) <= 1e-11);
+  }
+  for (index_t t = P; t < T; ++t) {
+    host_tensor<double, 3> xs({N, 1, D}), ys({N, 1, D});
+    for (index_t n = 0; n < N; ++n)
+      for (index_t e = 0; e < D; ++e) xs(n, 0, e) = x(n, t, e);
+    poison(ys);
+    m.decode(xs.view(), ys.view(), cache);
+    std::vector<double> want;
+    for (index_t n = 0; n < N; ++n)
+      for (index_t e = 0; e < D; ++e) want.push_back(full(n, t, e));
+    INFO("token " << t);
+    CHECK(rel_error(ys.storage(), want) <= 1e-11);
+    CHECK(cache_length(cache) == t + 1);
+  }
+}
+
+struct rope_sa_policy : L::causal_sa_layer_policy {
+  static constexpr bool rope = true;
+  static constexpr bool qk_norm = true;
+  static constexpr bool output_gate = true;
+  static constexpr const char* name = "rope_sa";
+};
+struct gated_fox_policy : L::fox_layer_policy {
+  static constexpr bool qk_norm = true;
+  static constexpr bool output_gate = true;
+  static constexpr const char* name = "gated_fox";
+};
+// A causal linear layer with every GBLA addition: conv state, key-gate lse and norm.
+struct causal_gbla_policy : L::gbla_layer_policy {
+  using kind = attnmix::kind::linear_causal;
+  using core = attnmix::with_gated_norm<
+      attnmix::with_key_gate<attnmix::linear_causal_policy, attnmix::key_gate::per_head>,
+      attnmix::gated_norm::per_head>;
+  static constexpr const char* name = "causal_gbla";
+};
+template <class T>
+using rope_sa_layer = L::attention_layer<T, rope_sa_policy>;
+template <class T>
+using gated_fox_layer = L::attention_layer<T, gated_fox_policy>;
+template <class T>
+using causal_gbla_layer = L::linear_layer<T, causal_gbla_policy>;
+using rope_sa = attnmix::layer::custom<attnmix::kind::softmax, rope_sa_layer>;
+using gated_fox = attnmix::layer::custom<attnmix::kind::fox, gated_fox_layer>;
+using causal_gbla = attnmix::layer::custom<attnmix::kind::linear_causal, causal_gbla_layer>;
+
+oracle attention_oracle(bool causal, bool fox, bool rope = false, bool norm = false, bool gate = false) {
+  return [=](const auto& p, const auto& x, const auto& m, const auto& l) {
+    return layer_ref::attention_mixer(p, "", x, m, l, causal, fox, rope, norm, gate);
+  };
+}
+oracle path_oracle(bool gated) {
+  return [=](const auto& p, const auto& x, const auto& m, const auto& l) {
+    return layer_ref::path_mixer(p, "", x, m, l, gated);
+  };
+}
+oracle linear_oracle(bool causal) {
+  return [=](const auto& p, const auto& x, const auto& m, const auto& l) {
+    return layer_ref::linear_mixer(p, "", x, m, l, causal);
+  };
+}
+
+TEST_CASE("softmax-family mixers match the float64 oracle", "[layers]") {
+  check_mixer<attnmix::layer::sa>(small_config(4, 2), attention_oracle(false, false), 1);
+  check_mixer<attnmix::layer::causal_sa>(small_config(4, 4), attention_oracle(true, false), 2);
+  check_mixer<attnmix::layer::fox>(small_config(4, 2), attention_oracle(true, true), 3);
+  check_mixer<rope_sa>(small_config(4, 2), attention_oracle(true, false, true, true, true), 4);
+  check_mixer<gated_fox>(small_config(4, 2), attention_oracle(true, true, false, true, true), 5);
+}
+
+TEST_CASE("PaTH mixers match the float64 oracle (low-rank and full w)", "[layers]") {
+  check_mixer<attnmix::layer::path>(small_config(3, 3), path_oracle(false), 11);
+  check_mixer<attnmix::layer::path_fox>(small_config(4, 2), path_oracle(true), 12);
+  check_mixer<attnmix::layer::path_fox>(small_config(2, 2), path_oracle(true), 13);
+}
+
+TEST_CASE("linear-attention mixers match the float64 oracle", "[layers]") {
+  check_mixer<attnmix::layer::bla>(small_config(4, 2), linear_oracle(false), 21);
+  check_mixer<attnmix::layer::gbla>(small_config(4, 4), linear_oracle(false), 22);
+  check_mixer<attnmix::layer::gbla>(small_config(4, 2), linear_oracle(false), 23);
+  check_mixer<attnmix::layer::linear_causal>(small_config(4, 2), linear_oracle(true), 24);
+  check_mixer<causal_gbla>(small_config(2, 2), linear_oracle(true), 25);
+}
+
+TEST_CASE("decoding equals the full forward for every cached layer", "[layers][decode]") {
+  for (index_t P : {index_t{0}, index_t{1}, index_t{8}}) {
+    check_decode<attnmix::layer::causal_sa>(small_config(4, 2), P, 31);
+    check_decode<rope_sa>(small_config(4, 2), P, 32);
+    check_decode<gated_fox>(small_config(4, 2), P, 33);
+    check_decode<attnmix::layer::path>(small_config(3, 3), P, 34);
+    check_decode<attnmix::layer::path_fox>(small_config(4, 2), P, 35);
+    check_decode<attnmix::layer::linear_causal>(small_config(4, 2), P, 36);
+    check_decode<causal_gbla>(small_config(2, 2), P, 37);
+  }
+}
+
+TEST_CASE("MLPs and the short convolution match plain loops", "[layers]") {
+  rng r(41);
+  INFO("seed " << test_seed());
+  L::config c = small_config(4, 4);
+  c.intermediate_size = 40;
+  const index_t rows = 23;
+  auto x = random_activations<double>(r, 1, rows, c.hidden_size);
+  std::vector<double> y(static_cast<std::size_t>(rows * c.hidden_size));
+  const auto run = [&](const auto& m, bool relu) {
+    std::fill(y.begin(), y.end(), std::numeric_limits<double>::quiet_NaN());
+    m.apply(x.data(), rows, y.data(), attnmix::backend::cpu{});
+    const auto want = layer_ref::mlp(parameters_of(m), "", as_double(x), rows, c.hidden_size, relu);
+    CHECK(rel_error(y, want) <= 1e-12);
+  };
+  L::mlp<double, L::mlp_kind::swiglu> s(c);
+  L::mlp<double, L::mlp_kind::gelu> g(c);
+  L::mlp<double, L::mlp_kind::relu> re(c);
+  L::randomize_parameters(s, 1, 0.2);
+  L::randomize_parameters(g, 2, 0.2);
+  L::randomize_parameters(re, 3, 0.2);
+  run(s, false);
+  run(g, false);
+  run(re, true);
+  CHECK(L::mlp_width(L::config{}, L::mlp_kind::swiglu) == 768);  // fla: 256 * ceil(256*8/3/256)
+
+  // Short conv with a rolling state: the steps continue the prefix exactly.
+  for (index_t K : {index_t{3}, index_t{4}}) {
+    L::short_conv<double> conv(c.hidden_size, K, true);
+    L::randomize_parameters(conv, 4, 0.5);
+    const L::token_layout lay{1, rows, {0, 5, 5, 6, rows}};
+    std::vector<double> full(y.size());
+    conv.apply(x.data(), full.data(), lay, {});
+    const auto want = layer_ref::conv(as_double(x), layer_ref::layout{1, rows, {0, 5, 5, 6, rows}},
+                                      c.hidden_size, parameters_of(conv).at("weight"), true);
+    CHECK(rel_error(full, want) <= 1e-13);
+    // Last segment: prefill 3 tokens, then step through the rest.
+    const index_t D = c.hidden_size, s0 = 6, p = 3;
+    auto st = conv.make_state(1);
+    std::vector<double> tmp(static_cast<std::size_t>(p * D));
+    conv.apply(x.data() + s0 * D, tmp.data(), L::token_layout{1, p, {}}, {}, &st);
+    for (index_t t = s0 + p; t < rows; ++t) {
+      std::vector<double> one(static_cast<std::size_t>(D));
+      conv.step(x.data() + t * D, one.data(), 1, st, {});
+      const std::vector<double> w(full.begin() + t * D, full.begin() + (t + 1) * D);
+      CHECK(rel_error(one, w) <= 1e-13);
+    }
+  }
+}
+
+TEST_CASE("layers reject bad arguments with attnmix::error", "[layers][errors]") {
+  const L::config c = small_config(4, 2);
+  attnmix::layer::causal_sa::type<float> m(c);
+  host_tensor<float, 3> x({2, 5, 48}), y({2, 5, 48}), bad({2, 5, 47}), small({2, 4, 48});
+  ATTNMIX_CHECK_ERROR(m.forward(bad.view(), y.view()), "argument 'x'");
+  ATTNMIX_CHECK_ERROR(m.forward(x.view(), small.view()), "argument 'out'");
+  ATTNMIX_CHECK_ERROR(m.forward(x.view(), attnmix::view3<float>(x.data(), {2, 5, 48})),
+                    "overlaps");
+  auto cache = m.make_cache(2, 4);
+  ATTNMIX_CHECK_ERROR(m.prefill(x.view(), y.view(), cache), "capacity 4");
+  L::config broken = c;
+  broken.num_kv_heads = 3;
+  ATTNMIX_CHECK_ERROR((void)attnmix::layer::gbla::type<float>{broken}, "num_kv_heads");
+}
+
+}  // namespace

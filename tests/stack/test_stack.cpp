@@ -1,0 +1,172 @@
+// Hybrid stacks: the [SA, GBLA, GBLA] encoder and causal stacks against the float64 oracle,
+// padded / left-padded / varlen batches agreeing at valid positions, and whole-stack decoding
+// against the full forward.
+
+#include <string>
+#include <vector>
+
+#include "layers/layer_harness.hpp"
+
+namespace {
+
+using namespace attnmix_test;
+using attnmix::host_tensor;
+namespace L = attnmix::layers;
+using attnmix::repeat;
+namespace layer = attnmix::layer;
+
+L::config stack_config() {
+  L::config c;
+  c.hidden_size = 32;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.intermediate_size = 48;
+  c.w_rank = 8;
+  return c;
+}
+
+std::vector<std::string> names_of(const std::vector<const char*>& n) {
+  return std::vector<std::string>(n.begin(), n.end());
+}
+
+template <class Stack>
+void check_against_oracle(std::uint64_t salt) {
+  rng r(salt);
+  INFO("seed " << test_seed() << " salt " << salt);
+  const L::config c = stack_config();
+  Stack s(c);
+  L::randomize_parameters(s, test_seed() ^ salt, 0.15, 0.3);
+  auto x = random_activations<double>(r, 2, 29, c.hidden_size);
+  host_tensor<double, 3> y(x.shape());
+  poison(y);
+  s.forward(x.view(), y.view());
+  const auto want = layer_ref::stack(parameters_of(s), names_of(Stack::layer_names()), as_double(x),
+                                     dims_of(c), layer_ref::layout{2, 29, {}});
+  CHECK(rel_error(y.storage(), want) <= 1e-11);
+}
+
+TEST_CASE("hybrid encoder and causal stacks match the float64 oracle", "[stack]") {
+  check_against_oracle<attnmix::stack<double, repeat<2, layer::sa, layer::gbla, layer::gbla>>>(1);
+  check_against_oracle<attnmix::stack<double, layer::path_fox, layer::fox, layer::bla>>(2);
+  CHECK(attnmix::stack<float, repeat<3, layer::sa, layer::gbla, layer::gbla>>::num_layers == 9);
+}
+
+TEST_CASE("padded, left-padded and varlen encoder batches agree at valid positions", "[stack]") {
+  rng r(11);
+  INFO("seed " << test_seed());
+  using encoder = attnmix::stack<float, repeat<2, layer::sa, layer::gbla, layer::gbla>>;
+  const L::config c = stack_config();
+  const index_t D = c.hidden_size;
+  encoder s(c);
+  L::randomize_parameters(s, test_seed() ^ 11, 0.15, 0.3);
+  const std::vector<index_t> lengths{13, 1, 0, 20};
+  const index_t B = 4, T = 20;
+
+  // Each sequence alone: the reference.
+  std::vector<host_tensor<float, 3>> seqs, alone;
+  for (index_t b = 0; b < B; ++b) {
+    seqs.push_back(random_activations<float>(r, 1, lengths[static_cast<std::size_t>(b)], D));
+    alone.emplace_back(seqs.back().shape());
+    if (lengths[static_cast<std::size_t>(b)] > 0) s.forward(seqs.back().view(), alone.back().view());
+  }
+  // Packed varlen batch.
+  std::vector<std::int32_t> cu{0};
+  for (auto l : lengths) cu.push_back(cu.back() + static_cast<std::int32_t>(l));
+  host_tensor<float, 3> xp({1, cu.back(), D}), yp({1, cu.back(), D});
+  for (index_t b = 0; b < B; ++b)
+    for (index_t t = 0; t < lengths[static_cast<std::size_t>(b)]; ++t)
+      for (index_t e = 0; e < D; ++e) xp(0, cu[static_cast<std::size_t>(b)] + t, e) = seqs[static_cast<std::size_t>(b)](0, t, e);
+  poison(yp);
+  s.forward(xp.view(), yp.view(), {{}, {cu.data(), {static_cast<index_t>(cu.size())}}});
+
+  for (bool left : {false, true}) {
+    INFO((left ? "left" : "right") << " padding");
+    host_tensor<float, 3> x({B, T, D}, 7.0f), y({B, T, D});  // pads hold garbage, not zeros
+    host_tensor<std::uint8_t, 2> mask({B, T}, 0);
+    for (index_t b = 0; b < B; ++b) {
+      const index_t len = lengths[static_cast<std::size_t>(b)], off = left ? T - len : 0;
+      for (index_t t = 0; t < len; ++t) {
+        mask(b, off + t) = 1;
+        for (index_t e = 0; e < D; ++e) x(b, off + t, e) = seqs[static_cast<std::size_t>(b)](0, t, e);
+      }
+    }
+    poison(y);
+    s.forward(x.view(), y.view(), {mask.view(), {}});
+    for (index_t b = 0; b < B; ++b) {
+      const index_t len = lengths[static_cast<std::size_t>(b)], off = left ? T - len : 0;
+      std::vector<float> got, packed, pads;
+      std::vector<double> want;
+      for (index_t t = 0; t < T; ++t)
+        for (index_t e = 0; e < D; ++e) {
+          if (t >= off && t < off + len) {
+            got.push_back(y(b, t, e));
+            packed.push_back(yp(0, cu[static_cast<std::size_t>(b)] + t - off, e));
+            want.push_back(alone[static_cast<std::size_t>(b)](0, t - off, e));
+          } else {
+            pads.push_back(y(b, t, e));
+          }
+        }
+      INFO("sequence " << b);
+      CHECK(rel_error(got, want) <= 1e-5);
+      CHECK(rel_error(packed, want) <= 1e-5);
+      for (float p : pads) CHECK(p == 0.0f);
+    }
+  }
+}
+
+template <class Stack>
+void check_stack_decode(index_t P, std::uint64_t salt) {
+  rng r(salt);
+  INFO("seed " << test_seed() << " salt " << salt << " prefill " << P);
+  const L::config c = stack_config();
+  const index_t N = 2, T = 17, D = c.hidden_size;
+  Stack s(c);
+  L::randomize_parameters(s, test_seed() ^ salt, 0.15, 0.3);
+  auto x = random_activations<double>(r, N, T, D);
+  host_tensor<double, 3> full(x.shape());
+  s.forward(x.view(), full.view());
+  auto cache = s.make_cache(N, T);
+  host_tensor<double, 3> xp({N, P, D}), yp({N, P, D});
+  for (index_t n = 0; n < N; ++n)
+    for (index_t t = 0; t < P; ++t)
+      for (index_t e = 0; e < D; ++e) xp(n, t, e) = x(n, t, e);
+  poison(yp);
+  s.prefill(xp.view(), yp.view(), cache);
+  for (index_t n = 0; n < N; ++n)
+    for (index_t t = 0; t < P; ++t)
+      for (index_t e = 0; e < D; ++e) REQUIRE(std::abs(yp(n, t, e) - full(n, t, e)) <= 1e-10);
+  for (index_t t = P; t < T; ++t) {
+    host_tensor<double, 3> xs({N, 1, D}), ys({N, 1, D});
+    for (index_t n = 0; n < N; ++n)
+      for (index_t e = 0; e < D; ++e) xs(n, 0, e) = x(n, t, e);
+    poison(ys);
+    s.decode(xs.view(), ys.view(), cache);
+    std::vector<double> want;
+    for (index_t n = 0; n < N; ++n)
+      for (index_t e = 0; e < D; ++e) want.push_back(full(n, t, e));
+    INFO("token " << t);
+    CHECK(rel_error(ys.storage(), want) <= 1e-11);
+  }
+  // A full cache is an error, not an overflow.
+  host_tensor<double, 3> xs({N, 1, D}), ys({N, 1, D});
+  ATTNMIX_CHECK_ERROR(s.decode(xs.view(), ys.view(), cache), "is full");
+}
+
+TEST_CASE("causal stacks decode token by token as the full forward", "[stack][decode]") {
+  using lm = attnmix::stack<double, layer::path_fox, layer::fox, layer::causal_sa, layer::path,
+                            layer::linear_causal>;
+  check_stack_decode<lm>(0, 21);
+  check_stack_decode<lm>(6, 22);
+}
+
+TEST_CASE("stack arguments are checked", "[stack][errors]") {
+  const L::config c = stack_config();
+  attnmix::stack<float, layer::sa, layer::gbla> s(c);
+  host_tensor<float, 3> x({2, 5, 32}), y({2, 5, 32});
+  host_tensor<std::uint8_t, 2> bad_mask({2, 4}, 1);
+  ATTNMIX_CHECK_ERROR(s.forward(x.view(), y.view(), {bad_mask.view(), {}}), "argument 'mask'");
+  std::vector<std::int32_t> cu{0, 3, 4};
+  ATTNMIX_CHECK_ERROR(s.forward(x.view(), y.view(), {{}, {cu.data(), {3}}}), "B = 1");
+}
+
+}  // namespace
