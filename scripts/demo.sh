@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Builds the examples and runs the demo. Usage: bash scripts/demo.sh [demo arguments]
+# Builds the examples and runs hybrid_encoder: the [SA, GBLA, GBLA] x 3 encoder beside an SA-only
+# one, at a size that takes seconds on 2 cores.
+# Usage: bash scripts/demo.sh [T B D heads threads]  (default 1024 2 256 4)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/dependencies.sh
-attnmix_require_packages build-essential cmake ninja-build libeigen3-dev
+attnmix_require_packages build-essential cmake ninja-build libeigen3-dev nlohmann-json3-dev
 cmake --workflow --preset demo
-./build/demo/examples/demo "$@"
+cmake --build --preset demo --target hybrid_encoder
+./build/demo/examples/hybrid_encoder "$@"
