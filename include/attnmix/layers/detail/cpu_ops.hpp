@@ -96,28 +96,41 @@ void short_conv_rows(const T* x, T* y, const token_layout& L, index_t C, const T
                      bool silu_act, const T* state, T* final_state, const backend::cpu& be) {
   using A = accum_t<T>;
   const index_t N = L.num_sequences();
+  // Taps transposed to [K, C] so that the inner loop runs over contiguous channels.
+  std::vector<A> wt(static_cast<std::size_t>(K * C));
+  for (index_t c = 0; c < C; ++c)
+    for (index_t r = 0; r < K; ++r) wt[static_cast<std::size_t>(r * C + c)] = A(W[c * K + r]);
   const int workers = attnmix::detail::cpu::worker_count(be, N);
   attnmix::detail::cpu::parallel_for(N, workers, [&](index_t n, int) {
     const index_t len = L.seq(n).length, r0 = L.first_row(n);
     const T* st = state ? state + n * (K - 1) * C : nullptr;
-    // Input at sequence position p (p may be negative: state or zero).
-    auto in = [&](index_t p, index_t c) -> A {
-      if (p >= 0) return A(x[(r0 + p) * C + c]);
-      const index_t s = (K - 1) + p;  // position in the state, oldest first
-      return (st != nullptr && s >= 0) ? A(st[s * C + c]) : A(0);
+    // Row of inputs at sequence position p (p < 0: the state's row, or nullptr for zeros).
+    auto row = [&](index_t p) -> const T* {
+      if (p >= 0) return x + (r0 + p) * C;
+      const index_t s = (K - 1) + p;
+      return (st != nullptr && s >= 0) ? st + s * C : nullptr;
     };
+    std::vector<A> acc(static_cast<std::size_t>(C));
     for (index_t t = 0; t < len; ++t) {
+      std::fill(acc.begin(), acc.end(), A(0));
+      for (index_t r = 0; r < K; ++r) {
+        const T* in = row(t - (K - 1) + r);
+        if (in == nullptr) continue;
+        const A* w = wt.data() + r * C;
+        for (index_t c = 0; c < C; ++c) acc[static_cast<std::size_t>(c)] += w[c] * A(in[c]);
+      }
       T* yt = y + (r0 + t) * C;
       for (index_t c = 0; c < C; ++c) {
-        A acc = 0;
-        for (index_t r = 0; r < K; ++r) acc += A(W[c * K + r]) * in(t - (K - 1) + r, c);
-        yt[c] = static_cast<T>(silu_act ? silu(acc) : acc);
+        const A v = acc[static_cast<std::size_t>(c)];
+        yt[c] = static_cast<T>(silu_act ? silu(v) : v);
       }
     }
     if (final_state != nullptr) {
       T* fs = final_state + n * (K - 1) * C;
-      for (index_t s = 0; s < K - 1; ++s)
-        for (index_t c = 0; c < C; ++c) fs[s * C + c] = static_cast<T>(in(len - (K - 1) + s, c));
+      for (index_t s = 0; s < K - 1; ++s) {
+        const T* in = row(len - (K - 1) + s);
+        for (index_t c = 0; c < C; ++c) fs[s * C + c] = in ? in[c] : T(0);
+      }
     }
   });
 }
