@@ -124,6 +124,10 @@ __global__ void __launch_bounds__(256)
   float ell = 0.f;
   const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] + h * p.k_stride[2];
   const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] + h * p.v_stride[2];
+  // (row, column) of this thread's first staged element and the step between its elements
+  // (256 apart), so that staging needs no division per element.
+  const int k_row0 = threadIdx.x / D, k_col0 = threadIdx.x % D, k_row_step = 256 / D, k_col_step = 256 % D;
+  const int v_row0 = threadIdx.x / Dv, v_col0 = threadIdx.x % Dv, v_row_step = 256 / Dv, v_col_step = 256 % Dv;
   for (index_t base = t0; base < t1; base += tile) {
     const int rows = static_cast<int>(min(index_t(tile), t1 - base));
     __syncthreads();
@@ -140,15 +144,17 @@ __global__ void __launch_bounds__(256)
     }
     __syncthreads();
     // Pad tokens (weight 0) are skipped, not multiplied: their k and v may hold anything.
-    for (int idx = threadIdx.x; idx < tile * D; idx += blockDim.x) {
-      const int r = idx / D, d = idx % D;
+    for (int idx = threadIdx.x, r = k_row0, d = k_col0; idx < tile * D; idx += 256) {
       pk[idx] = r < rows && weight[r] != 0.f
                     ? weight[r] * apply_feature_map<Policy::phi>(to_float(k[(base + r) * p.k_stride[1] + d]))
                     : 0.f;
+      r += k_row_step, d += k_col_step;
+      if (d >= D) d -= D, ++r;
     }
-    for (int idx = threadIdx.x; idx < tile * Dv; idx += blockDim.x) {
-      const int r = idx / Dv, e = idx % Dv;
+    for (int idx = threadIdx.x, r = v_row0, e = v_col0; idx < tile * Dv; idx += 256) {
       sv[idx] = r < rows && weight[r] != 0.f ? to_float(v[(base + r) * p.v_stride[1] + e]) : 0.f;
+      r += v_row_step, e += v_col_step;
+      if (e >= Dv) e -= Dv, ++r;
     }
     __syncthreads();
     if (threadIdx.x == 0)
@@ -282,8 +288,11 @@ __device__ void write_row(const linear_kernel_params& p, index_t batch, index_t 
 }
 
 // ---- bidirectional: read ------------------------------------------------------------------
-// CTA (16-row query tile, query head hq, sequence n), 4 warps of 4 rows each; S and z of the
-// KV head sit in shared memory, and every S element read serves the warp's 4 rows.
+// CTA (64-row query tile, query head hq, sequence n), 4 warps; S and z of the KV head are
+// loaded into shared memory once per CTA, and each warp reads 4 rows at a time so that every S
+// element read from shared memory serves 4 rows.
+constexpr int linear_read_rows = 64;
+
 template <class T, class Policy, int VC>
 __global__ void __launch_bounds__(128)
     linear_read_kernel(const linear_kernel_params p, const float* state) {
@@ -297,48 +306,52 @@ __global__ void __launch_bounds__(128)
   const int hq = blockIdx.y, n = blockIdx.z, h = hq / p.group;
   index_t batch, start, length;
   p.sequence(n, batch, start, length);
-  const index_t i0 = index_t(blockIdx.x) * 16;
+  const index_t i0 = index_t(blockIdx.x) * linear_read_rows;
   if (i0 >= length) return;
   const float* st = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
   for (int idx = threadIdx.x; idx < D * Dv + D; idx += blockDim.x) smem[idx] = st[idx];
-
-  float* r = sr + warp * rows_per_warp * D;
-  bool valid[rows_per_warp];
-  index_t t[rows_per_warp];
-#pragma unroll
-  for (int w = 0; w < rows_per_warp; ++w) {
-    t[w] = i0 + warp * rows_per_warp + w;
-    valid[w] = t[w] < length && p.valid(batch, start + t[w]);
-    const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + min(t[w], length - 1)) * p.q_stride[1] +
-                 hq * p.q_stride[2];
-    for (int d = lane; d < D; d += 32)
-      r[w * D + d] = valid[w] ? p.scale * apply_feature_map<Policy::phi>(to_float(q[d])) : 0.f;
-  }
   __syncthreads();
+  float* r = sr + warp * rows_per_warp * D;
 
-  float num[rows_per_warp][VC] = {}, den[rows_per_warp] = {};
-  for (int d = 0; d < D; ++d) {
-    float s[VC];
-#pragma unroll
-    for (int c = 0; c < VC; ++c) s[c] = lane + 32 * c < Dv ? sS[d * Dv + lane + 32 * c] : 0.f;
-    const float zd = sz[d];
+  for (int group = 0; group < linear_read_rows / (4 * rows_per_warp); ++group) {
+    bool valid[rows_per_warp];
+    index_t t[rows_per_warp];
 #pragma unroll
     for (int w = 0; w < rows_per_warp; ++w) {
-      const float rd = r[w * D + d];
-#pragma unroll
-      for (int c = 0; c < VC; ++c) num[w][c] += rd * s[c];
-      den[w] += rd * zd;
+      t[w] = i0 + (group * 4 + warp) * rows_per_warp + w;
+      valid[w] = t[w] < length && p.valid(batch, start + t[w]);
+      const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] +
+                   (start + min(t[w], length - 1)) * p.q_stride[1] + hq * p.q_stride[2];
+      for (int d = lane; d < D; d += 32)
+        r[w * D + d] = valid[w] ? p.scale * apply_feature_map<Policy::phi>(to_float(q[d])) : 0.f;
     }
-  }
+    __syncwarp();
+
+    float num[rows_per_warp][VC] = {}, den[rows_per_warp] = {};
+    for (int d = 0; d < D; ++d) {
+      float s[VC];
 #pragma unroll
-  for (int w = 0; w < rows_per_warp; ++w) {
-    if (t[w] >= length) continue;
-    if (Policy::normalize) {
-      const float inv = 1.f / (den[w] + p.eps);
+      for (int c = 0; c < VC; ++c) s[c] = lane + 32 * c < Dv ? sS[d * Dv + lane + 32 * c] : 0.f;
+      const float zd = sz[d];
 #pragma unroll
-      for (int c = 0; c < VC; ++c) num[w][c] *= inv;
+      for (int w = 0; w < rows_per_warp; ++w) {
+        const float rd = r[w * D + d];
+#pragma unroll
+        for (int c = 0; c < VC; ++c) num[w][c] += rd * s[c];
+        den[w] += rd * zd;
+      }
     }
-    write_row<T, Policy>(p, batch, start + t[w], hq, num[w], valid[w]);
+    __syncwarp();  // r is rewritten by the next group
+#pragma unroll
+    for (int w = 0; w < rows_per_warp; ++w) {
+      if (t[w] >= length) continue;
+      if (Policy::normalize) {
+        const float inv = 1.f / (den[w] + p.eps);
+#pragma unroll
+        for (int c = 0; c < VC; ++c) num[w][c] *= inv;
+      }
+      write_row<T, Policy>(p, batch, start + t[w], hq, num[w], valid[w]);
+    }
   }
 }
 
@@ -351,7 +364,7 @@ template <class T, class Policy, int DC, int VC>
 __global__ void linear_causal_kernel(const linear_kernel_params p) {
   constexpr bool gated = Policy::gate != key_gate::off;
   constexpr int max_d = 32 * DC;
-  __shared__ float sk[max_d], sz[max_d], sr[max_d];
+  __shared__ float sk[max_d], sz[max_d], sr[max_d], srow[32 * VC];
   __shared__ float scratch[8];
   const int D = p.head_dim, Dv = p.value_dim, e = threadIdx.x, lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -416,13 +429,12 @@ __global__ void linear_causal_kernel(const linear_kernel_params p) {
       float o = num * inv_mass;
       if (Policy::normalize) o /= den * inv_mass + p.eps;
       // The epilogue works on whole rows per warp: gather the row through shared memory.
-      __syncthreads();
-      if (e < Dv) sr[e] = o;  // sr is free again (num and den are in registers)
+      if (e < Dv) srow[e] = o;
       __syncthreads();
       if (warp == 0) {
         float row[VC];
 #pragma unroll
-        for (int c = 0; c < VC; ++c) row[c] = lane + 32 * c < Dv ? sr[lane + 32 * c] : 0.f;
+        for (int c = 0; c < VC; ++c) row[c] = lane + 32 * c < Dv ? srow[lane + 32 * c] : 0.f;
         write_row<T, Policy>(p, batch, start + t, hq, row, valid);
       }
     }

@@ -149,7 +149,8 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
         auto kernel = linear_read_kernel<Dev, Policy, VC>;
         check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, read_smem),
               "cudaFuncSetAttribute");
-        kernel<<<dim3(unsigned((max_len + 15) / 16), unsigned(p.q_heads), unsigned(N)), 128, read_smem,
+        kernel<<<dim3(unsigned((max_len + linear_read_rows - 1) / linear_read_rows), unsigned(p.q_heads),
+                      unsigned(N)), 128, read_smem,
                  stream>>>(kp, state);
       });
     }
