@@ -96,8 +96,8 @@ void BM_path_fox_decode(benchmark::State& state) {
     benchmark::DoNotOptimize(y1.data());
   }
   state.counters["cache_len"] = double(Lc);
-  state.counters["us_per_token"] =
-      benchmark::Counter(double(state.iterations()) * 1e-6, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  // Bytes of the K and V caches one step reads (keys are also rewritten): O(L D).
+  state.counters["kv_bytes"] = double(2 * Lc * c.hidden_size * sizeof(float));
 }
 BENCHMARK(BM_path_fox_decode)->Arg(1024)->Arg(2048)->Arg(4096)->Arg(8192)->Iterations(64)->Unit(benchmark::kMicrosecond);
 
