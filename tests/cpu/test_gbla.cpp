@@ -1,6 +1,9 @@
 // GBLA core on the CPU: the key gate and the gated RMSNorm against the float64 oracle in every
 // configuration of the paper's ablations, and the invariances of spec gbla.md §2.3-2.4.
 
+#include <algorithm>
+#include <array>
+
 #include "cpu/test_linear_harness.hpp"
 
 using namespace attnmix_test;
@@ -139,4 +142,48 @@ TEMPLATE_TEST_CASE("with the per-head gated norm, scaling v changes the output o
   run_gbla<attnmix::gbla_policy>(in, in.mask, c.B, c.T, base);
   const double diff = rel_error(scaled.storage(), to_double(base.storage()));
   CHECK(diff <= 1e-3);
+}
+
+TEMPLATE_TEST_CASE("strided views give the same result as contiguous ones", "[gbla][cpu]", float,
+                   double) {
+  // Heads not packed (a gap after every head) and tokens further apart than needed: the
+  // block loads fall back from one map over all heads to per-head copies.
+  using T = TestType;
+  const index_t B = 2, T_ = 70, HQ = 4, H = 2, D = 16, Dv = 8, gap = 3;
+  linear_case c{B, T_, HQ, H, D, Dv, {}, padding::holes};
+  rng r(51);
+  auto in = make_inputs<per_head_gate, T>(c, r);
+  attnmix::host_tensor<T, 4> dense(in.out.shape());
+  run_gbla<per_head_gate>(in, in.mask, B, T_, dense);
+
+  auto spread = [&](const attnmix::host_tensor<T, 4>& x, std::vector<T>& store) {
+    const index_t heads = x.extent(2), W = x.extent(3);
+    const std::array<index_t, 4> stride = {T_ * (heads * (W + gap) + 5), heads * (W + gap) + 5,
+                                           W + gap, 1};
+    store.assign(static_cast<std::size_t>(B * stride[0]), std::numeric_limits<T>::quiet_NaN());
+    attnmix::view4<T> v(store.data(), x.shape(), stride);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < T_; ++t)
+        for (index_t h = 0; h < heads; ++h)
+          for (index_t d = 0; d < W; ++d) v(b, t, h, d) = x(b, t, h, d);
+    return v;
+  };
+  std::vector<T> qs, ks, vs, gs, os;
+  const auto q = spread(in.q, qs), k = spread(in.k, ks), v = spread(in.v, vs);
+  const auto g = spread(in.gate, gs);
+  auto out = spread(dense, os);  // the shape and strides of out; then poisoned
+  std::fill(os.begin(), os.end(), std::numeric_limits<T>::quiet_NaN());
+  attnmix::linear_attention_args<T> args{q, k, v, out};
+  args.mask = {in.mask.data(), {B, T_}};
+  args.a = in.a.view();
+  args.gate = g;
+  args.gamma = in.gamma.view();
+  attnmix::linear_attention<gbla, per_head_gate>(args);
+  std::vector<T> got;
+  for (index_t b = 0; b < B; ++b)
+    for (index_t t = 0; t < T_; ++t)
+      for (index_t h = 0; h < HQ; ++h)
+        for (index_t d = 0; d < Dv; ++d) got.push_back(out(b, t, h, d));
+  INFO("seed " << test_seed());
+  CHECK(rel_error(got, to_double(dense.storage())) <= tolerance<T>());
 }

@@ -59,7 +59,7 @@ void apply_phi(Dst&& dst, const Src& src) {
 // Per-thread scratch, O(block * heads * (D + Dv) + chunk^2) elements.
 template <class T>
 struct linear_scratch {
-  matrix<T> k, v, p, r, num, scores, weights, act;
+  matrix<T> k, v, p, r, num, scores, weights, act, o;
   vec<T> den, carry, ell, w, u, rstd;
   vec<T> ones;  // column sums as products: z += P^T 1
   std::vector<unsigned char> valid;
@@ -81,27 +81,44 @@ bool load_validity(const linear_attention_args<T>& a, const sequence& s, index_t
   return all;
 }
 
-// Gated RMSNorm of the rows of `num` (rows x Dv, query head hq, tokens [t0, t0 + rows) of s),
-// in place. Per head: statistics over the Dv values of a row.
-template <class Policy, class T, class Num>
-void gated_norm_rows(const linear_attention_args<T>& a, const linear_attention_problem& p,
-                     const sequence& s, index_t hq, index_t t0, Num& num, linear_scratch<T>& ws) {
-  const index_t rows = num.rows(), Dv = p.value_dim;
-  const auto g = rows_of(&a.gate(s.batch, s.start + t0, hq, 0), rows, Dv, a.gate.stride(1)).array();
+// dst = act(g) element-wise (SiLU or sigmoid per Policy::activation), vectorised.
+template <class Policy, class Dst, class Src>
+void apply_gate_activation_block(Dst&& dst, const Src& g_block) {
+  using T = typename Src::Scalar;
+  const auto g = g_block.array();
   if constexpr (Policy::activation == gate_activation::silu) {
-    ws.act.array() = g * (T(1) + (-g).exp()).inverse();
+    dst.array() = g * (T(1) + (-g).exp()).inverse();
   } else {
-    ws.act.array() = (T(1) + (-g).exp()).inverse();
+    dst.array() = (T(1) + (-g).exp()).inverse();
   }
+}
+
+// Gated RMSNorm of the rows of `num` (rows x Dv, query head hq) in place, with `act` the
+// activated output gate of the same rows. Per head: statistics over the Dv values of a row.
+template <class Policy, class T, class Num, class Act>
+void gated_norm_block(const linear_attention_args<T>& a, const linear_attention_problem& p,
+                      index_t hq, Num& num, const Act& act, linear_scratch<T>& ws) {
+  const index_t Dv = p.value_dim;
   auto x = num.array();
-  if constexpr (Policy::order == norm_gate_order::gate_then_norm) x *= ws.act.array();
+  if constexpr (Policy::order == norm_gate_order::gate_then_norm) x *= act.array();
   ws.rstd = (num.rowwise().squaredNorm().array() / T(Dv) + T(p.norm_eps)).rsqrt().matrix();
   num = ws.rstd.asDiagonal() * num;  // (a broadcast column would go one scalar at a time)
-  if constexpr (Policy::order == norm_gate_order::norm_then_gate) x *= ws.act.array();
+  if constexpr (Policy::order == norm_gate_order::norm_then_gate) x *= act.array();
   if (a.gamma.has_value()) {
     const T* gamma = a.gamma.data() + (Policy::weight == norm_weight::per_head ? hq * Dv : 0);
     x.rowwise() *= Eigen::Map<const row_array<T>>(gamma, Dv);
   }
+}
+
+// The same for tokens [t0, t0 + rows) of (s, hq), reading that head's gate rows.
+template <class Policy, class T, class Num>
+void gated_norm_rows(const linear_attention_args<T>& a, const linear_attention_problem& p,
+                     const sequence& s, index_t hq, index_t t0, Num& num, linear_scratch<T>& ws) {
+  const index_t rows = num.rows(), Dv = p.value_dim;
+  ws.act.resize(rows, Dv);
+  apply_gate_activation_block<Policy>(
+      ws.act, rows_of(&a.gate(s.batch, s.start + t0, hq, 0), rows, Dv, a.gate.stride(1)));
+  gated_norm_block<Policy>(a, p, hq, num, ws.act, ws);
 }
 
 // Applies the per-head epilogue to num (rows x Dv) and writes it to out rows [t0, t0 + rows) of
@@ -122,6 +139,38 @@ void write_rows(const linear_attention_args<T>& a, const linear_attention_proble
       out.row(r) = num.row(r);
     else if (Policy::zero_pad_rows)
       out.row(r).setZero();
+  }
+}
+
+// Writes o (rows x (HQ * Dv), every query head) to out rows [t0, t0 + rows) of s. Pad rows
+// (ws.valid, when `all_valid` is false) are zeroed or left alone.
+template <class Policy, class T, class Block>
+void store_block(const linear_attention_args<T>& a, const sequence& s, index_t t0,
+                 const Block& o, bool all_valid, const linear_scratch<T>& ws) {
+  const index_t rows = o.rows(), HQ = a.out.extent(2), Dv = a.out.extent(3);
+  auto row_ok = [&](index_t r) { return all_valid || ws.valid[static_cast<std::size_t>(r)]; };
+  if (HQ == 1 || a.out.stride(2) == Dv) {
+    auto out = rows_of(&a.out(s.batch, s.start + t0, 0, 0), rows, HQ * Dv, a.out.stride(1));
+    if (all_valid) {
+      out = o;
+      return;
+    }
+    for (index_t r = 0; r < rows; ++r) {
+      if (row_ok(r))
+        out.row(r) = o.row(r);
+      else if (Policy::zero_pad_rows)
+        out.row(r).setZero();
+    }
+    return;
+  }
+  for (index_t hq = 0; hq < HQ; ++hq) {
+    auto out = rows_of(&a.out(s.batch, s.start + t0, hq, 0), rows, Dv, a.out.stride(1));
+    for (index_t r = 0; r < rows; ++r) {
+      if (row_ok(r))
+        out.row(r) = o.row(r).segment(hq * Dv, Dv);
+      else if (Policy::zero_pad_rows)
+        out.row(r).setZero();
+    }
   }
 }
 
@@ -356,6 +405,14 @@ void bidirectional_forward(const linear_attention_args<T>& a, const linear_atten
     apply_phi<Policy::phi>(ws.r, token_block(a.q, s.batch, s.start + tk.i0, rows, ws.k));
     ws.r *= scale;
     const bool all_valid = load_validity(a, s, tk.i0, rows, ws);
+    constexpr bool per_head_norm = Policy::norm == gated_norm::per_head;
+    if constexpr (per_head_norm) {
+      ws.act.resize(rows, p.q_heads * Dv);
+      apply_gate_activation_block<Policy>(
+          ws.act, token_block(a.gate, s.batch, s.start + tk.i0, rows, ws.k));
+    }
+    // Every head's output goes to one rows x (HQ * Dv) block, stored in memory order at the end.
+    ws.o.resize(rows, p.q_heads * Dv);
     for (index_t hq = 0; hq < p.q_heads; ++hq) {
       const T* st = slot(tk.seq, 0, hq / p.group());
       const Eigen::Map<const matrix<T>> S(st, D, Dv);
@@ -368,8 +425,11 @@ void bidirectional_forward(const linear_attention_args<T>& a, const linear_atten
         ws.den = (ws.den.array() + eps).inverse().matrix();
         ws.num = ws.den.asDiagonal() * ws.num;
       }
-      write_rows<Policy>(a, p, s, hq, tk.i0, ws.num, all_valid, ws);
+      if constexpr (per_head_norm)
+        gated_norm_block<Policy>(a, p, hq, ws.num, ws.act.middleCols(hq * Dv, Dv), ws);
+      ws.o.middleCols(hq * Dv, Dv) = ws.num;
     }
+    store_block<Policy>(a, s, tk.i0, ws.o, all_valid, ws);
   });
   if constexpr (Policy::norm == gated_norm::full_width) full_width_norm<Policy>(a, p, be);
 }
