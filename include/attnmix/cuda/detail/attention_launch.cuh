@@ -41,8 +41,11 @@ class stream_buffer {
   cudaStream_t stream_;
 };
 
-inline bool aligned_for_vectors(const void* p, index_t s0, index_t s1, index_t s2, int elems) {
-  return reinterpret_cast<std::uintptr_t>(p) % (2 * elems) == 0 && s0 % elems == 0 &&
+// True when `elems` consecutive elements of `elem_bytes` at every (batch, token, head) start
+// can be moved as one aligned vector.
+inline bool aligned_for_vectors(const void* p, index_t s0, index_t s1, index_t s2, int elems,
+                                int elem_bytes = 2) {
+  return reinterpret_cast<std::uintptr_t>(p) % (elem_bytes * elems) == 0 && s0 % elems == 0 &&
          s1 % elems == 0 && s2 % elems == 0;
 }
 

@@ -30,6 +30,7 @@ struct linear_kernel_params {
   index_t tokens;
   int q_heads, kv_heads, group, gate_heads, head_dim, value_dim;
   float scale, eps, norm_eps;
+  bool vector_loads;  // k and v rows 16-byte aligned with D, Dv multiples of 16 bytes
   // States [N, H, D, Dv], [N, H, D], [N, H] (any may be nullptr), strides in elements.
   const float* S_in;
   const float* z_in;
@@ -90,6 +91,40 @@ __device__ float block_reduce(float x, float* scratch) {
 // [S_p: D*Dv][z_p: D][M_p][ell_p].
 inline __host__ __device__ index_t partial_floats(int D, int Dv) { return index_t(D) * Dv + D + 2; }
 
+// Stages a 32-row tile of k (with the weight and the feature map) or v into shared memory as
+// floats, 16 bytes per load, every load of a thread issued before the first use so that their
+// latencies overlap. Needs rows 16-byte aligned and `cols` a multiple of 16 / sizeof(T).
+template <class T, class Policy, bool Keys>
+__device__ __forceinline__ void stage_vectors(float* dst, const T* src, index_t row_stride, index_t base,
+                                              int rows, int cols, const float* weight) {
+  constexpr int per = 16 / sizeof(T), max_loads = 4;  // 32 rows x 128 floats / 256 threads / 4
+  const int chunks = cols / per;
+  uint4 buf[max_loads];
+#pragma unroll
+  for (int c = 0; c < max_loads; ++c) {
+    const int idx = threadIdx.x + c * 256, r = idx / chunks;
+    if (idx < 32 * chunks && r < rows && weight[r] != 0.f)
+      buf[c] = *reinterpret_cast<const uint4*>(src + (base + r) * row_stride + (idx % chunks) * per);
+  }
+#pragma unroll
+  for (int c = 0; c < max_loads; ++c) {
+    const int idx = threadIdx.x + c * 256, r = idx / chunks;
+    if (idx >= 32 * chunks) break;
+    const bool ok = r < rows && weight[r] != 0.f;
+    const T* x = reinterpret_cast<const T*>(&buf[c]);
+    float* out = dst + r * cols + (idx % chunks) * per;
+#pragma unroll
+    for (int i = 0; i < per; ++i) {
+      float y = 0.f;
+      if (ok) {
+        y = to_float(x[i]);
+        if (Keys) y = weight[r] * apply_feature_map<Policy::phi>(y);
+      }
+      out[i] = y;
+    }
+  }
+}
+
 // CTA (block p, KV head h, sequence n), 256 threads; each thread owns Blocks 4x4 tiles of S_p.
 template <class T, class Policy, int Blocks>
 __global__ void __launch_bounds__(256)
@@ -144,17 +179,22 @@ __global__ void __launch_bounds__(256)
     }
     __syncthreads();
     // Pad tokens (weight 0) are skipped, not multiplied: their k and v may hold anything.
-    for (int idx = threadIdx.x, r = k_row0, d = k_col0; idx < tile * D; idx += 256) {
-      pk[idx] = r < rows && weight[r] != 0.f
-                    ? weight[r] * apply_feature_map<Policy::phi>(to_float(k[(base + r) * p.k_stride[1] + d]))
-                    : 0.f;
-      r += k_row_step, d += k_col_step;
-      if (d >= D) d -= D, ++r;
-    }
-    for (int idx = threadIdx.x, r = v_row0, e = v_col0; idx < tile * Dv; idx += 256) {
-      sv[idx] = r < rows && weight[r] != 0.f ? to_float(v[(base + r) * p.v_stride[1] + e]) : 0.f;
-      r += v_row_step, e += v_col_step;
-      if (e >= Dv) e -= Dv, ++r;
+    if (p.vector_loads) {
+      stage_vectors<T, Policy, true>(pk, k, p.k_stride[1], base, rows, D, weight);
+      stage_vectors<T, Policy, false>(sv, v, p.v_stride[1], base, rows, Dv, weight);
+    } else {
+      for (int idx = threadIdx.x, r = k_row0, d = k_col0; idx < tile * D; idx += 256) {
+        pk[idx] = r < rows && weight[r] != 0.f
+                      ? weight[r] * apply_feature_map<Policy::phi>(to_float(k[(base + r) * p.k_stride[1] + d]))
+                      : 0.f;
+        r += k_row_step, d += k_col_step;
+        if (d >= D) d -= D, ++r;
+      }
+      for (int idx = threadIdx.x, r = v_row0, e = v_col0; idx < tile * Dv; idx += 256) {
+        sv[idx] = r < rows && weight[r] != 0.f ? to_float(v[(base + r) * p.v_stride[1] + e]) : 0.f;
+        r += v_row_step, e += v_col_step;
+        if (e >= Dv) e -= Dv, ++r;
+      }
     }
     __syncthreads();
     if (threadIdx.x == 0)
@@ -288,70 +328,80 @@ __device__ void write_row(const linear_kernel_params& p, index_t batch, index_t 
 }
 
 // ---- bidirectional: read ------------------------------------------------------------------
-// CTA (64-row query tile, query head hq, sequence n), 4 warps; S and z of the KV head are
-// loaded into shared memory once per CTA, and each warp reads 4 rows at a time so that every S
-// element read from shared memory serves 4 rows.
+// CTA (64-row query tile, query head hq, sequence n), 128 threads. S, z and the tile's
+// transposed feature-mapped queries sit in shared memory; each thread owns Blocks 4x4 tiles of
+// Num = Phi(Q) S, so that two 16-byte shared loads feed 16 FMAs. The rows then go through the
+// per-row epilogue, one warp per row.
 constexpr int linear_read_rows = 64;
 
-template <class T, class Policy, int VC>
+inline __host__ __device__ int linear_read_smem_floats(int D, int Dv) {
+  return D * Dv + D + D * linear_read_rows + linear_read_rows * Dv + 2 * linear_read_rows;
+}
+
+template <class T, class Policy, int VC, int Blocks>
 __global__ void __launch_bounds__(128)
     linear_read_kernel(const linear_kernel_params p, const float* state) {
-  constexpr int rows_per_warp = 4;
+  constexpr int R = linear_read_rows;
   extern __shared__ __align__(16) float smem[];
   const int D = p.head_dim, Dv = p.value_dim;
-  float* sS = smem;                          // [D][Dv]
-  float* sz = sS + D * Dv;                   // [D]
-  float* sr = sz + D;                        // [4 warps][rows_per_warp][D]
+  float* sS = smem;           // [D][Dv]
+  float* sz = sS + D * Dv;    // [D]
+  float* rT = sz + D;         // [D][R]   scale * phi(q), transposed
+  float* num = rT + D * R;    // [R][Dv]
+  float* den = num + R * Dv;  // [R]
+  float* valid = den + R;     // [R]     1 for a real query row
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int hq = blockIdx.y, n = blockIdx.z, h = hq / p.group;
   index_t batch, start, length;
   p.sequence(n, batch, start, length);
-  const index_t i0 = index_t(blockIdx.x) * linear_read_rows;
+  const index_t i0 = index_t(blockIdx.x) * R;
   if (i0 >= length) return;
   const float* st = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
   for (int idx = threadIdx.x; idx < D * Dv + D; idx += blockDim.x) smem[idx] = st[idx];
+  for (int row = threadIdx.x; row < R; row += blockDim.x)
+    valid[row] = i0 + row < length && p.valid(batch, start + i0 + row) ? 1.f : 0.f;
   __syncthreads();
-  float* r = sr + warp * rows_per_warp * D;
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + i0) * p.q_stride[1] + hq * p.q_stride[2];
+  for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
+    const int row = idx / D, d = idx % D;
+    rT[d * R + row] = valid[row] != 0.f ? p.scale * apply_feature_map<Policy::phi>(to_float(q[row * p.q_stride[1] + d])) : 0.f;
+  }
+  __syncthreads();
 
-  for (int group = 0; group < linear_read_rows / (4 * rows_per_warp); ++group) {
-    bool valid[rows_per_warp];
-    index_t t[rows_per_warp];
+  const int cb = Dv / 4;
 #pragma unroll
-    for (int w = 0; w < rows_per_warp; ++w) {
-      t[w] = i0 + (group * 4 + warp) * rows_per_warp + w;
-      valid[w] = t[w] < length && p.valid(batch, start + t[w]);
-      const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] +
-                   (start + min(t[w], length - 1)) * p.q_stride[1] + hq * p.q_stride[2];
-      for (int d = lane; d < D; d += 32)
-        r[w * D + d] = valid[w] ? p.scale * apply_feature_map<Policy::phi>(to_float(q[d])) : 0.f;
-    }
-    __syncwarp();
-
-    float num[rows_per_warp][VC] = {}, den[rows_per_warp] = {};
+  for (int b = 0; b < Blocks; ++b) {
+    const int id = threadIdx.x + b * 128;
+    if (id >= (R / 4) * cb) break;
+    const int r0 = (id / cb) * 4, c0 = (id % cb) * 4;
+    float acc[4][4] = {}, dn[4] = {};
     for (int d = 0; d < D; ++d) {
-      float s[VC];
+      const float4 rv = *reinterpret_cast<const float4*>(rT + d * R + r0);
+      const float4 sv = *reinterpret_cast<const float4*>(sS + d * Dv + c0);
+      const float rr[4] = {rv.x, rv.y, rv.z, rv.w}, ss[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-      for (int c = 0; c < VC; ++c) s[c] = lane + 32 * c < Dv ? sS[d * Dv + lane + 32 * c] : 0.f;
-      const float zd = sz[d];
+      for (int i = 0; i < 4; ++i) {
 #pragma unroll
-      for (int w = 0; w < rows_per_warp; ++w) {
-        const float rd = r[w * D + d];
-#pragma unroll
-        for (int c = 0; c < VC; ++c) num[w][c] += rd * s[c];
-        den[w] += rd * zd;
+        for (int j = 0; j < 4; ++j) acc[i][j] += rr[i] * ss[j];
+        if (c0 == 0) dn[i] += rr[i] * sz[d];
       }
     }
-    __syncwarp();  // r is rewritten by the next group
 #pragma unroll
-    for (int w = 0; w < rows_per_warp; ++w) {
-      if (t[w] >= length) continue;
-      if (Policy::normalize) {
-        const float inv = 1.f / (den[w] + p.eps);
+    for (int i = 0; i < 4; ++i) {
 #pragma unroll
-        for (int c = 0; c < VC; ++c) num[w][c] *= inv;
-      }
-      write_row<T, Policy>(p, batch, start + t[w], hq, num[w], valid[w]);
+      for (int j = 0; j < 4; ++j) num[(r0 + i) * Dv + c0 + j] = acc[i][j];
+      if (c0 == 0) den[r0 + i] = dn[i];
     }
+  }
+  __syncthreads();
+
+  for (int row = warp; row < R; row += 4) {
+    if (i0 + row >= length) break;
+    float o[VC];
+    const float inv = Policy::normalize ? 1.f / (den[row] + p.eps) : 1.f;
+#pragma unroll
+    for (int c = 0; c < VC; ++c) o[c] = lane + 32 * c < Dv ? num[row * Dv + lane + 32 * c] * inv : 0.f;
+    write_row<T, Policy>(p, batch, start + i0 + row, hq, o, valid[row] != 0.f);
   }
 }
 

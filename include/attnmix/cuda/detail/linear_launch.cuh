@@ -98,6 +98,10 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   kp.q_heads = int(p.q_heads), kp.kv_heads = int(H), kp.group = int(p.group());
   kp.gate_heads = int(p.gate_heads), kp.head_dim = int(D), kp.value_dim = int(Dv);
   kp.scale = float(p.scale), kp.eps = float(p.eps), kp.norm_eps = float(p.norm_eps);
+  constexpr index_t per_vector = 16 / sizeof(T);
+  kp.vector_loads = D % per_vector == 0 && Dv % per_vector == 0 &&
+                    aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), int(per_vector), int(sizeof(T))) &&
+                    aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2), int(per_vector), int(sizeof(T)));
   const auto& si = a.state_in;
   const auto& so = a.state_out;
   kp.S_in = si.S.has_value() ? si.S.data() : nullptr;
@@ -143,15 +147,15 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
     linear_combine_kernel<Policy><<<dim3(unsigned(H), unsigned(N)), 256, 0, stream>>>(kp, partial, partials, state);
     check(cudaGetLastError(), "linear_combine_kernel launch");
     if (max_len > 0) {
-      const int read_smem = int((D * Dv + D + 16 * D) * sizeof(float));
+      const int read_smem = linear_read_smem_floats(int(D), int(Dv)) * int(sizeof(float));
       chunk_switch(Dv, [&](auto vc) {
         constexpr int VC = decltype(vc)::value;
-        auto kernel = linear_read_kernel<Dev, Policy, VC>;
+        // 4x4 tiles of the 64-row tile per thread: 64 * Dv / 16 / 128.
+        auto kernel = linear_read_kernel<Dev, Policy, VC, (VC == 4 ? 4 : VC == 2 ? 2 : 1)>;
         check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, read_smem),
               "cudaFuncSetAttribute");
         kernel<<<dim3(unsigned((max_len + linear_read_rows - 1) / linear_read_rows), unsigned(p.q_heads),
-                      unsigned(N)), 128, read_smem,
-                 stream>>>(kp, state);
+                      unsigned(N)), 128, read_smem, stream>>>(kp, state);
       });
     }
   }
