@@ -7,5 +7,4 @@ cd "$(dirname "$0")/.."
 source scripts/dependencies.sh
 attnmix_require_packages build-essential cmake ninja-build libeigen3-dev nlohmann-json3-dev
 cmake --workflow --preset demo
-cmake --build --preset demo --target hybrid_encoder
 ./build/demo/examples/hybrid_encoder "$@"

@@ -1,6 +1,7 @@
 # cmake -P script: builds and runs tests/consumer/project against attnmix in MODE
 # (find_package after installing the build tree into WORK/prefix, or add_subdirectory).
 file(REMOVE_RECURSE ${WORK})
+file(MAKE_DIRECTORY ${WORK})
 set(_args -S ${CONSUMER_SOURCE} -B ${WORK}/build -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX}
           -DATTNMIX_MODE=${MODE} -DCMAKE_BUILD_TYPE=Release)
 if(MODE STREQUAL "find_package")
@@ -21,8 +22,15 @@ foreach(step IN ITEMS configure build run)
   else()
     set(_cmd ${WORK}/build/consumer)
   endif()
-  execute_process(COMMAND ${_cmd} RESULT_VARIABLE rc)
+  execute_process(COMMAND ${_cmd} RESULT_VARIABLE rc WORKING_DIRECTORY ${WORK})
   if(rc)
     message(FATAL_ERROR "consumer ${MODE}: ${step} failed (${rc})")
   endif()
 endforeach()
+# The io consumer is built where nlohmann-json is available, and must then run.
+if(EXPECT_IO)
+  execute_process(COMMAND ${WORK}/build/consumer_io RESULT_VARIABLE rc WORKING_DIRECTORY ${WORK})
+  if(rc)
+    message(FATAL_ERROR "consumer ${MODE}: consumer_io failed (${rc})")
+  endif()
+endif()
