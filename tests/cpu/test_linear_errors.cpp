@@ -197,6 +197,7 @@ TEST_CASE("bad strides, pointers, memory spaces and aliasing", "[linear][errors]
 TEST_CASE("bad runtime parameters", "[linear][errors][cpu]") {
   expect_rejected("scale", "must be finite", [](fixture&, auto&, auto& p) { p.scale = std::nan(""); });
   expect_rejected("eps", "must be finite and >= 0", [](fixture&, auto&, auto& p) { p.eps = -1e-6; });
+  expect_rejected("eps", "must be > 0 with the normaliser on", [](fixture&, auto&, auto& p) { p.eps = 0; });
   expect_rejected("norm_eps", "must be finite and > 0", [](fixture&, auto&, auto& p) { p.norm_eps = 0; });
 }
 

@@ -99,6 +99,9 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
       p.scale ? *p.scale : (Policy::normalize ? 1.0 : 1.0 / std::sqrt(static_cast<double>(D)));
   require(std::isfinite(scale), fn, "scale", "must be finite but is ", scale);
   require(std::isfinite(p.eps) && p.eps >= 0, fn, "eps", "must be finite and >= 0 but is ", p.eps);
+  // phi(q).z is 0 for a query or key set whose features vanish (relu): eps keeps 0 / eps = 0.
+  require(!Policy::normalize || p.eps > 0, fn, "eps",
+          "must be > 0 with the normaliser on (phi(q).z can be 0) but is ", p.eps);
 
   linear_attention_problem prob{B, T_, HQ, H, Hg, D, Dv, scale, p.eps, p.norm_eps, nullptr, B};
   if (p.cu_seqlens.has_value()) {
