@@ -4,38 +4,22 @@
 
 #include <benchmark/benchmark.h>
 
-#include <random>
-#include <vector>
-
 #include "attnmix/cuda.cuh"
+#include "cuda_bench.cuh"
 
 namespace {
 
 using attnmix::index_t;
-using attnmix::detail::cuda::check;
+using attnmix_bench::device_array;
 
-template <class T>
-struct device_array {
-  T* ptr = nullptr;
-  explicit device_array(std::size_t n, float lo = -1.f, float hi = 1.f, unsigned seed = 1) {
-    check(cudaMalloc(&ptr, n * sizeof(T)), "cudaMalloc");
-    std::vector<T> h(n);
-    std::mt19937 gen(seed);
-    std::uniform_real_distribution<float> dist(lo, hi);
-    for (auto& x : h) x = attnmix::convert<T>(dist(gen));
-    check(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
-  }
-  ~device_array() { cudaFree(ptr); }
-};
-
-// args: B, T, H, causal
+// args: B, T, H
 template <class Kind, class Policy>
 void BM_attention_cuda(benchmark::State& state) {
   using T = attnmix::bfloat16;
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
   const std::size_t n = static_cast<std::size_t>(B * Tn * H * D);
-  device_array<T> q(n, -1, 1, 1), k(n, -1, 1, 2), v(n, -1, 1, 3), out(n);
-  device_array<float> g(static_cast<std::size_t>(B * Tn * H), -0.1f, -0.01f, 4);
+  device_array<T> q(n, 1), k(n, 2), v(n, 3), out(n, 5);
+  device_array<float> g(static_cast<std::size_t>(B * Tn * H), 4, -0.1f, -0.01f);
   const auto dev = attnmix::memory_space::device;
   attnmix::attention_args<T> a{attnmix::view4<const T>(q.ptr, {B, Tn, H, D}, dev),
                                attnmix::view4<const T>(k.ptr, {B, Tn, H, D}, dev),
@@ -43,23 +27,11 @@ void BM_attention_cuda(benchmark::State& state) {
                                attnmix::view4<T>(out.ptr, {B, Tn, H, D}, dev)};
   if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
     a.g = attnmix::view3<const float>(g.ptr, {B, Tn, H}, dev);
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "event"), check(cudaEventCreate(&stop), "event");
-  for (int i = 0; i < 3; ++i) attnmix::attention<Kind, Policy>(a, {}, attnmix::backend::cuda{});
-  for (auto _ : state) {
-    check(cudaEventRecord(start), "record");
-    attnmix::attention<Kind, Policy>(a, {}, attnmix::backend::cuda{});
-    check(cudaEventRecord(stop), "record");
-    check(cudaEventSynchronize(stop), "sync");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    state.SetIterationTime(ms / 1e3);
-  }
+  attnmix_bench::time_with_events(state, [&] { attnmix::attention<Kind, Policy>(a, {}, attnmix::backend::cuda{}); });
   const bool causal = Policy::mask == attnmix::mask_type::causal;
   const double flops = 4.0 * B * H * double(Tn) * double(Tn) * D * (causal ? 0.5 : 1.0);
   state.counters["TFLOP/s"] =
       benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
-  cudaEventDestroy(start), cudaEventDestroy(stop);
 }
 
 void causal_shapes(benchmark::internal::Benchmark* b) {

@@ -4,29 +4,14 @@
 
 #include <benchmark/benchmark.h>
 
-#include <random>
-#include <vector>
-
 #include "attnmix/cuda.cuh"
+#include "cuda_bench.cuh"
 
 namespace {
 
 using attnmix::index_t;
 using attnmix::detail::cuda::check;
-
-template <class T>
-struct device_array {
-  T* ptr = nullptr;
-  explicit device_array(std::size_t n, unsigned seed = 1) {
-    check(cudaMalloc(&ptr, n * sizeof(T)), "cudaMalloc");
-    std::vector<T> h(n);
-    std::mt19937 gen(seed);
-    std::normal_distribution<float> dist;
-    for (auto& x : h) x = attnmix::convert<T>(dist(gen));
-    check(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
-  }
-  ~device_array() { cudaFree(ptr); }
-};
+using attnmix_bench::device_array;
 
 template <class Kind, class Policy>
 void BM_linear_cuda(benchmark::State& state) {
@@ -36,7 +21,7 @@ void BM_linear_cuda(benchmark::State& state) {
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
   const std::size_t n = static_cast<std::size_t>(B * Tn * H * D);
   device_array<T> q(n, 1), k(n, 2), v(n, 3), gate(n, 4), out(n, 5);
-  device_array<float> a(static_cast<std::size_t>(B * Tn), 6), gamma(static_cast<std::size_t>(D), 7);
+  device_array<float> a(static_cast<std::size_t>(B * Tn), 6, -2.f, 2.f), gamma(static_cast<std::size_t>(D), 7, 0.5f, 1.5f);
   const auto dev = attnmix::memory_space::device;
   attnmix::linear_attention_args<T> args;
   args.q = attnmix::view4<const T>(q.ptr, {B, Tn, H, D}, dev);
@@ -48,22 +33,11 @@ void BM_linear_cuda(benchmark::State& state) {
     args.gate = attnmix::view4<const T>(gate.ptr, {B, Tn, H, D}, dev);
     args.gamma = attnmix::view1<const float>(gamma.ptr, {D}, dev);
   }
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "event"), check(cudaEventCreate(&stop), "event");
-  for (int i = 0; i < 3; ++i) attnmix::linear_attention<Kind, Policy>(args, {}, attnmix::backend::cuda{});
-  for (auto _ : state) {
-    check(cudaEventRecord(start), "record");
-    attnmix::linear_attention<Kind, Policy>(args, {}, attnmix::backend::cuda{});
-    check(cudaEventRecord(stop), "record");
-    check(cudaEventSynchronize(stop), "sync");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    state.SetIterationTime(ms / 1e3);
-  }
+  attnmix_bench::time_with_events(
+      state, [&] { attnmix::linear_attention<Kind, Policy>(args, {}, attnmix::backend::cuda{}); });
   const double bytes = double(B) * Tn * H * D * 2 * (normed ? 5 : 4) + (gated ? double(B) * Tn * 4 : 0);
   state.counters["GB/s"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["MB"] = bytes / 1e6;
-  cudaEventDestroy(start), cudaEventDestroy(stop);
 }
 
 // Device-to-device copy of a buffer the size of the GBLA inputs: the bandwidth ceiling.
@@ -72,19 +46,9 @@ void BM_copy(benchmark::State& state) {
   void *src, *dst;
   check(cudaMalloc(&src, bytes), "cudaMalloc"), check(cudaMalloc(&dst, bytes), "cudaMalloc");
   check(cudaMemset(src, 1, bytes), "memset");
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "event"), check(cudaEventCreate(&stop), "event");
-  for (auto _ : state) {
-    check(cudaEventRecord(start), "record");
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice), "copy");
-    check(cudaEventRecord(stop), "record");
-    check(cudaEventSynchronize(stop), "sync");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    state.SetIterationTime(ms / 1e3);
-  }
+  attnmix_bench::time_with_events(
+      state, [&] { check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice), "copy"); });
   state.counters["GB/s"] = benchmark::Counter(2.0 * bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
-  cudaEventDestroy(start), cudaEventDestroy(stop);
   cudaFree(src), cudaFree(dst);
 }
 

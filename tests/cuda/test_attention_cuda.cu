@@ -15,19 +15,6 @@ using attnmix::index_t;
 
 namespace {
 
-template <class T>
-std::vector<T> round_to(const std::vector<float>& x) {
-  std::vector<T> y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) y[i] = attnmix::convert<T>(x[i]);
-  return y;
-}
-template <class To, class From>
-std::vector<To> widen(const std::vector<From>& x) {
-  std::vector<To> y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) y[i] = attnmix::convert<To>(x[i]);
-  return y;
-}
-
 struct cuda_case_result {
   double error;        // kernel vs double
   double plain_error;  // float CPU path on the same inputs, output rounded to T, vs double
@@ -45,7 +32,7 @@ cuda_case_result run_cuda_case(const attention_case& c, std::uint64_t salt, inde
   attnmix::host_tensor<float, 3> g({c.B, c.T, c.HQ});
   r.fill_normal(qf), r.fill_normal(kf), r.fill_normal(vf);
   r.fill_uniform(g, c.gate_lo, c.gate_hi);
-  const auto q = round_to<T>(qf.storage()), k = round_to<T>(kf.storage()), v = round_to<T>(vf.storage());
+  const auto q = convert_all<T>(qf.storage()), k = convert_all<T>(kf.storage()), v = convert_all<T>(vf.storage());
 
   attnmix::attention_params params;
   params.scale = c.scale;
@@ -72,12 +59,12 @@ cuda_case_result run_cuda_case(const attention_case& c, std::uint64_t salt, inde
   a.lse = attnmix::view3<float>(dlse.get(), {c.B, c.T, c.HQ}, dev);
   attnmix::attention<Kind, Policy>(a, params, attnmix::backend::cuda{});
   attnmix::detail::cuda::check(cudaDeviceSynchronize(), "kernel");
-  const auto out = widen<double>(dout.to_host());
-  const auto lse = widen<double>(dlse.to_host());
+  const auto out = convert_all<double>(dout.to_host());
+  const auto lse = convert_all<double>(dlse.to_host());
 
   // The CPU path in double (the reference) and in float (the "plain" computation).
-  const auto qd = widen<double>(q), kd = widen<double>(k), vd = widen<double>(v);
-  const auto gd = widen<double>(g.storage());
+  const auto qd = convert_all<double>(q), kd = convert_all<double>(k), vd = convert_all<double>(v);
+  const auto gd = convert_all<double>(g.storage());
   std::vector<double> ref(out.size()), ref_lse(lse.size());
   attnmix::attention_args<double> ad{view_of(qd.data(), c.HQ, c.D, host), view_of(kd.data(), c.H, c.D, host),
                                      view_of(vd.data(), c.H, c.Dv, host),
@@ -86,14 +73,14 @@ cuda_case_result run_cuda_case(const attention_case& c, std::uint64_t salt, inde
   ad.lse = attnmix::view3<double>(ref_lse.data(), {c.B, c.T, c.HQ});
   attnmix::attention<Kind, Policy>(ad, params);
 
-  const auto qs = widen<float>(q), ks = widen<float>(k), vs = widen<float>(v);
+  const auto qs = convert_all<float>(q), ks = convert_all<float>(k), vs = convert_all<float>(v);
   std::vector<float> plain(out.size());
   attnmix::attention_args<float> af{view_of(qs.data(), c.HQ, c.D, host), view_of(ks.data(), c.H, c.D, host),
                                     view_of(vs.data(), c.H, c.Dv, host),
                                     attnmix::view4<float>(plain.data(), {c.B, c.T, c.HQ, c.Dv})};
   if constexpr (gated) af.g = g.view();
   attnmix::attention<Kind, Policy>(af, params);
-  const auto plain_rounded = widen<double>(round_to<T>(plain));
+  const auto plain_rounded = convert_all<double>(convert_all<T>(plain));
 
   return {rel_error(out, ref), rel_error(plain_rounded, ref), rel_error(lse, ref_lse)};
 }

@@ -13,19 +13,6 @@ using attnmix::index_t;
 
 namespace {
 
-template <class T>
-std::vector<T> round_to(const std::vector<float>& x) {
-  std::vector<T> y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) y[i] = attnmix::convert<T>(x[i]);
-  return y;
-}
-template <class To, class From>
-std::vector<To> widen(const std::vector<From>& x) {
-  std::vector<To> y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) y[i] = attnmix::convert<To>(x[i]);
-  return y;
-}
-
 // Device copies of everything in a linear_inputs<float>, activations rounded to T.
 template <class T>
 struct device_inputs {
@@ -33,8 +20,8 @@ struct device_inputs {
   device_buffer<float> a, gamma, S_in, z_in, lse_in, S_out, z_out, lse_out;
   device_buffer<std::uint8_t> mask;
   explicit device_inputs(const linear_inputs<float>& in)
-      : q(round_to<T>(in.q.storage())), k(round_to<T>(in.k.storage())), v(round_to<T>(in.v.storage())),
-        gate(round_to<T>(in.gate.storage())), out(static_cast<std::size_t>(in.out.size())),
+      : q(convert_all<T>(in.q.storage())), k(convert_all<T>(in.k.storage())), v(convert_all<T>(in.v.storage())),
+        gate(convert_all<T>(in.gate.storage())), out(static_cast<std::size_t>(in.out.size())),
         a(in.a.storage()), gamma(in.gamma.storage()), S_in(in.S_in.storage()), z_in(in.z_in.storage()),
         lse_in(in.lse_in.storage()), S_out(static_cast<std::size_t>(in.S_out.size())),
         z_out(static_cast<std::size_t>(in.z_out.size())), lse_out(static_cast<std::size_t>(in.lse_out.size())),
@@ -53,7 +40,7 @@ linear_errors run_cuda_linear(const linear_case& c, std::uint64_t salt) {
   rng r(salt);
   linear_inputs<float> in = make_inputs<Policy, float>(c, r);
   // The reference sees exactly the values the kernel sees.
-  for (auto* t : {&in.q, &in.k, &in.v, &in.gate}) t->storage() = widen<float>(round_to<T>(t->storage()));
+  for (auto* t : {&in.q, &in.k, &in.v, &in.gate}) t->storage() = convert_all<float>(convert_all<T>(t->storage()));
   device_inputs<T> dev(in);
   const attnmix::linear_attention_args<float> h = make_args<Policy>(in, c);
   attnmix::linear_attention_args<T> d;
@@ -91,7 +78,7 @@ linear_errors run_cuda_linear(const linear_case& c, std::uint64_t salt) {
   ref.mask = in.mask;
   attnmix::linear_attention<Kind, Policy>(make_args<Policy>(ref, c), make_params<double>(c));
 
-  linear_errors e{rel_error(widen<double>(dev.out.to_host()), to_double(ref.out.storage())),
+  linear_errors e{rel_error(convert_all<double>(dev.out.to_host()), to_double(ref.out.storage())),
                   rel_error(dev.S_out.to_host(), to_double(ref.S_out.storage())),
                   rel_error(dev.z_out.to_host(), to_double(ref.z_out.storage())), 0.0};
   if (Policy::gate != attnmix::key_gate::off) e.lse = lse_error(dev.lse_out.to_host(), to_double(ref.lse_out.storage()));

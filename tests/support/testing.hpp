@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "attnmix/core/host_tensor.hpp"
+#include "attnmix/core/scalar.hpp"
 
 namespace attnmix_test {
 
@@ -58,6 +59,14 @@ void poison(attnmix::host_tensor<T, R>& t) {
 template <class T>
 std::vector<double> to_double(const std::vector<T>& x) {
   return std::vector<double>(x.begin(), x.end());
+}
+
+// Element-wise attnmix::convert, e.g. float inputs rounded to bfloat16, or half outputs widened.
+template <class To, class From>
+std::vector<To> convert_all(const std::vector<From>& x) {
+  std::vector<To> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = attnmix::convert<To>(x[i]);
+  return y;
 }
 
 // ||out - ref|| / ||ref|| (Frobenius); NaN anywhere in out gives +inf. ||ref|| == 0 compares

@@ -37,6 +37,12 @@ struct sequence {
   index_t batch, start, length;
 };
 
+// Sequence n of a dense batch of rows of `tokens` (cu_seqlens == nullptr) or of a packed one.
+inline sequence sequence_at(const std::int32_t* cu_seqlens, index_t tokens, index_t n) {
+  if (cu_seqlens == nullptr) return {n, 0, tokens};
+  return {0, cu_seqlens[n], index_t{cu_seqlens[n + 1]} - cu_seqlens[n]};
+}
+
 // Sizes resolved and checked by the front door, handed to every backend.
 struct attention_problem {
   index_t batch, tokens, q_heads, kv_heads, head_dim, value_dim;
@@ -46,10 +52,7 @@ struct attention_problem {
   index_t num_sequences;
 
   index_t group() const { return q_heads / kv_heads; }
-  sequence seq(index_t n) const {
-    if (cu_seqlens == nullptr) return {n, 0, tokens};
-    return {0, cu_seqlens[n], index_t{cu_seqlens[n + 1]} - cu_seqlens[n]};
-  }
+  sequence seq(index_t n) const { return sequence_at(cu_seqlens, tokens, n); }
 };
 
 }  // namespace attnmix

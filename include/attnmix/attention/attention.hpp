@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "attnmix/attention/args.hpp"
 #include "attnmix/core/error.hpp"
@@ -29,33 +30,59 @@ void check_tensor(const std::string& fn, const char* arg, const tensor_view<T, R
   check_space(fn, arg, v, space, backend);
 }
 
+// Sizes every front door reads off q [B,T,HQ,D], k [B,T,H,D], v [B,T,H,Dv], out [B,T,HQ,Dv].
+struct qkv_sizes {
+  index_t B, T, HQ, H, D, Dv;
+};
+
+// Checks q, k, v and out: given, laid out for and living where the backend needs them, their
+// shapes consistent (HQ % H == 0), out free of self-overlap.
+template <class Backend, class T>
+qkv_sizes check_qkv_out(const std::string& fn, const view4<const T>& q, const view4<const T>& k,
+                        const view4<const T>& v, const view4<T>& out) {
+  constexpr memory_space space = space_of<Backend>;
+  const char* be = Backend::name;
+  check_given(fn, "q", q);
+  check_given(fn, "k", k);
+  check_given(fn, "v", v);
+  check_given(fn, "out", out);
+  check_tensor(fn, "q", q, space, be);
+  check_tensor(fn, "k", k, space, be);
+  check_tensor(fn, "v", v, space, be);
+  check_tensor(fn, "out", out, space, be);
+  const qkv_sizes s{q.extent(0), q.extent(1), q.extent(2), k.extent(2), q.extent(3), v.extent(3)};
+  require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
+          shape_string(q));
+  require(s.H >= 1, fn, "k", "must have at least one head but has shape ", shape_string(k));
+  require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H, " heads, which does not divide the HQ = ",
+          s.HQ, " heads of 'q'");
+  check_shape(fn, "k", k, {s.B, s.T, s.H, s.D}, "[B, T, H, D]");
+  require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_string(v));
+  check_shape(fn, "v", v, {s.B, s.T, s.H, s.Dv}, "[B, T, H, Dv]");
+  check_shape(fn, "out", out, {s.B, s.T, s.HQ, s.Dv}, "[B, T, HQ, Dv]");
+  check_non_overlapping(fn, "out", out);
+  return s;
+}
+
+// Checks packed-batch offsets (host memory, B == 1, 0 first, non-decreasing, T last).
+// Returns them and the number of sequences; a dense batch (no offsets) has B sequences.
+inline std::pair<const std::int32_t*, index_t> check_packed_batch(
+    const std::string& fn, const view1<const std::int32_t>& cu_seqlens, const qkv_sizes& s) {
+  if (!cu_seqlens.has_value()) return {nullptr, s.B};
+  check_space(fn, "cu_seqlens", cu_seqlens, memory_space::host, "offset validation");
+  require(s.B == 1, fn, "q", "must have B = 1 when cu_seqlens is given but has B = ", s.B);
+  check_offsets(fn, "cu_seqlens", cu_seqlens, s.T);
+  return {cu_seqlens.data(), cu_seqlens.extent(0) - 1};
+}
+
 // Checks everything attention() needs and returns the resolved sizes. Throws attnmix::error.
 template <class Kind, class T, class Backend>
 attention_problem validate_attention(const std::string& fn, const attention_args<T>& a,
                                      const attention_params& p) {
   constexpr memory_space space = space_of<Backend>;
   const char* be = Backend::name;
-  check_given(fn, "q", a.q);
-  check_given(fn, "k", a.k);
-  check_given(fn, "v", a.v);
-  check_given(fn, "out", a.out);
-  check_tensor(fn, "q", a.q, space, be);
-  check_tensor(fn, "k", a.k, space, be);
-  check_tensor(fn, "v", a.v, space, be);
-  check_tensor(fn, "out", a.out, space, be);
-
-  const index_t B = a.q.extent(0), T_ = a.q.extent(1), HQ = a.q.extent(2), D = a.q.extent(3);
-  const index_t H = a.k.extent(2), Dv = a.v.extent(3);
-  require(HQ >= 1 && D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
-          shape_string(a.q));
-  require(H >= 1, fn, "k", "must have at least one head but has shape ", shape_string(a.k));
-  require(HQ % H == 0, fn, "k", "has H = ", H, " heads, which does not divide the HQ = ", HQ,
-          " heads of 'q'");
-  check_shape(fn, "k", a.k, {B, T_, H, D}, "[B, T, H, D]");
-  require(Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_string(a.v));
-  check_shape(fn, "v", a.v, {B, T_, H, Dv}, "[B, T, H, Dv]");
-  check_shape(fn, "out", a.out, {B, T_, HQ, Dv}, "[B, T, HQ, Dv]");
-  check_non_overlapping(fn, "out", a.out);
+  const qkv_sizes sz = check_qkv_out<Backend>(fn, a.q, a.k, a.v, a.out);
+  const index_t B = sz.B, T_ = sz.T, HQ = sz.HQ, H = sz.H, D = sz.D, Dv = sz.Dv;
 
   if constexpr (kind_traits<Kind>::uses_forget_gate) {
     check_given(fn, "g", a.g, "(the log forget gate) is required by this kind");
@@ -98,15 +125,8 @@ attention_problem validate_attention(const std::string& fn, const attention_args
   if constexpr (kind_traits<Kind>::uses_householder)
     require(p.window == 0, fn, "window", "must be 0: PaTH has no sliding window, but is ", p.window);
 
-  attention_problem prob{B, T_, HQ, H, D, Dv, scale, p.window, nullptr, B};
-  if (p.cu_seqlens.has_value()) {
-    check_space(fn, "cu_seqlens", p.cu_seqlens, memory_space::host, "offset validation");
-    require(B == 1, fn, "q", "must have B = 1 when cu_seqlens is given but has B = ", B);
-    check_offsets(fn, "cu_seqlens", p.cu_seqlens, T_);
-    prob.cu_seqlens = p.cu_seqlens.data();
-    prob.num_sequences = p.cu_seqlens.extent(0) - 1;
-  }
-  return prob;
+  const auto [cu, sequences] = check_packed_batch(fn, p.cu_seqlens, sz);
+  return {B, T_, HQ, H, D, Dv, scale, p.window, cu, sequences};
 }
 
 }  // namespace detail

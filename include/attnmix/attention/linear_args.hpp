@@ -60,10 +60,7 @@ struct linear_attention_problem {
   index_t num_sequences;
 
   index_t group() const { return q_heads / kv_heads; }
-  sequence seq(index_t n) const {
-    if (cu_seqlens == nullptr) return {n, 0, tokens};
-    return {0, cu_seqlens[n], index_t{cu_seqlens[n + 1]} - cu_seqlens[n]};
-  }
+  sequence seq(index_t n) const { return sequence_at(cu_seqlens, tokens, n); }
 };
 
 }  // namespace attnmix

@@ -38,27 +38,8 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
   constexpr bool normed = Policy::norm != gated_norm::off;
   const char* be = Backend::name;
 
-  check_given(fn, "q", a.q);
-  check_given(fn, "k", a.k);
-  check_given(fn, "v", a.v);
-  check_given(fn, "out", a.out);
-  check_tensor(fn, "q", a.q, space, be);
-  check_tensor(fn, "k", a.k, space, be);
-  check_tensor(fn, "v", a.v, space, be);
-  check_tensor(fn, "out", a.out, space, be);
-
-  const index_t B = a.q.extent(0), T_ = a.q.extent(1), HQ = a.q.extent(2), D = a.q.extent(3);
-  const index_t H = a.k.extent(2), Dv = a.v.extent(3);
-  require(HQ >= 1 && D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
-          shape_string(a.q));
-  require(H >= 1, fn, "k", "must have at least one head but has shape ", shape_string(a.k));
-  require(HQ % H == 0, fn, "k", "has H = ", H, " heads, which does not divide the HQ = ", HQ,
-          " heads of 'q'");
-  check_shape(fn, "k", a.k, {B, T_, H, D}, "[B, T, H, D]");
-  require(Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_string(a.v));
-  check_shape(fn, "v", a.v, {B, T_, H, Dv}, "[B, T, H, Dv]");
-  check_shape(fn, "out", a.out, {B, T_, HQ, Dv}, "[B, T, HQ, Dv]");
-  check_non_overlapping(fn, "out", a.out);
+  const qkv_sizes sz = check_qkv_out<Backend>(fn, a.q, a.k, a.v, a.out);
+  const index_t B = sz.B, T_ = sz.T, HQ = sz.HQ, H = sz.H, D = sz.D, Dv = sz.Dv;
 
   if (a.mask.has_value()) {
     check_tensor(fn, "mask", a.mask, space, be);
@@ -103,14 +84,8 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
   require(!Policy::normalize || p.eps > 0, fn, "eps",
           "must be > 0 with the normaliser on (phi(q).z can be 0) but is ", p.eps);
 
-  linear_attention_problem prob{B, T_, HQ, H, Hg, D, Dv, scale, p.eps, p.norm_eps, nullptr, B};
-  if (p.cu_seqlens.has_value()) {
-    check_space(fn, "cu_seqlens", p.cu_seqlens, memory_space::host, "offset validation");
-    require(B == 1, fn, "q", "must have B = 1 when cu_seqlens is given but has B = ", B);
-    check_offsets(fn, "cu_seqlens", p.cu_seqlens, T_);
-    prob.cu_seqlens = p.cu_seqlens.data();
-    prob.num_sequences = p.cu_seqlens.extent(0) - 1;
-  }
+  const auto [cu, sequences] = check_packed_batch(fn, p.cu_seqlens, sz);
+  const linear_attention_problem prob{B, T_, HQ, H, Hg, D, Dv, scale, p.eps, p.norm_eps, cu, sequences};
   const index_t N = prob.num_sequences;
 
   // States.
