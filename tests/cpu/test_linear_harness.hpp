@@ -186,23 +186,6 @@ attnmix::linear_attention_params make_params(const linear_case& c) {
   return params;
 }
 
-// Relative error of log-sum-exp values; -inf (a sequence without a valid key) must match
-// exactly.
-template <class A>
-double lse_error(const std::vector<A>& out, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    const double o = static_cast<double>(out[i]), x = ref[i];
-    if (std::isinf(x)) {
-      if (o != x) return std::numeric_limits<double>::infinity();
-      continue;
-    }
-    if (!std::isfinite(o)) return std::numeric_limits<double>::infinity();
-    num += (o - x) * (o - x), den += x * x;
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 template <class Kind, class Policy, class T>
 linear_errors run_linear_case(const linear_case& c, std::uint64_t salt) {
   constexpr bool causal = attnmix::linear_kind_traits<Kind>::causal;

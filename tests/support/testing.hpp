@@ -1,6 +1,7 @@
 #pragma once
 // Helpers for attnmix tests: seeded random inputs, poisoned outputs, error norms.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -82,6 +83,25 @@ double rel_error(const std::vector<T>& out, const std::vector<double>& ref) {
     den += ref[i] * ref[i];
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Error of log-sum-exp values (natural log of a softmax normaliser). What matters is the
+// absolute error, which is the relative error of the normaliser itself, so values near 0 count as
+// magnitude 1: ||out - ref|| / max(||ref||, sqrt(n)). -inf (no visible key) must match exactly.
+template <class T>
+double lse_error(const std::vector<T>& out, const std::vector<double>& ref) {
+  if (out.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0, finite = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double o = static_cast<double>(out[i]), x = ref[i];
+    if (std::isinf(x)) {
+      if (o != x) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    if (!std::isfinite(o)) return std::numeric_limits<double>::infinity();
+    num += (o - x) * (o - x), den += x * x, finite += 1;
+  }
+  return std::sqrt(num / std::max(den, finite > 0 ? finite : 1.0));
 }
 
 template <class T>
