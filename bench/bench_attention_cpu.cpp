@@ -44,7 +44,8 @@ void BM_attention(benchmark::State& state) {
   }
   const bool causal = Policy::mask == attnmix::mask_type::causal;
   const double flops = 4.0 * B * H * double(T) * double(T) * D * (causal ? 0.5 : 1.0);
-  state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // args: M, N, K. Eigen is single-threaded here (no OpenMP).
@@ -55,13 +56,15 @@ void BM_eigen_sgemm(benchmark::State& state) {
     c.noalias() = a * b;
     benchmark::DoNotOptimize(c.data());
   }
-  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * M * N * K / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * M * N * K / 1e9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // One long causal head: extra memory stays O(T*D) (a T x T float matrix would be 16 GiB).
 void BM_softmax_long(benchmark::State& state) {
   const index_t T = state.range(0), D = 64;
-  attnmix::host_tensor<float, 4> q({1, T, 1, D}), k({1, T, 1, D}), v({1, T, 1, D}), out({1, T, 1, D});
+  attnmix::host_tensor<float, 4> q({1, T, 1, D}), k({1, T, 1, D}), v({1, T, 1, D}),
+      out({1, T, 1, D});
   randomize(q, 1), randomize(k, 2), randomize(v, 3);
   const double before = peak_rss_mib();
   for (auto _ : state) {
@@ -84,12 +87,24 @@ void attention_args_list(benchmark::internal::Benchmark* b) {
 
 }  // namespace
 
-BENCHMARK(BM_eigen_sgemm)->Args({1024, 1024, 1024})->Args({2048, 2048, 64})->Args({2048, 64, 2048})
-    ->ArgNames({"M", "N", "K"})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_eigen_sgemm)
+    ->Args({1024, 1024, 1024})
+    ->Args({2048, 2048, 64})
+    ->Args({2048, 64, 2048})
+    ->ArgNames({"M", "N", "K"})
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_attention, attnmix::kind::softmax, attnmix::softmax_policy)
-    ->Name("softmax_causal")->Apply(attention_args_list);
+    ->Name("softmax_causal")
+    ->Apply(attention_args_list);
 BENCHMARK_TEMPLATE(BM_attention, attnmix::kind::softmax, attnmix::bidirectional_softmax_policy)
-    ->Name("softmax_bidirectional")->Apply(attention_args_list);
+    ->Name("softmax_bidirectional")
+    ->Apply(attention_args_list);
 BENCHMARK_TEMPLATE(BM_attention, attnmix::kind::fox, attnmix::fox_policy)
-    ->Name("fox_causal")->Apply(attention_args_list);
-BENCHMARK(BM_softmax_long)->Arg(65536)->ArgNames({"T"})->Iterations(1)->Unit(benchmark::kSecond)->UseRealTime();
+    ->Name("fox_causal")
+    ->Apply(attention_args_list);
+BENCHMARK(BM_softmax_long)
+    ->Arg(65536)
+    ->ArgNames({"T"})
+    ->Iterations(1)
+    ->Unit(benchmark::kSecond)
+    ->UseRealTime();

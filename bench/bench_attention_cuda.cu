@@ -27,7 +27,8 @@ void BM_attention_cuda(benchmark::State& state) {
                                attnmix::view4<T>(out.ptr, {B, Tn, H, D}, dev)};
   if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
     a.g = attnmix::view3<const float>(g.ptr, {B, Tn, H}, dev);
-  attnmix_bench::time_with_events(state, [&] { attnmix::attention<Kind, Policy>(a, {}, attnmix::backend::cuda{}); });
+  attnmix_bench::time_with_events(
+      state, [&] { attnmix::attention<Kind, Policy>(a, {}, attnmix::backend::cuda{}); });
   const bool causal = Policy::mask == attnmix::mask_type::causal;
   const double flops = 4.0 * B * H * double(Tn) * double(Tn) * D * (causal ? 0.5 : 1.0);
   state.counters["TFLOP/s"] =
@@ -46,8 +47,11 @@ void bidirectional_shapes(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::softmax_policy)
-    ->Name("sa_causal")->Apply(causal_shapes);
+    ->Name("sa_causal")
+    ->Apply(causal_shapes);
 BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::fox, attnmix::fox_policy)
-    ->Name("fox_causal")->Apply(causal_shapes);
+    ->Name("fox_causal")
+    ->Apply(causal_shapes);
 BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::bidirectional_softmax_policy)
-    ->Name("sa_bidirectional")->Apply(bidirectional_shapes);
+    ->Name("sa_bidirectional")
+    ->Apply(bidirectional_shapes);

@@ -78,7 +78,13 @@ void BM_encoder(benchmark::State& state) {
   state.counters["predicted_speedup"] = fs / fh;
   state.counters["pct_of_predicted"] = 100.0 * (ts / th) / (fs / fh);
 }
-BENCHMARK(BM_encoder)->Arg(1024)->Arg(4096)->Arg(16384)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_encoder)
+    ->Arg(1024)
+    ->Arg(4096)
+    ->Arg(16384)
+    ->Iterations(1)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 void BM_path_fox_decode(benchmark::State& state) {
   const index_t Lc = state.range(0), steps = 64;
@@ -99,6 +105,12 @@ void BM_path_fox_decode(benchmark::State& state) {
   // Bytes of the K and V caches one step reads (keys are also rewritten): O(L D).
   state.counters["kv_bytes"] = double(2 * Lc * c.hidden_size * sizeof(float));
 }
-BENCHMARK(BM_path_fox_decode)->Arg(1024)->Arg(2048)->Arg(4096)->Arg(8192)->Iterations(64)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_path_fox_decode)
+    ->Arg(1024)
+    ->Arg(2048)
+    ->Arg(4096)
+    ->Arg(8192)
+    ->Iterations(64)
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace

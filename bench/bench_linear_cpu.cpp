@@ -29,7 +29,9 @@ void randomize(attnmix::host_tensor<T, R>& t, unsigned seed, double lo = -1, dou
   for (auto& x : t.storage()) x = static_cast<T>(dist(gen));
 }
 
-double linear_flops(index_t T) { return 4.0 * B * H * double(T) * D * Dv; }
+double linear_flops(index_t T) {
+  return 4.0 * B * H * double(T) * D * Dv;
+}
 
 template <class Kind, class Policy>
 void BM_linear(benchmark::State& state) {
@@ -56,9 +58,9 @@ void BM_linear(benchmark::State& state) {
   state.counters["GB/s"] =
       benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   // Inverted rate of T * 1e-9 "units" per second: nanoseconds per token.
-  state.counters["ns/token"] = benchmark::Counter(
-      double(T) * 1e-9,
-      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+  state.counters["ns/token"] =
+      benchmark::Counter(double(T) * 1e-9, benchmark::Counter::kIsIterationInvariantRate |
+                                               benchmark::Counter::kInvert);
 }
 
 // Bidirectional softmax attention on the same shapes; FLOPs = 4*B*H*T^2*D.
@@ -106,9 +108,8 @@ void BM_eigen_sgemm_square(benchmark::State& state) {
   std::vector<Eigen::MatrixXf> a(workers, Eigen::MatrixXf::Random(M, M)),
       b(workers, Eigen::MatrixXf::Random(M, M)), c(workers, Eigen::MatrixXf(M, M));
   for (auto _ : state) {
-    attnmix::detail::cpu::parallel_for(workers, workers, [&](index_t w, int) {
-      c[w].noalias() = a[w] * b[w];
-    });
+    attnmix::detail::cpu::parallel_for(workers, workers,
+                                       [&](index_t w, int) { c[w].noalias() = a[w] * b[w]; });
     benchmark::DoNotOptimize(c[0].data());
   }
   state.counters["GFLOP/s"] = benchmark::Counter(2.0 * workers * double(M) * M * M / 1e9,
@@ -163,4 +164,9 @@ BENCHMARK(BM_eigen_sgemm_square)
     ->Arg(1024)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-BENCHMARK(BM_copy)->Name("copy")->Arg(8192)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_copy)
+    ->Name("copy")
+    ->Arg(8192)
+    ->Arg(32768)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();

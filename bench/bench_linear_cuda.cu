@@ -21,7 +21,8 @@ void BM_linear_cuda(benchmark::State& state) {
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
   const std::size_t n = static_cast<std::size_t>(B * Tn * H * D);
   device_array<T> q(n, 1), k(n, 2), v(n, 3), gate(n, 4), out(n, 5);
-  device_array<float> a(static_cast<std::size_t>(B * Tn), 6, -2.f, 2.f), gamma(static_cast<std::size_t>(D), 7, 0.5f, 1.5f);
+  device_array<float> a(static_cast<std::size_t>(B * Tn), 6, -2.f, 2.f),
+      gamma(static_cast<std::size_t>(D), 7, 0.5f, 1.5f);
   const auto dev = attnmix::memory_space::device;
   attnmix::linear_attention_args<T> args;
   args.q = attnmix::view4<const T>(q.ptr, {B, Tn, H, D}, dev);
@@ -35,8 +36,10 @@ void BM_linear_cuda(benchmark::State& state) {
   }
   attnmix_bench::time_with_events(
       state, [&] { attnmix::linear_attention<Kind, Policy>(args, {}, attnmix::backend::cuda{}); });
-  const double bytes = double(B) * Tn * H * D * 2 * (normed ? 5 : 4) + (gated ? double(B) * Tn * 4 : 0);
-  state.counters["GB/s"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  const double bytes =
+      double(B) * Tn * H * D * 2 * (normed ? 5 : 4) + (gated ? double(B) * Tn * 4 : 0);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["MB"] = bytes / 1e6;
 }
 
@@ -48,7 +51,8 @@ void BM_copy(benchmark::State& state) {
   check(cudaMemset(src, 1, bytes), "memset");
   attnmix_bench::time_with_events(
       state, [&] { check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice), "copy"); });
-  state.counters["GB/s"] = benchmark::Counter(2.0 * bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(2.0 * bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   cudaFree(src), cudaFree(dst);
 }
 
@@ -60,5 +64,9 @@ void shapes(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(BM_copy)->Arg(2048)->ArgNames({"MiB"})->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::gbla, attnmix::gbla_policy)->Name("gbla")->Apply(shapes);
-BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::bla, attnmix::bla_policy)->Name("bla")->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::gbla, attnmix::gbla_policy)
+    ->Name("gbla")
+    ->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::bla, attnmix::bla_policy)
+    ->Name("bla")
+    ->Apply(shapes);

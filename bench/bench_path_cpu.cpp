@@ -46,14 +46,21 @@ struct inputs {
   attnmix::host_tensor<float, 4> q, k, v, w, out;
   attnmix::host_tensor<float, 3> beta, g;
   explicit inputs(index_t T)
-      : q({B, T, H, D}), k({B, T, H, D}), v({B, T, H, D}), w({B, T, H, D}), out({B, T, H, D}),
-        beta({B, T, H}), g({B, T, H}) {
+      : q({B, T, H, D}),
+        k({B, T, H, D}),
+        v({B, T, H, D}),
+        w({B, T, H, D}),
+        out({B, T, H, D}),
+        beta({B, T, H}),
+        g({B, T, H}) {
     randomize(q, 1), randomize(k, 2), randomize(v, 3), unit_rows(w, 4);
     randomize(beta, 5, 0.0, 2.0), randomize(g, 6, -0.1, -0.01);
   }
 };
 
-double softmax_flops(index_t T) { return double(B * H) * double(T) * double(T) * (D + D); }
+double softmax_flops(index_t T) {
+  return double(B * H) * double(T) * double(T) * (D + D);
+}
 
 // args: T, threads
 template <class Kind, class Policy = attnmix::default_policy_t<Kind>>
@@ -63,7 +70,8 @@ void BM_forward(benchmark::State& state) {
   inputs in(T);
   attnmix::attention_args<float> a{in.q.view(), in.k.view(), in.v.view(), in.out.view()};
   if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate) a.g = in.g.view();
-  if constexpr (attnmix::kind_traits<Kind>::uses_householder) a.w = in.w.view(), a.beta = in.beta.view();
+  if constexpr (attnmix::kind_traits<Kind>::uses_householder)
+    a.w = in.w.view(), a.beta = in.beta.view();
   for (auto _ : state) {
     attnmix::attention<Kind, Policy>(a, {}, attnmix::backend::cpu{threads});
     benchmark::DoNotOptimize(in.out.data());
@@ -71,7 +79,8 @@ void BM_forward(benchmark::State& state) {
   double flops = softmax_flops(T);
   if constexpr (attnmix::kind_traits<Kind>::uses_householder)
     flops += double(B * H) * double(T) * double(T) * D * D / Policy::chunk;
-  state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // args: T, threads. O(T D^2) per head: suffix products of the chunk transitions.
@@ -87,7 +96,8 @@ void BM_key_cache(benchmark::State& state) {
   }
   const index_t C = attnmix::path_policy::chunk;
   // per chunk: UT transform ~ (7 C^2 D + C^3) and P (2 C D^2); suffix: 2 D^3 + 2 C D^2
-  const double per_chunk = 7.0 * C * C * D + double(C) * C * C + 2.0 * C * D * D + 2.0 * D * D * D + 2.0 * C * D * D;
+  const double per_chunk =
+      7.0 * C * C * D + double(C) * C * C + 2.0 * C * D * D + 2.0 * D * D * D + 2.0 * C * D * D;
   state.counters["GFLOP/s"] = benchmark::Counter(double(B * H) * (double(T) / C) * per_chunk / 1e9,
                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -99,17 +109,20 @@ void BM_decode_step(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(1));
   inputs prompt(L), step(1);
   attnmix::path_cache<float> cache(B, L + 1000, H, H, D, D);  // room for the timed steps
-  attnmix::attention_args<float> p{prompt.q.view(), prompt.k.view(), prompt.v.view(), prompt.out.view()};
+  attnmix::attention_args<float> p{prompt.q.view(), prompt.k.view(), prompt.v.view(),
+                                   prompt.out.view()};
   p.g = prompt.g.view(), p.w = prompt.w.view(), p.beta = prompt.beta.view();
   attnmix::attention_args<float> s{step.q.view(), step.k.view(), step.v.view(), step.out.view()};
   s.g = step.g.view(), s.w = step.w.view(), s.beta = step.beta.view();
   attnmix::path_prefill<attnmix::kind::path_fox>(cache, p, {}, {}, attnmix::backend::cpu{threads});
   for (auto _ : state) {  // each step appends one token: L grows by at most the iteration count
-    attnmix::path_decode_step<attnmix::kind::path_fox>(cache, s, {}, {}, attnmix::backend::cpu{threads});
+    attnmix::path_decode_step<attnmix::kind::path_fox>(cache, s, {}, {},
+                                                       attnmix::backend::cpu{threads});
     benchmark::DoNotOptimize(step.out.data());
   }
-  state.counters["cache_GB/s"] = benchmark::Counter(
-      double(B * H) * double(L) * (3.0 * D + D) * sizeof(float) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["cache_GB/s"] =
+      benchmark::Counter(double(B * H) * double(L) * (3.0 * D + D) * sizeof(float) / 1e9,
+                         benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void forward_args(benchmark::internal::Benchmark* b) {
@@ -127,7 +140,14 @@ BENCHMARK_TEMPLATE(BM_forward, attnmix::kind::path_fox)->Name("path_fox")->Apply
 struct chunk128 : attnmix::path_policy {
   static constexpr index_t chunk = 128;
 };
-BENCHMARK_TEMPLATE(BM_forward, attnmix::kind::path, chunk128)->Name("path_chunk128")->Apply(forward_args);
+BENCHMARK_TEMPLATE(BM_forward, attnmix::kind::path, chunk128)
+    ->Name("path_chunk128")
+    ->Apply(forward_args);
 BENCHMARK(BM_key_cache)->Name("path_key_cache")->Apply(forward_args);
-BENCHMARK(BM_decode_step)->Name("path_fox_decode_step")->Args({8192, 1})->ArgNames({"L", "threads"})
-    ->Iterations(200)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_decode_step)
+    ->Name("path_fox_decode_step")
+    ->Args({8192, 1})
+    ->ArgNames({"L", "threads"})
+    ->Iterations(200)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();

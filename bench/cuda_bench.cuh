@@ -7,8 +7,8 @@
 #include <random>
 #include <vector>
 
-#include "attnmix/cuda/runtime.cuh"
 #include "attnmix/core/scalar.hpp"
+#include "attnmix/cuda/runtime.cuh"
 
 namespace attnmix_bench {
 
@@ -36,7 +36,8 @@ template <class Call>
 void time_with_events(benchmark::State& state, Call&& call) {
   using attnmix::detail::cuda::check;
   cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "cudaEventCreate"), check(cudaEventCreate(&stop), "cudaEventCreate");
+  check(cudaEventCreate(&start), "cudaEventCreate"),
+      check(cudaEventCreate(&stop), "cudaEventCreate");
   for (int i = 0; i < 3; ++i) call();
   for (auto _ : state) {
     check(cudaEventRecord(start), "cudaEventRecord");

@@ -21,7 +21,8 @@ attnmix::host_tensor<T, R> cast(const attnmix::host_tensor<float, R>& x) {
   return y;
 }
 
-double rel_error(const attnmix::host_tensor<float, 4>& x, const attnmix::host_tensor<double, 4>& ref) {
+double rel_error(const attnmix::host_tensor<float, 4>& x,
+                 const attnmix::host_tensor<double, 4>& ref) {
   double num = 0, den = 0;
   for (index_t i = 0; i < x.size(); ++i) {
     const double d = x.data()[i] - ref.data()[i];
@@ -32,15 +33,17 @@ double rel_error(const attnmix::host_tensor<float, 4>& x, const attnmix::host_te
 
 // Runs Kind in float (timed) and in double; returns nothing, prints one line.
 template <class Kind>
-void run(const char* label, const attnmix::host_tensor<float, 4>& q, const attnmix::host_tensor<float, 4>& k,
-         const attnmix::host_tensor<float, 4>& v, const attnmix::host_tensor<float, 3>& g, int threads) {
+void run(const char* label, const attnmix::host_tensor<float, 4>& q,
+         const attnmix::host_tensor<float, 4>& k, const attnmix::host_tensor<float, 4>& v,
+         const attnmix::host_tensor<float, 3>& g, int threads) {
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   attnmix::host_tensor<float, 4> out(q.shape());
   attnmix::attention_args<float> a{q.view(), k.view(), v.view(), out.view()};
   if (gated) a.g = g.view();
   const auto t0 = std::chrono::steady_clock::now();
   attnmix::attention<Kind>(a, {}, attnmix::backend::cpu{threads});
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
   const auto qd = cast<double>(q), kd = cast<double>(k), vd = cast<double>(v);
   const auto gd = cast<double>(g);
@@ -49,7 +52,8 @@ void run(const char* label, const attnmix::host_tensor<float, 4>& q, const attnm
   if (gated) ad.g = gd.view();
   attnmix::attention<Kind>(ad, {}, attnmix::backend::cpu{threads});
 
-  const double T = double(q.extent(1)), flops = 2.0 * q.extent(0) * q.extent(2) * T * T * q.extent(3);
+  const double T = double(q.extent(1)),
+               flops = 2.0 * q.extent(0) * q.extent(2) * T * T * q.extent(3);
   std::printf("  %-22s %9.2f ms  %7.1f GFLOP/s  rel. error vs double %.2e\n", label, ms,
               flops / ms / 1e6, rel_error(out, ref));
 }
@@ -57,8 +61,8 @@ void run(const char* label, const attnmix::host_tensor<float, 4>& q, const attnm
 }  // namespace
 
 int main(int argc, char** argv) {
-  const index_t B = 2, T = argc > 1 ? std::atol(argv[1]) : 1024, H = argc > 2 ? std::atol(argv[2]) : 8,
-                D = 64;
+  const index_t B = 2, T = argc > 1 ? std::atol(argv[1]) : 1024,
+                H = argc > 2 ? std::atol(argv[2]) : 8, D = 64;
   const int threads = argc > 3 ? std::atoi(argv[3]) : 0;
   if (T < 1 || H < 1) {
     std::fprintf(stderr, "usage: demo [T >= 1] [heads >= 1] [threads]\n");

@@ -23,7 +23,8 @@ using sa_only = attnmix::stack<float, attnmix::repeat<9, layer::sa>>;
 
 // Forward FLOPs of one layer (mixer + SwiGLU MLP) over the valid tokens of the batch.
 double layer_flops(bool sa, const attnmix::layers::config& c, const std::vector<index_t>& lengths) {
-  const double D = double(c.hidden_size), I = double(attnmix::layers::mlp_width(c, attnmix::layers::mlp_kind::swiglu));
+  const double D = double(c.hidden_size),
+               I = double(attnmix::layers::mlp_width(c, attnmix::layers::mlp_kind::swiglu));
   const double inner = double(c.num_heads * c.dim()), kv = double(c.kv_heads() * c.dim());
   const double d = double(c.dim());
   double f = 0;
@@ -50,7 +51,9 @@ double run(const char* label, const Stack& s, const attnmix::host_tensor<float, 
   in.mask = mask.view();
   in.on_layer = [&](index_t i, const char* name, double sec) {
     times.push_back(sec);
-    if (progress) std::fprintf(stderr, "\r  ... layer %lld/%zu done", static_cast<long long>(i + 1), Stack::num_layers);
+    if (progress)
+      std::fprintf(stderr, "\r  ... layer %lld/%zu done", static_cast<long long>(i + 1),
+                   Stack::num_layers);
     (void)name;
   };
   const auto t0 = std::chrono::steady_clock::now();
@@ -104,12 +107,13 @@ int main(int argc, char** argv) {
 
     index_t tokens = 0;
     for (index_t l : lengths) tokens += l;
-    std::printf("attnmix hybrid_encoder: B = %lld users, T = %lld (%lld valid tokens), D = %lld, "
-                "%lld heads, SwiGLU MLP %lld, CPU threads %d\n",
-                static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(tokens),
-                static_cast<long long>(D), static_cast<long long>(c.num_heads),
-                static_cast<long long>(attnmix::layers::mlp_width(c, attnmix::layers::mlp_kind::swiglu)),
-                threads);
+    std::printf(
+        "attnmix hybrid_encoder: B = %lld users, T = %lld (%lld valid tokens), D = %lld, "
+        "%lld heads, SwiGLU MLP %lld, CPU threads %d\n",
+        static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(tokens),
+        static_cast<long long>(D), static_cast<long long>(c.num_heads),
+        static_cast<long long>(attnmix::layers::mlp_width(c, attnmix::layers::mlp_kind::swiglu)),
+        threads);
     const bool progress = T * B >= 8192;
     const double th = run("[SA, GBLA, GBLA] x 3", h, x, mask, y_h, threads, progress);
     const double ts = run("[SA] x 9", s, x, mask, y_s, threads, progress);
@@ -119,8 +123,9 @@ int main(int argc, char** argv) {
     const double predicted = fs / fh, measured = ts / th;
     std::printf("FLOPs: hybrid %.2f G (%.1f GFLOP/s), SA-only %.2f G (%.1f GFLOP/s)\n", fh / 1e9,
                 fh / th / 1e9, fs / 1e9, fs / ts / 1e9);
-    std::printf("speedup of the hybrid: predicted by FLOPs %.2fx, measured %.2fx (%.0f%% of predicted)\n",
-                predicted, measured, 100.0 * measured / predicted);
+    std::printf(
+        "speedup of the hybrid: predicted by FLOPs %.2fx, measured %.2fx (%.0f%% of predicted)\n",
+        predicted, measured, 100.0 * measured / predicted);
     for (float v : y_h.storage())
       if (!std::isfinite(v)) {
         std::fprintf(stderr, "hybrid_encoder: non-finite output\n");

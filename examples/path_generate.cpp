@@ -30,7 +30,11 @@ struct path_lm {
   body_type body;
 
   path_lm(const L::config& c, index_t v)
-      : vocab(v), D(c.hidden_size), embeddings({v, c.hidden_size}), lm_head({v, c.hidden_size}), body(c) {}
+      : vocab(v),
+        D(c.hidden_size),
+        embeddings({v, c.hidden_size}),
+        lm_head({v, c.hidden_size}),
+        body(c) {}
 
   template <class F>
   void visit_parameters(F&& f) {
@@ -45,7 +49,8 @@ struct path_lm {
     f("lm_head.weight", lm_head);
   }
 
-  attnmix::host_tensor<float, 3> embed(const std::vector<int>& tokens, index_t rows, index_t cols) const {
+  attnmix::host_tensor<float, 3> embed(const std::vector<int>& tokens, index_t rows,
+                                       index_t cols) const {
     attnmix::host_tensor<float, 3> x({rows, cols, D});
     for (std::size_t i = 0; i < tokens.size(); ++i)
       std::copy_n(embeddings.ptr() + tokens[i] * D, D, x.data() + static_cast<index_t>(i) * D);
@@ -61,7 +66,9 @@ struct path_lm {
   }
 };
 
-int argmax(const float* v, index_t n) { return static_cast<int>(std::max_element(v, v + n) - v); }
+int argmax(const float* v, index_t n) {
+  return static_cast<int>(std::max_element(v, v + n) - v);
+}
 
 }  // namespace
 
@@ -85,12 +92,15 @@ int main(int argc, char** argv) {
     attnmix::io::load(m, file);
     std::size_t count = 0;
     m.visit_parameters([&](const std::string&, const auto& p) { count += p.data.size(); });
-    std::printf("attnmix path_generate: PaTH-FoX LM, 2 layers, D = 64, 4 heads, vocab %lld, "
-                "%zu parameters loaded from %s\n", static_cast<long long>(V), count, file.c_str());
+    std::printf(
+        "attnmix path_generate: PaTH-FoX LM, 2 layers, D = 64, 4 heads, vocab %lld, "
+        "%zu parameters loaded from %s\n",
+        static_cast<long long>(V), count, file.c_str());
 
     std::mt19937 gen(3);
     std::vector<int> tokens;
-    for (index_t i = 0; i < prompt; ++i) tokens.push_back(std::uniform_int_distribution<int>(0, int(V) - 1)(gen));
+    for (index_t i = 0; i < prompt; ++i)
+      tokens.push_back(std::uniform_int_distribution<int>(0, int(V) - 1)(gen));
 
     // Prefill the prompt, then decode greedily.
     auto cache = m.body.make_cache(1, prompt + steps);
@@ -109,7 +119,8 @@ int main(int argc, char** argv) {
       last = m.logits(h1.data(), 1);
     }
     std::printf("generated:");
-    for (index_t i = prompt; i < prompt + steps; ++i) std::printf(" %d", tokens[static_cast<std::size_t>(i)]);
+    for (index_t i = prompt; i < prompt + steps; ++i)
+      std::printf(" %d", tokens[static_cast<std::size_t>(i)]);
     std::printf("\n");
 
     // The full forward over prompt + generated tokens gives the same logits at every step.
@@ -122,16 +133,20 @@ int main(int argc, char** argv) {
     bool same_tokens = true;
     for (index_t s = 0; s < steps; ++s) {
       for (index_t v = 0; v < V; ++v) {
-        const double d = double(step_logits[static_cast<std::size_t>(s * V + v)]) - full[static_cast<std::size_t>(s * V + v)];
+        const double d = double(step_logits[static_cast<std::size_t>(s * V + v)]) -
+                         full[static_cast<std::size_t>(s * V + v)];
         num += d * d;
-        den += double(full[static_cast<std::size_t>(s * V + v)]) * full[static_cast<std::size_t>(s * V + v)];
+        den += double(full[static_cast<std::size_t>(s * V + v)]) *
+               full[static_cast<std::size_t>(s * V + v)];
       }
-      same_tokens = same_tokens && argmax(full.data() + s * V, V) == tokens[static_cast<std::size_t>(prompt + s)];
+      same_tokens = same_tokens &&
+                    argmax(full.data() + s * V, V) == tokens[static_cast<std::size_t>(prompt + s)];
     }
     const double rel = std::sqrt(num / den);
     const bool ok = std::isfinite(rel) && rel < 1e-4;  // argmax ties may differ, logits may not
-    std::printf("decoding vs full forward: relative logit error %.2e, greedy tokens %s -> %s\n", rel,
-                same_tokens ? "identical" : "DIFFERENT", ok ? "decode matches the full forward" : "MISMATCH");
+    std::printf("decoding vs full forward: relative logit error %.2e, greedy tokens %s -> %s\n",
+                rel, same_tokens ? "identical" : "DIFFERENT",
+                ok ? "decode matches the full forward" : "MISMATCH");
     return ok ? 0 : 1;
   } catch (const attnmix::error& e) {
     std::fprintf(stderr, "path_generate: %s\n", e.what());

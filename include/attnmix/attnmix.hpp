@@ -17,15 +17,15 @@
 
 #include "attnmix/attention/args.hpp"
 #include "attnmix/attention/attention.hpp"
-#include "attnmix/attention/path_cache.hpp"
 #include "attnmix/attention/linear_args.hpp"
 #include "attnmix/attention/linear_attention.hpp"
+#include "attnmix/attention/path_cache.hpp"
 
 #include "attnmix/cpu/bla.hpp"
 #include "attnmix/cpu/fox.hpp"
-#include "attnmix/cpu/path.hpp"
 #include "attnmix/cpu/gbla.hpp"
 #include "attnmix/cpu/linear_causal.hpp"
+#include "attnmix/cpu/path.hpp"
 #include "attnmix/cpu/softmax.hpp"
 
 // Layers and hybrid stacks (CPU). Weights in and out: <attnmix/io/safetensors.hpp>, which

@@ -5,7 +5,8 @@
 // path, with device-memory views and attnmix::backend::cuda{stream}.
 
 #if !defined(__CUDACC__)
-#error "attnmix/cuda.cuh must be compiled by a CUDA compiler (nvcc); use attnmix/attnmix.hpp otherwise"
+#error \
+    "attnmix/cuda.cuh must be compiled by a CUDA compiler (nvcc); use attnmix/attnmix.hpp otherwise"
 #endif
 
 #include "attnmix/attnmix.hpp"

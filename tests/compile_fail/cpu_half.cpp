@@ -7,4 +7,6 @@ using scalar = attnmix::bfloat16;
 using scalar = float;
 #endif
 
-void f(const attnmix::attention_args<scalar>& a) { attnmix::attention<attnmix::kind::softmax>(a); }
+void f(const attnmix::attention_args<scalar>& a) {
+  attnmix::attention<attnmix::kind::softmax>(a);
+}

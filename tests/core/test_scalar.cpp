@@ -26,20 +26,20 @@ TEST_CASE("every finite half round-trips through float exactly", "[core][scalar]
 TEST_CASE("half conversion rounds to nearest even and saturates to inf", "[core][scalar]") {
   CHECK(static_cast<float>(half(1.0f)) == 1.0f);
   CHECK(static_cast<float>(half(65504.0f)) == 65504.0f);
-  CHECK(std::isinf(static_cast<float>(half(65520.0f))));        // halfway to 2^16 rounds up
+  CHECK(std::isinf(static_cast<float>(half(65520.0f))));  // halfway to 2^16 rounds up
   CHECK(static_cast<float>(half(65519.0f)) == 65504.0f);
-  CHECK(static_cast<float>(half(1.0f + 0x1p-11f)) == 1.0f);     // tie, rounds to even
+  CHECK(static_cast<float>(half(1.0f + 0x1p-11f)) == 1.0f);                // tie, rounds to even
   CHECK(static_cast<float>(half(1.0f + 3 * 0x1p-11f)) == 1.0f + 0x1p-9f);  // tie, rounds to even
-  CHECK(static_cast<float>(half(0x1p-24f)) == 0x1p-24f);        // smallest subnormal
-  CHECK(static_cast<float>(half(0x1p-26f)) == 0.0f);            // below half of it
+  CHECK(static_cast<float>(half(0x1p-24f)) == 0x1p-24f);                   // smallest subnormal
+  CHECK(static_cast<float>(half(0x1p-26f)) == 0.0f);                       // below half of it
   CHECK(half(-0.0f).bits == 0x8000u);
   CHECK(std::isinf(static_cast<float>(half(std::numeric_limits<float>::infinity()))));
 }
 
 TEST_CASE("bfloat16 conversion rounds to nearest even", "[core][scalar]") {
   CHECK(static_cast<float>(bfloat16(1.0f)) == 1.0f);
-  CHECK(static_cast<float>(bfloat16(1.0f + 0x1p-8f)) == 1.0f);                 // tie to even
-  CHECK(static_cast<float>(bfloat16(1.0f + 3 * 0x1p-8f)) == 1.0f + 0x1p-6f);   // tie to even
+  CHECK(static_cast<float>(bfloat16(1.0f + 0x1p-8f)) == 1.0f);                // tie to even
+  CHECK(static_cast<float>(bfloat16(1.0f + 3 * 0x1p-8f)) == 1.0f + 0x1p-6f);  // tie to even
   CHECK(static_cast<float>(bfloat16(1.0f + 0x1p-8f + 0x1p-20f)) == 1.0f + 0x1p-7f);
   CHECK(std::isnan(static_cast<float>(bfloat16(std::numeric_limits<float>::quiet_NaN()))));
   for (std::uint32_t bits = 0; bits < 0x10000u; ++bits) {

@@ -62,8 +62,8 @@ case_result run_attention_case(const attention_case& c, std::uint64_t salt) {
     params.cu_seqlens = {c.cu_seqlens.data(), {static_cast<index_t>(c.cu_seqlens.size())}};
   attnmix::attention<Kind, Policy>(args, params, attnmix::backend::cpu{c.threads});
 
-  attnmix_ref::softmax_problem p{c.B, c.T, c.HQ, c.H, c.D, c.Dv,
-                                 c.scale ? *c.scale : 1.0 / std::sqrt(double(c.D))};
+  attnmix_ref::softmax_problem p{
+      c.B, c.T, c.HQ, c.H, c.D, c.Dv, c.scale ? *c.scale : 1.0 / std::sqrt(double(c.D))};
   p.causal = Policy::mask == attnmix::mask_type::causal;
   p.window = c.window;
   p.cu_seqlens.assign(c.cu_seqlens.begin(), c.cu_seqlens.end());

@@ -50,7 +50,8 @@ void expect_rejected(const std::string& arg, const std::string& detail, Modify m
   } catch (const attnmix::error& e) {
     const std::string msg = e.what();
     INFO(msg);
-    CHECK(msg.rfind(std::string("attnmix::attention<") + Kind::name + ">: argument '" + arg + "'", 0) == 0);
+    CHECK(msg.rfind(std::string("attnmix::attention<") + Kind::name + ">: argument '" + arg + "'",
+                    0) == 0);
     CHECK(msg.find(detail) != std::string::npos);
   }
   CHECK(bitwise_equal(f.out.storage(), out_before));
@@ -77,17 +78,29 @@ TEST_CASE("missing and unexpected tensors", "[errors][cpu]") {
 
 TEST_CASE("wrong shapes name both sizes", "[errors][cpu]") {
   expect_rejected("k", "has shape [2, 33, 2, 15] but must be [B, T, H, D] = [2, 33, 2, 16]",
-                  [](fixture& f, auto& a, auto&) { a.k = view4<const float>(f.spare.data(), {B, T, H, D - 1}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.k = view4<const float>(f.spare.data(), {B, T, H, D - 1});
+                  });
   expect_rejected("k", "H = 3 heads, which does not divide the HQ = 4",
-                  [](fixture& f, auto& a, auto&) { a.k = view4<const float>(f.spare.data(), {B, T, 3, D}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.k = view4<const float>(f.spare.data(), {B, T, 3, D});
+                  });
   expect_rejected("v", "[2, 32, 2, 8] but must be [B, T, H, Dv] = [2, 33, 2, 8]",
-                  [](fixture& f, auto& a, auto&) { a.v = view4<const float>(f.spare.data(), {B, T - 1, H, Dv}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.v = view4<const float>(f.spare.data(), {B, T - 1, H, Dv});
+                  });
   expect_rejected("out", "[2, 33, 4, 9] but must be [B, T, HQ, Dv] = [2, 33, 4, 8]",
-                  [](fixture& f, auto& a, auto&) { a.out = view4<float>(f.spare.data(), {B, T, HQ, Dv + 1}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.out = view4<float>(f.spare.data(), {B, T, HQ, Dv + 1});
+                  });
   expect_rejected("g", "[2, 33, 2] but must be [B, T, HQ] = [2, 33, 4]",
-                  [](fixture& f, auto& a, auto&) { a.g = view3<const float>(f.spare.data(), {B, T, H}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.g = view3<const float>(f.spare.data(), {B, T, H});
+                  });
   expect_rejected("lse", "[2, 33, 2] but must be [B, T, HQ] = [2, 33, 4]",
-                  [](fixture& f, auto& a, auto&) { a.lse = view3<float>(f.spare.data(), {B, T, H}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.lse = view3<float>(f.spare.data(), {B, T, H});
+                  });
   expect_rejected("q", "at least one head", [](fixture& f, auto& a, auto&) {
     a.q = view4<const float>(f.spare.data(), {B, T, 0, D});
   });
@@ -112,14 +125,15 @@ TEST_CASE("bad strides, pointers, memory spaces and aliasing", "[errors][cpu]") 
   expect_rejected("lse", "overlaps the memory of 'out'", [](fixture& f, auto& a, auto&) {
     a.lse = view3<float>(f.out.data() + 8, {B, T, HQ});
   });
-  expect_rejected("k", "device memory but the cpu backend needs host memory",
-                  [](fixture& f, auto& a, auto&) {
-                    a.k = view4<const float>(f.k.data(), {B, T, H, D}, attnmix::memory_space::device);
-                  });
+  expect_rejected(
+      "k", "device memory but the cpu backend needs host memory", [](fixture& f, auto& a, auto&) {
+        a.k = view4<const float>(f.k.data(), {B, T, H, D}, attnmix::memory_space::device);
+      });
 }
 
 TEST_CASE("bad runtime parameters", "[errors][cpu]") {
-  expect_rejected("scale", "must be finite", [](fixture&, auto&, auto& p) { p.scale = std::nan(""); });
+  expect_rejected("scale", "must be finite",
+                  [](fixture&, auto&, auto& p) { p.scale = std::nan(""); });
   expect_rejected("window", "must be >= 0", [](fixture&, auto&, auto& p) { p.window = -1; });
 }
 
@@ -139,10 +153,12 @@ TEST_CASE("bad cu_seqlens", "[errors][cpu]") {
     };
   };
   expect_rejected("cu_seqlens", "entry 2 (10) < entry 1 (20)", with_offsets({0, 20, 10, 66}));
-  expect_rejected("cu_seqlens", "ends at 60 but the packed length is 66", with_offsets({0, 20, 60}));
+  expect_rejected("cu_seqlens", "ends at 60 but the packed length is 66",
+                  with_offsets({0, 20, 60}));
   expect_rejected("cu_seqlens", "must start at 0", with_offsets({3, 20, 66}));
   expect_rejected("cu_seqlens", "N+1 >= 1", with_offsets({}));
-  expect_rejected("q", "B = 1 when cu_seqlens is given but has B = 2", with_offsets({0, 33}, false));
+  expect_rejected("q", "B = 1 when cu_seqlens is given but has B = 2",
+                  with_offsets({0, 33}, false));
   // Sanity: the same packing with good offsets is accepted.
   fixture f;
   attention_args<float> a = f.args();

@@ -39,8 +39,8 @@ TEMPLATE_TEST_CASE("BLA matches the oracle (elu+1, normalised)", "[bla][cpu]", f
   sweep<attnmix::bla_policy, TestType>(standard_linear_cases(), 1000);
 }
 
-TEMPLATE_TEST_CASE("BLA matches the oracle for every non-negative feature map", "[bla][cpu]",
-                   float, double) {
+TEMPLATE_TEST_CASE("BLA matches the oracle for every non-negative feature map", "[bla][cpu]", float,
+                   double) {
   sweep<with_phi<feature_map::relu>, TestType>(short_cases(), 2000);
   sweep<with_phi<feature_map::squared_relu>, TestType>(short_cases(), 3000);
   sweep<with_phi<feature_map::sigmoid>, TestType>(short_cases(), 4000);
@@ -76,8 +76,8 @@ TEST_CASE("feature maps: the vectorised CPU form equals apply_feature_map", "[bl
   STATIC_REQUIRE_FALSE(attnmix::feature_map_traits<feature_map::identity>::nonnegative);
 }
 
-TEMPLATE_TEST_CASE("relu features that are all zero give finite zero outputs", "[bla][cpu]",
-                   float, double) {
+TEMPLATE_TEST_CASE("relu features that are all zero give finite zero outputs", "[bla][cpu]", float,
+                   double) {
   // q, k < 0 everywhere: phi = relu is 0, so num = 0 and den = 0 + eps.
   using T = TestType;
   rng r(7);

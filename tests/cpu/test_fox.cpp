@@ -23,8 +23,8 @@ void sweep(double gate_lo, double gate_hi) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("FoX matches the oracle, gate after the scale (FoX convention)",
-                   "[fox][cpu]", float, double) {
+TEMPLATE_TEST_CASE("FoX matches the oracle, gate after the scale (FoX convention)", "[fox][cpu]",
+                   float, double) {
   sweep<gate_scaling::after_scale, TestType>(-0.1, -0.01);
   sweep<gate_scaling::after_scale, TestType>(std::log(0.5), 0.0);  // strong forgetting
 }

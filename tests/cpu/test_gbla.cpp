@@ -57,8 +57,8 @@ using unnormalised = attnmix::with_normalize<attnmix::gbla_policy, false>;
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("GBLA core matches the oracle (shared gate, per-head gated norm)",
-                   "[gbla][cpu]", float, double) {
+TEMPLATE_TEST_CASE("GBLA core matches the oracle (shared gate, per-head gated norm)", "[gbla][cpu]",
+                   float, double) {
   sweep<attnmix::gbla_policy, TestType>(standard_linear_cases(), 100, "gbla_policy");
 }
 

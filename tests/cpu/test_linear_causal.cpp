@@ -47,8 +47,9 @@ struct gated_normed : attnmix::with_key_gate<chunk7, key_gate::per_head> {
 struct full_width_recurrent : gated_recurrent {
   static constexpr attnmix::gated_norm norm = attnmix::gated_norm::full_width;
 };
-using unnormalised_identity = attnmix::with_normalize<
-    attnmix::with_feature_map<chunk7, attnmix::feature_map::identity>, false>;
+using unnormalised_identity =
+    attnmix::with_normalize<attnmix::with_feature_map<chunk7, attnmix::feature_map::identity>,
+                            false>;
 using unnormalised_gated = attnmix::with_normalize<gated_chunk5, false>;
 
 }  // namespace
@@ -263,7 +264,8 @@ TEMPLATE_TEST_CASE("bidirectional = forward-inclusive + reverse-inclusive - diag
         for (index_t d = 0; d < D; ++d)
           diag += attnmix::apply_feature_map<F>(double(q(b, t, hq, d))) *
                   attnmix::apply_feature_map<F>(double(k(b, t, hq / G, d)));
-        const double den = double(fwd_den(b, t, hq, 0)) + double(rev_den(b, T_ - 1 - t, hq, 0)) - diag;
+        const double den =
+            double(fwd_den(b, t, hq, 0)) + double(rev_den(b, T_ - 1 - t, hq, 0)) - diag;
         for (index_t c = 0; c < Dv; ++c) {
           const std::size_t i = static_cast<std::size_t>(((b * T_ + t) * HQ + hq) * Dv + c);
           num[i] = double(fwd(b, t, hq, c)) + double(rev(b, T_ - 1 - t, hq, c)) -

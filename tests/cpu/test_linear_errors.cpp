@@ -70,9 +70,9 @@ void expect_rejected(const std::string& arg, const std::string& detail, Modify m
   } catch (const attnmix::error& e) {
     const std::string msg = e.what();
     INFO(msg);
-    CHECK(msg.rfind(std::string("attnmix::linear_attention<") + Kind::name + ">: argument '" +
-                        arg + "'",
-                    0) == 0);
+    CHECK(msg.rfind(
+              std::string("attnmix::linear_attention<") + Kind::name + ">: argument '" + arg + "'",
+              0) == 0);
     CHECK(msg.find(detail) != std::string::npos);
   }
   CHECK(bitwise_equal(f.out.storage(), out_before));
@@ -105,54 +105,70 @@ TEST_CASE("missing and unexpected tensors", "[linear][errors][cpu]") {
   expect_rejected<gbla, attnmix::gbla_policy>("gate", "gated RMSNorm",
                                               [](fixture&, auto& a, auto&) { a.gate = {}; });
   expect_rejected<bla, attnmix::bla_policy>("a", "no key gate", [](fixture&, auto&, auto&) {});
-  expect_rejected<bla, attnmix::bla_policy>("gate", "no gated norm", [](fixture&, auto& a, auto&) {
-    a.a = {};
-  });
-  expect_rejected<bla, attnmix::bla_policy>("gamma", "no gated norm", [](fixture&, auto& a, auto&) {
-    a.a = {}, a.gate = {};
-  });
+  expect_rejected<bla, attnmix::bla_policy>("gate", "no gated norm",
+                                            [](fixture&, auto& a, auto&) { a.a = {}; });
+  expect_rejected<bla, attnmix::bla_policy>(
+      "gamma", "no gated norm", [](fixture&, auto& a, auto&) { a.a = {}, a.gate = {}; });
   expect_rejected<gbla, attnmix::gbla_policy>(
-      "state_in.S", "only causal kinds", [](fixture& f, auto& a, auto&) { a.state_in.S = f.S_in.view(); });
+      "state_in.S", "only causal kinds",
+      [](fixture& f, auto& a, auto&) { a.state_in.S = f.S_in.view(); });
   expect_rejected("state_in.z", "is required with state_in.S when the normaliser is on",
                   [](fixture&, auto& a, auto&) { a.state_in.z = {}; });
   expect_rejected("state_in.lse", "is required with state_in.S under a key gate",
                   [](fixture&, auto& a, auto&) { a.state_in.lse = {}; });
-  expect_rejected("state_in.z", "'state_in.S' was not", [](fixture&, auto& a, auto&) { a.state_in.S = {}; });
+  expect_rejected("state_in.z", "'state_in.S' was not",
+                  [](fixture&, auto& a, auto&) { a.state_in.S = {}; });
   expect_rejected<attnmix::kind::linear_causal, attnmix::linear_causal_policy>(
       "a", "no key gate", [](fixture&, auto&, auto&) {});
   expect_rejected<attnmix::kind::linear_causal, attnmix::linear_causal_policy>(
-      "state_out.lse", "no key gate", [](fixture&, auto& a, auto&) {
-        a.a = {}, a.gate = {}, a.gamma = {}, a.state_in.lse = {};
-      });
+      "state_out.lse", "no key gate",
+      [](fixture&, auto& a, auto&) { a.a = {}, a.gate = {}, a.gamma = {}, a.state_in.lse = {}; });
 }
 
 TEST_CASE("wrong shapes and head counts name both sizes", "[linear][errors][cpu]") {
   expect_rejected("k", "has shape [2, 33, 2, 15] but must be [B, T, H, D] = [2, 33, 2, 16]",
-                  [](fixture& f, auto& a, auto&) { a.k = view4<const float>(f.spare.data(), {B, T, H, D - 1}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.k = view4<const float>(f.spare.data(), {B, T, H, D - 1});
+                  });
   expect_rejected("k", "H = 3 heads, which does not divide the HQ = 4",
-                  [](fixture& f, auto& a, auto&) { a.k = view4<const float>(f.spare.data(), {B, T, 3, D}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.k = view4<const float>(f.spare.data(), {B, T, 3, D});
+                  });
   expect_rejected("v", "[2, 32, 2, 8] but must be [B, T, H, Dv] = [2, 33, 2, 8]",
-                  [](fixture& f, auto& a, auto&) { a.v = view4<const float>(f.spare.data(), {B, T - 1, H, Dv}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.v = view4<const float>(f.spare.data(), {B, T - 1, H, Dv});
+                  });
   expect_rejected("out", "[2, 33, 4, 9] but must be [B, T, HQ, Dv] = [2, 33, 4, 8]",
-                  [](fixture& f, auto& a, auto&) { a.out = view4<float>(f.spare.data(), {B, T, HQ, Dv + 1}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.out = view4<float>(f.spare.data(), {B, T, HQ, Dv + 1});
+                  });
   expect_rejected("mask", "has shape [2, 32] but must be [B, T] = [2, 33]",
-                  [](fixture& f, auto& a, auto&) { a.mask = {f.mask.data(), {B, T - 1}}; });
+                  [](fixture& f, auto& a, auto&) {
+                    a.mask = {f.mask.data(), {B, T - 1}};
+                  });
   expect_rejected("a", "has shape [2, 33, 2] but must be [B, T, 1] (key_gate::shared) = [2, 33, 1]",
-                  [](fixture& f, auto& a, auto&) { a.a = view3<const float>(f.spare.data(), {B, T, H}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.a = view3<const float>(f.spare.data(), {B, T, H});
+                  });
   expect_rejected<attnmix::kind::linear_causal,
                   attnmix::with_key_gate<full_causal, attnmix::key_gate::per_head>>(
       "a", "has shape [2, 33, 1] but must be [B, T, H] (key_gate::per_head) = [2, 33, 2]",
       [](fixture&, auto&, auto&) {});
   expect_rejected("gate", "has shape [2, 33, 2, 8] but must be [B, T, HQ, Dv] = [2, 33, 4, 8]",
-                  [](fixture& f, auto& a, auto&) { a.gate = view4<const float>(f.spare.data(), {B, T, H, Dv}); });
-  expect_rejected("gamma", "has shape [32] but must be [Dv] (norm_weight::shared) = [8]",
-                  [](fixture& f, auto& a, auto&) { a.gamma = view1<const float>(f.spare.data(), {HQ * Dv}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.gate = view4<const float>(f.spare.data(), {B, T, H, Dv});
+                  });
+  expect_rejected(
+      "gamma", "has shape [32] but must be [Dv] (norm_weight::shared) = [8]",
+      [](fixture& f, auto& a, auto&) { a.gamma = view1<const float>(f.spare.data(), {HQ * Dv}); });
   expect_rejected("state_in.S", "has shape [2, 2, 8, 16] but must be [N, H, D, Dv] = [2, 2, 16, 8]",
                   [](fixture& f, auto& a, auto&) {
                     a.state_in.S = view4<const float>(f.spare.data(), {B, H, Dv, D});
                   });
   expect_rejected("state_out.z", "has shape [1, 2, 16] but must be [N, H, D] = [2, 2, 16]",
-                  [](fixture& f, auto& a, auto&) { a.state_out.z = view3<float>(f.spare.data(), {1, H, D}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.state_out.z = view3<float>(f.spare.data(), {1, H, D});
+                  });
   expect_rejected("state_out.lse", "has shape [2, 1] but must be [N, H] = [2, 2]",
                   [](fixture& f, auto& a, auto&) {
                     a.state_out.lse = attnmix::tensor_view<float, 2>(f.spare.data(), {B, 1});
@@ -169,10 +185,10 @@ TEST_CASE("bad strides, pointers, memory spaces and aliasing", "[linear][errors]
   expect_rejected("v", "null pointer", [](fixture&, auto& a, auto&) {
     a.v = view4<const float>(nullptr, {B, T, H, Dv});
   });
-  expect_rejected("k", "device memory but the cpu backend needs host memory",
-                  [](fixture& f, auto& a, auto&) {
-                    a.k = view4<const float>(f.k.data(), {B, T, H, D}, attnmix::memory_space::device);
-                  });
+  expect_rejected(
+      "k", "device memory but the cpu backend needs host memory", [](fixture& f, auto& a, auto&) {
+        a.k = view4<const float>(f.k.data(), {B, T, H, D}, attnmix::memory_space::device);
+      });
   expect_rejected("mask", "device memory", [](fixture& f, auto& a, auto&) {
     a.mask = {f.mask.data(), {B, T}, attnmix::memory_space::device};
   });
@@ -186,7 +202,9 @@ TEST_CASE("bad strides, pointers, memory spaces and aliasing", "[linear][errors]
     a.state_out.S = view4<float>(f.out.data() + 8, {B, H, D, Dv});
   });
   expect_rejected("state_out.z", "overlaps the memory of 'state_in.S'",
-                  [](fixture& f, auto& a, auto&) { a.state_out.z = view3<float>(f.S_in.data(), {B, H, D}); });
+                  [](fixture& f, auto& a, auto&) {
+                    a.state_out.z = view3<float>(f.S_in.data(), {B, H, D});
+                  });
   // The very same view in and out is an in-place update and is accepted.
   fixture f;
   auto a = f.args();
@@ -195,10 +213,14 @@ TEST_CASE("bad strides, pointers, memory spaces and aliasing", "[linear][errors]
 }
 
 TEST_CASE("bad runtime parameters", "[linear][errors][cpu]") {
-  expect_rejected("scale", "must be finite", [](fixture&, auto&, auto& p) { p.scale = std::nan(""); });
-  expect_rejected("eps", "must be finite and >= 0", [](fixture&, auto&, auto& p) { p.eps = -1e-6; });
-  expect_rejected("eps", "must be > 0 with the normaliser on", [](fixture&, auto&, auto& p) { p.eps = 0; });
-  expect_rejected("norm_eps", "must be finite and > 0", [](fixture&, auto&, auto& p) { p.norm_eps = 0; });
+  expect_rejected("scale", "must be finite",
+                  [](fixture&, auto&, auto& p) { p.scale = std::nan(""); });
+  expect_rejected("eps", "must be finite and >= 0",
+                  [](fixture&, auto&, auto& p) { p.eps = -1e-6; });
+  expect_rejected("eps", "must be > 0 with the normaliser on",
+                  [](fixture&, auto&, auto& p) { p.eps = 0; });
+  expect_rejected("norm_eps", "must be finite and > 0",
+                  [](fixture&, auto&, auto& p) { p.norm_eps = 0; });
 }
 
 TEST_CASE("bad cu_seqlens", "[linear][errors][cpu]") {
@@ -220,14 +242,17 @@ TEST_CASE("bad cu_seqlens", "[linear][errors][cpu]") {
     };
   };
   expect_rejected("cu_seqlens", "entry 2 (10) < entry 1 (20)", with_offsets({0, 20, 10, 66}));
-  expect_rejected("cu_seqlens", "ends at 60 but the packed length is 66", with_offsets({0, 20, 60}));
+  expect_rejected("cu_seqlens", "ends at 60 but the packed length is 66",
+                  with_offsets({0, 20, 60}));
   expect_rejected("cu_seqlens", "must start at 0", with_offsets({3, 20, 66}));
-  expect_rejected("q", "B = 1 when cu_seqlens is given but has B = 2", with_offsets({0, 33}, false));
+  expect_rejected("q", "B = 1 when cu_seqlens is given but has B = 2",
+                  with_offsets({0, 33}, false));
   // Three sequences need a state of N = 3.
-  expect_rejected("state_out.S", "[N, H, D, Dv] = [3, 2, 16, 8]", [&](fixture& f, auto& a, auto& p) {
-    with_offsets({0, 20, 20, 66})(f, a, p);
-    a.state_out.S = f.S_out.view();
-  });
+  expect_rejected("state_out.S", "[N, H, D, Dv] = [3, 2, 16, 8]",
+                  [&](fixture& f, auto& a, auto& p) {
+                    with_offsets({0, 20, 20, 66})(f, a, p);
+                    a.state_out.S = f.S_out.view();
+                  });
   fixture f;
   auto a = f.args();
   linear_attention_params p;

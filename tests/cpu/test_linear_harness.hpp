@@ -52,11 +52,21 @@ attnmix_ref::linear_problem oracle_problem(const linear_case& c, bool causal, do
   using namespace attnmix;
   attnmix_ref::linear_problem p{c.B, c.T, c.HQ, c.H, c.D, c.Dv};
   switch (Policy::phi) {
-    case feature_map::elu_plus_one: p.phi = attnmix_ref::linear_problem::elu_plus_one; break;
-    case feature_map::relu: p.phi = attnmix_ref::linear_problem::relu; break;
-    case feature_map::squared_relu: p.phi = attnmix_ref::linear_problem::squared_relu; break;
-    case feature_map::sigmoid: p.phi = attnmix_ref::linear_problem::sigmoid; break;
-    case feature_map::identity: p.phi = attnmix_ref::linear_problem::identity; break;
+    case feature_map::elu_plus_one:
+      p.phi = attnmix_ref::linear_problem::elu_plus_one;
+      break;
+    case feature_map::relu:
+      p.phi = attnmix_ref::linear_problem::relu;
+      break;
+    case feature_map::squared_relu:
+      p.phi = attnmix_ref::linear_problem::squared_relu;
+      break;
+    case feature_map::sigmoid:
+      p.phi = attnmix_ref::linear_problem::sigmoid;
+      break;
+    case feature_map::identity:
+      p.phi = attnmix_ref::linear_problem::identity;
+      break;
   }
   p.normalize = Policy::normalize;
   p.causal = causal;
@@ -192,7 +202,8 @@ linear_errors run_linear_case(const linear_case& c, std::uint64_t salt) {
   rng r(salt);
   linear_inputs<T> in = make_inputs<Policy, T>(c, r);
   attnmix::linear_attention_args<T> args = make_args<Policy>(in, c);
-  attnmix::linear_attention<Kind, Policy>(args, make_params<T>(c), attnmix::backend::cpu{c.threads});
+  attnmix::linear_attention<Kind, Policy>(args, make_params<T>(c),
+                                          attnmix::backend::cpu{c.threads});
 
   const double scale = c.scale ? *c.scale : Policy::normalize ? 1.0 : 1.0 / std::sqrt(double(c.D));
   attnmix_ref::linear_problem p = oracle_problem<Policy>(c, causal, scale);

@@ -130,7 +130,8 @@ void check_padding(std::uint64_t salt) {
       if (!mask[i])
         for (index_t e = 0; e < HQ * Dv; ++e) REQUIRE(out.storage()[i * HQ * Dv + e] == T(0));
     std::vector<double> S_want;
-    for (const auto& s : seqs) S_want.insert(S_want.end(), s.S.storage().begin(), s.S.storage().end());
+    for (const auto& s : seqs)
+      S_want.insert(S_want.end(), s.S.storage().begin(), s.S.storage().end());
     CHECK(rel_error(S.storage(), S_want) <= tolerance<T>());
   }
 }
@@ -141,7 +142,8 @@ struct causal_gated : attnmix::linear_causal_policy {
   static constexpr index_t chunk = 16;
 };
 using causal_recurrent = attnmix::with_causal_form<causal_gated, attnmix::causal_form::recurrent>;
-using gbla_full_width = attnmix::with_gated_norm<attnmix::gbla_policy, attnmix::gated_norm::full_width>;
+using gbla_full_width =
+    attnmix::with_gated_norm<attnmix::gbla_policy, attnmix::gated_norm::full_width>;
 
 }  // namespace
 
@@ -193,9 +195,9 @@ TEMPLATE_TEST_CASE("an empty sequence gives zeros and an empty state, no NaN", "
   };
   check(attnmix::kind::gbla{}, attnmix::gbla_policy{});
   check(attnmix::kind::linear_causal{},
-        attnmix::with_gated_norm<attnmix::with_key_gate<attnmix::linear_causal_policy,
-                                                        attnmix::key_gate::shared>,
-                                 attnmix::gated_norm::per_head>{});
+        attnmix::with_gated_norm<
+            attnmix::with_key_gate<attnmix::linear_causal_policy, attnmix::key_gate::shared>,
+            attnmix::gated_norm::per_head>{});
 }
 
 namespace {
@@ -218,7 +220,8 @@ TEST_CASE("zero_pad_rows = false leaves pad rows untouched", "[padding][cpu]") {
     host_tensor<float, 4> out({2, 30, 2, 4}, 42.0f);
     attnmix::linear_attention_args<float> args{q.view(), k.view(), v.view(), out.view()};
     args.mask = {mask.data(), {2, 30}};
-    if constexpr (std::is_same_v<decltype(kind_tag), attnmix::kind::gbla>) args.a = a.view(), args.gate = g.view();
+    if constexpr (std::is_same_v<decltype(kind_tag), attnmix::kind::gbla>)
+      args.a = a.view(), args.gate = g.view();
     attnmix::linear_attention<decltype(kind_tag), decltype(policy_tag)>(args);
     for (index_t i = 0; i < 60; ++i)
       for (index_t e = 0; e < 8; ++e) {

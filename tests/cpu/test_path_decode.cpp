@@ -33,7 +33,8 @@ std::vector<double> sequence_rows(const path_case& c, const std::vector<double>&
   const index_t b = c.cu_seqlens.empty() ? n : 0;
   const index_t lo = c.cu_seqlens.empty() ? 0 : c.cu_seqlens[n];
   const index_t hi = c.cu_seqlens.empty() ? c.T : c.cu_seqlens[n + 1];
-  return std::vector<double>(x.begin() + (b * c.T + lo) * width, x.begin() + (b * c.T + hi) * width);
+  return std::vector<double>(x.begin() + (b * c.T + lo) * width,
+                             x.begin() + (b * c.T + hi) * width);
 }
 
 // Sequences of a packed case as (start, length).
@@ -64,7 +65,8 @@ void check_decode(const path_case& c, const path_inputs& in, const std::vector<i
   for (auto s : seqs) longest = std::max(longest, s.second);
   attnmix::path_cache<T> cache(N + 2, longest + 1, HQ, H, D, Dv);
   std::vector<std::int32_t> slot_of(static_cast<std::size_t>(N));  // a permutation, offset by 1
-  for (index_t n = 0; n < N; ++n) slot_of[static_cast<std::size_t>(n)] = static_cast<std::int32_t>((n * 3 + 1) % (N + 2));
+  for (index_t n = 0; n < N; ++n)
+    slot_of[static_cast<std::size_t>(n)] = static_cast<std::int32_t>((n * 3 + 1) % (N + 2));
   {  // keep the slots distinct whatever N is
     std::vector<std::int32_t> sorted = slot_of;
     std::sort(sorted.begin(), sorted.end());
@@ -92,8 +94,8 @@ void check_decode(const path_case& c, const path_inputs& in, const std::vector<i
     pin.q = take(in.q, HQ * D), pin.k = take(in.k, H * D), pin.v = take(in.v, H * Dv);
     pin.w = take(in.w, H * D), pin.beta = take(in.beta, H), pin.g = take(in.g, HQ);
     path_tensors<T> t(pc, pin);
-    attnmix::path_prefill<Kind, Policy>(cache, t.template args<Kind>(),
-                                        {slot_of.data(), {N}}, path_params(pc));
+    attnmix::path_prefill<Kind, Policy>(cache, t.template args<Kind>(), {slot_of.data(), {N}},
+                                        path_params(pc));
     for (index_t n = 0; n < N; ++n) {
       CHECK(cache.length(slot_of[n]) == prompt[n]);
       for (index_t i = 0; i < prompt[n]; ++i) {
@@ -185,8 +187,9 @@ TEST_CASE("the prefill key cache equals the recurrence's final cache", "[path][c
   for (const path_case& c : cases) {
     INFO("seed " << test_seed() << " " << c.describe());
     const path_inputs in = make_path_inputs(c, ++salt);
-    const auto ref = attnmix_ref::path_key_recurrence(path_oracle_problem(c, attnmix_ref::path_problem::no_gate),
-                                                      in.q, in.k, in.v, in.w, in.beta);
+    const auto ref =
+        attnmix_ref::path_key_recurrence(path_oracle_problem(c, attnmix_ref::path_problem::no_gate),
+                                         in.q, in.k, in.v, in.w, in.beta);
     check_key_cache<with_chunk<attnmix::path_policy, 16>, double>(c, in, ref);
     check_key_cache<with_chunk<attnmix::path_policy, 64>, double>(c, in, ref);
     check_key_cache<with_chunk<attnmix::path_policy, 128>, double>(c, in, ref);

@@ -69,7 +69,8 @@ TEST_CASE("the two PaTH oracles agree", "[path][cpu][oracle]") {
   };
   std::uint64_t salt = 10;
   for (const path_case& c : cases)
-    for (gate_mode gate : {gate_mode::no_gate, gate_mode::gate_before_scale, gate_mode::gate_after_scale}) {
+    for (gate_mode gate :
+         {gate_mode::no_gate, gate_mode::gate_before_scale, gate_mode::gate_after_scale}) {
       INFO("seed " << test_seed() << " " << c.describe() << " gate mode " << int(gate));
       const path_inputs in = make_path_inputs(c, ++salt);
       const auto p = path_oracle_problem(c, gate);
@@ -88,7 +89,9 @@ TEST_CASE("the PaTH oracles follow the spec's score ordering", "[path][cpu][orac
   const std::vector<double> v = {1, 0, 0, 0, 1, 0, 0, 0, 1};
   std::vector<double> w = {0.6, 0.0, 0.8, 0.0, 1.0, 0.0, 0.48, 0.6, 0.64};
   const std::vector<double> beta = {1.7, 0.9, 1.3};
-  auto H = [&](long t, long r, long c) { return (r == c ? 1.0 : 0.0) - beta[t] * w[t * D + r] * w[t * D + c]; };
+  auto H = [&](long t, long r, long c) {
+    return (r == c ? 1.0 : 0.0) - beta[t] * w[t * D + r] * w[t * D + c];
+  };
   double l[3] = {0, 0, 0};  // l_2j for j = 0, 1, 2
   for (long j = 0; j < 3; ++j) {
     std::vector<double> x(k.begin() + j * D, k.begin() + (j + 1) * D);
@@ -105,8 +108,10 @@ TEST_CASE("the PaTH oracles follow the spec's score ordering", "[path][cpu][orac
   double z[3], zmax = -1e300, sum = 0;
   for (int j = 0; j < 3; ++j) z[j] = l[j], zmax = std::max(zmax, z[j]);
   for (int j = 0; j < 3; ++j) sum += std::exp(z[j] - zmax);
-  for (int j = 0; j < 3; ++j) CHECK(std::abs(ref.out[2 * D + j] - std::exp(z[j] - zmax) / sum) < 1e-14);
-  CHECK(std::abs(attnmix_ref::path_query_scan(p, q, k, v, w, beta).lse[2] - (zmax + std::log(sum))) < 1e-14);
+  for (int j = 0; j < 3; ++j)
+    CHECK(std::abs(ref.out[2 * D + j] - std::exp(z[j] - zmax) / sum) < 1e-14);
+  CHECK(std::abs(attnmix_ref::path_query_scan(p, q, k, v, w, beta).lse[2] -
+                 (zmax + std::log(sum))) < 1e-14);
 }
 
 TEST_CASE("PaTH forward matches the oracle for every chunk size", "[path][cpu]") {
@@ -152,7 +157,8 @@ TEMPLATE_TEST_CASE("beta = 0 reduces PaTH to softmax attention and PaTH-FoX to F
     CHECK(rel_error(a.lse.storage(), to_double(b.lse.storage())) <= tolerance<T>());
   };
   using before_fox = attnmix::with_gate_scaling<attnmix::fox_policy, gate_scaling::before_scale>;
-  using after_path = attnmix::with_gate_scaling<attnmix::path_fox_policy, gate_scaling::after_scale>;
+  using after_path =
+      attnmix::with_gate_scaling<attnmix::path_fox_policy, gate_scaling::after_scale>;
   pair(path{}, attnmix::kind::softmax{}, attnmix::path_policy{}, attnmix::softmax_policy{});
   pair(path_fox{}, attnmix::kind::fox{}, attnmix::path_fox_policy{}, before_fox{});
   pair(path_fox{}, attnmix::kind::fox{}, after_path{}, attnmix::fox_policy{});
@@ -179,11 +185,13 @@ TEST_CASE("PaTH-FoX forward reads and writes strided views", "[path_fox][cpu]") 
       for (index_t h = 0; h < heads; ++h) y[tok * (heads + 1) + h] = x[tok * heads + h];
     return y;
   };
-  const auto q = padded4(in.q, c.HQ, c.D), k = padded4(in.k, c.H, c.D), v = padded4(in.v, c.H, c.Dv);
+  const auto q = padded4(in.q, c.HQ, c.D), k = padded4(in.k, c.H, c.D),
+             v = padded4(in.v, c.H, c.Dv);
   const auto w = padded4(in.w, c.H, c.D), beta = padded3(in.beta, c.H), g = padded3(in.g, c.HQ);
   std::vector<double> out(static_cast<std::size_t>(c.B * c.T * c.HQ * (c.Dv + pad)),
                           std::numeric_limits<double>::quiet_NaN());
-  std::vector<double> lse(static_cast<std::size_t>(c.B * c.T * (c.HQ + 1)), std::numeric_limits<double>::quiet_NaN());
+  std::vector<double> lse(static_cast<std::size_t>(c.B * c.T * (c.HQ + 1)),
+                          std::numeric_limits<double>::quiet_NaN());
   for (std::size_t i = 0; i < out.size(); ++i)
     if (i % (c.Dv + pad) >= static_cast<std::size_t>(c.Dv)) out[i] = -7.0;
   for (std::size_t i = c.HQ; i < lse.size(); i += c.HQ + 1) lse[i] = -7.0;
@@ -200,17 +208,21 @@ TEST_CASE("PaTH-FoX forward reads and writes strided views", "[path_fox][cpu]") 
   a.lse = view3<double>(lse.data(), {c.B, c.T, c.HQ}, {c.T * (c.HQ + 1), c.HQ + 1, 1});
   attnmix::attention<path_fox, with_chunk<attnmix::path_fox_policy, 16>>(a);
 
-  const auto ref = attnmix_ref::path_query_scan(path_oracle_problem(c, gate_mode::gate_before_scale),
-                                                in.q, in.k, in.v, in.w, in.beta, in.g);
+  const auto ref = attnmix_ref::path_query_scan(
+      path_oracle_problem(c, gate_mode::gate_before_scale), in.q, in.k, in.v, in.w, in.beta, in.g);
   std::vector<double> dense_out, dense_lse;
   bool padding_kept = true;
   for (std::size_t i = 0; i < out.size(); ++i) {
-    if (i % (c.Dv + pad) < static_cast<std::size_t>(c.Dv)) dense_out.push_back(out[i]);
-    else padding_kept = padding_kept && out[i] == -7.0;
+    if (i % (c.Dv + pad) < static_cast<std::size_t>(c.Dv))
+      dense_out.push_back(out[i]);
+    else
+      padding_kept = padding_kept && out[i] == -7.0;
   }
   for (std::size_t i = 0; i < lse.size(); ++i) {
-    if (i % (c.HQ + 1) != static_cast<std::size_t>(c.HQ)) dense_lse.push_back(lse[i]);
-    else padding_kept = padding_kept && lse[i] == -7.0;
+    if (i % (c.HQ + 1) != static_cast<std::size_t>(c.HQ))
+      dense_lse.push_back(lse[i]);
+    else
+      padding_kept = padding_kept && lse[i] == -7.0;
   }
   CHECK(padding_kept);
   CHECK(rel_error(dense_out, ref.out) <= tolerance<double>());
@@ -223,8 +235,8 @@ TEST_CASE("PaTH-FoX keeps float accuracy over a long sequence", "[path_fox][cpu]
   c.gate_lo = -0.2, c.gate_hi = 0.0;
   INFO("seed " << test_seed() << " " << c.describe());
   const path_inputs in = make_path_inputs(c, 31);
-  const auto ref = attnmix_ref::path_query_scan(path_oracle_problem(c, gate_mode::gate_before_scale),
-                                                in.q, in.k, in.v, in.w, in.beta, in.g);
+  const auto ref = attnmix_ref::path_query_scan(
+      path_oracle_problem(c, gate_mode::gate_before_scale), in.q, in.k, in.v, in.w, in.beta, in.g);
   const path_outputs o = run_path_forward<path_fox, attnmix::path_fox_policy, float>(c, in);
   CHECK(rel_error(o.out, ref.out) <= tolerance<float>());
   CHECK(lse_error(o.lse, ref.lse) <= tolerance<float>());

@@ -20,11 +20,16 @@ enum class beta_range { uniform, near_zero, near_two, exactly_two, zero };
 
 inline const char* to_string(beta_range b) {
   switch (b) {
-    case beta_range::uniform: return "U(0,2)";
-    case beta_range::near_zero: return "U(0,1e-3)";
-    case beta_range::near_two: return "U(1.9,2)";
-    case beta_range::exactly_two: return "2";
-    case beta_range::zero: return "0";
+    case beta_range::uniform:
+      return "U(0,2)";
+    case beta_range::near_zero:
+      return "U(0,1e-3)";
+    case beta_range::near_two:
+      return "U(1.9,2)";
+    case beta_range::exactly_two:
+      return "2";
+    case beta_range::zero:
+      return "0";
   }
   return "?";
 }
@@ -54,7 +59,9 @@ struct path_inputs {
   std::vector<double> q, k, v, w, beta, g;
 };
 
-inline double to_float_grid(double x) { return static_cast<double>(static_cast<float>(x)); }
+inline double to_float_grid(double x) {
+  return static_cast<double>(static_cast<float>(x));
+}
 
 inline path_inputs make_path_inputs(const path_case& c, std::uint64_t salt) {
   rng r(salt);
@@ -78,11 +85,21 @@ inline path_inputs make_path_inputs(const path_case& c, std::uint64_t salt) {
   in.beta.resize(static_cast<std::size_t>(c.B * c.T * c.H));
   for (auto& b : in.beta) {
     switch (c.beta) {
-      case beta_range::uniform: b = r.uniform(0.0, 2.0); break;
-      case beta_range::near_zero: b = r.uniform(0.0, 1e-3); break;
-      case beta_range::near_two: b = r.uniform(1.9, 2.0); break;
-      case beta_range::exactly_two: b = 2.0; break;
-      case beta_range::zero: b = 0.0; break;
+      case beta_range::uniform:
+        b = r.uniform(0.0, 2.0);
+        break;
+      case beta_range::near_zero:
+        b = r.uniform(0.0, 1e-3);
+        break;
+      case beta_range::near_two:
+        b = r.uniform(1.9, 2.0);
+        break;
+      case beta_range::exactly_two:
+        b = 2.0;
+        break;
+      case beta_range::zero:
+        b = 0.0;
+        break;
     }
     b = to_float_grid(b);
   }
@@ -105,9 +122,14 @@ struct path_tensors {
   attnmix::host_tensor<A, 3> beta, g, lse;
 
   path_tensors(const path_case& c, const path_inputs& in)
-      : q({c.B, c.T, c.HQ, c.D}), k({c.B, c.T, c.H, c.D}), v({c.B, c.T, c.H, c.Dv}),
-        out({c.B, c.T, c.HQ, c.Dv}), w({c.B, c.T, c.H, c.D}), beta({c.B, c.T, c.H}),
-        g({c.B, c.T, c.HQ}), lse({c.B, c.T, c.HQ}) {
+      : q({c.B, c.T, c.HQ, c.D}),
+        k({c.B, c.T, c.H, c.D}),
+        v({c.B, c.T, c.H, c.Dv}),
+        out({c.B, c.T, c.HQ, c.Dv}),
+        w({c.B, c.T, c.H, c.D}),
+        beta({c.B, c.T, c.H}),
+        g({c.B, c.T, c.HQ}),
+        lse({c.B, c.T, c.HQ}) {
     q.storage() = cast_to<T>(in.q);
     k.storage() = cast_to<T>(in.k);
     v.storage() = cast_to<T>(in.v);

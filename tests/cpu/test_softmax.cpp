@@ -20,13 +20,13 @@ void sweep() {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("softmax attention matches the float64 oracle, causal", "[softmax][cpu]",
-                   float, double) {
+TEMPLATE_TEST_CASE("softmax attention matches the float64 oracle, causal", "[softmax][cpu]", float,
+                   double) {
   sweep<attnmix::softmax_policy, TestType>();
 }
 
-TEMPLATE_TEST_CASE("softmax attention matches the float64 oracle, bidirectional",
-                   "[softmax][cpu]", float, double) {
+TEMPLATE_TEST_CASE("softmax attention matches the float64 oracle, bidirectional", "[softmax][cpu]",
+                   float, double) {
   sweep<attnmix::bidirectional_softmax_policy, TestType>();
 }
 
@@ -79,7 +79,8 @@ TEST_CASE("softmax attention reads strided views", "[softmax][cpu]") {
     for (attnmix::index_t t = 0; t < T; ++t)
       for (attnmix::index_t h = 0; h < H; ++h)
         for (attnmix::index_t d = 0; d < D; ++d)
-          qd(b, t, h, d) = q(b, t, h, d), kd(b, t, h, d) = k(b, t, h, d), vd(b, t, h, d) = v(b, t, h, d);
+          qd(b, t, h, d) = q(b, t, h, d), kd(b, t, h, d) = k(b, t, h, d),
+                      vd(b, t, h, d) = v(b, t, h, d);
   attnmix::attention<attnmix::kind::softmax>(
       attnmix::attention_args<double>{qd.view(), kd.view(), vd.view(), dense_out.view()});
   CHECK(bitwise_equal(out.storage(), dense_out.storage()));

@@ -27,12 +27,13 @@ template <class Kind, class Policy, class T>
 cuda_case_result run_cuda_case(const attention_case& c, std::uint64_t salt, index_t row_pad = 0) {
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   rng r(salt);
-  attnmix::host_tensor<float, 4> qf({c.B, c.T, c.HQ, c.D + row_pad}), kf({c.B, c.T, c.H, c.D + row_pad}),
-      vf({c.B, c.T, c.H, c.Dv + row_pad});
+  attnmix::host_tensor<float, 4> qf({c.B, c.T, c.HQ, c.D + row_pad}),
+      kf({c.B, c.T, c.H, c.D + row_pad}), vf({c.B, c.T, c.H, c.Dv + row_pad});
   attnmix::host_tensor<float, 3> g({c.B, c.T, c.HQ});
   r.fill_normal(qf), r.fill_normal(kf), r.fill_normal(vf);
   r.fill_uniform(g, c.gate_lo, c.gate_hi);
-  const auto q = convert_all<T>(qf.storage()), k = convert_all<T>(kf.storage()), v = convert_all<T>(vf.storage());
+  const auto q = convert_all<T>(qf.storage()), k = convert_all<T>(kf.storage()),
+             v = convert_all<T>(vf.storage());
 
   attnmix::attention_params params;
   params.scale = c.scale;
@@ -66,7 +67,8 @@ cuda_case_result run_cuda_case(const attention_case& c, std::uint64_t salt, inde
   const auto qd = convert_all<double>(q), kd = convert_all<double>(k), vd = convert_all<double>(v);
   const auto gd = convert_all<double>(g.storage());
   std::vector<double> ref(out.size()), ref_lse(lse.size());
-  attnmix::attention_args<double> ad{view_of(qd.data(), c.HQ, c.D, host), view_of(kd.data(), c.H, c.D, host),
+  attnmix::attention_args<double> ad{view_of(qd.data(), c.HQ, c.D, host),
+                                     view_of(kd.data(), c.H, c.D, host),
                                      view_of(vd.data(), c.H, c.Dv, host),
                                      attnmix::view4<double>(ref.data(), {c.B, c.T, c.HQ, c.Dv})};
   if constexpr (gated) ad.g = attnmix::view3<const double>(gd.data(), {c.B, c.T, c.HQ});
@@ -75,7 +77,8 @@ cuda_case_result run_cuda_case(const attention_case& c, std::uint64_t salt, inde
 
   const auto qs = convert_all<float>(q), ks = convert_all<float>(k), vs = convert_all<float>(v);
   std::vector<float> plain(out.size());
-  attnmix::attention_args<float> af{view_of(qs.data(), c.HQ, c.D, host), view_of(ks.data(), c.H, c.D, host),
+  attnmix::attention_args<float> af{view_of(qs.data(), c.HQ, c.D, host),
+                                    view_of(ks.data(), c.H, c.D, host),
                                     view_of(vs.data(), c.H, c.Dv, host),
                                     attnmix::view4<float>(plain.data(), {c.B, c.T, c.HQ, c.Dv})};
   if constexpr (gated) af.g = g.view();
@@ -98,7 +101,8 @@ std::vector<attention_case> cuda_cases() {
 
 // Short enough for compute-sanitizer: every kernel path, tail tiles, varlen, windows.
 std::vector<attention_case> small_cases() {
-  return {{1, 70, 2, 1, 64, 64, 0, {0, 0, 1, 70}}, {2, 33, 2, 2, 128, 64, 9}, {1, 20, 2, 1, 40, 24}};
+  return {
+      {1, 70, 2, 1, 64, 64, 0, {0, 0, 1, 70}}, {2, 33, 2, 2, 128, 64, 9}, {1, 20, 2, 1, 40, 24}};
 }
 
 template <class Kind, class Policy, class T>
@@ -128,7 +132,8 @@ TEMPLATE_TEST_CASE("CUDA FoX matches the CPU path in both gate conventions", "[c
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(3000);
   sweep<attnmix::kind::fox,
-        attnmix::with_gate_scaling<attnmix::fox_policy, attnmix::gate_scaling::before_scale>, TestType>(4000);
+        attnmix::with_gate_scaling<attnmix::fox_policy, attnmix::gate_scaling::before_scale>,
+        TestType>(4000);
 }
 
 TEST_CASE("CUDA attention on unaligned strides takes the portable kernel", "[cuda][softmax]") {
@@ -140,7 +145,8 @@ TEST_CASE("CUDA attention on unaligned strides takes the portable kernel", "[cud
 TEST_CASE("CUDA attention, a small sweep for compute-sanitizer", "[cuda][small]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   sweep<attnmix::kind::softmax, attnmix::softmax_policy, attnmix::bfloat16>(7000, 0, true);
-  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, attnmix::half>(7100, 0, true);
+  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, attnmix::half>(7100, 0,
+                                                                                      true);
   sweep<attnmix::kind::fox, attnmix::fox_policy, float>(7200, 0, true);
   sweep<attnmix::kind::fox, attnmix::fox_policy, attnmix::bfloat16>(7300, 0, true);
 }
@@ -150,14 +156,17 @@ TEST_CASE("CUDA attention rejects host pointers marked as device memory", "[cuda
   std::vector<float> host(4 * 8 * 2 * 16, 1.0f);
   device_buffer<float> d(host.size()), out(host.size());
   const auto dev = attnmix::memory_space::device;
-  attnmix::view4<const float> good(d.get(), {4, 8, 2, 16}, dev), lying(host.data(), {4, 8, 2, 16}, dev);
+  attnmix::view4<const float> good(d.get(), {4, 8, 2, 16}, dev),
+      lying(host.data(), {4, 8, 2, 16}, dev);
   try {
     attnmix::attention<attnmix::kind::softmax>(
-        attnmix::attention_args<float>{good, lying, good, attnmix::view4<float>(out.get(), {4, 8, 2, 16}, dev)},
+        attnmix::attention_args<float>{good, lying, good,
+                                       attnmix::view4<float>(out.get(), {4, 8, 2, 16}, dev)},
         {}, attnmix::backend::cuda{});
     FAIL("accepted");
   } catch (const attnmix::error& e) {
-    CHECK(std::string(e.what()).find("argument 'k' is marked as device memory") != std::string::npos);
+    CHECK(std::string(e.what()).find("argument 'k' is marked as device memory") !=
+          std::string::npos);
   }
   for (float x : out.to_host()) CHECK(std::isnan(x));  // untouched
 }

@@ -20,12 +20,14 @@ TEST_CASE("device pointers are told apart from host pointers", "[cuda]") {
     attnmix::detail::cuda::check_device_pointer("f", "x", lying);
     FAIL("a host pointer passed as device memory was accepted");
   } catch (const attnmix::error& e) {
-    CHECK(std::string(e.what()).find("argument 'x' is marked as device memory") != std::string::npos);
+    CHECK(std::string(e.what()).find("argument 'x' is marked as device memory") !=
+          std::string::npos);
   }
   attnmix::detail::cuda::check(cudaFree(device), "cudaFree");
 }
 
 TEST_CASE("runtime failures become attnmix::cuda_error", "[cuda]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  CHECK_THROWS_AS(attnmix::detail::cuda::check(cudaErrorInvalidValue, "probe"), attnmix::cuda_error);
+  CHECK_THROWS_AS(attnmix::detail::cuda::check(cudaErrorInvalidValue, "probe"),
+                  attnmix::cuda_error);
 }

@@ -20,11 +20,19 @@ struct device_inputs {
   device_buffer<float> a, gamma, S_in, z_in, lse_in, S_out, z_out, lse_out;
   device_buffer<std::uint8_t> mask;
   explicit device_inputs(const linear_inputs<float>& in)
-      : q(convert_all<T>(in.q.storage())), k(convert_all<T>(in.k.storage())), v(convert_all<T>(in.v.storage())),
-        gate(convert_all<T>(in.gate.storage())), out(static_cast<std::size_t>(in.out.size())),
-        a(in.a.storage()), gamma(in.gamma.storage()), S_in(in.S_in.storage()), z_in(in.z_in.storage()),
-        lse_in(in.lse_in.storage()), S_out(static_cast<std::size_t>(in.S_out.size())),
-        z_out(static_cast<std::size_t>(in.z_out.size())), lse_out(static_cast<std::size_t>(in.lse_out.size())),
+      : q(convert_all<T>(in.q.storage())),
+        k(convert_all<T>(in.k.storage())),
+        v(convert_all<T>(in.v.storage())),
+        gate(convert_all<T>(in.gate.storage())),
+        out(static_cast<std::size_t>(in.out.size())),
+        a(in.a.storage()),
+        gamma(in.gamma.storage()),
+        S_in(in.S_in.storage()),
+        z_in(in.z_in.storage()),
+        lse_in(in.lse_in.storage()),
+        S_out(static_cast<std::size_t>(in.S_out.size())),
+        z_out(static_cast<std::size_t>(in.z_out.size())),
+        lse_out(static_cast<std::size_t>(in.lse_out.size())),
         mask(in.mask) {}
 };
 
@@ -40,7 +48,8 @@ linear_errors run_cuda_linear(const linear_case& c, std::uint64_t salt) {
   rng r(salt);
   linear_inputs<float> in = make_inputs<Policy, float>(c, r);
   // The reference sees exactly the values the kernel sees.
-  for (auto* t : {&in.q, &in.k, &in.v, &in.gate}) t->storage() = convert_all<float>(convert_all<T>(t->storage()));
+  for (auto* t : {&in.q, &in.k, &in.v, &in.gate})
+    t->storage() = convert_all<float>(convert_all<T>(t->storage()));
   device_inputs<T> dev(in);
   const attnmix::linear_attention_args<float> h = make_args<Policy>(in, c);
   attnmix::linear_attention_args<T> d;
@@ -48,7 +57,8 @@ linear_errors run_cuda_linear(const linear_case& c, std::uint64_t salt) {
   d.k = on_device(attnmix::view4<const T>(nullptr, h.k.shape()), dev.k.get());
   d.v = on_device(attnmix::view4<const T>(nullptr, h.v.shape()), dev.v.get());
   d.out = on_device(attnmix::view4<T>(nullptr, h.out.shape()), dev.out.get());
-  if (h.gate.has_value()) d.gate = on_device(attnmix::view4<const T>(nullptr, h.gate.shape()), dev.gate.get());
+  if (h.gate.has_value())
+    d.gate = on_device(attnmix::view4<const T>(nullptr, h.gate.shape()), dev.gate.get());
   d.mask = on_device(h.mask, dev.mask.get());
   d.a = on_device(h.a, dev.a.get());
   d.gamma = on_device(h.gamma, dev.gamma.get());
@@ -63,17 +73,21 @@ linear_errors run_cuda_linear(const linear_case& c, std::uint64_t salt) {
 
   // The CPU path in double on the same (rounded) inputs.
   linear_inputs<double> ref;
-  ref.q = attnmix::host_tensor<double, 4>(in.q.shape()), ref.k = attnmix::host_tensor<double, 4>(in.k.shape());
-  ref.v = attnmix::host_tensor<double, 4>(in.v.shape()), ref.gate = attnmix::host_tensor<double, 4>(in.gate.shape());
+  ref.q = attnmix::host_tensor<double, 4>(in.q.shape()),
+  ref.k = attnmix::host_tensor<double, 4>(in.k.shape());
+  ref.v = attnmix::host_tensor<double, 4>(in.v.shape()),
+  ref.gate = attnmix::host_tensor<double, 4>(in.gate.shape());
   ref.out = attnmix::host_tensor<double, 4>(in.out.shape());
-  ref.a = attnmix::host_tensor<double, 3>(in.a.shape()), ref.gamma = attnmix::host_tensor<double, 1>(in.gamma.shape());
+  ref.a = attnmix::host_tensor<double, 3>(in.a.shape()),
+  ref.gamma = attnmix::host_tensor<double, 1>(in.gamma.shape());
   ref.S_in = ref.S_out = attnmix::host_tensor<double, 4>(in.S_in.shape());
   ref.z_in = ref.z_out = attnmix::host_tensor<double, 3>(in.z_in.shape());
   ref.lse_in = ref.lse_out = attnmix::host_tensor<double, 2>(in.lse_in.shape());
   ref.q.storage() = to_double(in.q.storage()), ref.k.storage() = to_double(in.k.storage());
   ref.v.storage() = to_double(in.v.storage()), ref.gate.storage() = to_double(in.gate.storage());
   ref.a.storage() = to_double(in.a.storage()), ref.gamma.storage() = to_double(in.gamma.storage());
-  ref.S_in.storage() = to_double(in.S_in.storage()), ref.z_in.storage() = to_double(in.z_in.storage());
+  ref.S_in.storage() = to_double(in.S_in.storage()),
+  ref.z_in.storage() = to_double(in.z_in.storage());
   ref.lse_in.storage() = to_double(in.lse_in.storage());
   ref.mask = in.mask;
   attnmix::linear_attention<Kind, Policy>(make_args<Policy>(ref, c), make_params<double>(c));
@@ -81,7 +95,8 @@ linear_errors run_cuda_linear(const linear_case& c, std::uint64_t salt) {
   linear_errors e{rel_error(convert_all<double>(dev.out.to_host()), to_double(ref.out.storage())),
                   rel_error(dev.S_out.to_host(), to_double(ref.S_out.storage())),
                   rel_error(dev.z_out.to_host(), to_double(ref.z_out.storage())), 0.0};
-  if (Policy::gate != attnmix::key_gate::off) e.lse = lse_error(dev.lse_out.to_host(), to_double(ref.lse_out.storage()));
+  if (Policy::gate != attnmix::key_gate::off)
+    e.lse = lse_error(dev.lse_out.to_host(), to_double(ref.lse_out.storage()));
   return e;
 }
 
@@ -146,6 +161,7 @@ TEMPLATE_TEST_CASE("CUDA GBLA core matches the CPU path", "[cuda][gbla]", float,
 TEMPLATE_TEST_CASE("CUDA causal linear attention matches the CPU path", "[cuda][linear_causal]",
                    float, attnmix::bfloat16) {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  sweep<attnmix::kind::linear_causal, attnmix::linear_causal_policy, TestType>(500, "linear_causal_policy");
+  sweep<attnmix::kind::linear_causal, attnmix::linear_causal_policy, TestType>(
+      500, "linear_causal_policy");
   sweep<attnmix::kind::linear_causal, gated_causal, TestType>(600, "prefix key gate, gated norm");
 }

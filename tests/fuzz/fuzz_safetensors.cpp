@@ -13,7 +13,8 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   try {
-    const auto f = attnmix::io::safetensors_file::parse(std::vector<unsigned char>(data, data + size), "fuzz");
+    const auto f =
+        attnmix::io::safetensors_file::parse(std::vector<unsigned char>(data, data + size), "fuzz");
     for (const auto& t : f.tensors()) {
       if (t.type == attnmix::io::dtype::f64) (void)f.values<double>(t);
       if (t.type == attnmix::io::dtype::f32 || t.type == attnmix::io::dtype::f16 ||

@@ -37,7 +37,8 @@ std::string temp_path(const std::string& name) {
 
 std::vector<unsigned char> read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  return std::vector<unsigned char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return std::vector<unsigned char>((std::istreambuf_iterator<char>(in)),
+                                    std::istreambuf_iterator<char>());
 }
 void write_bytes(const std::string& path, const std::vector<unsigned char>& b) {
   std::ofstream out(path, std::ios::binary);
@@ -75,8 +76,12 @@ TEST_CASE("save then load is bit-exact (float and double), outputs too", "[io]")
   io::save(d1, path);
   io::load(d2, path);
   std::vector<double> p1, p2;
-  d1.visit_parameters([&](const std::string&, const auto& p) { p1.insert(p1.end(), p.data.begin(), p.data.end()); });
-  d2.visit_parameters([&](const std::string&, const auto& p) { p2.insert(p2.end(), p.data.begin(), p.data.end()); });
+  d1.visit_parameters([&](const std::string&, const auto& p) {
+    p1.insert(p1.end(), p.data.begin(), p.data.end());
+  });
+  d2.visit_parameters([&](const std::string&, const auto& p) {
+    p2.insert(p2.end(), p.data.begin(), p.data.end());
+  });
   CHECK(bitwise_equal(p1, p2));
   // F32 widens into double parameters; F64 does not narrow into float ones.
   attnmix::stack<float, layer::fox, layer::gbla> f(c);
@@ -94,10 +99,14 @@ TEST_CASE("F16 and BF16 tensors load into float parameters", "[io]") {
     bf[static_cast<std::size_t>(i)] = attnmix::bfloat16(-0.5f * float(i)).bits;
   }
   for (int which = 0; which < 2; ++which) {
-    const auto bytes = io::serialize({{"weight", which ? io::dtype::bf16 : io::dtype::f16, {3, 2},
-                                       which ? bf.data() : h.data(), 12}});
+    const auto bytes = io::serialize({{"weight",
+                                       which ? io::dtype::bf16 : io::dtype::f16,
+                                       {3, 2},
+                                       which ? bf.data() : h.data(),
+                                       12}});
     io::load(lin, io::safetensors_file::parse(bytes, "mem"));
-    for (int i = 0; i < 6; ++i) CHECK(lin.weight.data[static_cast<std::size_t>(i)] == (which ? -0.5f : 0.25f) * float(i));
+    for (int i = 0; i < 6; ++i)
+      CHECK(lin.weight.data[static_cast<std::size_t>(i)] == (which ? -0.5f : 0.25f) * float(i));
   }
 }
 
@@ -129,7 +138,8 @@ std::vector<io::tensor_bytes> tensors_of(const model& m) {
 std::vector<unsigned char> with_header(const std::string& json, std::size_t data_bytes = 0) {
   std::vector<unsigned char> b(8 + json.size() + data_bytes, 0);
   const std::uint64_t n = json.size();
-  for (int i = 0; i < 8; ++i) b[static_cast<std::size_t>(i)] = static_cast<unsigned char>(n >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    b[static_cast<std::size_t>(i)] = static_cast<unsigned char>(n >> (8 * i));
   std::copy(json.begin(), json.end(), b.begin() + 8);
   return b;
 }
@@ -170,26 +180,39 @@ TEST_CASE("bad files give attnmix::error naming file and tensor", "[io][errors]"
     for (std::size_t cut : {std::size_t{0}, std::size_t{5}, std::size_t{8}, std::size_t{40},
                             bytes.size() / 2, bytes.size() - 1}) {
       INFO("cut at " << cut);
-      expect_bad(m, std::vector<unsigned char>(bytes.begin(), bytes.begin() + static_cast<long>(cut)),
+      expect_bad(m,
+                 std::vector<unsigned char>(bytes.begin(), bytes.begin() + static_cast<long>(cut)),
                  "is truncated");
     }
   }
   SECTION("corrupt headers") {
     expect_bad(m, with_header("{\"a\": {\"dtype\": \"F32\", \"shape\": [2], "), "not valid JSON");
     expect_bad(m, with_header("[1, 2, 3]"), "not a JSON object");
-    expect_bad(m, with_header("{\"w\": {\"dtype\": \"F33\", \"shape\": [1], \"data_offsets\": [0, 4]}}", 4),
-               "unknown dtype 'F33'", "w");
-    expect_bad(m, with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [-1], \"data_offsets\": [0, 4]}}", 4),
-               "not a non-negative integer", "w");
-    expect_bad(m, with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 4]}}", 8),
-               "need 8", "w");
-    expect_bad(m, with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [4, 0]}}", 8),
-               "end before they begin", "w");
-    expect_bad(m, with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
-                              " \"v\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [4, 12]}}", 12),
-               "overlap");
-    expect_bad(m, with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296],"
-                              " \"data_offsets\": [0, 0]}}"),
+    expect_bad(
+        m,
+        with_header("{\"w\": {\"dtype\": \"F33\", \"shape\": [1], \"data_offsets\": [0, 4]}}", 4),
+        "unknown dtype 'F33'", "w");
+    expect_bad(
+        m,
+        with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [-1], \"data_offsets\": [0, 4]}}", 4),
+        "not a non-negative integer", "w");
+    expect_bad(
+        m,
+        with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 4]}}", 8),
+        "need 8", "w");
+    expect_bad(
+        m,
+        with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [4, 0]}}", 8),
+        "end before they begin", "w");
+    expect_bad(
+        m,
+        with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
+                    " \"v\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [4, 12]}}",
+                    12),
+        "overlap");
+    expect_bad(m,
+               with_header("{\"w\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296],"
+                           " \"data_offsets\": [0, 0]}}"),
                "larger than the file's data", "w");
     expect_bad(m, with_header("{\"__metadata__\": {\"k\": 1}}"), "is not a string");
     auto huge = with_header("{}");
@@ -197,7 +220,8 @@ TEST_CASE("bad files give attnmix::error naming file and tensor", "[io][errors]"
     expect_bad(m, huge, "exceeds the 100 MB limit");
   }
   SECTION("unreadable file") {
-    const std::string msg = error_message([&] { io::load(m, "/nonexistent/dir/model.safetensors"); });
+    const std::string msg =
+        error_message([&] { io::load(m, "/nonexistent/dir/model.safetensors"); });
     CHECK(msg.find("cannot be opened") != std::string::npos);
     CHECK(msg.find("/nonexistent/dir/model.safetensors") != std::string::npos);
   }
@@ -210,7 +234,8 @@ TEST_CASE("fuzz corpus regressions parse or are rejected cleanly", "[io][fuzz]")
     ++files;
     INFO(entry.path().string());
     try {
-      const auto f = io::safetensors_file::parse(read_bytes(entry.path().string()), entry.path().string());
+      const auto f =
+          io::safetensors_file::parse(read_bytes(entry.path().string()), entry.path().string());
       for (const auto& t : f.tensors())
         if (t.type == io::dtype::f32 || t.type == io::dtype::f16 || t.type == io::dtype::bf16)
           CHECK(f.values<float>(t).size() * io::element_size(t.type) == t.end - t.begin);

@@ -75,9 +75,9 @@ std::string error_message(F&& f) {
 }  // namespace attnmix_test
 
 // Checks that `expr` throws attnmix::error whose message contains `text`.
-#define ATTNMIX_CHECK_ERROR(expr, text)                                           \
-  do {                                                                            \
+#define ATTNMIX_CHECK_ERROR(expr, text)                                          \
+  do {                                                                           \
     const std::string attnmix_msg_ = attnmix_test::error_message([&] { expr; }); \
-    INFO(attnmix_msg_);                                                           \
-    CHECK(attnmix_msg_.find(text) != std::string::npos);                          \
+    INFO(attnmix_msg_);                                                          \
+    CHECK(attnmix_msg_.find(text) != std::string::npos);                         \
   } while (0)

@@ -28,7 +28,7 @@ struct dims {
 // Sequences of a batch: B rows of T tokens, or packed offsets (B == 1).
 struct layout {
   long B, T;
-  std::vector<long> cu;  // empty: dense
+  std::vector<long> cu;                              // empty: dense
   std::vector<std::pair<long, long>> seqs() const {  // (first row, length)
     std::vector<std::pair<long, long>> s;
     if (cu.empty())
@@ -44,13 +44,20 @@ inline const vec& get(const params& p, const std::string& name) {
   if (it == p.end()) throw std::runtime_error("layer_ref: no parameter " + name);
   return it->second;
 }
-inline bool has(const params& p, const std::string& name) { return p.count(name) != 0; }
+inline bool has(const params& p, const std::string& name) {
+  return p.count(name) != 0;
+}
 
-inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-inline double silu(double x) { return x * sigmoid(x); }
+inline double sigmoid(double x) {
+  return 1.0 / (1.0 + std::exp(-x));
+}
+inline double silu(double x) {
+  return x * sigmoid(x);
+}
 
 // y [rows, out] = x [rows, in] W^T + b
-inline vec linear(const vec& x, long rows, long in, const vec& W, long out, const vec* b = nullptr) {
+inline vec linear(const vec& x, long rows, long in, const vec& W, long out,
+                  const vec* b = nullptr) {
   vec y(rows * out, 0.0);
   for (long r = 0; r < rows; ++r)
     for (long o = 0; o < out; ++o) {
@@ -180,7 +187,8 @@ inline vec path_mixer(const params& p, const std::string& pre, const vec& x, con
 inline vec linear_mixer(const params& p, const std::string& pre, const vec& x, const dims& m,
                         const layout& L, bool causal) {
   const long rows = L.B * L.T;
-  const vec c = has(p, pre + "conv1d.weight") ? conv(x, L, m.D, get(p, pre + "conv1d.weight"), true) : x;
+  const vec c =
+      has(p, pre + "conv1d.weight") ? conv(x, L, m.D, get(p, pre + "conv1d.weight"), true) : x;
   const vec q = proj(p, pre + "q_proj", c, rows, m.D), k = proj(p, pre + "k_proj", c, rows, m.D),
             v = proj(p, pre + "v_proj", c, rows, m.D);
   attnmix_ref::linear_problem lp{L.B, L.T, m.HQ, m.H, m.d, m.d};
@@ -204,7 +212,8 @@ inline vec linear_mixer(const params& p, const std::string& pre, const vec& x, c
 }
 
 // The MLPs: swiglu when gate_proj exists, else gelu or relu.
-inline vec mlp(const params& p, const std::string& pre, const vec& x, long rows, long D, bool relu) {
+inline vec mlp(const params& p, const std::string& pre, const vec& x, long rows, long D,
+               bool relu) {
   vec u = proj(p, pre + "up_proj", x, rows, D);
   if (has(p, pre + "gate_proj.weight")) {
     const vec g = proj(p, pre + "gate_proj", x, rows, D);
@@ -226,13 +235,20 @@ inline vec stack(const params& p, const std::vector<std::string>& names, const v
     const std::string& n = names[i];
     const std::string a = pre + "attn.";
     vec y;
-    if (n == "sa") y = attention_mixer(p, a, t, m, L, false, false);
-    else if (n == "causal_sa") y = attention_mixer(p, a, t, m, L, true, false);
-    else if (n == "fox") y = attention_mixer(p, a, t, m, L, true, true);
-    else if (n == "path") y = path_mixer(p, a, t, m, L, false);
-    else if (n == "path_fox") y = path_mixer(p, a, t, m, L, true);
-    else if (n == "bla" || n == "gbla") y = linear_mixer(p, a, t, m, L, false);
-    else y = linear_mixer(p, a, t, m, L, true);
+    if (n == "sa")
+      y = attention_mixer(p, a, t, m, L, false, false);
+    else if (n == "causal_sa")
+      y = attention_mixer(p, a, t, m, L, true, false);
+    else if (n == "fox")
+      y = attention_mixer(p, a, t, m, L, true, true);
+    else if (n == "path")
+      y = path_mixer(p, a, t, m, L, false);
+    else if (n == "path_fox")
+      y = path_mixer(p, a, t, m, L, true);
+    else if (n == "bla" || n == "gbla")
+      y = linear_mixer(p, a, t, m, L, false);
+    else
+      y = linear_mixer(p, a, t, m, L, true);
     for (std::size_t j = 0; j < h.size(); ++j) h[j] += y[j];
     const vec t2 = rms(h, m.D, get(p, pre + "mlp_norm.weight"), m.norm_eps);
     const vec f = mlp(p, pre + "mlp.", t2, rows, m.D, false);

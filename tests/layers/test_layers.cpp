@@ -14,8 +14,9 @@ using namespace attnmix_test;
 using attnmix::host_tensor;
 namespace L = attnmix::layers;
 
-using oracle = std::function<std::vector<double>(const layer_ref::params&, const std::vector<double>&,
-                                                 const layer_ref::dims&, const layer_ref::layout&)>;
+using oracle =
+    std::function<std::vector<double>(const layer_ref::params&, const std::vector<double>&,
+                                      const layer_ref::dims&, const layer_ref::layout&)>;
 
 L::config small_config(index_t heads, index_t kv_heads) {
   L::config c;
@@ -137,7 +138,8 @@ using rope_sa = attnmix::layer::custom<attnmix::kind::softmax, rope_sa_layer>;
 using gated_fox = attnmix::layer::custom<attnmix::kind::fox, gated_fox_layer>;
 using causal_gbla = attnmix::layer::custom<attnmix::kind::linear_causal, causal_gbla_layer>;
 
-oracle attention_oracle(bool causal, bool fox, bool rope = false, bool norm = false, bool gate = false) {
+oracle attention_oracle(bool causal, bool fox, bool rope = false, bool norm = false,
+                        bool gate = false) {
   return [=](const auto& p, const auto& x, const auto& m, const auto& l) {
     return layer_ref::attention_mixer(p, "", x, m, l, causal, fox, rope, norm, gate);
   };
@@ -242,8 +244,7 @@ TEST_CASE("layers reject bad arguments with attnmix::error", "[layers][errors]")
   host_tensor<float, 3> x({2, 5, 48}), y({2, 5, 48}), bad({2, 5, 47}), small({2, 4, 48});
   ATTNMIX_CHECK_ERROR(m.forward(bad.view(), y.view()), "argument 'x'");
   ATTNMIX_CHECK_ERROR(m.forward(x.view(), small.view()), "argument 'out'");
-  ATTNMIX_CHECK_ERROR(m.forward(x.view(), attnmix::view3<float>(x.data(), {2, 5, 48})),
-                    "overlaps");
+  ATTNMIX_CHECK_ERROR(m.forward(x.view(), attnmix::view3<float>(x.data(), {2, 5, 48})), "overlaps");
   auto cache = m.make_cache(2, 4);
   ATTNMIX_CHECK_ERROR(m.prefill(x.view(), y.view(), cache), "capacity 4");
   L::config broken = c;

@@ -38,11 +38,16 @@ struct linear_result {
 
 inline double ref_phi(linear_problem::phi_kind f, double x) {
   switch (f) {
-    case linear_problem::elu_plus_one: return x > 0 ? x + 1.0 : std::exp(x);
-    case linear_problem::relu: return x > 0 ? x : 0.0;
-    case linear_problem::squared_relu: return x > 0 ? x * x : 0.0;
-    case linear_problem::sigmoid: return 1.0 / (1.0 + std::exp(-x));
-    default: return x;
+    case linear_problem::elu_plus_one:
+      return x > 0 ? x + 1.0 : std::exp(x);
+    case linear_problem::relu:
+      return x > 0 ? x : 0.0;
+    case linear_problem::squared_relu:
+      return x > 0 ? x * x : 0.0;
+    case linear_problem::sigmoid:
+      return 1.0 / (1.0 + std::exp(-x));
+    default:
+      return x;
   }
 }
 
@@ -68,9 +73,15 @@ inline linear_result linear_attention(const linear_problem& p, const std::vector
   const bool has_state = p.causal && !p.S_in.empty();
   const bool gated = p.gate != linear_problem::no_gate;
 
-  auto valid = [&](long b, long t) { return p.mask.empty() || p.mask[b * p.T + t] != 0; };
-  auto kval = [&](long b, long t, long h, long d) { return k[((b * p.T + t) * p.H + h) * p.D + d]; };
-  auto vval = [&](long b, long t, long h, long c) { return v[((b * p.T + t) * p.H + h) * p.Dv + c]; };
+  auto valid = [&](long b, long t) {
+    return p.mask.empty() || p.mask[b * p.T + t] != 0;
+  };
+  auto kval = [&](long b, long t, long h, long d) {
+    return k[((b * p.T + t) * p.H + h) * p.D + d];
+  };
+  auto vval = [&](long b, long t, long h, long c) {
+    return v[((b * p.T + t) * p.H + h) * p.Dv + c];
+  };
   auto logit = [&](long b, long t, long h) {
     return a[(b * p.T + t) * Hg + (Hg == 1 ? 0 : h)];
   };
@@ -92,7 +103,8 @@ inline linear_result linear_attention(const linear_problem& p, const std::vector
     double Z = has_state && p.lse_in[n * p.H + h] != ninf ? std::exp(p.lse_in[n * p.H + h] - M) : 0;
     for (long t : keys) Z += std::exp(logit(b, t, h) - M);
     for (std::size_t j = 0; j < keys.size(); ++j) w[j] = std::exp(logit(b, keys[j], h) - M) / Z;
-    w_state = has_state && p.lse_in[n * p.H + h] != ninf ? std::exp(p.lse_in[n * p.H + h] - M) / Z : 0;
+    w_state =
+        has_state && p.lse_in[n * p.H + h] != ninf ? std::exp(p.lse_in[n * p.H + h] - M) / Z : 0;
   };
 
   std::vector<double> rq(p.D), w;
@@ -141,7 +153,8 @@ inline linear_result linear_attention(const linear_problem& p, const std::vector
       weights(n, h, all_keys, w, w_state);
       for (long d = 0; d < p.D; ++d) {
         double zs = has_state && !p.z_in.empty() ? w_state * p.z_in[(n * p.H + h) * p.D + d] : 0;
-        for (std::size_t j = 0; j < all_keys.size(); ++j) zs += w[j] * ref_phi(p.phi, kval(b, all_keys[j], h, d));
+        for (std::size_t j = 0; j < all_keys.size(); ++j)
+          zs += w[j] * ref_phi(p.phi, kval(b, all_keys[j], h, d));
         r.z[(n * p.H + h) * p.D + d] = zs;
         for (long c = 0; c < p.Dv; ++c) {
           double ss = has_state ? w_state * p.S_in[((n * p.H + h) * p.D + d) * p.Dv + c] : 0;
@@ -154,7 +167,8 @@ inline linear_result linear_attention(const linear_problem& p, const std::vector
         double M = has_state ? p.lse_in[n * p.H + h] : ninf;
         for (long t : all_keys) M = std::max(M, logit(b, t, h));
         if (M != ninf) {
-          double Z = has_state && p.lse_in[n * p.H + h] != ninf ? std::exp(p.lse_in[n * p.H + h] - M) : 0;
+          double Z =
+              has_state && p.lse_in[n * p.H + h] != ninf ? std::exp(p.lse_in[n * p.H + h] - M) : 0;
           for (long t : all_keys) Z += std::exp(logit(b, t, h) - M);
           r.lse[n * p.H + h] = M + std::log(Z);
         }

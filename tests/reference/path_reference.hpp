@@ -62,8 +62,8 @@ inline double logit(const path_problem& p, double l, double Gi, double Gj) {
 }
 
 // Softmax over logits l[lo..i] of query i, head hq; writes out and lse.
-inline void attend(const path_problem& p, const std::vector<double>& v, const segment& s,
-                   long i, long hq, const std::vector<double>& logits, path_result& r) {
+inline void attend(const path_problem& p, const std::vector<double>& v, const segment& s, long i,
+                   long hq, const std::vector<double>& logits, path_result& r) {
   const long h = hq / (p.HQ / p.H);
   double zmax = -std::numeric_limits<double>::infinity();
   for (long j = s.lo; j <= i; ++j) zmax = std::max(zmax, logits[j]);
@@ -72,7 +72,8 @@ inline void attend(const path_problem& p, const std::vector<double>& v, const se
   for (long j = s.lo; j <= i; ++j) {
     const double pj = std::exp(logits[j] - zmax) / denom;
     for (long e = 0; e < p.Dv; ++e)
-      r.out[((s.b * p.T + i) * p.HQ + hq) * p.Dv + e] += pj * v[((s.b * p.T + j) * p.H + h) * p.Dv + e];
+      r.out[((s.b * p.T + i) * p.HQ + hq) * p.Dv + e] +=
+          pj * v[((s.b * p.T + j) * p.H + h) * p.Dv + e];
   }
   r.lse[(s.b * p.T + i) * p.HQ + hq] = zmax + std::log(denom);
 }
@@ -85,7 +86,8 @@ inline path_result path_query_scan(const path_problem& p, const std::vector<doub
                                    const std::vector<double>& w, const std::vector<double>& beta,
                                    const std::vector<double>& g = {}) {
   path_result r{std::vector<double>(p.B * p.T * p.HQ * p.Dv, 0.0),
-                std::vector<double>(p.B * p.T * p.HQ, 0.0), {}};
+                std::vector<double>(p.B * p.T * p.HQ, 0.0),
+                {}};
   for (const auto& s : path_detail::segments(p))
     for (long hq = 0; hq < p.HQ; ++hq) {
       const long h = hq / (p.HQ / p.H);
@@ -146,7 +148,8 @@ inline path_result path_key_recurrence(const path_problem& p, const std::vector<
         }
       }
       for (long j = s.lo; j < s.hi; ++j)
-        for (long d = 0; d < p.D; ++d) r.key_cache[((s.b * p.T + j) * p.H + h) * p.D + d] = cache[j - s.lo][d];
+        for (long d = 0; d < p.D; ++d)
+          r.key_cache[((s.b * p.T + j) * p.H + h) * p.D + d] = cache[j - s.lo][d];
     }
   }
   return r;

@@ -13,7 +13,7 @@ struct softmax_problem {
   long B, T, HQ, H, D, Dv;
   double scale;
   bool causal = true;
-  long window = 0;          // 0: none; else keys with 0 <= i-j < window (|i-j| < window bidirectional)
+  long window = 0;  // 0: none; else keys with 0 <= i-j < window (|i-j| < window bidirectional)
   std::vector<long> cu_seqlens{};  // empty: dense batch
   enum gate_mode { no_gate, gate_after_scale, gate_before_scale } gate = no_gate;
 };
@@ -56,7 +56,8 @@ inline attention_result softmax_attention(const softmax_problem& p, const std::v
           if (p.window > 0 && (i - j >= p.window || j - i >= p.window)) continue;
           double dot = 0;
           for (long d = 0; d < p.D; ++d)
-            dot += q[((b * p.T + i) * p.HQ + hq) * p.D + d] * k[((b * p.T + j) * p.H + h) * p.D + d];
+            dot +=
+                q[((b * p.T + i) * p.HQ + hq) * p.D + d] * k[((b * p.T + j) * p.H + h) * p.D + d];
           const double bias = G[i] - G[j];
           if (p.gate == softmax_problem::gate_after_scale)
             z[j] = p.scale * dot + bias;
@@ -71,7 +72,8 @@ inline attention_result softmax_attention(const softmax_problem& p, const std::v
         for (long j = lo; j < hi; ++j) {
           const double pj = std::exp(z[j] - zmax) / denom;
           for (long e = 0; e < p.Dv; ++e)
-            r.out[((b * p.T + i) * p.HQ + hq) * p.Dv + e] += pj * v[((b * p.T + j) * p.H + h) * p.Dv + e];
+            r.out[((b * p.T + i) * p.HQ + hq) * p.Dv + e] +=
+                pj * v[((b * p.T + j) * p.H + h) * p.Dv + e];
         }
         r.lse[(b * p.T + i) * p.HQ + hq] = zmax + std::log(denom);
       }

@@ -67,7 +67,8 @@ TEST_CASE("padded, left-padded and varlen encoder batches agree at valid positio
   for (index_t b = 0; b < B; ++b) {
     seqs.push_back(random_activations<float>(r, 1, lengths[static_cast<std::size_t>(b)], D));
     alone.emplace_back(seqs.back().shape());
-    if (lengths[static_cast<std::size_t>(b)] > 0) s.forward(seqs.back().view(), alone.back().view());
+    if (lengths[static_cast<std::size_t>(b)] > 0)
+      s.forward(seqs.back().view(), alone.back().view());
   }
   // Packed varlen batch.
   std::vector<std::int32_t> cu{0};
@@ -75,7 +76,8 @@ TEST_CASE("padded, left-padded and varlen encoder batches agree at valid positio
   host_tensor<float, 3> xp({1, cu.back(), D}), yp({1, cu.back(), D});
   for (index_t b = 0; b < B; ++b)
     for (index_t t = 0; t < lengths[static_cast<std::size_t>(b)]; ++t)
-      for (index_t e = 0; e < D; ++e) xp(0, cu[static_cast<std::size_t>(b)] + t, e) = seqs[static_cast<std::size_t>(b)](0, t, e);
+      for (index_t e = 0; e < D; ++e)
+        xp(0, cu[static_cast<std::size_t>(b)] + t, e) = seqs[static_cast<std::size_t>(b)](0, t, e);
   poison(yp);
   s.forward(xp.view(), yp.view(), {{}, {cu.data(), {static_cast<index_t>(cu.size())}}});
 
@@ -87,7 +89,8 @@ TEST_CASE("padded, left-padded and varlen encoder batches agree at valid positio
       const index_t len = lengths[static_cast<std::size_t>(b)], off = left ? T - len : 0;
       for (index_t t = 0; t < len; ++t) {
         mask(b, off + t) = 1;
-        for (index_t e = 0; e < D; ++e) x(b, off + t, e) = seqs[static_cast<std::size_t>(b)](0, t, e);
+        for (index_t e = 0; e < D; ++e)
+          x(b, off + t, e) = seqs[static_cast<std::size_t>(b)](0, t, e);
       }
     }
     poison(y);

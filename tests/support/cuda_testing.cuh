@@ -19,13 +19,13 @@ inline bool cuda_device_available() {
 
 }  // namespace attnmix_test
 
-#define ATTNMIX_REQUIRE_CUDA_DEVICE()                                                   \
-  do {                                                                                  \
-    if (!attnmix_test::cuda_device_available()) {                                       \
-      if (std::getenv("ATTNMIX_REQUIRE_GPU")) FAIL("no usable CUDA device");            \
-      WARN("ATTNMIX_SKIP: no usable CUDA device");                                      \
-      return;                                                                           \
-    }                                                                                   \
+#define ATTNMIX_REQUIRE_CUDA_DEVICE()                                        \
+  do {                                                                       \
+    if (!attnmix_test::cuda_device_available()) {                            \
+      if (std::getenv("ATTNMIX_REQUIRE_GPU")) FAIL("no usable CUDA device"); \
+      WARN("ATTNMIX_SKIP: no usable CUDA device");                           \
+      return;                                                                \
+    }                                                                        \
   } while (0)
 
 #include <vector>

@@ -32,7 +32,9 @@ class rng {
  public:
   explicit rng(std::uint64_t salt = 0) : gen_(test_seed() ^ (salt * 0x9E3779B97F4A7C15ull)) {}
 
-  double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(gen_); }
+  double uniform(double lo, double hi) {
+    return std::uniform_real_distribution<double>(lo, hi)(gen_);
+  }
   double normal() { return std::normal_distribution<double>(0.0, 1.0)(gen_); }
   index_t integer(index_t lo, index_t hi) {  // inclusive
     return std::uniform_int_distribution<index_t>(lo, hi)(gen_);

@@ -54,8 +54,8 @@ qkv_sizes check_qkv_out(const std::string& fn, const view4<const T>& q, const vi
   require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
           shape_string(q));
   require(s.H >= 1, fn, "k", "must have at least one head but has shape ", shape_string(k));
-  require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H, " heads, which does not divide the HQ = ",
-          s.HQ, " heads of 'q'");
+  require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H,
+          " heads, which does not divide the HQ = ", s.HQ, " heads of 'q'");
   check_shape(fn, "k", k, {s.B, s.T, s.H, s.D}, "[B, T, H, D]");
   require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_string(v));
   check_shape(fn, "v", v, {s.B, s.T, s.H, s.Dv}, "[B, T, H, Dv]");
@@ -123,7 +123,8 @@ attention_problem validate_attention(const std::string& fn, const attention_args
   require(std::isfinite(scale), fn, "scale", "must be finite but is ", scale);
   require(p.window >= 0, fn, "window", "must be >= 0 (0: no window) but is ", p.window);
   if constexpr (kind_traits<Kind>::uses_householder)
-    require(p.window == 0, fn, "window", "must be 0: PaTH has no sliding window, but is ", p.window);
+    require(p.window == 0, fn, "window", "must be 0: PaTH has no sliding window, but is ",
+            p.window);
 
   const auto [cu, sequences] = check_packed_batch(fn, p.cu_seqlens, sz);
   return {B, T_, HQ, H, D, Dv, scale, p.window, cu, sequences};

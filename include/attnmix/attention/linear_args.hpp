@@ -18,9 +18,9 @@ namespace attnmix {
 // A fresh state is S = 0, z = 0 (and lse = -inf), which is what an absent state_in means.
 template <class A>
 struct linear_state {
-  view4<A> S{};              // [N, H, D, Dv]
-  view3<A> z{};              // [N, H, D]
-  tensor_view<A, 2> lse{};   // [N, H]
+  view4<A> S{};             // [N, H, D, Dv]
+  view3<A> z{};             // [N, H, D]
+  tensor_view<A, 2> lse{};  // [N, H]
 };
 
 // Tensors. Activations of type T; gate logits, norm weights and states in accum_t<T>.
@@ -35,9 +35,10 @@ struct linear_attention_args {
   // Optional validity mask [B, T]: nonzero = real token. Pad keys leave S and z alone; pad
   // query rows are written as zeros (Policy::zero_pad_rows).
   tensor_view<const std::uint8_t, 2> mask{};
-  view3<const accum> a{};     // key-gate logits [B, T, Hg]: Hg = 1 (key_gate::shared), H (per_head)
-  view4<const T> gate{};      // gated norm: output-gate pre-activation [B, T, HQ, Dv]
-  view1<const accum> gamma{};  // gated norm weight: [Dv] (norm_weight::shared) or [HQ*Dv]; absent: 1
+  view3<const accum> a{};  // key-gate logits [B, T, Hg]: Hg = 1 (key_gate::shared), H (per_head)
+  view4<const T> gate{};   // gated norm: output-gate pre-activation [B, T, HQ, Dv]
+  view1<const accum>
+      gamma{};  // gated norm weight: [Dv] (norm_weight::shared) or [HQ*Dv]; absent: 1
   linear_state<const accum> state_in{};  // linear_causal only: the state before token 0
   linear_state<accum> state_out{};       // the state after the last token (any subset of S, z, lse)
 };
@@ -47,8 +48,8 @@ struct linear_attention_params {
   // Multiplies phi(q) (after the feature map). Default: 1 with the normaliser on (where it
   // cancels but for eps), 1/sqrt(D) with it off (fla's convention).
   std::optional<double> scale;
-  double eps = 1e-6;       // added to the denominator phi(q).z
-  double norm_eps = 1e-5;  // added to the mean square of the gated RMSNorm
+  double eps = 1e-6;                     // added to the denominator phi(q).z
+  double norm_eps = 1e-5;                // added to the mean square of the gated RMSNorm
   view1<const std::int32_t> cu_seqlens;  // packed batch: B == 1, [N+1] sequence offsets
 };
 

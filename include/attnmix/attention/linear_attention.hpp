@@ -59,7 +59,8 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
   }
 
   if constexpr (normed) {
-    check_given(fn, "gate", a.gate, "(the output gate of the gated RMSNorm) is required by this policy");
+    check_given(fn, "gate", a.gate,
+                "(the output gate of the gated RMSNorm) is required by this policy");
     check_tensor(fn, "gate", a.gate, space, be);
     check_shape(fn, "gate", a.gate, {B, T_, HQ, Dv}, "[B, T, HQ, Dv]");
     if (a.gamma.has_value()) {
@@ -85,7 +86,8 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
           "must be > 0 with the normaliser on (phi(q).z can be 0) but is ", p.eps);
 
   const auto [cu, sequences] = check_packed_batch(fn, p.cu_seqlens, sz);
-  const linear_attention_problem prob{B, T_, HQ, H, Hg, D, Dv, scale, p.eps, p.norm_eps, cu, sequences};
+  const linear_attention_problem prob{B,  T_,    HQ,    H,          Hg, D,
+                                      Dv, scale, p.eps, p.norm_eps, cu, sequences};
   const index_t N = prob.num_sequences;
 
   // States.
@@ -96,7 +98,8 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
       check_tensor(fn, "state_in.S", si.S, space, be);
       check_shape(fn, "state_in.S", si.S, {N, H, D, Dv}, "[N, H, D, Dv]");
       if (Policy::normalize)
-        check_given(fn, "state_in.z", si.z, "is required with state_in.S when the normaliser is on");
+        check_given(fn, "state_in.z", si.z,
+                    "is required with state_in.S when the normaliser is on");
       if constexpr (gated)
         check_given(fn, "state_in.lse", si.lse, "is required with state_in.S under a key gate");
     } else {

@@ -72,10 +72,10 @@ struct path_cache_access {
 // Arguments of path_prefill_key_cache. k, w and beta are those given to the forward.
 template <class T>
 struct path_key_cache_args {
-  view4<const T> k{};                // [B, T, H, D]
-  view4<const accum_t<T>> w{};       // [B, T, H, D]  Householder directions (unit length)
-  view3<const accum_t<T>> beta{};    // [B, T, H]     Householder strengths in [0, 2]
-  view4<T> key_cache{};              // output [B, T, H, D]
+  view4<const T> k{};              // [B, T, H, D]
+  view4<const accum_t<T>> w{};     // [B, T, H, D]  Householder directions (unit length)
+  view3<const accum_t<T>> beta{};  // [B, T, H]     Householder strengths in [0, 2]
+  view4<T> key_cache{};            // output [B, T, H, D]
 };
 
 // Decoding state of a batch of independent PaTH / PaTH-FoX sequences, in host memory.
@@ -97,8 +97,12 @@ class path_cache {
   // Throws attnmix::error naming the bad size.
   path_cache(index_t slots, index_t capacity, index_t q_heads, index_t kv_heads, index_t head_dim,
              index_t value_dim)
-      : slots_(slots), capacity_(capacity), q_heads_(q_heads), kv_heads_(kv_heads),
-        head_dim_(head_dim), value_dim_(value_dim) {
+      : slots_(slots),
+        capacity_(capacity),
+        q_heads_(q_heads),
+        kv_heads_(kv_heads),
+        head_dim_(head_dim),
+        value_dim_(value_dim) {
     const std::string fn = "attnmix::path_cache";
     detail::require(slots >= 1, fn, "slots", "must be >= 1 but is ", slots);
     detail::require(capacity >= 1, fn, "capacity", "must be >= 1 but is ", capacity);
@@ -139,9 +143,7 @@ class path_cache {
   view4<const T> values() const {
     return {values_.data(), {slots_, capacity_, kv_heads_, value_dim_}};
   }
-  view3<const double> gate_cumsum() const {
-    return {gates_.data(), {slots_, capacity_, q_heads_}};
-  }
+  view3<const double> gate_cumsum() const { return {gates_.data(), {slots_, capacity_, q_heads_}}; }
 
  private:
   friend struct detail::path_cache_access;
@@ -162,9 +164,9 @@ std::string path_fn(const char* op) {
 template <class T>
 void check_cache_layout(const std::string& fn, const path_cache<T>& c, const attention_problem& p) {
   require(c.slots() >= 1, fn, "cache", "is empty (default-constructed)");
-  require(c.q_heads() == p.q_heads && c.kv_heads() == p.kv_heads, fn, "cache", "holds HQ = ",
-          c.q_heads(), " query and H = ", c.kv_heads(), " key/value heads but 'q' has HQ = ",
-          p.q_heads, " and 'k' has H = ", p.kv_heads);
+  require(c.q_heads() == p.q_heads && c.kv_heads() == p.kv_heads, fn, "cache",
+          "holds HQ = ", c.q_heads(), " query and H = ", c.kv_heads(),
+          " key/value heads but 'q' has HQ = ", p.q_heads, " and 'k' has H = ", p.kv_heads);
   require(c.head_dim() == p.head_dim, fn, "cache", "holds keys of D = ", c.head_dim(),
           " but 'k' has D = ", p.head_dim);
   require(c.value_dim() == p.value_dim, fn, "cache", "holds values of Dv = ", c.value_dim(),
@@ -177,15 +179,16 @@ std::vector<index_t> resolve_slots(const std::string& fn, const view1<const std:
                                    index_t rows, const path_cache<T>& c) {
   std::vector<index_t> out(static_cast<std::size_t>(rows));
   if (!slots.has_value()) {
-    require(rows <= c.slots(), fn, "slots", "was not given, so sequence n uses slot n, but there are ",
-            rows, " sequences and the cache has ", c.slots(), " slots");
+    require(rows <= c.slots(), fn, "slots",
+            "was not given, so sequence n uses slot n, but there are ", rows,
+            " sequences and the cache has ", c.slots(), " slots");
     for (index_t n = 0; n < rows; ++n) out[static_cast<std::size_t>(n)] = n;
     return out;
   }
   check_layout(fn, "slots", slots);
   check_space(fn, "slots", slots, memory_space::host, "slot lookup");
-  require(slots.extent(0) == rows, fn, "slots", "has ", slots.extent(0),
-          " entries but there are ", rows, " sequences");
+  require(slots.extent(0) == rows, fn, "slots", "has ", slots.extent(0), " entries but there are ",
+          rows, " sequences");
   std::vector<bool> seen(static_cast<std::size_t>(c.slots()), false);
   for (index_t n = 0; n < rows; ++n) {
     const index_t s = slots(n);
@@ -229,8 +232,8 @@ void path_prefill_key_cache(const path_key_cache_args<T>& a, const attention_par
   detail::check_tensor(fn, "beta", a.beta, space, be);
   detail::check_tensor(fn, "key_cache", a.key_cache, space, be);
   const index_t B = a.k.extent(0), T_ = a.k.extent(1), H = a.k.extent(2), D = a.k.extent(3);
-  detail::require(H >= 1 && D >= 1, fn, "k", "must have at least one head and D >= 1 but has shape ",
-                  shape_string(a.k));
+  detail::require(H >= 1 && D >= 1, fn, "k",
+                  "must have at least one head and D >= 1 but has shape ", shape_string(a.k));
   detail::check_shape(fn, "w", a.w, {B, T_, H, D}, "[B, T, H, D]");
   detail::check_shape(fn, "beta", a.beta, {B, T_, H}, "[B, T, H]");
   detail::check_shape(fn, "key_cache", a.key_cache, {B, T_, H, D}, "[B, T, H, D]");
@@ -238,11 +241,12 @@ void path_prefill_key_cache(const path_key_cache_args<T>& a, const attention_par
   detail::check_no_alias(fn, "key_cache", a.key_cache, "k", a.k);
   detail::check_no_alias(fn, "key_cache", a.key_cache, "w", a.w);
   detail::check_no_alias(fn, "key_cache", a.key_cache, "beta", a.beta);
-  detail::require(params.window == 0, fn, "window", "must be 0: PaTH has no sliding window, but is ",
-                  params.window);
+  detail::require(params.window == 0, fn, "window",
+                  "must be 0: PaTH has no sliding window, but is ", params.window);
   attention_problem prob{B, T_, H, H, D, D, 1.0, 0, nullptr, B};
   if (params.cu_seqlens.has_value()) {
-    detail::check_space(fn, "cu_seqlens", params.cu_seqlens, memory_space::host, "offset validation");
+    detail::check_space(fn, "cu_seqlens", params.cu_seqlens, memory_space::host,
+                        "offset validation");
     detail::require(B == 1, fn, "k", "must have B = 1 when cu_seqlens is given but has B = ", B);
     detail::check_offsets(fn, "cu_seqlens", params.cu_seqlens, T_);
     prob.cu_seqlens = params.cu_seqlens.data();
@@ -272,7 +276,7 @@ void path_prefill(path_cache<T>& cache, const attention_args<T>& args,
     detail::require(prob.seq(n).length <= cache.capacity(), fn, "cache", "has capacity ",
                     cache.capacity(), " but sequence ", n, " has ", prob.seq(n).length, " tokens");
   detail::path_cache_impl<Backend>::template prefill<Kind, Policy>(cache, args, prob, where,
-                                                                        backend);
+                                                                   backend);
 }
 
 // One decoding step for N sequences: row n of the step carries the next token of the sequence
@@ -293,7 +297,8 @@ void path_decode_step(path_cache<T>& cache, const attention_args<T>& args,
   detail::check_not_given(fn, "cu_seqlens", params.cu_seqlens,
                           "a decoding step takes one token per batch row");
   const attention_problem prob = detail::validate_attention<Kind, T, Backend>(fn, args, params);
-  detail::require(prob.tokens == 1, fn, "q", "must hold one new token per sequence ([N, 1, HQ, D]) but has shape ",
+  detail::require(prob.tokens == 1, fn, "q",
+                  "must hold one new token per sequence ([N, 1, HQ, D]) but has shape ",
                   shape_string(args.q));
   detail::check_cache_layout(fn, cache, prob);
   const std::vector<index_t> where = detail::resolve_slots(fn, slots, prob.batch, cache);
@@ -303,7 +308,7 @@ void path_decode_step(path_cache<T>& cache, const attention_args<T>& args,
                     " is full: it holds ", cache.length(s), " tokens, its capacity");
   }
   detail::path_cache_impl<Backend>::template decode<Kind, Policy>(cache, args, prob, where,
-                                                                       backend);
+                                                                  backend);
 }
 
 }  // namespace attnmix

@@ -1,7 +1,8 @@
 #pragma once
 // Policies: one struct of named compile-time knobs per kind, with defaults. Override a knob by
 // deriving and redeclaring it:
-//   struct my_sa : attnmix::softmax_policy { static constexpr auto mask = attnmix::mask_type::bidirectional; };
+//   struct my_sa : attnmix::softmax_policy { static constexpr auto mask =
+//   attnmix::mask_type::bidirectional; };
 // Runtime values (lengths, scale, window, cu_seqlens) live in the params structs instead.
 
 #include "attnmix/config.hpp"

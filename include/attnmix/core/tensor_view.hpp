@@ -15,7 +15,9 @@ namespace attnmix {
 
 enum class memory_space { host, device };
 
-inline const char* to_string(memory_space s) { return s == memory_space::host ? "host" : "device"; }
+inline const char* to_string(memory_space s) {
+  return s == memory_space::host ? "host" : "device";
+}
 
 template <class T, int Rank>
 class tensor_view {

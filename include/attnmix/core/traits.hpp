@@ -18,8 +18,8 @@ inline constexpr bool is_implemented_v = is_implemented<Kind, Backend>::value;
 template <class Kind>
 struct kind_traits {
   static constexpr bool softmax_family = false;
-  static constexpr bool uses_forget_gate = false;   // g: [B,T,HQ]
-  static constexpr bool uses_householder = false;   // w: [B,T,H,D], beta: [B,T,H]
+  static constexpr bool uses_forget_gate = false;  // g: [B,T,HQ]
+  static constexpr bool uses_householder = false;  // w: [B,T,H,D], beta: [B,T,H]
 };
 template <>
 struct kind_traits<kind::softmax> {

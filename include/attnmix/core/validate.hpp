@@ -40,8 +40,8 @@ void check_shape(const std::string& fn, const char* arg, const tensor_view<T, R>
 template <class T, int R>
 void check_space(const std::string& fn, const char* arg, const tensor_view<T, R>& v,
                  memory_space required, const char* backend) {
-  require(v.space() == required, fn, arg, "is in ", to_string(v.space()),
-          " memory but the ", backend, " backend needs ", to_string(required), " memory");
+  require(v.space() == required, fn, arg, "is in ", to_string(v.space()), " memory but the ",
+          backend, " backend needs ", to_string(required), " memory");
 }
 
 // Non-negative strides, a unit stride on the innermost dimension and a pointer when non-empty.
@@ -50,8 +50,7 @@ void check_layout(const std::string& fn, const char* arg, const tensor_view<T, R
   for (int i = 0; i < R; ++i) {
     require(v.extent(i) >= 0, fn, arg, "has a negative extent in dimension ", i, ": shape ",
             shape_string(v));
-    require(v.stride(i) >= 0, fn, arg, "has a negative stride ", v.stride(i), " in dimension ",
-            i);
+    require(v.stride(i) >= 0, fn, arg, "has a negative stride ", v.stride(i), " in dimension ", i);
   }
   if (v.size() == 0) return;
   require(v.data() != nullptr, fn, arg, "has shape ", shape_string(v), " but a null pointer");
@@ -91,8 +90,8 @@ void check_no_alias(const std::string& fn, const char* out_arg, const tensor_vie
   if (!out.has_value() || !in.has_value() || out.size() == 0 || in.size() == 0) return;
   auto a = byte_range(out);
   auto b = byte_range(in);
-  require(a.second < b.first || b.second < a.first, fn, out_arg, "overlaps the memory of '",
-          in_arg, "'");
+  require(a.second < b.first || b.second < a.first, fn, out_arg, "overlaps the memory of '", in_arg,
+          "'");
 }
 
 // Packed variable-length offsets: [N+1] entries, 0 first, non-decreasing, `total` last.

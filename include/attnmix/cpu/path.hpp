@@ -51,9 +51,9 @@ constexpr void check_cpu_scalar() {
 template <class T>
 struct path_chunks {
   index_t chunk = 0, heads = 0, tokens = 0, dim = 0;
-  bool dense = false;                // chunk products kept as D x D matrices
-  std::vector<index_t> first;        // first[n]: global index of sequence n's first chunk
-  std::vector<T> u, kt, m, p;        // U, K~ ([B,H,T,D]); M ([B,H,T,C]); P ([chunks,H,D,D])
+  bool dense = false;          // chunk products kept as D x D matrices
+  std::vector<index_t> first;  // first[n]: global index of sequence n's first chunk
+  std::vector<T> u, kt, m, p;  // U, K~ ([B,H,T,D]); M ([B,H,T,C]); P ([chunks,H,D,D])
 
   index_t row(index_t b, index_t h, index_t t) const { return (b * heads + h) * tokens + t; }
   T* u_at(index_t b, index_t h, index_t t) { return u.data() + row(b, h, t) * dim; }
@@ -149,7 +149,8 @@ path_chunks<T> path_prepare(const view4<const T>& k, const view4<const T>& w,
     path_prepare_chunk(&w(s.batch, t0, tk.head, 0), w.stride(1), &beta(s.batch, t0, tk.head),
                        beta.stride(1), &k(s.batch, t0, tk.head, 0), k.stride(1), n, p.head_dim,
                        chunk, c.u_at(s.batch, tk.head, t0), c.kt_at(s.batch, tk.head, t0),
-                       c.m_at(s.batch, tk.head, t0), c.dense ? c.p_at(tk.seq, tk.chunk, tk.head) : nullptr,
+                       c.m_at(s.batch, tk.head, t0),
+                       c.dense ? c.p_at(tk.seq, tk.chunk, tk.head) : nullptr,
                        scratch[static_cast<std::size_t>(worker)]);
   });
   return c;
@@ -174,8 +175,8 @@ void path_softmax_update(path_scratch<T>& ws, const V& values) {
 // query head) at token 0 of the sequence with stride Gs (nullptr: no gate); coef multiplies it.
 template <class T>
 void path_query_chunk(const attention_args<T>& a, const attention_problem& p, path_chunks<T>& c,
-                      index_t seq, index_t hq, index_t ci, const double* G, index_t Gs,
-                      double coef, path_scratch<T>& ws) {
+                      index_t seq, index_t hq, index_t ci, const double* G, index_t Gs, double coef,
+                      path_scratch<T>& ws) {
   constexpr T ninf = -std::numeric_limits<T>::infinity();
   const sequence s = p.seq(seq);
   const index_t b = s.batch, h = hq / p.group(), C = c.chunk, D = p.head_dim, Dv = p.value_dim;
@@ -230,7 +231,8 @@ void path_query_chunk(const attention_args<T>& a, const attention_problem& p, pa
     }
   }
 
-  rows_of(&a.out(b, t0, hq, 0), n, Dv, a.out.stride(1)) = (ws.acc.array().colwise() / ws.l).matrix();
+  rows_of(&a.out(b, t0, hq, 0), n, Dv, a.out.stride(1)) =
+      (ws.acc.array().colwise() / ws.l).matrix();
   if (a.lse.has_value())
     for (index_t r = 0; r < n; ++r) a.lse(b, t0 + r, hq) = ws.m(r) + std::log(ws.l(r));
 }
@@ -315,7 +317,7 @@ void path_decode_head(const attention_args<T>& a, const attention_problem& p, T*
                       double coef, matrix<T>& z) {
   const index_t D = p.head_dim, Dv = p.value_dim, H = p.kv_heads, HQ = p.q_heads;
   const index_t G = p.group(), hq0 = h * G;
-  T* kh = keys + h * D;    // token j at kh + j * H * D
+  T* kh = keys + h * D;     // token j at kh + j * H * D
   T* vh = values + h * Dv;  // token j at vh + j * H * Dv
   const T* w = &a.w(row, 0, h, 0);
   const T beta = a.beta(row, 0, h);
@@ -406,7 +408,9 @@ struct path_cache_impl<backend::cpu> {
     T* keys = path_cache_access::keys(cache);
     T* values = path_cache_access::values(cache);
     double* gates = path_cache_access::gates(cache);
-    const auto slot_of = [&](index_t n) { return slots[static_cast<std::size_t>(n)]; };
+    const auto slot_of = [&](index_t n) {
+      return slots[static_cast<std::size_t>(n)];
+    };
     cpu::path_key_cache(a.w, p, be, c, [&](index_t n, index_t h) {
       return std::pair<T*, index_t>(keys + (slot_of(n) * cap * H + h) * D, H * D);
     });

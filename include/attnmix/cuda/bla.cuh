@@ -1,5 +1,6 @@
 #pragma once
-// kind::bla on CUDA: float, half and bfloat16 inputs, float states (cuda/detail/linear_kernels.cuh).
+// kind::bla on CUDA: float, half and bfloat16 inputs, float states
+// (cuda/detail/linear_kernels.cuh).
 
 #include <type_traits>
 

@@ -1,5 +1,6 @@
 #pragma once
-// kind::gbla on CUDA: float, half and bfloat16 inputs, float states (cuda/detail/linear_kernels.cuh).
+// kind::gbla on CUDA: float, half and bfloat16 inputs, float states
+// (cuda/detail/linear_kernels.cuh).
 
 #include <type_traits>
 

@@ -1,5 +1,6 @@
 #pragma once
-// kind::linear_causal on CUDA: float, half and bfloat16 inputs, float states (cuda/detail/linear_kernels.cuh).
+// kind::linear_causal on CUDA: float, half and bfloat16 inputs, float states
+// (cuda/detail/linear_kernels.cuh).
 
 #include <type_traits>
 
@@ -20,7 +21,8 @@ struct linear_attention_impl<kind::linear_causal, backend::cuda, Policy> {
                   const backend::cuda& be) {
     static_assert(!std::is_same_v<T, double>,
                   "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
-    cuda::run_linear<kind::linear_causal, Policy>("attnmix::linear_attention<linear_causal>", a, p, be);
+    cuda::run_linear<kind::linear_causal, Policy>("attnmix::linear_attention<linear_causal>", a, p,
+                                                  be);
   }
 };
 

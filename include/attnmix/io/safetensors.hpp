@@ -34,35 +34,77 @@ namespace attnmix {
 namespace io {
 
 // Element types of the format. Only the floating types load into parameters.
-enum class dtype { f64, f32, f16, bf16, i64, i32, i16, i8, u64, u32, u16, u8, boolean, f8_e4m3, f8_e5m2 };
+enum class dtype {
+  f64,
+  f32,
+  f16,
+  bf16,
+  i64,
+  i32,
+  i16,
+  i8,
+  u64,
+  u32,
+  u16,
+  u8,
+  boolean,
+  f8_e4m3,
+  f8_e5m2
+};
 
 inline const char* to_string(dtype t) {
   switch (t) {
-    case dtype::f64: return "F64";
-    case dtype::f32: return "F32";
-    case dtype::f16: return "F16";
-    case dtype::bf16: return "BF16";
-    case dtype::i64: return "I64";
-    case dtype::i32: return "I32";
-    case dtype::i16: return "I16";
-    case dtype::i8: return "I8";
-    case dtype::u64: return "U64";
-    case dtype::u32: return "U32";
-    case dtype::u16: return "U16";
-    case dtype::u8: return "U8";
-    case dtype::boolean: return "BOOL";
-    case dtype::f8_e4m3: return "F8_E4M3";
-    case dtype::f8_e5m2: return "F8_E5M2";
+    case dtype::f64:
+      return "F64";
+    case dtype::f32:
+      return "F32";
+    case dtype::f16:
+      return "F16";
+    case dtype::bf16:
+      return "BF16";
+    case dtype::i64:
+      return "I64";
+    case dtype::i32:
+      return "I32";
+    case dtype::i16:
+      return "I16";
+    case dtype::i8:
+      return "I8";
+    case dtype::u64:
+      return "U64";
+    case dtype::u32:
+      return "U32";
+    case dtype::u16:
+      return "U16";
+    case dtype::u8:
+      return "U8";
+    case dtype::boolean:
+      return "BOOL";
+    case dtype::f8_e4m3:
+      return "F8_E4M3";
+    case dtype::f8_e5m2:
+      return "F8_E5M2";
   }
   return "?";
 }
 
 inline std::size_t element_size(dtype t) {
   switch (t) {
-    case dtype::f64: case dtype::i64: case dtype::u64: return 8;
-    case dtype::f32: case dtype::i32: case dtype::u32: return 4;
-    case dtype::f16: case dtype::bf16: case dtype::i16: case dtype::u16: return 2;
-    default: return 1;
+    case dtype::f64:
+    case dtype::i64:
+    case dtype::u64:
+      return 8;
+    case dtype::f32:
+    case dtype::i32:
+    case dtype::u32:
+      return 4;
+    case dtype::f16:
+    case dtype::bf16:
+    case dtype::i16:
+    case dtype::u16:
+      return 2;
+    default:
+      return 1;
   }
 }
 
@@ -84,15 +126,17 @@ struct tensor_info {
 
 namespace detail {
 
-[[noreturn]] inline void fail(const std::string& fn, const std::string& file, const std::string& what) {
+[[noreturn]] inline void fail(const std::string& fn, const std::string& file,
+                              const std::string& what) {
   throw error(fn + ": file '" + file + "' " + what);
 }
 
 inline bool parse_dtype(const std::string& s, dtype& out) {
   static const std::pair<const char*, dtype> names[] = {
-      {"F64", dtype::f64},  {"F32", dtype::f32},   {"F16", dtype::f16},         {"BF16", dtype::bf16},
-      {"I64", dtype::i64},  {"I32", dtype::i32},   {"I16", dtype::i16},         {"I8", dtype::i8},
-      {"U64", dtype::u64},  {"U32", dtype::u32},   {"U16", dtype::u16},         {"U8", dtype::u8},
+      {"F64", dtype::f64},      {"F32", dtype::f32},         {"F16", dtype::f16},
+      {"BF16", dtype::bf16},    {"I64", dtype::i64},         {"I32", dtype::i32},
+      {"I16", dtype::i16},      {"I8", dtype::i8},           {"U64", dtype::u64},
+      {"U32", dtype::u32},      {"U16", dtype::u16},         {"U8", dtype::u8},
       {"BOOL", dtype::boolean}, {"F8_E4M3", dtype::f8_e4m3}, {"F8_E5M2", dtype::f8_e5m2}};
   for (const auto& [n, t] : names)
     if (s == n) {
@@ -120,23 +164,26 @@ class safetensors_file {
     f.bytes_ = std::move(bytes);
     const auto& b = f.bytes_;
     if (b.size() < 8)
-      detail::fail(fn, source, "is truncated: " + std::to_string(b.size()) +
-                                   " bytes, fewer than the 8-byte header length");
+      detail::fail(fn, source,
+                   "is truncated: " + std::to_string(b.size()) +
+                       " bytes, fewer than the 8-byte header length");
     std::uint64_t n = 0;
     for (int i = 7; i >= 0; --i) n = (n << 8) | b[static_cast<std::size_t>(i)];
     if (n > detail::max_header_bytes)
-      detail::fail(fn, source, "is corrupt: its header length " + std::to_string(n) +
-                                   " exceeds the 100 MB limit");
+      detail::fail(
+          fn, source,
+          "is corrupt: its header length " + std::to_string(n) + " exceeds the 100 MB limit");
     if (n > b.size() - 8)
-      detail::fail(fn, source, "is truncated: the header needs " + std::to_string(n) +
-                                   " bytes but only " + std::to_string(b.size() - 8) + " follow");
+      detail::fail(fn, source,
+                   "is truncated: the header needs " + std::to_string(n) + " bytes but only " +
+                       std::to_string(b.size() - 8) + " follow");
     f.data_offset_ = 8 + static_cast<std::size_t>(n);
     const std::uint64_t data_size = b.size() - f.data_offset_;
 
     const auto* first = reinterpret_cast<const char*>(b.data() + 8);
-    nlohmann::json header = nlohmann::json::parse(first, first + n, nullptr, /*allow_exceptions=*/false);
-    if (header.is_discarded())
-      detail::fail(fn, source, "is corrupt: its header is not valid JSON");
+    nlohmann::json header =
+        nlohmann::json::parse(first, first + n, nullptr, /*allow_exceptions=*/false);
+    if (header.is_discarded()) detail::fail(fn, source, "is corrupt: its header is not valid JSON");
     if (!header.is_object())
       detail::fail(fn, source, "is corrupt: its header is not a JSON object");
 
@@ -144,11 +191,11 @@ class safetensors_file {
       const std::string& name = it.key();
       const nlohmann::json& e = it.value();
       if (name == "__metadata__") {
-        if (!e.is_object())
-          detail::fail(fn, source, "is corrupt: '__metadata__' is not an object");
+        if (!e.is_object()) detail::fail(fn, source, "is corrupt: '__metadata__' is not an object");
         for (auto m = e.begin(); m != e.end(); ++m) {
           if (!m.value().is_string())
-            detail::fail(fn, source, "is corrupt: metadata entry '" + m.key() + "' is not a string");
+            detail::fail(fn, source,
+                         "is corrupt: metadata entry '" + m.key() + "' is not a string");
           f.metadata_[m.key()] = m.value().get<std::string>();
         }
         continue;
@@ -177,16 +224,17 @@ class safetensors_file {
         t.shape.push_back(static_cast<index_t>(v));
       }
       const auto off = e.find("data_offsets");
-      if (off == e.end() || !off->is_array() || off->size() != 2 || !(*off)[0].is_number_unsigned() ||
-          !(*off)[1].is_number_unsigned())
+      if (off == e.end() || !off->is_array() || off->size() != 2 ||
+          !(*off)[0].is_number_unsigned() || !(*off)[1].is_number_unsigned())
         bad("has no 'data_offsets' pair of non-negative integers");
       t.begin = (*off)[0].get<std::uint64_t>();
       t.end = (*off)[1].get<std::uint64_t>();
       if (t.begin > t.end) bad("has data_offsets that end before they begin");
       if (t.end > data_size)
-        detail::fail(fn, source, "is truncated: tensor '" + name + "' ends at data byte " +
-                                     std::to_string(t.end) + " but the data section has " +
-                                     std::to_string(data_size) + " bytes");
+        detail::fail(fn, source,
+                     "is truncated: tensor '" + name + "' ends at data byte " +
+                         std::to_string(t.end) + " but the data section has " +
+                         std::to_string(data_size) + " bytes");
       if (numel * detail_size(t.type) != t.end - t.begin)
         bad("has " + std::to_string(t.end - t.begin) + " bytes of data but its shape " +
             layers::shape_string(t.shape) + " and dtype " + to_string(t.type) + " need " +
@@ -201,8 +249,9 @@ class safetensors_file {
     for (std::size_t i = 1; i < order.size(); ++i)
       if (order[i]->begin < order[i - 1]->end && order[i]->begin != order[i]->end &&
           order[i - 1]->begin != order[i - 1]->end)
-        detail::fail(fn, source, "is corrupt: tensors '" + order[i - 1]->name + "' and '" +
-                                     order[i]->name + "' overlap");
+        detail::fail(fn, source,
+                     "is corrupt: tensors '" + order[i - 1]->name + "' and '" + order[i]->name +
+                         "' overlap");
     return f;
   }
 
@@ -242,9 +291,10 @@ class safetensors_file {
     const bool ok = t.type == dtype::f32 || t.type == dtype::f16 || t.type == dtype::bf16 ||
                     (std::is_same_v<T, double> && t.type == dtype::f64);
     if (!ok)
-      detail::fail(fn, source_, "tensor '" + t.name + "' has dtype " + to_string(t.type) +
-                                    " but the model's parameter is " + to_string(dtype_of<T>()) +
-                                    " (F16 and BF16 also load; nothing that would lose precision)");
+      detail::fail(fn, source_,
+                   "tensor '" + t.name + "' has dtype " + to_string(t.type) +
+                       " but the model's parameter is " + to_string(dtype_of<T>()) +
+                       " (F16 and BF16 also load; nothing that would lose precision)");
   }
 
  private:
@@ -270,7 +320,8 @@ class safetensors_file {
         return static_cast<T>(t == dtype::f16 ? attnmix::detail::half_bits_to_float(bits)
                                               : attnmix::detail::bfloat16_bits_to_float(bits));
       }
-      default: return T(0);
+      default:
+        return T(0);
     }
   }
 
@@ -291,8 +342,9 @@ struct tensor_bytes {
 };
 
 // Serialises tensors (in the given order) and metadata into safetensors bytes.
-inline std::vector<unsigned char> serialize(const std::vector<tensor_bytes>& tensors,
-                                            const std::map<std::string, std::string>& metadata = {}) {
+inline std::vector<unsigned char> serialize(
+    const std::vector<tensor_bytes>& tensors,
+    const std::map<std::string, std::string>& metadata = {}) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::uint64_t offset = 0;
@@ -308,7 +360,8 @@ inline std::vector<unsigned char> serialize(const std::vector<tensor_bytes>& ten
   while ((8 + h.size()) % 8 != 0) h.push_back(' ');  // keep the data 8-byte aligned
   std::vector<unsigned char> out(8 + h.size() + offset);
   std::uint64_t n = h.size();
-  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<unsigned char>(n >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    out[static_cast<std::size_t>(i)] = static_cast<unsigned char>(n >> (8 * i));
   std::memcpy(out.data() + 8, h.data(), h.size());
   std::size_t pos = 8 + h.size();
   for (const auto& t : tensors) {
@@ -321,7 +374,8 @@ inline std::vector<unsigned char> serialize(const std::vector<tensor_bytes>& ten
 inline void write_file(const std::string& path, const std::vector<unsigned char>& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) detail::fail("attnmix::io::save", path, "cannot be opened for writing");
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
   out.close();
   if (!out) detail::fail("attnmix::io::save", path, "could not be written completely");
 }
@@ -351,12 +405,13 @@ void load(Model& model, const safetensors_file& file) {
     using T = typename std::decay_t<decltype(p.data)>::value_type;
     const tensor_info* t = file.find(name);
     if (t == nullptr)
-      detail::fail(fn, file.source(), "has no tensor '" + name + "' (shape " +
-                                          layers::shape_string(p.shape) + "), which the model needs");
+      detail::fail(fn, file.source(),
+                   "has no tensor '" + name + "' (shape " + layers::shape_string(p.shape) +
+                       "), which the model needs");
     if (t->shape != p.shape)
-      detail::fail(fn, file.source(), "tensor '" + name + "' has shape " +
-                                          layers::shape_string(t->shape) + " but the model expects " +
-                                          layers::shape_string(p.shape));
+      detail::fail(fn, file.source(),
+                   "tensor '" + name + "' has shape " + layers::shape_string(t->shape) +
+                       " but the model expects " + layers::shape_string(p.shape));
     file.check_convertible<T>(fn, *t);
     used[name] = true;
   });
@@ -367,9 +422,10 @@ void load(Model& model, const safetensors_file& file) {
       if (extra++ == 0) first_extra = t.name;
     }
   if (extra)
-    detail::fail(fn, file.source(), "has tensor '" + first_extra + "'" +
-                                        (extra > 1 ? " (and " + std::to_string(extra - 1) + " more)" : "") +
-                                        " that the model does not have");
+    detail::fail(fn, file.source(),
+                 "has tensor '" + first_extra + "'" +
+                     (extra > 1 ? " (and " + std::to_string(extra - 1) + " more)" : "") +
+                     " that the model does not have");
   // Pass 2: copy.
   model.visit_parameters([&](const std::string& name, auto& p) {
     using T = typename std::decay_t<decltype(p.data)>::value_type;

@@ -58,7 +58,11 @@ class kv_cache {
  public:
   kv_cache() = default;
   kv_cache(index_t sequences, index_t capacity, index_t q_heads, index_t kv_heads, index_t d)
-      : n_(sequences), cap_(capacity), hq_(q_heads), h_(kv_heads), d_(d),
+      : n_(sequences),
+        cap_(capacity),
+        hq_(q_heads),
+        h_(kv_heads),
+        d_(d),
         keys_(static_cast<std::size_t>(sequences * capacity * kv_heads * d)),
         values_(keys_.size()),
         gates_(static_cast<std::size_t>(sequences * capacity * q_heads), 0.0),
@@ -85,8 +89,9 @@ template <class T, class Policy = sa_layer_policy>
 class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
   using K = typename Policy::kind;
   static constexpr bool fox = std::is_same_v<K, attnmix::kind::fox>;
-  static_assert(std::is_same_v<K, attnmix::kind::softmax> || fox,
-                "attnmix::layers::attention_layer: Policy::kind must be kind::softmax or kind::fox");
+  static_assert(
+      std::is_same_v<K, attnmix::kind::softmax> || fox,
+      "attnmix::layers::attention_layer: Policy::kind must be kind::softmax or kind::fox");
   static_assert(!fox || Policy::mask == mask_type::causal,
                 "attnmix::layers::attention_layer: FoX is causal only");
 
@@ -100,10 +105,16 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
 
   attention_layer() = default;
   explicit attention_layer(const config& c)
-      : D_(c.hidden_size), HQ_(c.num_heads), H_(c.kv_heads()), d_(c.dim()), theta_(c.rope_theta),
+      : D_(c.hidden_size),
+        HQ_(c.num_heads),
+        H_(c.kv_heads()),
+        d_(c.dim()),
+        theta_(c.rope_theta),
         scale_(c.scale),
-        q_proj(D_, HQ_ * d_, Policy::qkv_bias), k_proj(D_, H_ * d_, Policy::qkv_bias),
-        v_proj(D_, H_ * d_, Policy::qkv_bias), o_proj(HQ_ * d_, D_) {
+        q_proj(D_, HQ_ * d_, Policy::qkv_bias),
+        k_proj(D_, H_ * d_, Policy::qkv_bias),
+        v_proj(D_, H_ * d_, Policy::qkv_bias),
+        o_proj(HQ_ * d_, D_) {
     validate_config(std::string("attnmix::layers::") + name, c);
     if constexpr (fox) f_proj = linear<T>(D_, HQ_, true);
     if constexpr (Policy::output_gate) g_proj = linear<T>(D_, HQ_ * d_);
@@ -174,7 +185,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
         for (index_t c = 0; c < d_; ++c) acc[static_cast<std::size_t>(c)] += e * A(vj[c]);
       }
       T* out = o.data() + (n * HQ_ + hq) * d_;
-      for (index_t c = 0; c < d_; ++c) out[c] = static_cast<T>(acc[static_cast<std::size_t>(c)] / den);
+      for (index_t c = 0; c < d_; ++c)
+        out[c] = static_cast<T>(acc[static_cast<std::size_t>(c)] / den);
     });
     finish(x, o.data(), N, y, be);
   }
@@ -240,8 +252,7 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
       std::vector<T> f(static_cast<std::size_t>(rows * HQ_));
       f_proj.apply(x, rows, f.data(), be);
       p.g.resize(f.size());
-      for (std::size_t i = 0; i < f.size(); ++i)
-        p.g[i] = detail::log_sigmoid(accum_t<T>(f[i]));
+      for (std::size_t i = 0; i < f.size(); ++i) p.g[i] = detail::log_sigmoid(accum_t<T>(f[i]));
     }
     (void)pos;
     return p;
@@ -278,7 +289,9 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
           std::copy_n(p.k.data() + (r0 + t) * H_ * d_, H_ * d_, cache->key(n, t));
           std::copy_n(p.v.data() + (r0 + t) * H_ * d_, H_ * d_, cache->value(n, t));
           for (index_t hq = 0; hq < HQ_; ++hq) {
-            if constexpr (fox) G[static_cast<std::size_t>(hq)] += double(p.g[static_cast<std::size_t>((r0 + t) * HQ_ + hq)]);
+            if constexpr (fox)
+              G[static_cast<std::size_t>(hq)] +=
+                  double(p.g[static_cast<std::size_t>((r0 + t) * HQ_ + hq)]);
             cache->gate(n, t)[hq] = G[static_cast<std::size_t>(hq)];
           }
         }

@@ -47,9 +47,8 @@ inline void validate_config(const std::string& fn, const config& c) {
   detail::require(c.hidden_size >= 1, fn, "config.hidden_size", "must be >= 1 but is ",
                   c.hidden_size);
   detail::require(c.num_heads >= 1, fn, "config.num_heads", "must be >= 1 but is ", c.num_heads);
-  detail::require(c.num_kv_heads >= 0 && c.num_heads % c.kv_heads() == 0, fn,
-                  "config.num_kv_heads", "must divide num_heads = ", c.num_heads, " but is ",
-                  c.kv_heads());
+  detail::require(c.num_kv_heads >= 0 && c.num_heads % c.kv_heads() == 0, fn, "config.num_kv_heads",
+                  "must divide num_heads = ", c.num_heads, " but is ", c.kv_heads());
   detail::require(c.dim() >= 1, fn, "config.head_dim", "must be >= 1 but resolves to ", c.dim(),
                   " (hidden_size ", c.hidden_size, " / num_heads ", c.num_heads, ")");
   detail::require(c.norm_eps > 0 && c.head_norm_eps > 0, fn, "config.norm_eps",

@@ -60,7 +60,11 @@ class linear_layer_cache {
  public:
   linear_layer_cache() = default;
   linear_layer_cache(index_t n, index_t capacity, index_t heads, index_t d, conv_state<T> conv)
-      : conv(std::move(conv)), n_(n), cap_(capacity), h_(heads), d_(d),
+      : conv(std::move(conv)),
+        n_(n),
+        cap_(capacity),
+        h_(heads),
+        d_(d),
         S(static_cast<std::size_t>(n * heads * d * d), A(0)),
         z(static_cast<std::size_t>(n * heads * d), A(0)),
         lse(static_cast<std::size_t>(n * heads), -std::numeric_limits<A>::infinity()),
@@ -105,11 +109,18 @@ class linear_layer : public mixer_api<linear_layer<T, Policy>, T> {
 
   linear_layer() = default;
   explicit linear_layer(const config& c)
-      : D_(c.hidden_size), HQ_(c.num_heads), H_(c.kv_heads()), d_(c.dim()),
+      : D_(c.hidden_size),
+        HQ_(c.num_heads),
+        H_(c.kv_heads()),
+        d_(c.dim()),
         norm_eps_(c.head_norm_eps),
-        q_proj(D_, HQ_ * d_), k_proj(D_, H_ * d_), v_proj(D_, H_ * d_), o_proj(HQ_ * d_, D_) {
+        q_proj(D_, HQ_ * d_),
+        k_proj(D_, H_ * d_),
+        v_proj(D_, H_ * d_),
+        o_proj(HQ_ * d_, D_) {
     validate_config(std::string("attnmix::layers::") + name, c);
-    if constexpr (Policy::use_conv) conv1d = short_conv<T>(D_, Policy::conv_size, Policy::conv_silu);
+    if constexpr (Policy::use_conv)
+      conv1d = short_conv<T>(D_, Policy::conv_size, Policy::conv_silu);
     if constexpr (gated) a_proj = linear<T>(D_, Core::gate == key_gate::shared ? 1 : H_);
     if constexpr (normed) {
       g_proj = linear<T>(D_, HQ_ * d_);
@@ -188,8 +199,8 @@ class linear_layer : public mixer_api<linear_layer<T, Policy>, T> {
         conv1d.apply(u, conv_out.data(), L, be, cache ? &cache->conv : nullptr);
       c = conv_out.data();
     }
-    std::vector<T> q(static_cast<std::size_t>(rows * HQ_ * d_)), k(static_cast<std::size_t>(rows * H_ * d_)),
-        v(k.size()), o(q.size()), g;
+    std::vector<T> q(static_cast<std::size_t>(rows * HQ_ * d_)),
+        k(static_cast<std::size_t>(rows * H_ * d_)), v(k.size()), o(q.size()), g;
     std::vector<A> a;
     q_proj.apply(c, rows, q.data(), be);
     k_proj.apply(c, rows, k.data(), be);
@@ -216,7 +227,8 @@ class linear_layer : public mixer_api<linear_layer<T, Policy>, T> {
       if (cache != nullptr) {
         linear_state<A> st = cache->state();
         if (step) {
-          args.state_in = {st.S, st.z, gated ? tensor_view<const A, 2>(st.lse) : tensor_view<const A, 2>()};
+          args.state_in = {st.S, st.z,
+                           gated ? tensor_view<const A, 2>(st.lse) : tensor_view<const A, 2>()};
         }
         args.state_out = {st.S, st.z, gated ? st.lse : tensor_view<A, 2>()};
         if (!step && L.num_sequences() != cache->sequences()) {

@@ -37,9 +37,11 @@ class mlp {
 
   mlp() = default;
   explicit mlp(const config& c)
-      : D_(c.hidden_size), I_(mlp_width(c, Kind)),
+      : D_(c.hidden_size),
+        I_(mlp_width(c, Kind)),
         gate_proj(Kind == mlp_kind::swiglu ? linear<T>(D_, I_) : linear<T>()),
-        up_proj(D_, I_), down_proj(I_, D_) {}
+        up_proj(D_, I_),
+        down_proj(I_, D_) {}
 
   index_t width() const { return I_; }
 

@@ -16,7 +16,8 @@ template <class T>
 class rms_norm {
  public:
   rms_norm() = default;
-  explicit rms_norm(index_t width, double eps = 1e-6) : weight({width}, T(1)), width_(width), eps_(eps) {}
+  explicit rms_norm(index_t width, double eps = 1e-6)
+      : weight({width}, T(1)), width_(width), eps_(eps) {}
 
   index_t width() const { return width_; }
   double eps() const { return eps_; }
@@ -48,7 +49,11 @@ class head_rms_norm {
   head_rms_norm() = default;
   // per_head: weight [heads * d]; else weight [d].
   head_rms_norm(index_t heads, index_t d, bool per_head, double eps = 1e-5)
-      : weight({per_head ? heads * d : d}, T(1)), heads_(heads), d_(d), per_head_(per_head), eps_(eps) {}
+      : weight({per_head ? heads * d : d}, T(1)),
+        heads_(heads),
+        d_(d),
+        per_head_(per_head),
+        eps_(eps) {}
 
   // x, y: [rows, heads, d] (may be the same buffer).
   void apply(const T* x, index_t rows, T* y, const backend::cpu& be) const {

@@ -69,9 +69,16 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
 
   path_layer() = default;
   explicit path_layer(const config& c)
-      : D_(c.hidden_size), HQ_(c.num_heads), H_(c.kv_heads()), d_(c.dim()), scale_(c.scale),
+      : D_(c.hidden_size),
+        HQ_(c.num_heads),
+        H_(c.kv_heads()),
+        d_(c.dim()),
+        scale_(c.scale),
         low_rank_(c.num_heads == c.kv_heads()),
-        q_proj(D_, HQ_ * d_), k_proj(D_, H_ * d_), v_proj(D_, H_ * d_), o_proj(HQ_ * d_, D_),
+        q_proj(D_, HQ_ * d_),
+        k_proj(D_, H_ * d_),
+        v_proj(D_, H_ * d_),
+        o_proj(HQ_ * d_, D_),
         bt_proj(D_, H_, true) {
     validate_config(std::string("attnmix::layers::") + name, c);
     if (low_rank_) {

@@ -22,7 +22,9 @@ struct conv_state {
   std::vector<T> data;
   conv_state() = default;
   conv_state(index_t n, index_t k, index_t c)
-      : sequences(n), taps(k - 1), channels(c),
+      : sequences(n),
+        taps(k - 1),
+        channels(c),
         data(static_cast<std::size_t>(n * (k - 1) * c), T(0)) {}
 };
 
@@ -41,7 +43,7 @@ class short_conv {
   void apply(const T* x, T* y, const token_layout& L, const backend::cpu& be,
              conv_state<T>* final = nullptr) const {
     detail::short_conv_rows<T>(x, y, L, channels_, weight.ptr(), kernel_, silu_, nullptr,
-                            final ? final->data.data() : nullptr, be);
+                               final ? final->data.data() : nullptr, be);
   }
 
   // One decoding step for N sequences: x, y [N, C]; `state` moves on by one token.

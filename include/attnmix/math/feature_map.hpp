@@ -24,11 +24,11 @@ struct feature_map_traits {
   // phi(x) >= 0 for every x. The normaliser phi(q).sum_j phi(k_j) + eps is then >= eps > 0;
   // a map that can go negative can make it zero or negative, so it needs the normaliser off.
   static constexpr bool nonnegative = F != feature_map::identity;
-  static constexpr const char* name = F == feature_map::elu_plus_one  ? "elu_plus_one"
-                                      : F == feature_map::relu        ? "relu"
+  static constexpr const char* name = F == feature_map::elu_plus_one   ? "elu_plus_one"
+                                      : F == feature_map::relu         ? "relu"
                                       : F == feature_map::squared_relu ? "squared_relu"
-                                      : F == feature_map::sigmoid     ? "sigmoid"
-                                                                      : "identity";
+                                      : F == feature_map::sigmoid      ? "sigmoid"
+                                                                       : "identity";
 };
 
 // phi(x) for one element.

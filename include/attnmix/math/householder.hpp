@@ -30,8 +30,7 @@ ATTNMIX_HOST_DEVICE Acc dot(const X* x, const Y* y, index_t n) {
 template <class X, class Acc>
 ATTNMIX_HOST_DEVICE void apply_householder(X* x, const Acc* w, Acc beta, index_t n) {
   const Acc c = beta * dot<Acc>(w, x, n);
-  for (index_t i = 0; i < n; ++i)
-    x[i] = static_cast<X>(static_cast<Acc>(x[i]) - c * w[i]);
+  for (index_t i = 0; i < n; ++i) x[i] = static_cast<X>(static_cast<Acc>(x[i]) - c * w[i]);
 }
 
 // Number of chunks of `chunk` positions that cover `length` positions (the last may be partial).

@@ -40,23 +40,24 @@ namespace attnmix {
 // at compile time, that it runs on a backend.
 namespace layer {
 
-#define ATTNMIX_DEFINE_LAYER(tag, kind_, ...)                                                     \
-  struct tag {                                                                                    \
-    static constexpr const char* name = #tag;                                                     \
-    using kind = kind_;                                                                           \
-    template <class T>                                                                            \
-    using type = __VA_ARGS__;                                                                     \
-    template <class Backend>                                                                      \
-    static constexpr bool check_backend() {                                                       \
-      static_assert(is_implemented_v<kind_, Backend> && layers::detail::layers_run_on<Backend>,   \
-                    "attnmix::stack: layer::" #tag                                                \
-                    " has no implementation on this backend (the layers run on backend::cpu; "    \
-                    "include <attnmix/attnmix.hpp>)");                                            \
-      return true;                                                                                \
-    }                                                                                             \
+#define ATTNMIX_DEFINE_LAYER(tag, kind_, ...)                                                   \
+  struct tag {                                                                                  \
+    static constexpr const char* name = #tag;                                                   \
+    using kind = kind_;                                                                         \
+    template <class T>                                                                          \
+    using type = __VA_ARGS__;                                                                   \
+    template <class Backend>                                                                    \
+    static constexpr bool check_backend() {                                                     \
+      static_assert(is_implemented_v<kind_, Backend> && layers::detail::layers_run_on<Backend>, \
+                    "attnmix::stack: layer::" #tag                                              \
+                    " has no implementation on this backend (the layers run on backend::cpu; "  \
+                    "include <attnmix/attnmix.hpp>)");                                          \
+      return true;                                                                              \
+    }                                                                                           \
   }
 
-ATTNMIX_DEFINE_LAYER(sa, attnmix::kind::softmax, layers::attention_layer<T, layers::sa_layer_policy>);
+ATTNMIX_DEFINE_LAYER(sa, attnmix::kind::softmax,
+                     layers::attention_layer<T, layers::sa_layer_policy>);
 ATTNMIX_DEFINE_LAYER(causal_sa, attnmix::kind::softmax,
                      layers::attention_layer<T, layers::causal_sa_layer_policy>);
 ATTNMIX_DEFINE_LAYER(fox, attnmix::kind::fox, layers::attention_layer<T, layers::fox_layer_policy>);
@@ -119,8 +120,8 @@ struct flatten<> {
 };
 template <class... In, class... Rest>
 struct flatten<layer_list<In...>, Rest...> {
-  using type = typename concat_lists<typename flatten<In...>::type,
-                                     typename flatten<Rest...>::type>::type;
+  using type =
+      typename concat_lists<typename flatten<In...>::type, typename flatten<Rest...>::type>::type;
 };
 template <class L, class... Rest>
 struct flatten<L, Rest...> {
@@ -171,7 +172,9 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     layers::rms_norm<T> mlp_norm;
     layers::mlp<T, Policy::mlp> mlp;
     explicit block(const layers::config& c)
-        : attn_norm(c.hidden_size, c.norm_eps), attn(c), mlp_norm(c.hidden_size, c.norm_eps),
+        : attn_norm(c.hidden_size, c.norm_eps),
+          attn(c),
+          mlp_norm(c.hidden_size, c.norm_eps),
           mlp(c) {}
   };
 
@@ -180,8 +183,9 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   using backend_type = Backend;
   static constexpr std::size_t num_layers = sizeof...(Layers);
   static constexpr bool causal = (Layers::template type<T>::causal && ...);
-  using cache_type = std::conditional_t<
-      causal, std::tuple<typename Layers::template type<T>::cache_type...>, std::tuple<>>;
+  using cache_type =
+      std::conditional_t<causal, std::tuple<typename Layers::template type<T>::cache_type...>,
+                         std::tuple<>>;
 
   explicit basic_stack_impl(const layers::config& c)
       : cfg_(c), blocks_(block<Layers>(c)...), norm(c.hidden_size, c.norm_eps) {
@@ -242,7 +246,8 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   // Causal stacks: forward over prompts (x [B, T, D], or packed with cu_seqlens) that fills
   // `cache` (sequence n -> slot n, replacing its content).
   void prefill(const view3<const T>& x, const view3<T>& out, cache_type& cache,
-               const view1<const std::int32_t>& cu_seqlens = {}, const Backend& be = Backend{}) const {
+               const view1<const std::int32_t>& cu_seqlens = {},
+               const Backend& be = Backend{}) const {
     static_assert(causal, "attnmix::stack: only stacks of causal layers prefill a cache");
     const std::string fn = "attnmix::stack::prefill";
     const index_t D = cfg_.hidden_size;
@@ -387,8 +392,7 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
 // A stack of Layers (tags, layer_lists or repeat<...>) in scalar T, with an explicit policy and
 // backend.
 template <class T, class Policy, class Backend, class... Layers>
-using basic_stack =
-    basic_stack_impl<T, Policy, Backend, typename detail::flatten<Layers...>::type>;
+using basic_stack = basic_stack_impl<T, Policy, Backend, typename detail::flatten<Layers...>::type>;
 
 // The usual CPU stack with SwiGLU MLPs: attnmix::stack<float, repeat<3, layer::sa, layer::gbla,
 // layer::gbla>>.

@@ -84,8 +84,7 @@ void flash_tile(const flash_head<T>& h, index_t i0, index_t i1, index_t block_k,
     if (gated) {
       ws.gj.resize(cols);
       for (index_t c = 0; c < cols; ++c)
-        ws.gj(c) =
-            static_cast<T>(h.gate.coef * (h.gate.cumsum[(j0 + c) * h.gate.stride] - g_ref));
+        ws.gj(c) = static_cast<T>(h.gate.coef * (h.gate.cumsum[(j0 + c) * h.gate.stride] - g_ref));
       S.colwise() += ws.gi;
       S.rowwise() -= ws.gj.transpose();
     }
@@ -126,8 +125,8 @@ void flash_tile(const flash_head<T>& h, index_t i0, index_t i1, index_t block_k,
 // Runs flash_tile over every query tile of every (sequence, query head). `cumsum` is the
 // gate cumsum laid out like g ([B, T, HQ], contiguous), or nullptr without a gate.
 template <class Policy, class T>
-void flash_forward(const attention_args<T>& a, const attention_problem& p,
-                   const backend::cpu& be, const double* cumsum = nullptr, double coef = 0) {
+void flash_forward(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be,
+                   const double* cumsum = nullptr, double coef = 0) {
   constexpr index_t bq = Policy::block_q, bk = Policy::block_k;
   static_assert(bq >= 1 && bk >= 1, "attnmix: block_q and block_k must be positive");
   constexpr bool causal = Policy::mask == mask_type::causal;
@@ -175,7 +174,8 @@ void flash_forward(const attention_args<T>& a, const attention_problem& p,
                     {}};
     if (cumsum != nullptr)
       h.gate = {cumsum + (s.batch * p.tokens + s.start) * p.q_heads + tk.head, p.q_heads, coef};
-    flash_tile(h, tk.i0, std::min(tk.i0 + bq, s.length), bk, scratch[static_cast<std::size_t>(worker)]);
+    flash_tile(h, tk.i0, std::min(tk.i0 + bq, s.length), bk,
+               scratch[static_cast<std::size_t>(worker)]);
   });
 }
 

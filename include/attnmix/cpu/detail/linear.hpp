@@ -127,7 +127,8 @@ template <class Policy, class T, class Num>
 void write_rows(const linear_attention_args<T>& a, const linear_attention_problem& p,
                 const sequence& s, index_t hq, index_t t0, Num& num, bool all_valid,
                 linear_scratch<T>& ws) {
-  if constexpr (Policy::norm == gated_norm::per_head) gated_norm_rows<Policy>(a, p, s, hq, t0, num, ws);
+  if constexpr (Policy::norm == gated_norm::per_head)
+    gated_norm_rows<Policy>(a, p, s, hq, t0, num, ws);
   const index_t rows = num.rows(), Dv = p.value_dim;
   auto out = rows_of(&a.out(s.batch, s.start + t0, hq, 0), rows, Dv, a.out.stride(1));
   if (all_valid) {
@@ -145,10 +146,12 @@ void write_rows(const linear_attention_args<T>& a, const linear_attention_proble
 // Writes o (rows x (HQ * Dv), every query head) to out rows [t0, t0 + rows) of s. Pad rows
 // (ws.valid, when `all_valid` is false) are zeroed or left alone.
 template <class Policy, class T, class Block>
-void store_block(const linear_attention_args<T>& a, const sequence& s, index_t t0,
-                 const Block& o, bool all_valid, const linear_scratch<T>& ws) {
+void store_block(const linear_attention_args<T>& a, const sequence& s, index_t t0, const Block& o,
+                 bool all_valid, const linear_scratch<T>& ws) {
   const index_t rows = o.rows(), HQ = a.out.extent(2), Dv = a.out.extent(3);
-  auto row_ok = [&](index_t r) { return all_valid || ws.valid[static_cast<std::size_t>(r)]; };
+  auto row_ok = [&](index_t r) {
+    return all_valid || ws.valid[static_cast<std::size_t>(r)];
+  };
   if (HQ == 1 || a.out.stride(2) == Dv) {
     auto out = rows_of(&a.out(s.batch, s.start + t0, 0, 0), rows, HQ * Dv, a.out.stride(1));
     if (all_valid) {
@@ -341,7 +344,8 @@ void bidirectional_forward(const linear_attention_args<T>& a, const linear_atten
               ws.w.resize(kept);
               for (index_t r = 0, i = 0; r < rows; ++r) {
                 if (!all_valid && !ws.valid[static_cast<std::size_t>(r)]) continue;
-                const double logit = static_cast<double>(a.a(s.batch, s.start + j0 + r, p.gate_heads == 1 ? 0 : h));
+                const double logit =
+                    static_cast<double>(a.a(s.batch, s.start + j0 + r, p.gate_heads == 1 ? 0 : h));
                 ws.w(i++) = static_cast<T>(std::exp(logit - gs.max) * gs.inv_sum);
               }
             }
@@ -495,8 +499,8 @@ T shifted_exp(T x, T m) {
 
 // Chunked form for one (sequence, KV head), all query heads of its group.
 template <class Policy, class T>
-void causal_chunked(const linear_attention_args<T>& a, const linear_attention_problem& p,
-                    index_t n, index_t h, causal_state<T>& cs, linear_scratch<T>& ws) {
+void causal_chunked(const linear_attention_args<T>& a, const linear_attention_problem& p, index_t n,
+                    index_t h, causal_state<T>& cs, linear_scratch<T>& ws) {
   constexpr bool gated = Policy::gate != key_gate::off;
   constexpr index_t C = Policy::chunk;
   constexpr T ninf = -std::numeric_limits<T>::infinity();
@@ -509,7 +513,9 @@ void causal_chunked(const linear_attention_args<T>& a, const linear_attention_pr
     const index_t rows = std::min(C, s.length - c0);
     const index_t t0 = s.start + c0;
     const bool all_valid = load_validity(a, s, c0, rows, ws);
-    auto is_valid = [&](index_t r) { return all_valid || ws.valid[static_cast<std::size_t>(r)]; };
+    auto is_valid = [&](index_t r) {
+      return all_valid || ws.valid[static_cast<std::size_t>(r)];
+    };
 
     // Key features with pad rows zeroed, and values with pad rows zeroed (pad v may hold NaN).
     ws.p.resize(rows, D);

@@ -97,7 +97,8 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
   const bool gated = a.g.has_value();
   const std::size_t cu_bytes =
-      p.cu_seqlens != nullptr ? static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t) : 0;
+      p.cu_seqlens != nullptr ? static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t)
+                              : 0;
   const std::size_t cu_padded = (cu_bytes + 255) / 256 * 256;
   const std::size_t gate_bytes =
       gated ? static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double) : 0;
@@ -127,7 +128,8 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
     auto* G = reinterpret_cast<double*>(scratch.get() + cu_padded);
     kp.gate_cumsum = G;
     kp.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
-    gate_cumsum_kernel<<<dim3(static_cast<unsigned>(p.q_heads), static_cast<unsigned>(p.num_sequences)),
+    gate_cumsum_kernel<<<dim3(static_cast<unsigned>(p.q_heads),
+                              static_cast<unsigned>(p.num_sequences)),
                          256, 0, stream>>>(a.g.data(), a.g.stride(0), a.g.stride(1), a.g.stride(2),
                                            kp, G);
     check(cudaGetLastError(), "gate_cumsum_kernel launch");

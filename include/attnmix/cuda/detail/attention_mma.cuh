@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(32 * Warps)
   p.sequence(seq, batch, start, length);
   // Causal: the heaviest (last) tiles are scheduled first.
   const index_t tiles = (length + Br - 1) / Br;
-  const index_t tile_index = p.causal ? static_cast<index_t>(gridDim.y) - 1 - blockIdx.y : blockIdx.y;
+  const index_t tile_index =
+      p.causal ? static_cast<index_t>(gridDim.y) - 1 - blockIdx.y : blockIdx.y;
   if (tile_index >= tiles) return;
   const index_t i0 = tile_index * Br;
   const index_t rows = length - i0 < Br ? length - i0 : Br;
@@ -126,7 +127,9 @@ __global__ void __launch_bounds__(32 * Warps)
   cp_async_commit();
 
   // This thread's rows: row(mt, h) = warp * 16 * MT + mt * 16 + g + 8 * h.
-  auto row_of = [&](int mt, int h) { return warp * 16 * MT + mt * 16 + g + 8 * h; };
+  auto row_of = [&](int mt, int h) {
+    return warp * 16 * MT + mt * 16 + g + 8 * h;
+  };
 
   // Gate bias relative to G at i0 (in double), so that the float values stay small.
   const double* G = p.gate_cumsum != nullptr
@@ -166,7 +169,8 @@ __global__ void __launch_bounds__(32 * Warps)
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
-          ldmatrix_x4(qf[mt][kk], sq + swizzle<D>(warp * 16 * MT + mt * 16 + lane % 16, kk * 2 + lane / 16));
+          ldmatrix_x4(qf[mt][kk],
+                      sq + swizzle<D>(warp * 16 * MT + mt * 16 + lane % 16, kk * 2 + lane / 16));
     }
     const T* skb = sk + buf * tile::k_elems;
     const T* svb = sv + buf * tile::v_elems;
@@ -178,7 +182,8 @@ __global__ void __launch_bounds__(32 * Warps)
 #pragma unroll
       for (int n = 0; n < Bc / 16; ++n) {
         std::uint32_t b[4];
-        ldmatrix_x4(b, skb + swizzle<D>(n * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+        ldmatrix_x4(b,
+                    skb + swizzle<D>(n * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
         const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -226,7 +231,8 @@ __global__ void __launch_bounds__(32 * Warps)
       for (int h = 0; h < 2; ++h) {
         float mx = m[mt][h];
 #pragma unroll
-        for (int n = 0; n < Bc / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
+        for (int n = 0; n < Bc / 8; ++n)
+          mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float shift = mx == -INFINITY ? 0.f : mx;  // no visible key yet: keep zeros
@@ -238,7 +244,8 @@ __global__ void __launch_bounds__(32 * Warps)
           s[mt][n][2 * h + 1] = fast_exp2(s[mt][n][2 * h + 1] - shift);
           sum += s[mt][n][2 * h] + s[mt][n][2 * h + 1];
         }
-        l[mt][h] = l[mt][h] * rescale[h] + sum;  // per-thread partial; the quad is summed at the end
+        l[mt][h] =
+            l[mt][h] * rescale[h] + sum;  // per-thread partial; the quad is summed at the end
         m[mt][h] = mx;
       }
 #pragma unroll
@@ -262,7 +269,8 @@ __global__ void __launch_bounds__(32 * Warps)
 #pragma unroll
       for (int n = 0; n < Dv / 16; ++n) {
         std::uint32_t b[4];
-        ldmatrix_x4_trans(b, svb + swizzle<Dv>(kc * 16 + lane % 8 + ((lane / 8) % 2) * 8, n * 2 + lane / 16));
+        ldmatrix_x4_trans(
+            b, svb + swizzle<Dv>(kc * 16 + lane % 8 + ((lane / 8) % 2) * 8, n * 2 + lane / 16));
         const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {

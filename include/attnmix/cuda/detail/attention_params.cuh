@@ -15,7 +15,8 @@ struct attention_kernel_params {
   const void* v;
   void* out;
   float* lse;  // nullptr: not requested
-  index_t q_stride[3], k_stride[3], v_stride[3], out_stride[3], lse_stride[3];  // batch, token, head
+  index_t q_stride[3], k_stride[3], v_stride[3], out_stride[3],
+      lse_stride[3];               // batch, token, head
   const std::int32_t* cu_seqlens;  // device copy, or nullptr for a dense batch
   index_t tokens;                  // T of the dense layout
   int q_heads, group, head_dim, value_dim;

@@ -89,14 +89,17 @@ __device__ float block_reduce(float x, float* scratch) {
 // The state of a block of tokens: S_p (D x Dv), z_p (D), and for the key gate the block max
 // M_p and mass ell_p = sum exp(a_j - M_p). Workspace layout per (n, h, p):
 // [S_p: D*Dv][z_p: D][M_p][ell_p].
-inline __host__ __device__ index_t partial_floats(int D, int Dv) { return index_t(D) * Dv + D + 2; }
+inline __host__ __device__ index_t partial_floats(int D, int Dv) {
+  return index_t(D) * Dv + D + 2;
+}
 
 // Stages a 32-row tile of k (with the weight and the feature map) or v into shared memory as
 // floats, 16 bytes per load, every load of a thread issued before the first use so that their
 // latencies overlap. Needs rows 16-byte aligned and `cols` a multiple of 16 / sizeof(T).
 template <class T, class Policy, bool Keys>
-__device__ __forceinline__ void stage_vectors(float* dst, const T* src, index_t row_stride, index_t base,
-                                              int rows, int cols, const float* weight) {
+__device__ __forceinline__ void stage_vectors(float* dst, const T* src, index_t row_stride,
+                                              index_t base, int rows, int cols,
+                                              const float* weight) {
   constexpr int per = 16 / sizeof(T), max_loads = 4;  // 32 rows x 128 floats / 256 threads / 4
   const int chunks = cols / per;
   uint4 buf[max_loads];
@@ -104,7 +107,8 @@ __device__ __forceinline__ void stage_vectors(float* dst, const T* src, index_t 
   for (int c = 0; c < max_loads; ++c) {
     const int idx = threadIdx.x + c * 256, r = idx / chunks;
     if (idx < 32 * chunks && r < rows && weight[r] != 0.f)
-      buf[c] = *reinterpret_cast<const uint4*>(src + (base + r) * row_stride + (idx % chunks) * per);
+      buf[c] =
+          *reinterpret_cast<const uint4*>(src + (base + r) * row_stride + (idx % chunks) * per);
   }
 #pragma unroll
   for (int c = 0; c < max_loads; ++c) {
@@ -134,8 +138,8 @@ __global__ void __launch_bounds__(256)
   constexpr bool gated = Policy::gate != key_gate::off;
   extern __shared__ __align__(16) float smem[];
   const int D = p.head_dim, Dv = p.value_dim;
-  float* pk = smem;              // [tile][D]   masked, gated phi(k)
-  float* sv = pk + tile * D;     // [tile][Dv]
+  float* pk = smem;                // [tile][D]   masked, gated phi(k)
+  float* sv = pk + tile * D;       // [tile][Dv]
   float* weight = sv + tile * Dv;  // [tile]
   __shared__ float scratch[8];
 
@@ -149,7 +153,8 @@ __global__ void __launch_bounds__(256)
   float M = 0.f;
   if (gated) {
     float mx = -INFINITY;
-    for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x) mx = fmaxf(mx, p.logit(batch, start + t, h));
+    for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
+      mx = fmaxf(mx, p.logit(batch, start + t, h));
     M = block_reduce<true>(mx, scratch);
   }
 
@@ -157,12 +162,16 @@ __global__ void __launch_bounds__(256)
   float acc[Blocks][16] = {};
   float zacc[Blocks][4] = {};
   float ell = 0.f;
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] + h * p.k_stride[2];
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] + h * p.v_stride[2];
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
+               h * p.k_stride[2];
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
+               h * p.v_stride[2];
   // (row, column) of this thread's first staged element and the step between its elements
   // (256 apart), so that staging needs no division per element.
-  const int k_row0 = threadIdx.x / D, k_col0 = threadIdx.x % D, k_row_step = 256 / D, k_col_step = 256 % D;
-  const int v_row0 = threadIdx.x / Dv, v_col0 = threadIdx.x % Dv, v_row_step = 256 / Dv, v_col_step = 256 % Dv;
+  const int k_row0 = threadIdx.x / D, k_col0 = threadIdx.x % D, k_row_step = 256 / D,
+            k_col_step = 256 % D;
+  const int v_row0 = threadIdx.x / Dv, v_col0 = threadIdx.x % Dv, v_row_step = 256 / Dv,
+            v_col_step = 256 % Dv;
   for (index_t base = t0; base < t1; base += tile) {
     const int rows = static_cast<int>(min(index_t(tile), t1 - base));
     __syncthreads();
@@ -185,7 +194,8 @@ __global__ void __launch_bounds__(256)
     } else {
       for (int idx = threadIdx.x, r = k_row0, d = k_col0; idx < tile * D; idx += 256) {
         pk[idx] = r < rows && weight[r] != 0.f
-                      ? weight[r] * apply_feature_map<Policy::phi>(to_float(k[(base + r) * p.k_stride[1] + d]))
+                      ? weight[r] * apply_feature_map<Policy::phi>(
+                                        to_float(k[(base + r) * p.k_stride[1] + d]))
                       : 0.f;
         r += k_row_step, d += k_col_step;
         if (d >= D) d -= D, ++r;
@@ -267,7 +277,8 @@ __global__ void __launch_bounds__(256)
     float sum = 0.f;
     for (index_t q = 0; q < partials; ++q) {
       const float* pq = part + q * stride;
-      const float alpha = gated ? (pq[D * Dv + D + 1] > 0.f ? __expf(pq[D * Dv + D] - M) : 0.f) : 1.f;
+      const float alpha =
+          gated ? (pq[D * Dv + D + 1] > 0.f ? __expf(pq[D * Dv + D] - M) : 0.f) : 1.f;
       sum += alpha * pq[idx];
     }
     sum *= inv;
@@ -277,11 +288,13 @@ __global__ void __launch_bounds__(256)
         p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + (idx / Dv) * p.S_out_stride[2] +
                 (idx % Dv) * p.S_out_stride[3]] = sum;
     } else if (p.z_out != nullptr) {
-      p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] + (idx - D * Dv) * p.z_out_stride[2]] = sum;
+      p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] + (idx - D * Dv) * p.z_out_stride[2]] =
+          sum;
     }
   }
   if (gated && p.lse_out != nullptr && threadIdx.x == 0)
-    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] = ell > 0.f ? M + logf(ell) : -INFINITY;
+    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] =
+        ell > 0.f ? M + logf(ell) : -INFINITY;
 }
 
 // ---- the per-row epilogue shared by both forms ---------------------------------------------
@@ -291,7 +304,8 @@ template <class T, class Policy, int VC>
 __device__ void write_row(const linear_kernel_params& p, index_t batch, index_t t, int hq,
                           float (&o)[VC], bool valid) {
   const int lane = threadIdx.x % 32, Dv = p.value_dim;
-  T* out = static_cast<T*>(p.out) + batch * p.out_stride[0] + t * p.out_stride[1] + hq * p.out_stride[2];
+  T* out =
+      static_cast<T*>(p.out) + batch * p.out_stride[0] + t * p.out_stride[1] + hq * p.out_stride[2];
   if (!valid) {
     if (Policy::zero_pad_rows)
 #pragma unroll
@@ -361,10 +375,14 @@ __global__ void __launch_bounds__(128)
   for (int row = threadIdx.x; row < R; row += blockDim.x)
     valid[row] = i0 + row < length && p.valid(batch, start + i0 + row) ? 1.f : 0.f;
   __syncthreads();
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + i0) * p.q_stride[1] + hq * p.q_stride[2];
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + i0) * p.q_stride[1] +
+               hq * p.q_stride[2];
   for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
     const int row = idx / D, d = idx % D;
-    rT[d * R + row] = valid[row] != 0.f ? p.scale * apply_feature_map<Policy::phi>(to_float(q[row * p.q_stride[1] + d])) : 0.f;
+    rT[d * R + row] =
+        valid[row] != 0.f
+            ? p.scale * apply_feature_map<Policy::phi>(to_float(q[row * p.q_stride[1] + d]))
+            : 0.f;
   }
   __syncthreads();
 
@@ -400,7 +418,8 @@ __global__ void __launch_bounds__(128)
     float o[VC];
     const float inv = Policy::normalize ? 1.f / (den[row] + p.eps) : 1.f;
 #pragma unroll
-    for (int c = 0; c < VC; ++c) o[c] = lane + 32 * c < Dv ? num[row * Dv + lane + 32 * c] * inv : 0.f;
+    for (int c = 0; c < VC; ++c)
+      o[c] = lane + 32 * c < Dv ? num[row * Dv + lane + 32 * c] * inv : 0.f;
     write_row<T, Policy>(p, batch, start + i0 + row, hq, o, valid[row] != 0.f);
   }
 }
@@ -430,17 +449,22 @@ __global__ void linear_causal_kernel(const linear_kernel_params p) {
 #pragma unroll
     for (int d = 0; d < max_d; ++d)
       if (d < D && e < Dv)
-        S[d] = p.S_in[n * p.S_in_stride[0] + h * p.S_in_stride[1] + d * p.S_in_stride[2] + e * p.S_in_stride[3]];
+        S[d] = p.S_in[n * p.S_in_stride[0] + h * p.S_in_stride[1] + d * p.S_in_stride[2] +
+                      e * p.S_in_stride[3]];
     if (gated) {
       m = p.lse_in[n * p.lse_in_stride[0] + h * p.lse_in_stride[1]];
       ell = m == -INFINITY ? 0.f : 1.f;  // a stored state is normalised: mass 1 at m = lse
     }
   }
   for (int d = threadIdx.x; d < max_d; d += blockDim.x)
-    sz[d] = p.z_in != nullptr && d < D ? p.z_in[n * p.z_in_stride[0] + h * p.z_in_stride[1] + d * p.z_in_stride[2]] : 0.f;
+    sz[d] = p.z_in != nullptr && d < D
+                ? p.z_in[n * p.z_in_stride[0] + h * p.z_in_stride[1] + d * p.z_in_stride[2]]
+                : 0.f;
 
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] + h * p.k_stride[2];
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] + h * p.v_stride[2];
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
+               h * p.k_stride[2];
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
+               h * p.v_stride[2];
   for (index_t t = 0; t < length; ++t) {
     const bool valid = p.valid(batch, start + t);
     float w = valid ? 1.f : 0.f, rescale = 1.f;
@@ -454,7 +478,8 @@ __global__ void linear_causal_kernel(const linear_kernel_params p) {
     __syncthreads();  // the previous token's readers are done with sk, sz and sr
     // A pad token (w = 0) is skipped, not multiplied: its k and v may hold anything.
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      const float pkd = w != 0.f ? w * apply_feature_map<Policy::phi>(to_float(k[t * p.k_stride[1] + d])) : 0.f;
+      const float pkd =
+          w != 0.f ? w * apply_feature_map<Policy::phi>(to_float(k[t * p.k_stride[1] + d])) : 0.f;
       sk[d] = pkd;
       sz[d] = sz[d] * rescale + pkd;
     }
@@ -466,9 +491,11 @@ __global__ void linear_causal_kernel(const linear_kernel_params p) {
 
     for (int g = 0; g < p.group; ++g) {
       const int hq = h * p.group + g;
-      const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + t) * p.q_stride[1] + hq * p.q_stride[2];
+      const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] +
+                   (start + t) * p.q_stride[1] + hq * p.q_stride[2];
       __syncthreads();
-      for (int d = threadIdx.x; d < D; d += blockDim.x) sr[d] = p.scale * apply_feature_map<Policy::phi>(to_float(q[d]));
+      for (int d = threadIdx.x; d < D; d += blockDim.x)
+        sr[d] = p.scale * apply_feature_map<Policy::phi>(to_float(q[d]));
       __syncthreads();
       float num = 0.f, den = 0.f;
 #pragma unroll
@@ -495,7 +522,8 @@ __global__ void linear_causal_kernel(const linear_kernel_params p) {
   const float inv = gated && ell > 0.f ? 1.f / ell : 1.f;
   if (p.S_out != nullptr && e < Dv)
     for (int d = 0; d < D; ++d)
-      p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + d * p.S_out_stride[2] + e * p.S_out_stride[3]] = S[d] * inv;
+      p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + d * p.S_out_stride[2] +
+              e * p.S_out_stride[3]] = S[d] * inv;
   __syncthreads();
   if (p.z_out != nullptr)
     for (int d = threadIdx.x; d < D; d += blockDim.x)

@@ -73,15 +73,21 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
 
   // Blocks of the reduce pass: enough CTAs to fill the GPU several times over.
   const index_t target = 4 * 132;
-  index_t partials = std::clamp<index_t>((target + H * N - 1) / (H * N), 1, std::max<index_t>(1, (max_len + 63) / 64));
-  const index_t block_tokens = std::max<index_t>(32, ((max_len + partials - 1) / partials + 31) / 32 * 32);
+  index_t partials = std::clamp<index_t>((target + H * N - 1) / (H * N), 1,
+                                         std::max<index_t>(1, (max_len + 63) / 64));
+  const index_t block_tokens =
+      std::max<index_t>(32, ((max_len + partials - 1) / partials + 31) / 32 * 32);
   partials = std::max<index_t>(1, (max_len + block_tokens - 1) / block_tokens);
 
-  const std::size_t cu_bytes = p.cu_seqlens != nullptr ? static_cast<std::size_t>(N + 1) * sizeof(std::int32_t) : 0;
+  const std::size_t cu_bytes =
+      p.cu_seqlens != nullptr ? static_cast<std::size_t>(N + 1) * sizeof(std::int32_t) : 0;
   const std::size_t cu_padded = (cu_bytes + 255) / 256 * 256;
   const std::size_t partial_bytes =
-      causal ? 0 : static_cast<std::size_t>(N * H * partials * partial_floats(int(D), int(Dv))) * sizeof(float);
-  const std::size_t state_bytes = causal ? 0 : static_cast<std::size_t>(N * H * (D * Dv + D)) * sizeof(float);
+      causal ? 0
+             : static_cast<std::size_t>(N * H * partials * partial_floats(int(D), int(Dv))) *
+                   sizeof(float);
+  const std::size_t state_bytes =
+      causal ? 0 : static_cast<std::size_t>(N * H * (D * Dv + D)) * sizeof(float);
   stream_buffer scratch(cu_padded + partial_bytes + state_bytes, stream);
 
   linear_kernel_params kp{};
@@ -100,8 +106,10 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   kp.scale = float(p.scale), kp.eps = float(p.eps), kp.norm_eps = float(p.norm_eps);
   constexpr index_t per_vector = 16 / sizeof(T);
   kp.vector_loads = D % per_vector == 0 && Dv % per_vector == 0 &&
-                    aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), int(per_vector), int(sizeof(T))) &&
-                    aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2), int(per_vector), int(sizeof(T)));
+                    aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2),
+                                        int(per_vector), int(sizeof(T))) &&
+                    aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2),
+                                        int(per_vector), int(sizeof(T)));
   const auto& si = a.state_in;
   const auto& so = a.state_out;
   kp.S_in = si.S.has_value() ? si.S.data() : nullptr;
@@ -110,8 +118,10 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   kp.S_out = so.S.has_value() ? so.S.data() : nullptr;
   kp.z_out = so.z.has_value() ? so.z.data() : nullptr;
   kp.lse_out = so.lse.has_value() ? so.lse.data() : nullptr;
-  copy_strides(kp.S_in_stride, si.S), copy_strides(kp.z_in_stride, si.z), copy_strides(kp.lse_in_stride, si.lse);
-  copy_strides(kp.S_out_stride, so.S), copy_strides(kp.z_out_stride, so.z), copy_strides(kp.lse_out_stride, so.lse);
+  copy_strides(kp.S_in_stride, si.S), copy_strides(kp.z_in_stride, si.z),
+      copy_strides(kp.lse_in_stride, si.lse);
+  copy_strides(kp.S_out_stride, so.S), copy_strides(kp.z_out_stride, so.z),
+      copy_strides(kp.lse_out_stride, so.lse);
   if (cu_bytes > 0) {
     check(cudaMemcpyAsync(scratch.get(), p.cu_seqlens, cu_bytes, cudaMemcpyHostToDevice, stream),
           "cudaMemcpyAsync(cu_seqlens)");
@@ -144,7 +154,8 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
     else
       reduce(std::integral_constant<int, 4>{});
     check(cudaGetLastError(), "linear_reduce_kernel launch");
-    linear_combine_kernel<Policy><<<dim3(unsigned(H), unsigned(N)), 256, 0, stream>>>(kp, partial, partials, state);
+    linear_combine_kernel<Policy>
+        <<<dim3(unsigned(H), unsigned(N)), 256, 0, stream>>>(kp, partial, partials, state);
     check(cudaGetLastError(), "linear_combine_kernel launch");
     if (max_len > 0) {
       const int read_smem = linear_read_smem_floats(int(D), int(Dv)) * int(sizeof(float));
@@ -154,8 +165,9 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
         auto kernel = linear_read_kernel<Dev, Policy, VC, (VC == 4 ? 4 : VC == 2 ? 2 : 1)>;
         check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, read_smem),
               "cudaFuncSetAttribute");
-        kernel<<<dim3(unsigned((max_len + linear_read_rows - 1) / linear_read_rows), unsigned(p.q_heads),
-                      unsigned(N)), 128, read_smem, stream>>>(kp, state);
+        kernel<<<dim3(unsigned((max_len + linear_read_rows - 1) / linear_read_rows),
+                      unsigned(p.q_heads), unsigned(N)),
+                 128, read_smem, stream>>>(kp, state);
       });
     }
   }
