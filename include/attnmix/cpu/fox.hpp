@@ -45,9 +45,7 @@ template <class Policy>
 struct attention_impl<kind::fox, backend::cpu, Policy> {
   template <class T>
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be) {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "attnmix: the CPU backend computes in float or double; convert half/bfloat16 "
-                  "inputs first (attnmix::convert)");
+    cpu::require_cpu_scalar<T>();
     const std::vector<double> G = cpu::gate_cumsum(a.g, p);
     cpu::flash_forward<Policy>(a, p, be, G.data(), cpu::gate_coefficient<Policy>(p));
   }

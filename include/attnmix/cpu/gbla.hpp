@@ -19,9 +19,7 @@ struct linear_attention_impl<kind::gbla, backend::cpu, Policy> {
   template <class T>
   static void run(const linear_attention_args<T>& a, const linear_attention_problem& p,
                   const backend::cpu& be) {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "attnmix: the CPU backend computes in float or double; convert half/bfloat16 "
-                  "inputs first (attnmix::convert)");
+    cpu::require_cpu_scalar<T>();
     cpu::bidirectional_forward<Policy>(a, p, be);
   }
 };

@@ -39,13 +39,6 @@ struct is_implemented<kind::path_fox, backend::cpu> : std::true_type {};
 namespace detail {
 namespace cpu {
 
-template <class T>
-constexpr void check_cpu_scalar() {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "attnmix: the CPU backend computes in float or double; convert half/bfloat16 "
-                "inputs first (attnmix::convert)");
-}
-
 // Per-chunk data of every (sequence, KV head). Buffers are head-major, [B, H, T, .] with T the
 // (packed) token position, so that a chunk's rows are contiguous.
 template <class T>
@@ -242,7 +235,7 @@ void path_query_chunk(const attention_args<T>& a, const attention_problem& p, pa
 template <class T>
 void path_forward(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be,
                   path_chunks<T>& c, const double* G, double coef) {
-  check_cpu_scalar<T>();
+  require_cpu_scalar<T>();
   const index_t chunk = c.chunk;
 
   struct task {
@@ -273,7 +266,7 @@ void path_forward(const attention_args<T>& a, const attention_problem& p, const 
 template <class T, class Out>
 void path_key_cache(const view4<const T>& w, const attention_problem& p, const backend::cpu& be,
                     path_chunks<T>& c, Out out) {
-  check_cpu_scalar<T>();
+  require_cpu_scalar<T>();
   const index_t D = p.head_dim, tasks = p.num_sequences * p.kv_heads, chunk = c.chunk;
   const int workers = worker_count(be, tasks);
   struct suffix_scratch {
@@ -357,7 +350,7 @@ struct attention_impl<kind::path, backend::cpu, Policy> {
   template <class T>
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be) {
     static_assert(Policy::chunk >= 1, "attnmix: Policy::chunk must be positive");
-    cpu::check_cpu_scalar<T>();
+    cpu::require_cpu_scalar<T>();
     auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
     cpu::path_forward(a, p, be, c, nullptr, 0.0);
   }
@@ -368,7 +361,7 @@ struct attention_impl<kind::path_fox, backend::cpu, Policy> {
   template <class T>
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be) {
     static_assert(Policy::chunk >= 1, "attnmix: Policy::chunk must be positive");
-    cpu::check_cpu_scalar<T>();
+    cpu::require_cpu_scalar<T>();
     const std::vector<double> G = cpu::gate_cumsum(a.g, p);
     auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
     cpu::path_forward(a, p, be, c, G.data(), cpu::gate_coefficient<Policy>(p));
@@ -381,7 +374,7 @@ struct path_cache_impl<backend::cpu> {
   static void key_cache(const path_key_cache_args<T>& a, const attention_problem& p,
                         const backend::cpu& be) {
     static_assert(Policy::chunk >= 1, "attnmix: Policy::chunk must be positive");
-    cpu::check_cpu_scalar<T>();
+    cpu::require_cpu_scalar<T>();
     const auto& out = a.key_cache;
     auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
     cpu::path_key_cache(a.w, p, be, c, [&](index_t n, index_t h) {
@@ -394,7 +387,7 @@ struct path_cache_impl<backend::cpu> {
   static void prefill(path_cache<T>& cache, const attention_args<T>& a, const attention_problem& p,
                       const std::vector<index_t>& slots, const backend::cpu& be) {
     static_assert(Policy::chunk >= 1, "attnmix: Policy::chunk must be positive");
-    cpu::check_cpu_scalar<T>();
+    cpu::require_cpu_scalar<T>();
     // The forward and the key cache share the per-chunk UT data.
     auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
     if constexpr (kind_traits<Kind>::uses_forget_gate) {
@@ -437,7 +430,7 @@ struct path_cache_impl<backend::cpu> {
   template <class Kind, class Policy, class T>
   static void decode(path_cache<T>& cache, const attention_args<T>& a, const attention_problem& p,
                      const std::vector<index_t>& slots, const backend::cpu& be) {
-    cpu::check_cpu_scalar<T>();
+    cpu::require_cpu_scalar<T>();
     constexpr bool gated = kind_traits<Kind>::uses_forget_gate;
     const double coef = gated ? cpu::gate_coefficient<Policy>(p) : 0.0;
     const index_t cap = cache.capacity(), H = p.kv_heads, HQ = p.q_heads, D = p.head_dim,

@@ -17,9 +17,7 @@ template <class Policy>
 struct attention_impl<kind::softmax, backend::cpu, Policy> {
   template <class T>
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be) {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "attnmix: the CPU backend computes in float or double; convert half/bfloat16 "
-                  "inputs first (attnmix::convert)");
+    cpu::require_cpu_scalar<T>();
     cpu::flash_forward<Policy>(a, p, be);
   }
 };

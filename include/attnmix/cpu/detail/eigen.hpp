@@ -10,11 +10,21 @@
 #pragma nv_diag_default 20012
 #endif
 
+#include <type_traits>
+
 #include "attnmix/config.hpp"
 
 namespace attnmix {
 namespace detail {
 namespace cpu {
+
+// Every CPU implementation computes in its input type; one check with one message for all.
+template <class T>
+constexpr void require_cpu_scalar() {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "attnmix: the CPU backend computes in float or double; convert half/bfloat16 "
+                "inputs first (attnmix::convert)");
+}
 
 template <class T>
 using matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
