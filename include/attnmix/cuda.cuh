@@ -16,4 +16,5 @@
 #include "attnmix/cuda/fox.cuh"
 #include "attnmix/cuda/gbla.cuh"
 #include "attnmix/cuda/linear_causal.cuh"
+#include "attnmix/cuda/path.cuh"
 #include "attnmix/cuda/softmax.cuh"

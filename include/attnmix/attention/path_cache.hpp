@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -160,9 +161,10 @@ std::string path_fn(const char* op) {
   return std::string("attnmix::") + op + "<" + Kind::name + ">";
 }
 
-// The cache must have the head layout of the call.
-template <class T>
-void check_cache_layout(const std::string& fn, const path_cache<T>& c, const attention_problem& p) {
+// The cache (path_cache, or the CUDA backend's device_path_cache) must have the head layout of
+// the call.
+template <class Cache>
+void check_cache_layout(const std::string& fn, const Cache& c, const attention_problem& p) {
   require(c.slots() >= 1, fn, "cache", "is empty (default-constructed)");
   require(c.q_heads() == p.q_heads && c.kv_heads() == p.kv_heads, fn, "cache",
           "holds HQ = ", c.q_heads(), " query and H = ", c.kv_heads(),
@@ -174,9 +176,9 @@ void check_cache_layout(const std::string& fn, const path_cache<T>& c, const att
 }
 
 // Slot of each of `rows` sequences: slots[n], or n when `slots` is absent. In range, distinct.
-template <class T>
+template <class Cache>
 std::vector<index_t> resolve_slots(const std::string& fn, const view1<const std::int32_t>& slots,
-                                   index_t rows, const path_cache<T>& c) {
+                                   index_t rows, const Cache& c) {
   std::vector<index_t> out(static_cast<std::size_t>(rows));
   if (!slots.has_value()) {
     require(rows <= c.slots(), fn, "slots",
@@ -205,6 +207,49 @@ template <class Kind>
 constexpr void check_path_kind() {
   static_assert(kind_traits<Kind>::uses_householder,
                 "attnmix: PaTH caches and decoding take kind::path or kind::path_fox");
+}
+
+}  // namespace detail
+
+namespace detail {
+
+// What path_prefill checks, for any cache type: the forward's arguments, the cache's head
+// layout, the slots, and room for every prompt. Returns the problem and each sequence's slot.
+template <class Kind, class Backend, class Cache, class T>
+std::pair<attention_problem, std::vector<index_t>> check_path_prefill(
+    const std::string& fn, const Cache& cache, const attention_args<T>& args,
+    const view1<const std::int32_t>& slots, const attention_params& params) {
+  check_path_kind<Kind>();
+  const attention_problem prob = validate_attention<Kind, T, Backend>(fn, args, params);
+  check_cache_layout(fn, cache, prob);
+  std::vector<index_t> where = resolve_slots(fn, slots, prob.num_sequences, cache);
+  for (index_t n = 0; n < prob.num_sequences; ++n)
+    require(prob.seq(n).length <= cache.capacity(), fn, "cache", "has capacity ",
+            cache.capacity(), " but sequence ", n, " has ", prob.seq(n).length, " tokens");
+  return {prob, std::move(where)};
+}
+
+// What path_decode_step checks, for any cache type: one token per row, the cache's head
+// layout, the slots, and a free position in each slot.
+template <class Kind, class Backend, class Cache, class T>
+std::pair<attention_problem, std::vector<index_t>> check_path_decode(
+    const std::string& fn, const Cache& cache, const attention_args<T>& args,
+    const view1<const std::int32_t>& slots, const attention_params& params) {
+  check_path_kind<Kind>();
+  check_not_given(fn, "cu_seqlens", params.cu_seqlens,
+                  "a decoding step takes one token per batch row");
+  const attention_problem prob = validate_attention<Kind, T, Backend>(fn, args, params);
+  require(prob.tokens == 1, fn, "q",
+          "must hold one new token per sequence ([N, 1, HQ, D]) but has shape ",
+          shape_string(args.q));
+  check_cache_layout(fn, cache, prob);
+  std::vector<index_t> where = resolve_slots(fn, slots, prob.batch, cache);
+  for (index_t n = 0; n < prob.batch; ++n) {
+    const index_t s = where[static_cast<std::size_t>(n)];
+    require(cache.length(s) < cache.capacity(), fn, "cache", "slot ", s, " is full: it holds ",
+            cache.length(s), " tokens, its capacity");
+  }
+  return {prob, std::move(where)};
 }
 
 }  // namespace detail
@@ -267,14 +312,8 @@ template <class Kind, class Policy = default_policy_t<Kind>, class T, class Back
 void path_prefill(path_cache<T>& cache, const attention_args<T>& args,
                   const view1<const std::int32_t>& slots = {}, const attention_params& params = {},
                   const Backend& backend = Backend{}) {
-  detail::check_path_kind<Kind>();
-  const std::string fn = detail::path_fn<Kind>("path_prefill");
-  const attention_problem prob = detail::validate_attention<Kind, T, Backend>(fn, args, params);
-  detail::check_cache_layout(fn, cache, prob);
-  const std::vector<index_t> where = detail::resolve_slots(fn, slots, prob.num_sequences, cache);
-  for (index_t n = 0; n < prob.num_sequences; ++n)
-    detail::require(prob.seq(n).length <= cache.capacity(), fn, "cache", "has capacity ",
-                    cache.capacity(), " but sequence ", n, " has ", prob.seq(n).length, " tokens");
+  const auto [prob, where] = detail::check_path_prefill<Kind, Backend>(
+      detail::path_fn<Kind>("path_prefill"), cache, args, slots, params);
   detail::path_cache_impl<Backend>::template prefill<Kind, Policy>(cache, args, prob, where,
                                                                    backend);
 }
@@ -292,21 +331,8 @@ template <class Kind, class Policy = default_policy_t<Kind>, class T, class Back
 void path_decode_step(path_cache<T>& cache, const attention_args<T>& args,
                       const view1<const std::int32_t>& slots = {},
                       const attention_params& params = {}, const Backend& backend = Backend{}) {
-  detail::check_path_kind<Kind>();
-  const std::string fn = detail::path_fn<Kind>("path_decode_step");
-  detail::check_not_given(fn, "cu_seqlens", params.cu_seqlens,
-                          "a decoding step takes one token per batch row");
-  const attention_problem prob = detail::validate_attention<Kind, T, Backend>(fn, args, params);
-  detail::require(prob.tokens == 1, fn, "q",
-                  "must hold one new token per sequence ([N, 1, HQ, D]) but has shape ",
-                  shape_string(args.q));
-  detail::check_cache_layout(fn, cache, prob);
-  const std::vector<index_t> where = detail::resolve_slots(fn, slots, prob.batch, cache);
-  for (index_t n = 0; n < prob.batch; ++n) {
-    const index_t s = where[static_cast<std::size_t>(n)];
-    detail::require(cache.length(s) < cache.capacity(), fn, "cache", "slot ", s,
-                    " is full: it holds ", cache.length(s), " tokens, its capacity");
-  }
+  const auto [prob, where] = detail::check_path_decode<Kind, Backend>(
+      detail::path_fn<Kind>("path_decode_step"), cache, args, slots, params);
   detail::path_cache_impl<Backend>::template decode<Kind, Policy>(cache, args, prob, where,
                                                                   backend);
 }

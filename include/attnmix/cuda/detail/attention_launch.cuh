@@ -72,6 +72,70 @@ void launch_simt(const attention_kernel_params& kp, index_t max_len, index_t seq
   attention_simt_kernel<Dev, MaxChunks><<<grid, 128, 0, stream>>>(kp);
 }
 
+// Everything a softmax-family kernel reads, set up on `stream`: the kernel parameters, the
+// device copy of cu_seqlens and, with a gate, its cumsum G in double. The scratch lives until
+// the returned object is destroyed (stream-ordered, so kernels launched before that are safe).
+struct attention_setup {
+  attention_kernel_params kp{};
+  stream_buffer scratch;
+  index_t max_len = 0;
+  attention_setup(std::size_t bytes, cudaStream_t stream) : scratch(bytes, stream) {}
+};
+
+template <class T>
+std::size_t attention_scratch_bytes(const attention_args<T>& a, const attention_problem& p) {
+  const std::size_t cu_bytes =
+      p.cu_seqlens != nullptr ? static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t)
+                              : 0;
+  const std::size_t gate_bytes =
+      a.g.has_value() ? static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double)
+                      : 0;
+  return (cu_bytes + 255) / 256 * 256 + gate_bytes;
+}
+
+// Fills `s.kp` and the scratch at the front of `s.scratch` (attention_scratch_bytes of it).
+// gate_coef: factor of (G_i - G_j), ignored without a.g.
+template <class T>
+void setup_attention(attention_setup& s, const attention_args<T>& a, const attention_problem& p,
+                     bool causal, double gate_coef, cudaStream_t stream) {
+  for (index_t n = 0; n < p.num_sequences; ++n) s.max_len = std::max(s.max_len, p.seq(n).length);
+  const std::size_t cu_bytes =
+      p.cu_seqlens != nullptr ? static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t)
+                              : 0;
+  const std::size_t cu_padded = (cu_bytes + 255) / 256 * 256;
+  attention_kernel_params& kp = s.kp;
+  kp.q = a.q.data(), kp.k = a.k.data(), kp.v = a.v.data(), kp.out = a.out.data();
+  kp.lse = a.lse.has_value() ? a.lse.data() : nullptr;
+  for (int i = 0; i < 3; ++i) {
+    kp.q_stride[i] = a.q.stride(i), kp.k_stride[i] = a.k.stride(i), kp.v_stride[i] = a.v.stride(i);
+    kp.out_stride[i] = a.out.stride(i);
+    kp.lse_stride[i] = a.lse.has_value() ? a.lse.stride(i) : 0;
+  }
+  kp.tokens = p.tokens;
+  kp.q_heads = static_cast<int>(p.q_heads), kp.group = static_cast<int>(p.group());
+  kp.head_dim = static_cast<int>(p.head_dim), kp.value_dim = static_cast<int>(p.value_dim);
+  constexpr double log2e = 1.4426950408889634;
+  kp.scale_log2 = static_cast<float>(p.scale * log2e);
+  kp.window = p.window;
+  kp.causal = causal;
+  if (s.max_len == 0) return;
+  if (cu_bytes > 0) {
+    check(cudaMemcpyAsync(s.scratch.get(), p.cu_seqlens, cu_bytes, cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync(cu_seqlens)");
+    kp.cu_seqlens = reinterpret_cast<const std::int32_t*>(s.scratch.get());
+  }
+  if (a.g.has_value()) {
+    auto* G = reinterpret_cast<double*>(s.scratch.get() + cu_padded);
+    kp.gate_cumsum = G;
+    kp.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
+    gate_cumsum_kernel<<<dim3(static_cast<unsigned>(p.q_heads),
+                              static_cast<unsigned>(p.num_sequences)),
+                         256, 0, stream>>>(a.g.data(), a.g.stride(0), a.g.stride(1), a.g.stride(2),
+                                           kp, G);
+    check(cudaGetLastError(), "gate_cumsum_kernel launch");
+  }
+}
+
 // Runs one softmax-family forward. gate_coef: factor of (G_i - G_j), ignored without a.g.
 template <class Policy, class T>
 void run_attention(const std::string& fn, const attention_args<T>& a, const attention_problem& p,
@@ -90,50 +154,12 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
   require(p.num_sequences <= 65535, fn, "cu_seqlens", "holds ", p.num_sequences,
           " sequences but the CUDA backend supports at most 65535");
 
-  index_t max_len = 0;
-  for (index_t n = 0; n < p.num_sequences; ++n) max_len = std::max(max_len, p.seq(n).length);
-  if (max_len == 0) return;
-
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
-  const bool gated = a.g.has_value();
-  const std::size_t cu_bytes =
-      p.cu_seqlens != nullptr ? static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t)
-                              : 0;
-  const std::size_t cu_padded = (cu_bytes + 255) / 256 * 256;
-  const std::size_t gate_bytes =
-      gated ? static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double) : 0;
-  stream_buffer scratch(cu_padded + gate_bytes, stream);
-
-  attention_kernel_params kp{};
-  kp.q = a.q.data(), kp.k = a.k.data(), kp.v = a.v.data(), kp.out = a.out.data();
-  kp.lse = a.lse.has_value() ? a.lse.data() : nullptr;
-  for (int i = 0; i < 3; ++i) {
-    kp.q_stride[i] = a.q.stride(i), kp.k_stride[i] = a.k.stride(i), kp.v_stride[i] = a.v.stride(i);
-    kp.out_stride[i] = a.out.stride(i);
-    kp.lse_stride[i] = a.lse.has_value() ? a.lse.stride(i) : 0;
-  }
-  kp.tokens = p.tokens;
-  kp.q_heads = static_cast<int>(p.q_heads), kp.group = static_cast<int>(p.group());
-  kp.head_dim = static_cast<int>(p.head_dim), kp.value_dim = static_cast<int>(p.value_dim);
-  constexpr double log2e = 1.4426950408889634;
-  kp.scale_log2 = static_cast<float>(p.scale * log2e);
-  kp.window = p.window;
-  kp.causal = Policy::mask == mask_type::causal;
-  if (cu_bytes > 0) {
-    check(cudaMemcpyAsync(scratch.get(), p.cu_seqlens, cu_bytes, cudaMemcpyHostToDevice, stream),
-          "cudaMemcpyAsync(cu_seqlens)");
-    kp.cu_seqlens = reinterpret_cast<const std::int32_t*>(scratch.get());
-  }
-  if (gated) {
-    auto* G = reinterpret_cast<double*>(scratch.get() + cu_padded);
-    kp.gate_cumsum = G;
-    kp.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
-    gate_cumsum_kernel<<<dim3(static_cast<unsigned>(p.q_heads),
-                              static_cast<unsigned>(p.num_sequences)),
-                         256, 0, stream>>>(a.g.data(), a.g.stride(0), a.g.stride(1), a.g.stride(2),
-                                           kp, G);
-    check(cudaGetLastError(), "gate_cumsum_kernel launch");
-  }
+  attention_setup setup(attention_scratch_bytes(a, p), stream);
+  setup_attention(setup, a, p, Policy::mask == mask_type::causal, gate_coef, stream);
+  const attention_kernel_params& kp = setup.kp;
+  const index_t max_len = setup.max_len;
+  if (max_len == 0) return;
 
   constexpr bool tensor_cores = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
   const bool aligned =

@@ -1,0 +1,235 @@
+#pragma once
+// One PaTH / PaTH-FoX decoding step on CUDA (spec/path_fox.md §3), fused: in a single pass over a
+// slot's key cache each cached key is read, moved through the new token's transition
+// (kappa <- kappa - beta (w . kappa) w), written back and scored against the group's queries;
+// the new token's raw key, value and gate cumsum are appended by the block that owns its
+// position. Blocks split the cache into runs of `block_keys` keys (flash-decoding); a second
+// kernel merges their partial softmax states.
+//
+// A key is handled by Dmax / 8 consecutive threads holding 8 elements each (one 16- or 32-byte
+// vector); D and Dv are multiples of 8.
+
+#include <cmath>
+#include <cstdint>
+
+#include "attnmix/cuda/detail/attention_mma.cuh"
+#include "attnmix/cuda/detail/types.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+struct path_decode_params {
+  // The step's inputs: row n, head h at base + n * stride0 + h * stride2 (one token per row).
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* w;
+  const float* beta;
+  const float* g;  // nullptr: kind::path
+  index_t q_s[2], k_s[2], v_s[2], w_s[2], beta_s[2], g_s[2];
+  void* out;
+  float* lse;  // nullptr: not requested
+  index_t out_s[2], lse_s[2];
+  // The cache: keys [slots, capacity, H, D], values [.., H, Dv], gates [slots, capacity, HQ].
+  void* keys;
+  void* values;
+  double* gates;
+  index_t capacity;
+  const std::int32_t* rows;  // [N][2]: slot, tokens held before this step
+  int q_heads, kv_heads, group, head_dim, value_dim;
+  float scale_log2, gate_coef_log2;
+  int block_keys, splits;
+  float* part_ml;  // [N, HQ, splits, 2]: running max (base 2) and sum of each block
+  float* part_o;   // [N, HQ, splits, Dv]
+};
+
+template <class S>
+__device__ __forceinline__ void load8(float (&x)[8], const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const S* e = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = to_float(e[i]);
+  }
+}
+
+template <class S>
+__device__ __forceinline__ void store8(S* p, const float (&x)[8]) {
+  if constexpr (std::is_same_v<S, float>) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
+  } else {
+    uint4 raw;
+    S* e = reinterpret_cast<S*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = from_float<S>(x[i]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  }
+}
+
+// Sum over the `Lanes` consecutive lanes that share a key.
+template <int Lanes>
+__device__ __forceinline__ float group_sum(float s) {
+#pragma unroll
+  for (int off = 1; off < Lanes; off *= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+  return s;
+}
+
+// Grid (splits, H, N), 128 threads. Dynamic shared memory: floats sq [G][Dmax], sz [G][block_keys],
+// so [4][Dmax].
+template <class T, class Store, int Dmax>
+__global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_params p) {
+  constexpr int threads = 128, lanes = Dmax / 8, per_pass = threads / lanes;
+  extern __shared__ float smem[];
+  __shared__ float sw[Dmax];
+  __shared__ double sgate[32];  // G_L of the group's query heads (group <= 32 when gated)
+  const int G = p.group, D = p.head_dim, Dv = p.value_dim, HQ = p.q_heads, H = p.kv_heads;
+  const int split = blockIdx.x, h = blockIdx.y, n = blockIdx.z, tid = threadIdx.x;
+  float* sq = smem;                       // [G][Dmax], pre-multiplied by scale * log2(e)
+  float* sz = sq + G * Dmax;              // [G][block_keys]
+  float* so = sz + G * p.block_keys;      // [4][Dmax] per-warp partial outputs
+  const index_t slot = p.rows[2 * n], L = p.rows[2 * n + 1];
+  const index_t j_begin = static_cast<index_t>(split) * p.block_keys;
+  const index_t j_end = j_begin + p.block_keys < L + 1 ? j_begin + p.block_keys : L + 1;
+  float* ml = p.part_ml + ((static_cast<index_t>(n) * HQ + h * G) * p.splits + split) * 2;
+  float* po = p.part_o + ((static_cast<index_t>(n) * HQ + h * G) * p.splits + split) * Dv;
+  if (j_begin >= j_end) {  // past the end of this row's cache
+    for (int g = tid; g < G; g += threads)
+      ml[g * p.splits * 2] = -INFINITY, ml[g * p.splits * 2 + 1] = 0.f;
+    return;
+  }
+
+  const T* q = static_cast<const T*>(p.q) + n * p.q_s[0] + (h * G) * p.q_s[1];
+  for (int idx = tid; idx < G * Dmax; idx += threads) {
+    const int g = idx / Dmax, d = idx % Dmax;
+    sq[idx] = d < D ? p.scale_log2 * to_float(q[g * p.q_s[1] + d]) : 0.f;
+  }
+  const float* w = p.w + n * p.w_s[0] + h * p.w_s[1];
+  for (int d = tid; d < Dmax; d += threads) sw[d] = d < D ? w[d] : 0.f;
+  const bool gated = p.g != nullptr;
+  if (gated && tid < G) {
+    const int hq = h * G + tid;
+    const double prev = L > 0 ? p.gates[(slot * p.capacity + L - 1) * HQ + hq] : 0.0;
+    sgate[tid] = prev + static_cast<double>(p.g[n * p.g_s[0] + hq * p.g_s[1]]);
+  }
+  __syncthreads();
+  const float beta = p.beta[n * p.beta_s[0] + h * p.beta_s[1]];
+
+  // Keys: transition, write back, score.
+  const int kl = tid % lanes, d0 = kl * 8;
+  const bool owns = d0 < D;
+  Store* keys = static_cast<Store*>(p.keys) + (slot * p.capacity * H + h) * D;
+  const T* k_new = static_cast<const T*>(p.k) + n * p.k_s[0] + h * p.k_s[1];
+  for (index_t j = j_begin + tid / lanes; j < j_end; j += per_pass) {
+    float x[8] = {};
+    Store* kp = keys + j * H * D + d0;
+    if (j == L) {
+      if (owns)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = to_float(k_new[d0 + e]);
+    } else {
+      if (owns) load8(x, kp);
+      float c = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) c += (owns ? sw[d0 + e] : 0.f) * x[e];
+      c = beta * group_sum<lanes>(c);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] -= c * (owns ? sw[d0 + e] : 0.f);
+    }
+    if (owns) {
+      store8(kp, x);
+      load8(x, kp);  // score what the cache holds (its rounding included)
+    }
+    for (int g = 0; g < G; ++g) {
+      float s = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s += (owns ? sq[g * Dmax + d0 + e] : 0.f) * x[e];
+      s = group_sum<lanes>(s);
+      if (kl == 0) {
+        float z = s;
+        if (gated) {
+          const double Gj = j == L ? sgate[g] : p.gates[(slot * p.capacity + j) * HQ + h * G + g];
+          z += p.gate_coef_log2 * static_cast<float>(sgate[g] - Gj);
+        }
+        sz[g * p.block_keys + (j - j_begin)] = z;
+      }
+    }
+  }
+  if (L >= j_begin && L < j_end) {  // append the new token's value and gate cumsum
+    Store* vdst = static_cast<Store*>(p.values) + ((slot * p.capacity + L) * H + h) * Dv;
+    const T* v_new = static_cast<const T*>(p.v) + n * p.v_s[0] + h * p.v_s[1];
+    for (int e = tid; e < Dv; e += threads) vdst[e] = from_float<Store>(to_float(v_new[e]));
+    for (int g = tid; g < G; g += threads)
+      p.gates[(slot * p.capacity + L) * HQ + h * G + g] = gated ? sgate[g] : 0.0;
+  }
+  __syncthreads();
+
+  // Per query head: block max, probabilities, sum; then o = sum_j p_j v_j.
+  const int lane = tid % 32, warp = tid / 32, count = static_cast<int>(j_end - j_begin);
+  const Store* vals = static_cast<const Store*>(p.values) + (slot * p.capacity * H + h) * Dv;
+  for (int g = 0; g < G; ++g) {
+    float* z = sz + g * p.block_keys;
+    float mx = -INFINITY;
+    for (int j = lane; j < count; j += 32) mx = fmaxf(mx, z[j]);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float acc[Dmax / 32] = {};
+    float sum = 0.f;
+    for (int j = warp; j < count; j += 4) {
+      const float pj = fast_exp2(z[j] - mx);
+      sum += pj;
+      const Store* vj = vals + (j_begin + j) * H * Dv;
+#pragma unroll
+      for (int i = 0; i < Dmax / 32; ++i) {
+        const int e = lane + 32 * i;
+        if (e < Dv) acc[i] += pj * to_float(vj[e]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < Dmax / 32; ++i) so[warp * Dmax + lane + 32 * i] = acc[i];
+    __syncthreads();
+    if (warp == 0) {
+      for (int e = lane; e < Dv; e += 32)
+        po[g * p.splits * Dv + e] =
+            so[e] + so[Dmax + e] + so[2 * Dmax + e] + so[3 * Dmax + e];
+      // every warp summed a quarter of the keys: add the other warps' sums through smem
+    }
+    __syncthreads();
+    if (lane == 0) so[warp] = sum;
+    __syncthreads();
+    if (tid == 0) {
+      ml[g * p.splits * 2] = mx;
+      ml[g * p.splits * 2 + 1] = so[0] + so[1] + so[2] + so[3];
+    }
+    __syncthreads();
+  }
+}
+
+// Merges the blocks' partial states: grid (HQ, N), Dmax threads.
+template <class T>
+__global__ void path_decode_combine_kernel(const path_decode_params p) {
+  const int hq = blockIdx.x, n = blockIdx.y, e = threadIdx.x;
+  const float* ml = p.part_ml + (static_cast<index_t>(n) * p.q_heads + hq) * p.splits * 2;
+  const float* po = p.part_o + (static_cast<index_t>(n) * p.q_heads + hq) * p.splits * p.value_dim;
+  float M = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) M = fmaxf(M, ml[2 * s]);
+  float l = 0.f, o = 0.f;
+  for (int s = 0; s < p.splits; ++s) {
+    if (ml[2 * s] == -INFINITY) continue;
+    const float f = exp2f(ml[2 * s] - M);
+    l += f * ml[2 * s + 1];
+    if (e < p.value_dim) o += f * po[s * p.value_dim + e];
+  }
+  if (e < p.value_dim)
+    static_cast<T*>(p.out)[n * p.out_s[0] + hq * p.out_s[1] + e] = from_float<T>(o / l);
+  if (e == 0 && p.lse != nullptr)
+    p.lse[n * p.lse_s[0] + hq * p.lse_s[1]] = (M + log2f(l)) * 0.6931471805599453f;
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

@@ -1,0 +1,397 @@
+#pragma once
+// PaTH on CUDA cores (spec/path_fox.md §1.5-1.7, §3): the per-chunk UT transform, the portable
+// forward (float inputs, any head dim up to 128, unaligned views) and the prefill key cache.
+//
+// Chunks are C = 64 positions of one sequence (restarting at each sequence). Per (chunk, KV
+// head) the preparation writes, head-major ([B, H, T, .], rows of a chunk contiguous):
+//   U  = (I + stril(diag(beta) W W^T))^-1 diag(beta) W       [n, D]  H_last...H_first = I - W^T U
+//   M  = (I + ...)^-1 diag(beta) stril(W K^T)                 [n, C]  (columns >= n are zero)
+//   K~ = K - M^T W                                            [n, D]  keys carried to chunk end
+// and, for the tensor-core forward, W rounded to half. All of it is computed in float.
+
+#include <cmath>
+#include <cstdint>
+
+#include "attnmix/cuda/detail/attention_params.cuh"
+#include "attnmix/cuda/detail/types.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+constexpr int path_chunk = 64;
+
+struct path_kernel_params {
+  attention_kernel_params a;  // q, k, v, out, lse, sequences, scale, gate
+  const float* w;
+  const float* beta;
+  index_t w_stride[3], beta_stride[3];
+  int kv_heads;
+  // Chunk data ([B, H, tokens, .]); element types are the kernels' template arguments.
+  void* kt;  // K~, [.., D]
+  void* u;   // U,  [.., D]
+  void* m;   // M,  [.., C]
+  void* wh;  // W in half (tensor-core forward only), [.., D]
+
+  __device__ index_t row(index_t batch, int h, index_t t) const {
+    return (batch * kv_heads + h) * a.tokens + t;
+  }
+};
+
+// The UT transform of one (chunk, KV head, sequence) = (blockIdx.x, .y, .z); 256 threads.
+// Shared memory (floats): W and K [C][D+1], L [C][C+1], X [C][D+C+1] (= [beta W | R], solved in
+// place into [U | M]).
+template <class T, class KT, class TU>
+__global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_params p) {
+  constexpr int C = path_chunk, threads = 256;
+  extern __shared__ float smem[];
+  __shared__ float sbeta[C];
+  const int D = p.a.head_dim, ld = D + 1, ldx = D + C + 1, cols = D + C, tid = threadIdx.x;
+  float* sw = smem;
+  float* sk = sw + C * ld;
+  float* sl = sk + C * ld;
+  float* sx = sl + C * (C + 1);
+
+  const int h = blockIdx.y;
+  index_t batch, start, length;
+  p.a.sequence(blockIdx.z, batch, start, length);
+  const index_t c0 = static_cast<index_t>(blockIdx.x) * C;
+  if (c0 >= length) return;
+  const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+  const index_t t0 = start + c0;
+
+  const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] + t0 * p.a.k_stride[1] +
+               h * p.a.k_stride[2];
+  const float* w = p.w + batch * p.w_stride[0] + t0 * p.w_stride[1] + h * p.w_stride[2];
+  for (int idx = tid; idx < C * D; idx += threads) {
+    const int a = idx / D, d = idx % D;
+    const bool ok = a < n;
+    sw[a * ld + d] = ok ? w[a * p.w_stride[1] + d] : 0.f;
+    sk[a * ld + d] = ok ? to_float(k[a * p.a.k_stride[1] + d]) : 0.f;
+  }
+  if (tid < C)
+    sbeta[tid] = tid < n ? p.beta[batch * p.beta_stride[0] + (t0 + tid) * p.beta_stride[1] +
+                                  h * p.beta_stride[2]]
+                         : 0.f;
+  __syncthreads();
+
+  // L = stril(diag(beta) W W^T) and R = diag(beta) stril(W K^T): 4 x 4 outputs per thread.
+  {
+    const int ty = tid / 16, tx = tid % 16;
+    float gl[4][4] = {}, gr[4][4] = {};
+    for (int d = 0; d < D; ++d) {
+      float wa[4], wb[4], kb[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        wa[i] = sw[(ty + 16 * i) * ld + d];
+        wb[i] = sw[(tx + 16 * i) * ld + d];
+        kb[i] = sk[(tx + 16 * i) * ld + d];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) gl[i][j] += wa[i] * wb[j], gr[i][j] += wa[i] * kb[j];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int a = ty + 16 * i, b = tx + 16 * j;
+        const bool lower = a > b;
+        sl[a * (C + 1) + b] = lower ? sbeta[a] * gl[i][j] : 0.f;
+        sx[a * ldx + D + b] = lower ? sbeta[a] * gr[i][j] : 0.f;
+      }
+  }
+  for (int idx = tid; idx < C * D; idx += threads) {
+    const int a = idx / D, d = idx % D;
+    sx[a * ldx + d] = sbeta[a] * sw[a * ld + d];
+  }
+  __syncthreads();
+
+  // (I + L) X = [beta W | R] by blocked forward substitution: per 16-row block, subtract what
+  // the solved rows above contribute (all threads), then substitute within the block (a thread
+  // per column, no synchronisation between its rows).
+  for (int blk = 0; blk < C; blk += 16) {
+    if (blk > 0) {
+      for (int idx = tid; idx < 16 * cols; idx += threads) {
+        const int r = blk + idx / cols, c = idx % cols;
+        float s = 0.f;
+        for (int b = 0; b < blk; ++b) s += sl[r * (C + 1) + b] * sx[b * ldx + c];
+        sx[r * ldx + c] -= s;
+      }
+      __syncthreads();
+    }
+    for (int c = tid; c < cols; c += threads)
+      for (int r = blk + 1; r < blk + 16; ++r) {
+        float s = 0.f;
+        for (int b = blk; b < r; ++b) s += sl[r * (C + 1) + b] * sx[b * ldx + c];
+        sx[r * ldx + c] -= s;
+      }
+    __syncthreads();
+  }
+
+  // Write U, M (all C columns), W in half, and K~ = K - M^T W.
+  KT* kt = static_cast<KT*>(p.kt) + p.row(batch, h, t0) * D;
+  TU* u = static_cast<TU*>(p.u) + p.row(batch, h, t0) * D;
+  TU* m = static_cast<TU*>(p.m) + p.row(batch, h, t0) * C;
+  __half* wh = p.wh != nullptr ? static_cast<__half*>(p.wh) + p.row(batch, h, t0) * D : nullptr;
+  for (int idx = tid; idx < n * D; idx += threads) {
+    const int a = idx / D, d = idx % D;
+    u[idx] = from_float<TU>(sx[a * ldx + d]);
+    if (wh != nullptr) wh[idx] = __float2half_rn(sw[a * ld + d]);
+    float s = sk[a * ld + d];  // row a of K~: key a, minus later rows' M[r][a] w_r
+    for (int r = a + 1; r < n; ++r) s -= sx[r * ldx + D + a] * sw[r * ld + d];
+    kt[idx] = from_float<KT>(s);
+  }
+  for (int idx = tid; idx < n * C; idx += threads)
+    m[idx] = from_float<TU>(sx[(idx / C) * ldx + D + idx % C]);
+}
+
+inline int path_prepare_smem_bytes(int D) {
+  constexpr int C = path_chunk;
+  return static_cast<int>(sizeof(float)) * (2 * C * (D + 1) + C * (C + 1) + C * (D + C + 1));
+}
+
+// The portable forward: one 256-thread block per (query chunk, query head, sequence); four
+// threads per query row, each holding every fourth element of the row's running query r and of
+// its output. Scores and the transition coefficients go through shared memory. Chunk data in
+// float (the preparation's KT = TU = float). Dmax >= D, Dv.
+template <class T, int Dmax>
+__global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kernel_params p) {
+  constexpr int C = path_chunk, E = Dmax / 4;
+  __shared__ float ss[C][C + 1];  // scores (base 2) of each row against the chunk's keys
+  __shared__ float sx[C][C + 1];  // r . w_b of each row (the transition coefficients)
+  __shared__ float gate_col[C];
+  const int tid = threadIdx.x, rl = tid / 4, part = tid % 4;
+  const int hq = blockIdx.y, D = p.a.head_dim, Dv = p.a.value_dim, h = hq / p.a.group;
+  index_t batch, start, length;
+  p.a.sequence(blockIdx.z, batch, start, length);
+  const index_t chunks = (length + C - 1) / C;
+  const index_t ci = static_cast<index_t>(gridDim.x) - 1 - blockIdx.x;  // latest (heaviest) first
+  if (ci >= chunks) return;
+  const index_t c0 = ci * C;
+  const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+  const bool valid = rl < n;
+
+  const float* kt = static_cast<const float*>(p.kt) + p.row(batch, h, start) * D;
+  const float* u = static_cast<const float*>(p.u) + p.row(batch, h, start) * D;
+  const float* mm = static_cast<const float*>(p.m) + p.row(batch, h, start + c0) * C;
+  const float* w = p.w + batch * p.w_stride[0] + start * p.w_stride[1] + h * p.w_stride[2];
+  const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] +
+               start * p.a.k_stride[1] + h * p.a.k_stride[2];
+  const T* v = static_cast<const T*>(p.a.v) + batch * p.a.v_stride[0] +
+               start * p.a.v_stride[1] + h * p.a.v_stride[2];
+
+  float r[E], o[E] = {};
+  {
+    const T* q = static_cast<const T*>(p.a.q) + batch * p.a.q_stride[0] +
+                 (start + c0 + rl) * p.a.q_stride[1] + hq * p.a.q_stride[2];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int d = part + 4 * e;
+      r[e] = valid && d < D ? to_float(q[d]) : 0.f;
+    }
+  }
+  const double* G = p.a.gate_cumsum != nullptr
+                        ? p.a.gate_cumsum + (batch * p.a.tokens + start) * p.a.q_heads + hq
+                        : nullptr;
+  const double g_ref = G != nullptr ? G[c0 * p.a.q_heads] : 0.0;
+  const float gate_row =
+      G != nullptr ? p.a.gate_coef_log2 *
+                         static_cast<float>(G[(c0 + (valid ? rl : 0)) * p.a.q_heads] - g_ref)
+                   : 0.f;
+
+  // Quad-reduced dot product of this row's r (or any row slice) with a D-vector of type X.
+  auto dot = [&](const float(&x)[E], auto* y) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int d = part + 4 * e;
+      if (d < D) s += x[e] * to_float(y[d]);
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    return s;
+  };
+  float m_run = -INFINITY, l_run = 0.f;
+  // Online softmax over ss[rl][0, cols) (masked entries -inf), values from token j0 on.
+  auto fold = [&](index_t j0, int cols) {
+    float mx = m_run;
+    for (int b = 0; b < cols; ++b) mx = fmaxf(mx, ss[rl][b]);
+    const float alpha = exp2f(m_run - mx);
+    l_run *= alpha;
+#pragma unroll
+    for (int e = 0; e < E; ++e) o[e] *= alpha;
+    for (int b = 0; b < cols; ++b) {
+      const float pb = exp2f(ss[rl][b] - mx);
+      l_run += pb;
+      const T* vb = v + (j0 + b) * p.a.v_stride[1];
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const int d = part + 4 * e;
+        if (d < Dv) o[e] += pb * to_float(vb[d]);
+      }
+    }
+    m_run = mx;
+  };
+  auto load_gate_col = [&](index_t j0) {
+    __syncthreads();  // gate_col of the previous chunk is no longer read
+    if (G != nullptr && tid < C) {
+      const index_t j = j0 + tid < length ? j0 + tid : length - 1;
+      gate_col[tid] = p.a.gate_coef_log2 * static_cast<float>(G[j * p.a.q_heads] - g_ref);
+    }
+    __syncthreads();
+  };
+  // r <- r - sum_b sx[rl][b] u_b over the chunk's rows starting at token j0.
+  auto transition = [&](index_t j0, int rows) {
+    for (int b = 0; b < rows; ++b) {
+      const float xb = sx[rl][b];
+      const float* ub = u + (j0 + b) * D;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const int d = part + 4 * e;
+        if (d < D) r[e] -= xb * ub[d];
+      }
+    }
+  };
+
+  // The diagonal chunk: x_b = q . w_b (b <= row), scores q . k_b - sum_b' x_b' M[b'][b].
+  load_gate_col(c0);
+  for (int b = 0; b < n; ++b) {
+    const float xb = dot(r, w + (c0 + b) * p.w_stride[1]);
+    if (part == 0) sx[rl][b] = b <= rl ? xb : 0.f;
+  }
+  __syncwarp();
+  for (int b = 0; b < n; ++b) {
+    float s = dot(r, k + (c0 + b) * p.a.k_stride[1]);
+    float corr = 0.f;
+    for (int bp = part; bp <= rl && bp < n; bp += 4) corr += sx[rl][bp] * mm[bp * C + b];
+    corr += __shfl_xor_sync(0xffffffffu, corr, 1);
+    corr += __shfl_xor_sync(0xffffffffu, corr, 2);
+    s = (s - corr) * p.a.scale_log2 + (G != nullptr ? gate_row - gate_col[b] : 0.f);
+    if (part == 0) ss[rl][b] = b <= rl ? s : -INFINITY;
+  }
+  __syncwarp();
+  fold(c0, n);
+  transition(c0, n);
+
+  // Earlier chunks, right to left: score against K~, then move r through the chunk.
+  for (index_t cj = ci - 1; cj >= 0; --cj) {
+    const index_t j0 = cj * C;
+    load_gate_col(j0);
+    for (int b = 0; b < C; ++b) {
+      const float s = dot(r, kt + (j0 + b) * D) * p.a.scale_log2 +
+                      (G != nullptr ? gate_row - gate_col[b] : 0.f);
+      if (part == 0) ss[rl][b] = s;
+    }
+    __syncwarp();
+    fold(j0, C);
+    if (cj == 0) break;
+    for (int b = 0; b < C; ++b) {
+      const float xb = dot(r, w + (j0 + b) * p.w_stride[1]);
+      if (part == 0) sx[rl][b] = xb;
+    }
+    __syncwarp();
+    transition(j0, C);
+  }
+
+  if (!valid) return;
+  const index_t i = start + c0 + rl;
+  T* out = static_cast<T*>(p.a.out) + batch * p.a.out_stride[0] + i * p.a.out_stride[1] +
+           hq * p.a.out_stride[2];
+  const float inv = 1.f / l_run;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int d = part + 4 * e;
+    if (d < Dv) out[d] = from_float<T>(o[e] * inv);
+  }
+  if (p.a.lse != nullptr && part == 0)
+    p.a.lse[batch * p.a.lse_stride[0] + i * p.a.lse_stride[1] + hq * p.a.lse_stride[2]] =
+        (m_run + log2f(l_run)) * 0.6931471805599453f;
+}
+
+// The prefill key cache, one 256-thread block per (KV head, sequence): walks the chunks from the
+// last, keeping S = P_last ... P_{c+1} (D x D, float, shared memory); kappa_b = S k~_b for the
+// rows of chunk c, then S <- S P_c = S - (S W_c^T) U_c. O(T D^2). Out: [B, T, H, D] (strided).
+// slot_of != nullptr: sequence n goes to out + slot_of[n] * out_s0, its token j at j * out_s1
+// (a decoding cache); otherwise to its batch row and its own token positions.
+template <class KT, class TU, class Out>
+__global__ void __launch_bounds__(256)
+    path_key_cache_kernel(const path_kernel_params p, Out* out, index_t out_s0, index_t out_s1,
+                          index_t out_s2, const std::int32_t* slot_of) {
+  constexpr int C = path_chunk, threads = 256;
+  extern __shared__ float smem[];
+  const int D = p.a.head_dim, lds = D + 1, tid = threadIdx.x, h = blockIdx.x;
+  float* S = smem;           // [D][D+1]
+  float* Y = S + D * lds;    // [D][C+1]  S W_c^T
+  index_t batch, start, length;
+  p.a.sequence(blockIdx.y, batch, start, length);
+  if (length == 0) return;
+  for (int idx = tid; idx < D * D; idx += threads)
+    S[(idx / D) * lds + idx % D] = idx / D == idx % D ? 1.f : 0.f;
+  __syncthreads();
+  const KT* kt = static_cast<const KT*>(p.kt) + p.row(batch, h, start) * D;
+  const TU* u = static_cast<const TU*>(p.u) + p.row(batch, h, start) * D;
+  const float* w = p.w + batch * p.w_stride[0] + start * p.w_stride[1] + h * p.w_stride[2];
+  Out* dst = slot_of != nullptr ? out + slot_of[blockIdx.y] * out_s0 + h * out_s2
+                                : out + batch * out_s0 + start * out_s1 + h * out_s2;
+
+  for (index_t ci = (length + C - 1) / C - 1; ci >= 0; --ci) {
+    const index_t j0 = ci * C;
+    const int n = length - j0 < C ? static_cast<int>(length - j0) : C;
+    for (int idx = tid; idx < n * D; idx += threads) {  // kappa_b[i] = sum_d S[i][d] k~_b[d]
+      const int b = idx / D, i = idx % D;
+      const KT* kb = kt + (j0 + b) * D;
+      float s = 0.f;
+      for (int d = 0; d < D; ++d) s += S[i * lds + d] * to_float(kb[d]);
+      dst[(j0 + b) * out_s1 + i] = from_float<Out>(s);
+    }
+    if (ci == 0) break;
+    for (int idx = tid; idx < D * C; idx += threads) {  // Y[i][b] = sum_d S[i][d] w_b[d]
+      const int i = idx / C, b = idx % C;
+      const float* wb = w + (j0 + b) * p.w_stride[1];
+      float s = 0.f;
+      for (int d = 0; d < D; ++d) s += S[i * lds + d] * wb[d];
+      Y[i * (C + 1) + b] = s;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < D * D; idx += threads) {  // S[i][d] -= sum_b Y[i][b] u_b[d]
+      const int i = idx / D, d = idx % D;
+      float s = 0.f;
+      for (int b = 0; b < C; ++b) s += Y[i * (C + 1) + b] * to_float(u[(j0 + b) * D + d]);
+      S[i * lds + d] -= s;
+    }
+    __syncthreads();
+  }
+}
+
+// Copies each sequence's values and gate cumsum (zero without a gate) into its decoding-cache
+// slot: values [slots, capacity, H, Dv], gates [slots, capacity, HQ]. One block per (token
+// block, sequence).
+template <class T, class Store>
+__global__ void path_cache_fill_kernel(const path_kernel_params p, Store* values, double* gates,
+                                       index_t capacity, const std::int32_t* slot_of) {
+  index_t batch, start, length;
+  p.a.sequence(blockIdx.y, batch, start, length);
+  const index_t slot = slot_of[blockIdx.y];
+  const int H = p.kv_heads, Dv = p.a.value_dim, HQ = p.a.q_heads;
+  const T* v = static_cast<const T*>(p.a.v) + batch * p.a.v_stride[0] + start * p.a.v_stride[1];
+  const double* G = p.a.gate_cumsum != nullptr
+                        ? p.a.gate_cumsum + (batch * p.a.tokens + start) * p.a.q_heads
+                        : nullptr;
+  for (index_t j = blockIdx.x; j < length; j += gridDim.x) {
+    for (int idx = threadIdx.x; idx < H * Dv; idx += blockDim.x)
+      values[(slot * capacity + j) * H * Dv + idx] =
+          from_float<Store>(to_float(v[j * p.a.v_stride[1] + (idx / Dv) * p.a.v_stride[2] + idx % Dv]));
+    for (int hq = threadIdx.x; hq < HQ; hq += blockDim.x)
+      gates[(slot * capacity + j) * HQ + hq] = G != nullptr ? G[j * p.a.q_heads + hq] : 0.0;
+  }
+}
+
+inline int path_key_cache_smem_bytes(int D) {
+  return static_cast<int>(sizeof(float)) * (D * (D + 1) + D * (path_chunk + 1));
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

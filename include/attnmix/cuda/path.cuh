@@ -1,0 +1,319 @@
+#pragma once
+// PaTH and PaTH-FoX on CUDA: the forward (attnmix::attention<kind::path / path_fox>), the
+// prefill key cache (path_prefill_key_cache), and decoding from a cache in device memory
+// (device_path_cache with path_prefill / path_decode_step).
+//
+// The chunk size of the CUDA kernels is fixed at 64 (Policy::chunk is a CPU knob; the result does
+// not depend on it beyond rounding). Head dims up to 128; decoding needs D, Dv multiples of 8.
+//
+//   attnmix::device_path_cache<attnmix::bfloat16> cache(slots, capacity, HQ, H, D, Dv);
+//   attnmix::path_prefill<attnmix::kind::path_fox>(cache, prompt_args, {}, {}, be);
+//   attnmix::path_decode_step<attnmix::kind::path_fox>(cache, step_args, {}, {}, be);
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "attnmix/attention/attention.hpp"
+#include "attnmix/attention/path_cache.hpp"
+#include "attnmix/cuda/detail/path_decode.cuh"
+#include "attnmix/cuda/detail/path_launch.cuh"
+#include "attnmix/cuda/runtime.cuh"
+
+namespace attnmix {
+
+template <>
+struct is_implemented<kind::path, backend::cuda> : std::true_type {};
+template <>
+struct is_implemented<kind::path_fox, backend::cuda> : std::true_type {};
+
+// Decoding state of a batch of PaTH / PaTH-FoX sequences in device memory; the layout of
+// path_cache (keys [slots, capacity, H, D], values [.., H, Dv], gates [slots, capacity, HQ] in
+// double). Store is float or bfloat16: a bfloat16 cache halves the traffic of a decoding step,
+// but every step rounds each carried key again (docs/performance.md measures the drift).
+// Lengths are kept on the host. Not copyable; movable.
+template <class Store>
+class device_path_cache {
+  static_assert(std::is_same_v<Store, float> || std::is_same_v<Store, bfloat16>,
+                "attnmix::device_path_cache: the cache holds float or bfloat16");
+
+ public:
+  device_path_cache() = default;
+  // Throws attnmix::error naming a bad size, attnmix::cuda_error if the allocation fails.
+  device_path_cache(index_t slots, index_t capacity, index_t q_heads, index_t kv_heads,
+                    index_t head_dim, index_t value_dim)
+      : slots_(slots),
+        capacity_(capacity),
+        q_heads_(q_heads),
+        kv_heads_(kv_heads),
+        head_dim_(head_dim),
+        value_dim_(value_dim) {
+    const std::string fn = "attnmix::device_path_cache";
+    detail::require(slots >= 1, fn, "slots", "must be >= 1 but is ", slots);
+    detail::require(capacity >= 1, fn, "capacity", "must be >= 1 but is ", capacity);
+    detail::require(kv_heads >= 1, fn, "kv_heads", "must be >= 1 but is ", kv_heads);
+    detail::require(q_heads >= 1 && q_heads % kv_heads == 0, fn, "q_heads",
+                    "must be a positive multiple of kv_heads = ", kv_heads, " but is ", q_heads);
+    detail::require(head_dim >= 8 && head_dim <= 128 && head_dim % 8 == 0, fn, "head_dim",
+                    "must be a multiple of 8 in [8, 128] but is ", head_dim);
+    detail::require(value_dim >= 8 && value_dim <= 128 && value_dim % 8 == 0, fn, "value_dim",
+                    "must be a multiple of 8 in [8, 128] but is ", value_dim);
+    const auto n = static_cast<std::size_t>(slots * capacity);
+    allocate(keys_, n * static_cast<std::size_t>(kv_heads * head_dim) * sizeof(Store));
+    allocate(values_, n * static_cast<std::size_t>(kv_heads * value_dim) * sizeof(Store));
+    allocate(gates_, n * static_cast<std::size_t>(q_heads) * sizeof(double));
+    lengths_.assign(static_cast<std::size_t>(slots), 0);
+  }
+  ~device_path_cache() { release(); }
+  device_path_cache(const device_path_cache&) = delete;
+  device_path_cache& operator=(const device_path_cache&) = delete;
+  device_path_cache(device_path_cache&& o) noexcept { *this = std::move(o); }
+  device_path_cache& operator=(device_path_cache&& o) noexcept {
+    if (this != &o) {
+      release();
+      slots_ = o.slots_, capacity_ = o.capacity_, q_heads_ = o.q_heads_, kv_heads_ = o.kv_heads_;
+      head_dim_ = o.head_dim_, value_dim_ = o.value_dim_;
+      keys_ = std::exchange(o.keys_, nullptr), values_ = std::exchange(o.values_, nullptr);
+      gates_ = std::exchange(o.gates_, nullptr);
+      lengths_ = std::move(o.lengths_);
+      o.slots_ = 0;
+    }
+    return *this;
+  }
+
+  index_t slots() const { return slots_; }
+  index_t capacity() const { return capacity_; }
+  index_t q_heads() const { return q_heads_; }
+  index_t kv_heads() const { return kv_heads_; }
+  index_t head_dim() const { return head_dim_; }
+  index_t value_dim() const { return value_dim_; }
+  index_t length(index_t slot) const {
+    detail::require(slot >= 0 && slot < slots_, "attnmix::device_path_cache::length", "slot",
+                    "must be in [0, ", slots_, ") but is ", slot);
+    return lengths_[static_cast<std::size_t>(slot)];
+  }
+  void clear(index_t slot) {
+    detail::require(slot >= 0 && slot < slots_, "attnmix::device_path_cache::clear", "slot",
+                    "must be in [0, ", slots_, ") but is ", slot);
+    lengths_[static_cast<std::size_t>(slot)] = 0;
+  }
+  void clear() { lengths_.assign(lengths_.size(), 0); }
+
+  view4<const Store> keys() const {
+    return {static_cast<const Store*>(keys_), {slots_, capacity_, kv_heads_, head_dim_},
+            memory_space::device};
+  }
+  view4<const Store> values() const {
+    return {static_cast<const Store*>(values_), {slots_, capacity_, kv_heads_, value_dim_},
+            memory_space::device};
+  }
+  view3<const double> gate_cumsum() const {
+    return {static_cast<const double*>(gates_), {slots_, capacity_, q_heads_},
+            memory_space::device};
+  }
+
+ private:
+  static void allocate(void*& p, std::size_t bytes) {
+    detail::cuda::check(cudaMalloc(&p, bytes), "cudaMalloc(device_path_cache)");
+  }
+  void release() {
+    for (void* p : {keys_, values_, gates_})
+      if (p != nullptr) (void)cudaFree(p);
+    keys_ = values_ = gates_ = nullptr;
+  }
+  index_t slots_ = 0, capacity_ = 0, q_heads_ = 0, kv_heads_ = 0, head_dim_ = 0, value_dim_ = 0;
+  void *keys_ = nullptr, *values_ = nullptr, *gates_ = nullptr;
+  std::vector<index_t> lengths_;
+
+ public:  // for the implementation (detail::cuda)
+  void* raw_keys() { return keys_; }
+  void* raw_values() { return values_; }
+  double* raw_gates() { return static_cast<double*>(gates_); }
+  void set_length(index_t slot, index_t length) {
+    lengths_[static_cast<std::size_t>(slot)] = length;
+  }
+};
+
+namespace detail {
+
+template <class Policy>
+double path_gate_coefficient(const attention_problem& p) {
+  return Policy::gate == gate_scaling::before_scale ? p.scale : 1.0;
+}
+
+template <class Policy>
+struct attention_impl<kind::path, backend::cuda, Policy> {
+  template <class T>
+  static void run(const attention_args<T>& a, const attention_problem& p, const backend::cuda& be) {
+    static_assert(!std::is_same_v<T, double>,
+                  "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
+    cuda::run_path("attnmix::attention<path>", a, p, be, 0.0);
+  }
+};
+
+template <class Policy>
+struct attention_impl<kind::path_fox, backend::cuda, Policy> {
+  template <class T>
+  static void run(const attention_args<T>& a, const attention_problem& p, const backend::cuda& be) {
+    static_assert(!std::is_same_v<T, double>,
+                  "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
+    cuda::run_path("attnmix::attention<path_fox>", a, p, be, path_gate_coefficient<Policy>(p));
+  }
+};
+
+template <>
+struct path_cache_impl<backend::cuda> {
+  template <class Policy, class T>
+  static void key_cache(const path_key_cache_args<T>& a, const attention_problem& p,
+                        const backend::cuda& be) {
+    static_assert(!std::is_same_v<T, double>,
+                  "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
+    cuda::run_path_key_cache("attnmix::path_prefill_key_cache", a, p, be);
+  }
+};
+
+namespace cuda {
+
+// The slots (and, for decoding, the lengths) of a call, uploaded on the stream.
+inline stream_buffer upload_rows(const std::vector<std::int32_t>& host, cudaStream_t stream) {
+  stream_buffer buf(host.size() * sizeof(std::int32_t), stream);
+  check(cudaMemcpyAsync(buf.get(), host.data(), host.size() * sizeof(std::int32_t),
+                        cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync(slots)");
+  return buf;
+}
+
+}  // namespace cuda
+}  // namespace detail
+
+// path_prefill into a device cache: the forward (out, optional lse) and the cache's keys, values
+// and gate cumsum for each prompt, from the same chunk data. Arguments as for the host cache.
+template <class Kind, class Policy = default_policy_t<Kind>, class Store, class T>
+void path_prefill(device_path_cache<Store>& cache, const attention_args<T>& args,
+                  const view1<const std::int32_t>& slots = {}, const attention_params& params = {},
+                  const backend::cuda& backend = backend::cuda{}) {
+  const std::string fn = detail::path_fn<Kind>("path_prefill");
+  const auto [prob, where] =
+      detail::check_path_prefill<Kind, backend::cuda>(fn, cache, args, slots, params);
+  using DevStore = detail::cuda::device_t<Store>;
+  cudaStream_t stream = static_cast<cudaStream_t>(backend.stream);
+  const std::vector<std::int32_t> slot_host(where.begin(), where.end());
+  detail::cuda::stream_buffer slot_dev = detail::cuda::upload_rows(slot_host, stream);
+  detail::cuda::key_cache_target<DevStore> target;
+  target.keys = static_cast<DevStore*>(cache.raw_keys());
+  target.stride[0] = cache.capacity() * prob.kv_heads * prob.head_dim;
+  target.stride[1] = prob.kv_heads * prob.head_dim;
+  target.stride[2] = prob.head_dim;
+  target.slot_of = reinterpret_cast<const std::int32_t*>(slot_dev.get());
+  target.values = static_cast<DevStore*>(cache.raw_values());
+  target.gates = cache.raw_gates();
+  target.capacity = cache.capacity();
+  double coef = 0.0;
+  if constexpr (kind_traits<Kind>::uses_forget_gate)
+    coef = detail::path_gate_coefficient<Policy>(prob);
+  detail::cuda::run_path(fn, args, prob, backend, coef, target);
+  for (index_t n = 0; n < prob.num_sequences; ++n)
+    cache.set_length(where[static_cast<std::size_t>(n)], prob.seq(n).length);
+}
+
+// One decoding step from a device cache, fused (see cuda/detail/path_decode.cuh). Arguments as
+// for the host cache; the step's tensors are device memory.
+template <class Kind, class Policy = default_policy_t<Kind>, class Store, class T>
+void path_decode_step(device_path_cache<Store>& cache, const attention_args<T>& args,
+                      const view1<const std::int32_t>& slots = {},
+                      const attention_params& params = {},
+                      const backend::cuda& backend = backend::cuda{}) {
+  static_assert(!std::is_same_v<T, double>,
+                "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
+  const std::string fn = detail::path_fn<Kind>("path_decode_step");
+  const auto [prob, where] =
+      detail::check_path_decode<Kind, backend::cuda>(fn, cache, args, slots, params);
+  namespace dc = detail::cuda;
+  dc::check_device_pointer(fn, "q", args.q);
+  dc::check_device_pointer(fn, "k", args.k);
+  dc::check_device_pointer(fn, "v", args.v);
+  dc::check_device_pointer(fn, "w", args.w);
+  dc::check_device_pointer(fn, "beta", args.beta);
+  dc::check_device_pointer(fn, "g", args.g);
+  dc::check_device_pointer(fn, "out", args.out);
+  dc::check_device_pointer(fn, "lse", args.lse);
+  constexpr bool gated = kind_traits<Kind>::uses_forget_gate;
+  detail::require(!gated || prob.group() <= 32, fn, "q", "has ", prob.group(),
+                  " query heads per key/value head; decoding with a forget gate supports <= 32");
+  using Dev = dc::device_t<T>;
+  using DevStore = dc::device_t<Store>;
+  cudaStream_t stream = static_cast<cudaStream_t>(backend.stream);
+
+  std::vector<std::int32_t> rows(static_cast<std::size_t>(2 * prob.batch));
+  index_t longest = 0;
+  for (index_t n = 0; n < prob.batch; ++n) {
+    const index_t s = where[static_cast<std::size_t>(n)];
+    rows[static_cast<std::size_t>(2 * n)] = static_cast<std::int32_t>(s);
+    rows[static_cast<std::size_t>(2 * n + 1)] = static_cast<std::int32_t>(cache.length(s));
+    longest = std::max(longest, cache.length(s) + 1);
+  }
+  dc::path_decode_params p{};
+  p.block_keys = 256;
+  p.splits = static_cast<int>((longest + p.block_keys - 1) / p.block_keys);
+  const index_t HQ = prob.q_heads, Dv = prob.value_dim;
+  const std::size_t ml_bytes = static_cast<std::size_t>(prob.batch * HQ * p.splits * 2) * 4;
+  const std::size_t o_bytes = static_cast<std::size_t>(prob.batch * HQ * p.splits * Dv) * 4;
+  dc::stream_buffer work(ml_bytes + o_bytes + rows.size() * sizeof(std::int32_t), stream);
+  p.part_ml = reinterpret_cast<float*>(work.get());
+  p.part_o = reinterpret_cast<float*>(work.get() + ml_bytes);
+  auto* rows_dev = reinterpret_cast<std::int32_t*>(work.get() + ml_bytes + o_bytes);
+  dc::check(cudaMemcpyAsync(rows_dev, rows.data(), rows.size() * sizeof(std::int32_t),
+                            cudaMemcpyHostToDevice, stream),
+            "cudaMemcpyAsync(rows)");
+  p.rows = rows_dev;
+
+  p.q = args.q.data(), p.k = args.k.data(), p.v = args.v.data();
+  p.w = args.w.data(), p.beta = args.beta.data();
+  p.g = gated ? args.g.data() : nullptr;
+  p.q_s[0] = args.q.stride(0), p.q_s[1] = args.q.stride(2);
+  p.k_s[0] = args.k.stride(0), p.k_s[1] = args.k.stride(2);
+  p.v_s[0] = args.v.stride(0), p.v_s[1] = args.v.stride(2);
+  p.w_s[0] = args.w.stride(0), p.w_s[1] = args.w.stride(2);
+  p.beta_s[0] = args.beta.stride(0), p.beta_s[1] = args.beta.stride(2);
+  if (gated) p.g_s[0] = args.g.stride(0), p.g_s[1] = args.g.stride(2);
+  p.out = args.out.data();
+  p.out_s[0] = args.out.stride(0), p.out_s[1] = args.out.stride(2);
+  p.lse = args.lse.has_value() ? args.lse.data() : nullptr;
+  if (args.lse.has_value()) p.lse_s[0] = args.lse.stride(0), p.lse_s[1] = args.lse.stride(2);
+  p.keys = cache.raw_keys(), p.values = cache.raw_values(), p.gates = cache.raw_gates();
+  p.capacity = cache.capacity();
+  p.q_heads = static_cast<int>(HQ), p.kv_heads = static_cast<int>(prob.kv_heads);
+  p.group = static_cast<int>(prob.group());
+  p.head_dim = static_cast<int>(prob.head_dim), p.value_dim = static_cast<int>(Dv);
+  constexpr double log2e = 1.4426950408889634;
+  p.scale_log2 = static_cast<float>(prob.scale * log2e);
+  if constexpr (gated)
+    p.gate_coef_log2 = static_cast<float>(detail::path_gate_coefficient<Policy>(prob) * log2e);
+
+  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(prob.kv_heads),
+                  static_cast<unsigned>(prob.batch));
+  const bool narrow = std::max(prob.head_dim, Dv) <= 64;
+  const int dmax = narrow ? 64 : 128;
+  const std::size_t smem = static_cast<std::size_t>(p.group * dmax + p.group * p.block_keys + 4 * dmax) * 4;
+  auto kernel = narrow ? dc::path_decode_kernel<Dev, DevStore, 64>
+                       : dc::path_decode_kernel<Dev, DevStore, 128>;
+  dc::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(smem)),
+            "cudaFuncSetAttribute");
+  kernel<<<grid, 128, smem, stream>>>(p);
+  dc::check(cudaGetLastError(), "path_decode_kernel launch");
+  dc::path_decode_combine_kernel<Dev>
+      <<<dim3(static_cast<unsigned>(HQ), static_cast<unsigned>(prob.batch)), 128, 0, stream>>>(p);
+  dc::check(cudaGetLastError(), "path_decode_combine_kernel launch");
+  for (index_t n = 0; n < prob.batch; ++n) {
+    const index_t s = where[static_cast<std::size_t>(n)];
+    cache.set_length(s, cache.length(s) + 1);
+  }
+}
+
+}  // namespace attnmix

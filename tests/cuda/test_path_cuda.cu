@@ -1,0 +1,348 @@
+// CUDA PaTH and PaTH-FoX against the CPU path in double: the forward in float, half and
+// bfloat16 (both kernels), the prefill key cache, and decoding from a device cache held in float
+// or bfloat16.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attnmix/cuda.cuh"
+#include "cpu/test_path_harness.hpp"
+#include "support/cuda_testing.cuh"
+
+using namespace attnmix_test;
+using attnmix::gate_scaling;
+using attnmix::index_t;
+using attnmix::kind::path;
+using attnmix::kind::path_fox;
+
+namespace {
+
+const auto dev = attnmix::memory_space::device;
+
+// Inputs rounded to T (q, k, v); w, beta and g stay float. `rounded` is what the double
+// reference must see.
+template <class T>
+struct device_inputs {
+  path_inputs rounded;
+  device_buffer<T> q, k, v;
+  device_buffer<float> w, beta, g;
+
+  device_inputs(const path_inputs& in)
+      : rounded(round(in)),
+        q(convert_all<T>(in.q)),
+        k(convert_all<T>(in.k)),
+        v(convert_all<T>(in.v)),
+        w(convert_all<float>(in.w)),
+        beta(convert_all<float>(in.beta)),
+        g(convert_all<float>(in.g)) {}
+
+  static path_inputs round(path_inputs in) {
+    in.q = convert_all<double>(convert_all<T>(in.q));
+    in.k = convert_all<double>(convert_all<T>(in.k));
+    in.v = convert_all<double>(convert_all<T>(in.v));
+    return in;
+  }
+};
+
+// The CPU path in double on the case's (rounded) inputs.
+template <class Kind, class Policy>
+path_outputs cpu_reference(const path_case& c, const path_inputs& in) {
+  path_case cc = c;
+  cc.threads = 0;
+  return run_path_forward<Kind, Policy, double>(cc, in);
+}
+
+struct gpu_result {
+  double error, lse_error;
+};
+
+template <class Kind, class Policy, class T>
+gpu_result run_forward_case(const path_case& c, std::uint64_t salt) {
+  const path_inputs in = make_path_inputs(c, salt);
+  device_inputs<T> d(in);
+  device_buffer<T> out(static_cast<std::size_t>(c.B * c.T * c.HQ * c.Dv));
+  device_buffer<float> lse(static_cast<std::size_t>(c.B * c.T * c.HQ));
+  attnmix::attention_args<T> a{
+      attnmix::view4<const T>(d.q.get(), {c.B, c.T, c.HQ, c.D}, dev),
+      attnmix::view4<const T>(d.k.get(), {c.B, c.T, c.H, c.D}, dev),
+      attnmix::view4<const T>(d.v.get(), {c.B, c.T, c.H, c.Dv}, dev),
+      attnmix::view4<T>(out.get(), {c.B, c.T, c.HQ, c.Dv}, dev)};
+  a.w = attnmix::view4<const float>(d.w.get(), {c.B, c.T, c.H, c.D}, dev);
+  a.beta = attnmix::view3<const float>(d.beta.get(), {c.B, c.T, c.H}, dev);
+  if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
+    a.g = attnmix::view3<const float>(d.g.get(), {c.B, c.T, c.HQ}, dev);
+  a.lse = attnmix::view3<float>(lse.get(), {c.B, c.T, c.HQ}, dev);
+  attnmix::attention<Kind, Policy>(a, path_params(c), attnmix::backend::cuda{});
+  attnmix::detail::cuda::check(cudaDeviceSynchronize(), "kernel");
+  const path_outputs ref = cpu_reference<Kind, Policy>(c, d.rounded);
+  return {rel_error(convert_all<double>(out.to_host()), ref.out),
+          lse_error(convert_all<double>(lse.to_host()), ref.lse)};
+}
+
+// The CPU sweep (chunk boundaries, T < C, GQA, D != Dv, varlen with empty sequences, beta near
+// and at 2) plus the tensor-core head dims.
+std::vector<path_case> forward_cases() {
+  return {
+      {1, 1, 1, 1, 8, 8},
+      {2, 13, 4, 2, 16, 8, {}, beta_range::near_two},
+      {1, 63, 4, 2, 32, 16},
+      {2, 65, 2, 2, 64, 64},
+      {1, 129, 3, 3, 16, 24, {}, beta_range::near_zero},
+      {1, 150, 2, 2, 64, 32, {}, beta_range::exactly_two},
+      {1, 200, 4, 2, 32, 16, {0, 0, 1, 64, 64, 130, 200}},
+      {1, 0, 2, 1, 8, 8, {0, 0}},
+      {1, 600, 2, 1, 64, 64, {}, beta_range::near_two},
+      {2, 300, 4, 2, 128, 128, {}, beta_range::near_two},
+      {1, 260, 2, 1, 64, 128, {0, 10, 75, 260}},
+      {1, 190, 2, 2, 128, 64},
+      {1, 40, 2, 1, 128, 128},
+      {1, 100, 2, 2, 96, 40},  // dims the tensor-core kernel does not tile
+      {1, 1500, 4, 2, 64, 64, {}, beta_range::near_two},
+  };
+}
+
+std::vector<path_case> small_cases() {
+  return {{1, 70, 2, 1, 64, 64, {0, 0, 5, 70}, beta_range::near_two},
+          {1, 30, 2, 2, 40, 24},
+          {2, 20, 2, 1, 128, 128}};
+}
+
+template <class Kind, class Policy, class T>
+void forward_sweep(std::uint64_t salt, bool small = false) {
+  for (const path_case& c : small ? small_cases() : forward_cases()) {
+    INFO("seed " << test_seed() << " " << c.describe() << " dtype "
+                 << attnmix::scalar_traits<T>::name);
+    const gpu_result r = run_forward_case<Kind, Policy, T>(c, ++salt);
+    CAPTURE(r.error, r.lse_error);
+    CHECK(r.error <= (sizeof(T) == 4 ? 1e-5 : 5e-3));
+    CHECK(r.lse_error <= (sizeof(T) == 4 ? 1e-5 : 1e-2));
+  }
+}
+
+using after_scale = attnmix::with_gate_scaling<attnmix::path_fox_policy, gate_scaling::after_scale>;
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("CUDA PaTH forward matches the CPU path", "[cuda][path]", float, attnmix::half,
+                   attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  forward_sweep<path, attnmix::path_policy, TestType>(11000);
+}
+
+TEMPLATE_TEST_CASE("CUDA PaTH-FoX forward matches the CPU path in both gate conventions",
+                   "[cuda][path_fox]", float, attnmix::half, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  forward_sweep<path_fox, attnmix::path_fox_policy, TestType>(12000);
+  forward_sweep<path_fox, after_scale, TestType>(13000);
+}
+
+TEST_CASE("CUDA PaTH, a small sweep for compute-sanitizer", "[cuda][small]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  forward_sweep<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(14000, true);
+  forward_sweep<path, attnmix::path_policy, float>(14100, true);
+}
+
+TEMPLATE_TEST_CASE("CUDA prefill key cache matches the CPU path", "[cuda][path][cache]", float,
+                   attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using T = TestType;
+  const std::vector<path_case> cases = {
+      {1, 1, 1, 1, 8, 8},
+      {2, 100, 2, 2, 64, 8, {}, beta_range::near_two},
+      {1, 300, 4, 2, 32, 8, {0, 0, 1, 64, 65, 200, 300}, beta_range::exactly_two},
+      {1, 500, 2, 1, 128, 8, {}, beta_range::near_two},
+  };
+  std::uint64_t salt = 15000;
+  for (const path_case& c : cases) {
+    INFO("seed " << test_seed() << " " << c.describe());
+    const path_inputs in = make_path_inputs(c, ++salt);
+    device_inputs<T> d(in);
+    device_buffer<T> kc(static_cast<std::size_t>(c.B * c.T * c.H * c.D));
+    attnmix::path_key_cache_args<T> a{
+        attnmix::view4<const T>(d.k.get(), {c.B, c.T, c.H, c.D}, dev),
+        attnmix::view4<const float>(d.w.get(), {c.B, c.T, c.H, c.D}, dev),
+        attnmix::view3<const float>(d.beta.get(), {c.B, c.T, c.H}, dev),
+        attnmix::view4<T>(kc.get(), {c.B, c.T, c.H, c.D}, dev)};
+    attnmix::path_prefill_key_cache(a, path_params(c), attnmix::backend::cuda{});
+    // The reference: the CPU path in double on the rounded keys.
+    path_tensors<double> t(c, d.rounded);
+    attnmix::host_tensor<double, 4> ref({c.B, c.T, c.H, c.D});
+    attnmix::path_prefill_key_cache(
+        attnmix::path_key_cache_args<double>{t.k.view(), t.w.view(), t.beta.view(), ref.view()},
+        path_params(c));
+    const double err = rel_error(convert_all<double>(kc.to_host()), ref.storage());
+    CAPTURE(err);
+    CHECK(err <= (sizeof(T) == 4 ? 1e-5 : 1e-2));
+  }
+}
+
+namespace {
+
+// Prefills sequence n of the packed case with its first prompt[n] tokens into slot N-1-n of a
+// device cache, then decodes the rest one token per step (all sequences together; a sequence
+// that has no tokens left sits the step out). Every decoded output must equal the forward's.
+template <class Kind, class Policy, class T, class Store>
+double decode_error(const path_case& c, const path_inputs& in,
+                    const std::vector<index_t>& prompt) {
+  constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+  const index_t N = c.sequences(), HQ = c.HQ, H = c.H, D = c.D, Dv = c.Dv;
+  device_inputs<T> d(in);
+  const path_outputs ref = cpu_reference<Kind, Policy>(c, d.rounded);
+
+  index_t longest = 0;
+  std::vector<index_t> start(N), len(N);
+  for (index_t n = 0; n < N; ++n) {
+    start[n] = c.cu_seqlens[n], len[n] = c.cu_seqlens[n + 1] - c.cu_seqlens[n];
+    longest = std::max(longest, len[n]);
+  }
+  attnmix::device_path_cache<Store> cache(N + 1, longest + 1, HQ, H, D, Dv);
+  std::vector<std::int32_t> slot_of(N);
+  for (index_t n = 0; n < N; ++n) slot_of[n] = static_cast<std::int32_t>(N - 1 - n);
+
+  // Prefill: a packed batch of the prompts.
+  {
+    std::vector<std::int32_t> cu(1, 0);
+    std::vector<double> q, k, v, w, beta, g;
+    auto take = [](std::vector<double>& dst, const std::vector<double>& src, index_t row0,
+                   index_t rows, index_t width) {
+      dst.insert(dst.end(), src.begin() + row0 * width, src.begin() + (row0 + rows) * width);
+    };
+    for (index_t n = 0; n < N; ++n) {
+      take(q, d.rounded.q, start[n], prompt[n], HQ * D);
+      take(k, d.rounded.k, start[n], prompt[n], H * D);
+      take(v, d.rounded.v, start[n], prompt[n], H * Dv);
+      take(w, d.rounded.w, start[n], prompt[n], H * D);
+      take(beta, d.rounded.beta, start[n], prompt[n], H);
+      take(g, d.rounded.g, start[n], prompt[n], HQ);
+      cu.push_back(cu.back() + static_cast<std::int32_t>(prompt[n]));
+    }
+    const index_t P = cu.back();
+    device_buffer<T> dq(convert_all<T>(q)), dk(convert_all<T>(k)), dv(convert_all<T>(v)),
+        dout(static_cast<std::size_t>(std::max<index_t>(P, 1) * HQ * Dv));
+    device_buffer<float> dw(convert_all<float>(w)), db(convert_all<float>(beta)),
+        dg(convert_all<float>(g));
+    attnmix::attention_args<T> a{attnmix::view4<const T>(dq.get(), {1, P, HQ, D}, dev),
+                                 attnmix::view4<const T>(dk.get(), {1, P, H, D}, dev),
+                                 attnmix::view4<const T>(dv.get(), {1, P, H, Dv}, dev),
+                                 attnmix::view4<T>(dout.get(), {1, P, HQ, Dv}, dev)};
+    a.w = attnmix::view4<const float>(dw.get(), {1, P, H, D}, dev);
+    a.beta = attnmix::view3<const float>(db.get(), {1, P, H}, dev);
+    if constexpr (gated) a.g = attnmix::view3<const float>(dg.get(), {1, P, HQ}, dev);
+    attnmix::attention_params params;
+    params.cu_seqlens = {cu.data(), {static_cast<index_t>(cu.size())}};
+    attnmix::path_prefill<Kind, Policy>(cache, a, {slot_of.data(), {N}}, params,
+                                        attnmix::backend::cuda{});
+  }
+
+  // Decoding.
+  std::vector<double> got, want;
+  for (index_t step = 0;; ++step) {
+    std::vector<index_t> active;
+    for (index_t n = 0; n < N; ++n)
+      if (prompt[n] + step < len[n]) active.push_back(n);
+    if (active.empty()) break;
+    const index_t R = static_cast<index_t>(active.size());
+    std::vector<double> q, k, v, w, beta, g;
+    std::vector<std::int32_t> slots;
+    for (index_t n : active) {
+      const index_t t = start[n] + prompt[n] + step;
+      auto take = [&](std::vector<double>& dst, const std::vector<double>& src, index_t width) {
+        dst.insert(dst.end(), src.begin() + t * width, src.begin() + (t + 1) * width);
+      };
+      take(q, d.rounded.q, HQ * D), take(k, d.rounded.k, H * D), take(v, d.rounded.v, H * Dv);
+      take(w, d.rounded.w, H * D), take(beta, d.rounded.beta, H), take(g, d.rounded.g, HQ);
+      slots.push_back(slot_of[n]);
+      want.insert(want.end(), ref.out.begin() + t * HQ * Dv, ref.out.begin() + (t + 1) * HQ * Dv);
+    }
+    device_buffer<T> dq(convert_all<T>(q)), dk(convert_all<T>(k)), dv(convert_all<T>(v)),
+        dout(static_cast<std::size_t>(R * HQ * Dv));
+    device_buffer<float> dw(convert_all<float>(w)), db(convert_all<float>(beta)),
+        dg(convert_all<float>(g));
+    attnmix::attention_args<T> a{attnmix::view4<const T>(dq.get(), {R, 1, HQ, D}, dev),
+                                 attnmix::view4<const T>(dk.get(), {R, 1, H, D}, dev),
+                                 attnmix::view4<const T>(dv.get(), {R, 1, H, Dv}, dev),
+                                 attnmix::view4<T>(dout.get(), {R, 1, HQ, Dv}, dev)};
+    a.w = attnmix::view4<const float>(dw.get(), {R, 1, H, D}, dev);
+    a.beta = attnmix::view3<const float>(db.get(), {R, 1, H}, dev);
+    if constexpr (gated) a.g = attnmix::view3<const float>(dg.get(), {R, 1, HQ}, dev);
+    attnmix::path_decode_step<Kind, Policy>(cache, a, {slots.data(), {R}}, {},
+                                            attnmix::backend::cuda{});
+    const auto o = convert_all<double>(dout.to_host());
+    got.insert(got.end(), o.begin(), o.end());
+  }
+  for (index_t n = 0; n < N; ++n) CHECK(cache.length(slot_of[n]) == len[n]);
+  return rel_error(got, want);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("CUDA decoding from a device cache equals the forward", "[cuda][path][decode]",
+                   float, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using T = TestType;
+  const std::vector<path_case> cases = {
+      {1, 330, 4, 2, 64, 64, {0, 5, 5, 70, 330}, beta_range::near_two},
+      {1, 300, 2, 1, 128, 64, {0, 1, 300}},
+      {1, 120, 3, 3, 32, 16, {0, 120}, beta_range::exactly_two},
+  };
+  std::uint64_t salt = 16000;
+  for (const path_case& c : cases) {
+    INFO("seed " << test_seed() << " " << c.describe());
+    const path_inputs in = make_path_inputs(c, ++salt);
+    std::vector<index_t> prompt;
+    for (index_t n = 0; n < c.sequences(); ++n)
+      prompt.push_back((c.cu_seqlens[n + 1] - c.cu_seqlens[n]) * 2 / 3);
+    const double tol = sizeof(T) == 4 ? 1e-5 : 1e-2;
+    {
+      const double e = decode_error<path, attnmix::path_policy, T, float>(c, in, prompt);
+      CAPTURE(e);
+      CHECK(e <= tol);
+    }
+    {
+      const double e = decode_error<path_fox, attnmix::path_fox_policy, T, float>(c, in, prompt);
+      CAPTURE(e);
+      CHECK(e <= tol);
+    }
+    {
+      const double e = decode_error<path_fox, after_scale, T, attnmix::bfloat16>(c, in, prompt);
+      CAPTURE(e);
+      CHECK(e <= 1e-2);  // the cache itself is rounded to bfloat16 at every step
+    }
+    {
+      std::vector<index_t> none(prompt.size(), 0);  // decoding from an empty cache
+      const double e = decode_error<path_fox, attnmix::path_fox_policy, T, float>(c, in, none);
+      CAPTURE(e);
+      CHECK(e <= tol);
+    }
+  }
+}
+
+TEST_CASE("CUDA PaTH rejects what its kernels do not take", "[cuda][path][errors]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const index_t T = 8, H = 1, D = 160;
+  device_buffer<float> q(T * H * D), w(T * H * D), beta(T * H), out(T * H * D);
+  std::vector<float> host(T * H * D, 0.f);
+  attnmix::attention_args<float> a{attnmix::view4<const float>(q.get(), {1, T, H, D}, dev),
+                                   attnmix::view4<const float>(q.get(), {1, T, H, D}, dev),
+                                   attnmix::view4<const float>(q.get(), {1, T, H, D}, dev),
+                                   attnmix::view4<float>(out.get(), {1, T, H, D}, dev)};
+  a.w = attnmix::view4<const float>(w.get(), {1, T, H, D}, dev);
+  a.beta = attnmix::view3<const float>(beta.get(), {1, T, H}, dev);
+  auto message = [&](const attnmix::attention_args<float>& args) {
+    try {
+      attnmix::attention<path>(args, {}, attnmix::backend::cuda{});
+    } catch (const attnmix::error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  CHECK(message(a).find("supports D <= 128") != std::string::npos);
+  auto lying = a;
+  lying.w = attnmix::view4<const float>(host.data(), {1, T, H, D}, dev);
+  CHECK(message(lying).find("argument 'w' is marked as device memory") != std::string::npos);
+  for (float x : out.to_host()) CHECK(std::isnan(x));  // untouched
+  CHECK_THROWS_AS(attnmix::device_path_cache<float>(1, 8, 2, 1, 60, 64), attnmix::error);
+}
