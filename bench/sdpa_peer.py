@@ -55,7 +55,7 @@ def main():
     print("| kernel | B | T | H | D | attnmix ms | cuDNN ms | flash ms | attnmix / cuDNN | attnmix / flash |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for kind, B, T, H, ms in rows:
-        causal = kind in ("sa_causal", "fox_causal")  # bidirectional SA is the peer of BLA/GBLA
+        causal = kind.endswith("_causal")  # bidirectional SA is the peer of BLA/GBLA
         key = (B, T, H, causal)
         if key not in peers:
             peers[key] = (sdpa_ms(SDPBackend.CUDNN_ATTENTION, B, T, H, 64, causal),

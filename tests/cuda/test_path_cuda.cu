@@ -339,7 +339,7 @@ TEST_CASE("CUDA PaTH rejects what its kernels do not take", "[cuda][path][errors
     }
     return std::string("accepted");
   };
-  CHECK(message(a).find("supports D <= 128") != std::string::npos);
+  CHECK(message(a).find("support D <= 128") != std::string::npos);
   auto lying = a;
   lying.w = attnmix::view4<const float>(host.data(), {1, T, H, D}, dev);
   CHECK(message(lying).find("argument 'w' is marked as device memory") != std::string::npos);

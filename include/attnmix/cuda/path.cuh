@@ -177,18 +177,6 @@ struct path_cache_impl<backend::cuda> {
   }
 };
 
-namespace cuda {
-
-// The slots (and, for decoding, the lengths) of a call, uploaded on the stream.
-inline stream_buffer upload_rows(const std::vector<std::int32_t>& host, cudaStream_t stream) {
-  stream_buffer buf(host.size() * sizeof(std::int32_t), stream);
-  check(cudaMemcpyAsync(buf.get(), host.data(), host.size() * sizeof(std::int32_t),
-                        cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync(slots)");
-  return buf;
-}
-
-}  // namespace cuda
 }  // namespace detail
 
 // path_prefill into a device cache: the forward (out, optional lse) and the cache's keys, values
@@ -203,7 +191,11 @@ void path_prefill(device_path_cache<Store>& cache, const attention_args<T>& args
   using DevStore = detail::cuda::device_t<Store>;
   cudaStream_t stream = static_cast<cudaStream_t>(backend.stream);
   const std::vector<std::int32_t> slot_host(where.begin(), where.end());
-  detail::cuda::stream_buffer slot_dev = detail::cuda::upload_rows(slot_host, stream);
+  detail::cuda::stream_buffer slot_dev(slot_host.size() * sizeof(std::int32_t), stream);
+  detail::cuda::check(cudaMemcpyAsync(slot_dev.get(), slot_host.data(),
+                                      slot_host.size() * sizeof(std::int32_t),
+                                      cudaMemcpyHostToDevice, stream),
+                      "cudaMemcpyAsync(slots)");
   detail::cuda::key_cache_target<DevStore> target;
   target.keys = static_cast<DevStore*>(cache.raw_keys());
   target.stride[0] = cache.capacity() * prob.kv_heads * prob.head_dim;

@@ -121,25 +121,29 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
 
   // Keys: transition, write back, score.
   const int kl = tid % lanes, d0 = kl * 8;
-  const bool owns = d0 < D;
   Store* keys = static_cast<Store*>(p.keys) + (slot * p.capacity * H + h) * D;
   const T* k_new = static_cast<const T*>(p.k) + n * p.k_s[0] + h * p.k_s[1];
-  for (index_t j = j_begin + tid / lanes; j < j_end; j += per_pass) {
+  // Every lane runs every pass (the group sums shuffle across the warp); lanes past the end
+  // of the run compute on zeros and store nothing.
+  for (index_t jb = j_begin; jb < j_end; jb += per_pass) {
+    const index_t j = jb + tid / lanes;
+    const bool live = j < j_end, owns = live && d0 < D;
     float x[8] = {};
     Store* kp = keys + j * H * D + d0;
-    if (j == L) {
-      if (owns)
+    if (owns) {
+      if (j == L)
 #pragma unroll
         for (int e = 0; e < 8; ++e) x[e] = to_float(k_new[d0 + e]);
-    } else {
-      if (owns) load8(x, kp);
-      float c = 0.f;
+      else
+        load8(x, kp);
+    }
+    float c = 0.f;  // every lane takes part in the sum, even where the result is not used
 #pragma unroll
-      for (int e = 0; e < 8; ++e) c += (owns ? sw[d0 + e] : 0.f) * x[e];
-      c = beta * group_sum<lanes>(c);
+    for (int e = 0; e < 8; ++e) c += (owns ? sw[d0 + e] : 0.f) * x[e];
+    c = beta * group_sum<lanes>(c);
+    if (j != L)  // the new key is appended as it is
 #pragma unroll
       for (int e = 0; e < 8; ++e) x[e] -= c * (owns ? sw[d0 + e] : 0.f);
-    }
     if (owns) {
       store8(kp, x);
       load8(x, kp);  // score what the cache holds (its rounding included)
@@ -149,7 +153,7 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
 #pragma unroll
       for (int e = 0; e < 8; ++e) s += (owns ? sq[g * Dmax + d0 + e] : 0.f) * x[e];
       s = group_sum<lanes>(s);
-      if (kl == 0) {
+      if (kl == 0 && live) {
         float z = s;
         if (gated) {
           const double Gj = j == L ? sgate[g] : p.gates[(slot * p.capacity + j) * HQ + h * G + g];

@@ -152,6 +152,20 @@ inline int path_prepare_smem_bytes(int D) {
   return static_cast<int>(sizeof(float)) * (2 * C * (D + 1) + C * (C + 1) + C * (D + C + 1));
 }
 
+// Sum over the four threads of a row of x . y, each thread holding elements part + 4 e.
+template <int E, class Y>
+__device__ __forceinline__ float quad_dot(const float (&x)[E], int part, int D, const Y* y) {
+  float s = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int d = part + 4 * e;
+    if (d < D) s += x[e] * to_float(y[d]);
+  }
+  s += __shfl_xor_sync(0xffffffffu, s, 1);
+  s += __shfl_xor_sync(0xffffffffu, s, 2);
+  return s;
+}
+
 // The portable forward: one 256-thread block per (query chunk, query head, sequence); four
 // threads per query row, each holding every fourth element of the row's running query r and of
 // its output. Scores and the transition coefficients go through shared memory. Chunk data in
@@ -201,18 +215,6 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
                          static_cast<float>(G[(c0 + (valid ? rl : 0)) * p.a.q_heads] - g_ref)
                    : 0.f;
 
-  // Quad-reduced dot product of this row's r (or any row slice) with a D-vector of type X.
-  auto dot = [&](const float(&x)[E], auto* y) {
-    float s = 0.f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int d = part + 4 * e;
-      if (d < D) s += x[e] * to_float(y[d]);
-    }
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    return s;
-  };
   float m_run = -INFINITY, l_run = 0.f;
   // Online softmax over ss[rl][0, cols) (masked entries -inf), values from token j0 on.
   auto fold = [&](index_t j0, int cols) {
@@ -258,12 +260,12 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
   // The diagonal chunk: x_b = q . w_b (b <= row), scores q . k_b - sum_b' x_b' M[b'][b].
   load_gate_col(c0);
   for (int b = 0; b < n; ++b) {
-    const float xb = dot(r, w + (c0 + b) * p.w_stride[1]);
+    const float xb = quad_dot(r, part, D, w + (c0 + b) * p.w_stride[1]);
     if (part == 0) sx[rl][b] = b <= rl ? xb : 0.f;
   }
   __syncwarp();
   for (int b = 0; b < n; ++b) {
-    float s = dot(r, k + (c0 + b) * p.a.k_stride[1]);
+    float s = quad_dot(r, part, D, k + (c0 + b) * p.a.k_stride[1]);
     float corr = 0.f;
     for (int bp = part; bp <= rl && bp < n; bp += 4) corr += sx[rl][bp] * mm[bp * C + b];
     corr += __shfl_xor_sync(0xffffffffu, corr, 1);
@@ -280,7 +282,7 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
     const index_t j0 = cj * C;
     load_gate_col(j0);
     for (int b = 0; b < C; ++b) {
-      const float s = dot(r, kt + (j0 + b) * D) * p.a.scale_log2 +
+      const float s = quad_dot(r, part, D, kt + (j0 + b) * D) * p.a.scale_log2 +
                       (G != nullptr ? gate_row - gate_col[b] : 0.f);
       if (part == 0) ss[rl][b] = s;
     }
@@ -288,7 +290,7 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
     fold(j0, C);
     if (cj == 0) break;
     for (int b = 0; b < C; ++b) {
-      const float xb = dot(r, w + (j0 + b) * p.w_stride[1]);
+      const float xb = quad_dot(r, part, D, w + (j0 + b) * p.w_stride[1]);
       if (part == 0) sx[rl][b] = xb;
     }
     __syncwarp();
@@ -347,8 +349,8 @@ __global__ void __launch_bounds__(256)
       dst[(j0 + b) * out_s1 + i] = from_float<Out>(s);
     }
     if (ci == 0) break;
-    for (int idx = tid; idx < D * C; idx += threads) {  // Y[i][b] = sum_d S[i][d] w_b[d]
-      const int i = idx / C, b = idx % C;
+    for (int idx = tid; idx < D * n; idx += threads) {  // Y[i][b] = sum_d S[i][d] w_b[d]
+      const int i = idx / n, b = idx % n;
       const float* wb = w + (j0 + b) * p.w_stride[1];
       float s = 0.f;
       for (int d = 0; d < D; ++d) s += S[i * lds + d] * wb[d];
@@ -358,7 +360,7 @@ __global__ void __launch_bounds__(256)
     for (int idx = tid; idx < D * D; idx += threads) {  // S[i][d] -= sum_b Y[i][b] u_b[d]
       const int i = idx / D, d = idx % D;
       float s = 0.f;
-      for (int b = 0; b < C; ++b) s += Y[i * (C + 1) + b] * to_float(u[(j0 + b) * D + d]);
+      for (int b = 0; b < n; ++b) s += Y[i * (C + 1) + b] * to_float(u[(j0 + b) * D + d]);
       S[i * lds + d] -= s;
     }
     __syncthreads();

@@ -1,0 +1,139 @@
+// CUDA PaTH and PaTH-FoX, bf16: the forward at the causal SA shapes of bench/sdpa_peer.py
+// (which times cuDNN causal SDPA beside it), and one decoding step against its memory floor.
+// FLOPs of the forward: 4*B*H*T^2*D (spec/path_fox.md §6: twice causal attention's).
+
+#include <benchmark/benchmark.h>
+
+#include <vector>
+
+#include "attnmix/cuda.cuh"
+#include "cuda_bench.cuh"
+
+namespace {
+
+using attnmix::index_t;
+using attnmix_bench::device_array;
+const auto dev = attnmix::memory_space::device;
+
+// Unit-length w rows (the layer L2-normalises them); beta in (0, 2).
+struct householder_inputs {
+  device_array<float> w, beta;
+  householder_inputs(index_t rows, index_t D)
+      : w(static_cast<std::size_t>(rows * D), 7), beta(static_cast<std::size_t>(rows), 8, 0.f, 2.f) {
+    std::vector<float> h(static_cast<std::size_t>(rows * D));
+    attnmix::detail::cuda::check(
+        cudaMemcpy(h.data(), w.ptr, h.size() * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    for (index_t r = 0; r < rows; ++r) {
+      float s = 0;
+      for (index_t d = 0; d < D; ++d) s += h[r * D + d] * h[r * D + d];
+      for (index_t d = 0; d < D; ++d) h[r * D + d] /= std::sqrt(s);
+    }
+    attnmix::detail::cuda::check(
+        cudaMemcpy(w.ptr, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+};
+
+// args: B, T, H
+template <class Kind>
+void BM_path_cuda(benchmark::State& state) {
+  using T = attnmix::bfloat16;
+  const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
+  const std::size_t n = static_cast<std::size_t>(B * Tn * H * D);
+  device_array<T> q(n, 1), k(n, 2), v(n, 3), out(n, 5);
+  device_array<float> g(static_cast<std::size_t>(B * Tn * H), 4, -0.1f, -0.01f);
+  householder_inputs hh(B * Tn * H, D);
+  attnmix::attention_args<T> a{attnmix::view4<const T>(q.ptr, {B, Tn, H, D}, dev),
+                               attnmix::view4<const T>(k.ptr, {B, Tn, H, D}, dev),
+                               attnmix::view4<const T>(v.ptr, {B, Tn, H, D}, dev),
+                               attnmix::view4<T>(out.ptr, {B, Tn, H, D}, dev)};
+  a.w = attnmix::view4<const float>(hh.w.ptr, {B, Tn, H, D}, dev);
+  a.beta = attnmix::view3<const float>(hh.beta.ptr, {B, Tn, H}, dev);
+  if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
+    a.g = attnmix::view3<const float>(g.ptr, {B, Tn, H}, dev);
+  attnmix_bench::time_with_events(
+      state, [&] { attnmix::attention<Kind>(a, {}, attnmix::backend::cuda{}); });
+  const double flops = 4.0 * B * H * double(Tn) * double(Tn) * D;
+  state.counters["TFLOP/s"] =
+      benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void causal_shapes(benchmark::internal::Benchmark* b) {
+  for (auto [B, T] : {std::pair{32, 2048}, {32, 4096}, {8, 8192}, {4, 16384}}) b->Args({B, T, 32});
+  b->ArgNames({"B", "T", "H"})->UseManualTime()->Unit(benchmark::kMillisecond);
+}
+
+// One decoding step of N sequences holding L cached tokens each (H = HQ = 32, D = Dv = 64),
+// from a cache in Store. GB/s counts the step's floor traffic: read and write every cached key,
+// read every cached value.
+template <class Store>
+void BM_path_decode(benchmark::State& state) {
+  using T = attnmix::bfloat16;
+  const index_t N = state.range(0), L = state.range(1), H = state.range(2), D = 64;
+  attnmix::device_path_cache<Store> cache(N, L + 1024, H, H, D, D);
+  {  // fill the cache with a prefill of L tokens per sequence
+    const std::size_t n = static_cast<std::size_t>(N * L * H * D);
+    device_array<T> q(n, 1), k(n, 2), v(n, 3), out(n, 5);
+    device_array<float> g(static_cast<std::size_t>(N * L * H), 4, -0.1f, -0.01f);
+    householder_inputs hh(N * L * H, D);
+    attnmix::attention_args<T> a{attnmix::view4<const T>(q.ptr, {N, L, H, D}, dev),
+                                 attnmix::view4<const T>(k.ptr, {N, L, H, D}, dev),
+                                 attnmix::view4<const T>(v.ptr, {N, L, H, D}, dev),
+                                 attnmix::view4<T>(out.ptr, {N, L, H, D}, dev)};
+    a.w = attnmix::view4<const float>(hh.w.ptr, {N, L, H, D}, dev);
+    a.beta = attnmix::view3<const float>(hh.beta.ptr, {N, L, H}, dev);
+    a.g = attnmix::view3<const float>(g.ptr, {N, L, H}, dev);
+    attnmix::path_prefill<attnmix::kind::path_fox>(cache, a, {}, {}, attnmix::backend::cuda{});
+  }
+  const std::size_t n = static_cast<std::size_t>(N * H * D);
+  device_array<T> q(n, 11), k(n, 12), v(n, 13), out(n, 15);
+  device_array<float> g(static_cast<std::size_t>(N * H), 14, -0.1f, -0.01f);
+  householder_inputs hh(N * H, D);
+  attnmix::attention_args<T> a{attnmix::view4<const T>(q.ptr, {N, 1, H, D}, dev),
+                               attnmix::view4<const T>(k.ptr, {N, 1, H, D}, dev),
+                               attnmix::view4<const T>(v.ptr, {N, 1, H, D}, dev),
+                               attnmix::view4<T>(out.ptr, {N, 1, H, D}, dev)};
+  a.w = attnmix::view4<const float>(hh.w.ptr, {N, 1, H, D}, dev);
+  a.beta = attnmix::view3<const float>(hh.beta.ptr, {N, 1, H}, dev);
+  a.g = attnmix::view3<const float>(g.ptr, {N, 1, H}, dev);
+  attnmix_bench::time_with_events(state, [&] {
+    attnmix::path_decode_step<attnmix::kind::path_fox>(cache, a, {}, {}, attnmix::backend::cuda{});
+  });
+  const double bytes = double(N) * double(L) * H * 3.0 * D * sizeof(Store);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Device-to-device copy of 2 GiB: the bandwidth the decoding floor is measured against.
+void BM_copy_bandwidth(benchmark::State& state) {
+  const std::size_t bytes = std::size_t{1} << 31;
+  void *src = nullptr, *dst = nullptr;
+  attnmix::detail::cuda::check(cudaMalloc(&src, bytes), "cudaMalloc");
+  attnmix::detail::cuda::check(cudaMalloc(&dst, bytes), "cudaMalloc");
+  attnmix::detail::cuda::check(cudaMemset(src, 1, bytes), "cudaMemset");
+  attnmix_bench::time_with_events(state, [&] { cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice); });
+  state.counters["GB/s"] =  // read + write
+      benchmark::Counter(2.0 * double(bytes) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  cudaFree(src), cudaFree(dst);
+}
+
+}  // namespace
+
+BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path)->Name("path_causal")->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path_fox)
+    ->Name("path_fox_causal")
+    ->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_path_decode, attnmix::bfloat16)
+    ->Name("path_fox_decode_bf16_cache")
+    ->Args({32, 8192, 32})
+    ->ArgNames({"N", "L", "heads"})
+    ->UseManualTime()
+    ->Iterations(200)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_path_decode, float)
+    ->Name("path_fox_decode_f32_cache")
+    ->Args({32, 8192, 32})
+    ->ArgNames({"N", "L", "heads"})
+    ->UseManualTime()
+    ->Iterations(200)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_copy_bandwidth)->UseManualTime()->Unit(benchmark::kMillisecond);
