@@ -4,7 +4,6 @@
 
 #include <benchmark/benchmark.h>
 
-#include <vector>
 
 #include "attnmix/cuda.cuh"
 #include "cuda_bench.cuh"
@@ -15,21 +14,23 @@ using attnmix::index_t;
 using attnmix_bench::device_array;
 const auto dev = attnmix::memory_space::device;
 
+__global__ void normalise_rows_kernel(float* w, index_t rows, int D) {
+  for (index_t r = blockIdx.x * index_t{blockDim.x} + threadIdx.x; r < rows;
+       r += index_t{gridDim.x} * blockDim.x) {
+    float s = 0;
+    for (int d = 0; d < D; ++d) s += w[r * D + d] * w[r * D + d];
+    const float inv = rsqrtf(s);
+    for (int d = 0; d < D; ++d) w[r * D + d] *= inv;
+  }
+}
+
 // Unit-length w rows (the layer L2-normalises them); beta in (0, 2).
 struct householder_inputs {
   device_array<float> w, beta;
   householder_inputs(index_t rows, index_t D)
       : w(static_cast<std::size_t>(rows * D), 7), beta(static_cast<std::size_t>(rows), 8, 0.f, 2.f) {
-    std::vector<float> h(static_cast<std::size_t>(rows * D));
-    attnmix::detail::cuda::check(
-        cudaMemcpy(h.data(), w.ptr, h.size() * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy");
-    for (index_t r = 0; r < rows; ++r) {
-      float s = 0;
-      for (index_t d = 0; d < D; ++d) s += h[r * D + d] * h[r * D + d];
-      for (index_t d = 0; d < D; ++d) h[r * D + d] /= std::sqrt(s);
-    }
-    attnmix::detail::cuda::check(
-        cudaMemcpy(w.ptr, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+    normalise_rows_kernel<<<1024, 256>>>(w.ptr, rows, static_cast<int>(D));
+    attnmix::detail::cuda::check(cudaDeviceSynchronize(), "normalise_rows_kernel");
   }
 };
 

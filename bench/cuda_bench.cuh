@@ -4,26 +4,39 @@
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
-#include <random>
-#include <vector>
+#include <cstddef>
+
+#include "attnmix/cuda/detail/types.cuh"
 
 #include "attnmix/core/scalar.hpp"
 #include "attnmix/cuda/runtime.cuh"
 
 namespace attnmix_bench {
 
+// Fills x[0, n) with U(lo, hi) from a per-element hash of (seed, index): fast on the device
+// for the gigabyte-sized inputs of the long shapes.
+template <class T>
+__global__ void fill_uniform_kernel(T* x, std::size_t n, unsigned seed, float lo, float hi) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    unsigned long long z = (static_cast<unsigned long long>(seed) << 40) + i + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    x[i] = static_cast<T>(lo + (hi - lo) * u);
+  }
+}
+
 // n elements of T drawn from U(lo, hi) (never zeros: they can time faster than real data).
 template <class T>
 struct device_array {
   T* ptr = nullptr;
   explicit device_array(std::size_t n, unsigned seed = 1, float lo = -1.f, float hi = 1.f) {
-    attnmix::detail::cuda::check(cudaMalloc(&ptr, n * sizeof(T)), "cudaMalloc");
-    std::vector<T> h(n);
-    std::mt19937 gen(seed);
-    std::uniform_real_distribution<float> dist(lo, hi);
-    for (auto& x : h) x = attnmix::convert<T>(dist(gen));
-    attnmix::detail::cuda::check(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice),
-                                 "cudaMemcpy");
+    using D = attnmix::detail::cuda::device_t<T>;
+    attnmix::detail::cuda::check(cudaMalloc(&ptr, (n > 0 ? n : 1) * sizeof(T)), "cudaMalloc");
+    fill_uniform_kernel<D><<<1024, 256>>>(reinterpret_cast<D*>(ptr), n, seed, lo, hi);
+    attnmix::detail::cuda::check(cudaDeviceSynchronize(), "fill_uniform_kernel");
   }
   ~device_array() { cudaFree(ptr); }
   device_array(const device_array&) = delete;

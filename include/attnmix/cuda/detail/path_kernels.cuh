@@ -40,8 +40,8 @@ struct path_kernel_params {
 
 // The UT transform of one (chunk, KV head, sequence) = (blockIdx.x, .y, .z); 256 threads.
 // Shared memory (floats): W and K [C][D+1], L [C][C+1], X [C][D+C+1] (= [beta W | R], solved in
-// place into [U | M]).
-template <class T, class KT, class TU>
+// place into [U | M]). D <= Dmax (64 or 128).
+template <class T, class KT, class TU, int Dmax>
 __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_params p) {
   constexpr int C = path_chunk, threads = 256;
   extern __shared__ float smem[];
@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) gl[i][j] += wa[i] * wb[j], gr[i][j] += wa[i] * kb[j];
+        for (int j = 0; j <= i; ++j)  // rows 16 i + ty > columns 16 j + tx needs j <= i
+          gl[i][j] += wa[i] * wb[j], gr[i][j] += wa[i] * kb[j];
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -112,12 +113,25 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
   // the solved rows above contribute (all threads), then substitute within the block (a thread
   // per column, no synchronisation between its rows).
   for (int blk = 0; blk < C; blk += 16) {
-    if (blk > 0) {
-      for (int idx = tid; idx < 16 * cols; idx += threads) {
-        const int r = blk + idx / cols, c = idx % cols;
-        float s = 0.f;
-        for (int b = 0; b < blk; ++b) s += sl[r * (C + 1) + b] * sx[b * ldx + c];
-        sx[r * ldx + c] -= s;
+    if (blk > 0) {  // 2 rows x 4 columns (cols / 4 apart) per task
+      const int groups = (cols + 3) / 4;
+      for (int t = tid; t < 8 * groups; t += threads) {
+        const int r = blk + 2 * (t / groups), c = t % groups;
+        float acc[2][4] = {};
+        for (int b = 0; b < blk; ++b) {
+          const float l0 = sl[r * (C + 1) + b], l1 = sl[(r + 1) * (C + 1) + b];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float x = c + j * groups < cols ? sx[b * ldx + c + j * groups] : 0.f;
+            acc[0][j] += l0 * x, acc[1][j] += l1 * x;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (c + j * groups < cols) {
+            sx[r * ldx + c + j * groups] -= acc[0][j];
+            sx[(r + 1) * ldx + c + j * groups] -= acc[1][j];
+          }
       }
       __syncthreads();
     }
@@ -139,9 +153,31 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
     const int a = idx / D, d = idx % D;
     u[idx] = from_float<TU>(sx[a * ldx + d]);
     if (wh != nullptr) wh[idx] = __float2half_rn(sw[a * ld + d]);
-    float s = sk[a * ld + d];  // row a of K~: key a, minus later rows' M[r][a] w_r
-    for (int r = a + 1; r < n; ++r) s -= sx[r * ldx + D + a] * sw[r * ld + d];
-    kt[idx] = from_float<KT>(s);
+  }
+  // Row a of K~ is key a minus the later rows' M[r][a] w_r: keys a = ty + 16 i, elements
+  // d = tx + 16 j of this thread, Dmax / 16 of them.
+  {
+    constexpr int J = Dmax / 16;
+    const int ty = tid / 16, tx = tid % 16;
+    float acc[4][J] = {};
+    for (int r = ty + 1; r < n; ++r) {
+      float mr[4], wr[J];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mr[i] = r > ty + 16 * i ? sx[r * ldx + D + ty + 16 * i] : 0.f;
+#pragma unroll
+      for (int j = 0; j < J; ++j) wr[j] = tx + 16 * j < D ? sw[r * ld + tx + 16 * j] : 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < J; ++j) acc[i][j] += mr[i] * wr[j];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int a = ty + 16 * i, d = tx + 16 * j;
+        if (a < n && d < D) kt[a * D + d] = from_float<KT>(sk[a * ld + d] - acc[i][j]);
+      }
   }
   for (int idx = tid; idx < n * C; idx += threads)
     m[idx] = from_float<TU>(sx[(idx / C) * ldx + D + idx % C]);

@@ -68,7 +68,8 @@ template <class T, class KT, class TU>
 void launch_path_prepare(const path_kernel_params& kp, index_t max_len, index_t sequences,
                          cudaStream_t stream) {
   const int smem = path_prepare_smem_bytes(kp.a.head_dim);
-  auto kernel = path_prepare_kernel<T, KT, TU>;
+  auto kernel = kp.a.head_dim <= 64 ? path_prepare_kernel<T, KT, TU, 64>
+                                    : path_prepare_kernel<T, KT, TU, 128>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "cudaFuncSetAttribute");
   const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
