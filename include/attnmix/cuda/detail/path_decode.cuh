@@ -71,6 +71,12 @@ __device__ __forceinline__ void store8(S* p, const float (&x)[8]) {
   }
 }
 
+// x rounded to S and back.
+template <class S>
+__device__ __forceinline__ float round_to(float x) {
+  return to_float(from_float<S>(x));
+}
+
 // Sum over the `Lanes` consecutive lanes that share a key.
 template <int Lanes>
 __device__ __forceinline__ float group_sum(float s) {
@@ -124,12 +130,13 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   Store* keys = static_cast<Store*>(p.keys) + (slot * p.capacity * H + h) * D;
   const T* k_new = static_cast<const T*>(p.k) + n * p.k_s[0] + h * p.k_s[1];
   // Every lane runs every pass (the group sums shuffle across the warp); lanes past the end
-  // of the run compute on zeros and store nothing.
+  // of the run compute on zeros and store nothing. (Loading several passes' keys ahead measured
+  // slower on an H200: register pressure.)
   for (index_t jb = j_begin; jb < j_end; jb += per_pass) {
     const index_t j = jb + tid / lanes;
     const bool live = j < j_end, owns = live && d0 < D;
-    float x[8] = {};
     Store* kp = keys + j * H * D + d0;
+    float x[8] = {};
     if (owns) {
       if (j == L)
 #pragma unroll
@@ -144,10 +151,9 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
     if (j != L)  // the new key is appended as it is
 #pragma unroll
       for (int e = 0; e < 8; ++e) x[e] -= c * (owns ? sw[d0 + e] : 0.f);
-    if (owns) {
-      store8(kp, x);
-      load8(x, kp);  // score what the cache holds (its rounding included)
-    }
+    if (owns) store8(kp, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = round_to<Store>(x[e]);  // score what the cache holds
     for (int g = 0; g < G; ++g) {
       float s = 0.f;
 #pragma unroll
@@ -183,6 +189,7 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
     for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     float acc[Dmax / 32] = {};
     float sum = 0.f;
+#pragma unroll 4  // keeps several value loads in flight
     for (int j = warp; j < count; j += 4) {
       const float pj = fast_exp2(z[j] - mx);
       sum += pj;
