@@ -39,8 +39,9 @@ struct path_kernel_params {
 };
 
 // The UT transform of one (chunk, KV head, sequence) = (blockIdx.x, .y, .z); 256 threads.
-// Shared memory (floats): W and K [C][D+1], L [C][C+1], X [C][D+C+1] (= [beta W | R], solved in
-// place into [U | M]). D <= Dmax (64 or 128).
+// Shared memory (floats): W [C][D+1], L [C][C+1], X [C][D+C+1] (= [beta W | R], solved in place
+// into [U | M]; K sits in X's first D columns until the Gram products are done). D <= Dmax (64 or
+// 128). 66 KB at D = 64: three blocks per SM.
 template <class T, class KT, class TU, int Dmax>
 __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_params p) {
   constexpr int C = path_chunk, threads = 256;
@@ -48,8 +49,7 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
   __shared__ float sbeta[C];
   const int D = p.a.head_dim, ld = D + 1, ldx = D + C + 1, cols = D + C, tid = threadIdx.x;
   float* sw = smem;
-  float* sk = sw + C * ld;
-  float* sl = sk + C * ld;
+  float* sl = sw + C * ld;
   float* sx = sl + C * (C + 1);
 
   const int h = blockIdx.y;
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
     const int a = idx / D, d = idx % D;
     const bool ok = a < n;
     sw[a * ld + d] = ok ? w[a * p.w_stride[1] + d] : 0.f;
-    sk[a * ld + d] = ok ? to_float(k[a * p.a.k_stride[1] + d]) : 0.f;
+    sx[a * ldx + d] = ok ? to_float(k[a * p.a.k_stride[1] + d]) : 0.f;  // K, for now
   }
   if (tid < C)
     sbeta[tid] = tid < n ? p.beta[batch * p.beta_stride[0] + (t0 + tid) * p.beta_stride[1] +
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
       for (int i = 0; i < 4; ++i) {
         wa[i] = sw[(ty + 16 * i) * ld + d];
         wb[i] = sw[(tx + 16 * i) * ld + d];
-        kb[i] = sk[(tx + 16 * i) * ld + d];
+        kb[i] = sx[(tx + 16 * i) * ldx + d];
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i)
@@ -103,6 +103,7 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
         sx[a * ldx + D + b] = lower ? sbeta[a] * gr[i][j] : 0.f;
       }
   }
+  __syncthreads();  // K is no longer read: beta W takes its place
   for (int idx = tid; idx < C * D; idx += threads) {
     const int a = idx / D, d = idx % D;
     sx[a * ldx + d] = sbeta[a] * sw[a * ld + d];
@@ -176,7 +177,8 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         const int a = ty + 16 * i, d = tx + 16 * j;
-        if (a < n && d < D) kt[a * D + d] = from_float<KT>(sk[a * ld + d] - acc[i][j]);
+        if (a < n && d < D)
+          kt[a * D + d] = from_float<KT>(to_float(k[a * p.a.k_stride[1] + d]) - acc[i][j]);
       }
   }
   for (int idx = tid; idx < n * C; idx += threads)
@@ -185,7 +187,7 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
 
 inline int path_prepare_smem_bytes(int D) {
   constexpr int C = path_chunk;
-  return static_cast<int>(sizeof(float)) * (2 * C * (D + 1) + C * (C + 1) + C * (D + C + 1));
+  return static_cast<int>(sizeof(float)) * (C * (D + 1) + C * (C + 1) + C * (D + C + 1));
 }
 
 // Sum over the four threads of a row of x . y, each thread holding elements part + 4 e.
