@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "attnmix/attention/args.hpp"
+#include "attnmix/attention/path_cache.hpp"
 #include "attnmix/cuda/detail/attention_launch.cuh"
 #include "attnmix/cuda/detail/path_kernels.cuh"
 #include "attnmix/cuda/detail/path_mma.cuh"
