@@ -82,6 +82,7 @@ __device__ __forceinline__ void mma_ab(float (&acc)[N][4], const float (&a_src)[
 }
 
 template <class T, int D, int Dv>
+// (Asking for three blocks per SM instead of two measured slower: register spills.)
 __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel_params p) {
   using tile = path_mma_tile<D, Dv>;
   constexpr int C = path_chunk;
