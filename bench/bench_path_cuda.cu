@@ -4,7 +4,6 @@
 
 #include <benchmark/benchmark.h>
 
-
 #include "attnmix/cuda.cuh"
 #include "cuda_bench.cuh"
 
@@ -28,7 +27,8 @@ __global__ void normalise_rows_kernel(float* w, index_t rows, int D) {
 struct householder_inputs {
   device_array<float> w, beta;
   householder_inputs(index_t rows, index_t D)
-      : w(static_cast<std::size_t>(rows * D), 7), beta(static_cast<std::size_t>(rows), 8, 0.f, 2.f) {
+      : w(static_cast<std::size_t>(rows * D), 7),
+        beta(static_cast<std::size_t>(rows), 8, 0.f, 2.f) {
     normalise_rows_kernel<<<1024, 256>>>(w.ptr, rows, static_cast<int>(D));
     attnmix::detail::cuda::check(cudaDeviceSynchronize(), "normalise_rows_kernel");
   }
@@ -111,7 +111,8 @@ void BM_copy_bandwidth(benchmark::State& state) {
   attnmix::detail::cuda::check(cudaMalloc(&src, bytes), "cudaMalloc");
   attnmix::detail::cuda::check(cudaMalloc(&dst, bytes), "cudaMalloc");
   attnmix::detail::cuda::check(cudaMemset(src, 1, bytes), "cudaMemset");
-  attnmix_bench::time_with_events(state, [&] { cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice); });
+  attnmix_bench::time_with_events(
+      state, [&] { cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice); });
   state.counters["GB/s"] =  // read + write
       benchmark::Counter(2.0 * double(bytes) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   cudaFree(src), cudaFree(dst);

@@ -19,7 +19,8 @@ template <class T>
 __global__ void fill_uniform_kernel(T* x, std::size_t n, unsigned seed, float lo, float hi) {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
        i += std::size_t{gridDim.x} * blockDim.x) {
-    unsigned long long z = (static_cast<unsigned long long>(seed) << 40) + i + 0x9e3779b97f4a7c15ull;
+    unsigned long long z =
+        (static_cast<unsigned long long>(seed) << 40) + i + 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     z ^= z >> 31;

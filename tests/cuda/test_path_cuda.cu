@@ -66,11 +66,10 @@ gpu_result run_forward_case(const path_case& c, std::uint64_t salt) {
   device_inputs<T> d(in);
   device_buffer<T> out(static_cast<std::size_t>(c.B * c.T * c.HQ * c.Dv));
   device_buffer<float> lse(static_cast<std::size_t>(c.B * c.T * c.HQ));
-  attnmix::attention_args<T> a{
-      attnmix::view4<const T>(d.q.get(), {c.B, c.T, c.HQ, c.D}, dev),
-      attnmix::view4<const T>(d.k.get(), {c.B, c.T, c.H, c.D}, dev),
-      attnmix::view4<const T>(d.v.get(), {c.B, c.T, c.H, c.Dv}, dev),
-      attnmix::view4<T>(out.get(), {c.B, c.T, c.HQ, c.Dv}, dev)};
+  attnmix::attention_args<T> a{attnmix::view4<const T>(d.q.get(), {c.B, c.T, c.HQ, c.D}, dev),
+                               attnmix::view4<const T>(d.k.get(), {c.B, c.T, c.H, c.D}, dev),
+                               attnmix::view4<const T>(d.v.get(), {c.B, c.T, c.H, c.Dv}, dev),
+                               attnmix::view4<T>(out.get(), {c.B, c.T, c.HQ, c.Dv}, dev)};
   a.w = attnmix::view4<const float>(d.w.get(), {c.B, c.T, c.H, c.D}, dev);
   a.beta = attnmix::view3<const float>(d.beta.get(), {c.B, c.T, c.H}, dev);
   if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
@@ -360,9 +359,10 @@ TEST_CASE("CUDA decoding: drift of a bfloat16 cache over a long generation",
   const path_inputs in = make_path_inputs(c, 17001);
   const std::vector<index_t> none{0};
   std::vector<double> f32, bf16;
-  const double e32 = decode_error<path_fox, attnmix::path_fox_policy, float, float>(c, in, none, &f32);
-  const double e16 =
-      decode_error<path_fox, attnmix::path_fox_policy, float, attnmix::bfloat16>(c, in, none, &bf16);
+  const double e32 =
+      decode_error<path_fox, attnmix::path_fox_policy, float, float>(c, in, none, &f32);
+  const double e16 = decode_error<path_fox, attnmix::path_fox_policy, float, attnmix::bfloat16>(
+      c, in, none, &bf16);
   std::cout << "relative error of the decoded outputs against the forward in double\n"
                "| tokens | float cache | bfloat16 cache |\n|---|---|---|\n";
   for (std::size_t lo = 0; lo < f32.size(); lo += 512) {

@@ -17,8 +17,8 @@
 
 #include <cstdint>
 #include <string>
-#include <utility>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attnmix/attention/args.hpp"
@@ -224,8 +224,8 @@ std::pair<attention_problem, std::vector<index_t>> check_path_prefill(
   check_cache_layout(fn, cache, prob);
   std::vector<index_t> where = resolve_slots(fn, slots, prob.num_sequences, cache);
   for (index_t n = 0; n < prob.num_sequences; ++n)
-    require(prob.seq(n).length <= cache.capacity(), fn, "cache", "has capacity ",
-            cache.capacity(), " but sequence ", n, " has ", prob.seq(n).length, " tokens");
+    require(prob.seq(n).length <= cache.capacity(), fn, "cache", "has capacity ", cache.capacity(),
+            " but sequence ", n, " has ", prob.seq(n).length, " tokens");
   return {prob, std::move(where)};
 }
 

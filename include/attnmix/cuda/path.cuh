@@ -105,16 +105,18 @@ class device_path_cache {
   void clear() { lengths_.assign(lengths_.size(), 0); }
 
   view4<const Store> keys() const {
-    return {static_cast<const Store*>(keys_), {slots_, capacity_, kv_heads_, head_dim_},
+    return {static_cast<const Store*>(keys_),
+            {slots_, capacity_, kv_heads_, head_dim_},
             memory_space::device};
   }
   view4<const Store> values() const {
-    return {static_cast<const Store*>(values_), {slots_, capacity_, kv_heads_, value_dim_},
+    return {static_cast<const Store*>(values_),
+            {slots_, capacity_, kv_heads_, value_dim_},
             memory_space::device};
   }
   view3<const double> gate_cumsum() const {
-    return {static_cast<const double*>(gates_), {slots_, capacity_, q_heads_},
-            memory_space::device};
+    return {
+        static_cast<const double*>(gates_), {slots_, capacity_, q_heads_}, memory_space::device};
   }
 
  private:
@@ -192,10 +194,10 @@ void path_prefill(device_path_cache<Store>& cache, const attention_args<T>& args
   cudaStream_t stream = static_cast<cudaStream_t>(backend.stream);
   const std::vector<std::int32_t> slot_host(where.begin(), where.end());
   detail::cuda::stream_buffer slot_dev(slot_host.size() * sizeof(std::int32_t), stream);
-  detail::cuda::check(cudaMemcpyAsync(slot_dev.get(), slot_host.data(),
-                                      slot_host.size() * sizeof(std::int32_t),
-                                      cudaMemcpyHostToDevice, stream),
-                      "cudaMemcpyAsync(slots)");
+  detail::cuda::check(
+      cudaMemcpyAsync(slot_dev.get(), slot_host.data(), slot_host.size() * sizeof(std::int32_t),
+                      cudaMemcpyHostToDevice, stream),
+      "cudaMemcpyAsync(slots)");
   detail::cuda::key_cache_target<DevStore> target;
   target.keys = static_cast<DevStore*>(cache.raw_keys());
   target.stride[0] = cache.capacity() * prob.kv_heads * prob.head_dim;
@@ -291,7 +293,8 @@ void path_decode_step(device_path_cache<Store>& cache, const attention_args<T>& 
                   static_cast<unsigned>(prob.batch));
   const bool narrow = std::max(prob.head_dim, Dv) <= 64;
   const int dmax = narrow ? 64 : 128;
-  const std::size_t smem = static_cast<std::size_t>(p.group * dmax + p.group * p.block_keys + 4 * dmax) * 4;
+  const std::size_t smem =
+      static_cast<std::size_t>(p.group * dmax + p.group * p.block_keys + 4 * dmax) * 4;
   auto kernel = narrow ? dc::path_decode_kernel<Dev, DevStore, 64>
                        : dc::path_decode_kernel<Dev, DevStore, 128>;
   dc::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -47,7 +47,8 @@ struct path_decode_params {
 template <class S>
 __device__ __forceinline__ void load8(float (&x)[8], const S* p) {
   if constexpr (std::is_same_v<S, float>) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    const float4 a = reinterpret_cast<const float4*>(p)[0],
+                 b = reinterpret_cast<const float4*>(p)[1];
     x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
   } else {
     const uint4 raw = *reinterpret_cast<const uint4*>(p);
@@ -95,9 +96,9 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   __shared__ double sgate[32];  // G_L of the group's query heads (group <= 32 when gated)
   const int G = p.group, D = p.head_dim, Dv = p.value_dim, HQ = p.q_heads, H = p.kv_heads;
   const int split = blockIdx.x, h = blockIdx.y, n = blockIdx.z, tid = threadIdx.x;
-  float* sq = smem;                       // [G][Dmax], pre-multiplied by scale * log2(e)
-  float* sz = sq + G * Dmax;              // [G][block_keys]
-  float* so = sz + G * p.block_keys;      // [4][Dmax] per-warp partial outputs
+  float* sq = smem;                   // [G][Dmax], pre-multiplied by scale * log2(e)
+  float* sz = sq + G * Dmax;          // [G][block_keys]
+  float* so = sz + G * p.block_keys;  // [4][Dmax] per-warp partial outputs
   const index_t slot = p.rows[2 * n], L = p.rows[2 * n + 1];
   const index_t j_begin = static_cast<index_t>(split) * p.block_keys;
   const index_t j_end = j_begin + p.block_keys < L + 1 ? j_begin + p.block_keys : L + 1;
@@ -205,8 +206,7 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
     __syncthreads();
     if (warp == 0) {
       for (int e = lane; e < Dv; e += 32)
-        po[g * p.splits * Dv + e] =
-            so[e] + so[Dmax + e] + so[2 * Dmax + e] + so[3 * Dmax + e];
+        po[g * p.splits * Dv + e] = so[e] + so[Dmax + e] + so[2 * Dmax + e] + so[3 * Dmax + e];
       // every warp summed a quarter of the keys: add the other warps' sums through smem
     }
     __syncthreads();

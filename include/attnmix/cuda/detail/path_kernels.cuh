@@ -229,10 +229,10 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
   const float* u = static_cast<const float*>(p.u) + p.row(batch, h, start) * D;
   const float* mm = static_cast<const float*>(p.m) + p.row(batch, h, start + c0) * C;
   const float* w = p.w + batch * p.w_stride[0] + start * p.w_stride[1] + h * p.w_stride[2];
-  const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] +
-               start * p.a.k_stride[1] + h * p.a.k_stride[2];
-  const T* v = static_cast<const T*>(p.a.v) + batch * p.a.v_stride[0] +
-               start * p.a.v_stride[1] + h * p.a.v_stride[2];
+  const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] + start * p.a.k_stride[1] +
+               h * p.a.k_stride[2];
+  const T* v = static_cast<const T*>(p.a.v) + batch * p.a.v_stride[0] + start * p.a.v_stride[1] +
+               h * p.a.v_stride[2];
 
   float r[E], o[E] = {};
   {
@@ -362,8 +362,8 @@ __global__ void __launch_bounds__(256)
   constexpr int C = path_chunk, threads = 256;
   extern __shared__ float smem[];
   const int D = p.a.head_dim, lds = D + 1, tid = threadIdx.x, h = blockIdx.x;
-  float* S = smem;           // [D][D+1]
-  float* Y = S + D * lds;    // [D][C+1]  S W_c^T
+  float* S = smem;         // [D][D+1]
+  float* Y = S + D * lds;  // [D][C+1]  S W_c^T
   index_t batch, start, length;
   p.a.sequence(blockIdx.y, batch, start, length);
   if (length == 0) return;
@@ -421,8 +421,8 @@ __global__ void path_cache_fill_kernel(const path_kernel_params p, Store* values
                         : nullptr;
   for (index_t j = blockIdx.x; j < length; j += gridDim.x) {
     for (int idx = threadIdx.x; idx < H * Dv; idx += blockDim.x)
-      values[(slot * capacity + j) * H * Dv + idx] =
-          from_float<Store>(to_float(v[j * p.a.v_stride[1] + (idx / Dv) * p.a.v_stride[2] + idx % Dv]));
+      values[(slot * capacity + j) * H * Dv + idx] = from_float<Store>(
+          to_float(v[j * p.a.v_stride[1] + (idx / Dv) * p.a.v_stride[2] + idx % Dv]));
     for (int hq = threadIdx.x; hq < HQ; hq += blockDim.x)
       gates[(slot * capacity + j) * HQ + hq] = G != nullptr ? G[j * p.a.q_heads + hq] : 0.0;
   }

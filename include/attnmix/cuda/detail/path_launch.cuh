@@ -104,9 +104,8 @@ void launch_path_key_cache(const path_kernel_params& kp, index_t sequences,
                      target.slot_of);
   check(cudaGetLastError(), "path_key_cache_kernel launch");
   if (target.values != nullptr) {
-    path_cache_fill_kernel<T, Out>
-        <<<dim3(64, static_cast<unsigned>(sequences)), 128, 0, stream>>>(
-            kp, target.values, target.gates, target.capacity, target.slot_of);
+    path_cache_fill_kernel<T, Out><<<dim3(64, static_cast<unsigned>(sequences)), 128, 0, stream>>>(
+        kp, target.values, target.gates, target.capacity, target.slot_of);
     check(cudaGetLastError(), "path_cache_fill_kernel launch");
   }
 }
@@ -160,12 +159,12 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
 
   constexpr bool tensor_cores = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
   const index_t D = p.head_dim, Dv = p.value_dim;
-  const bool mma = tensor_cores && (D == 64 || D == 128) && (Dv == 64 || Dv == 128) &&
-                   aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 2) &&
-                   aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8) &&
-                   aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2), 8) &&
-                   aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1),
-                                       a.out.stride(2), 2);
+  const bool mma =
+      tensor_cores && (D == 64 || D == 128) && (Dv == 64 || Dv == 128) &&
+      aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 2) &&
+      aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8) &&
+      aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2), 8) &&
+      aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1), a.out.stride(2), 2);
   if constexpr (tensor_cores) {
     if (mma) {
       path_chunk_data<Dev, __half> chunks(p, true, stream);

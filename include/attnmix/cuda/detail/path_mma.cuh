@@ -52,7 +52,8 @@ __device__ __forceinline__ void mma_abt(float (&acc)[N][4], const float (&a_src)
 #pragma unroll
     for (int nn = 0; nn < N / 2; ++nn) {
       std::uint32_t b[4];
-      ldmatrix_x4(b, sb + swizzle<Kd>(nn * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+      ldmatrix_x4(b,
+                  sb + swizzle<Kd>(nn * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
       const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
       mma_16816<U>(acc[2 * nn], a, b0);
       mma_16816<U>(acc[2 * nn + 1], a, b1);
@@ -72,8 +73,8 @@ __device__ __forceinline__ void mma_ab(float (&acc)[N][4], const float (&a_src)[
 #pragma unroll
     for (int nn = 0; nn < N / 2; ++nn) {
       std::uint32_t b[4];
-      ldmatrix_x4_trans(b, sb + swizzle<8 * N>(kc * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                               nn * 2 + lane / 16));
+      ldmatrix_x4_trans(
+          b, sb + swizzle<8 * N>(kc * 16 + lane % 8 + ((lane / 8) % 2) * 8, nn * 2 + lane / 16));
       const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
       mma_16816<U>(acc[2 * nn], a, b0);
       mma_16816<U>(acc[2 * nn + 1], a, b1);
@@ -87,11 +88,11 @@ __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel
   using tile = path_mma_tile<D, Dv>;
   constexpr int C = path_chunk;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sk = reinterpret_cast<T*>(smem_raw);  // [2][C][D]
-  T* sv = sk + 2 * tile::k_elems;          // [2][C][Dv]
+  T* sk = reinterpret_cast<T*>(smem_raw);                          // [2][C][D]
+  T* sv = sk + 2 * tile::k_elems;                                  // [2][C][Dv]
   __half* sw = reinterpret_cast<__half*>(sv + 2 * tile::v_elems);  // [2][C][D]
-  __half* su = sw + 2 * tile::w_elems;                              // [2][C][D]
-  __half* sm = su + 2 * tile::u_elems;                              // [C][C]
+  __half* su = sw + 2 * tile::w_elems;                             // [2][C][D]
+  __half* sm = su + 2 * tile::u_elems;                             // [C][C]
   __shared__ float gate_col[C];
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -105,10 +106,10 @@ __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel
   const index_t c0 = ci * C;
   const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
 
-  const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] +
-               start * p.a.k_stride[1] + h * p.a.k_stride[2];
-  const T* v = static_cast<const T*>(p.a.v) + batch * p.a.v_stride[0] +
-               start * p.a.v_stride[1] + h * p.a.v_stride[2];
+  const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] + start * p.a.k_stride[1] +
+               h * p.a.k_stride[2];
+  const T* v = static_cast<const T*>(p.a.v) + batch * p.a.v_stride[0] + start * p.a.v_stride[1] +
+               h * p.a.v_stride[2];
   const index_t base = p.row(batch, h, start);
   const T* kt = static_cast<const T*>(p.kt) + base * D;
   const __half* wh = static_cast<const __half*>(p.wh) + base * D;
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel
         s[nt][e] = z;
       }
 
-    // Online softmax (each row's maximum is finite: the diagonal chunk is folded first).
+      // Online softmax (each row's maximum is finite: the diagonal chunk is folded first).
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float mx = m_run[hh];
