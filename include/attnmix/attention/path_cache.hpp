@@ -62,9 +62,9 @@ struct path_cache_access {
   static double* gates(path_cache<T>& c) {
     return c.gates_.data();
   }
-  template <class T>
-  static void set_length(path_cache<T>& c, index_t slot, index_t length) {
-    c.lengths_[static_cast<std::size_t>(slot)] = length;
+  template <class Cache>  // path_cache or device_path_cache
+  static void set_length(Cache& c, index_t slot, index_t length) {
+    c.set_length(slot, length);
   }
 };
 
@@ -79,46 +79,12 @@ struct path_key_cache_args {
   view4<T> key_cache{};            // output [B, T, H, D]
 };
 
-// Decoding state of a batch of independent PaTH / PaTH-FoX sequences, in host memory.
-// Each of `slots` slots holds one sequence of at most `capacity` tokens:
-//   keys   [slots, capacity, H, D]   kappa_j, the keys carried through all later transitions
-//   values [slots, capacity, H, Dv]  raw values
-//   gates  [slots, capacity, HQ]     inclusive cumsum G_j of the log forget gate (double, so a
-//                                    long generation keeps the small differences G_t - G_j);
-//                                    zero for kind::path
-// Tokens [0, length(slot)) of a slot are valid. The keys are rewritten by every decoding step,
-// so slots cannot share a prefix.
-template <class T>
-class path_cache {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "attnmix::path_cache: the host cache holds float or double");
+namespace detail {
 
+// What every PaTH decoding cache has: its head layout and the number of tokens each slot holds
+// (kept on the host). `name` prefixes error messages ("attnmix::path_cache").
+class path_cache_base {
  public:
-  path_cache() = default;
-  // Throws attnmix::error naming the bad size.
-  path_cache(index_t slots, index_t capacity, index_t q_heads, index_t kv_heads, index_t head_dim,
-             index_t value_dim)
-      : slots_(slots),
-        capacity_(capacity),
-        q_heads_(q_heads),
-        kv_heads_(kv_heads),
-        head_dim_(head_dim),
-        value_dim_(value_dim) {
-    const std::string fn = "attnmix::path_cache";
-    detail::require(slots >= 1, fn, "slots", "must be >= 1 but is ", slots);
-    detail::require(capacity >= 1, fn, "capacity", "must be >= 1 but is ", capacity);
-    detail::require(kv_heads >= 1, fn, "kv_heads", "must be >= 1 but is ", kv_heads);
-    detail::require(q_heads >= 1 && q_heads % kv_heads == 0, fn, "q_heads",
-                    "must be a positive multiple of kv_heads = ", kv_heads, " but is ", q_heads);
-    detail::require(head_dim >= 1, fn, "head_dim", "must be >= 1 but is ", head_dim);
-    detail::require(value_dim >= 1, fn, "value_dim", "must be >= 1 but is ", value_dim);
-    const auto n = static_cast<std::size_t>(slots * capacity);
-    keys_.assign(n * static_cast<std::size_t>(kv_heads * head_dim), T(0));
-    values_.assign(n * static_cast<std::size_t>(kv_heads * value_dim), T(0));
-    gates_.assign(n * static_cast<std::size_t>(q_heads), 0.0);
-    lengths_.assign(static_cast<std::size_t>(slots), 0);
-  }
-
   index_t slots() const { return slots_; }
   index_t capacity() const { return capacity_; }
   index_t q_heads() const { return q_heads_; }
@@ -128,17 +94,84 @@ class path_cache {
 
   // Tokens held by `slot` (0 <= slot < slots()).
   index_t length(index_t slot) const {
-    detail::require(slot >= 0 && slot < slots_, "attnmix::path_cache::length", "slot",
-                    "must be in [0, ", slots_, ") but is ", slot);
+    check_slot("::length", slot);
     return lengths_[static_cast<std::size_t>(slot)];
   }
   // Empties one slot (or all) for a new sequence; the storage is kept.
   void clear(index_t slot) {
-    detail::require(slot >= 0 && slot < slots_, "attnmix::path_cache::clear", "slot",
-                    "must be in [0, ", slots_, ") but is ", slot);
+    check_slot("::clear", slot);
     lengths_[static_cast<std::size_t>(slot)] = 0;
   }
   void clear() { lengths_.assign(lengths_.size(), 0); }
+
+ protected:
+  path_cache_base() = default;
+  // Throws attnmix::error naming the bad size.
+  path_cache_base(const char* name, index_t slots, index_t capacity, index_t q_heads,
+                  index_t kv_heads, index_t head_dim, index_t value_dim)
+      : name_(name),
+        slots_(slots),
+        capacity_(capacity),
+        q_heads_(q_heads),
+        kv_heads_(kv_heads),
+        head_dim_(head_dim),
+        value_dim_(value_dim) {
+    const std::string fn = name;
+    require(slots >= 1, fn, "slots", "must be >= 1 but is ", slots);
+    require(capacity >= 1, fn, "capacity", "must be >= 1 but is ", capacity);
+    require(kv_heads >= 1, fn, "kv_heads", "must be >= 1 but is ", kv_heads);
+    require(q_heads >= 1 && q_heads % kv_heads == 0, fn, "q_heads",
+            "must be a positive multiple of kv_heads = ", kv_heads, " but is ", q_heads);
+    require(head_dim >= 1, fn, "head_dim", "must be >= 1 but is ", head_dim);
+    require(value_dim >= 1, fn, "value_dim", "must be >= 1 but is ", value_dim);
+    lengths_.assign(static_cast<std::size_t>(slots), 0);
+  }
+  void set_length(index_t slot, index_t length) {
+    lengths_[static_cast<std::size_t>(slot)] = length;
+  }
+  // Elements of a [slots, capacity, heads, dim] array.
+  std::size_t elements(index_t heads, index_t dim) const {
+    return static_cast<std::size_t>(slots_ * capacity_) * static_cast<std::size_t>(heads * dim);
+  }
+
+  const char* name_ = "attnmix::path_cache";
+  index_t slots_ = 0, capacity_ = 0, q_heads_ = 0, kv_heads_ = 0, head_dim_ = 0, value_dim_ = 0;
+  std::vector<index_t> lengths_;
+
+ private:
+  friend struct path_cache_access;
+  void check_slot(const char* op, index_t slot) const {
+    require(slot >= 0 && slot < slots_, std::string(name_) + op, "slot", "must be in [0, ", slots_,
+            ") but is ", slot);
+  }
+};
+
+}  // namespace detail
+
+// Decoding state of a batch of independent PaTH / PaTH-FoX sequences, in host memory.
+// Each of `slots` slots holds one sequence of at most `capacity` tokens:
+//   keys   [slots, capacity, H, D]   kappa_j, the keys carried through all later transitions
+//   values [slots, capacity, H, Dv]  raw values
+//   gates  [slots, capacity, HQ]     inclusive cumsum G_j of the log forget gate (double, so a
+//                                    long generation keeps the small differences G_t - G_j);
+//                                    zero for kind::path
+// Tokens [0, length(slot)) of a slot are valid. The keys are rewritten by every decoding step,
+// so slots cannot share a prefix. (The CUDA backend's device_path_cache has the same layout.)
+template <class T>
+class path_cache : public detail::path_cache_base {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "attnmix::path_cache: the host cache holds float or double");
+
+ public:
+  path_cache() = default;
+  // Throws attnmix::error naming the bad size.
+  path_cache(index_t slots, index_t capacity, index_t q_heads, index_t kv_heads, index_t head_dim,
+             index_t value_dim)
+      : path_cache_base("attnmix::path_cache", slots, capacity, q_heads, kv_heads, head_dim,
+                        value_dim),
+        keys_(elements(kv_heads, head_dim), T(0)),
+        values_(elements(kv_heads, value_dim), T(0)),
+        gates_(elements(q_heads, 1), 0.0) {}
 
   view4<const T> keys() const { return {keys_.data(), {slots_, capacity_, kv_heads_, head_dim_}}; }
   view4<const T> values() const {
@@ -148,10 +181,8 @@ class path_cache {
 
  private:
   friend struct detail::path_cache_access;
-  index_t slots_ = 0, capacity_ = 0, q_heads_ = 0, kv_heads_ = 0, head_dim_ = 0, value_dim_ = 0;
   std::vector<T> keys_, values_;
   std::vector<double> gates_;
-  std::vector<index_t> lengths_;
 };
 
 namespace detail {

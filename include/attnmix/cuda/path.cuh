@@ -38,36 +38,25 @@ struct is_implemented<kind::path_fox, backend::cuda> : std::true_type {};
 // but every step rounds each carried key again (docs/performance.md measures the drift).
 // Lengths are kept on the host. Not copyable; movable.
 template <class Store>
-class device_path_cache {
+class device_path_cache : public detail::path_cache_base {
   static_assert(std::is_same_v<Store, float> || std::is_same_v<Store, bfloat16>,
                 "attnmix::device_path_cache: the cache holds float or bfloat16");
 
  public:
-  device_path_cache() = default;
+  device_path_cache() { name_ = "attnmix::device_path_cache"; }
   // Throws attnmix::error naming a bad size, attnmix::cuda_error if the allocation fails.
   device_path_cache(index_t slots, index_t capacity, index_t q_heads, index_t kv_heads,
                     index_t head_dim, index_t value_dim)
-      : slots_(slots),
-        capacity_(capacity),
-        q_heads_(q_heads),
-        kv_heads_(kv_heads),
-        head_dim_(head_dim),
-        value_dim_(value_dim) {
-    const std::string fn = "attnmix::device_path_cache";
-    detail::require(slots >= 1, fn, "slots", "must be >= 1 but is ", slots);
-    detail::require(capacity >= 1, fn, "capacity", "must be >= 1 but is ", capacity);
-    detail::require(kv_heads >= 1, fn, "kv_heads", "must be >= 1 but is ", kv_heads);
-    detail::require(q_heads >= 1 && q_heads % kv_heads == 0, fn, "q_heads",
-                    "must be a positive multiple of kv_heads = ", kv_heads, " but is ", q_heads);
-    detail::require(head_dim >= 8 && head_dim <= 128 && head_dim % 8 == 0, fn, "head_dim",
+      : path_cache_base("attnmix::device_path_cache", slots, capacity, q_heads, kv_heads, head_dim,
+                        value_dim) {
+    const std::string fn = name_;
+    detail::require(head_dim % 8 == 0 && head_dim <= 128, fn, "head_dim",
                     "must be a multiple of 8 in [8, 128] but is ", head_dim);
-    detail::require(value_dim >= 8 && value_dim <= 128 && value_dim % 8 == 0, fn, "value_dim",
+    detail::require(value_dim % 8 == 0 && value_dim <= 128, fn, "value_dim",
                     "must be a multiple of 8 in [8, 128] but is ", value_dim);
-    const auto n = static_cast<std::size_t>(slots * capacity);
-    allocate(keys_, n * static_cast<std::size_t>(kv_heads * head_dim) * sizeof(Store));
-    allocate(values_, n * static_cast<std::size_t>(kv_heads * value_dim) * sizeof(Store));
-    allocate(gates_, n * static_cast<std::size_t>(q_heads) * sizeof(double));
-    lengths_.assign(static_cast<std::size_t>(slots), 0);
+    allocate(keys_, elements(kv_heads, head_dim) * sizeof(Store));
+    allocate(values_, elements(kv_heads, value_dim) * sizeof(Store));
+    allocate(gates_, elements(q_heads, 1) * sizeof(double));
   }
   ~device_path_cache() { release(); }
   device_path_cache(const device_path_cache&) = delete;
@@ -76,33 +65,13 @@ class device_path_cache {
   device_path_cache& operator=(device_path_cache&& o) noexcept {
     if (this != &o) {
       release();
-      slots_ = o.slots_, capacity_ = o.capacity_, q_heads_ = o.q_heads_, kv_heads_ = o.kv_heads_;
-      head_dim_ = o.head_dim_, value_dim_ = o.value_dim_;
+      static_cast<path_cache_base&>(*this) = std::move(o);
       keys_ = std::exchange(o.keys_, nullptr), values_ = std::exchange(o.values_, nullptr);
       gates_ = std::exchange(o.gates_, nullptr);
-      lengths_ = std::move(o.lengths_);
       o.slots_ = 0;
     }
     return *this;
   }
-
-  index_t slots() const { return slots_; }
-  index_t capacity() const { return capacity_; }
-  index_t q_heads() const { return q_heads_; }
-  index_t kv_heads() const { return kv_heads_; }
-  index_t head_dim() const { return head_dim_; }
-  index_t value_dim() const { return value_dim_; }
-  index_t length(index_t slot) const {
-    detail::require(slot >= 0 && slot < slots_, "attnmix::device_path_cache::length", "slot",
-                    "must be in [0, ", slots_, ") but is ", slot);
-    return lengths_[static_cast<std::size_t>(slot)];
-  }
-  void clear(index_t slot) {
-    detail::require(slot >= 0 && slot < slots_, "attnmix::device_path_cache::clear", "slot",
-                    "must be in [0, ", slots_, ") but is ", slot);
-    lengths_[static_cast<std::size_t>(slot)] = 0;
-  }
-  void clear() { lengths_.assign(lengths_.size(), 0); }
 
   view4<const Store> keys() const {
     return {static_cast<const Store*>(keys_),
@@ -119,6 +88,11 @@ class device_path_cache {
         static_cast<const double*>(gates_), {slots_, capacity_, q_heads_}, memory_space::device};
   }
 
+  // Device storage, for the implementation (path_prefill, path_decode_step).
+  void* raw_keys() { return keys_; }
+  void* raw_values() { return values_; }
+  double* raw_gates() { return static_cast<double*>(gates_); }
+
  private:
   static void allocate(void*& p, std::size_t bytes) {
     detail::cuda::check(cudaMalloc(&p, bytes), "cudaMalloc(device_path_cache)");
@@ -128,17 +102,7 @@ class device_path_cache {
       if (p != nullptr) (void)cudaFree(p);
     keys_ = values_ = gates_ = nullptr;
   }
-  index_t slots_ = 0, capacity_ = 0, q_heads_ = 0, kv_heads_ = 0, head_dim_ = 0, value_dim_ = 0;
   void *keys_ = nullptr, *values_ = nullptr, *gates_ = nullptr;
-  std::vector<index_t> lengths_;
-
- public:  // for the implementation (detail::cuda)
-  void* raw_keys() { return keys_; }
-  void* raw_values() { return values_; }
-  double* raw_gates() { return static_cast<double*>(gates_); }
-  void set_length(index_t slot, index_t length) {
-    lengths_[static_cast<std::size_t>(slot)] = length;
-  }
 };
 
 namespace detail {
@@ -212,7 +176,8 @@ void path_prefill(device_path_cache<Store>& cache, const attention_args<T>& args
     coef = detail::path_gate_coefficient<Policy>(prob);
   detail::cuda::run_path(fn, args, prob, backend, coef, target);
   for (index_t n = 0; n < prob.num_sequences; ++n)
-    cache.set_length(where[static_cast<std::size_t>(n)], prob.seq(n).length);
+    detail::path_cache_access::set_length(cache, where[static_cast<std::size_t>(n)],
+                                          prob.seq(n).length);
 }
 
 // One decoding step from a device cache, fused (see cuda/detail/path_decode.cuh). Arguments as
@@ -307,7 +272,7 @@ void path_decode_step(device_path_cache<Store>& cache, const attention_args<T>& 
   dc::check(cudaGetLastError(), "path_decode_combine_kernel launch");
   for (index_t n = 0; n < prob.batch; ++n) {
     const index_t s = where[static_cast<std::size_t>(n)];
-    cache.set_length(s, cache.length(s) + 1);
+    detail::path_cache_access::set_length(cache, s, cache.length(s) + 1);
   }
 }
 

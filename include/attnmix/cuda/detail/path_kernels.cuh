@@ -36,6 +36,19 @@ struct path_kernel_params {
   __device__ index_t row(index_t batch, int h, index_t t) const {
     return (batch * kv_heads + h) * a.tokens + t;
   }
+
+  // The query chunk of a forward block: sequence blockIdx.z, chunk ci counted from the last by
+  // blockIdx.x (the heaviest chunks start first), its first token c0 and its n <= C rows. False
+  // when the sequence has no such chunk.
+  __device__ bool query_chunk(index_t& batch, index_t& start, index_t& length, index_t& ci,
+                              index_t& c0, int& n) const {
+    a.sequence(blockIdx.z, batch, start, length);
+    ci = static_cast<index_t>(gridDim.x) - 1 - blockIdx.x;
+    c0 = ci * path_chunk;
+    if (c0 >= length) return false;
+    n = length - c0 < path_chunk ? static_cast<int>(length - c0) : path_chunk;
+    return true;
+  }
 };
 
 // The UT transform of one (chunk, KV head, sequence) = (blockIdx.x, .y, .z); 256 threads.
@@ -216,13 +229,9 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
   __shared__ float gate_col[C];
   const int tid = threadIdx.x, rl = tid / 4, part = tid % 4;
   const int hq = blockIdx.y, D = p.a.head_dim, Dv = p.a.value_dim, h = hq / p.a.group;
-  index_t batch, start, length;
-  p.a.sequence(blockIdx.z, batch, start, length);
-  const index_t chunks = (length + C - 1) / C;
-  const index_t ci = static_cast<index_t>(gridDim.x) - 1 - blockIdx.x;  // latest (heaviest) first
-  if (ci >= chunks) return;
-  const index_t c0 = ci * C;
-  const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+  index_t batch, start, length, ci, c0;
+  int n;
+  if (!p.query_chunk(batch, start, length, ci, c0, n)) return;
   const bool valid = rl < n;
 
   const float* kt = static_cast<const float*>(p.kt) + p.row(batch, h, start) * D;

@@ -98,13 +98,9 @@ __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, c2 = 2 * (lane % 4);
   const int hq = blockIdx.y, h = hq / p.a.group;
-  index_t batch, start, length;
-  p.a.sequence(blockIdx.z, batch, start, length);
-  const index_t chunks = (length + C - 1) / C;
-  const index_t ci = static_cast<index_t>(gridDim.x) - 1 - blockIdx.x;  // latest (heaviest) first
-  if (ci >= chunks) return;
-  const index_t c0 = ci * C;
-  const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+  index_t batch, start, length, ci, c0;
+  int n;
+  if (!p.query_chunk(batch, start, length, ci, c0, n)) return;
 
   const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] + start * p.a.k_stride[1] +
                h * p.a.k_stride[2];
