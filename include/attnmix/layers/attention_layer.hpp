@@ -8,7 +8,8 @@
 //   FoX: g = logsigmoid(f_proj x) [HQ] (f_proj has a bias), the log forget gate
 //   o = attention<Kind>(q, k, v[, g]);  optional output gate o *= sigmoid(g_proj x)
 //   y = o_proj o
-// SA is causal or bidirectional (Policy::mask); FoX is causal.
+// SA is causal or bidirectional (Policy::mask); FoX is causal. config.window > 0 restricts
+// attention to a sliding window (attention_params::window), in the forward and in decoding.
 
 #include <algorithm>
 #include <cmath>
@@ -51,8 +52,9 @@ struct fox_layer_policy : sa_layer_policy {
   static constexpr const char* name = "fox";
 };
 
-// KV cache of N sequences (slot n holds sequence n): keys after qk-norm and RoPE, raw values
-// and, for FoX, the inclusive cumsum G of the log forget gate (double, as in path_cache).
+// KV cache of N slots, one sequence each: keys after qk-norm and RoPE, raw values and, for
+// FoX, the inclusive cumsum G of the log forget gate (double, as in path_cache). Under a
+// sliding window every token is still kept; decoding reads only the last `window` of them.
 template <class T>
 class kv_cache {
  public:
@@ -111,6 +113,7 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
         d_(c.dim()),
         theta_(c.rope_theta),
         scale_(c.scale),
+        window_(c.window),
         q_proj(D_, HQ_ * d_, Policy::qkv_bias),
         k_proj(D_, H_ * d_, Policy::qkv_bias),
         v_proj(D_, H_ * d_, Policy::qkv_bias),
@@ -125,6 +128,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
   }
 
   index_t hidden_size() const { return D_; }
+  // Sliding window (config.window); 0: none.
+  index_t window() const { return window_; }
 
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers have a cache");
@@ -132,56 +137,65 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
   }
 
   void forward_rows(const T* x, T* y, const token_layout& L, const backend::cpu& be) const {
-    run(x, y, L, nullptr, be);
+    run(x, y, L, nullptr, nullptr, be);
   }
+  // slots[n]: the cache slot of sequence n.
   void prefill_rows(const T* x, T* y, const token_layout& L, cache_type& cache,
-                    const backend::cpu& be) const {
+                    const std::vector<index_t>& slots, const backend::cpu& be) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers have a cache");
-    run(x, y, L, &cache, be);
+    run(x, y, L, &cache, &slots, be);
   }
 
-  // x, y: [N, D]; sequence n appends one token at position cache.length(n).
-  void decode_rows(const T* x, T* y, index_t N, cache_type& cache, const backend::cpu& be) const {
+  // x, y: [N, D]; row n appends one token to slot slots[n], at position cache.length(slots[n]),
+  // and attends to that slot's last `window` tokens (all of them without a window).
+  void decode_rows(const T* x, T* y, index_t N, cache_type& cache,
+                   const std::vector<index_t>& slots, const backend::cpu& be) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers decode");
     using A = accum_t<T>;
     token_layout L{N, 1, {}};
+    const auto slot = [&](index_t n) {
+      return slots[static_cast<std::size_t>(n)];
+    };
     std::vector<index_t> pos(static_cast<std::size_t>(N));
-    for (index_t n = 0; n < N; ++n) pos[static_cast<std::size_t>(n)] = cache.length(n);
+    for (index_t n = 0; n < N; ++n) pos[static_cast<std::size_t>(n)] = cache.length(slot(n));
     projections p = project(x, L, pos, be);
     for (index_t n = 0; n < N; ++n) {
-      const index_t t = cache.length(n);
-      std::copy_n(p.k.data() + n * H_ * d_, H_ * d_, cache.key(n, t));
-      std::copy_n(p.v.data() + n * H_ * d_, H_ * d_, cache.value(n, t));
+      const index_t s = slot(n), t = cache.length(s);
+      std::copy_n(p.k.data() + n * H_ * d_, H_ * d_, cache.key(s, t));
+      std::copy_n(p.v.data() + n * H_ * d_, H_ * d_, cache.value(s, t));
       for (index_t hq = 0; hq < HQ_; ++hq)
-        cache.gate(n, t)[hq] = (t > 0 ? cache.gate(n, t - 1)[hq] : 0.0) +
+        cache.gate(s, t)[hq] = (t > 0 ? cache.gate(s, t - 1)[hq] : 0.0) +
                                (fox ? double(p.g[static_cast<std::size_t>(n * HQ_ + hq)]) : 0.0);
-      cache.set_length(n, t + 1);
+      cache.set_length(s, t + 1);
     }
     const double s = scale_ ? *scale_ : 1.0 / std::sqrt(double(d_));
     std::vector<T> o(static_cast<std::size_t>(N * HQ_ * d_));
     const index_t group = HQ_ / H_;
     const int workers = attnmix::detail::cpu::worker_count(be, N * HQ_);
     attnmix::detail::cpu::parallel_for(N * HQ_, workers, [&](index_t task, int) {
-      const index_t n = task / HQ_, hq = task % HQ_, h = hq / group, len = cache.length(n);
+      const index_t n = task / HQ_, hq = task % HQ_, h = hq / group, sl = slot(n);
+      const index_t len = cache.length(sl);
+      // The new token sits at position len - 1 and sees keys len-1-window < j <= len-1.
+      const index_t j0 = window_ > 0 ? std::max<index_t>(0, len - window_) : 0;
       const T* q = p.q.data() + (n * HQ_ + hq) * d_;
-      const double Gt = cache.gate(n, len - 1)[hq];
-      std::vector<A> z(static_cast<std::size_t>(len));
+      const double Gt = cache.gate(sl, len - 1)[hq];
+      std::vector<A> z(static_cast<std::size_t>(len - j0));
       A zmax = -std::numeric_limits<A>::infinity();
-      for (index_t j = 0; j < len; ++j) {
-        const T* kj = cache.key(n, j) + h * d_;
+      for (index_t j = j0; j < len; ++j) {
+        const T* kj = cache.key(sl, j) + h * d_;
         A dot = 0;
         for (index_t c = 0; c < d_; ++c) dot += A(q[c]) * A(kj[c]);
         A zj = A(s) * dot;
-        if constexpr (fox) zj += A(Gt - cache.gate(n, j)[hq]);
-        z[static_cast<std::size_t>(j)] = zj;
+        if constexpr (fox) zj += A(Gt - cache.gate(sl, j)[hq]);
+        z[static_cast<std::size_t>(j - j0)] = zj;
         zmax = std::max(zmax, zj);
       }
       std::vector<A> acc(static_cast<std::size_t>(d_), A(0));
       A den = 0;
-      for (index_t j = 0; j < len; ++j) {
-        const A e = std::exp(z[static_cast<std::size_t>(j)] - zmax);
+      for (index_t j = j0; j < len; ++j) {
+        const A e = std::exp(z[static_cast<std::size_t>(j - j0)] - zmax);
         den += e;
-        const T* vj = cache.value(n, j) + h * d_;
+        const T* vj = cache.value(sl, j) + h * d_;
         for (index_t c = 0; c < d_; ++c) acc[static_cast<std::size_t>(c)] += e * A(vj[c]);
       }
       T* out = o.data() + (n * HQ_ + hq) * d_;
@@ -204,6 +218,7 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
   index_t D_ = 0, HQ_ = 0, H_ = 0, d_ = 0;
   double theta_ = 10000.0;
   std::optional<double> scale_;
+  index_t window_ = 0;
 
  public:
   linear<T> q_proj, k_proj, v_proj, o_proj, f_proj, g_proj;
@@ -269,8 +284,9 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
     o_proj.apply(o, rows, y, be);
   }
 
+  // cache, slots: prefill (sequence n -> slot (*slots)[n]); both null: forward only.
   void run(const T* x, T* y, const token_layout& L, cache_type* cache,
-           const backend::cpu& be) const {
+           const std::vector<index_t>* slots, const backend::cpu& be) const {
     const index_t rows = L.rows();
     projections p = project(x, L, detail::positions(L), be);
     std::vector<T> o(static_cast<std::size_t>(rows * HQ_ * d_));
@@ -280,22 +296,23 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
     a.v = view4<const T>(p.v.data(), {L.batch, L.tokens, H_, d_});
     a.out = view4<T>(o.data(), {L.batch, L.tokens, HQ_, d_});
     if constexpr (fox) a.g = view3<const accum_t<T>>(p.g.data(), {L.batch, L.tokens, HQ_});
-    attnmix::attention<K, attention_policy>(a, L.attention(scale_), be);
+    attnmix::attention<K, attention_policy>(a, L.attention(scale_, window_), be);
     if (cache != nullptr) {
       for (index_t n = 0; n < L.num_sequences(); ++n) {
-        const index_t r0 = L.first_row(n), len = L.seq(n).length;
+        const index_t r0 = L.first_row(n), len = L.seq(n).length,
+                      sl = (*slots)[static_cast<std::size_t>(n)];
         std::vector<double> G(static_cast<std::size_t>(HQ_), 0.0);
         for (index_t t = 0; t < len; ++t) {
-          std::copy_n(p.k.data() + (r0 + t) * H_ * d_, H_ * d_, cache->key(n, t));
-          std::copy_n(p.v.data() + (r0 + t) * H_ * d_, H_ * d_, cache->value(n, t));
+          std::copy_n(p.k.data() + (r0 + t) * H_ * d_, H_ * d_, cache->key(sl, t));
+          std::copy_n(p.v.data() + (r0 + t) * H_ * d_, H_ * d_, cache->value(sl, t));
           for (index_t hq = 0; hq < HQ_; ++hq) {
             if constexpr (fox)
               G[static_cast<std::size_t>(hq)] +=
                   double(p.g[static_cast<std::size_t>((r0 + t) * HQ_ + hq)]);
-            cache->gate(n, t)[hq] = G[static_cast<std::size_t>(hq)];
+            cache->gate(sl, t)[hq] = G[static_cast<std::size_t>(hq)];
           }
         }
-        cache->set_length(n, len);
+        cache->set_length(sl, len);
       }
     }
     finish(x, o.data(), rows, y, be);

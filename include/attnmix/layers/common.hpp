@@ -37,6 +37,9 @@ struct config {
   double rope_theta = 10000.0;    // RoPE base (attention layers whose policy enables RoPE)
   index_t w_rank = 32;            // PaTH: rank of the low-rank w projection (MHA only)
   std::optional<double> scale;    // softmax-family scale; default 1/sqrt(d)
+  // SA / FoX layers: sliding window (a causal query i sees keys i-window < j <= i, a
+  // bidirectional one |i-j| < window); 0: none. The other layers ignore it.
+  index_t window = 0;
 
   index_t kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
   index_t dim() const { return head_dim > 0 ? head_dim : hidden_size / num_heads; }
@@ -54,6 +57,8 @@ inline void validate_config(const std::string& fn, const config& c) {
   detail::require(c.norm_eps > 0 && c.head_norm_eps > 0, fn, "config.norm_eps",
                   "and head_norm_eps must be > 0");
   detail::require(c.w_rank >= 1, fn, "config.w_rank", "must be >= 1 but is ", c.w_rank);
+  detail::require(c.window >= 0, fn, "config.window", "must be >= 0 (0: no window) but is ",
+                  c.window);
 }
 
 // One named tensor of a layer, owned, row-major, with a dynamic shape (rank 1-3).
@@ -108,12 +113,28 @@ struct token_layout {
     if (!packed()) return {};
     return {cu_seqlens.data(), {static_cast<index_t>(cu_seqlens.size())}};
   }
-  attention_params attention(const std::optional<double>& scale) const {
+  attention_params attention(const std::optional<double>& scale, index_t window = 0) const {
     attention_params p;
     p.scale = scale;
+    p.window = window;
     p.cu_seqlens = cu_view();
     return p;
   }
+};
+
+// The cache slot of each sequence of a prefill or decoding call: slots[n] for sequence n (a
+// batch row, or a cu_seqlens segment). Host int32 indices, distinct, in [0, the cache's
+// sequences). Built from a view or a std::vector, which must outlive the call. Without one,
+// sequence n uses slot n.
+struct cache_slots {
+  view1<const std::int32_t> slots;
+
+  // No default constructor on purpose: `{}` in an argument list keeps meaning cu_seqlens.
+  // NOLINTNEXTLINE(google-explicit-constructor)
+  cache_slots(const view1<const std::int32_t>& s) : slots(s) {}
+  // NOLINTNEXTLINE(google-explicit-constructor)
+  cache_slots(const std::vector<std::int32_t>& s)
+      : slots(s.data(), {static_cast<index_t>(s.size())}) {}
 };
 
 namespace detail {

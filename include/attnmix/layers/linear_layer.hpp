@@ -11,6 +11,7 @@
 // normaliser and feature map (core/linear_policy.hpp). BLA is GBLA with all of them off.
 // The causal kind keeps (S, z, lse) per sequence and KV head, plus the conv state, to decode.
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -52,7 +53,7 @@ struct linear_causal_layer_policy : gbla_layer_policy {
   static constexpr const char* name = "linear_causal";
 };
 
-// Decoding state of a causal linear-attention layer for N sequences.
+// Decoding state of a causal linear-attention layer: N slots of one sequence each.
 template <class T>
 class linear_layer_cache {
   using A = accum_t<T>;
@@ -80,9 +81,32 @@ class linear_layer_cache {
             tensor_view<A, 2>(lse.data(), {n_, h_})};
   }
 
+  // Slots slots[0..N) as a cache of N sequences (in that order).
+  linear_layer_cache gather(const std::vector<index_t>& slots) const {
+    const auto N = static_cast<index_t>(slots.size());
+    linear_layer_cache out(N, cap_, h_, d_, conv.gather(slots));
+    for (index_t n = 0; n < N; ++n) copy_slot(*this, slots[static_cast<std::size_t>(n)], out, n);
+    return out;
+  }
+  // Sequence n of `from` (state and length) into slot slots[n]; the other slots are left as
+  // they are.
+  void scatter(const linear_layer_cache& from, const std::vector<index_t>& slots) {
+    conv.scatter(from.conv, slots);
+    for (std::size_t n = 0; n < slots.size(); ++n)
+      copy_slot(from, static_cast<index_t>(n), *this, slots[n]);
+  }
+
   conv_state<T> conv;
 
  private:
+  static void copy_slot(const linear_layer_cache& a, index_t i, linear_layer_cache& b, index_t j) {
+    const index_t hd = a.h_ * a.d_;
+    std::copy_n(a.S.data() + i * hd * a.d_, hd * a.d_, b.S.data() + j * hd * a.d_);
+    std::copy_n(a.z.data() + i * hd, hd, b.z.data() + j * hd);
+    std::copy_n(a.lse.data() + i * a.h_, a.h_, b.lse.data() + j * a.h_);
+    b.set_length(j, a.length(i));
+  }
+
   index_t n_ = 0, cap_ = 0, h_ = 0, d_ = 0;
 
  public:
@@ -139,14 +163,32 @@ class linear_layer : public mixer_api<linear_layer<T, Policy>, T> {
   void forward_rows(const T* x, T* y, const token_layout& L, const backend::cpu& be) const {
     run(x, y, L, nullptr, false, be);
   }
+  // slots[n]: the cache slot of sequence n. A mapped call runs on a compact copy of the mapped
+  // slots (a state is O(H d^2), what one step reads anyway) and writes it back.
   void prefill_rows(const T* x, T* y, const token_layout& L, cache_type& cache,
-                    const backend::cpu& be) const {
+                    const std::vector<index_t>& slots, const backend::cpu& be) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers have a cache");
+    if (!detail::identity_slots(slots)) {
+      cache_type tmp = make_cache(L.num_sequences(), cache.capacity());
+      run(x, y, L, &tmp, false, be);
+      for (index_t n = 0; n < L.num_sequences(); ++n) tmp.set_length(n, L.seq(n).length);
+      cache.scatter(tmp, slots);
+      return;
+    }
     run(x, y, L, &cache, false, be);
     for (index_t n = 0; n < L.num_sequences(); ++n) cache.set_length(n, L.seq(n).length);
   }
-  void decode_rows(const T* x, T* y, index_t N, cache_type& cache, const backend::cpu& be) const {
+  // x, y: [N, D]; row n is the next token of the sequence in slot slots[n].
+  void decode_rows(const T* x, T* y, index_t N, cache_type& cache,
+                   const std::vector<index_t>& slots, const backend::cpu& be) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers decode");
+    if (!detail::identity_slots(slots) || N != cache.sequences()) {
+      cache_type tmp = cache.gather(slots);
+      run(x, y, token_layout{N, 1, {}}, &tmp, true, be);
+      for (index_t n = 0; n < N; ++n) tmp.set_length(n, tmp.length(n) + 1);
+      cache.scatter(tmp, slots);
+      return;
+    }
     run(x, y, token_layout{N, 1, {}}, &cache, true, be);
     for (index_t n = 0; n < N; ++n) cache.set_length(n, cache.length(n) + 1);
   }

@@ -2,17 +2,80 @@
 // The public entry points every mixer layer shares, on [B, T, D] views. A mixer implements the
 // row-buffer operations
 //   forward_rows(x, y, layout, be)                  the whole batch, no cache
-//   prefill_rows(x, y, layout, cache, be)           causal mixers: also fills the cache
-//   decode_rows(x, y, N, cache, be)                 causal mixers: one token per sequence
-// and mixer_api turns them into checked calls on views.
+//   prefill_rows(x, y, layout, cache, slots, be)    causal mixers: also fills the cache
+//   decode_rows(x, y, N, cache, slots, be)          causal mixers: one token per sequence
+// (slots: std::vector<index_t>, the checked cache slot of each sequence) and mixer_api turns
+// them into checked calls on views.
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "attnmix/attention/path_cache.hpp"
 #include "attnmix/layers/common.hpp"
 
 namespace attnmix {
 namespace layers {
+
+namespace detail {
+
+// What attnmix::detail::resolve_slots needs of a cache: its slot count.
+struct slot_count {
+  index_t n;
+  index_t slots() const { return n; }
+};
+
+// The cache slot of each of `rows` sequences of a prefill on a cache of `sequences` slots:
+// slots[n] (in range, distinct, one per sequence), or n when no mapping is given.
+// Throws attnmix::error naming 'slots' or 'cache'.
+inline std::vector<index_t> prefill_slots(const std::string& fn,
+                                          const view1<const std::int32_t>& slots, index_t rows,
+                                          index_t sequences) {
+  if (slots.has_value())
+    return attnmix::detail::resolve_slots(fn, slots, rows, slot_count{sequences});
+  attnmix::detail::require(rows <= sequences, fn, "cache", "holds ", sequences,
+                           " sequences but the batch has ", rows);
+  std::vector<index_t> out(static_cast<std::size_t>(rows));
+  for (index_t n = 0; n < rows; ++n) out[static_cast<std::size_t>(n)] = n;
+  return out;
+}
+
+// The same for a decoding step of x [N, 1, D]: without a mapping, N must be the cache's
+// sequence count (every sequence advances); with one, N = its length and only those slots
+// advance. Each slot must have room for one more token.
+template <class X, class Cache>
+std::vector<index_t> decode_slots(const std::string& fn, const view1<const std::int32_t>& slots,
+                                  const X& x, const Cache& cache) {
+  if (slots.has_value()) {
+    attnmix::detail::require(x.extent(1) == 1, fn, "x",
+                             "must be [N, 1, D] (one token per sequence) but has shape ",
+                             attnmix::shape_string(x));
+  } else {
+    attnmix::detail::require(x.extent(1) == 1 && x.extent(0) == cache.sequences(), fn, "x",
+                             "must be [N, 1, D] with N = ", cache.sequences(),
+                             " (the cache's sequences) but has shape ", attnmix::shape_string(x));
+  }
+  std::vector<index_t> where = prefill_slots(fn, slots, x.extent(0), cache.sequences());
+  for (index_t n = 0; n < x.extent(0); ++n) {
+    const index_t s = where[static_cast<std::size_t>(n)];
+    if (slots.has_value())
+      attnmix::detail::require(cache.length(s) < cache.capacity(), fn, "cache", "slot ", s,
+                               " is full (capacity ", cache.capacity(), ")");
+    else
+      attnmix::detail::require(cache.length(s) < cache.capacity(), fn, "cache", "sequence ", s,
+                               " is full (capacity ", cache.capacity(), ")");
+  }
+  return where;
+}
+
+// Whether slots[n] == n for every n: the caches can then be written in place.
+inline bool identity_slots(const std::vector<index_t>& slots) {
+  for (std::size_t n = 0; n < slots.size(); ++n)
+    if (slots[n] != static_cast<index_t>(n)) return false;
+  return true;
+}
+
+}  // namespace detail
 
 template <class Derived, class T>
 class mixer_api {
@@ -27,40 +90,61 @@ class mixer_api {
     self().forward_rows(x.data(), out.data(), L, be);
   }
 
-  // Causal mixers: the forward over a batch of prompts that also (re)fills `cache` (one slot
-  // per sequence, in order; each slot's previous content is replaced).
+  // Causal mixers: the forward over a batch of prompts that also (re)fills `cache` (sequence n
+  // -> slot n, or slot slots[n] with a mapping; each such slot's previous content is replaced,
+  // the other slots are left as they are).
   template <class Cache>
   void prefill(const view3<const T>& x, const view3<T>& out, Cache& cache,
                const view1<const std::int32_t>& cu_seqlens = {},
                const backend::cpu& be = backend::cpu{}) const {
-    const std::string fn = std::string("attnmix::layers::") + Derived::name + "::prefill";
-    const token_layout L = check(fn, x, out, cu_seqlens);
-    attnmix::detail::require(L.num_sequences() <= cache.sequences(), fn, "cache", "holds ",
-                             cache.sequences(), " sequences but the batch has ", L.num_sequences());
-    for (index_t n = 0; n < L.num_sequences(); ++n)
-      attnmix::detail::require(L.seq(n).length <= cache.capacity(), fn, "cache", "has capacity ",
-                               cache.capacity(), " but sequence ", n, " has ", L.seq(n).length,
-                               " tokens");
-    self().prefill_rows(x.data(), out.data(), L, cache, be);
+    prefill_impl(x, out, cache, {}, cu_seqlens, be);
+  }
+  template <class Cache>
+  void prefill(const view3<const T>& x, const view3<T>& out, Cache& cache, const cache_slots& slots,
+               const view1<const std::int32_t>& cu_seqlens = {},
+               const backend::cpu& be = backend::cpu{}) const {
+    prefill_impl(x, out, cache, slots.slots, cu_seqlens, be);
   }
 
-  // Causal mixers: one new token for each of the N sequences of `cache`. x, out: [N, 1, D].
+  // Causal mixers: one new token for each of the N sequences of `cache` (x, out: [N, 1, D]),
+  // or, with a mapping, for the sequences in slots slots[0..N) (row n -> slot slots[n]).
   template <class Cache>
   void decode(const view3<const T>& x, const view3<T>& out, Cache& cache,
               const backend::cpu& be = backend::cpu{}) const {
-    const std::string fn = std::string("attnmix::layers::") + Derived::name + "::decode";
-    check(fn, x, out, {});
-    attnmix::detail::require(x.extent(1) == 1 && x.extent(0) == cache.sequences(), fn, "x",
-                             "must be [N, 1, D] with N = ", cache.sequences(),
-                             " (the cache's sequences) but has shape ", attnmix::shape_string(x));
-    for (index_t n = 0; n < cache.sequences(); ++n)
-      attnmix::detail::require(cache.length(n) < cache.capacity(), fn, "cache", "sequence ", n,
-                               " is full (capacity ", cache.capacity(), ")");
-    self().decode_rows(x.data(), out.data(), x.extent(0), cache, be);
+    decode_impl(x, out, cache, {}, be);
+  }
+  template <class Cache>
+  void decode(const view3<const T>& x, const view3<T>& out, Cache& cache, const cache_slots& slots,
+              const backend::cpu& be = backend::cpu{}) const {
+    decode_impl(x, out, cache, slots.slots, be);
   }
 
  private:
   const Derived& self() const { return static_cast<const Derived&>(*this); }
+
+  template <class Cache>
+  void prefill_impl(const view3<const T>& x, const view3<T>& out, Cache& cache,
+                    const view1<const std::int32_t>& slots,
+                    const view1<const std::int32_t>& cu_seqlens, const backend::cpu& be) const {
+    const std::string fn = std::string("attnmix::layers::") + Derived::name + "::prefill";
+    const token_layout L = check(fn, x, out, cu_seqlens);
+    const std::vector<index_t> where =
+        detail::prefill_slots(fn, slots, L.num_sequences(), cache.sequences());
+    for (index_t n = 0; n < L.num_sequences(); ++n)
+      attnmix::detail::require(L.seq(n).length <= cache.capacity(), fn, "cache", "has capacity ",
+                               cache.capacity(), " but sequence ", n, " has ", L.seq(n).length,
+                               " tokens");
+    self().prefill_rows(x.data(), out.data(), L, cache, where, be);
+  }
+
+  template <class Cache>
+  void decode_impl(const view3<const T>& x, const view3<T>& out, Cache& cache,
+                   const view1<const std::int32_t>& slots, const backend::cpu& be) const {
+    const std::string fn = std::string("attnmix::layers::") + Derived::name + "::decode";
+    check(fn, x, out, {});
+    const std::vector<index_t> where = detail::decode_slots(fn, slots, x, cache);
+    self().decode_rows(x.data(), out.data(), x.extent(0), cache, where, be);
+  }
 
   token_layout check(const std::string& fn, const view3<const T>& x, const view3<T>& out,
                      const view1<const std::int32_t>& cu) const {

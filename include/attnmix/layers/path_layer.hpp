@@ -11,6 +11,7 @@
 //   y = o_proj attention<path / path_fox>(q, k, v, w, beta[, g])
 // Decoding keeps the PaTH key cache (attention/path_cache.hpp) and the conv's rolling state.
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -42,7 +43,7 @@ struct path_fox_layer_policy : path_layer_policy {
   static constexpr const char* name = "path_fox";
 };
 
-// Decoding state of a PaTH layer for N sequences (slot n = sequence n).
+// Decoding state of a PaTH layer: N slots of one sequence each.
 template <class T>
 struct path_layer_cache {
   path_cache<T> attn;
@@ -99,20 +100,29 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
   }
 
   void forward_rows(const T* x, T* y, const token_layout& L, const backend::cpu& be) const {
-    run(x, y, L, nullptr, be);
+    run(x, y, L, nullptr, nullptr, be);
   }
+  // slots[n]: the cache slot of sequence n.
   void prefill_rows(const T* x, T* y, const token_layout& L, cache_type& cache,
-                    const backend::cpu& be) const {
-    run(x, y, L, &cache, be);
+                    const std::vector<index_t>& slots, const backend::cpu& be) const {
+    run(x, y, L, &cache, &slots, be);
   }
-  void decode_rows(const T* x, T* y, index_t N, cache_type& cache, const backend::cpu& be) const {
+  // x, y: [N, D]; row n is the next token of the sequence in slot slots[n].
+  void decode_rows(const T* x, T* y, index_t N, cache_type& cache,
+                   const std::vector<index_t>& slots, const backend::cpu& be) const {
     const token_layout L{N, 1, {}};
-    inputs in = project(x, L, &cache.conv, true, be);
+    // The conv state is small: a mapped step runs on a gathered copy.
+    const bool in_place = detail::identity_slots(slots) && N == cache.conv.sequences;
+    conv_state<T> conv = in_place ? conv_state<T>() : cache.conv.gather(slots);
+    inputs in = project(x, L, in_place ? &cache.conv : &conv, true, be);
+    if (!in_place) cache.conv.scatter(conv, slots);
     std::vector<T> o(static_cast<std::size_t>(N * HQ_ * d_));
     attention_args<T> a = args(in, N, 1, o.data());
     attention_params p;
     p.scale = scale_;
-    path_decode_step<K, typename Policy::attention_policy>(cache.attn, a, {}, p, be);
+    const std::vector<std::int32_t> where = int32_slots(slots);
+    path_decode_step<K, typename Policy::attention_policy>(
+        cache.attn, a, view1<const std::int32_t>(where.data(), {N}), p, be);
     o_proj.apply(o.data(), N, y, be);
   }
 
@@ -214,17 +224,30 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
     return a;
   }
 
+  static std::vector<std::int32_t> int32_slots(const std::vector<index_t>& slots) {
+    return std::vector<std::int32_t>(slots.begin(), slots.end());
+  }
+
+  // cache, slots: prefill (sequence n -> slot (*slots)[n]); both null: forward only.
   void run(const T* x, T* y, const token_layout& L, cache_type* cache,
-           const backend::cpu& be) const {
+           const std::vector<index_t>* slots, const backend::cpu& be) const {
     const index_t rows = L.rows();
-    inputs in = project(x, L, cache ? &cache->conv : nullptr, false, be);
+    const bool in_place = cache == nullptr || detail::identity_slots(*slots);
+    conv_state<T> conv =
+        in_place ? conv_state<T>() : conv_state<T>(L.num_sequences(), Policy::conv_size, H_ * d_);
+    conv_state<T>* conv_out = cache == nullptr ? nullptr : in_place ? &cache->conv : &conv;
+    inputs in = project(x, L, conv_out, false, be);
+    if (!in_place) cache->conv.scatter(conv, *slots);
     std::vector<T> o(static_cast<std::size_t>(rows * HQ_ * d_));
     const attention_args<T> a = args(in, L.batch, L.tokens, o.data());
-    if (cache != nullptr)
-      path_prefill<K, typename Policy::attention_policy>(cache->attn, a, {}, L.attention(scale_),
-                                                         be);
-    else
+    if (cache != nullptr) {
+      const std::vector<std::int32_t> where = int32_slots(*slots);
+      path_prefill<K, typename Policy::attention_policy>(
+          cache->attn, a, view1<const std::int32_t>(where.data(), {L.num_sequences()}),
+          L.attention(scale_), be);
+    } else {
       attnmix::attention<K, typename Policy::attention_policy>(a, L.attention(scale_), be);
+    }
     o_proj.apply(o.data(), rows, y, be);
   }
 };

@@ -6,6 +6,7 @@
 // convolution restarts at every sequence (and cu_seqlens segment) boundary. For decoding it
 // keeps a rolling state of each sequence's last K-1 inputs.
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,22 @@ struct conv_state {
         taps(k - 1),
         channels(c),
         data(static_cast<std::size_t>(n * (k - 1) * c), T(0)) {}
+
+  T* row(index_t n) { return data.data() + n * taps * channels; }
+  const T* row(index_t n) const { return data.data() + n * taps * channels; }
+
+  // The states of slots[0..N) as a state of N sequences (in that order).
+  conv_state gather(const std::vector<index_t>& slots) const {
+    conv_state out(static_cast<index_t>(slots.size()), taps + 1, channels);
+    for (std::size_t n = 0; n < slots.size(); ++n)
+      std::copy_n(row(slots[n]), taps * channels, out.row(static_cast<index_t>(n)));
+    return out;
+  }
+  // Sequence n of `from` into slot slots[n]; the other slots are left as they are.
+  void scatter(const conv_state& from, const std::vector<index_t>& slots) {
+    for (std::size_t n = 0; n < slots.size(); ++n)
+      std::copy_n(from.row(static_cast<index_t>(n)), taps * channels, row(slots[n]));
+  }
 };
 
 template <class T>

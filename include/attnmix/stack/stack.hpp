@@ -13,7 +13,8 @@
 //   attnmix::layers::randomize_parameters(enc, seed);   // or attnmix::io::load(enc, file)
 //   enc.forward(x, out, {mask});            // x, out: [B, T, D]; mask [B, T] optional
 //
-// Causal stacks (every layer causal) also prefill a cache and decode token by token.
+// Causal stacks (every layer causal) also prefill a cache and decode token by token; an optional
+// slot mapping (layers::cache_slots) lets the rows of a call use any slots of the cache.
 // A layer whose kind has no implementation on the stack's backend is a compile-time error that
 // names the layer.
 
@@ -210,7 +211,7 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     if (!in.mask.has_value()) {
       const layers::token_layout L = layers::detail::make_layout(fn, x, in.cu_seqlens);
       std::vector<T> h(x.data(), x.data() + L.rows() * D);
-      run_blocks(h, L, nullptr, in.on_layer, be);
+      run_blocks(h, L, nullptr, nullptr, in.on_layer, be);
       norm.apply(h.data(), L.rows(), out.data(), be);
       return;
     }
@@ -230,7 +231,7 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     std::vector<T> h(static_cast<std::size_t>(L.tokens * D));
     for (std::size_t r = 0; r < src.size(); ++r)
       std::copy_n(x.data() + src[r] * D, D, h.data() + static_cast<index_t>(r) * D);
-    run_blocks(h, L, nullptr, in.on_layer, be);
+    run_blocks(h, L, nullptr, nullptr, in.on_layer, be);
     norm.apply(h.data(), L.tokens, h.data(), be);
     std::fill(out.data(), out.data() + B * Tn * D, T(0));
     for (std::size_t r = 0; r < src.size(); ++r)
@@ -244,59 +245,34 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   }
 
   // Causal stacks: forward over prompts (x [B, T, D], or packed with cu_seqlens) that fills
-  // `cache` (sequence n -> slot n, replacing its content).
+  // `cache`: sequence n -> slot n, replacing its content.
   void prefill(const view3<const T>& x, const view3<T>& out, cache_type& cache,
                const view1<const std::int32_t>& cu_seqlens = {},
                const Backend& be = Backend{}) const {
-    static_assert(causal, "attnmix::stack: only stacks of causal layers prefill a cache");
-    const std::string fn = "attnmix::stack::prefill";
-    const index_t D = cfg_.hidden_size;
-    layers::detail::check_activation(fn, "x", x, D);
-    layers::detail::check_activation(fn, "out", out, D);
-    layers::detail::check_same_shape(fn, out, x);
-    attnmix::detail::check_no_alias(fn, "out", out, "x", x);
-    const layers::token_layout L = layers::detail::make_layout(fn, x, cu_seqlens);
-    const auto& c0 = std::get<0>(cache);
-    attnmix::detail::require(L.num_sequences() <= c0.sequences(), fn, "cache", "holds ",
-                             c0.sequences(), " sequences but the batch has ", L.num_sequences());
-    for (index_t n = 0; n < L.num_sequences(); ++n)
-      attnmix::detail::require(L.seq(n).length <= c0.capacity(), fn, "cache", "has capacity ",
-                               c0.capacity(), " but sequence ", n, " has ", L.seq(n).length,
-                               " tokens");
-    std::vector<T> h(x.data(), x.data() + L.rows() * D);
-    run_blocks(h, L, &cache, {}, be);
-    norm.apply(h.data(), L.rows(), out.data(), be);
+    prefill_impl(x, out, cache, {}, cu_seqlens, be);
+  }
+  // The same with a slot mapping: sequence n -> slot slots[n] of every layer's cache (distinct,
+  // in range, one per sequence); only those slots are replaced, the others keep their sequences.
+  // Throws attnmix::error naming 'slots' (and changes neither `out` nor the cache) on a bad one.
+  void prefill(const view3<const T>& x, const view3<T>& out, cache_type& cache,
+               const layers::cache_slots& slots, const view1<const std::int32_t>& cu_seqlens = {},
+               const Backend& be = Backend{}) const {
+    prefill_impl(x, out, cache, slots.slots, cu_seqlens, be);
   }
 
   // Causal stacks: one new token per cached sequence. x, out: [N, 1, D], N = the cache's
   // sequences. Row n of out equals the full forward's output at that token.
   void decode(const view3<const T>& x, const view3<T>& out, cache_type& cache,
               const Backend& be = Backend{}) const {
-    static_assert(causal, "attnmix::stack: only stacks of causal layers decode");
-    const std::string fn = "attnmix::stack::decode";
-    const index_t D = cfg_.hidden_size;
-    layers::detail::check_activation(fn, "x", x, D);
-    layers::detail::check_activation(fn, "out", out, D);
-    layers::detail::check_same_shape(fn, out, x);
-    attnmix::detail::check_no_alias(fn, "out", out, "x", x);
-    const auto& c0 = std::get<0>(cache);
-    attnmix::detail::require(x.extent(1) == 1 && x.extent(0) == c0.sequences(), fn, "x",
-                             "must be [N, 1, D] with N = ", c0.sequences(),
-                             " (the cache's sequences) but has shape ", attnmix::shape_string(x));
-    for (index_t n = 0; n < c0.sequences(); ++n)
-      attnmix::detail::require(c0.length(n) < c0.capacity(), fn, "cache", "sequence ", n,
-                               " is full (capacity ", c0.capacity(), ")");
-    const index_t N = x.extent(0);
-    std::vector<T> h(x.data(), x.data() + N * D), t(h.size()), m(h.size());
-    for_each_block([&](auto& b, auto I) {
-      b.attn_norm.apply(h.data(), N, t.data(), be);
-      b.attn.decode_rows(t.data(), m.data(), N, std::get<decltype(I)::value>(cache), be);
-      add(h, m);
-      b.mlp_norm.apply(h.data(), N, t.data(), be);
-      b.mlp.apply(t.data(), N, m.data(), be);
-      add(h, m);
-    });
-    norm.apply(h.data(), N, out.data(), be);
+    decode_impl(x, out, cache, {}, be);
+  }
+  // The same with a slot mapping: x, out [N, 1, D] with N = slots' length; row n is the next
+  // token of the sequence in slot slots[n] (any distinct slots, in any order); the other slots
+  // do not move. Throws attnmix::error naming 'slots' (and changes neither `out` nor the cache)
+  // on a bad mapping.
+  void decode(const view3<const T>& x, const view3<T>& out, cache_type& cache,
+              const layers::cache_slots& slots, const Backend& be = Backend{}) const {
+    decode_impl(x, out, cache, slots.slots, be);
   }
 
   // Visits every parameter as f(name, parameter<T>&) (or parameter<accum_t<T>>&).
@@ -348,6 +324,56 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     for_each_block_of(*this, f);
   }
 
+  void check_rows(const std::string& fn, const view3<const T>& x, const view3<T>& out) const {
+    const index_t D = cfg_.hidden_size;
+    layers::detail::check_activation(fn, "x", x, D);
+    layers::detail::check_activation(fn, "out", out, D);
+    layers::detail::check_same_shape(fn, out, x);
+    attnmix::detail::check_no_alias(fn, "out", out, "x", x);
+  }
+
+  // Everything is checked before any layer runs, so a rejected call writes nothing.
+  void prefill_impl(const view3<const T>& x, const view3<T>& out, cache_type& cache,
+                    const view1<const std::int32_t>& slots,
+                    const view1<const std::int32_t>& cu_seqlens, const Backend& be) const {
+    static_assert(causal, "attnmix::stack: only stacks of causal layers prefill a cache");
+    const std::string fn = "attnmix::stack::prefill";
+    const index_t D = cfg_.hidden_size;
+    check_rows(fn, x, out);
+    const layers::token_layout L = layers::detail::make_layout(fn, x, cu_seqlens);
+    const auto& c0 = std::get<0>(cache);
+    const std::vector<index_t> where =
+        layers::detail::prefill_slots(fn, slots, L.num_sequences(), c0.sequences());
+    for (index_t n = 0; n < L.num_sequences(); ++n)
+      attnmix::detail::require(L.seq(n).length <= c0.capacity(), fn, "cache", "has capacity ",
+                               c0.capacity(), " but sequence ", n, " has ", L.seq(n).length,
+                               " tokens");
+    std::vector<T> h(x.data(), x.data() + L.rows() * D);
+    run_blocks(h, L, &cache, &where, {}, be);
+    norm.apply(h.data(), L.rows(), out.data(), be);
+  }
+
+  void decode_impl(const view3<const T>& x, const view3<T>& out, cache_type& cache,
+                   const view1<const std::int32_t>& slots, const Backend& be) const {
+    static_assert(causal, "attnmix::stack: only stacks of causal layers decode");
+    const std::string fn = "attnmix::stack::decode";
+    const index_t D = cfg_.hidden_size;
+    check_rows(fn, x, out);
+    const std::vector<index_t> where =
+        layers::detail::decode_slots(fn, slots, x, std::get<0>(cache));
+    const index_t N = x.extent(0);
+    std::vector<T> h(x.data(), x.data() + N * D), t(h.size()), m(h.size());
+    for_each_block([&](auto& b, auto I) {
+      b.attn_norm.apply(h.data(), N, t.data(), be);
+      b.attn.decode_rows(t.data(), m.data(), N, std::get<decltype(I)::value>(cache), where, be);
+      add(h, m);
+      b.mlp_norm.apply(h.data(), N, t.data(), be);
+      b.mlp.apply(t.data(), N, m.data(), be);
+      add(h, m);
+    });
+    norm.apply(h.data(), N, out.data(), be);
+  }
+
   template <std::size_t... I>
   cache_type make_cache_impl(index_t n, index_t cap, std::index_sequence<I...>) const {
     return cache_type(std::get<I>(blocks_).attn.make_cache(n, cap)...);
@@ -358,7 +384,9 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   }
 
   // h: [rows, D] residual stream, updated in place through every block.
+  // cache, slots: prefill (sequence n -> slot (*slots)[n]); both null: forward only.
   void run_blocks(std::vector<T>& h, const layers::token_layout& L, cache_type* cache,
+                  const std::vector<index_t>* slots,
                   const std::function<void(index_t, const char*, double)>& on_layer,
                   const Backend& be) const {
     const index_t rows = L.rows();
@@ -369,7 +397,8 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
       b.attn_norm.apply(h.data(), rows, t.data(), be);
       if constexpr (causal) {
         if (cache != nullptr)
-          b.attn.prefill_rows(t.data(), m.data(), L, std::get<decltype(I)::value>(*cache), be);
+          b.attn.prefill_rows(t.data(), m.data(), L, std::get<decltype(I)::value>(*cache), *slots,
+                              be);
         else
           b.attn.forward_rows(t.data(), m.data(), L, be);
       } else {
@@ -386,6 +415,7 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
       }
     });
     (void)cache;
+    (void)slots;
   }
 };
 
