@@ -23,6 +23,7 @@ struct dims {
   long D, HQ, H, d;
   double norm_eps = 1e-6, head_eps = 1e-5, rope_theta = 10000;
   long w_rank = 32;
+  long window = 0;  // SA / FoX sliding window (softmax_problem::window); 0: none
 };
 
 // Sequences of a batch: B rows of T tokens, or packed offsets (B == 1).
@@ -140,6 +141,7 @@ inline vec attention_mixer(const params& p, const std::string& pre, const vec& x
   if (rope_on) rope(q, L, m.HQ, m.d, m.rope_theta), rope(k, L, m.H, m.d, m.rope_theta);
   auto prob = sp(m, L);
   prob.causal = causal;
+  prob.window = m.window;
   vec g;
   if (fox) {
     g = proj(p, pre + "f_proj", x, rows, m.D);

@@ -1,5 +1,6 @@
 // Each mixer layer against its float64 oracle (dense and packed batches, float and double), the
-// MLPs, and decoding against the full forward for every cached layer.
+// MLPs, decoding against the full forward for every cached layer (with and without a sliding
+// window), and caches addressed through slot mappings.
 
 #include <functional>
 #include <limits>
@@ -189,6 +190,67 @@ TEST_CASE("decoding equals the full forward for every cached layer", "[layers][d
   }
 }
 
+L::config windowed(L::config c, index_t window) {
+  c.window = window;
+  return c;
+}
+
+TEST_CASE("sliding-window SA and FoX mixers match the float64 oracle", "[layers][window]") {
+  check_mixer<attnmix::layer::sa>(windowed(small_config(4, 2), 3), attention_oracle(false, false),
+                                  51);
+  check_mixer<attnmix::layer::causal_sa>(windowed(small_config(4, 4), 5),
+                                         attention_oracle(true, false), 52);
+  check_mixer<attnmix::layer::fox>(windowed(small_config(4, 2), 1), attention_oracle(true, true),
+                                   53);
+  check_mixer<rope_sa>(windowed(small_config(4, 2), 7),
+                       attention_oracle(true, false, true, true, true), 54);
+  check_mixer<gated_fox>(windowed(small_config(4, 2), 4),
+                         attention_oracle(true, true, false, true, true), 55);
+}
+
+TEST_CASE("windowed decoding equals the windowed forward", "[layers][window][decode]") {
+  // T = 19 in check_decode: windows below, at and beyond the sequence length.
+  for (index_t W : {index_t{1}, index_t{3}, index_t{19}, index_t{25}}) {
+    for (index_t P : {index_t{0}, index_t{1}, index_t{8}}) {
+      check_decode<attnmix::layer::causal_sa>(windowed(small_config(4, 2), W), P, 61);
+      check_decode<rope_sa>(windowed(small_config(4, 2), W), P, 62);
+      check_decode<attnmix::layer::fox>(windowed(small_config(4, 4), W), P, 63);
+      check_decode<gated_fox>(windowed(small_config(4, 2), W), P, 64);
+    }
+  }
+}
+
+template <class Layer>
+void check_layer_slots(const L::config& c, std::uint64_t salt) {
+  typename Layer::template type<double> m(c);
+  L::randomize_parameters(m, test_seed() ^ salt, 0.15, 0.3);
+  INFO("layer " << Layer::name);
+  check_slot_mapping(m, c.hidden_size, salt);
+}
+
+TEST_CASE("layer caches through a slot mapping equal each sequence alone", "[layers][slots]") {
+  check_layer_slots<attnmix::layer::causal_sa>(small_config(4, 2), 71);
+  check_layer_slots<attnmix::layer::causal_sa>(windowed(small_config(4, 2), 3), 72);
+  check_layer_slots<gated_fox>(windowed(small_config(4, 2), 2), 73);
+  check_layer_slots<attnmix::layer::path>(small_config(3, 3), 74);
+  check_layer_slots<attnmix::layer::path_fox>(small_config(4, 2), 75);
+  check_layer_slots<attnmix::layer::linear_causal>(small_config(4, 2), 76);
+  check_layer_slots<causal_gbla>(small_config(2, 2), 77);
+}
+
+TEST_CASE("layers reject bad slot mappings and leave the cache as it was", "[layers][slots]") {
+  const auto run = [](auto tag, const L::config& c, std::uint64_t salt) {
+    using Layer = decltype(tag);
+    typename Layer::template type<double> m(c);
+    L::randomize_parameters(m, test_seed() ^ salt, 0.15, 0.3);
+    INFO("layer " << Layer::name);
+    check_bad_slots(m, c.hidden_size, std::string("attnmix::layers::") + m.name, salt);
+  };
+  run(attnmix::layer::fox{}, windowed(small_config(4, 2), 2), 81);
+  run(attnmix::layer::path_fox{}, small_config(4, 2), 82);
+  run(causal_gbla{}, small_config(2, 2), 83);
+}
+
 TEST_CASE("MLPs and the short convolution match plain loops", "[layers]") {
   rng r(41);
   INFO("seed " << test_seed());
@@ -250,6 +312,7 @@ TEST_CASE("layers reject bad arguments with attnmix::error", "[layers][errors]")
   L::config broken = c;
   broken.num_kv_heads = 3;
   ATTNMIX_CHECK_ERROR((void)attnmix::layer::gbla::type<float>{broken}, "num_kv_heads");
+  ATTNMIX_CHECK_ERROR((void)attnmix::layer::fox::type<float>{windowed(c, -1)}, "config.window");
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Hybrid stacks: the [SA, GBLA, GBLA] encoder and causal stacks against the float64 oracle,
-// padded / left-padded / varlen batches agreeing at valid positions, and whole-stack decoding
-// against the full forward.
+// padded / left-padded / varlen batches agreeing at valid positions, whole-stack decoding
+// against the full forward (with and without a sliding window), and caches addressed through
+// slot mappings.
 
 #include <string>
 #include <vector>
@@ -15,8 +16,9 @@ namespace L = attnmix::layers;
 using attnmix::repeat;
 namespace layer = attnmix::layer;
 
-L::config stack_config() {
+L::config stack_config(index_t window = 0) {
   L::config c;
+  c.window = window;
   c.hidden_size = 32;
   c.num_heads = 4;
   c.num_kv_heads = 2;
@@ -30,10 +32,10 @@ std::vector<std::string> names_of(const std::vector<const char*>& n) {
 }
 
 template <class Stack>
-void check_against_oracle(std::uint64_t salt) {
+void check_against_oracle(std::uint64_t salt, index_t window = 0) {
   rng r(salt);
-  INFO("seed " << test_seed() << " salt " << salt);
-  const L::config c = stack_config();
+  INFO("seed " << test_seed() << " salt " << salt << " window " << window);
+  const L::config c = stack_config(window);
   Stack s(c);
   L::randomize_parameters(s, test_seed() ^ salt, 0.15, 0.3);
   auto x = random_activations<double>(r, 2, 29, c.hidden_size);
@@ -48,6 +50,8 @@ void check_against_oracle(std::uint64_t salt) {
 TEST_CASE("hybrid encoder and causal stacks match the float64 oracle", "[stack]") {
   check_against_oracle<attnmix::stack<double, repeat<2, layer::sa, layer::gbla, layer::gbla>>>(1);
   check_against_oracle<attnmix::stack<double, layer::path_fox, layer::fox, layer::bla>>(2);
+  check_against_oracle<attnmix::stack<double, layer::sa, layer::gbla, layer::sa>>(3, 5);
+  check_against_oracle<attnmix::stack<double, layer::path_fox, layer::fox, layer::causal_sa>>(4, 3);
   CHECK(attnmix::stack<float, repeat<3, layer::sa, layer::gbla, layer::gbla>>::num_layers == 9);
 }
 
@@ -118,10 +122,10 @@ TEST_CASE("padded, left-padded and varlen encoder batches agree at valid positio
 }
 
 template <class Stack>
-void check_stack_decode(index_t P, std::uint64_t salt) {
+void check_stack_decode(index_t P, std::uint64_t salt, index_t window = 0) {
   rng r(salt);
-  INFO("seed " << test_seed() << " salt " << salt << " prefill " << P);
-  const L::config c = stack_config();
+  INFO("seed " << test_seed() << " salt " << salt << " prefill " << P << " window " << window);
+  const L::config c = stack_config(window);
   const index_t N = 2, T = 17, D = c.hidden_size;
   Stack s(c);
   L::randomize_parameters(s, test_seed() ^ salt, 0.15, 0.3);
@@ -160,6 +164,42 @@ TEST_CASE("causal stacks decode token by token as the full forward", "[stack][de
                             layer::linear_causal>;
   check_stack_decode<lm>(0, 21);
   check_stack_decode<lm>(6, 22);
+  check_stack_decode<lm>(0, 23, 4);
+  check_stack_decode<lm>(6, 24, 4);
+  check_stack_decode<lm>(6, 25, 1);
+}
+
+// A causal GBLA layer (conv state, key-gate lse, gated norm) for the slot tests.
+struct causal_gbla_policy : L::gbla_layer_policy {
+  using kind = attnmix::kind::linear_causal;
+  using core = attnmix::with_gated_norm<
+      attnmix::with_key_gate<attnmix::linear_causal_policy, attnmix::key_gate::per_head>,
+      attnmix::gated_norm::per_head>;
+  static constexpr const char* name = "causal_gbla";
+};
+template <class T>
+using causal_gbla_layer = L::linear_layer<T, causal_gbla_policy>;
+using causal_gbla = attnmix::layer::custom<attnmix::kind::linear_causal, causal_gbla_layer>;
+
+// Every kind of layer cache: PaTH key cache and conv state, KV caches, linear states.
+using slot_lm = attnmix::stack<double, layer::path_fox, layer::fox, layer::causal_sa, layer::path,
+                               layer::linear_causal, causal_gbla>;
+
+TEST_CASE("stack caches through a slot mapping equal each sequence alone", "[stack][slots]") {
+  for (index_t window : {index_t{0}, index_t{3}}) {
+    INFO("window " << window);
+    const L::config c = stack_config(window);
+    slot_lm s(c);
+    L::randomize_parameters(s, test_seed() ^ 31, 0.15, 0.3);
+    check_slot_mapping(s, c.hidden_size, 31 + static_cast<std::uint64_t>(window));
+  }
+}
+
+TEST_CASE("stacks reject bad slot mappings and leave the cache as it was", "[stack][slots]") {
+  const L::config c = stack_config(2);
+  slot_lm s(c);
+  L::randomize_parameters(s, test_seed() ^ 41, 0.15, 0.3);
+  check_bad_slots(s, c.hidden_size, "attnmix::stack", 41);
 }
 
 TEST_CASE("stack arguments are checked", "[stack][errors]") {
