@@ -52,15 +52,18 @@ struct path_kernel_params {
 };
 
 // The UT transform of one (chunk, KV head, sequence) = (blockIdx.x, .y, .z); 256 threads.
-// Shared memory (floats): W [C][D+1], L [C][C+1], X [C][D+C+1] (= [beta W | R], solved in place
-// into [U | M]; K sits in X's first D columns until the Gram products are done). D <= Dmax (64 or
+// Shared memory (floats): W [C][Dr+4], L [C][C+1], X [C][Dr+C+4] (= [beta W | R], solved in place
+// into [U | M]; K sits in X's first Dr columns until the Gram products are done). D <= Dmax (64 or
 // 128). 66 KB at D = 64: three blocks per SM.
 template <class T, class KT, class TU, int Dmax>
 __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_params p) {
   constexpr int C = path_chunk, threads = 256;
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   __shared__ float sbeta[C];
-  const int D = p.a.head_dim, ld = D + 1, ldx = D + C + 1, cols = D + C, tid = threadIdx.x;
+  // Rows are padded to Dr = D rounded up to 4 (zeros) so that the Gram products read float4s;
+  // M starts at column Dr of X. Strides of 4 (mod 32) keep the float4 reads conflict-free.
+  const int D = p.a.head_dim, Dr = (D + 3) & ~3, ld = Dr + 4, ldx = Dr + C + 4, cols = Dr + C;
+  const int tid = threadIdx.x;
   float* sw = smem;
   float* sl = sw + C * ld;
   float* sx = sl + C * (C + 1);
@@ -76,9 +79,9 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
   const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] + t0 * p.a.k_stride[1] +
                h * p.a.k_stride[2];
   const float* w = p.w + batch * p.w_stride[0] + t0 * p.w_stride[1] + h * p.w_stride[2];
-  for (int idx = tid; idx < C * D; idx += threads) {
-    const int a = idx / D, d = idx % D;
-    const bool ok = a < n;
+  for (int idx = tid; idx < C * Dr; idx += threads) {
+    const int a = idx / Dr, d = idx % Dr;
+    const bool ok = a < n && d < D;
     sw[a * ld + d] = ok ? w[a * p.w_stride[1] + d] : 0.f;
     sx[a * ldx + d] = ok ? to_float(k[a * p.a.k_stride[1] + d]) : 0.f;  // K, for now
   }
@@ -92,19 +95,21 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
   {
     const int ty = tid / 16, tx = tid % 16;
     float gl[4][4] = {}, gr[4][4] = {};
-    for (int d = 0; d < D; ++d) {
-      float wa[4], wb[4], kb[4];
+    for (int d = 0; d < Dr; d += 4) {
+      float4 wa[4], wb[4], kb[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        wa[i] = sw[(ty + 16 * i) * ld + d];
-        wb[i] = sw[(tx + 16 * i) * ld + d];
-        kb[i] = sx[(tx + 16 * i) * ldx + d];
+        wa[i] = *reinterpret_cast<const float4*>(sw + (ty + 16 * i) * ld + d);
+        wb[i] = *reinterpret_cast<const float4*>(sw + (tx + 16 * i) * ld + d);
+        kb[i] = *reinterpret_cast<const float4*>(sx + (tx + 16 * i) * ldx + d);
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j <= i; ++j)  // rows 16 i + ty > columns 16 j + tx needs j <= i
-          gl[i][j] += wa[i] * wb[j], gr[i][j] += wa[i] * kb[j];
+        for (int j = 0; j <= i; ++j) {  // rows 16 i + ty > columns 16 j + tx needs j <= i
+          gl[i][j] += wa[i].x * wb[j].x + wa[i].y * wb[j].y + wa[i].z * wb[j].z + wa[i].w * wb[j].w;
+          gr[i][j] += wa[i].x * kb[j].x + wa[i].y * kb[j].y + wa[i].z * kb[j].z + wa[i].w * kb[j].w;
+        }
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -113,13 +118,13 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
         const int a = ty + 16 * i, b = tx + 16 * j;
         const bool lower = a > b;
         sl[a * (C + 1) + b] = lower ? sbeta[a] * gl[i][j] : 0.f;
-        sx[a * ldx + D + b] = lower ? sbeta[a] * gr[i][j] : 0.f;
+        sx[a * ldx + Dr + b] = lower ? sbeta[a] * gr[i][j] : 0.f;
       }
   }
   __syncthreads();  // K is no longer read: beta W takes its place
-  for (int idx = tid; idx < C * D; idx += threads) {
-    const int a = idx / D, d = idx % D;
-    sx[a * ldx + d] = sbeta[a] * sw[a * ld + d];
+  for (int idx = tid; idx < C * Dr; idx += threads) {
+    const int a = idx / Dr, d = idx % Dr;
+    sx[a * ldx + d] = sbeta[a] * sw[a * ld + d];  // zero in the padding columns
   }
   __syncthreads();
 
@@ -177,7 +182,7 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
     for (int r = ty + 1; r < n; ++r) {
       float mr[4], wr[J];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) mr[i] = r > ty + 16 * i ? sx[r * ldx + D + ty + 16 * i] : 0.f;
+      for (int i = 0; i < 4; ++i) mr[i] = r > ty + 16 * i ? sx[r * ldx + Dr + ty + 16 * i] : 0.f;
 #pragma unroll
       for (int j = 0; j < J; ++j) wr[j] = tx + 16 * j < D ? sw[r * ld + tx + 16 * j] : 0.f;
 #pragma unroll
@@ -195,12 +200,13 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
       }
   }
   for (int idx = tid; idx < n * C; idx += threads)
-    m[idx] = from_float<TU>(sx[(idx / C) * ldx + D + idx % C]);
+    m[idx] = from_float<TU>(sx[(idx / C) * ldx + Dr + idx % C]);
 }
 
 inline int path_prepare_smem_bytes(int D) {
   constexpr int C = path_chunk;
-  return static_cast<int>(sizeof(float)) * (C * (D + 1) + C * (C + 1) + C * (D + C + 1));
+  const int Dr = (D + 3) & ~3;
+  return static_cast<int>(sizeof(float)) * (C * (Dr + 4) + C * (C + 1) + C * (Dr + C + 4));
 }
 
 // Sum over the four threads of a row of x . y, each thread holding elements part + 4 e.
@@ -369,7 +375,7 @@ __global__ void __launch_bounds__(256)
     path_key_cache_kernel(const path_kernel_params p, Out* out, index_t out_s0, index_t out_s1,
                           index_t out_s2, const std::int32_t* slot_of) {
   constexpr int C = path_chunk, threads = 256;
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   const int D = p.a.head_dim, lds = D + 1, tid = threadIdx.x, h = blockIdx.x;
   float* S = smem;         // [D][D+1]
   float* Y = S + D * lds;  // [D][C+1]  S W_c^T
