@@ -202,6 +202,8 @@ void path_decode_step(device_path_cache<Store>& cache, const attention_args<T>& 
   dc::check_device_pointer(fn, "out", args.out);
   dc::check_device_pointer(fn, "lse", args.lse);
   constexpr bool gated = kind_traits<Kind>::uses_forget_gate;
+  detail::require(prob.batch <= 65535, fn, "q", "holds ", prob.batch,
+                  " sequences but a CUDA decoding step takes at most 65535");
   detail::require(!gated || prob.group() <= 32, fn, "q", "has ", prob.group(),
                   " query heads per key/value head; decoding with a forget gate supports <= 32");
   using Dev = dc::device_t<T>;
