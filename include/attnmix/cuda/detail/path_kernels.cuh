@@ -52,7 +52,7 @@ struct path_kernel_params {
 };
 
 // The UT transform of one (chunk, KV head, sequence) = (blockIdx.x, .y, .z); 256 threads.
-// Shared memory (floats): W [C][Dr+4], L [C][C+1], X [C][Dr+C+4] (= [beta W | R], solved in place
+// Shared memory (floats): W [C][Dr+4], L [C][C+4], X [C][Dr+C+4] (= [beta W | R], solved in place
 // into [U | M]; K sits in X's first Dr columns until the Gram products are done). D <= Dmax (64 or
 // 128). 66 KB at D = 64: three blocks per SM.
 template <class T, class KT, class TU, int Dmax>
@@ -63,10 +63,11 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
   // Rows are padded to Dr = D rounded up to 4 (zeros) so that the Gram products read float4s;
   // M starts at column Dr of X. Strides of 4 (mod 32) keep the float4 reads conflict-free.
   const int D = p.a.head_dim, Dr = (D + 3) & ~3, ld = Dr + 4, ldx = Dr + C + 4, cols = Dr + C;
+  constexpr int lds = C + 4;  // L's rows, 16-byte aligned for float4 reads
   const int tid = threadIdx.x;
   float* sw = smem;
   float* sl = sw + C * ld;
-  float* sx = sl + C * (C + 1);
+  float* sx = sl + C * lds;
 
   const int h = blockIdx.y;
   index_t batch, start, length;
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
       for (int j = 0; j < 4; ++j) {
         const int a = ty + 16 * i, b = tx + 16 * j;
         const bool lower = a > b;
-        sl[a * (C + 1) + b] = lower ? sbeta[a] * gl[i][j] : 0.f;
+        sl[a * lds + b] = lower ? sbeta[a] * gl[i][j] : 0.f;
         sx[a * ldx + Dr + b] = lower ? sbeta[a] * gr[i][j] : 0.f;
       }
   }
@@ -132,32 +133,35 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
   // the solved rows above contribute (all threads), then substitute within the block (a thread
   // per column, no synchronisation between its rows).
   for (int blk = 0; blk < C; blk += 16) {
-    if (blk > 0) {  // 2 rows x 4 columns (cols / 4 apart) per task
-      const int groups = (cols + 3) / 4;
-      for (int t = tid; t < 8 * groups; t += threads) {
-        const int r = blk + 2 * (t / groups), c = t % groups;
-        float acc[2][4] = {};
-        for (int b = 0; b < blk; ++b) {
-          const float l0 = sl[r * (C + 1) + b], l1 = sl[(r + 1) * (C + 1) + b];
+    if (blk > 0) {  // 2 rows x 4 consecutive columns per task, 4 solved rows per step
+      const int quads = cols / 4;
+      for (int t = tid; t < 8 * quads; t += threads) {
+        const int r = blk + 2 * (t / quads), c = 4 * (t % quads);
+        float4 acc0 = make_float4(0.f, 0.f, 0.f, 0.f), acc1 = acc0;
+        for (int b = 0; b < blk; b += 4) {
+          const float4 l0 = *reinterpret_cast<const float4*>(sl + r * lds + b);
+          const float4 l1 = *reinterpret_cast<const float4*>(sl + (r + 1) * lds + b);
+          const float lr0[4] = {l0.x, l0.y, l0.z, l0.w}, lr1[4] = {l1.x, l1.y, l1.z, l1.w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float x = c + j * groups < cols ? sx[b * ldx + c + j * groups] : 0.f;
-            acc[0][j] += l0 * x, acc[1][j] += l1 * x;
+          for (int q = 0; q < 4; ++q) {
+            const float4 x = *reinterpret_cast<const float4*>(sx + (b + q) * ldx + c);
+            acc0.x += lr0[q] * x.x, acc0.y += lr0[q] * x.y, acc0.z += lr0[q] * x.z,
+                acc0.w += lr0[q] * x.w;
+            acc1.x += lr1[q] * x.x, acc1.y += lr1[q] * x.y, acc1.z += lr1[q] * x.z,
+                acc1.w += lr1[q] * x.w;
           }
         }
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (c + j * groups < cols) {
-            sx[r * ldx + c + j * groups] -= acc[0][j];
-            sx[(r + 1) * ldx + c + j * groups] -= acc[1][j];
-          }
+        float4* x0 = reinterpret_cast<float4*>(sx + r * ldx + c);
+        float4* x1 = reinterpret_cast<float4*>(sx + (r + 1) * ldx + c);
+        x0->x -= acc0.x, x0->y -= acc0.y, x0->z -= acc0.z, x0->w -= acc0.w;
+        x1->x -= acc1.x, x1->y -= acc1.y, x1->z -= acc1.z, x1->w -= acc1.w;
       }
       __syncthreads();
     }
     for (int c = tid; c < cols; c += threads)
       for (int r = blk + 1; r < blk + 16; ++r) {
         float s = 0.f;
-        for (int b = blk; b < r; ++b) s += sl[r * (C + 1) + b] * sx[b * ldx + c];
+        for (int b = blk; b < r; ++b) s += sl[r * lds + b] * sx[b * ldx + c];
         sx[r * ldx + c] -= s;
       }
     __syncthreads();
@@ -173,31 +177,39 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
     u[idx] = from_float<TU>(sx[a * ldx + d]);
     if (wh != nullptr) wh[idx] = __float2half_rn(sw[a * ld + d]);
   }
-  // Row a of K~ is key a minus the later rows' M[r][a] w_r: keys a = ty + 16 i, elements
-  // d = tx + 16 j of this thread, Dmax / 16 of them.
+  // Row a of K~ is key a minus the later rows' M[r][a] w_r: keys a = 4 ty + i, elements
+  // d = 4 tx + 64 jj + e of this thread (float4 reads of M's and W's rows). Elements past D
+  // read other rows' (finite) data and are dropped.
   {
-    constexpr int J = Dmax / 16;
+    constexpr int J = Dmax / 64;
     const int ty = tid / 16, tx = tid % 16;
-    float acc[4][J] = {};
-    for (int r = ty + 1; r < n; ++r) {
-      float mr[4], wr[J];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) mr[i] = r > ty + 16 * i ? sx[r * ldx + Dr + ty + 16 * i] : 0.f;
-#pragma unroll
-      for (int j = 0; j < J; ++j) wr[j] = tx + 16 * j < D ? sw[r * ld + tx + 16 * j] : 0.f;
+    float acc[4][J][4] = {};
+    for (int r = 4 * ty + 1; r < n; ++r) {
+      const float4 mv = *reinterpret_cast<const float4*>(sx + r * ldx + Dr + 4 * ty);
+      float mr[4] = {mv.x, mv.y, mv.z, mv.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i)
+        if (r <= 4 * ty + i) mr[i] = 0.f;  // only later rows
 #pragma unroll
-        for (int j = 0; j < J; ++j) acc[i][j] += mr[i] * wr[j];
+      for (int jj = 0; jj < J; ++jj) {
+        const float4 wv = *reinterpret_cast<const float4*>(sw + r * ld + 4 * tx + 64 * jj);
+        const float wr[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][jj][e] += mr[i] * wr[e];
+      }
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int a = ty + 16 * i, d = tx + 16 * j;
-        if (a < n && d < D)
-          kt[a * D + d] = from_float<KT>(to_float(k[a * p.a.k_stride[1] + d]) - acc[i][j]);
-      }
+      for (int jj = 0; jj < J; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int a = 4 * ty + i, d = 4 * tx + 64 * jj + e;
+          if (a < n && d < D)
+            kt[a * D + d] = from_float<KT>(to_float(k[a * p.a.k_stride[1] + d]) - acc[i][jj][e]);
+        }
   }
   for (int idx = tid; idx < n * C; idx += threads)
     m[idx] = from_float<TU>(sx[(idx / C) * ldx + Dr + idx % C]);
@@ -206,7 +218,7 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
 inline int path_prepare_smem_bytes(int D) {
   constexpr int C = path_chunk;
   const int Dr = (D + 3) & ~3;
-  return static_cast<int>(sizeof(float)) * (C * (Dr + 4) + C * (C + 1) + C * (Dr + C + 4));
+  return static_cast<int>(sizeof(float)) * (C * (Dr + 4) + C * (C + 4) + C * (Dr + C + 4));
 }
 
 // Sum over the four threads of a row of x . y, each thread holding elements part + 4 e.
