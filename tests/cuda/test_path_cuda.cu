@@ -347,7 +347,26 @@ TEST_CASE("CUDA PaTH rejects what its kernels do not take", "[cuda][path][errors
   lying.w = attnmix::view4<const float>(host.data(), {1, T, H, D}, dev);
   CHECK(message(lying).find("argument 'w' is marked as device memory") != std::string::npos);
   for (float x : out.to_host()) CHECK(std::isnan(x));  // untouched
-  CHECK_THROWS_AS(attnmix::device_path_cache<float>(1, 8, 2, 1, 60, 64), attnmix::error);
+}
+
+TEST_CASE("device_path_cache checks its sizes before it allocates", "[cuda][path][errors]") {
+  // No device needed: every size is checked before the first CUDA call.
+  auto message = [](index_t slots, index_t cap, index_t hq, index_t h, index_t d, index_t dv) {
+    try {
+      attnmix::device_path_cache<attnmix::bfloat16> c(slots, cap, hq, h, d, dv);
+    } catch (const attnmix::error& e) {
+      return std::string(e.what());
+    } catch (const attnmix::cuda_error&) {
+      return std::string("allocation");
+    }
+    return std::string("accepted");
+  };
+  CHECK(message(0, 8, 2, 1, 64, 64).find("argument 'slots'") != std::string::npos);
+  CHECK(message(1, 0, 2, 1, 64, 64).find("argument 'capacity'") != std::string::npos);
+  CHECK(message(1, 8, 3, 2, 64, 64).find("argument 'q_heads'") != std::string::npos);
+  CHECK(message(1, 8, 2, 1, 60, 64).find("argument 'head_dim'") != std::string::npos);
+  CHECK(message(1, 8, 2, 1, 64, 136).find("argument 'value_dim'") != std::string::npos);
+  CHECK(message(1, 8, 2, 1, 64, 136).find("attnmix::device_path_cache") != std::string::npos);
 }
 
 TEST_CASE("CUDA decoding: drift of a bfloat16 cache over a long generation",
