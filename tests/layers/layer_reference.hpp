@@ -162,6 +162,10 @@ inline vec path_mixer(const params& p, const std::string& pre, const vec& x, con
   const long rows = L.B * L.T;
   vec q = proj(p, pre + "q_proj", x, rows, m.D), k = proj(p, pre + "k_proj", x, rows, m.D),
       v = proj(p, pre + "v_proj", x, rows, m.D);
+  if (has(p, pre + "maybe_q_norm.weight")) {  // fla's use_qk_norm: full-width RMSNorms
+    q = rms(q, m.HQ * m.d, get(p, pre + "maybe_q_norm.weight"), m.head_eps);
+    k = rms(k, m.H * m.d, get(p, pre + "maybe_k_norm.weight"), m.head_eps);
+  }
   vec w = has(p, pre + "w_proj.0.weight")
               ? proj(p, pre + "w_proj.1", proj(p, pre + "w_proj.0", x, rows, m.D), rows, m.w_rank)
               : proj(p, pre + "w_proj", x, rows, m.D);

@@ -129,8 +129,16 @@ struct causal_gbla_policy : L::gbla_layer_policy {
       attnmix::gated_norm::per_head>;
   static constexpr const char* name = "causal_gbla";
 };
+// PaTH-FoX with fla's use_qk_norm.
+struct normed_path_fox_policy : L::path_fox_layer_policy {
+  static constexpr bool qk_norm = true;
+  static constexpr const char* name = "normed_path_fox";
+};
 template <class T>
 using rope_sa_layer = L::attention_layer<T, rope_sa_policy>;
+template <class T>
+using normed_path_fox_layer = L::path_layer<T, normed_path_fox_policy>;
+using normed_path_fox = attnmix::layer::custom<attnmix::kind::path_fox, normed_path_fox_layer>;
 template <class T>
 using gated_fox_layer = L::attention_layer<T, gated_fox_policy>;
 template <class T>
@@ -168,6 +176,7 @@ TEST_CASE("PaTH mixers match the float64 oracle (low-rank and full w)", "[layers
   check_mixer<attnmix::layer::path>(small_config(3, 3), path_oracle(false), 11);
   check_mixer<attnmix::layer::path_fox>(small_config(4, 2), path_oracle(true), 12);
   check_mixer<attnmix::layer::path_fox>(small_config(2, 2), path_oracle(true), 13);
+  check_mixer<normed_path_fox>(small_config(4, 2), path_oracle(true), 14);
 }
 
 TEST_CASE("linear-attention mixers match the float64 oracle", "[layers]") {
@@ -185,6 +194,7 @@ TEST_CASE("decoding equals the full forward for every cached layer", "[layers][d
     check_decode<gated_fox>(small_config(4, 2), P, 33);
     check_decode<attnmix::layer::path>(small_config(3, 3), P, 34);
     check_decode<attnmix::layer::path_fox>(small_config(4, 2), P, 35);
+    check_decode<normed_path_fox>(small_config(4, 2), P, 38);
     check_decode<attnmix::layer::linear_causal>(small_config(4, 2), P, 36);
     check_decode<causal_gbla>(small_config(2, 2), P, 37);
   }

@@ -2,6 +2,7 @@
 // PaTH and PaTH-FoX mixer layers with fla's parameter names (fla/layers/path_attn.py;
 // spec/path_fox.md §2-3):
 //   q = q_proj x [HQ*d], k = k_proj x [H*d], v = v_proj x [H*d]            (no bias)
+//   optional qk-norm (Policy::qk_norm): q, k through RMSNorms of their full width
 //   w = w_proj x: rank-32 low-rank "w_proj.0" [r, D] then "w_proj.1" [H*d, r] under MHA
 //       (HQ == H), a full "w_proj" [H*d, D] under GQA (fla's rule);
 //       then the short conv "w_conv1d" [H*d, 1, 3] with SiLU (Policy::w_shortconv), restarting
@@ -25,6 +26,7 @@
 #include "attnmix/layers/detail/cpu_ops.hpp"
 #include "attnmix/layers/linear.hpp"
 #include "attnmix/layers/mixer.hpp"
+#include "attnmix/layers/norm.hpp"
 #include "attnmix/layers/short_conv.hpp"
 
 namespace attnmix {
@@ -35,6 +37,9 @@ struct path_layer_policy {
   using attention_policy = path_policy;
   static constexpr bool w_shortconv = true;
   static constexpr index_t conv_size = 3;
+  // fla's use_qk_norm: RMSNorm over the whole q [HQ*d] and k [H*d] ("maybe_q_norm",
+  // "maybe_k_norm"; eps config.head_norm_eps).
+  static constexpr bool qk_norm = false;
   static constexpr const char* name = "path";
 };
 struct path_fox_layer_policy : path_layer_policy {
@@ -90,6 +95,10 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
     }
     if constexpr (Policy::w_shortconv) w_conv1d = short_conv<T>(H_ * d_, Policy::conv_size, true);
     if constexpr (gated) g_proj = linear<T>(D_, HQ_, true);
+    if constexpr (Policy::qk_norm) {
+      maybe_q_norm = rms_norm<T>(HQ_ * d_, c.head_norm_eps);
+      maybe_k_norm = rms_norm<T>(H_ * d_, c.head_norm_eps);
+    }
   }
 
   index_t hidden_size() const { return D_; }
@@ -145,6 +154,7 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
   linear<T> w_proj_down;  // "w_proj.0" (low rank only)
   linear<T> w_proj;       // "w_proj.1" (low rank) or "w_proj"
   short_conv<T> w_conv1d;
+  rms_norm<T> maybe_q_norm, maybe_k_norm;  // Policy::qk_norm only
 
  private:
   struct inputs {
@@ -162,6 +172,10 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
       s.w_proj.visit_parameters(f, prefix + "w_proj.1.");
     } else {
       s.w_proj.visit_parameters(f, prefix + "w_proj.");
+    }
+    if constexpr (Policy::qk_norm) {
+      s.maybe_q_norm.visit_parameters(f, prefix + "maybe_q_norm.");
+      s.maybe_k_norm.visit_parameters(f, prefix + "maybe_k_norm.");
     }
     if constexpr (Policy::w_shortconv) s.w_conv1d.visit_parameters(f, prefix + "w_conv1d.");
     s.bt_proj.visit_parameters(f, prefix + "bt_proj.");
@@ -181,6 +195,10 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
     q_proj.apply(x, rows, in.q.data(), be);
     k_proj.apply(x, rows, in.k.data(), be);
     v_proj.apply(x, rows, in.v.data(), be);
+    if constexpr (Policy::qk_norm) {
+      maybe_q_norm.apply(in.q.data(), rows, in.q.data(), be);
+      maybe_k_norm.apply(in.k.data(), rows, in.k.data(), be);
+    }
     std::vector<T> w(static_cast<std::size_t>(rows * kv));
     if (low_rank_) {
       std::vector<T> r(static_cast<std::size_t>(rows * w_proj_down.out_features()));
