@@ -76,6 +76,13 @@ inline std::pair<const std::int32_t*, index_t> check_packed_batch(
 }
 
 // Checks everything attention() needs and returns the resolved sizes. Throws attnmix::error.
+// The factor of (G_i - G_j) in the logits of the gated kinds: the softmax scale when the gate
+// enters before it (PaTH-FoX's convention), else 1 (FoX's). Every backend uses this one.
+template <class Policy>
+double gate_coefficient(const attention_problem& p) {
+  return Policy::gate == gate_scaling::before_scale ? p.scale : 1.0;
+}
+
 template <class Kind, class T, class Backend>
 attention_problem validate_attention(const std::string& fn, const attention_args<T>& a,
                                      const attention_params& p) {

@@ -33,12 +33,6 @@ std::vector<double> gate_cumsum(const view3<const T>& g, const attention_problem
   return G;
 }
 
-// The factor in front of (G_i - G_j) in the logits.
-template <class Policy>
-double gate_coefficient(const attention_problem& p) {
-  return Policy::gate == gate_scaling::before_scale ? p.scale : 1.0;
-}
-
 }  // namespace cpu
 
 template <class Policy>
@@ -47,7 +41,7 @@ struct attention_impl<kind::fox, backend::cpu, Policy> {
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be) {
     cpu::require_cpu_scalar<T>();
     const std::vector<double> G = cpu::gate_cumsum(a.g, p);
-    cpu::flash_forward<Policy>(a, p, be, G.data(), cpu::gate_coefficient<Policy>(p));
+    cpu::flash_forward<Policy>(a, p, be, G.data(), gate_coefficient<Policy>(p));
   }
 };
 

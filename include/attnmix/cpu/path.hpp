@@ -364,7 +364,7 @@ struct attention_impl<kind::path_fox, backend::cpu, Policy> {
     cpu::require_cpu_scalar<T>();
     const std::vector<double> G = cpu::gate_cumsum(a.g, p);
     auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
-    cpu::path_forward(a, p, be, c, G.data(), cpu::gate_coefficient<Policy>(p));
+    cpu::path_forward(a, p, be, c, G.data(), gate_coefficient<Policy>(p));
   }
 };
 
@@ -392,7 +392,7 @@ struct path_cache_impl<backend::cpu> {
     auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
     if constexpr (kind_traits<Kind>::uses_forget_gate) {
       const std::vector<double> G = cpu::gate_cumsum(a.g, p);
-      cpu::path_forward(a, p, be, c, G.data(), cpu::gate_coefficient<Policy>(p));
+      cpu::path_forward(a, p, be, c, G.data(), gate_coefficient<Policy>(p));
     } else {
       cpu::path_forward(a, p, be, c, nullptr, 0.0);
     }
@@ -432,7 +432,7 @@ struct path_cache_impl<backend::cpu> {
                      const std::vector<index_t>& slots, const backend::cpu& be) {
     cpu::require_cpu_scalar<T>();
     constexpr bool gated = kind_traits<Kind>::uses_forget_gate;
-    const double coef = gated ? cpu::gate_coefficient<Policy>(p) : 0.0;
+    const double coef = gated ? gate_coefficient<Policy>(p) : 0.0;
     const index_t cap = cache.capacity(), H = p.kv_heads, HQ = p.q_heads, D = p.head_dim,
                   Dv = p.value_dim, tasks = p.batch * H;
     std::vector<index_t> lengths(static_cast<std::size_t>(p.batch));

@@ -20,8 +20,7 @@ struct attention_impl<kind::fox, backend::cuda, Policy> {
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cuda& be) {
     static_assert(!std::is_same_v<T, double>,
                   "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
-    const double coef = Policy::gate == gate_scaling::before_scale ? p.scale : 1.0;
-    cuda::run_attention<Policy>("attnmix::attention<fox>", a, p, be, coef);
+    cuda::run_attention<Policy>("attnmix::attention<fox>", a, p, be, gate_coefficient<Policy>(p));
   }
 };
 

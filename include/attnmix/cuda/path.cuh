@@ -21,7 +21,6 @@
 
 #include "attnmix/attention/attention.hpp"
 #include "attnmix/attention/path_cache.hpp"
-#include "attnmix/cuda/detail/path_decode.cuh"
 #include "attnmix/cuda/detail/path_launch.cuh"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -108,11 +107,6 @@ class device_path_cache : public detail::path_cache_base {
 namespace detail {
 
 template <class Policy>
-double path_gate_coefficient(const attention_problem& p) {
-  return Policy::gate == gate_scaling::before_scale ? p.scale : 1.0;
-}
-
-template <class Policy>
 struct attention_impl<kind::path, backend::cuda, Policy> {
   template <class T>
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cuda& be) {
@@ -128,7 +122,7 @@ struct attention_impl<kind::path_fox, backend::cuda, Policy> {
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cuda& be) {
     static_assert(!std::is_same_v<T, double>,
                   "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
-    cuda::run_path("attnmix::attention<path_fox>", a, p, be, path_gate_coefficient<Policy>(p));
+    cuda::run_path("attnmix::attention<path_fox>", a, p, be, gate_coefficient<Policy>(p));
   }
 };
 
@@ -171,10 +165,7 @@ void path_prefill(device_path_cache<Store>& cache, const attention_args<T>& args
   target.values = static_cast<DevStore*>(cache.raw_values());
   target.gates = cache.raw_gates();
   target.capacity = cache.capacity();
-  double coef = 0.0;
-  if constexpr (kind_traits<Kind>::uses_forget_gate)
-    coef = detail::path_gate_coefficient<Policy>(prob);
-  detail::cuda::run_path(fn, args, prob, backend, coef, target);
+  detail::cuda::run_path(fn, args, prob, backend, detail::gate_coefficient<Policy>(prob), target);
   for (index_t n = 0; n < prob.num_sequences; ++n)
     detail::path_cache_access::set_length(cache, where[static_cast<std::size_t>(n)],
                                           prob.seq(n).length);
@@ -192,90 +183,14 @@ void path_decode_step(device_path_cache<Store>& cache, const attention_args<T>& 
   const std::string fn = detail::path_fn<Kind>("path_decode_step");
   const auto [prob, where] =
       detail::check_path_decode<Kind, backend::cuda>(fn, cache, args, slots, params);
-  namespace dc = detail::cuda;
-  dc::check_device_pointer(fn, "q", args.q);
-  dc::check_device_pointer(fn, "k", args.k);
-  dc::check_device_pointer(fn, "v", args.v);
-  dc::check_device_pointer(fn, "w", args.w);
-  dc::check_device_pointer(fn, "beta", args.beta);
-  dc::check_device_pointer(fn, "g", args.g);
-  dc::check_device_pointer(fn, "out", args.out);
-  dc::check_device_pointer(fn, "lse", args.lse);
-  constexpr bool gated = kind_traits<Kind>::uses_forget_gate;
-  detail::require(prob.batch <= 65535, fn, "q", "holds ", prob.batch,
-                  " sequences but a CUDA decoding step takes at most 65535");
-  detail::require(!gated || prob.group() <= 32, fn, "q", "has ", prob.group(),
-                  " query heads per key/value head; decoding with a forget gate supports <= 32");
-  using Dev = dc::device_t<T>;
-  using DevStore = dc::device_t<Store>;
-  cudaStream_t stream = static_cast<cudaStream_t>(backend.stream);
-
-  std::vector<std::int32_t> rows(static_cast<std::size_t>(2 * prob.batch));
-  index_t longest = 0;
-  for (index_t n = 0; n < prob.batch; ++n) {
-    const index_t s = where[static_cast<std::size_t>(n)];
-    rows[static_cast<std::size_t>(2 * n)] = static_cast<std::int32_t>(s);
-    rows[static_cast<std::size_t>(2 * n + 1)] = static_cast<std::int32_t>(cache.length(s));
-    longest = std::max(longest, cache.length(s) + 1);
-  }
-  dc::path_decode_params p{};
-  p.block_keys = 256;
-  p.splits = static_cast<int>((longest + p.block_keys - 1) / p.block_keys);
-  const index_t HQ = prob.q_heads, Dv = prob.value_dim;
-  const std::size_t ml_bytes = static_cast<std::size_t>(prob.batch * HQ * p.splits * 2) * 4;
-  const std::size_t o_bytes = static_cast<std::size_t>(prob.batch * HQ * p.splits * Dv) * 4;
-  dc::stream_buffer work(ml_bytes + o_bytes + rows.size() * sizeof(std::int32_t), stream);
-  p.part_ml = reinterpret_cast<float*>(work.get());
-  p.part_o = reinterpret_cast<float*>(work.get() + ml_bytes);
-  auto* rows_dev = reinterpret_cast<std::int32_t*>(work.get() + ml_bytes + o_bytes);
-  dc::check(cudaMemcpyAsync(rows_dev, rows.data(), rows.size() * sizeof(std::int32_t),
-                            cudaMemcpyHostToDevice, stream),
-            "cudaMemcpyAsync(rows)");
-  p.rows = rows_dev;
-
-  p.q = args.q.data(), p.k = args.k.data(), p.v = args.v.data();
-  p.w = args.w.data(), p.beta = args.beta.data();
-  p.g = gated ? args.g.data() : nullptr;
-  p.q_s[0] = args.q.stride(0), p.q_s[1] = args.q.stride(2);
-  p.k_s[0] = args.k.stride(0), p.k_s[1] = args.k.stride(2);
-  p.v_s[0] = args.v.stride(0), p.v_s[1] = args.v.stride(2);
-  p.w_s[0] = args.w.stride(0), p.w_s[1] = args.w.stride(2);
-  p.beta_s[0] = args.beta.stride(0), p.beta_s[1] = args.beta.stride(2);
-  if (gated) p.g_s[0] = args.g.stride(0), p.g_s[1] = args.g.stride(2);
-  p.out = args.out.data();
-  p.out_s[0] = args.out.stride(0), p.out_s[1] = args.out.stride(2);
-  p.lse = args.lse.has_value() ? args.lse.data() : nullptr;
-  if (args.lse.has_value()) p.lse_s[0] = args.lse.stride(0), p.lse_s[1] = args.lse.stride(2);
-  p.keys = cache.raw_keys(), p.values = cache.raw_values(), p.gates = cache.raw_gates();
-  p.capacity = cache.capacity();
-  p.q_heads = static_cast<int>(HQ), p.kv_heads = static_cast<int>(prob.kv_heads);
-  p.group = static_cast<int>(prob.group());
-  p.head_dim = static_cast<int>(prob.head_dim), p.value_dim = static_cast<int>(Dv);
-  constexpr double log2e = 1.4426950408889634;
-  p.scale_log2 = static_cast<float>(prob.scale * log2e);
-  if constexpr (gated)
-    p.gate_coef_log2 = static_cast<float>(detail::path_gate_coefficient<Policy>(prob) * log2e);
-
-  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(prob.kv_heads),
-                  static_cast<unsigned>(prob.batch));
-  const bool narrow = std::max(prob.head_dim, Dv) <= 64;
-  const int dmax = narrow ? 64 : 128;
-  const std::size_t smem =
-      static_cast<std::size_t>(p.group * dmax + p.group * p.block_keys + 4 * dmax) * 4;
-  auto kernel = narrow ? dc::path_decode_kernel<Dev, DevStore, 64>
-                       : dc::path_decode_kernel<Dev, DevStore, 128>;
-  dc::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem)),
-            "cudaFuncSetAttribute");
-  kernel<<<grid, 128, smem, stream>>>(p);
-  dc::check(cudaGetLastError(), "path_decode_kernel launch");
-  dc::path_decode_combine_kernel<Dev>
-      <<<dim3(static_cast<unsigned>(HQ), static_cast<unsigned>(prob.batch)), 128, 0, stream>>>(p);
-  dc::check(cudaGetLastError(), "path_decode_combine_kernel launch");
-  for (index_t n = 0; n < prob.batch; ++n) {
-    const index_t s = where[static_cast<std::size_t>(n)];
-    detail::path_cache_access::set_length(cache, s, cache.length(s) + 1);
-  }
+  detail::cuda::decode_cache target{
+      cache.raw_keys(), cache.raw_values(), cache.raw_gates(), cache.capacity(), {}};
+  for (index_t s : where)
+    target.rows.push_back(
+        {static_cast<std::int32_t>(s), static_cast<std::int32_t>(cache.length(s))});
+  detail::cuda::run_path_decode<detail::cuda::device_t<Store>>(
+      fn, args, prob, target, detail::gate_coefficient<Policy>(prob), backend);
+  for (index_t s : where) detail::path_cache_access::set_length(cache, s, cache.length(s) + 1);
 }
 
 }  // namespace attnmix

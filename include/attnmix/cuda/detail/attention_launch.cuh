@@ -41,6 +41,47 @@ class stream_buffer {
   cudaStream_t stream_;
 };
 
+// The longest sequence of a problem (attention_problem or linear_attention_problem).
+template <class Problem>
+index_t longest_sequence(const Problem& p) {
+  index_t longest = 0;
+  for (index_t n = 0; n < p.num_sequences; ++n) longest = std::max(longest, p.seq(n).length);
+  return longest;
+}
+
+// Scratch bytes for the device copy of a problem's cu_seqlens: 0 for a dense batch, else padded
+// to 256 so that what follows it stays aligned.
+template <class Problem>
+std::size_t offsets_bytes(const Problem& p) {
+  if (p.cu_seqlens == nullptr) return 0;
+  return (static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t) + 255) / 256 * 256;
+}
+
+// Copies cu_seqlens (validated host memory) to dst on `stream`; returns the device copy, or
+// nullptr for a dense batch.
+template <class Problem>
+const std::int32_t* upload_offsets(unsigned char* dst, const Problem& p, cudaStream_t stream) {
+  if (p.cu_seqlens == nullptr) return nullptr;
+  check(cudaMemcpyAsync(dst, p.cu_seqlens,
+                        static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t),
+                        cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync(cu_seqlens)");
+  return reinterpret_cast<const std::int32_t*>(dst);
+}
+
+// Every view of `a` that is given must point to device memory (cudaPointerGetAttributes).
+template <class T>
+void check_device_pointers(const std::string& fn, const attention_args<T>& a) {
+  check_device_pointer(fn, "q", a.q);
+  check_device_pointer(fn, "k", a.k);
+  check_device_pointer(fn, "v", a.v);
+  check_device_pointer(fn, "w", a.w);
+  check_device_pointer(fn, "beta", a.beta);
+  check_device_pointer(fn, "g", a.g);
+  check_device_pointer(fn, "out", a.out);
+  check_device_pointer(fn, "lse", a.lse);
+}
+
 // True when `elems` consecutive elements of `elem_bytes` at every (batch, token, head) start
 // can be moved as one aligned vector.
 inline bool aligned_for_vectors(const void* p, index_t s0, index_t s1, index_t s2, int elems,
@@ -84,13 +125,10 @@ struct attention_setup {
 
 template <class T>
 std::size_t attention_scratch_bytes(const attention_args<T>& a, const attention_problem& p) {
-  const std::size_t cu_bytes =
-      p.cu_seqlens != nullptr ? static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t)
-                              : 0;
   const std::size_t gate_bytes =
       a.g.has_value() ? static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double)
                       : 0;
-  return (cu_bytes + 255) / 256 * 256 + gate_bytes;
+  return offsets_bytes(p) + gate_bytes;
 }
 
 // Fills `s.kp` and the scratch at the front of `s.scratch` (attention_scratch_bytes of it).
@@ -98,11 +136,7 @@ std::size_t attention_scratch_bytes(const attention_args<T>& a, const attention_
 template <class T>
 void setup_attention(attention_setup& s, const attention_args<T>& a, const attention_problem& p,
                      bool causal, double gate_coef, cudaStream_t stream) {
-  for (index_t n = 0; n < p.num_sequences; ++n) s.max_len = std::max(s.max_len, p.seq(n).length);
-  const std::size_t cu_bytes =
-      p.cu_seqlens != nullptr ? static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t)
-                              : 0;
-  const std::size_t cu_padded = (cu_bytes + 255) / 256 * 256;
+  s.max_len = longest_sequence(p);
   attention_kernel_params& kp = s.kp;
   kp.q = a.q.data(), kp.k = a.k.data(), kp.v = a.v.data(), kp.out = a.out.data();
   kp.lse = a.lse.has_value() ? a.lse.data() : nullptr;
@@ -119,13 +153,9 @@ void setup_attention(attention_setup& s, const attention_args<T>& a, const atten
   kp.window = p.window;
   kp.causal = causal;
   if (s.max_len == 0) return;
-  if (cu_bytes > 0) {
-    check(cudaMemcpyAsync(s.scratch.get(), p.cu_seqlens, cu_bytes, cudaMemcpyHostToDevice, stream),
-          "cudaMemcpyAsync(cu_seqlens)");
-    kp.cu_seqlens = reinterpret_cast<const std::int32_t*>(s.scratch.get());
-  }
+  kp.cu_seqlens = upload_offsets(s.scratch.get(), p, stream);
   if (a.g.has_value()) {
-    auto* G = reinterpret_cast<double*>(s.scratch.get() + cu_padded);
+    auto* G = reinterpret_cast<double*>(s.scratch.get() + offsets_bytes(p));
     kp.gate_cumsum = G;
     kp.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
     gate_cumsum_kernel<<<dim3(static_cast<unsigned>(p.q_heads),
@@ -141,12 +171,7 @@ template <class Policy, class T>
 void run_attention(const std::string& fn, const attention_args<T>& a, const attention_problem& p,
                    const backend::cuda& be, double gate_coef) {
   using Dev = device_t<T>;
-  check_device_pointer(fn, "q", a.q);
-  check_device_pointer(fn, "k", a.k);
-  check_device_pointer(fn, "v", a.v);
-  check_device_pointer(fn, "out", a.out);
-  check_device_pointer(fn, "g", a.g);
-  check_device_pointer(fn, "lse", a.lse);
+  check_device_pointers(fn, a);
   require(p.head_dim <= 256, fn, "q", "has head dim D = ", p.head_dim,
           " but the CUDA backend supports D <= 256");
   require(p.value_dim <= 256, fn, "v", "has head dim Dv = ", p.value_dim,

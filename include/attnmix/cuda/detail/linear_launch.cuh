@@ -65,8 +65,7 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
           " sequences but the CUDA backend supports at most 65535");
   if (p.num_sequences == 0) return;
 
-  index_t max_len = 0;
-  for (index_t n = 0; n < p.num_sequences; ++n) max_len = std::max(max_len, p.seq(n).length);
+  const index_t max_len = longest_sequence(p);
   const index_t N = p.num_sequences, H = p.kv_heads;
   // Without tokens only the states have something to say (fresh, or passed through).
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
@@ -79,9 +78,7 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
       std::max<index_t>(32, ((max_len + partials - 1) / partials + 31) / 32 * 32);
   partials = std::max<index_t>(1, (max_len + block_tokens - 1) / block_tokens);
 
-  const std::size_t cu_bytes =
-      p.cu_seqlens != nullptr ? static_cast<std::size_t>(N + 1) * sizeof(std::int32_t) : 0;
-  const std::size_t cu_padded = (cu_bytes + 255) / 256 * 256;
+  const std::size_t cu_padded = offsets_bytes(p);
   const std::size_t partial_bytes =
       causal ? 0
              : static_cast<std::size_t>(N * H * partials * partial_floats(int(D), int(Dv))) *
@@ -122,11 +119,7 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
       copy_strides(kp.lse_in_stride, si.lse);
   copy_strides(kp.S_out_stride, so.S), copy_strides(kp.z_out_stride, so.z),
       copy_strides(kp.lse_out_stride, so.lse);
-  if (cu_bytes > 0) {
-    check(cudaMemcpyAsync(scratch.get(), p.cu_seqlens, cu_bytes, cudaMemcpyHostToDevice, stream),
-          "cudaMemcpyAsync(cu_seqlens)");
-    kp.cu_seqlens = reinterpret_cast<const std::int32_t*>(scratch.get());
-  }
+  kp.cu_seqlens = upload_offsets(scratch.get(), p, stream);
 
   if constexpr (causal) {
     chunk_switch(D, [&](auto dc) {

@@ -204,11 +204,9 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
 #pragma unroll
     for (int i = 0; i < Dmax / 32; ++i) so[warp * Dmax + lane + 32 * i] = acc[i];
     __syncthreads();
-    if (warp == 0) {
+    if (warp == 0)  // each warp summed a quarter of the keys
       for (int e = lane; e < Dv; e += 32)
         po[g * p.splits * Dv + e] = so[e] + so[Dmax + e] + so[2 * Dmax + e] + so[3 * Dmax + e];
-      // every warp summed a quarter of the keys: add the other warps' sums through smem
-    }
     __syncthreads();
     if (lane == 0) so[warp] = sum;
     __syncthreads();

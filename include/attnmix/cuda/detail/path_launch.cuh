@@ -5,13 +5,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "attnmix/attention/args.hpp"
 #include "attnmix/attention/path_cache.hpp"
 #include "attnmix/cuda/detail/attention_launch.cuh"
+#include "attnmix/cuda/detail/path_decode.cuh"
 #include "attnmix/cuda/detail/path_kernels.cuh"
 #include "attnmix/cuda/detail/path_mma.cuh"
 #include "attnmix/cuda/detail/types.cuh"
@@ -139,14 +142,7 @@ template <class T, class Out = device_t<T>>
 void run_path(const std::string& fn, const attention_args<T>& a, const attention_problem& p,
               const backend::cuda& be, double gate_coef, key_cache_target<Out> cache = {}) {
   using Dev = device_t<T>;
-  check_device_pointer(fn, "q", a.q);
-  check_device_pointer(fn, "k", a.k);
-  check_device_pointer(fn, "v", a.v);
-  check_device_pointer(fn, "w", a.w);
-  check_device_pointer(fn, "beta", a.beta);
-  check_device_pointer(fn, "out", a.out);
-  check_device_pointer(fn, "g", a.g);
-  check_device_pointer(fn, "lse", a.lse);
+  check_device_pointers(fn, a);
   check_path_dims(fn, p);
 
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
@@ -205,23 +201,15 @@ void run_path_key_cache(const std::string& fn, const path_key_cache_args<T>& a,
   check_device_pointer(fn, "key_cache", a.key_cache);
   check_path_dims(fn, p);
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
-  index_t max_len = 0;
-  for (index_t n = 0; n < p.num_sequences; ++n) max_len = std::max(max_len, p.seq(n).length);
+  const index_t max_len = longest_sequence(p);
   if (max_len == 0) return;
-  const std::size_t cu_bytes =
-      p.cu_seqlens != nullptr ? static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t)
-                              : 0;
-  stream_buffer offsets(cu_bytes, stream);
+  stream_buffer offsets(offsets_bytes(p), stream);
   path_kernel_params kp{};
   kp.a.k = a.k.data();
   for (int i = 0; i < 3; ++i) kp.a.k_stride[i] = a.k.stride(i);
   kp.a.tokens = p.tokens;
   kp.a.head_dim = static_cast<int>(p.head_dim);
-  if (cu_bytes > 0) {
-    check(cudaMemcpyAsync(offsets.get(), p.cu_seqlens, cu_bytes, cudaMemcpyHostToDevice, stream),
-          "cudaMemcpyAsync(cu_seqlens)");
-    kp.a.cu_seqlens = reinterpret_cast<const std::int32_t*>(offsets.get());
-  }
+  kp.a.cu_seqlens = upload_offsets(offsets.get(), p, stream);
   set_householder(kp, a.w, a.beta, p.kv_heads);
   path_chunk_data<float, float> chunks(p, false, stream);
   chunks.attach(kp);
@@ -230,6 +218,86 @@ void run_path_key_cache(const std::string& fn, const path_key_cache_args<T>& a,
   target.keys = reinterpret_cast<Dev*>(a.key_cache.data());
   for (int i = 0; i < 3; ++i) target.stride[i] = a.key_cache.stride(i);
   launch_path_key_cache<Dev, float, float>(kp, p.num_sequences, target, stream);
+}
+
+// A device decoding cache as run_path_decode sees it; rows[n] = {slot, tokens held} of step row n.
+struct decode_cache {
+  void* keys;
+  void* values;
+  double* gates;
+  index_t capacity;
+  std::vector<std::array<std::int32_t, 2>> rows;
+};
+
+// One fused decoding step (cuda/detail/path_decode.cuh) over the cache's rows; DevStore is the
+// cache's element type. gate_coef: factor of (G_t - G_j), ignored without a.g.
+template <class DevStore, class T>
+void run_path_decode(const std::string& fn, const attention_args<T>& a,
+                     const attention_problem& prob, const decode_cache& cache, double gate_coef,
+                     const backend::cuda& be) {
+  using Dev = device_t<T>;
+  check_device_pointers(fn, a);
+  const bool gated = a.g.has_value();
+  require(prob.batch <= 65535, fn, "q", "holds ", prob.batch,
+          " sequences but a CUDA decoding step takes at most 65535");
+  require(!gated || prob.group() <= 32, fn, "q", "has ", prob.group(),
+          " query heads per key/value head; decoding with a forget gate supports <= 32");
+  cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
+
+  index_t longest = 0;
+  for (const auto& r : cache.rows) longest = std::max<index_t>(longest, r[1] + 1);
+  path_decode_params p{};
+  p.block_keys = 256;
+  p.splits = static_cast<int>((longest + p.block_keys - 1) / p.block_keys);
+  const index_t HQ = prob.q_heads, Dv = prob.value_dim;
+  const std::size_t ml_bytes = static_cast<std::size_t>(prob.batch * HQ * p.splits * 2) * 4;
+  const std::size_t o_bytes = static_cast<std::size_t>(prob.batch * HQ * p.splits * Dv) * 4;
+  const std::size_t rows_bytes = cache.rows.size() * sizeof(cache.rows[0]);
+  stream_buffer work(ml_bytes + o_bytes + rows_bytes, stream);
+  p.part_ml = reinterpret_cast<float*>(work.get());
+  p.part_o = reinterpret_cast<float*>(work.get() + ml_bytes);
+  auto* rows_dev = reinterpret_cast<std::int32_t*>(work.get() + ml_bytes + o_bytes);
+  check(cudaMemcpyAsync(rows_dev, cache.rows.data(), rows_bytes, cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync(rows)");
+  p.rows = rows_dev;
+
+  p.q = a.q.data(), p.k = a.k.data(), p.v = a.v.data();
+  p.w = a.w.data(), p.beta = a.beta.data();
+  p.g = gated ? a.g.data() : nullptr;
+  p.q_s[0] = a.q.stride(0), p.q_s[1] = a.q.stride(2);
+  p.k_s[0] = a.k.stride(0), p.k_s[1] = a.k.stride(2);
+  p.v_s[0] = a.v.stride(0), p.v_s[1] = a.v.stride(2);
+  p.w_s[0] = a.w.stride(0), p.w_s[1] = a.w.stride(2);
+  p.beta_s[0] = a.beta.stride(0), p.beta_s[1] = a.beta.stride(2);
+  if (gated) p.g_s[0] = a.g.stride(0), p.g_s[1] = a.g.stride(2);
+  p.out = a.out.data();
+  p.out_s[0] = a.out.stride(0), p.out_s[1] = a.out.stride(2);
+  p.lse = a.lse.has_value() ? a.lse.data() : nullptr;
+  if (a.lse.has_value()) p.lse_s[0] = a.lse.stride(0), p.lse_s[1] = a.lse.stride(2);
+  p.keys = cache.keys, p.values = cache.values, p.gates = cache.gates;
+  p.capacity = cache.capacity;
+  p.q_heads = static_cast<int>(HQ), p.kv_heads = static_cast<int>(prob.kv_heads);
+  p.group = static_cast<int>(prob.group());
+  p.head_dim = static_cast<int>(prob.head_dim), p.value_dim = static_cast<int>(Dv);
+  constexpr double log2e = 1.4426950408889634;
+  p.scale_log2 = static_cast<float>(prob.scale * log2e);
+  p.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
+
+  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(prob.kv_heads),
+                  static_cast<unsigned>(prob.batch));
+  const bool narrow = std::max(prob.head_dim, Dv) <= 64;
+  const int dmax = narrow ? 64 : 128;
+  const int smem = (p.group * dmax + p.group * p.block_keys + 4 * dmax) * 4;
+  auto kernel =
+      narrow ? path_decode_kernel<Dev, DevStore, 64> : path_decode_kernel<Dev, DevStore, 128>;
+  if (smem > 48 * 1024)  // the default limit; only wide GQA groups need more (not per step)
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+          "cudaFuncSetAttribute");
+  kernel<<<grid, 128, smem, stream>>>(p);
+  check(cudaGetLastError(), "path_decode_kernel launch");
+  path_decode_combine_kernel<Dev>
+      <<<dim3(static_cast<unsigned>(HQ), static_cast<unsigned>(prob.batch)), 128, 0, stream>>>(p);
+  check(cudaGetLastError(), "path_decode_combine_kernel launch");
 }
 
 }  // namespace cuda
