@@ -34,23 +34,48 @@ struct householder_inputs {
   }
 };
 
+// Random inputs of a [B, T, H, D] PaTH-FoX call (HQ = H, bf16 q, k, v; float w, beta, g) and
+// the arguments of kind Kind over them. `seed` offsets every array's seed.
+struct path_call {
+  using T = attnmix::bfloat16;
+  index_t B, Tn, H, D;
+  device_array<T> q, k, v, out;
+  device_array<float> g;
+  householder_inputs hh;
+
+  path_call(index_t B_, index_t T_, index_t H_, index_t D_, unsigned seed)
+      : B(B_),
+        Tn(T_),
+        H(H_),
+        D(D_),
+        q(size(), seed + 1),
+        k(size(), seed + 2),
+        v(size(), seed + 3),
+        out(size(), seed + 5),
+        g(static_cast<std::size_t>(B * Tn * H), seed + 4, -0.1f, -0.01f),
+        hh(B * Tn * H, D) {}
+  std::size_t size() const { return static_cast<std::size_t>(B * Tn * H * D); }
+
+  template <class Kind>
+  attnmix::attention_args<T> args() const {
+    attnmix::attention_args<T> a{attnmix::view4<const T>(q.ptr, {B, Tn, H, D}, dev),
+                                 attnmix::view4<const T>(k.ptr, {B, Tn, H, D}, dev),
+                                 attnmix::view4<const T>(v.ptr, {B, Tn, H, D}, dev),
+                                 attnmix::view4<T>(out.ptr, {B, Tn, H, D}, dev)};
+    a.w = attnmix::view4<const float>(hh.w.ptr, {B, Tn, H, D}, dev);
+    a.beta = attnmix::view3<const float>(hh.beta.ptr, {B, Tn, H}, dev);
+    if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
+      a.g = attnmix::view3<const float>(g.ptr, {B, Tn, H}, dev);
+    return a;
+  }
+};
+
 // args: B, T, H
 template <class Kind>
 void BM_path_cuda(benchmark::State& state) {
-  using T = attnmix::bfloat16;
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
-  const std::size_t n = static_cast<std::size_t>(B * Tn * H * D);
-  device_array<T> q(n, 1), k(n, 2), v(n, 3), out(n, 5);
-  device_array<float> g(static_cast<std::size_t>(B * Tn * H), 4, -0.1f, -0.01f);
-  householder_inputs hh(B * Tn * H, D);
-  attnmix::attention_args<T> a{attnmix::view4<const T>(q.ptr, {B, Tn, H, D}, dev),
-                               attnmix::view4<const T>(k.ptr, {B, Tn, H, D}, dev),
-                               attnmix::view4<const T>(v.ptr, {B, Tn, H, D}, dev),
-                               attnmix::view4<T>(out.ptr, {B, Tn, H, D}, dev)};
-  a.w = attnmix::view4<const float>(hh.w.ptr, {B, Tn, H, D}, dev);
-  a.beta = attnmix::view3<const float>(hh.beta.ptr, {B, Tn, H}, dev);
-  if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
-    a.g = attnmix::view3<const float>(g.ptr, {B, Tn, H}, dev);
+  const path_call call(B, Tn, H, D, 0);
+  const auto a = call.args<Kind>();
   attnmix_bench::time_with_events(
       state, [&] { attnmix::attention<Kind>(a, {}, attnmix::backend::cuda{}); });
   const double flops = 4.0 * B * H * double(Tn) * double(Tn) * D;
@@ -68,37 +93,17 @@ void causal_shapes(benchmark::internal::Benchmark* b) {
 // read every cached value.
 template <class Store>
 void BM_path_decode(benchmark::State& state) {
-  using T = attnmix::bfloat16;
   const index_t N = state.range(0), L = state.range(1), H = state.range(2), D = 64;
   attnmix::device_path_cache<Store> cache(N, L + 1024, H, H, D, D);
+  using fox = attnmix::kind::path_fox;
   {  // fill the cache with a prefill of L tokens per sequence
-    const std::size_t n = static_cast<std::size_t>(N * L * H * D);
-    device_array<T> q(n, 1), k(n, 2), v(n, 3), out(n, 5);
-    device_array<float> g(static_cast<std::size_t>(N * L * H), 4, -0.1f, -0.01f);
-    householder_inputs hh(N * L * H, D);
-    attnmix::attention_args<T> a{attnmix::view4<const T>(q.ptr, {N, L, H, D}, dev),
-                                 attnmix::view4<const T>(k.ptr, {N, L, H, D}, dev),
-                                 attnmix::view4<const T>(v.ptr, {N, L, H, D}, dev),
-                                 attnmix::view4<T>(out.ptr, {N, L, H, D}, dev)};
-    a.w = attnmix::view4<const float>(hh.w.ptr, {N, L, H, D}, dev);
-    a.beta = attnmix::view3<const float>(hh.beta.ptr, {N, L, H}, dev);
-    a.g = attnmix::view3<const float>(g.ptr, {N, L, H}, dev);
-    attnmix::path_prefill<attnmix::kind::path_fox>(cache, a, {}, {}, attnmix::backend::cuda{});
+    const path_call prompt(N, L, H, D, 0);
+    attnmix::path_prefill<fox>(cache, prompt.args<fox>(), {}, {}, attnmix::backend::cuda{});
   }
-  const std::size_t n = static_cast<std::size_t>(N * H * D);
-  device_array<T> q(n, 11), k(n, 12), v(n, 13), out(n, 15);
-  device_array<float> g(static_cast<std::size_t>(N * H), 14, -0.1f, -0.01f);
-  householder_inputs hh(N * H, D);
-  attnmix::attention_args<T> a{attnmix::view4<const T>(q.ptr, {N, 1, H, D}, dev),
-                               attnmix::view4<const T>(k.ptr, {N, 1, H, D}, dev),
-                               attnmix::view4<const T>(v.ptr, {N, 1, H, D}, dev),
-                               attnmix::view4<T>(out.ptr, {N, 1, H, D}, dev)};
-  a.w = attnmix::view4<const float>(hh.w.ptr, {N, 1, H, D}, dev);
-  a.beta = attnmix::view3<const float>(hh.beta.ptr, {N, 1, H}, dev);
-  a.g = attnmix::view3<const float>(g.ptr, {N, 1, H}, dev);
-  attnmix_bench::time_with_events(state, [&] {
-    attnmix::path_decode_step<attnmix::kind::path_fox>(cache, a, {}, {}, attnmix::backend::cuda{});
-  });
+  const path_call step(N, 1, H, D, 10);
+  const auto a = step.args<fox>();
+  attnmix_bench::time_with_events(
+      state, [&] { attnmix::path_decode_step<fox>(cache, a, {}, {}, attnmix::backend::cuda{}); });
   const double bytes = double(N) * double(L) * H * 3.0 * D * sizeof(Store);
   state.counters["GB/s"] =
       benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);

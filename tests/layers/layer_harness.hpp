@@ -17,6 +17,37 @@
 
 namespace attnmix_test {
 
+// Prefills `model` (a layer or a stack) with the first P tokens of x (P = 0 included), then
+// decodes the rest one token per step; every output must equal the forward's rows `full`
+// (double), and after step t `length(cache)` must be t + 1.
+template <class Model, class Cache, class Length>
+void check_prefill_then_decode(const Model& model, Cache& cache,
+                               const attnmix::host_tensor<double, 3>& x,
+                               const attnmix::host_tensor<double, 3>& full, index_t P,
+                               Length length) {
+  const index_t N = x.extent(0), T = x.extent(1), D = x.extent(2);
+  attnmix::host_tensor<double, 3> xp({N, P, D}), yp({N, P, D});
+  std::vector<double> got, want;
+  for (index_t n = 0; n < N; ++n)
+    for (index_t t = 0; t < P; ++t)
+      for (index_t e = 0; e < D; ++e) xp(n, t, e) = x(n, t, e), want.push_back(full(n, t, e));
+  poison(yp);
+  model.prefill(xp.view(), yp.view(), cache);
+  for (index_t i = 0; i < yp.size(); ++i) REQUIRE(std::abs(yp.data()[i] - want[i]) <= 1e-10);
+  CHECK(rel_error(yp.storage(), want) <= 1e-11);
+  for (index_t t = P; t < T; ++t) {
+    attnmix::host_tensor<double, 3> xs({N, 1, D}), ys({N, 1, D});
+    want.clear();
+    for (index_t n = 0; n < N; ++n)
+      for (index_t e = 0; e < D; ++e) xs(n, 0, e) = x(n, t, e), want.push_back(full(n, t, e));
+    poison(ys);
+    model.decode(xs.view(), ys.view(), cache);
+    INFO("token " << t);
+    CHECK(rel_error(ys.storage(), want) <= 1e-11);
+    CHECK(length(cache) == t + 1);
+  }
+}
+
 template <class Model>
 layer_ref::params parameters_of(const Model& m) {
   layer_ref::params out;

@@ -64,11 +64,6 @@ void check_mixer(const L::config& c, const oracle& ref, std::uint64_t salt) {
   }
 }
 
-template <class Cache>
-index_t cache_length(const Cache& c) {
-  return c.length(0);
-}
-
 // Decoding after a prefill of P tokens equals the full forward, token by token (double).
 template <class Layer>
 void check_decode(const L::config& c, index_t P, std::uint64_t salt) {
@@ -82,32 +77,7 @@ void check_decode(const L::config& c, index_t P, std::uint64_t salt) {
   m.forward(x.view(), full.view());
 
   auto cache = m.make_cache(N, T);
-  if (P > 0) {
-    host_tensor<double, 3> xp({N, P, D}), yp({N, P, D});
-    for (index_t n = 0; n < N; ++n)
-      for (index_t t = 0; t < P; ++t)
-        for (index_t e = 0; e < D; ++e) xp(n, t, e) = x(n, t, e);
-    poison(yp);
-    m.prefill(xp.view(), yp.view(), cache);
-    std::vector<double> got, want;
-    for (index_t n = 0; n < N; ++n)
-      for (index_t t = 0; t < P; ++t)
-        for (index_t e = 0; e < D; ++e) got.push_back(yp(n, t, e)), want.push_back(full(n, t, e));
-    CHECK(rel_error(got, want) <= 1e-11);
-  }
-  for (index_t t = P; t < T; ++t) {
-    host_tensor<double, 3> xs({N, 1, D}), ys({N, 1, D});
-    for (index_t n = 0; n < N; ++n)
-      for (index_t e = 0; e < D; ++e) xs(n, 0, e) = x(n, t, e);
-    poison(ys);
-    m.decode(xs.view(), ys.view(), cache);
-    std::vector<double> want;
-    for (index_t n = 0; n < N; ++n)
-      for (index_t e = 0; e < D; ++e) want.push_back(full(n, t, e));
-    INFO("token " << t);
-    CHECK(rel_error(ys.storage(), want) <= 1e-11);
-    CHECK(cache_length(cache) == t + 1);
-  }
+  check_prefill_then_decode(m, cache, x, full, P, [](const auto& c) { return c.length(0); });
 }
 
 struct rope_sa_policy : L::causal_sa_layer_policy {

@@ -133,27 +133,8 @@ void check_stack_decode(index_t P, std::uint64_t salt, index_t window = 0) {
   host_tensor<double, 3> full(x.shape());
   s.forward(x.view(), full.view());
   auto cache = s.make_cache(N, T);
-  host_tensor<double, 3> xp({N, P, D}), yp({N, P, D});
-  for (index_t n = 0; n < N; ++n)
-    for (index_t t = 0; t < P; ++t)
-      for (index_t e = 0; e < D; ++e) xp(n, t, e) = x(n, t, e);
-  poison(yp);
-  s.prefill(xp.view(), yp.view(), cache);
-  for (index_t n = 0; n < N; ++n)
-    for (index_t t = 0; t < P; ++t)
-      for (index_t e = 0; e < D; ++e) REQUIRE(std::abs(yp(n, t, e) - full(n, t, e)) <= 1e-10);
-  for (index_t t = P; t < T; ++t) {
-    host_tensor<double, 3> xs({N, 1, D}), ys({N, 1, D});
-    for (index_t n = 0; n < N; ++n)
-      for (index_t e = 0; e < D; ++e) xs(n, 0, e) = x(n, t, e);
-    poison(ys);
-    s.decode(xs.view(), ys.view(), cache);
-    std::vector<double> want;
-    for (index_t n = 0; n < N; ++n)
-      for (index_t e = 0; e < D; ++e) want.push_back(full(n, t, e));
-    INFO("token " << t);
-    CHECK(rel_error(ys.storage(), want) <= 1e-11);
-  }
+  check_prefill_then_decode(s, cache, x, full, P,
+                            [](const auto& c) { return std::get<0>(c).length(0); });
   // A full cache is an error, not an overflow.
   host_tensor<double, 3> xs({N, 1, D}), ys({N, 1, D});
   ATTNMIX_CHECK_ERROR(s.decode(xs.view(), ys.view(), cache), "is full");
