@@ -1,6 +1,7 @@
-// CUDA GBLA core and BLA forward, bf16, timed with CUDA events. Counter GB/s: the bytes the core
-// must move (q, k, v, gate read, out written in bf16, the gate logits in float) over the time;
-// compare with the device's copy bandwidth (bytes read + written) for the memory floor.
+// CUDA GBLA core, BLA and causal linear attention forward, bf16, timed with CUDA events. Counter
+// GB/s: the bytes the core must move (q, k, v, gate read, out written in bf16, the gate logits
+// in float) over the time; compare with the device's copy bandwidth (bytes read + written) for
+// the memory floor.
 
 #include <benchmark/benchmark.h>
 
@@ -61,6 +62,17 @@ void shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"B", "T", "H"})->UseManualTime()->Unit(benchmark::kMillisecond);
 }
 
+void causal_shapes(benchmark::internal::Benchmark* b) {
+  for (int T : {2048, 8192, 32768}) b->Args({8, T, 16});
+  b->Args({1, 32768, 16});
+  b->ArgNames({"B", "T", "H"})->UseManualTime()->Unit(benchmark::kMillisecond);
+}
+
+// Causal linear attention with the prefix-softmax key gate and the per-head gated RMSNorm.
+using gated_causal_policy = attnmix::with_gated_norm<
+    attnmix::with_key_gate<attnmix::linear_causal_policy, attnmix::key_gate::shared>,
+    attnmix::gated_norm::per_head>;
+
 }  // namespace
 
 BENCHMARK(BM_copy)->Arg(2048)->ArgNames({"MiB"})->UseManualTime()->Unit(benchmark::kMillisecond);
@@ -70,3 +82,9 @@ BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::gbla, attnmix::gbla_policy)
 BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::bla, attnmix::bla_policy)
     ->Name("bla")
     ->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::linear_causal, attnmix::linear_causal_policy)
+    ->Name("linear_causal")
+    ->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::linear_causal, gated_causal_policy)
+    ->Name("linear_causal_gated")
+    ->Apply(causal_shapes);
