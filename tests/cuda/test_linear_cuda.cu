@@ -111,6 +111,31 @@ std::vector<linear_case> cuda_linear_cases(bool causal) {
     linear_case with_state{2, 50, 2, 1, 16, 8};
     with_state.with_state_in = true;
     cs.push_back(with_state);
+    // Around the 64-token chunk, GQA, D != Dv.
+    cs.push_back({2, 63, 4, 2, 64, 64});
+    cs.push_back({2, 64, 4, 2, 64, 32});
+    cs.push_back({1, 65, 2, 1, 32, 64});
+    cs.push_back({2, 127, 6, 3, 64, 64, {}, padding::right});
+    cs.push_back({1, 129, 2, 2, 128, 128});
+    // Long sequences: cut into segments that run in parallel, with and without a state in.
+    cs.push_back({1, 3000, 4, 2, 64, 64});
+    linear_case long_state{1, 1500, 2, 1, 64, 96};
+    long_state.with_state_in = true;
+    cs.push_back(long_state);
+    linear_case short_state{3, 130, 4, 2, 32, 32, {}, padding::left};
+    short_state.with_state_in = true;
+    cs.push_back(short_state);
+    cs.push_back({1, 2100, 2, 1, 64, 64, {0, 0, 1, 700, 700, 2100}});
+    // Enough (sequence, head) pairs to fill the GPU: one segment of several chunks each.
+    cs.push_back({24, 600, 12, 12, 64, 64});
+    // Rows that 16-byte loads cannot read (D, Dv not multiples of 8 halves).
+    cs.push_back({2, 200, 4, 2, 12, 20});
+    // Pad tokens whose q, k, v, logits and gate are NaN, in a chunk and across segments.
+    for (index_t T : {index_t(129), index_t(1000)}) {
+      linear_case nan_pads{3, T, 4, 2, 64, 64, {}, T < 500 ? padding::holes : padding::right};
+      nan_pads.nan_pads = true;
+      cs.push_back(nan_pads);
+    }
   }
   return cs;
 }
@@ -138,6 +163,13 @@ struct mamba_style : attnmix::gbla_policy {
   static constexpr attnmix::feature_map phi = attnmix::feature_map::relu;
 };
 using unnormalised = attnmix::with_normalize<attnmix::bla_policy, false>;
+struct causal_variant : attnmix::linear_causal_policy {
+  static constexpr attnmix::key_gate gate = attnmix::key_gate::per_head;
+  static constexpr bool normalize = false;
+  static constexpr attnmix::feature_map phi = attnmix::feature_map::relu;
+  static constexpr attnmix::gated_norm norm = attnmix::gated_norm::per_head;
+  static constexpr attnmix::norm_gate_order order = attnmix::norm_gate_order::gate_then_norm;
+};
 using gated_causal = attnmix::with_gated_norm<
     attnmix::with_key_gate<attnmix::linear_causal_policy, attnmix::key_gate::shared>,
     attnmix::gated_norm::per_head>;
@@ -159,9 +191,127 @@ TEMPLATE_TEST_CASE("CUDA GBLA core matches the CPU path", "[cuda][gbla]", float,
 }
 
 TEMPLATE_TEST_CASE("CUDA causal linear attention matches the CPU path", "[cuda][linear_causal]",
-                   float, attnmix::bfloat16) {
+                   float, attnmix::half, attnmix::bfloat16) {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   sweep<attnmix::kind::linear_causal, attnmix::linear_causal_policy, TestType>(
       500, "linear_causal_policy");
   sweep<attnmix::kind::linear_causal, gated_causal, TestType>(600, "prefix key gate, gated norm");
+  sweep<attnmix::kind::linear_causal, causal_variant, TestType>(
+      700, "per-head prefix gate, no normaliser, relu, gate then norm");
+}
+
+// A few small shapes of every path (one segment, several segments, varlen, pads with NaN, a
+// state in), quick enough for compute-sanitizer.
+TEMPLATE_TEST_CASE("CUDA causal linear attention, small shapes", "[cuda][linear_causal][small]",
+                   float, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  std::vector<linear_case> cs = {{1, 1, 1, 1, 8, 8},
+                                 {2, 65, 4, 2, 32, 16},
+                                 {1, 700, 2, 1, 16, 24},
+                                 {1, 200, 4, 2, 12, 20, {0, 0, 1, 64, 64, 130, 200}}};
+  linear_case nan_pads{3, 600, 2, 1, 16, 8, {}, padding::holes};
+  nan_pads.nan_pads = true;
+  nan_pads.with_state_in = true;
+  cs.push_back(nan_pads);
+  std::uint64_t salt = 900;
+  for (const linear_case& c : cs) {
+    INFO("seed " << test_seed() << " " << c.describe() << " dtype "
+                 << attnmix::scalar_traits<TestType>::name);
+    const linear_errors e =
+        run_cuda_linear<attnmix::kind::linear_causal, gated_causal, TestType>(c, ++salt);
+    const double tol = sizeof(TestType) == 2 ? 1e-2 : 2e-5;
+    CAPTURE(e.out, e.S, e.z, e.lse);
+    CHECK(e.out <= tol);
+    CHECK(e.S <= tol);
+    CHECK(e.z <= tol);
+    CHECK(e.lse <= tol);
+  }
+}
+
+namespace {
+
+// One causal call over [0, T) against two chained calls over [0, T1) and [T1, T) (state_out of
+// the first is state_in of the second), on the GPU: the second call's rows and final state must
+// equal the single call's. The halves are strided views into the full tensors.
+template <class Policy, class T>
+void check_chaining(index_t B, index_t Tn, index_t T1, index_t HQ, index_t H, index_t D, index_t Dv,
+                    std::uint64_t salt) {
+  using attnmix::view1;
+  using attnmix::view3;
+  using attnmix::view4;
+  constexpr bool gated = Policy::gate != attnmix::key_gate::off;
+  constexpr bool normed = Policy::norm != attnmix::gated_norm::off;
+  const auto dev = attnmix::memory_space::device;
+  const index_t Hg = Policy::gate == attnmix::key_gate::per_head ? H : 1;
+  rng r(salt);
+  auto normal = [&](std::size_t n, double sigma) {
+    std::vector<float> x(n);
+    for (float& e : x) e = static_cast<float>(r.normal() * sigma);
+    return x;
+  };
+  const std::size_t nq = std::size_t(B * Tn * HQ * D), nk = std::size_t(B * Tn * H * D),
+                    nv = std::size_t(B * Tn * H * Dv), no = std::size_t(B * Tn * HQ * Dv);
+  device_buffer<T> q(convert_all<T>(normal(nq, 1))), k(convert_all<T>(normal(nk, 1))),
+      v(convert_all<T>(normal(nv, 1))), gate(convert_all<T>(normal(no, 1)));
+  device_buffer<float> a(normal(std::size_t(B * Tn * Hg), 2)), gamma(std::vector<float>(Dv, 1.25f));
+  device_buffer<T> out_one(no), out_two(no);
+  const std::size_t ns = std::size_t(B * H * D * Dv), nz = std::size_t(B * H * D),
+                    nl = std::size_t(B * H);
+  device_buffer<float> S_one(ns), z_one(nz), lse_one(nl), S_mid(ns), z_mid(nz), lse_mid(nl),
+      S_two(ns), z_two(nz), lse_two(nl);
+
+  auto call = [&](index_t t0, index_t len, T* out, float* S_in, float* z_in, float* lse_in,
+                  float* S_out, float* z_out, float* lse_out) {
+    attnmix::linear_attention_args<T> args;
+    args.q =
+        view4<const T>(q.get() + t0 * HQ * D, {B, len, HQ, D}, {Tn * HQ * D, HQ * D, D, 1}, dev);
+    args.k = view4<const T>(k.get() + t0 * H * D, {B, len, H, D}, {Tn * H * D, H * D, D, 1}, dev);
+    args.v =
+        view4<const T>(v.get() + t0 * H * Dv, {B, len, H, Dv}, {Tn * H * Dv, H * Dv, Dv, 1}, dev);
+    args.out = view4<T>(out + t0 * HQ * Dv, {B, len, HQ, Dv}, {Tn * HQ * Dv, HQ * Dv, Dv, 1}, dev);
+    if constexpr (gated) {
+      args.a = view3<const float>(a.get() + t0 * Hg, {B, len, Hg}, {Tn * Hg, Hg, 1}, dev);
+      if (lse_in != nullptr)
+        args.state_in.lse = attnmix::tensor_view<const float, 2>(lse_in, {B, H}, dev);
+      args.state_out.lse = attnmix::tensor_view<float, 2>(lse_out, {B, H}, dev);
+    }
+    if constexpr (normed) {
+      args.gate = view4<const T>(gate.get() + t0 * HQ * Dv, {B, len, HQ, Dv},
+                                 {Tn * HQ * Dv, HQ * Dv, Dv, 1}, dev);
+      args.gamma = view1<const float>(gamma.get(), {Dv}, dev);
+    }
+    if (S_in != nullptr) {
+      args.state_in.S = view4<const float>(S_in, {B, H, D, Dv}, dev);
+      args.state_in.z = view3<const float>(z_in, {B, H, D}, dev);
+    }
+    args.state_out.S = view4<float>(S_out, {B, H, D, Dv}, dev);
+    args.state_out.z = view3<float>(z_out, {B, H, D}, dev);
+    attnmix::linear_attention<attnmix::kind::linear_causal, Policy>(args, {},
+                                                                    attnmix::backend::cuda{});
+  };
+  call(0, Tn, out_one.get(), nullptr, nullptr, nullptr, S_one.get(), z_one.get(), lse_one.get());
+  call(0, T1, out_two.get(), nullptr, nullptr, nullptr, S_mid.get(), z_mid.get(), lse_mid.get());
+  call(T1, Tn - T1, out_two.get(), S_mid.get(), z_mid.get(), lse_mid.get(), S_two.get(),
+       z_two.get(), lse_two.get());
+  attnmix::detail::cuda::check(cudaDeviceSynchronize(), "chained calls");
+
+  const double tol = sizeof(T) == 2 ? 1e-2 : 2e-5;
+  INFO("seed " << test_seed() << " B=" << B << " T=" << Tn << " T1=" << T1 << " HQ=" << HQ << " H="
+               << H << " D=" << D << " Dv=" << Dv << " dtype " << attnmix::scalar_traits<T>::name);
+  CHECK(rel_error(convert_all<double>(out_two.to_host()), convert_all<double>(out_one.to_host())) <=
+        tol);
+  CHECK(rel_error(S_two.to_host(), to_double(S_one.to_host())) <= 2e-5);
+  CHECK(rel_error(z_two.to_host(), to_double(z_one.to_host())) <= 2e-5);
+  if (gated) CHECK(lse_error(lse_two.to_host(), to_double(lse_one.to_host())) <= 2e-5);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("CUDA causal linear attention: state out then in equals one call",
+                   "[cuda][linear_causal]", float, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  check_chaining<attnmix::linear_causal_policy, TestType>(2, 3000, 1100, 4, 2, 64, 48, 800);
+  check_chaining<gated_causal, TestType>(2, 3000, 1100, 4, 2, 64, 48, 801);
+  check_chaining<gated_causal, TestType>(3, 200, 65, 2, 1, 32, 32, 802);
+  check_chaining<gated_causal, TestType>(1, 5000, 4999, 2, 2, 64, 64, 803);
 }

@@ -1,6 +1,6 @@
 #pragma once
 // kind::linear_causal on CUDA: float, half and bfloat16 inputs, float states
-// (cuda/detail/linear_kernels.cuh).
+// (cuda/detail/linear_causal_kernels.cuh).
 
 #include <type_traits>
 

@@ -1,7 +1,8 @@
 #pragma once
 // CUDA kernels of the linear-attention kinds, on CUDA cores with float accumulation.
 //   bidirectional (bla, gbla): reduce (split over token blocks) -> combine -> read, spec gbla §3.2;
-//   causal (linear_causal): a recurrent scan per (sequence, KV head) with the state in registers.
+//   causal (linear_causal): the chunked scan of linear_causal_kernels.cuh, which also uses the
+//   reduce kernel and the row epilogue of this file.
 // Every kernel reads what linear_kernel_params describes; Policy supplies the compile-time knobs.
 
 #include <cmath>
@@ -30,7 +31,8 @@ struct linear_kernel_params {
   index_t tokens;
   int q_heads, kv_heads, group, gate_heads, head_dim, value_dim;
   float scale, eps, norm_eps;
-  bool vector_loads;  // k and v rows 16-byte aligned with D, Dv multiples of 16 bytes
+  bool vector_loads;    // k and v rows 16-byte aligned with D, Dv multiples of 16 bytes
+  bool q_vector_loads;  // the same for q
   // States [N, H, D, Dv], [N, H, D], [N, H] (any may be nullptr), strides in elements.
   const float* S_in;
   const float* z_in;
@@ -422,114 +424,6 @@ __global__ void __launch_bounds__(128)
       o[c] = lane + 32 * c < Dv ? num[row * Dv + lane + 32 * c] * inv : 0.f;
     write_row<T, Policy>(p, batch, start + i0 + row, hq, o, valid[row] != 0.f);
   }
-}
-
-// ---- causal: recurrent scan ---------------------------------------------------------------
-// CTA (KV head h, sequence n) with 32 * VC threads: thread e owns column e of S (D floats in
-// registers); z lives in shared memory. Token by token: fold k_t, v_t into the state (with the
-// running-max rescaling of the prefix-softmax key gate), then read it with the queries of every
-// query head of the group.
-template <class T, class Policy, int DC, int VC>
-__global__ void linear_causal_kernel(const linear_kernel_params p) {
-  constexpr bool gated = Policy::gate != key_gate::off;
-  constexpr int max_d = 32 * DC;
-  __shared__ float sk[max_d], sz[max_d], sr[max_d], srow[32 * VC];
-  __shared__ float scratch[8];
-  const int D = p.head_dim, Dv = p.value_dim, e = threadIdx.x, lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const int h = blockIdx.x, n = blockIdx.y;
-  index_t batch, start, length;
-  p.sequence(n, batch, start, length);
-
-  float S[max_d];
-#pragma unroll
-  for (int d = 0; d < max_d; ++d) S[d] = 0.f;
-  float m = gated ? -INFINITY : 0.f, ell = gated ? 0.f : 1.f;
-  if (p.S_in != nullptr) {
-#pragma unroll
-    for (int d = 0; d < max_d; ++d)
-      if (d < D && e < Dv)
-        S[d] = p.S_in[n * p.S_in_stride[0] + h * p.S_in_stride[1] + d * p.S_in_stride[2] +
-                      e * p.S_in_stride[3]];
-    if (gated) {
-      m = p.lse_in[n * p.lse_in_stride[0] + h * p.lse_in_stride[1]];
-      ell = m == -INFINITY ? 0.f : 1.f;  // a stored state is normalised: mass 1 at m = lse
-    }
-  }
-  for (int d = threadIdx.x; d < max_d; d += blockDim.x)
-    sz[d] = p.z_in != nullptr && d < D
-                ? p.z_in[n * p.z_in_stride[0] + h * p.z_in_stride[1] + d * p.z_in_stride[2]]
-                : 0.f;
-
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
-               h * p.k_stride[2];
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
-               h * p.v_stride[2];
-  for (index_t t = 0; t < length; ++t) {
-    const bool valid = p.valid(batch, start + t);
-    float w = valid ? 1.f : 0.f, rescale = 1.f;
-    if (gated && valid) {
-      const float a = p.logit(batch, start + t, h), m_new = fmaxf(m, a);
-      rescale = shifted_exp(m, m_new);
-      w = __expf(a - m_new);
-      ell = ell * rescale + w;
-      m = m_new;
-    }
-    __syncthreads();  // the previous token's readers are done with sk, sz and sr
-    // A pad token (w = 0) is skipped, not multiplied: its k and v may hold anything.
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      const float pkd =
-          w != 0.f ? w * apply_feature_map<Policy::phi>(to_float(k[t * p.k_stride[1] + d])) : 0.f;
-      sk[d] = pkd;
-      sz[d] = sz[d] * rescale + pkd;
-    }
-    __syncthreads();
-    const float ve = e < Dv && w != 0.f ? to_float(v[t * p.v_stride[1] + e]) : 0.f;
-#pragma unroll
-    for (int d = 0; d < max_d; ++d)
-      if (d < D) S[d] = S[d] * rescale + sk[d] * ve;
-
-    for (int g = 0; g < p.group; ++g) {
-      const int hq = h * p.group + g;
-      const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] +
-                   (start + t) * p.q_stride[1] + hq * p.q_stride[2];
-      __syncthreads();
-      for (int d = threadIdx.x; d < D; d += blockDim.x)
-        sr[d] = p.scale * apply_feature_map<Policy::phi>(to_float(q[d]));
-      __syncthreads();
-      float num = 0.f, den = 0.f;
-#pragma unroll
-      for (int d = 0; d < max_d; ++d)
-        if (d < D) num += sr[d] * S[d], den += sr[d] * sz[d];
-      // S and z carry the unnormalised gate mass ell; dividing by it gives the prefix softmax.
-      const float inv_mass = gated ? (ell > 0.f ? 1.f / ell : 0.f) : 1.f;
-      float o = num * inv_mass;
-      if (Policy::normalize) o /= den * inv_mass + p.eps;
-      // The epilogue works on whole rows per warp: gather the row through shared memory.
-      if (e < Dv) srow[e] = o;
-      __syncthreads();
-      if (warp == 0) {
-        float row[VC];
-#pragma unroll
-        for (int c = 0; c < VC; ++c) row[c] = lane + 32 * c < Dv ? srow[lane + 32 * c] : 0.f;
-        write_row<T, Policy>(p, batch, start + t, hq, row, valid);
-      }
-    }
-    (void)warps;
-  }
-  (void)scratch;
-
-  const float inv = gated && ell > 0.f ? 1.f / ell : 1.f;
-  if (p.S_out != nullptr && e < Dv)
-    for (int d = 0; d < D; ++d)
-      p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + d * p.S_out_stride[2] +
-              e * p.S_out_stride[3]] = S[d] * inv;
-  __syncthreads();
-  if (p.z_out != nullptr)
-    for (int d = threadIdx.x; d < D; d += blockDim.x)
-      p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] + d * p.z_out_stride[2]] = sz[d] * inv;
-  if (gated && p.lse_out != nullptr && threadIdx.x == 0)
-    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] = ell > 0.f ? m + logf(ell) : m;
 }
 
 }  // namespace cuda

@@ -11,6 +11,7 @@
 #include "attnmix/core/linear_policy.hpp"
 #include "attnmix/core/tags.hpp"
 #include "attnmix/cuda/detail/attention_launch.cuh"
+#include "attnmix/cuda/detail/linear_causal_kernels.cuh"
 #include "attnmix/cuda/detail/linear_kernels.cuh"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -32,6 +33,15 @@ void chunk_switch(index_t n, F&& f) {
     f(std::integral_constant<int, 2>{});
   else
     f(std::integral_constant<int, 4>{});
+}
+
+// The chunked causal kernel for value width Dv (its row epilogue holds ceil(Dv / 32) values a
+// lane).
+template <class Dev, class Policy>
+auto causal_kernel(index_t Dv) {
+  if (Dv <= 32) return linear_causal_kernel<Dev, Policy, 1>;
+  if (Dv <= 64) return linear_causal_kernel<Dev, Policy, 2>;
+  return linear_causal_kernel<Dev, Policy, 4>;
 }
 
 template <class Kind, class Policy, class T>
@@ -70,21 +80,51 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   // Without tokens only the states have something to say (fresh, or passed through).
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
 
-  // Blocks of the reduce pass: enough CTAs to fill the GPU several times over.
+  // Causal: the chunked kernel's shared memory and how many of its CTAs one SM holds; the
+  // sequences are cut into as many segments as fill the GPU's CTA slots once (at least 4 chunks
+  // a segment), so that few long sequences still use every SM.
+  const int causal_smem = causal ? causal_smem_floats(int(D), int(Dv)) * int(sizeof(float)) : 0;
+  index_t segments = 1, segment_tokens = std::max<index_t>(max_len, 1);
+  if constexpr (causal) {
+    int sms = 0, device = 0, per_sm = 0;
+    check(cudaGetDevice(&device), "cudaGetDevice");
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+          "cudaDeviceGetAttribute");
+    auto kernel = causal_kernel<Dev, Policy>(Dv);
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, causal_smem),
+          "cudaFuncSetAttribute");
+    check(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, causal_threads, causal_smem),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    const index_t slots = index_t(sms) * std::max(per_sm, 1);
+    const index_t min_tokens = 4 * causal_chunk;
+    segments = std::clamp<index_t>(slots / (N * H), 1,
+                                   std::max<index_t>(1, (max_len + min_tokens - 1) / min_tokens));
+    segment_tokens =
+        std::max<index_t>(causal_chunk, ((max_len + segments - 1) / segments + causal_chunk - 1) /
+                                            causal_chunk * causal_chunk);
+    segments = std::max<index_t>(1, (max_len + segment_tokens - 1) / segment_tokens);
+  }
+
+  // Blocks of the bidirectional reduce pass: enough CTAs to fill the GPU several times over.
+  // The causal kind reduces every segment but the last.
   const index_t target = 4 * 132;
   index_t partials = std::clamp<index_t>((target + H * N - 1) / (H * N), 1,
                                          std::max<index_t>(1, (max_len + 63) / 64));
-  const index_t block_tokens =
+  index_t block_tokens =
       std::max<index_t>(32, ((max_len + partials - 1) / partials + 31) / 32 * 32);
   partials = std::max<index_t>(1, (max_len + block_tokens - 1) / block_tokens);
+  if constexpr (causal) partials = segments - 1, block_tokens = segment_tokens;
 
   const std::size_t cu_padded = offsets_bytes(p);
   const std::size_t partial_bytes =
-      causal ? 0
-             : static_cast<std::size_t>(N * H * partials * partial_floats(int(D), int(Dv))) *
-                   sizeof(float);
+      static_cast<std::size_t>(N * H * partials * partial_floats(int(D), int(Dv))) * sizeof(float);
   const std::size_t state_bytes =
-      causal ? 0 : static_cast<std::size_t>(N * H * (D * Dv + D)) * sizeof(float);
+      causal ? (segments > 1
+                    ? static_cast<std::size_t>(N * H * segments * partial_floats(int(D), int(Dv))) *
+                          sizeof(float)
+                    : 0)
+             : static_cast<std::size_t>(N * H * (D * Dv + D)) * sizeof(float);
   stream_buffer scratch(cu_padded + partial_bytes + state_bytes, stream);
 
   linear_kernel_params kp{};
@@ -107,6 +147,9 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
                                         int(per_vector), int(sizeof(T))) &&
                     aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2),
                                         int(per_vector), int(sizeof(T)));
+  kp.q_vector_loads =
+      D % per_vector == 0 && aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1),
+                                                 a.q.stride(2), int(per_vector), int(sizeof(T)));
   const auto& si = a.state_in;
   const auto& so = a.state_out;
   kp.S_in = si.S.has_value() ? si.S.data() : nullptr;
@@ -121,32 +164,37 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
       copy_strides(kp.lse_out_stride, so.lse);
   kp.cu_seqlens = upload_offsets(scratch.get(), p, stream);
 
-  if constexpr (causal) {
-    chunk_switch(D, [&](auto dc) {
-      chunk_switch(Dv, [&](auto vc) {
-        constexpr int DC = decltype(dc)::value, VC = decltype(vc)::value;
-        linear_causal_kernel<Dev, Policy, DC, VC>
-            <<<dim3(unsigned(H), unsigned(N)), 32 * VC, 0, stream>>>(kp);
-      });
-    });
-  } else {
-    float* partial = reinterpret_cast<float*>(scratch.get() + cu_padded);
-    float* state = reinterpret_cast<float*>(scratch.get() + cu_padded + partial_bytes);
-    const index_t tiles = (D / 4) * (Dv / 4);
+  float* partial = reinterpret_cast<float*>(scratch.get() + cu_padded);
+  float* state = reinterpret_cast<float*>(scratch.get() + cu_padded + partial_bytes);
+  auto reduce = [&](auto blocks) {
+    constexpr int Blocks = decltype(blocks)::value;
     const int reduce_smem = int((32 * (D + Dv) + 32) * sizeof(float));
-    auto reduce = [&](auto blocks) {
-      constexpr int Blocks = decltype(blocks)::value;
-      linear_reduce_kernel<Dev, Policy, Blocks>
-          <<<dim3(unsigned(partials), unsigned(H), unsigned(N)), 256, reduce_smem, stream>>>(
-              kp, block_tokens, partial, partials);
-    };
+    linear_reduce_kernel<Dev, Policy, Blocks>
+        <<<dim3(unsigned(partials), unsigned(H), unsigned(N)), 256, reduce_smem, stream>>>(
+            kp, block_tokens, partial, partials);
+    check(cudaGetLastError(), "linear_reduce_kernel launch");
+  };
+  auto reduce_all = [&] {
+    const index_t tiles = (D / 4) * (Dv / 4);
     if (tiles <= 256)
       reduce(std::integral_constant<int, 1>{});
     else if (tiles <= 512)
       reduce(std::integral_constant<int, 2>{});
     else
       reduce(std::integral_constant<int, 4>{});
-    check(cudaGetLastError(), "linear_reduce_kernel launch");
+  };
+  if constexpr (causal) {
+    if (segments > 1) {
+      reduce_all();
+      linear_causal_prefix_kernel<Policy>
+          <<<dim3(unsigned(H), unsigned(N)), 256, 0, stream>>>(kp, partial, segments, state);
+      check(cudaGetLastError(), "linear_causal_prefix_kernel launch");
+    }
+    causal_kernel<Dev, Policy>(Dv)<<<dim3(unsigned(segments), unsigned(H), unsigned(N)),
+                                     causal_threads, causal_smem, stream>>>(
+        kp, segment_tokens, segments > 1 ? state : nullptr, segments);
+  } else {
+    reduce_all();
     linear_combine_kernel<Policy>
         <<<dim3(unsigned(H), unsigned(N)), 256, 0, stream>>>(kp, partial, partials, state);
     check(cudaGetLastError(), "linear_combine_kernel launch");
