@@ -2,7 +2,8 @@
 // attnmix with its CUDA backend. Include from translation units compiled by nvcc and link
 // attnmix::cuda. The kinds the CUDA backend implements are those with
 // is_implemented_v<Kind, backend::cuda>; call them through the same front doors as the CPU
-// path, with device-memory views and attnmix::backend::cuda{stream}.
+// path, with device-memory views and attnmix::backend::cuda{stream}. attnmix::device_stack
+// runs a host stack's weights on the GPU.
 
 #if !defined(__CUDACC__)
 #error \
@@ -18,3 +19,6 @@
 #include "attnmix/cuda/linear_causal.cuh"
 #include "attnmix/cuda/path.cuh"
 #include "attnmix/cuda/softmax.cuh"
+
+#include "attnmix/cuda/layers.cuh"
+#include "attnmix/cuda/stack.cuh"

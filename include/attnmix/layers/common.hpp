@@ -139,12 +139,14 @@ struct cache_slots {
 
 namespace detail {
 
-// A [B, T, D] activation view the layers can read as whole rows: contiguous.
+// A [B, T, D] activation view the layers can read as whole rows: contiguous, in the memory of
+// the backend that runs them.
 template <class T>
-void check_activation(const std::string& fn, const char* arg, const view3<T>& v, index_t D) {
+void check_activation(const std::string& fn, const char* arg, const view3<T>& v, index_t D,
+                      memory_space space = memory_space::host) {
   attnmix::detail::check_given(fn, arg, v);
   attnmix::detail::check_layout(fn, arg, v);
-  attnmix::detail::check_space(fn, arg, v, memory_space::host, "cpu");
+  attnmix::detail::check_space(fn, arg, v, space, space == memory_space::host ? "cpu" : "cuda");
   attnmix::detail::require(v.extent(2) == D, fn, arg, "has shape ", attnmix::shape_string(v),
                            " but its last dimension must be hidden_size = ", D);
   attnmix::detail::require(
@@ -177,7 +179,8 @@ token_layout make_layout(const std::string& fn, const view3<T>& x,
   return L;
 }
 
-// For static_asserts: the layers run their projections on the CPU backend only.
+// For static_asserts: the host layers and stacks run on the CPU backend (attnmix::device_stack,
+// in attnmix/cuda.cuh, runs a stack's weights on the GPU).
 template <class Backend>
 inline constexpr bool layers_run_on = std::is_same_v<Backend, backend::cpu>;
 

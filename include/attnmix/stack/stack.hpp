@@ -41,20 +41,20 @@ namespace attnmix {
 // at compile time, that it runs on a backend.
 namespace layer {
 
-#define ATTNMIX_DEFINE_LAYER(tag, kind_, ...)                                                   \
-  struct tag {                                                                                  \
-    static constexpr const char* name = #tag;                                                   \
-    using kind = kind_;                                                                         \
-    template <class T>                                                                          \
-    using type = __VA_ARGS__;                                                                   \
-    template <class Backend>                                                                    \
-    static constexpr bool check_backend() {                                                     \
-      static_assert(is_implemented_v<kind_, Backend> && layers::detail::layers_run_on<Backend>, \
-                    "attnmix::stack: layer::" #tag                                              \
-                    " has no implementation on this backend (the layers run on backend::cpu; "  \
-                    "include <attnmix/attnmix.hpp>)");                                          \
-      return true;                                                                              \
-    }                                                                                           \
+#define ATTNMIX_DEFINE_LAYER(tag, kind_, ...)                                                 \
+  struct tag {                                                                                \
+    static constexpr const char* name = #tag;                                                 \
+    using kind = kind_;                                                                       \
+    template <class T>                                                                        \
+    using type = __VA_ARGS__;                                                                 \
+    template <class Backend>                                                                  \
+    static constexpr bool check_backend() {                                                   \
+      static_assert(is_implemented_v<kind_, Backend>,                                         \
+                    "attnmix::stack: layer::" #tag                                            \
+                    " has no implementation on this backend (its header is not included, or " \
+                    "the backend has no such kind)");                                         \
+      return true;                                                                            \
+    }                                                                                         \
   }
 
 ATTNMIX_DEFINE_LAYER(sa, attnmix::kind::softmax,
@@ -83,7 +83,7 @@ struct custom {
   using type = Mixer<T>;
   template <class Backend>
   static constexpr bool check_backend() {
-    static_assert(is_implemented_v<Kind, Backend> && layers::detail::layers_run_on<Backend>,
+    static_assert(is_implemented_v<Kind, Backend>,
                   "attnmix::stack: a custom layer's kind has no implementation on this backend");
     return true;
   }
@@ -162,6 +162,9 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "attnmix::stack: the CPU layers compute in float or double");
   static_assert(is_backend_v<Backend>, "attnmix::stack: Backend must be backend::cpu or cuda");
+  static_assert(layers::detail::layers_run_on<Backend>,
+                "attnmix::stack: a stack runs on backend::cpu; for the GPU, build an "
+                "attnmix::device_stack from it (attnmix/cuda.cuh)");
   static_assert((Layers::template check_backend<Backend>() && ...),
                 "attnmix::stack: a layer has no implementation on this backend");
 
@@ -290,6 +293,17 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   auto& mixer() {
     return std::get<I>(blocks_).attn;
   }
+  template <std::size_t I>
+  const auto& mixer() const {
+    return std::get<I>(blocks_).attn;
+  }
+  // Block i whole: its attn_norm, attn (the mixer), mlp_norm and mlp.
+  template <std::size_t I>
+  const auto& block_at() const {
+    return std::get<I>(blocks_);
+  }
+  using layers_type = layer_list<Layers...>;
+  using policy_type = Policy;
 
  private:
   layers::config cfg_;

@@ -1,0 +1,230 @@
+#pragma once
+// Row-wise CUDA kernels of the layers (the device twins of layers/detail/cpu_ops.hpp), on
+// contiguous [rows, features] buffers, and their launches. Statistics and activations are
+// computed in float whatever the storage type. Internal.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attnmix/core/tensor_view.hpp"
+#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/runtime.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+// ---- elementwise maps ----------------------------------------------------------------------
+// y[i] = Op(a[i], b[i]) over n values; each Op is a struct so that nvcc needs no lambdas.
+
+struct silu_times {  // SwiGLU: SiLU(gate) * up
+  __device__ float operator()(float g, float u) const { return g / (1.f + __expf(-g)) * u; }
+};
+struct times_sigmoid {  // output gate: o * sigmoid(g)
+  __device__ float operator()(float o, float g) const { return o / (1.f + __expf(-g)); }
+};
+struct gelu_of {  // exact (erf) GELU
+  __device__ float operator()(float x, float) const {
+    return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+  }
+};
+struct relu_of {
+  __device__ float operator()(float x, float) const { return fmaxf(x, 0.f); }
+};
+struct log_sigmoid_of {  // min(x, 0) - log1p(exp(-|x|)): no overflow
+  __device__ float operator()(float x, float) const {
+    return fminf(x, 0.f) - log1pf(__expf(-fabsf(x)));
+  }
+};
+struct two_sigmoid_of {  // PaTH's beta = 2 sigmoid(x)
+  __device__ float operator()(float x, float) const { return 2.f / (1.f + __expf(-x)); }
+};
+struct plus {  // the residual update h + m
+  __device__ float operator()(float h, float m) const { return h + m; }
+};
+struct copy_of {
+  __device__ float operator()(float x, float) const { return x; }
+};
+
+template <class Op, class Out, class InA, class InB>
+__global__ void map_kernel(Out* __restrict__ y, const InA* a, const InB* b, index_t n, Op op) {
+  for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
+       i += index_t(gridDim.x) * blockDim.x)
+    y[i] = from_float<Out>(op(to_float(a[i]), b != nullptr ? to_float(b[i]) : 0.f));
+}
+
+inline unsigned grid_for(index_t n, int threads) {
+  const index_t blocks = (n + threads - 1) / threads;
+  return unsigned(blocks < 132 * 32 ? (blocks > 0 ? blocks : 1) : 132 * 32);
+}
+
+// y = Op(a, b) elementwise (b may be null: Op sees 0). y may be a or b.
+template <class Op, class Out, class InA, class InB = float>
+void map(Out* y, const InA* a, const InB* b, index_t n, cudaStream_t stream, Op op = Op{}) {
+  if (n == 0) return;
+  map_kernel<Op, device_t<Out>, device_t<InA>, device_t<InB>><<<grid_for(n, 256), 256, 0, stream>>>(
+      reinterpret_cast<device_t<Out>*>(y), reinterpret_cast<const device_t<InA>*>(a),
+      reinterpret_cast<const device_t<InB>*>(b), n, op);
+  check(cudaGetLastError(), "attnmix layer map kernel launch");
+}
+
+// ---- bias ----------------------------------------------------------------------------------
+template <class Y, class B>
+__global__ void add_bias_kernel(Y* y, const B* bias, index_t rows, index_t width, index_t ld) {
+  const index_t n = rows * width;
+  for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
+       i += index_t(gridDim.x) * blockDim.x) {
+    const index_t r = i / width, c = i % width;
+    y[r * ld + c] = from_float<Y>(to_float(y[r * ld + c]) + to_float(bias[c]));
+  }
+}
+
+// y[r, c] += bias[c] for r < rows, c < width; y's row stride ld.
+template <class Y, class B>
+void add_bias(Y* y, const B* bias, index_t rows, index_t width, index_t ld, cudaStream_t stream) {
+  if (rows * width == 0) return;
+  add_bias_kernel<<<grid_for(rows * width, 256), 256, 0, stream>>>(
+      reinterpret_cast<device_t<Y>*>(y), reinterpret_cast<const device_t<B>*>(bias), rows, width,
+      ld);
+  check(cudaGetLastError(), "attnmix bias kernel launch");
+}
+
+// ---- RMSNorm / L2 norm over groups ---------------------------------------------------------
+// One warp per group of `width` contiguous values:
+//   y = x / sqrt(mean(x^2) + eps) * w   (mean = true: RMSNorm; w may be null)
+//   y = x / sqrt(sum(x^2) + eps)        (mean = false: fla's l2norm)
+// w holds `width` values shared by the groups, or groups_per_row * width (per_group).
+template <class In, class Out>
+__global__ void norm_kernel(const In* x, Out* y, index_t groups, int width, const float* w,
+                            bool per_group, int groups_per_row, bool mean, float eps) {
+  const index_t g = blockIdx.x * index_t(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (g >= groups) return;  // whole warps leave together: the shuffles below stay full
+  const In* xi = x + g * width;
+  Out* yi = y + g * width;
+  float ss = 0.f;
+  for (int c = lane; c < width; c += 32) {
+    const float v = to_float(xi[c]);
+    ss += v * v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float r = rsqrtf((mean ? ss / float(width) : ss) + eps);
+  const float* wi = w == nullptr ? nullptr : per_group ? w + (g % groups_per_row) * width : w;
+  for (int c = lane; c < width; c += 32)
+    yi[c] = from_float<Out>(to_float(xi[c]) * r * (wi != nullptr ? wi[c] : 1.f));
+}
+
+template <class In, class Out>
+void norm_groups(const In* x, Out* y, index_t groups, index_t width, const float* w, bool per_group,
+                 index_t groups_per_row, bool mean, double eps, cudaStream_t stream) {
+  if (groups == 0) return;
+  constexpr int warps = 8;
+  norm_kernel<<<unsigned((groups + warps - 1) / warps), 32 * warps, 0, stream>>>(
+      reinterpret_cast<const device_t<In>*>(x), reinterpret_cast<device_t<Out>*>(y), groups,
+      int(width), w, per_group, int(groups_per_row), mean, float(eps));
+  check(cudaGetLastError(), "attnmix norm kernel launch");
+}
+
+// ---- causal depthwise short convolution ----------------------------------------------------
+// y[r, c] = act( sum_{j<K} w[c, j] x[r - (K-1) + j, c] ), taps before the row's sequence start
+// (pos[r] < K-1-j) read zero. pos[r]: the row's position in its sequence.
+template <class In, class Out>
+__global__ void short_conv_kernel(const In* x, Out* y, index_t rows, int channels, const float* w,
+                                  int K, bool silu, const std::int32_t* pos) {
+  const index_t n = rows * channels;
+  for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
+       i += index_t(gridDim.x) * blockDim.x) {
+    const index_t r = i / channels;
+    const int c = int(i % channels), p = pos[r];
+    float acc = 0.f;
+    for (int j = 0; j < K; ++j) {
+      const int back = K - 1 - j;  // how many tokens before r this tap reads
+      if (back <= p) acc += w[c * K + j] * to_float(x[(r - back) * channels + c]);
+    }
+    y[i] = from_float<Out>(silu ? acc / (1.f + __expf(-acc)) : acc);
+  }
+}
+
+template <class In, class Out>
+void short_conv(const In* x, Out* y, index_t rows, index_t channels, const float* w, index_t K,
+                bool silu, const std::int32_t* pos, cudaStream_t stream) {
+  if (rows * channels == 0) return;
+  short_conv_kernel<<<grid_for(rows * channels, 256), 256, 0, stream>>>(
+      reinterpret_cast<const device_t<In>*>(x), reinterpret_cast<device_t<Out>*>(y), rows,
+      int(channels), w, int(K), silu, pos);
+  check(cudaGetLastError(), "attnmix short conv kernel launch");
+}
+
+// ---- rotary position embedding (rotate-half) -----------------------------------------------
+// The angle pos * theta^(-2i/d) in double, as the CPU path: float loses ~1e-3 rad at 16k.
+template <class T>
+__global__ void rope_kernel(T* x, index_t rows, int heads, int d, const std::int32_t* pos,
+                            double theta) {
+  const int half = d / 2;
+  const index_t n = rows * heads * half;
+  for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
+       i += index_t(gridDim.x) * blockDim.x) {
+    const int k = int(i % half);
+    const index_t rh = i / half, r = rh / heads;
+    double sn, cs;
+    sincos(double(pos[r]) * pow(theta, -2.0 * k / d), &sn, &cs);
+    T* v = x + rh * d;
+    const float x0 = to_float(v[k]), x1 = to_float(v[k + half]);
+    v[k] = from_float<T>(float(x0 * cs - x1 * sn));
+    v[k + half] = from_float<T>(float(x1 * cs + x0 * sn));
+  }
+}
+
+template <class T>
+void rope(T* x, index_t rows, index_t heads, index_t d, const std::int32_t* pos, double theta,
+          cudaStream_t stream) {
+  if (rows * heads * (d / 2) == 0) return;
+  rope_kernel<<<grid_for(rows * heads * (d / 2), 256), 256, 0, stream>>>(
+      reinterpret_cast<device_t<T>*>(x), rows, int(heads), int(d), pos, theta);
+  check(cudaGetLastError(), "attnmix rope kernel launch");
+}
+
+// ---- row gather / scatter (packing the valid tokens of a masked batch) ---------------------
+// y[r, :] = x[src[r], :] for r < rows.
+template <class In, class Out>
+__global__ void gather_rows_kernel(const In* x, Out* y, const std::int64_t* src, index_t rows,
+                                   index_t width) {
+  const index_t n = rows * width;
+  for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
+       i += index_t(gridDim.x) * blockDim.x)
+    y[i] = from_float<Out>(to_float(x[src[i / width] * width + i % width]));
+}
+// y[dst[r], :] = x[r, :] for r < rows.
+template <class In, class Out>
+__global__ void scatter_rows_kernel(const In* x, Out* y, const std::int64_t* dst, index_t rows,
+                                    index_t width) {
+  const index_t n = rows * width;
+  for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
+       i += index_t(gridDim.x) * blockDim.x)
+    y[dst[i / width] * width + i % width] = from_float<Out>(to_float(x[i]));
+}
+
+template <class In, class Out>
+void gather_rows(const In* x, Out* y, const std::int64_t* src, index_t rows, index_t width,
+                 cudaStream_t stream) {
+  if (rows * width == 0) return;
+  gather_rows_kernel<<<grid_for(rows * width, 256), 256, 0, stream>>>(
+      reinterpret_cast<const device_t<In>*>(x), reinterpret_cast<device_t<Out>*>(y), src, rows,
+      width);
+  check(cudaGetLastError(), "attnmix gather kernel launch");
+}
+template <class In, class Out>
+void scatter_rows(const In* x, Out* y, const std::int64_t* dst, index_t rows, index_t width,
+                  cudaStream_t stream) {
+  if (rows * width == 0) return;
+  scatter_rows_kernel<<<grid_for(rows * width, 256), 256, 0, stream>>>(
+      reinterpret_cast<const device_t<In>*>(x), reinterpret_cast<device_t<Out>*>(y), dst, rows,
+      width);
+  check(cudaGetLastError(), "attnmix scatter kernel launch");
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
