@@ -13,6 +13,8 @@
 
 #include <attnmix/attnmix.hpp>
 
+#include "encoder_flops.hpp"
+
 namespace {
 
 using attnmix::index_t;
@@ -28,14 +30,7 @@ L::config bench_config() {
   return c;
 }
 
-// Forward FLOPs of one block over one sequence of n tokens (as examples/hybrid_encoder.cpp).
-double block_flops(bool sa, const L::config& c, double n) {
-  const double D = double(c.hidden_size), I = double(L::mlp_width(c, L::mlp_kind::swiglu));
-  const double inner = double(c.num_heads * c.dim()), d = double(c.dim());
-  const double mlp = 6.0 * D * I * n;
-  if (sa) return 2.0 * D * 4 * inner * n + 4.0 * n * n * inner + mlp;
-  return 8.0 * D * n + 2.0 * D * (5 * inner + 1) * n + 4.0 * n * inner * d + mlp;
-}
+using attnmix_bench::block_flops;
 
 attnmix::host_tensor<float, 3> random_input(index_t B, index_t T, index_t D) {
   std::mt19937_64 gen(1);
