@@ -72,12 +72,6 @@ __device__ __forceinline__ void store8(S* p, const float (&x)[8]) {
   }
 }
 
-// x rounded to S and back.
-template <class S>
-__device__ __forceinline__ float round_to(float x) {
-  return to_float(from_float<S>(x));
-}
-
 // Sum over the `Lanes` consecutive lanes that share a key.
 template <int Lanes>
 __device__ __forceinline__ float group_sum(float s) {
@@ -145,20 +139,24 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
       else
         load8(x, kp);
     }
+    // sw and sq are zero past D and x is zero off the run: no lane needs a select.
+    const float4 wa = reinterpret_cast<const float4*>(sw + d0)[0],
+                 wb = reinterpret_cast<const float4*>(sw + d0)[1];
+    const float w8[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
     float c = 0.f;  // every lane takes part in the sum, even where the result is not used
 #pragma unroll
-    for (int e = 0; e < 8; ++e) c += (owns ? sw[d0 + e] : 0.f) * x[e];
+    for (int e = 0; e < 8; ++e) c += w8[e] * x[e];
     c = beta * group_sum<lanes>(c);
     if (j != L)  // the new key is appended as it is
 #pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] -= c * (owns ? sw[d0 + e] : 0.f);
+      for (int e = 0; e < 8; ++e) x[e] -= c * w8[e];
+    // The score uses the key before the cache's rounding (a bfloat16 cache stores it rounded).
     if (owns) store8(kp, x);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] = round_to<Store>(x[e]);  // score what the cache holds
     for (int g = 0; g < G; ++g) {
-      float s = 0.f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s += (owns ? sq[g * Dmax + d0 + e] : 0.f) * x[e];
+      const float4 qa = reinterpret_cast<const float4*>(sq + g * Dmax + d0)[0],
+                   qb = reinterpret_cast<const float4*>(sq + g * Dmax + d0)[1];
+      float s = qa.x * x[0] + qa.y * x[1] + qa.z * x[2] + qa.w * x[3] + qb.x * x[4] + qb.y * x[5] +
+                qb.z * x[6] + qb.w * x[7];
       s = group_sum<lanes>(s);
       if (kl == 0 && live) {
         float z = s;
@@ -179,8 +177,12 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   }
   __syncthreads();
 
-  // Per query head: block max, probabilities, sum; then o = sum_j p_j v_j.
+  // Per query head: block max, probabilities, sum; then o = sum_j p_j v_j. A value row is read
+  // as 8-element vectors by Dmax / 8 lanes, so a warp covers 32 / (Dmax / 8) keys at a time.
+  constexpr int vlanes = Dmax / 8, keys_per_warp = 32 / vlanes;
+  static_assert(32 % vlanes == 0, "a warp covers whole value rows");
   const int lane = tid % 32, warp = tid / 32, count = static_cast<int>(j_end - j_begin);
+  const int vl = lane % vlanes, e0 = vl * 8, ksub = lane / vlanes;
   const Store* vals = static_cast<const Store*>(p.values) + (slot * p.capacity * H + h) * Dv;
   for (int g = 0; g < G; ++g) {
     float* z = sz + g * p.block_keys;
@@ -188,21 +190,31 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
     for (int j = lane; j < count; j += 32) mx = fmaxf(mx, z[j]);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float acc[Dmax / 32] = {};
+    float acc[8] = {};
     float sum = 0.f;
 #pragma unroll 4  // keeps several value loads in flight
-    for (int j = warp; j < count; j += 4) {
+    for (int j = warp * keys_per_warp + ksub; j < count; j += 4 * keys_per_warp) {
       const float pj = fast_exp2(z[j] - mx);
       sum += pj;
-      const Store* vj = vals + (j_begin + j) * H * Dv;
+      if (e0 < Dv) {
+        float v8[8];
+        load8(v8, vals + (j_begin + j) * H * Dv + e0);
 #pragma unroll
-      for (int i = 0; i < Dmax / 32; ++i) {
-        const int e = lane + 32 * i;
-        if (e < Dv) acc[i] += pj * to_float(vj[e]);
+        for (int e = 0; e < 8; ++e) acc[e] += pj * v8[e];
       }
     }
+    // Fold the warp's key subsets (lanes with the same vl), then its lanes' sums (each key's
+    // probability was added by all vlanes lanes of its subset: count it once).
 #pragma unroll
-    for (int i = 0; i < Dmax / 32; ++i) so[warp * Dmax + lane + 32 * i] = acc[i];
+    for (int off = vlanes; off < 32; off *= 2)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
+    sum = vl == 0 ? sum : 0.f;
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (ksub == 0)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) so[warp * Dmax + e0 + e] = acc[e];
     __syncthreads();
     if (warp == 0)  // each warp summed a quarter of the keys
       for (int e = lane; e < Dv; e += 32)
