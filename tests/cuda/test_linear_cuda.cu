@@ -107,6 +107,32 @@ std::vector<linear_case> cuda_linear_cases(bool causal) {
   cs.push_back({2, 2000, 4, 2, 64, 64});
   cs.push_back({1, 900, 2, 2, 128, 128, {0, 300, 300, 900}, padding::none});
   cs.push_back({2, 333, 4, 4, 64, 128, {}, padding::right});
+  if (!causal) {
+    // The tensor-core kernels (half, bfloat16): tiny T, lengths around the 64-token tile, GQA,
+    // D != Dv both ways, the narrow and wide dims they take, and dims they leave to the portable
+    // kernels (D = 32 with Dv = 16, D = 48).
+    cs.push_back({1, 1, 1, 1, 64, 64});
+    cs.push_back({3, 2, 2, 1, 128, 128});
+    cs.push_back({2, 63, 4, 2, 64, 64});
+    cs.push_back({2, 64, 4, 2, 64, 32, {}, padding::left});
+    cs.push_back({1, 65, 2, 1, 32, 64});
+    cs.push_back({2, 129, 6, 3, 128, 64, {}, padding::right});
+    cs.push_back({2, 300, 8, 2, 64, 128});
+    cs.push_back({1, 200, 2, 1, 16, 128});
+    cs.push_back({2, 100, 2, 2, 48, 48});
+    // Long sequences: many blocks of the reduce pass merged by their gate maxima.
+    cs.push_back({1, 20000, 2, 1, 64, 64});
+    cs.push_back({2, 5000, 4, 2, 64, 64, {}, padding::holes});
+    // Many sequences, varlen with empty and length-1 sequences.
+    cs.push_back({24, 600, 12, 12, 64, 64});
+    cs.push_back({1, 1500, 4, 2, 64, 64, {0, 0, 1, 64, 64, 130, 500, 501, 1000, 1500}});
+    // Pad tokens whose q, k, v, logits and gate are NaN.
+    for (index_t T : {index_t(129), index_t(1000)}) {
+      linear_case nan_pads{3, T, 4, 2, 64, 64, {}, T < 500 ? padding::holes : padding::right};
+      nan_pads.nan_pads = true;
+      cs.push_back(nan_pads);
+    }
+  }
   if (causal) {
     linear_case with_state{2, 50, 2, 1, 16, 8};
     with_state.with_state_in = true;
@@ -314,4 +340,102 @@ TEMPLATE_TEST_CASE("CUDA causal linear attention: state out then in equals one c
   check_chaining<gated_causal, TestType>(2, 3000, 1100, 4, 2, 64, 48, 801);
   check_chaining<gated_causal, TestType>(3, 200, 65, 2, 1, 32, 32, 802);
   check_chaining<gated_causal, TestType>(1, 5000, 4999, 2, 2, 64, 64, 803);
+}
+
+// A few small shapes of the bidirectional kernels (tensor-core and portable), quick enough for
+// compute-sanitizer.
+TEMPLATE_TEST_CASE("CUDA GBLA core, small shapes", "[cuda][gbla][small]", attnmix::half,
+                   attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  std::vector<linear_case> cs = {{1, 1, 1, 1, 64, 64},
+                                 {2, 70, 2, 2, 32, 64},
+                                 {1, 200, 2, 1, 128, 64, {0, 0, 1, 64, 64, 130, 200}},
+                                 {2, 150, 4, 2, 64, 128, {}, padding::left},
+                                 {1, 90, 2, 1, 24, 40}};
+  linear_case nan_pads{3, 130, 4, 2, 64, 64, {}, padding::holes};
+  nan_pads.nan_pads = true;
+  cs.push_back(nan_pads);
+  std::uint64_t salt = 950;
+  for (const linear_case& c : cs) {
+    INFO("seed " << test_seed() << " " << c.describe() << " dtype "
+                 << attnmix::scalar_traits<TestType>::name);
+    const linear_errors e = run_cuda_linear<attnmix::kind::gbla, mamba_style, TestType>(c, ++salt);
+    CAPTURE(e.out, e.S, e.z, e.lse);
+    CHECK(e.out <= 1e-2);
+    CHECK(e.S <= 1e-2);
+    CHECK(e.z <= 1e-2);
+    CHECK(e.lse <= 1e-2);
+  }
+}
+
+namespace {
+
+// q, k, v as strided views into one packed [B, T, HQ*D + H*D + H*Dv] projection, first aligned
+// (the tensor-core kernels), then shifted by one element (the portable kernels): both must
+// equal the call on contiguous copies.
+template <class T>
+void check_packed_views(index_t B, index_t Tn, index_t HQ, index_t H, index_t D, index_t Dv,
+                        std::uint64_t salt) {
+  using attnmix::view1;
+  using attnmix::view3;
+  using attnmix::view4;
+  const auto dev = attnmix::memory_space::device;
+  rng r(salt);
+  const index_t W = HQ * D + H * D + H * Dv;
+  std::vector<float> packed(std::size_t(B * Tn * W + 1));
+  for (float& x : packed) x = static_cast<float>(r.normal());
+  std::vector<float> q(std::size_t(B * Tn * HQ * D)), k(std::size_t(B * Tn * H * D)),
+      v(std::size_t(B * Tn * H * Dv)), gate(std::size_t(B * Tn * HQ * Dv)), a(std::size_t(B * Tn));
+  for (index_t bt = 0; bt < B * Tn; ++bt) {
+    for (index_t i = 0; i < HQ * D; ++i) q[bt * HQ * D + i] = packed[bt * W + i];
+    for (index_t i = 0; i < H * D; ++i) k[bt * H * D + i] = packed[bt * W + HQ * D + i];
+    for (index_t i = 0; i < H * Dv; ++i) v[bt * H * Dv + i] = packed[bt * W + HQ * D + H * D + i];
+  }
+  for (float& x : gate) x = static_cast<float>(r.normal());
+  for (float& x : a) x = static_cast<float>(2 * r.normal());
+  device_buffer<T> dq(convert_all<T>(q)), dk(convert_all<T>(k)), dv(convert_all<T>(v)),
+      dgate(convert_all<T>(gate)), dpacked(convert_all<T>(packed));
+  device_buffer<float> da(a), dgamma(std::vector<float>(std::size_t(Dv), 0.75f));
+  const std::size_t no = std::size_t(B * Tn * HQ * Dv);
+  device_buffer<T> out_ref(no), out_packed(no), out_shifted(no);
+
+  auto call = [&](const T* qp, const T* kp, const T* vp, index_t row, T* out) {
+    attnmix::linear_attention_args<T> args;
+    const index_t sq = row == 0 ? HQ * D : row, sk = row == 0 ? H * D : row,
+                  sv = row == 0 ? H * Dv : row;
+    args.q = view4<const T>(qp, {B, Tn, HQ, D}, {Tn * sq, sq, D, 1}, dev);
+    args.k = view4<const T>(kp, {B, Tn, H, D}, {Tn * sk, sk, D, 1}, dev);
+    args.v = view4<const T>(vp, {B, Tn, H, Dv}, {Tn * sv, sv, Dv, 1}, dev);
+    args.out = view4<T>(out, {B, Tn, HQ, Dv}, dev);
+    args.a = view3<const float>(da.get(), {B, Tn, 1}, dev);
+    args.gate = view4<const T>(dgate.get(), {B, Tn, HQ, Dv}, dev);
+    args.gamma = view1<const float>(dgamma.get(), {Dv}, dev);
+    attnmix::linear_attention<attnmix::kind::gbla, attnmix::gbla_policy>(args, {},
+                                                                         attnmix::backend::cuda{});
+  };
+  call(dq.get(), dk.get(), dv.get(), 0, out_ref.get());
+  const T* base = dpacked.get();
+  call(base, base + HQ * D, base + HQ * D + H * D, W, out_packed.get());
+  // The packed copy shifted by one element: rows no longer 16-byte aligned.
+  device_buffer<T> shifted(convert_all<T>(std::vector<float>(packed.size(), 0.f)));
+  attnmix::detail::cuda::check(cudaMemcpy(shifted.get() + 1, base, (packed.size() - 1) * sizeof(T),
+                                          cudaMemcpyDeviceToDevice),
+                               "shift");
+  call(shifted.get() + 1, shifted.get() + 1 + HQ * D, shifted.get() + 1 + HQ * D + H * D, W,
+       out_shifted.get());
+  attnmix::detail::cuda::check(cudaDeviceSynchronize(), "packed views");
+  const std::vector<double> ref = convert_all<double>(out_ref.to_host());
+  INFO("seed " << test_seed() << " B=" << B << " T=" << Tn << " HQ=" << HQ << " H=" << H
+               << " D=" << D << " Dv=" << Dv << " dtype " << attnmix::scalar_traits<T>::name);
+  CHECK(rel_error(convert_all<double>(out_packed.to_host()), ref) <= 1e-6);
+  CHECK(rel_error(convert_all<double>(out_shifted.to_host()), ref) <= 1e-2);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("CUDA GBLA core: packed and unaligned strided views", "[cuda][gbla]",
+                   attnmix::half, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  check_packed_views<TestType>(2, 777, 4, 2, 64, 64, 960);
+  check_packed_views<TestType>(1, 300, 2, 2, 64, 128, 961);
 }

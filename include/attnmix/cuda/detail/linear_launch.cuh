@@ -13,6 +13,7 @@
 #include "attnmix/cuda/detail/attention_launch.cuh"
 #include "attnmix/cuda/detail/linear_causal_kernels.cuh"
 #include "attnmix/cuda/detail/linear_kernels.cuh"
+#include "attnmix/cuda/detail/linear_mma.cuh"
 #include "attnmix/cuda/runtime.cuh"
 
 namespace attnmix {
@@ -106,13 +107,33 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
     segments = std::max<index_t>(1, (max_len + segment_tokens - 1) / segment_tokens);
   }
 
-  // Blocks of the bidirectional reduce pass: enough CTAs to fill the GPU several times over.
-  // The causal kind reduces every segment but the last.
-  const index_t target = 4 * 132;
+  // Tensor cores for half and bfloat16 when the rows allow 16-byte loads and the dims tile.
+  constexpr bool sixteen_bit = std::is_same_v<Dev, __half> || std::is_same_v<Dev, __nv_bfloat16>;
+  constexpr index_t per_vector = 16 / sizeof(T);
+  const bool kv_vectors = D % per_vector == 0 && Dv % per_vector == 0 &&
+                          aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1),
+                                              a.k.stride(2), int(per_vector), int(sizeof(T))) &&
+                          aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1),
+                                              a.v.stride(2), int(per_vector), int(sizeof(T)));
+  const bool q_vectors =
+      D % per_vector == 0 && aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1),
+                                                 a.q.stride(2), int(per_vector), int(sizeof(T)));
+  const bool mma_reduce = sixteen_bit && kv_vectors && linear_mma_dims(D, Dv);
+  const bool mma_read =
+      mma_reduce && q_vectors &&
+      aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1), a.out.stride(2), 2,
+                          int(sizeof(T))) &&
+      (!a.gate.has_value() || aligned_for_vectors(a.gate.data(), a.gate.stride(0), a.gate.stride(1),
+                                                  a.gate.stride(2), 2, int(sizeof(T))));
+
+  // Blocks of the bidirectional reduce pass: enough CTAs to fill the GPU several times over
+  // (whole 64-token tiles for the tensor-core kernel). The causal kind reduces every segment
+  // but the last.
+  const index_t target = (mma_reduce ? 8 : 4) * 132, round = mma_reduce ? 64 : 32;
   index_t partials = std::clamp<index_t>((target + H * N - 1) / (H * N), 1,
                                          std::max<index_t>(1, (max_len + 63) / 64));
   index_t block_tokens =
-      std::max<index_t>(32, ((max_len + partials - 1) / partials + 31) / 32 * 32);
+      std::max<index_t>(round, ((max_len + partials - 1) / partials + round - 1) / round * round);
   partials = std::max<index_t>(1, (max_len + block_tokens - 1) / block_tokens);
   if constexpr (causal) partials = segments - 1, block_tokens = segment_tokens;
 
@@ -141,15 +162,8 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   kp.q_heads = int(p.q_heads), kp.kv_heads = int(H), kp.group = int(p.group());
   kp.gate_heads = int(p.gate_heads), kp.head_dim = int(D), kp.value_dim = int(Dv);
   kp.scale = float(p.scale), kp.eps = float(p.eps), kp.norm_eps = float(p.norm_eps);
-  constexpr index_t per_vector = 16 / sizeof(T);
-  kp.vector_loads = D % per_vector == 0 && Dv % per_vector == 0 &&
-                    aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2),
-                                        int(per_vector), int(sizeof(T))) &&
-                    aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2),
-                                        int(per_vector), int(sizeof(T)));
-  kp.q_vector_loads =
-      D % per_vector == 0 && aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1),
-                                                 a.q.stride(2), int(per_vector), int(sizeof(T)));
+  kp.vector_loads = kv_vectors;
+  kp.q_vector_loads = q_vectors;
   const auto& si = a.state_in;
   const auto& so = a.state_out;
   kp.S_in = si.S.has_value() ? si.S.data() : nullptr;
@@ -175,6 +189,16 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
     check(cudaGetLastError(), "linear_reduce_kernel launch");
   };
   auto reduce_all = [&] {
+    if constexpr (sixteen_bit) {
+      if (mma_reduce) {
+        auto kernel = linear_mma_wide(D, Dv) ? linear_reduce_mma_kernel<Dev, Policy, true>
+                                             : linear_reduce_mma_kernel<Dev, Policy, false>;
+        kernel<<<dim3(unsigned(partials), unsigned(H), unsigned(N)), linear_mma_reduce_threads,
+                 linear_mma_reduce_smem(D, Dv), stream>>>(kp, block_tokens, partial, partials);
+        check(cudaGetLastError(), "linear_reduce_mma_kernel launch");
+        return;
+      }
+    }
     const index_t tiles = (D / 4) * (Dv / 4);
     if (tiles <= 256)
       reduce(std::integral_constant<int, 1>{});
@@ -198,7 +222,23 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
     linear_combine_kernel<Policy>
         <<<dim3(unsigned(H), unsigned(N)), 256, 0, stream>>>(kp, partial, partials, state);
     check(cudaGetLastError(), "linear_combine_kernel launch");
-    if (max_len > 0) {
+    bool read_done = false;
+    if constexpr (sixteen_bit) {
+      if (mma_read && max_len > 0) {
+        // Several query tiles a CTA when there are plenty, so that S is staged less often.
+        const index_t tiles = (max_len + linear_mma_rows - 1) / linear_mma_rows;
+        const index_t per_cta = std::clamp<index_t>(tiles * p.q_heads * N / (132 * 16), 1, 16);
+        const int smem = linear_mma_read_smem(D, Dv);
+        auto kernel = linear_mma_wide(D, Dv) ? linear_read_mma_kernel<Dev, Policy, true>
+                                             : linear_read_mma_kernel<Dev, Policy, false>;
+        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+              "cudaFuncSetAttribute");
+        kernel<<<dim3(unsigned((tiles + per_cta - 1) / per_cta), unsigned(p.q_heads), unsigned(N)),
+                 linear_mma_read_threads, smem, stream>>>(kp, state, int(per_cta));
+        read_done = true;
+      }
+    }
+    if (max_len > 0 && !read_done) {
       const int read_smem = linear_read_smem_floats(int(D), int(Dv)) * int(sizeof(float));
       chunk_switch(Dv, [&](auto vc) {
         constexpr int VC = decltype(vc)::value;
