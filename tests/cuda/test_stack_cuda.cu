@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attnmix/cuda.cuh"
+#include "layers/custom_layers.hpp"
 #include "support/cuda_testing.cuh"
 #include "support/testing.hpp"
 
@@ -20,42 +21,18 @@ namespace L = attnmix::layers;
 namespace layer = attnmix::layer;
 using attnmix::repeat;
 
-// Mixers with every optional switch on.
-struct rope_sa_policy : L::sa_layer_policy {
+using namespace custom_layers;
+// Bidirectional SA with every switch on, qkv biases too.
+struct biased_rope_sa_policy : L::sa_layer_policy {
   static constexpr bool rope = true;
   static constexpr bool qk_norm = true;
   static constexpr bool output_gate = true;
   static constexpr bool qkv_bias = true;
-  static constexpr const char* name = "rope_sa";
-};
-struct gated_fox_policy : L::fox_layer_policy {
-  static constexpr bool qk_norm = true;
-  static constexpr bool output_gate = true;
-  static constexpr const char* name = "gated_fox";
-};
-struct normed_path_fox_policy : L::path_fox_layer_policy {
-  static constexpr bool qk_norm = true;
-  static constexpr const char* name = "normed_path_fox";
-};
-struct causal_gbla_policy : L::gbla_layer_policy {
-  using kind = attnmix::kind::linear_causal;
-  using core = attnmix::with_gated_norm<
-      attnmix::with_key_gate<attnmix::linear_causal_policy, attnmix::key_gate::per_head>,
-      attnmix::gated_norm::per_head>;
-  static constexpr const char* name = "causal_gbla";
+  static constexpr const char* name = "biased_rope_sa";
 };
 template <class T>
-using rope_sa_layer = L::attention_layer<T, rope_sa_policy>;
-template <class T>
-using gated_fox_layer = L::attention_layer<T, gated_fox_policy>;
-template <class T>
-using normed_path_fox_layer = L::path_layer<T, normed_path_fox_policy>;
-template <class T>
-using causal_gbla_layer = L::linear_layer<T, causal_gbla_policy>;
-using rope_sa = layer::custom<attnmix::kind::softmax, rope_sa_layer>;
-using gated_fox = layer::custom<attnmix::kind::fox, gated_fox_layer>;
-using normed_path_fox = layer::custom<attnmix::kind::path_fox, normed_path_fox_layer>;
-using causal_gbla = layer::custom<attnmix::kind::linear_causal, causal_gbla_layer>;
+using biased_rope_sa_layer = L::attention_layer<T, biased_rope_sa_policy>;
+using biased_rope_sa = layer::custom<attnmix::kind::softmax, biased_rope_sa_layer>;
 
 L::config make_config(index_t heads, index_t kv_heads, index_t window = 0) {
   L::config c;
@@ -176,9 +153,9 @@ void run_all(double tol) {
         gqa, packed, 5, tol);
   }
   SECTION("every mixer switch: RoPE, qk-norm, biases, output gates, causal GBLA") {
-    check_stack<D, stack_policy, rope_sa, gated_fox, normed_path_fox, causal_gbla>(gqa, packed, 6,
-                                                                                   tol);
-    check_stack<D, stack_policy, rope_sa, gated_fox>(mha, masked, 7, tol);
+    check_stack<D, stack_policy, biased_rope_sa, gated_fox, normed_path_fox, causal_gbla>(
+        gqa, packed, 6, tol);
+    check_stack<D, stack_policy, rope_sa, gated_fox, biased_rope_sa>(mha, masked, 7, tol);
   }
   SECTION("GELU and ReLU MLPs, sliding windows") {
     check_stack<D, attnmix::with_mlp<L::mlp_kind::gelu>, layer::sa, layer::fox>(

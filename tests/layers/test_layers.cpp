@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "layers/custom_layers.hpp"
 #include "layers/layer_harness.hpp"
 
 namespace {
@@ -80,42 +81,7 @@ void check_decode(const L::config& c, index_t P, std::uint64_t salt) {
   check_prefill_then_decode(m, cache, x, full, P, [](const auto& c) { return c.length(0); });
 }
 
-struct rope_sa_policy : L::causal_sa_layer_policy {
-  static constexpr bool rope = true;
-  static constexpr bool qk_norm = true;
-  static constexpr bool output_gate = true;
-  static constexpr const char* name = "rope_sa";
-};
-struct gated_fox_policy : L::fox_layer_policy {
-  static constexpr bool qk_norm = true;
-  static constexpr bool output_gate = true;
-  static constexpr const char* name = "gated_fox";
-};
-// A causal linear layer with every GBLA addition: conv state, key-gate lse and norm.
-struct causal_gbla_policy : L::gbla_layer_policy {
-  using kind = attnmix::kind::linear_causal;
-  using core = attnmix::with_gated_norm<
-      attnmix::with_key_gate<attnmix::linear_causal_policy, attnmix::key_gate::per_head>,
-      attnmix::gated_norm::per_head>;
-  static constexpr const char* name = "causal_gbla";
-};
-// PaTH-FoX with fla's use_qk_norm.
-struct normed_path_fox_policy : L::path_fox_layer_policy {
-  static constexpr bool qk_norm = true;
-  static constexpr const char* name = "normed_path_fox";
-};
-template <class T>
-using rope_sa_layer = L::attention_layer<T, rope_sa_policy>;
-template <class T>
-using normed_path_fox_layer = L::path_layer<T, normed_path_fox_policy>;
-using normed_path_fox = attnmix::layer::custom<attnmix::kind::path_fox, normed_path_fox_layer>;
-template <class T>
-using gated_fox_layer = L::attention_layer<T, gated_fox_policy>;
-template <class T>
-using causal_gbla_layer = L::linear_layer<T, causal_gbla_policy>;
-using rope_sa = attnmix::layer::custom<attnmix::kind::softmax, rope_sa_layer>;
-using gated_fox = attnmix::layer::custom<attnmix::kind::fox, gated_fox_layer>;
-using causal_gbla = attnmix::layer::custom<attnmix::kind::linear_causal, causal_gbla_layer>;
+using namespace custom_layers;
 
 oracle attention_oracle(bool causal, bool fox, bool rope = false, bool norm = false,
                         bool gate = false) {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "layers/custom_layers.hpp"
 #include "layers/layer_harness.hpp"
 
 namespace {
@@ -150,17 +151,7 @@ TEST_CASE("causal stacks decode token by token as the full forward", "[stack][de
   check_stack_decode<lm>(6, 25, 1);
 }
 
-// A causal GBLA layer (conv state, key-gate lse, gated norm) for the slot tests.
-struct causal_gbla_policy : L::gbla_layer_policy {
-  using kind = attnmix::kind::linear_causal;
-  using core = attnmix::with_gated_norm<
-      attnmix::with_key_gate<attnmix::linear_causal_policy, attnmix::key_gate::per_head>,
-      attnmix::gated_norm::per_head>;
-  static constexpr const char* name = "causal_gbla";
-};
-template <class T>
-using causal_gbla_layer = L::linear_layer<T, causal_gbla_policy>;
-using causal_gbla = attnmix::layer::custom<attnmix::kind::linear_causal, causal_gbla_layer>;
+using custom_layers::causal_gbla;
 
 // Every kind of layer cache: PaTH key cache and conv state, KV caches, linear states.
 using slot_lm = attnmix::stack<double, layer::path_fox, layer::fox, layer::causal_sa, layer::path,

@@ -90,6 +90,13 @@ class device_scratch {
   std::size_t used_ = 0;
 };
 
+// Row buffer p ([rows, heads * d]) as the [B, T, heads, d] device view the attention front doors
+// take.
+template <class S>
+view4<S> as_heads(S* p, const token_layout& L, index_t heads, index_t d) {
+  return view4<S>(p, {L.batch, L.tokens, heads, d}, memory_space::device);
+}
+
 // nn.Linear on the device: y = x W^T (+ b); W in D, b in float; y in D or float.
 template <class D>
 class device_linear {
@@ -224,10 +231,10 @@ class device_mixer<attention_layer<T, P>, D> {
       k::rope(kk, rows, H_, d_, c.positions, theta_, c.stream());
     }
     attention_args<D> a;
-    a.q = view4<const D>(q, {L.batch, L.tokens, HQ_, d_}, memory_space::device);
-    a.k = view4<const D>(kk, {L.batch, L.tokens, H_, d_}, memory_space::device);
-    a.v = view4<const D>(v, {L.batch, L.tokens, H_, d_}, memory_space::device);
-    a.out = view4<D>(o, {L.batch, L.tokens, HQ_, d_}, memory_space::device);
+    a.q = as_heads<const D>(q, L, HQ_, d_);
+    a.k = as_heads<const D>(kk, L, H_, d_);
+    a.v = as_heads<const D>(v, L, H_, d_);
+    a.out = as_heads<D>(o, L, HQ_, d_);
     if constexpr (fox) {
       float* g = s.take<float>(rows * HQ_);
       f_proj.apply(c, x, rows, g);
@@ -299,10 +306,10 @@ class device_mixer<linear_layer<T, P>, D> {
     k_proj.apply(c, cin, rows, kk);
     v_proj.apply(c, cin, rows, v);
     linear_attention_args<D> a;
-    a.q = view4<const D>(q, {L.batch, L.tokens, HQ_, d_}, memory_space::device);
-    a.k = view4<const D>(kk, {L.batch, L.tokens, H_, d_}, memory_space::device);
-    a.v = view4<const D>(v, {L.batch, L.tokens, H_, d_}, memory_space::device);
-    a.out = view4<D>(o, {L.batch, L.tokens, HQ_, d_}, memory_space::device);
+    a.q = as_heads<const D>(q, L, HQ_, d_);
+    a.k = as_heads<const D>(kk, L, H_, d_);
+    a.v = as_heads<const D>(v, L, H_, d_);
+    a.out = as_heads<D>(o, L, HQ_, d_);
     if constexpr (gated) {
       float* logits = s.take<float>(rows * Hg);
       a_proj.apply(c, u, rows, logits);
@@ -311,7 +318,7 @@ class device_mixer<linear_layer<T, P>, D> {
     if constexpr (normed) {
       D* g = s.take<D>(nq);
       g_proj.apply(c, u, rows, g);
-      a.gate = view4<const D>(g, {L.batch, L.tokens, HQ_, d_}, memory_space::device);
+      a.gate = as_heads<const D>(g, L, HQ_, d_);
       a.gamma = view1<const float>(gamma_.get(), {gamma_size_}, memory_space::device);
     }
     linear_attention_params p;
@@ -397,12 +404,12 @@ class device_mixer<path_layer<T, P>, D> {
     k::map<k::two_sigmoid_of>(beta, beta, static_cast<const float*>(nullptr), rows * H_,
                               c.stream());
     attention_args<D> a;
-    a.q = view4<const D>(q, {L.batch, L.tokens, HQ_, d_}, memory_space::device);
-    a.k = view4<const D>(kk, {L.batch, L.tokens, H_, d_}, memory_space::device);
-    a.v = view4<const D>(v, {L.batch, L.tokens, H_, d_}, memory_space::device);
-    a.w = view4<const float>(w, {L.batch, L.tokens, H_, d_}, memory_space::device);
+    a.q = as_heads<const D>(q, L, HQ_, d_);
+    a.k = as_heads<const D>(kk, L, H_, d_);
+    a.v = as_heads<const D>(v, L, H_, d_);
+    a.w = as_heads<const float>(w, L, H_, d_);
     a.beta = view3<const float>(beta, {L.batch, L.tokens, H_}, memory_space::device);
-    a.out = view4<D>(o, {L.batch, L.tokens, HQ_, d_}, memory_space::device);
+    a.out = as_heads<D>(o, L, HQ_, d_);
     if constexpr (gated) {
       float* g = beta + rows * H_;
       g_proj.apply(c, x, rows, g);
