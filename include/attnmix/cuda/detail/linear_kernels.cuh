@@ -248,9 +248,11 @@ __global__ void __launch_bounds__(256)
 }
 
 // ---- bidirectional: combine ---------------------------------------------------------------
-// CTA (KV head h, sequence n): merges the partial states with a log-sum-exp over the block
-// maxima; writes the final, softmax-normalised S and z (`state`: [N, H, D*Dv + D]) and any
-// state_out the caller asked for.
+// CTA (KV head h, sequence n, slice of linear_combine_slice elements): merges the partial
+// states with a log-sum-exp over the block maxima; writes the final, softmax-normalised S and z
+// (`state`: [N, H, D*Dv + D]) and any state_out the caller asked for.
+constexpr int linear_combine_slice = 1024;
+
 template <class Policy>
 __global__ void __launch_bounds__(256)
     linear_combine_kernel(const linear_kernel_params p, const float* partial, index_t partials,
@@ -275,7 +277,8 @@ __global__ void __launch_bounds__(256)
   }
   const float inv = gated ? (ell > 0.f ? 1.f / ell : 0.f) : 1.f;
   float* out = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
-  for (int idx = threadIdx.x; idx < D * Dv + D; idx += blockDim.x) {
+  const int end = min(D * Dv + D, int(blockIdx.z + 1) * linear_combine_slice);
+  for (int idx = blockIdx.z * linear_combine_slice + threadIdx.x; idx < end; idx += blockDim.x) {
     float sum = 0.f;
     for (index_t q = 0; q < partials; ++q) {
       const float* pq = part + q * stride;
@@ -294,7 +297,7 @@ __global__ void __launch_bounds__(256)
           sum;
     }
   }
-  if (gated && p.lse_out != nullptr && threadIdx.x == 0)
+  if (gated && p.lse_out != nullptr && threadIdx.x == 0 && blockIdx.z == 0)
     p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] =
         ell > 0.f ? M + logf(ell) : -INFINITY;
 }

@@ -119,12 +119,12 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
       D % per_vector == 0 && aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1),
                                                  a.q.stride(2), int(per_vector), int(sizeof(T)));
   const bool mma_reduce = sixteen_bit && kv_vectors && linear_mma_dims(D, Dv);
-  const bool mma_read =
-      mma_reduce && q_vectors &&
-      aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1), a.out.stride(2), 2,
-                          int(sizeof(T))) &&
-      (!a.gate.has_value() || aligned_for_vectors(a.gate.data(), a.gate.stride(0), a.gate.stride(1),
-                                                  a.gate.stride(2), 2, int(sizeof(T))));
+  const bool mma_read = mma_reduce && q_vectors &&
+                        aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1),
+                                            a.out.stride(2), 2, int(sizeof(T))) &&
+                        (Policy::norm != gated_norm::per_head ||
+                         aligned_for_vectors(a.gate.data(), a.gate.stride(0), a.gate.stride(1),
+                                             a.gate.stride(2), int(per_vector), int(sizeof(T))));
 
   // Blocks of the bidirectional reduce pass: enough CTAs to fill the GPU several times over
   // (whole 64-token tiles for the tensor-core kernel). The causal kind reduces every segment
@@ -193,8 +193,11 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
       if (mma_reduce) {
         auto kernel = linear_mma_wide(D, Dv) ? linear_reduce_mma_kernel<Dev, Policy, true>
                                              : linear_reduce_mma_kernel<Dev, Policy, false>;
-        kernel<<<dim3(unsigned(partials), unsigned(H), unsigned(N)), linear_mma_reduce_threads,
-                 linear_mma_reduce_smem(D, Dv), stream>>>(kp, block_tokens, partial, partials);
+        const int smem = linear_mma_reduce_smem(D, Dv);
+        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+              "cudaFuncSetAttribute");
+        kernel<<<dim3(unsigned(H), unsigned(partials), unsigned(N)), linear_mma_reduce_threads,
+                 smem, stream>>>(kp, block_tokens, partial, partials);
         check(cudaGetLastError(), "linear_reduce_mma_kernel launch");
         return;
       }
@@ -220,20 +223,24 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   } else {
     reduce_all();
     linear_combine_kernel<Policy>
-        <<<dim3(unsigned(H), unsigned(N)), 256, 0, stream>>>(kp, partial, partials, state);
+        <<<dim3(unsigned(H), unsigned(N),
+                unsigned((D * Dv + D + linear_combine_slice - 1) / linear_combine_slice)),
+           256, 0, stream>>>(kp, partial, partials, state);
     check(cudaGetLastError(), "linear_combine_kernel launch");
     bool read_done = false;
     if constexpr (sixteen_bit) {
       if (mma_read && max_len > 0) {
         // Several query tiles a CTA when there are plenty, so that S is staged less often.
         const index_t tiles = (max_len + linear_mma_rows - 1) / linear_mma_rows;
-        const index_t per_cta = std::clamp<index_t>(tiles * p.q_heads * N / (132 * 16), 1, 16);
-        const int smem = linear_mma_read_smem(D, Dv);
+        const index_t per_cta =
+            std::max(std::clamp<index_t>(tiles * p.q_heads * N / (132 * 16), 1, 16),
+                     (tiles + 65534) / 65535);
+        const int smem = linear_mma_read_smem(D, Dv, Policy::norm == gated_norm::per_head);
         auto kernel = linear_mma_wide(D, Dv) ? linear_read_mma_kernel<Dev, Policy, true>
                                              : linear_read_mma_kernel<Dev, Policy, false>;
         check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
               "cudaFuncSetAttribute");
-        kernel<<<dim3(unsigned((tiles + per_cta - 1) / per_cta), unsigned(p.q_heads), unsigned(N)),
+        kernel<<<dim3(unsigned(p.q_heads), unsigned((tiles + per_cta - 1) / per_cta), unsigned(N)),
                  linear_mma_read_threads, smem, stream>>>(kp, state, int(per_cta));
         read_done = true;
       }

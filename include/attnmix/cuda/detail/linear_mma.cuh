@@ -38,12 +38,6 @@ inline bool linear_mma_dims(index_t D, index_t Dv) {
 inline bool linear_mma_wide(index_t D, index_t Dv) {
   return D > 64 || Dv > 64;
 }
-inline int linear_mma_reduce_smem(index_t D, index_t Dv) {
-  return int(linear_mma_tokens * (D + 8 + Dv + 8) * 2);
-}
-inline int linear_mma_read_smem(index_t D, index_t Dv) {
-  return int((D * (Dv + 24) + linear_mma_rows * (D + 8)) * 2);
-}
 
 template <class T>
 __device__ __forceinline__ float2 unpack2(std::uint32_t x) {
@@ -73,30 +67,67 @@ __device__ __forceinline__ uint4 convert8(uint4 raw, float mul) {
 }
 
 // ---- reduce --------------------------------------------------------------------------------
-// CTA (block p, KV head h, sequence n), 256 threads. Wide: D or Dv above 64 (a warp owns up
-// to 16 column tiles of S_p, and a thread stages up to 4 chunks of 16 bytes a tensor).
+// CTA (KV head h, block p, sequence n), 256 threads; the heads of one block are neighbours in
+// the grid, so that CTAs running together read whole [H, D] rows. Wide: D or Dv above 64 (a warp
+// owns up to 16 column tiles of S_p). The tiles of K and V stream through a ring of Stages
+// shared-memory buffers by cp.async, Stages - 1 tiles in flight while one is multiplied.
+template <bool Wide>
+constexpr int linear_mma_stages = Wide ? 3 : 4;
+
+inline int linear_mma_reduce_smem(index_t D, index_t Dv) {
+  const int stages = D > 64 || Dv > 64 ? linear_mma_stages<true> : linear_mma_stages<false>;
+  return int(stages * linear_mma_tokens * (D + 8 + Dv + 8) * 2);
+}
+
 template <class T, class Policy, bool Wide>
-__global__ void __launch_bounds__(linear_mma_reduce_threads)
+__global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : 2)
     linear_reduce_mma_kernel(const linear_kernel_params p, index_t block_tokens, float* partial,
                              index_t partials) {
   constexpr int TT = linear_mma_tokens, threads = linear_mma_reduce_threads;
   constexpr int NT = Wide ? 16 : 4, max_chunks = TT * (Wide ? 128 : 64) / 8 / threads;
+  constexpr int Stages = linear_mma_stages<Wide>;
   constexpr bool gated = Policy::gate != key_gate::off;
   extern __shared__ __align__(16) unsigned char linear_smem[];
   __shared__ float weight[TT];
   __shared__ float scratch[8];
   const int D = p.head_dim, Dv = p.value_dim, ks = D + 8, vs = Dv + 8;
-  T* sk = reinterpret_cast<T*>(linear_smem);  // [TT][ks]  w * phi(k)
-  T* sv = sk + TT * ks;                       // [TT][vs]  v
+  const int stage_elems = TT * (ks + vs);
+  // Stage s: [TT][ks] keys (raw, then w * phi(k)), then [TT][vs] values.
+  T* ring = reinterpret_cast<T*>(linear_smem);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
-  const int blk = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  const int h = blockIdx.x, blk = blockIdx.y, n = blockIdx.z;
   index_t batch, start, length;
   p.sequence(n, batch, start, length);
   const index_t t0 = blk * block_tokens, t1 = min(t0 + block_tokens, length);
   float* out = partial + ((index_t(n) * p.kv_heads + h) * partials + blk) * partial_floats(D, Dv);
 
-  // The block max of the gate logits and the block's mass.
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
+               h * p.k_stride[2];
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
+               h * p.v_stride[2];
+  const int kc = D / 8, vc = Dv / 8;  // 16-byte chunks a row
+  // Tile at `base` into stage `st`; rows past the end are zero-filled. Always one commit group.
+  auto issue = [&](index_t base, int st) {
+    T* sk = ring + st * stage_elems;
+    T* sv = sk + TT * ks;
+    const index_t rows = base < t1 ? min(index_t(TT), t1 - base) : 0;
+#pragma unroll
+    for (int c = 0; c < max_chunks; ++c) {
+      const int idx = tid + c * threads, rk = idx / kc, rv = idx / vc;
+      if (rk < TT)
+        cp_async_16(sk + rk * ks + (idx % kc) * 8,
+                    rk < rows ? k + (base + rk) * p.k_stride[1] + (idx % kc) * 8 : k, rk < rows);
+      if (rv < TT)
+        cp_async_16(sv + rv * vs + (idx % vc) * 8,
+                    rv < rows ? v + (base + rv) * p.v_stride[1] + (idx % vc) * 8 : v, rv < rows);
+    }
+    cp_async_commit();
+  };
+  // Keys and values are in flight while the gate's block max and mass are found.
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s) issue(t0 + s * TT, s);
+
   float M = 0.f, ell = 0.f;
   if (gated) {
     float mx = -INFINITY;
@@ -111,31 +142,18 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads)
     for (index_t t = t0 + tid; t < t1; t += threads) sum += p.valid(batch, start + t) ? 1.f : 0.f;
     ell = block_reduce<false>(sum, scratch);
   }
-
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
-               h * p.k_stride[2];
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
-               h * p.v_stride[2];
-  const int kc = D / 8, vc = Dv / 8;  // 16-byte chunks a row
-  uint4 kbuf[max_chunks], vbuf[max_chunks];
-  float next_logit = 0.f;  // token (tile base + tid)'s logit, or 1/0 for valid without a gate
-  auto prefetch = [&](index_t base) {
-    const int rows = static_cast<int>(min(index_t(TT), t1 - base));
-#pragma unroll
-    for (int c = 0; c < max_chunks; ++c) {
-      const int idx = tid + c * threads, rk = idx / kc, rv = idx / vc;
-      if (rk < rows)
-        kbuf[c] = *reinterpret_cast<const uint4*>(k + (base + rk) * p.k_stride[1] + (idx % kc) * 8);
-      if (rv < rows)
-        vbuf[c] = *reinterpret_cast<const uint4*>(v + (base + rv) * p.v_stride[1] + (idx % vc) * 8);
-    }
-    if (tid < TT && tid < rows) {
+  // Token (tile base + tid)'s logit, or 1 / 0 for valid / pad without a gate; one tile ahead.
+  auto logit = [&](index_t base) {
+    float x = 0.f;
+    if (tid < TT && base + tid < t1) {
       if (gated)
-        next_logit = p.logit(batch, start + base + tid, h);
+        x = p.logit(batch, start + base + tid, h);
       else
-        next_logit = p.valid(batch, start + base + tid) ? 1.f : 0.f;
+        x = p.valid(batch, start + base + tid) ? 1.f : 0.f;
     }
+    return x;
   };
+  float next_logit = logit(t0);
 
   const int warps_m = D / 16, warp_m = warp % warps_m, warp_n = warp / warps_m;
   const int nt = Dv / 8 / (8 / warps_m), n0 = warp_n * nt * 8;
@@ -143,32 +161,30 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads)
   float zacc[4] = {};
   const std::uint32_t ones[2] = {pack2<T>(1.f, 1.f), pack2<T>(1.f, 1.f)};
 
-  if (t0 < t1) prefetch(t0);
+  int st = 0;
   for (index_t base = t0; base < t1; base += TT) {
     const int rows = static_cast<int>(min(index_t(TT), t1 - base));
-    __syncthreads();  // the previous tile's products are done with sk, sv, weight
-    if (tid < TT) {
-      float w = 0.f;
-      if (tid < rows) w = gated ? shifted_exp(next_logit, M) : next_logit;
-      weight[tid] = w;
-    }
-    __syncthreads();
+    T* sk = ring + st * stage_elems;
+    T* sv = sk + TT * ks;
+    cp_async_wait<Stages - 2>();
+    if (tid < TT)
+      weight[tid] = tid < rows ? (gated ? shifted_exp(next_logit, M) : next_logit) : 0.f;
+    __syncthreads();  // this tile has landed; the previous tile's products are done
+    // Pad tokens (weight 0) become zeros: their k and v may hold anything, NaN included.
 #pragma unroll
     for (int c = 0; c < max_chunks; ++c) {
       const int idx = tid + c * threads, rk = idx / kc, rv = idx / vc;
       if (rk < TT) {
-        const float w = rk < rows ? weight[rk] : 0.f;
-        *reinterpret_cast<uint4*>(sk + rk * ks + (idx % kc) * 8) =
-            convert8<T, Policy, true>(kbuf[c], w);
+        uint4* x = reinterpret_cast<uint4*>(sk + rk * ks + (idx % kc) * 8);
+        *x = convert8<T, Policy, true>(*x, weight[rk]);
       }
-      if (rv < TT) {
-        const float w = rv < rows ? weight[rv] : 0.f;
-        *reinterpret_cast<uint4*>(sv + rv * vs + (idx % vc) * 8) =
-            convert8<T, Policy, false>(vbuf[c], w);
-      }
+      if (rv < TT && weight[rv] == 0.f)
+        *reinterpret_cast<uint4*>(sv + rv * vs + (idx % vc) * 8) = make_uint4(0u, 0u, 0u, 0u);
     }
     __syncthreads();
-    if (base + TT < t1) prefetch(base + TT);
+    // The stage the previous tile used is free: the tile Stages - 1 ahead goes there.
+    issue(base + (Stages - 1) * TT, st == 0 ? Stages - 1 : st - 1);
+    next_logit = logit(base + TT);
 #pragma unroll
     for (int kk = 0; kk < TT / 16; ++kk) {
       std::uint32_t a[4];
@@ -188,7 +204,9 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads)
       }
       if (warp_n == 0) mma_16816<T>(zacc, a, ones);
     }
+    st = st + 1 == Stages ? 0 : st + 1;
   }
+  cp_async_wait<0>();  // nothing may land in shared memory after the CTA ends
 
   const int g = lane / 4, c2 = 2 * (lane % 4), d = warp_m * 16 + g;
 #pragma unroll
@@ -210,25 +228,74 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads)
 }
 
 // ---- read ----------------------------------------------------------------------------------
-// CTA (`tiles` consecutive 64-row query tiles, query head hq, sequence n), 128 threads; warp w
-// owns rows 16w .. 16w + 15 of a tile. Wide: D or Dv above 64.
+// CTA (query head hq, `tiles` consecutive 64-row query tiles, sequence n), 128 threads; warp w
+// owns rows 16w .. 16w + 15 of a tile. Wide: D or Dv above 64. The query rows (and the gate rows
+// with the gated norm) stream through a ring of 3 shared-memory stages by cp.async, two tiles
+// in flight while one is multiplied and written.
+constexpr int linear_mma_read_stages = 3;
+
+inline int linear_mma_read_smem(index_t D, index_t Dv, bool gate) {
+  return int(
+      (D * (Dv + 24) + linear_mma_read_stages * linear_mma_rows * (D + 8 + (gate ? Dv + 8 : 0))) *
+      2);
+}
+
 template <class T, class Policy, bool Wide>
 __global__ void __launch_bounds__(linear_mma_read_threads)
     linear_read_mma_kernel(const linear_kernel_params p, const float* state, int tiles) {
   constexpr int R = linear_mma_rows, threads = linear_mma_read_threads;
+  constexpr int Stages = linear_mma_read_stages;
   constexpr int NT = Wide ? 16 : 8, max_chunks = R * (Wide ? 128 : 64) / 8 / threads;
+  constexpr bool normed = Policy::norm == gated_norm::per_head;
   extern __shared__ __align__(16) unsigned char linear_smem[];
-  __shared__ float row_valid[R];
+  __shared__ float row_valid[2][R];
   __shared__ float scratch[8];
-  const int D = p.head_dim, Dv = p.value_dim, ss = Dv + 24, qs = D + 8;
+  const int D = p.head_dim, Dv = p.value_dim, ss = Dv + 24, qs = D + 8, gs = Dv + 8;
+  const int stage_elems = R * (qs + (normed ? gs : 0));
   T* sS = reinterpret_cast<T*>(linear_smem);  // [D][ss]: S, then z in columns Dv .. Dv + 15
-  T* sq = sS + D * ss;                        // [R][qs]  scale * phi(q)
+  T* ring = sS + D * ss;  // stage: [R][qs] q (raw, then scale * phi(q)), [R][gs] gate (raw)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int hq = blockIdx.y, n = blockIdx.z, h = hq / p.group;
+  const int hq = blockIdx.x, n = blockIdx.z, h = hq / p.group;
   index_t batch, start, length;
   p.sequence(n, batch, start, length);
-  const index_t row0 = index_t(blockIdx.x) * tiles * R;
+  const index_t row0 = index_t(blockIdx.y) * tiles * R;
   if (row0 >= length) return;
+  const index_t row_end = min(length, row0 + index_t(tiles) * R);
+
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + start * p.q_stride[1] +
+               hq * p.q_stride[2];
+  const T* gate = normed ? static_cast<const T*>(p.gate) + batch * p.gate_stride[0] +
+                               start * p.gate_stride[1] + hq * p.gate_stride[2]
+                         : nullptr;
+  const int qc = D / 8, gc = Dv / 8;
+  // Tile at i0 into stage st; rows past this CTA's range are zero-filled. One commit group.
+  auto issue = [&](index_t i0, int st) {
+    T* sq = ring + st * stage_elems;
+    const index_t rows = i0 < row_end ? min(index_t(R), row_end - i0) : 0;
+#pragma unroll
+    for (int c = 0; c < max_chunks; ++c) {
+      const int idx = tid + c * threads, r = idx / qc;
+      if (r < R)
+        cp_async_16(sq + r * qs + (idx % qc) * 8,
+                    r < rows ? q + (i0 + r) * p.q_stride[1] + (idx % qc) * 8 : q, r < rows);
+    }
+    if constexpr (normed) {
+      T* sg = sq + R * qs;
+      for (int idx = tid; idx < R * gc; idx += threads) {
+        const int r = idx / gc;
+        cp_async_16(sg + r * gs + (idx % gc) * 8,
+                    r < rows ? gate + (i0 + r) * p.gate_stride[1] + (idx % gc) * 8 : gate,
+                    r < rows);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s) issue(row0 + s * R, s);
+  auto row_ok = [&](index_t i) {
+    return tid < R && i + tid < length && p.valid(batch, start + i + tid) ? 1.f : 0.f;
+  };
+  float next_valid = row_ok(row0);
 
   // S and z in the input type; half keeps them under 1 by a power of two (undone on Num, den).
   const float* st = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
@@ -249,38 +316,28 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
   for (int idx = tid; idx < D * 16; idx += threads)
     sS[(idx / 16) * ss + Dv + idx % 16] = from_float<T>(st[D * Dv + idx / 16] * mul);
 
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + start * p.q_stride[1] +
-               hq * p.q_stride[2];
-  const int qc = D / 8;
-  uint4 qbuf[max_chunks];
-  float next_valid = 0.f;
-  auto prefetch = [&](index_t i0) {
-#pragma unroll
-    for (int c = 0; c < max_chunks; ++c) {
-      const int idx = tid + c * threads, r = idx / qc;
-      if (r < R && i0 + r < length)
-        qbuf[c] = *reinterpret_cast<const uint4*>(q + (i0 + r) * p.q_stride[1] + (idx % qc) * 8);
-    }
-    if (tid < R) next_valid = i0 + tid < length && p.valid(batch, start + i0 + tid) ? 1.f : 0.f;
-  };
-
   const int g = lane / 4, c2 = 2 * (lane % 4), nt = Dv / 8;
-  prefetch(row0);
+  int stage = 0;
   for (int tile = 0; tile < tiles; ++tile) {
     const index_t i0 = row0 + index_t(tile) * R;
     if (i0 >= length) break;
-    __syncthreads();  // the previous tile is done with sq and row_valid
-    if (tid < R) row_valid[tid] = next_valid;
-    __syncthreads();
+    T* sq = ring + stage * stage_elems;
+    const T* sg = sq + R * qs;
+    float* valid_rows = row_valid[tile % 2];
+    cp_async_wait<Stages - 2>();
+    if (tid < R) valid_rows[tid] = next_valid;
+    __syncthreads();  // this tile has landed; the previous tile is done with its stage
 #pragma unroll
     for (int c = 0; c < max_chunks; ++c) {
       const int idx = tid + c * threads, r = idx / qc;
-      if (r < R)
-        *reinterpret_cast<uint4*>(sq + r * qs + (idx % qc) * 8) =
-            convert8<T, Policy, true>(qbuf[c], row_valid[r] != 0.f ? p.scale : 0.f);
+      if (r < R) {
+        uint4* x = reinterpret_cast<uint4*>(sq + r * qs + (idx % qc) * 8);
+        *x = convert8<T, Policy, true>(*x, valid_rows[r] != 0.f ? p.scale : 0.f);
+      }
     }
     __syncthreads();
-    if (tile + 1 < tiles && i0 + R < length) prefetch(i0 + R);
+    issue(i0 + (Stages - 1) * R, stage == 0 ? Stages - 1 : stage - 1);
+    next_valid = row_ok(i0 + R);
 
     float acc[NT][4] = {};
     float zacc[4] = {};
@@ -308,7 +365,7 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = warp * 16 + g + 8 * half;
-      const bool in_range = i0 + r < length, valid = in_range && row_valid[r] != 0.f;
+      const bool in_range = i0 + r < length, valid = in_range && valid_rows[r] != 0.f;
       const index_t t = start + i0 + r;
       const float inv = Policy::normalize ? 1.f / (zacc[2 * half] * unmul + p.eps) : 1.f;
       float o[NT][2];
@@ -317,15 +374,13 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
         o[j][0] = j < nt ? acc[j][2 * half] * unmul * inv : 0.f;
         o[j][1] = j < nt ? acc[j][2 * half + 1] * unmul * inv : 0.f;
       }
-      if constexpr (Policy::norm == gated_norm::per_head) {
+      if constexpr (normed) {
         float act[NT][2];
-        const T* gp = static_cast<const T*>(p.gate) + batch * p.gate_stride[0] +
-                      t * p.gate_stride[1] + hq * p.gate_stride[2];
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           float2 gv = make_float2(0.f, 0.f);
           if (j < nt && valid)
-            gv = unpack2<T>(*reinterpret_cast<const std::uint32_t*>(gp + j * 8 + c2));
+            gv = unpack2<T>(*reinterpret_cast<const std::uint32_t*>(sg + r * gs + j * 8 + c2));
           act[j][0] = apply_gate_activation<Policy::activation>(gv.x);
           act[j][1] = apply_gate_activation<Policy::activation>(gv.y);
           if (Policy::order == norm_gate_order::gate_then_norm)
@@ -360,7 +415,9 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
                 valid ? pack2<T>(o[j][0], o[j][1]) : 0u;
       }
     }
+    stage = stage + 1 == Stages ? 0 : stage + 1;
   }
+  cp_async_wait<0>();  // nothing may land in shared memory after the CTA ends
 }
 
 }  // namespace cuda
