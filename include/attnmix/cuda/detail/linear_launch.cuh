@@ -230,10 +230,11 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
     bool read_done = false;
     if constexpr (sixteen_bit) {
       if (mma_read && max_len > 0) {
-        // Several query tiles a CTA when there are plenty, so that S is staged less often.
+        // Several query tiles a CTA (about two waves of 3 CTAs an SM), so that S is staged
+        // less often.
         const index_t tiles = (max_len + linear_mma_rows - 1) / linear_mma_rows;
         const index_t per_cta =
-            std::max(std::clamp<index_t>(tiles * p.q_heads * N / (132 * 16), 1, 16),
+            std::max(std::clamp<index_t>(tiles * p.q_heads * N / (132 * 3 * 2), 1, 16),
                      (tiles + 65534) / 65535);
         const int smem = linear_mma_read_smem(D, Dv, Policy::norm == gated_norm::per_head);
         auto kernel = linear_mma_wide(D, Dv) ? linear_read_mma_kernel<Dev, Policy, true>

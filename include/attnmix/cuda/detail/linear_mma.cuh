@@ -48,6 +48,29 @@ __device__ __forceinline__ float2 unpack2(std::uint32_t x) {
   }
 }
 
+// The feature map and the gate activation of math/feature_map.hpp with the hardware exp and
+// reciprocal: the 16-bit kernels are bound by these per-element instructions, and their error
+// (a few float ulps) is far below the operands' rounding.
+template <feature_map F>
+__device__ __forceinline__ float fast_feature_map(float x) {
+  if constexpr (F == feature_map::elu_plus_one) {
+    return x > 0.f ? x + 1.f : __expf(x);
+  } else if constexpr (F == feature_map::sigmoid) {
+    return __fdividef(1.f, 1.f + __expf(-x));
+  } else {
+    return apply_feature_map<F>(x);
+  }
+}
+template <gate_activation G>
+__device__ __forceinline__ float fast_gate_activation(float g) {
+  // exp(-g) = inf for g < -88 gives g * 0 = -0 and 1 * 0 = 0, the limits.
+  if constexpr (G == gate_activation::silu) {
+    return __fdividef(g, 1.f + __expf(-g));
+  } else {
+    return __fdividef(1.f, 1.f + __expf(-g));
+  }
+}
+
 // Converts 8 staged elements: mul * phi(x) (Keys) or x, zeros when mul == 0 (pads, rows past
 // the end: their values may be NaN or garbage).
 template <class T, class Policy, bool Keys>
@@ -58,8 +81,8 @@ __device__ __forceinline__ uint4 convert8(uint4 raw, float mul) {
   for (int i = 0; i < 4; ++i) {
     float2 f = unpack2<T>(in[i]);
     if (Keys) {
-      f.x = mul * apply_feature_map<Policy::phi>(f.x);
-      f.y = mul * apply_feature_map<Policy::phi>(f.y);
+      f.x = mul * fast_feature_map<Policy::phi>(f.x);
+      f.y = mul * fast_feature_map<Policy::phi>(f.y);
     }
     o[i] = mul != 0.f ? pack2<T>(f.x, f.y) : 0u;
   }
@@ -106,7 +129,11 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : 2)
                h * p.k_stride[2];
   const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
                h * p.v_stride[2];
-  const int kc = D / 8, vc = Dv / 8;  // 16-byte chunks a row
+  // Chunk c of a thread is 16 bytes of row r0 + c * step at column col (threads is a multiple
+  // of the chunks a row), so that no division is left in the loop.
+  const int kc = D / 8, vc = Dv / 8;
+  const int kr0 = tid / kc, kcol = (tid % kc) * 8, kstep = threads / kc;
+  const int vr0 = tid / vc, vcol = (tid % vc) * 8, vstep = threads / vc;
   // Tile at `base` into stage `st`; rows past the end are zero-filled. Always one commit group.
   auto issue = [&](index_t base, int st) {
     T* sk = ring + st * stage_elems;
@@ -114,13 +141,13 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : 2)
     const index_t rows = base < t1 ? min(index_t(TT), t1 - base) : 0;
 #pragma unroll
     for (int c = 0; c < max_chunks; ++c) {
-      const int idx = tid + c * threads, rk = idx / kc, rv = idx / vc;
+      const int rk = kr0 + c * kstep, rv = vr0 + c * vstep;
       if (rk < TT)
-        cp_async_16(sk + rk * ks + (idx % kc) * 8,
-                    rk < rows ? k + (base + rk) * p.k_stride[1] + (idx % kc) * 8 : k, rk < rows);
+        cp_async_16(sk + rk * ks + kcol, rk < rows ? k + (base + rk) * p.k_stride[1] + kcol : k,
+                    rk < rows);
       if (rv < TT)
-        cp_async_16(sv + rv * vs + (idx % vc) * 8,
-                    rv < rows ? v + (base + rv) * p.v_stride[1] + (idx % vc) * 8 : v, rv < rows);
+        cp_async_16(sv + rv * vs + vcol, rv < rows ? v + (base + rv) * p.v_stride[1] + vcol : v,
+                    rv < rows);
     }
     cp_async_commit();
   };
@@ -173,13 +200,13 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : 2)
     // Pad tokens (weight 0) become zeros: their k and v may hold anything, NaN included.
 #pragma unroll
     for (int c = 0; c < max_chunks; ++c) {
-      const int idx = tid + c * threads, rk = idx / kc, rv = idx / vc;
+      const int rk = kr0 + c * kstep, rv = vr0 + c * vstep;
       if (rk < TT) {
-        uint4* x = reinterpret_cast<uint4*>(sk + rk * ks + (idx % kc) * 8);
+        uint4* x = reinterpret_cast<uint4*>(sk + rk * ks + kcol);
         *x = convert8<T, Policy, true>(*x, weight[rk]);
       }
       if (rv < TT && weight[rv] == 0.f)
-        *reinterpret_cast<uint4*>(sv + rv * vs + (idx % vc) * 8) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(sv + rv * vs + vcol) = make_uint4(0u, 0u, 0u, 0u);
     }
     __syncthreads();
     // The stage the previous tile used is free: the tile Stages - 1 ahead goes there.
@@ -267,25 +294,28 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
   const T* gate = normed ? static_cast<const T*>(p.gate) + batch * p.gate_stride[0] +
                                start * p.gate_stride[1] + hq * p.gate_stride[2]
                          : nullptr;
-  const int qc = D / 8, gc = Dv / 8;
+  const int qc = D / 8, gc = Dv / 8;  // as in the reduce kernel: no division in the loop
+  const int qr0 = tid / qc, qcol = (tid % qc) * 8, qstep = threads / qc;
+  const int gr0 = tid / gc, gcol = (tid % gc) * 8, gstep = threads / gc;
   // Tile at i0 into stage st; rows past this CTA's range are zero-filled. One commit group.
   auto issue = [&](index_t i0, int st) {
     T* sq = ring + st * stage_elems;
     const index_t rows = i0 < row_end ? min(index_t(R), row_end - i0) : 0;
 #pragma unroll
     for (int c = 0; c < max_chunks; ++c) {
-      const int idx = tid + c * threads, r = idx / qc;
+      const int r = qr0 + c * qstep;
       if (r < R)
-        cp_async_16(sq + r * qs + (idx % qc) * 8,
-                    r < rows ? q + (i0 + r) * p.q_stride[1] + (idx % qc) * 8 : q, r < rows);
+        cp_async_16(sq + r * qs + qcol, r < rows ? q + (i0 + r) * p.q_stride[1] + qcol : q,
+                    r < rows);
     }
     if constexpr (normed) {
       T* sg = sq + R * qs;
-      for (int idx = tid; idx < R * gc; idx += threads) {
-        const int r = idx / gc;
-        cp_async_16(sg + r * gs + (idx % gc) * 8,
-                    r < rows ? gate + (i0 + r) * p.gate_stride[1] + (idx % gc) * 8 : gate,
-                    r < rows);
+#pragma unroll
+      for (int c = 0; c < max_chunks; ++c) {
+        const int r = gr0 + c * gstep;
+        if (r < R)
+          cp_async_16(sg + r * gs + gcol,
+                      r < rows ? gate + (i0 + r) * p.gate_stride[1] + gcol : gate, r < rows);
       }
     }
     cp_async_commit();
@@ -317,6 +347,18 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
     sS[(idx / 16) * ss + Dv + idx % 16] = from_float<T>(st[D * Dv + idx / 16] * mul);
 
   const int g = lane / 4, c2 = 2 * (lane % 4), nt = Dv / 8;
+  // This lane's columns of the norm weight, the same in every row.
+  float gam[normed ? NT : 1][2];
+  if constexpr (normed) {
+    const float* gamma = p.gamma == nullptr
+                             ? nullptr
+                             : p.gamma + (Policy::weight == norm_weight::per_head ? hq * Dv : 0);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        gam[j][i] = gamma != nullptr && j < nt ? gamma[j * 8 + c2 + i] : 1.f;
+  }
   int stage = 0;
   for (int tile = 0; tile < tiles; ++tile) {
     const index_t i0 = row0 + index_t(tile) * R;
@@ -329,9 +371,9 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
     __syncthreads();  // this tile has landed; the previous tile is done with its stage
 #pragma unroll
     for (int c = 0; c < max_chunks; ++c) {
-      const int idx = tid + c * threads, r = idx / qc;
+      const int r = qr0 + c * qstep;
       if (r < R) {
-        uint4* x = reinterpret_cast<uint4*>(sq + r * qs + (idx % qc) * 8);
+        uint4* x = reinterpret_cast<uint4*>(sq + r * qs + qcol);
         *x = convert8<T, Policy, true>(*x, valid_rows[r] != 0.f ? p.scale : 0.f);
       }
     }
@@ -381,8 +423,8 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
           float2 gv = make_float2(0.f, 0.f);
           if (j < nt && valid)
             gv = unpack2<T>(*reinterpret_cast<const std::uint32_t*>(sg + r * gs + j * 8 + c2));
-          act[j][0] = apply_gate_activation<Policy::activation>(gv.x);
-          act[j][1] = apply_gate_activation<Policy::activation>(gv.y);
+          act[j][0] = fast_gate_activation<Policy::activation>(gv.x);
+          act[j][1] = fast_gate_activation<Policy::activation>(gv.y);
           if (Policy::order == norm_gate_order::gate_then_norm)
             o[j][0] *= act[j][0], o[j][1] *= act[j][1];
         }
@@ -392,16 +434,13 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
         sq_sum += __shfl_xor_sync(0xffffffffu, sq_sum, 1);
         sq_sum += __shfl_xor_sync(0xffffffffu, sq_sum, 2);
         const float rstd = rsqrtf(sq_sum / Dv + p.norm_eps);
-        const float* gamma =
-            p.gamma == nullptr ? nullptr
-                               : p.gamma + (Policy::weight == norm_weight::per_head ? hq * Dv : 0);
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             o[j][i] *= rstd;
             if (Policy::order == norm_gate_order::norm_then_gate) o[j][i] *= act[j][i];
-            if (gamma != nullptr && j < nt) o[j][i] *= gamma[j * 8 + c2 + i];
+            o[j][i] *= gam[j][i];
           }
         }
       }
