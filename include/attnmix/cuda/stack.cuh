@@ -106,9 +106,6 @@ class device_stack<basic_stack_impl<T, Policy, backend::cpu, layer_list<Layers..
       k::check(cudaMemsetAsync(out.data(), 0, out.size() * sizeof(D), stream), "cudaMemsetAsync");
     if (rows == 0) return;
 
-    std::vector<std::int32_t> pos;
-    pos.reserve(static_cast<std::size_t>(rows));
-    for (const index_t p : layers::detail::positions(L)) pos.push_back(std::int32_t(p));
     using scratch = layers::device_scratch;
     scratch s(scratch::bytes<float>(rows * Dm) + scratch::bytes<D>(rows * Dm) * 2 +
                   scratch::bytes<std::int32_t>(rows) + scratch::bytes<std::int64_t>(src.size()),
@@ -117,9 +114,17 @@ class device_stack<basic_stack_impl<T, Policy, backend::cpu, layer_list<Layers..
     D *t = s.take<D>(rows * Dm), *m = s.take<D>(rows * Dm);
     std::int32_t* dpos = s.take<std::int32_t>(rows);
     std::int64_t* dsrc = s.take<std::int64_t>(static_cast<index_t>(src.size()));
-    k::check(cudaMemcpyAsync(dpos, pos.data(), pos.size() * sizeof(std::int32_t),
-                             cudaMemcpyHostToDevice, stream),
-             "cudaMemcpyAsync");
+    // Each row's position in its sequence: computed on the device for a dense batch; a packed
+    // one uploads them (a copy from pageable memory, which waits for the stream).
+    std::vector<std::int32_t> pos;
+    if (L.packed()) {
+      for (const index_t p : layers::detail::positions(L)) pos.push_back(std::int32_t(p));
+      k::check(cudaMemcpyAsync(dpos, pos.data(), pos.size() * sizeof(std::int32_t),
+                               cudaMemcpyHostToDevice, stream),
+               "cudaMemcpyAsync");
+    } else {
+      k::dense_positions(dpos, rows, L.tokens, stream);
+    }
     if (!src.empty()) {
       k::check(cudaMemcpyAsync(dsrc, src.data(), src.size() * sizeof(std::int64_t),
                                cudaMemcpyHostToDevice, stream),

@@ -186,6 +186,21 @@ void rope(T* x, index_t rows, index_t heads, index_t d, const std::int32_t* pos,
   check(cudaGetLastError(), "attnmix rope kernel launch");
 }
 
+// ---- positions of a dense batch ------------------------------------------------------------
+template <class I>  // a template, so that the header defines no non-inline kernel
+__global__ void dense_positions_kernel(I* pos, index_t rows, index_t tokens) {
+  for (index_t r = blockIdx.x * index_t(blockDim.x) + threadIdx.x; r < rows;
+       r += index_t(gridDim.x) * blockDim.x)
+    pos[r] = I(r % tokens);
+}
+
+// pos[r] = r mod tokens: row r's position in its sequence of a dense [B, tokens] batch.
+inline void dense_positions(std::int32_t* pos, index_t rows, index_t tokens, cudaStream_t stream) {
+  if (rows == 0) return;
+  dense_positions_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(pos, rows, tokens);
+  check(cudaGetLastError(), "attnmix positions kernel launch");
+}
+
 // ---- row gather / scatter (packing the valid tokens of a masked batch) ---------------------
 // y[r, :] = x[src[r], :] for r < rows.
 template <class In, class Out>
