@@ -23,22 +23,56 @@ namespace {
 
 const auto dev = attnmix::memory_space::device;
 
-// Inputs rounded to T (q, k, v); w, beta and g stay float. `rounded` is what the double
-// reference must see.
+// One batch on the device, [B, Tn, heads, dim]: q, k, v rounded to T, w, beta and g in float,
+// and an output buffer. args() points attention arguments at them (g for the forget-gate kinds).
+template <class T>
+struct device_batch {
+  index_t B, Tn, HQ, H, D, Dv;
+  device_buffer<T> q, k, v, out;
+  device_buffer<float> w, beta, g;
+
+  device_batch(index_t b, index_t tn, index_t hq, index_t h, index_t d, index_t dv,
+               const std::vector<double>& q_, const std::vector<double>& k_,
+               const std::vector<double>& v_, const std::vector<double>& w_,
+               const std::vector<double>& beta_, const std::vector<double>& g_)
+      : B(b),
+        Tn(tn),
+        HQ(hq),
+        H(h),
+        D(d),
+        Dv(dv),
+        q(convert_all<T>(q_)),
+        k(convert_all<T>(k_)),
+        v(convert_all<T>(v_)),
+        out(static_cast<std::size_t>(std::max<index_t>(b * tn, 1) * hq * dv)),
+        w(convert_all<float>(w_)),
+        beta(convert_all<float>(beta_)),
+        g(convert_all<float>(g_)) {}
+
+  template <class Kind>
+  attnmix::attention_args<T> args() const {
+    attnmix::attention_args<T> a{attnmix::view4<const T>(q.get(), {B, Tn, HQ, D}, dev),
+                                 attnmix::view4<const T>(k.get(), {B, Tn, H, D}, dev),
+                                 attnmix::view4<const T>(v.get(), {B, Tn, H, Dv}, dev),
+                                 attnmix::view4<T>(out.get(), {B, Tn, HQ, Dv}, dev)};
+    a.w = attnmix::view4<const float>(w.get(), {B, Tn, H, D}, dev);
+    a.beta = attnmix::view3<const float>(beta.get(), {B, Tn, H}, dev);
+    if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
+      a.g = attnmix::view3<const float>(g.get(), {B, Tn, HQ}, dev);
+    return a;
+  }
+};
+
+// A case's inputs: `rounded` (q, k, v rounded to T) is what the double reference must see,
+// `batch` its device copy.
 template <class T>
 struct device_inputs {
   path_inputs rounded;
-  device_buffer<T> q, k, v;
-  device_buffer<float> w, beta, g;
+  device_batch<T> batch;
 
-  device_inputs(const path_inputs& in)
+  device_inputs(const path_case& c, const path_inputs& in)
       : rounded(round(in)),
-        q(convert_all<T>(in.q)),
-        k(convert_all<T>(in.k)),
-        v(convert_all<T>(in.v)),
-        w(convert_all<float>(in.w)),
-        beta(convert_all<float>(in.beta)),
-        g(convert_all<float>(in.g)) {}
+        batch(c.B, c.T, c.HQ, c.H, c.D, c.Dv, in.q, in.k, in.v, in.w, in.beta, in.g) {}
 
   static path_inputs round(path_inputs in) {
     in.q = convert_all<double>(convert_all<T>(in.q));
@@ -63,22 +97,14 @@ struct gpu_result {
 template <class Kind, class Policy, class T>
 gpu_result run_forward_case(const path_case& c, std::uint64_t salt) {
   const path_inputs in = make_path_inputs(c, salt);
-  device_inputs<T> d(in);
-  device_buffer<T> out(static_cast<std::size_t>(c.B * c.T * c.HQ * c.Dv));
+  device_inputs<T> d(c, in);
   device_buffer<float> lse(static_cast<std::size_t>(c.B * c.T * c.HQ));
-  attnmix::attention_args<T> a{attnmix::view4<const T>(d.q.get(), {c.B, c.T, c.HQ, c.D}, dev),
-                               attnmix::view4<const T>(d.k.get(), {c.B, c.T, c.H, c.D}, dev),
-                               attnmix::view4<const T>(d.v.get(), {c.B, c.T, c.H, c.Dv}, dev),
-                               attnmix::view4<T>(out.get(), {c.B, c.T, c.HQ, c.Dv}, dev)};
-  a.w = attnmix::view4<const float>(d.w.get(), {c.B, c.T, c.H, c.D}, dev);
-  a.beta = attnmix::view3<const float>(d.beta.get(), {c.B, c.T, c.H}, dev);
-  if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
-    a.g = attnmix::view3<const float>(d.g.get(), {c.B, c.T, c.HQ}, dev);
+  attnmix::attention_args<T> a = d.batch.template args<Kind>();
   a.lse = attnmix::view3<float>(lse.get(), {c.B, c.T, c.HQ}, dev);
   attnmix::attention<Kind, Policy>(a, path_params(c), attnmix::backend::cuda{});
   attnmix::detail::cuda::check(cudaDeviceSynchronize(), "kernel");
   const path_outputs ref = cpu_reference<Kind, Policy>(c, d.rounded);
-  return {rel_error(convert_all<double>(out.to_host()), ref.out),
+  return {rel_error(convert_all<double>(d.batch.out.to_host()), ref.out),
           lse_error(convert_all<double>(lse.to_host()), ref.lse)};
 }
 
@@ -159,13 +185,11 @@ TEMPLATE_TEST_CASE("CUDA prefill key cache matches the CPU path", "[cuda][path][
   for (const path_case& c : cases) {
     INFO("seed " << test_seed() << " " << c.describe());
     const path_inputs in = make_path_inputs(c, ++salt);
-    device_inputs<T> d(in);
+    device_inputs<T> d(c, in);
     device_buffer<T> kc(static_cast<std::size_t>(c.B * c.T * c.H * c.D));
-    attnmix::path_key_cache_args<T> a{
-        attnmix::view4<const T>(d.k.get(), {c.B, c.T, c.H, c.D}, dev),
-        attnmix::view4<const float>(d.w.get(), {c.B, c.T, c.H, c.D}, dev),
-        attnmix::view3<const float>(d.beta.get(), {c.B, c.T, c.H}, dev),
-        attnmix::view4<T>(kc.get(), {c.B, c.T, c.H, c.D}, dev)};
+    const attnmix::attention_args<T> da = d.batch.template args<path>();
+    attnmix::path_key_cache_args<T> a{da.k, da.w, da.beta,
+                                      attnmix::view4<T>(kc.get(), {c.B, c.T, c.H, c.D}, dev)};
     attnmix::path_prefill_key_cache(a, path_params(c), attnmix::backend::cuda{});
     // The reference: the CPU path in double on the rounded keys.
     path_tensors<double> t(c, d.rounded);
@@ -188,10 +212,9 @@ namespace {
 template <class Kind, class Policy, class T, class Store>
 double decode_error(const path_case& c, const path_inputs& in, const std::vector<index_t>& prompt,
                     std::vector<double>* per_step = nullptr) {
-  constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   const index_t N = c.sequences(), HQ = c.HQ, H = c.H, D = c.D, Dv = c.Dv;
-  device_inputs<T> d(in);
-  const path_outputs ref = cpu_reference<Kind, Policy>(c, d.rounded);
+  const path_inputs rounded = device_inputs<T>::round(in);
+  const path_outputs ref = cpu_reference<Kind, Policy>(c, rounded);
 
   index_t longest = 0;
   std::vector<index_t> start(N), len(N);
@@ -212,26 +235,16 @@ double decode_error(const path_case& c, const path_inputs& in, const std::vector
       dst.insert(dst.end(), src.begin() + row0 * width, src.begin() + (row0 + rows) * width);
     };
     for (index_t n = 0; n < N; ++n) {
-      take(q, d.rounded.q, start[n], prompt[n], HQ * D);
-      take(k, d.rounded.k, start[n], prompt[n], H * D);
-      take(v, d.rounded.v, start[n], prompt[n], H * Dv);
-      take(w, d.rounded.w, start[n], prompt[n], H * D);
-      take(beta, d.rounded.beta, start[n], prompt[n], H);
-      take(g, d.rounded.g, start[n], prompt[n], HQ);
+      take(q, rounded.q, start[n], prompt[n], HQ * D);
+      take(k, rounded.k, start[n], prompt[n], H * D);
+      take(v, rounded.v, start[n], prompt[n], H * Dv);
+      take(w, rounded.w, start[n], prompt[n], H * D);
+      take(beta, rounded.beta, start[n], prompt[n], H);
+      take(g, rounded.g, start[n], prompt[n], HQ);
       cu.push_back(cu.back() + static_cast<std::int32_t>(prompt[n]));
     }
-    const index_t P = cu.back();
-    device_buffer<T> dq(convert_all<T>(q)), dk(convert_all<T>(k)), dv(convert_all<T>(v)),
-        dout(static_cast<std::size_t>(std::max<index_t>(P, 1) * HQ * Dv));
-    device_buffer<float> dw(convert_all<float>(w)), db(convert_all<float>(beta)),
-        dg(convert_all<float>(g));
-    attnmix::attention_args<T> a{attnmix::view4<const T>(dq.get(), {1, P, HQ, D}, dev),
-                                 attnmix::view4<const T>(dk.get(), {1, P, H, D}, dev),
-                                 attnmix::view4<const T>(dv.get(), {1, P, H, Dv}, dev),
-                                 attnmix::view4<T>(dout.get(), {1, P, HQ, Dv}, dev)};
-    a.w = attnmix::view4<const float>(dw.get(), {1, P, H, D}, dev);
-    a.beta = attnmix::view3<const float>(db.get(), {1, P, H}, dev);
-    if constexpr (gated) a.g = attnmix::view3<const float>(dg.get(), {1, P, HQ}, dev);
+    const device_batch<T> batch(1, cu.back(), HQ, H, D, Dv, q, k, v, w, beta, g);
+    const attnmix::attention_args<T> a = batch.template args<Kind>();
     attnmix::attention_params params;
     params.cu_seqlens = {cu.data(), {static_cast<index_t>(cu.size())}};
     attnmix::path_prefill<Kind, Policy>(cache, a, {slot_of.data(), {N}}, params,
@@ -253,25 +266,16 @@ double decode_error(const path_case& c, const path_inputs& in, const std::vector
       auto take = [&](std::vector<double>& dst, const std::vector<double>& src, index_t width) {
         dst.insert(dst.end(), src.begin() + t * width, src.begin() + (t + 1) * width);
       };
-      take(q, d.rounded.q, HQ * D), take(k, d.rounded.k, H * D), take(v, d.rounded.v, H * Dv);
-      take(w, d.rounded.w, H * D), take(beta, d.rounded.beta, H), take(g, d.rounded.g, HQ);
+      take(q, rounded.q, HQ * D), take(k, rounded.k, H * D), take(v, rounded.v, H * Dv);
+      take(w, rounded.w, H * D), take(beta, rounded.beta, H), take(g, rounded.g, HQ);
       slots.push_back(slot_of[n]);
       want.insert(want.end(), ref.out.begin() + t * HQ * Dv, ref.out.begin() + (t + 1) * HQ * Dv);
     }
-    device_buffer<T> dq(convert_all<T>(q)), dk(convert_all<T>(k)), dv(convert_all<T>(v)),
-        dout(static_cast<std::size_t>(R * HQ * Dv));
-    device_buffer<float> dw(convert_all<float>(w)), db(convert_all<float>(beta)),
-        dg(convert_all<float>(g));
-    attnmix::attention_args<T> a{attnmix::view4<const T>(dq.get(), {R, 1, HQ, D}, dev),
-                                 attnmix::view4<const T>(dk.get(), {R, 1, H, D}, dev),
-                                 attnmix::view4<const T>(dv.get(), {R, 1, H, Dv}, dev),
-                                 attnmix::view4<T>(dout.get(), {R, 1, HQ, Dv}, dev)};
-    a.w = attnmix::view4<const float>(dw.get(), {R, 1, H, D}, dev);
-    a.beta = attnmix::view3<const float>(db.get(), {R, 1, H}, dev);
-    if constexpr (gated) a.g = attnmix::view3<const float>(dg.get(), {R, 1, HQ}, dev);
+    const device_batch<T> batch(R, 1, HQ, H, D, Dv, q, k, v, w, beta, g);
+    const attnmix::attention_args<T> a = batch.template args<Kind>();
     attnmix::path_decode_step<Kind, Policy>(cache, a, {slots.data(), {R}}, {},
                                             attnmix::backend::cuda{});
-    const auto o = convert_all<double>(dout.to_host());
+    const auto o = convert_all<double>(batch.out.to_host());
     got.insert(got.end(), o.begin(), o.end());
     if (per_step != nullptr)
       per_step->push_back(rel_error(o, std::vector<double>(want.end() - o.size(), want.end())));

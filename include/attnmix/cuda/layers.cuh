@@ -15,7 +15,6 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -44,21 +43,16 @@ class device_weights {
     std::vector<S> staged(host.data.size());
     for (std::size_t i = 0; i < staged.size(); ++i)
       staged[i] = static_cast<S>(static_cast<float>(host.data[i]));
-    S* p = nullptr;
-    attnmix::detail::cuda::check(cudaMalloc(&p, staged.size() * sizeof(S)), "cudaMalloc");
-    ptr_.reset(p);
+    mem_ = attnmix::detail::cuda::device_memory(staged.size() * sizeof(S), "cudaMalloc(weights)");
     attnmix::detail::cuda::check(
-        cudaMemcpy(p, staged.data(), staged.size() * sizeof(S), cudaMemcpyHostToDevice),
+        cudaMemcpy(mem_.get(), staged.data(), staged.size() * sizeof(S), cudaMemcpyHostToDevice),
         "cudaMemcpy");
   }
-  const S* get() const { return ptr_.get(); }
-  explicit operator bool() const { return ptr_ != nullptr; }
+  const S* get() const { return static_cast<const S*>(mem_.get()); }
+  explicit operator bool() const { return mem_.get() != nullptr; }
 
  private:
-  struct free_device {
-    void operator()(S* p) const { (void)cudaFree(p); }
-  };
-  std::unique_ptr<S, free_device> ptr_;
+  attnmix::detail::cuda::device_memory mem_;
 };
 
 // What a device layer's forward needs besides its input rows.
@@ -121,6 +115,36 @@ class device_linear {
   device_weights<float> b_;
   index_t in_ = 0, out_ = 0;
 };
+
+// q = x Wq^T, k, v of one mixer call and its attention output o, carved from the call's scratch.
+template <class D>
+struct device_qkv {
+  D *q, *k, *v, *o;
+  index_t q_heads, kv_heads, d;
+
+  // Points the q, k, v and out views of attention arguments (either family) at the buffers.
+  template <class Args>
+  void point(Args& a, const token_layout& L) const {
+    a.q = as_heads<const D>(q, L, q_heads, d);
+    a.k = as_heads<const D>(k, L, kv_heads, d);
+    a.v = as_heads<const D>(v, L, kv_heads, d);
+    a.out = as_heads<D>(o, L, q_heads, d);
+  }
+};
+
+template <class D>
+device_qkv<D> project_qkv(const device_context& c, device_scratch& s, const D* x,
+                          const device_linear<D>& q_proj, const device_linear<D>& k_proj,
+                          const device_linear<D>& v_proj, index_t q_heads, index_t kv_heads,
+                          index_t d) {
+  const index_t rows = c.layout.rows(), nq = rows * q_heads * d, nk = rows * kv_heads * d;
+  device_qkv<D> qkv{
+      s.take<D>(nq), s.take<D>(nk), s.take<D>(nk), s.take<D>(nq), q_heads, kv_heads, d};
+  q_proj.apply(c, x, rows, qkv.q);
+  k_proj.apply(c, x, rows, qkv.k);
+  v_proj.apply(c, x, rows, qkv.v);
+  return qkv;
+}
 
 // An RMSNorm (or per-head RMSNorm) on the device; the weight in float.
 struct device_norm {
@@ -218,23 +242,17 @@ class device_mixer<attention_layer<T, P>, D> {
     device_scratch s(device_scratch::bytes<D>(nq) * 2 + device_scratch::bytes<D>(nk) * 2 +
                          device_scratch::bytes<float>(rows * HQ_),
                      c.stream());
-    D *q = s.take<D>(nq), *kk = s.take<D>(nk), *v = s.take<D>(nk), *o = s.take<D>(nq);
-    q_proj.apply(c, x, rows, q);
-    k_proj.apply(c, x, rows, kk);
-    v_proj.apply(c, x, rows, v);
+    const device_qkv<D> qkv = project_qkv(c, s, x, q_proj, k_proj, v_proj, HQ_, H_, d_);
     if constexpr (P::qk_norm) {
-      q_norm.apply(c, q, rows, q);
-      k_norm.apply(c, kk, rows, kk);
+      q_norm.apply(c, qkv.q, rows, qkv.q);
+      k_norm.apply(c, qkv.k, rows, qkv.k);
     }
     if constexpr (P::rope) {
-      k::rope(q, rows, HQ_, d_, c.positions, theta_, c.stream());
-      k::rope(kk, rows, H_, d_, c.positions, theta_, c.stream());
+      k::rope(qkv.q, rows, HQ_, d_, c.positions, theta_, c.stream());
+      k::rope(qkv.k, rows, H_, d_, c.positions, theta_, c.stream());
     }
     attention_args<D> a;
-    a.q = as_heads<const D>(q, L, HQ_, d_);
-    a.k = as_heads<const D>(kk, L, H_, d_);
-    a.v = as_heads<const D>(v, L, H_, d_);
-    a.out = as_heads<D>(o, L, HQ_, d_);
+    qkv.point(a, L);
     if constexpr (fox) {
       float* g = s.take<float>(rows * HQ_);
       f_proj.apply(c, x, rows, g);
@@ -244,10 +262,10 @@ class device_mixer<attention_layer<T, P>, D> {
     attnmix::attention<K, typename host_type::attention_policy>(a, L.attention(scale_, window_),
                                                                 c.be);
     if constexpr (P::output_gate) {
-      g_proj.apply(c, x, rows, q);  // q is free again: the gate logits
-      k::map<k::times_sigmoid>(o, o, q, nq, c.stream());
+      g_proj.apply(c, x, rows, qkv.q);  // q is free again: the gate logits
+      k::map<k::times_sigmoid>(qkv.o, qkv.o, qkv.q, nq, c.stream());
     }
-    o_proj.apply(c, o, rows, y);
+    o_proj.apply(c, qkv.o, rows, y);
   }
 
  private:
@@ -301,15 +319,9 @@ class device_mixer<linear_layer<T, P>, D> {
                     c.stream());
       cin = conv;
     }
-    D *q = s.take<D>(nq), *kk = s.take<D>(nk), *v = s.take<D>(nk), *o = s.take<D>(nq);
-    q_proj.apply(c, cin, rows, q);
-    k_proj.apply(c, cin, rows, kk);
-    v_proj.apply(c, cin, rows, v);
+    const device_qkv<D> qkv = project_qkv(c, s, cin, q_proj, k_proj, v_proj, HQ_, H_, d_);
     linear_attention_args<D> a;
-    a.q = as_heads<const D>(q, L, HQ_, d_);
-    a.k = as_heads<const D>(kk, L, H_, d_);
-    a.v = as_heads<const D>(v, L, H_, d_);
-    a.out = as_heads<D>(o, L, HQ_, d_);
+    qkv.point(a, L);
     if constexpr (gated) {
       float* logits = s.take<float>(rows * Hg);
       a_proj.apply(c, u, rows, logits);
@@ -325,7 +337,7 @@ class device_mixer<linear_layer<T, P>, D> {
     p.norm_eps = norm_eps_;
     p.cu_seqlens = L.cu_view();
     attnmix::linear_attention<K, Core>(a, p, c.be);
-    o_proj.apply(c, o, rows, y);
+    o_proj.apply(c, qkv.o, rows, y);
   }
 
  private:
@@ -375,13 +387,10 @@ class device_mixer<path_layer<T, P>, D> {
                          device_scratch::bytes<D>(rows * rank_) + device_scratch::bytes<float>(nk) +
                          device_scratch::bytes<float>(rows * (H_ + HQ_)),
                      c.stream());
-    D *q = s.take<D>(nq), *kk = s.take<D>(nk), *v = s.take<D>(nk), *o = s.take<D>(nq);
-    q_proj.apply(c, x, rows, q);
-    k_proj.apply(c, x, rows, kk);
-    v_proj.apply(c, x, rows, v);
+    const device_qkv<D> qkv = project_qkv(c, s, x, q_proj, k_proj, v_proj, HQ_, H_, d_);
     if constexpr (P::qk_norm) {
-      q_norm.apply(c, q, rows, q);
-      k_norm.apply(c, kk, rows, kk);
+      q_norm.apply(c, qkv.q, rows, qkv.q);
+      k_norm.apply(c, qkv.k, rows, qkv.k);
     }
     // w: low-rank (or full) projection, short conv with SiLU, then per-head L2 norm, in float.
     D* wd = s.take<D>(nk);
@@ -397,19 +406,17 @@ class device_mixer<path_layer<T, P>, D> {
       k::short_conv(wd, w, rows, H_ * d_, conv_w_.get(), P::conv_size, true, c.positions,
                     c.stream());
     else
-      k::map<k::copy_of>(w, wd, static_cast<const float*>(nullptr), nk, c.stream());
+      k::move_rows(wd, w, static_cast<const std::int64_t*>(nullptr),
+                   static_cast<const std::int64_t*>(nullptr), rows, H_ * d_, c.stream());
     k::norm_groups(w, w, rows * H_, d_, nullptr, false, 1, false, 1e-6, c.stream());
     float* beta = s.take<float>(rows * (H_ + HQ_));
     bt_proj.apply(c, x, rows, beta);
     k::map<k::two_sigmoid_of>(beta, beta, static_cast<const float*>(nullptr), rows * H_,
                               c.stream());
     attention_args<D> a;
-    a.q = as_heads<const D>(q, L, HQ_, d_);
-    a.k = as_heads<const D>(kk, L, H_, d_);
-    a.v = as_heads<const D>(v, L, H_, d_);
+    qkv.point(a, L);
     a.w = as_heads<const float>(w, L, H_, d_);
     a.beta = view3<const float>(beta, {L.batch, L.tokens, H_}, memory_space::device);
-    a.out = as_heads<D>(o, L, HQ_, d_);
     if constexpr (gated) {
       float* g = beta + rows * H_;
       g_proj.apply(c, x, rows, g);
@@ -417,7 +424,7 @@ class device_mixer<path_layer<T, P>, D> {
       a.g = view3<const float>(g, {L.batch, L.tokens, HQ_}, memory_space::device);
     }
     attnmix::attention<K, typename P::attention_policy>(a, L.attention(scale_), c.be);
-    o_proj.apply(c, o, rows, y);
+    o_proj.apply(c, qkv.o, rows, y);
   }
 
  private:

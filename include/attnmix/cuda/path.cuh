@@ -53,55 +53,49 @@ class device_path_cache : public detail::path_cache_base {
                     "must be a multiple of 8 in [8, 128] but is ", head_dim);
     detail::require(value_dim % 8 == 0 && value_dim <= 128, fn, "value_dim",
                     "must be a multiple of 8 in [8, 128] but is ", value_dim);
-    allocate(keys_, elements(kv_heads, head_dim) * sizeof(Store));
-    allocate(values_, elements(kv_heads, value_dim) * sizeof(Store));
-    allocate(gates_, elements(q_heads, 1) * sizeof(double));
+    keys_ = memory(elements(kv_heads, head_dim) * sizeof(Store));
+    values_ = memory(elements(kv_heads, value_dim) * sizeof(Store));
+    gates_ = memory(elements(q_heads, 1) * sizeof(double));
   }
-  ~device_path_cache() { release(); }
   device_path_cache(const device_path_cache&) = delete;
   device_path_cache& operator=(const device_path_cache&) = delete;
+  // A moved-from cache holds no slots.
   device_path_cache(device_path_cache&& o) noexcept { *this = std::move(o); }
   device_path_cache& operator=(device_path_cache&& o) noexcept {
     if (this != &o) {
-      release();
       static_cast<path_cache_base&>(*this) = std::move(o);
-      keys_ = std::exchange(o.keys_, nullptr), values_ = std::exchange(o.values_, nullptr);
-      gates_ = std::exchange(o.gates_, nullptr);
+      keys_ = std::move(o.keys_), values_ = std::move(o.values_), gates_ = std::move(o.gates_);
       o.slots_ = 0;
     }
     return *this;
   }
 
   view4<const Store> keys() const {
-    return {static_cast<const Store*>(keys_),
+    return {static_cast<const Store*>(keys_.get()),
             {slots_, capacity_, kv_heads_, head_dim_},
             memory_space::device};
   }
   view4<const Store> values() const {
-    return {static_cast<const Store*>(values_),
+    return {static_cast<const Store*>(values_.get()),
             {slots_, capacity_, kv_heads_, value_dim_},
             memory_space::device};
   }
   view3<const double> gate_cumsum() const {
-    return {
-        static_cast<const double*>(gates_), {slots_, capacity_, q_heads_}, memory_space::device};
+    return {static_cast<const double*>(gates_.get()),
+            {slots_, capacity_, q_heads_},
+            memory_space::device};
   }
 
   // Device storage, for the implementation (path_prefill, path_decode_step).
-  void* raw_keys() { return keys_; }
-  void* raw_values() { return values_; }
-  double* raw_gates() { return static_cast<double*>(gates_); }
+  void* raw_keys() { return keys_.get(); }
+  void* raw_values() { return values_.get(); }
+  double* raw_gates() { return static_cast<double*>(gates_.get()); }
 
  private:
-  static void allocate(void*& p, std::size_t bytes) {
-    detail::cuda::check(cudaMalloc(&p, bytes), "cudaMalloc(device_path_cache)");
+  static detail::cuda::device_memory memory(std::size_t bytes) {
+    return detail::cuda::device_memory(bytes, "cudaMalloc(device_path_cache)");
   }
-  void release() {
-    for (void* p : {keys_, values_, gates_})
-      if (p != nullptr) (void)cudaFree(p);
-    keys_ = values_ = gates_ = nullptr;
-  }
-  void *keys_ = nullptr, *values_ = nullptr, *gates_ = nullptr;
+  detail::cuda::device_memory keys_, values_, gates_;
 };
 
 namespace detail {

@@ -1,8 +1,11 @@
 #pragma once
-// CUDA runtime plumbing shared by the CUDA backend: error checks and memory-space checks.
+// CUDA runtime plumbing shared by the CUDA backend: error checks, memory-space checks and owned
+// device memory.
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -34,6 +37,25 @@ inline bool is_device_pointer(const void* p) {
   }
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
+
+// Device memory from cudaMalloc, freed when the owner goes; movable, not copyable.
+class device_memory {
+ public:
+  device_memory() = default;
+  // Throws cuda_error (naming `what`) when the allocation fails.
+  device_memory(std::size_t bytes, const char* what) {
+    void* p = nullptr;
+    if (bytes > 0) check(cudaMalloc(&p, bytes), what);
+    ptr_.reset(p);
+  }
+  void* get() const { return ptr_.get(); }
+
+ private:
+  struct free_device {
+    void operator()(void* p) const { (void)cudaFree(p); }
+  };
+  std::unique_ptr<void, free_device> ptr_;
+};
 
 // A view that claims device memory must really point to it: a host pointer handed to a
 // kernel is an illegal address, not an error message.

@@ -116,8 +116,8 @@ class device_stack<basic_stack_impl<T, Policy, backend::cpu, layer_list<Layers..
     std::int64_t* dsrc = s.take<std::int64_t>(static_cast<index_t>(src.size()));
     // Each row's position in its sequence: computed on the device for a dense batch; a packed
     // one uploads them (a copy from pageable memory, which waits for the stream).
-    std::vector<std::int32_t> pos;
     if (L.packed()) {
+      std::vector<std::int32_t> pos;
       for (const index_t p : layers::detail::positions(L)) pos.push_back(std::int32_t(p));
       k::check(cudaMemcpyAsync(dpos, pos.data(), pos.size() * sizeof(std::int32_t),
                                cudaMemcpyHostToDevice, stream),
@@ -125,14 +125,13 @@ class device_stack<basic_stack_impl<T, Policy, backend::cpu, layer_list<Layers..
     } else {
       k::dense_positions(dpos, rows, L.tokens, stream);
     }
-    if (!src.empty()) {
+    if (!src.empty())
       k::check(cudaMemcpyAsync(dsrc, src.data(), src.size() * sizeof(std::int64_t),
                                cudaMemcpyHostToDevice, stream),
                "cudaMemcpyAsync");
-      k::gather_rows(x.data(), h, dsrc, rows, Dm, stream);
-    } else {
-      k::map<k::copy_of>(h, x.data(), static_cast<const float*>(nullptr), rows * Dm, stream);
-    }
+    else
+      dsrc = nullptr;  // every row of x, in order
+    k::move_rows(x.data(), h, dsrc, static_cast<const std::int64_t*>(nullptr), rows, Dm, stream);
 
     const layers::device_context c{blas_.get(), be, L, dpos};
     const char* names[] = {Layers::name...};
@@ -150,9 +149,10 @@ class device_stack<basic_stack_impl<T, Policy, backend::cpu, layer_list<Layers..
         in.on_layer(static_cast<index_t>(i), names[i], timer.seconds(stream));
       }
     });
-    if (!src.empty()) {
+    if (dsrc != nullptr) {
       norm_.apply(c, h, rows, t);
-      k::scatter_rows(t, out.data(), dsrc, rows, Dm, stream);
+      k::move_rows(t, out.data(), static_cast<const std::int64_t*>(nullptr), dsrc, rows, Dm,
+                   stream);
     } else {
       norm_.apply(c, h, rows, out.data());
     }

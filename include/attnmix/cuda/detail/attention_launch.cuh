@@ -82,6 +82,19 @@ void check_device_pointers(const std::string& fn, const attention_args<T>& a) {
   check_device_pointer(fn, "lse", a.lse);
 }
 
+// What every CUDA launch relies on: head dims up to what the `kernels` hold on chip, and at most
+// 65535 sequences (a grid's y / z extent).
+template <class Problem>
+void check_launch_sizes(const std::string& fn, const Problem& p, index_t max_dim,
+                        const char* kernels) {
+  require(p.head_dim <= max_dim, fn, "q", "has head dim D = ", p.head_dim, " but the CUDA ",
+          kernels, " support D <= ", max_dim);
+  require(p.value_dim <= max_dim, fn, "v", "has head dim Dv = ", p.value_dim, " but the CUDA ",
+          kernels, " support Dv <= ", max_dim);
+  require(p.num_sequences <= 65535, fn, "cu_seqlens", "holds ", p.num_sequences,
+          " sequences but the CUDA backend supports at most 65535");
+}
+
 // True when `elems` consecutive elements of `elem_bytes` at every (batch, token, head) start
 // can be moved as one aligned vector.
 inline bool aligned_for_vectors(const void* p, index_t s0, index_t s1, index_t s2, int elems,
@@ -172,12 +185,7 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
                    const backend::cuda& be, double gate_coef) {
   using Dev = device_t<T>;
   check_device_pointers(fn, a);
-  require(p.head_dim <= 256, fn, "q", "has head dim D = ", p.head_dim,
-          " but the CUDA backend supports D <= 256");
-  require(p.value_dim <= 256, fn, "v", "has head dim Dv = ", p.value_dim,
-          " but the CUDA backend supports Dv <= 256");
-  require(p.num_sequences <= 65535, fn, "cu_seqlens", "holds ", p.num_sequences,
-          " sequences but the CUDA backend supports at most 65535");
+  check_launch_sizes(fn, p, 256, "softmax kernels");
 
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
   attention_setup setup(attention_scratch_bytes(a, p), stream);

@@ -43,9 +43,6 @@ struct two_sigmoid_of {  // PaTH's beta = 2 sigmoid(x)
 struct plus {  // the residual update h + m
   __device__ float operator()(float h, float m) const { return h + m; }
 };
-struct copy_of {
-  __device__ float operator()(float x, float) const { return x; }
-};
 
 template <class Op, class Out, class InA, class InB>
 __global__ void map_kernel(Out* __restrict__ y, const InA* a, const InB* b, index_t n, Op op) {
@@ -202,42 +199,27 @@ inline void dense_positions(std::int32_t* pos, index_t rows, index_t tokens, cud
 }
 
 // ---- row gather / scatter (packing the valid tokens of a masked batch) ---------------------
-// y[r, :] = x[src[r], :] for r < rows.
+// y[dst[r], :] = x[src[r], :] for r < rows; a null src or dst is the identity.
 template <class In, class Out>
-__global__ void gather_rows_kernel(const In* x, Out* y, const std::int64_t* src, index_t rows,
-                                   index_t width) {
+__global__ void move_rows_kernel(const In* x, Out* y, const std::int64_t* src,
+                                 const std::int64_t* dst, index_t rows, index_t width) {
   const index_t n = rows * width;
   for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
-       i += index_t(gridDim.x) * blockDim.x)
-    y[i] = from_float<Out>(to_float(x[src[i / width] * width + i % width]));
-}
-// y[dst[r], :] = x[r, :] for r < rows.
-template <class In, class Out>
-__global__ void scatter_rows_kernel(const In* x, Out* y, const std::int64_t* dst, index_t rows,
-                                    index_t width) {
-  const index_t n = rows * width;
-  for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
-       i += index_t(gridDim.x) * blockDim.x)
-    y[dst[i / width] * width + i % width] = from_float<Out>(to_float(x[i]));
+       i += index_t(gridDim.x) * blockDim.x) {
+    const index_t r = i / width, c = i % width;
+    y[(dst ? dst[r] : r) * width + c] =
+        from_float<Out>(to_float(x[(src ? src[r] : r) * width + c]));
+  }
 }
 
 template <class In, class Out>
-void gather_rows(const In* x, Out* y, const std::int64_t* src, index_t rows, index_t width,
-                 cudaStream_t stream) {
+void move_rows(const In* x, Out* y, const std::int64_t* src, const std::int64_t* dst, index_t rows,
+               index_t width, cudaStream_t stream) {
   if (rows * width == 0) return;
-  gather_rows_kernel<<<grid_for(rows * width, 256), 256, 0, stream>>>(
-      reinterpret_cast<const device_t<In>*>(x), reinterpret_cast<device_t<Out>*>(y), src, rows,
+  move_rows_kernel<<<grid_for(rows * width, 256), 256, 0, stream>>>(
+      reinterpret_cast<const device_t<In>*>(x), reinterpret_cast<device_t<Out>*>(y), src, dst, rows,
       width);
-  check(cudaGetLastError(), "attnmix gather kernel launch");
-}
-template <class In, class Out>
-void scatter_rows(const In* x, Out* y, const std::int64_t* dst, index_t rows, index_t width,
-                  cudaStream_t stream) {
-  if (rows * width == 0) return;
-  scatter_rows_kernel<<<grid_for(rows * width, 256), 256, 0, stream>>>(
-      reinterpret_cast<const device_t<In>*>(x), reinterpret_cast<device_t<Out>*>(y), dst, rows,
-      width);
-  check(cudaGetLastError(), "attnmix scatter kernel launch");
+  check(cudaGetLastError(), "attnmix row copy kernel launch");
 }
 
 }  // namespace cuda

@@ -45,14 +45,10 @@ auto causal_kernel(index_t Dv) {
   return linear_causal_kernel<Dev, Policy, 4>;
 }
 
-template <class Kind, class Policy, class T>
-void run_linear(const std::string& fn, const linear_attention_args<T>& a,
-                const linear_attention_problem& p, const backend::cuda& be) {
-  static_assert(Policy::norm != gated_norm::full_width,
-                "attnmix: the CUDA backend has the per-head gated RMSNorm only; full_width runs on "
-                "the CPU backend");
-  using Dev = device_t<T>;
-  constexpr bool causal = linear_kind_traits<Kind>::causal;
+// Every view of `a` that is given must point to device memory (the twin of the softmax
+// family's check in attention_launch.cuh).
+template <class T>
+void check_device_pointers(const std::string& fn, const linear_attention_args<T>& a) {
   check_device_pointer(fn, "q", a.q);
   check_device_pointer(fn, "k", a.k);
   check_device_pointer(fn, "v", a.v);
@@ -67,13 +63,23 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   check_device_pointer(fn, "state_out.S", a.state_out.S);
   check_device_pointer(fn, "state_out.z", a.state_out.z);
   check_device_pointer(fn, "state_out.lse", a.state_out.lse);
+}
+
+template <class Kind, class Policy, class T>
+void run_linear(const std::string& fn, const linear_attention_args<T>& a,
+                const linear_attention_problem& p, const backend::cuda& be) {
+  static_assert(Policy::norm != gated_norm::full_width,
+                "attnmix: the CUDA backend has the per-head gated RMSNorm only; full_width runs on "
+                "the CPU backend");
+  using Dev = device_t<T>;
+  constexpr bool causal = linear_kind_traits<Kind>::causal;
+  check_device_pointers(fn, a);
+  check_launch_sizes(fn, p, 128, "linear-attention kernels");
   const index_t D = p.head_dim, Dv = p.value_dim;
-  require(D % 4 == 0 && D <= 128, fn, "q", "has head dim D = ", D,
-          " but the CUDA backend needs D <= 128 and a multiple of 4");
-  require(Dv % 4 == 0 && Dv <= 128, fn, "v", "has head dim Dv = ", Dv,
-          " but the CUDA backend needs Dv <= 128 and a multiple of 4");
-  require(p.num_sequences <= 65535, fn, "cu_seqlens", "holds ", p.num_sequences,
-          " sequences but the CUDA backend supports at most 65535");
+  require(D % 4 == 0, fn, "q", "has head dim D = ", D,
+          " but the CUDA backend needs a multiple of 4");
+  require(Dv % 4 == 0, fn, "v", "has head dim Dv = ", Dv,
+          " but the CUDA backend needs a multiple of 4");
   if (p.num_sequences == 0) return;
 
   const index_t max_len = longest_sequence(p);

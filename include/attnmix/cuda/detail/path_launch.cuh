@@ -24,15 +24,6 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-inline void check_path_dims(const std::string& fn, const attention_problem& p) {
-  require(p.head_dim <= 128, fn, "q", "has head dim D = ", p.head_dim,
-          " but the CUDA PaTH kernels support D <= 128");
-  require(p.value_dim <= 128, fn, "v", "has head dim Dv = ", p.value_dim,
-          " but the CUDA PaTH kernels support Dv <= 128");
-  require(p.num_sequences <= 65535, fn, "cu_seqlens", "holds ", p.num_sequences,
-          " sequences but the CUDA backend supports at most 65535");
-}
-
 template <class W, class B>
 void set_householder(path_kernel_params& kp, const W& w, const B& beta, index_t kv_heads) {
   kp.w = w.data(), kp.beta = beta.data();
@@ -143,7 +134,7 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
               const backend::cuda& be, double gate_coef, key_cache_target<Out> cache = {}) {
   using Dev = device_t<T>;
   check_device_pointers(fn, a);
-  check_path_dims(fn, p);
+  check_launch_sizes(fn, p, 128, "PaTH kernels");
 
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
   attention_setup setup(attention_scratch_bytes(a, p), stream);
@@ -199,7 +190,7 @@ void run_path_key_cache(const std::string& fn, const path_key_cache_args<T>& a,
   check_device_pointer(fn, "w", a.w);
   check_device_pointer(fn, "beta", a.beta);
   check_device_pointer(fn, "key_cache", a.key_cache);
-  check_path_dims(fn, p);
+  check_launch_sizes(fn, p, 128, "PaTH kernels");
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
   const index_t max_len = longest_sequence(p);
   if (max_len == 0) return;
