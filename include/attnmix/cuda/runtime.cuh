@@ -38,6 +38,17 @@ inline bool is_device_pointer(const void* p) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
+// True when the current device is a Hopper GPU (compute capability 9.x), where the sm_90a
+// kernels run. Kernels built for it need sm_90a code in the binary (CMAKE_CUDA_ARCHITECTURES
+// 90a-real, the default); plain sm_90 code traps in them.
+inline bool current_device_is_hopper() {
+  int device = 0, major = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+        "cudaDeviceGetAttribute");
+  return major == 9;
+}
+
 // Device memory from cudaMalloc, freed when the owner goes; movable, not copyable.
 class device_memory {
  public:

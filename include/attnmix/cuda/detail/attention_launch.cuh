@@ -15,6 +15,7 @@
 #include "attnmix/core/tags.hpp"
 #include "attnmix/cuda/detail/attention_mma.cuh"
 #include "attnmix/cuda/detail/attention_simt.cuh"
+#include "attnmix/cuda/detail/attention_wgmma.cuh"
 #include "attnmix/cuda/detail/gate.cuh"
 #include "attnmix/cuda/detail/types.cuh"
 #include "attnmix/cuda/runtime.cuh"
@@ -118,6 +119,29 @@ void launch_mma(const attention_kernel_params& kp, index_t max_len, index_t sequ
   kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
 }
 
+// Hopper: 128-key tiles, 3 warpgroups (192 query rows) at D = Dv = 64, else 2.
+template <class Dev, int D, int Dv, int WGs = (D == 64 && Dv == 64 ? 3 : 2), int Stages = 3>
+void launch_wgmma(const attention_kernel_params& kp, index_t max_len, index_t sequences,
+                  cudaStream_t stream) {
+  using tile = wgmma_tile<D, Dv, WGs, 128, Stages>;
+  auto kernel = attention_wgmma_kernel<Dev, D, Dv, WGs, 128, Stages>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
+        "cudaFuncSetAttribute");
+  const dim3 grid(static_cast<unsigned>(kp.q_heads * sequences),
+                  static_cast<unsigned>((max_len + tile::br - 1) / tile::br));
+  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
+}
+
+// The tensor-core kernel for D x Dv on this device: wgmma on Hopper, mma.sync elsewhere.
+template <class Dev, int D, int Dv>
+void launch_tensor_cores(const attention_kernel_params& kp, index_t max_len, index_t sequences,
+                         cudaStream_t stream) {
+  if (current_device_is_hopper())
+    launch_wgmma<Dev, D, Dv>(kp, max_len, sequences, stream);
+  else
+    launch_mma<Dev, D, Dv>(kp, max_len, sequences, stream);
+}
+
 template <class Dev, int MaxChunks>
 void launch_simt(const attention_kernel_params& kp, index_t max_len, index_t sequences,
                  cudaStream_t stream) {
@@ -206,13 +230,13 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
     if (aligned) {
       launched = true;
       if (D == 64 && Dv == 64)
-        launch_mma<Dev, 64, 64>(kp, max_len, p.num_sequences, stream);
+        launch_tensor_cores<Dev, 64, 64>(kp, max_len, p.num_sequences, stream);
       else if (D == 128 && Dv == 128)
-        launch_mma<Dev, 128, 128>(kp, max_len, p.num_sequences, stream);
+        launch_tensor_cores<Dev, 128, 128>(kp, max_len, p.num_sequences, stream);
       else if (D == 64 && Dv == 128)
-        launch_mma<Dev, 64, 128>(kp, max_len, p.num_sequences, stream);
+        launch_tensor_cores<Dev, 64, 128>(kp, max_len, p.num_sequences, stream);
       else if (D == 128 && Dv == 64)
-        launch_mma<Dev, 128, 64>(kp, max_len, p.num_sequences, stream);
+        launch_tensor_cores<Dev, 128, 64>(kp, max_len, p.num_sequences, stream);
       else
         launched = false;
     }

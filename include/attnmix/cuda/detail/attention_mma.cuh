@@ -35,14 +35,19 @@ __device__ __forceinline__ int swizzle(int r, int c) {
   return r * Cols + ((c ^ (r & 7)) * 8);
 }
 
-// Copies rows [0, Rows) of a row-major tile into swizzled shared memory with cp.async; rows
-// >= valid are zero-filled. Each thread's (row, chunk) pairs are fixed, so their offsets are
-// computed once per kernel rather than once per tile.
-template <int Rows, int Cols, int Threads>
+template <int Cols>
+struct row_swizzle {
+  __device__ __forceinline__ static int offset(int r, int c) { return swizzle<Cols>(r, c); }
+};
+
+// Copies rows [0, Rows) of a row-major tile into swizzled shared memory (Layout::offset(row,
+// chunk)) with cp.async; rows >= valid are zero-filled. Each thread's (row, chunk) pairs are
+// fixed, so their offsets are computed once per kernel rather than once per tile.
+template <int Rows, int Cols, int Threads, class Layout = row_swizzle<Cols>>
 struct tile_loader {
   static constexpr int chunks = Cols / 8;
   static constexpr int per_thread = (Rows * chunks + Threads - 1) / Threads;
-  static_assert(Rows * chunks % Threads == 0, "tile chunks must divide evenly among threads");
+  static constexpr bool ragged = Rows * chunks % Threads != 0;  // the last round is partial
   int row[per_thread], smem_offset[per_thread];
   index_t gmem_offset[per_thread];
 
@@ -51,7 +56,7 @@ struct tile_loader {
     for (int k = 0; k < per_thread; ++k) {
       const int idx = threadIdx.x + k * Threads, r = idx / chunks, c = idx % chunks;
       row[k] = r;
-      smem_offset[k] = swizzle<Cols>(r, c);
+      smem_offset[k] = Layout::offset(r, c);
       gmem_offset[k] = r * row_stride + c * 8;
     }
   }
@@ -60,6 +65,7 @@ struct tile_loader {
   __device__ __forceinline__ void load(T* smem, const T* gmem, index_t valid, const T* safe) const {
 #pragma unroll
     for (int k = 0; k < per_thread; ++k) {
+      if (ragged && row[k] >= Rows) break;
       const bool ok = row[k] < valid;
       cp_async_16(smem + smem_offset[k], ok ? gmem + gmem_offset[k] : safe, ok);
     }

@@ -1,0 +1,256 @@
+#pragma once
+// Softmax-family kernel for Hopper (wgmma, sm_90a), FlashAttention-3 style without a producer
+// warp: a CTA owns Br = 64 * WGs query rows of one (sequence, query head), each warpgroup 64 of
+// them. All threads stream Bc-key tiles of K and V through a ring of Stages shared-memory buffers
+// with cp.async; each warpgroup computes S = Q K^T with both operands in shared memory, keeps the
+// online softmax (base 2) in registers and computes O += P V with P straight from the S
+// accumulators. While one warpgroup runs its softmax the tensor cores serve the others.
+// Inputs are __half or __nv_bfloat16; D, Dv are 64 or 128.
+
+#include <cmath>
+#include <cstdint>
+
+#include "attnmix/cuda/detail/attention_mma.cuh"
+#include "attnmix/cuda/detail/attention_params.cuh"
+#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/detail/wgmma.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+template <int D, int Dv, int WGs, int Bc, int Stages>
+struct wgmma_tile {
+  static_assert((D == 64 || D == 128) && (Dv == 64 || Dv == 128), "head dims 64 or 128");
+  static_assert(Bc == 64 || Bc == 128, "a key tile is one wgmma N (64 or 128)");
+  static_assert(Stages >= 3, "a tile's V is read one iteration after its K");
+  static constexpr int threads = 128 * WGs;
+  static constexpr int br = 64 * WGs;
+  static constexpr int bc = Bc;
+  // Shared memory in elements: Q, then Stages K tiles, then Stages V tiles (each a multiple of
+  // 1024 bytes, so every atom stays aligned), then the gate terms of each stage's keys (floats).
+  static constexpr int q_elems = br * D, k_elems = Bc * D, v_elems = Bc * Dv;
+  static constexpr int gate_offset = 2 * (q_elems + Stages * (k_elems + v_elems));  // bytes
+  static constexpr int smem_bytes = gate_offset + 4 * Stages * Bc + 1024;  // + alignment slack
+};
+
+template <class T, int D, int Dv, int WGs, int Bc, int Stages>
+__global__ void __launch_bounds__(128 * WGs, 1)
+    attention_wgmma_kernel(const attention_kernel_params p) {
+  using tile = wgmma_tile<D, Dv, WGs, Bc, Stages>;
+  constexpr int Br = tile::br;
+  extern __shared__ unsigned char smem_raw[];
+  // The 128-byte swizzle is a function of the address: atoms must start 1024-byte aligned.
+  unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  T* sq = reinterpret_cast<T*>(base);
+  T* sk = sq + tile::q_elems;
+  T* sv = sk + Stages * tile::k_elems;
+  float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, wg = warp / 4;
+  const int g = lane / 4, c2 = 2 * (lane % 4);
+  const int row0 = wg * 64 + (warp % 4) * 16 + g;  // this thread's rows: row0, row0 + 8
+  const int hq = blockIdx.x % p.q_heads, seq = blockIdx.x / p.q_heads;
+  index_t batch, start, length;
+  p.sequence(seq, batch, start, length);
+  // Causal: the heaviest (last) tiles are scheduled first.
+  const index_t tiles = (length + Br - 1) / Br;
+  const index_t tile_index =
+      p.causal ? static_cast<index_t>(gridDim.y) - 1 - blockIdx.y : blockIdx.y;
+  if (tile_index >= tiles) return;
+  const index_t i0 = tile_index * Br;
+  const index_t rows = length - i0 < Br ? length - i0 : Br;
+  const int hkv = hq / p.group;
+
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + i0) * p.q_stride[1] +
+               hq * p.q_stride[2];
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
+               hkv * p.k_stride[2];
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
+               hkv * p.v_stride[2];
+
+  // Keys any row of this tile may see; rows in between see subsets.
+  index_t j_lo, j_hi, lo_last, hi_first;
+  p.key_range(i0 + rows - 1, length, lo_last, j_hi);
+  p.key_range(i0, length, j_lo, hi_first);
+  const int key_tiles = static_cast<int>((j_hi - j_lo + Bc) / Bc);
+
+  // Gate bias relative to G at i0 (in double), so that the float values stay small. A logit is
+  // s * scale + gate_row - gate_col; the key tiles hold -gate_col.
+  const double* G = p.gate_cumsum != nullptr
+                        ? p.gate_cumsum + (batch * p.tokens + start) * p.q_heads + hq
+                        : nullptr;
+  const double g_ref = G != nullptr ? G[i0 * p.q_heads] : 0.0;
+  auto gate_at = [&](index_t i) {
+    return p.gate_coef_log2 *
+           static_cast<float>(G[(i < length ? i : length - 1) * p.q_heads] - g_ref);
+  };
+  float gate_row[2] = {};
+  if (G != nullptr) gate_row[0] = gate_at(i0 + row0), gate_row[1] = gate_at(i0 + row0 + 8);
+
+  const tile_loader<Bc, D, tile::threads, sw128_layout<Bc>> k_loader(p.k_stride[1]);
+  const tile_loader<Bc, Dv, tile::threads, sw128_layout<Bc>> v_loader(p.v_stride[1]);
+  // Stage t % Stages <- key tile t (its K, V and gate terms); one cp.async group per tile, empty
+  // past the last so that the wait counts stay fixed.
+  auto load_tile = [&](int t) {
+    if (t < key_tiles) {
+      const int buf = t % Stages;
+      const index_t j0 = j_lo + static_cast<index_t>(t) * Bc;
+      k_loader.load(sk + buf * tile::k_elems, k + j0 * p.k_stride[1], j_hi + 1 - j0, k);
+      v_loader.load(sv + buf * tile::v_elems, v + j0 * p.v_stride[1], j_hi + 1 - j0, v);
+      if (G != nullptr && threadIdx.x < Bc)
+        gate_col[buf * Bc + threadIdx.x] = -gate_at(j0 + threadIdx.x);
+    }
+    cp_async_commit();
+  };
+  // Iteration t reads K of tile t and V of tile t - 1, so a tile is loaded Stages - 2 ahead.
+  constexpr int ahead = Stages - 2;
+  {
+    const tile_loader<Br, D, tile::threads, sw128_layout<Br>> q_loader(p.q_stride[1]);
+    q_loader.load(sq, q, rows, q);  // joins tile 0's group
+  }
+#pragma unroll
+  for (int t = 0; t < ahead; ++t) load_tile(t);
+
+  // Operand descriptors. Q and K are K-major (D contiguous): k-step kk is 16 columns, in atom
+  // kk / 4 at byte 32 * (kk % 4) of its rows; 8-row groups are 1024 bytes apart. V is MN-major
+  // (Dv contiguous): k-step kc is 16 keys = 2048 bytes further, its 64-column atoms Bc rows apart.
+  const T* sq_wg = sq + wg * 64 * 64;
+  auto issue_scores = [&](float(&s)[Bc / 2], const T* skb) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, 0>(s, wgmma_desc(sq_wg + (kk / 4) * Br * 64 + (kk % 4) * 16, 16, 1024),
+                     wgmma_desc(skb + (kk / 4) * Bc * 64 + (kk % 4) * 16, 16, 1024), kk > 0);
+  };
+  auto issue_values = [&](float(&o)[Dv / 2], std::uint32_t(&a)[Bc / 16][4], const T* svb) {
+#pragma unroll
+    for (int kc = 0; kc < Bc / 16; ++kc)
+      wgmma_rs<T, 1>(o, a[kc], wgmma_desc(svb + kc * 16 * 64, Bc * 128, 1024));
+  };
+
+  float o[Dv / 2] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // m: row maxima of the logits
+  std::uint32_t a[Bc / 16][4];                             // P of the previous tile
+
+  // Iteration t: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued together, and the softmax of
+  // S_t runs while the second product is still on the tensor cores.
+  for (int t = 0; t < key_tiles; ++t) {
+    cp_async_wait<ahead - 1>();
+    fence_proxy_async();
+    __syncthreads();  // tile t is in; every warpgroup is done with tile t - 2
+    load_tile(t + ahead);
+    const int buf = t % Stages, prev = (t + Stages - 1) % Stages;
+    const index_t j0 = j_lo + static_cast<index_t>(t) * Bc;
+
+    float s[Bc / 2];
+    wgmma_fence();
+    issue_scores(s, sk + buf * tile::k_elems);
+    wgmma_commit();
+    if (t > 0) issue_values(o, a, sv + prev * tile::v_elems);
+    wgmma_commit();
+    wgmma_wait<1>();
+    wgmma_fence_operand(s);
+
+    // The mask only on tiles that cross an edge.
+    if (j0 + Bc - 1 > hi_first || j0 < lo_last) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        index_t lo, hi;
+        p.key_range(i0 + row0 + 8 * h, length, lo, hi);
+        // Visible columns of this tile for the row, relative to this thread's first column.
+        const int first = static_cast<int>(max(min(lo - j0, index_t{Bc}), index_t{-1})) - c2;
+        const int last = static_cast<int>(max(min(hi - j0, index_t{Bc}), index_t{-1})) - c2;
+#pragma unroll
+        for (int j = 0; j < Bc / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * j + e;
+            if (col < first || col > last) s[4 * j + 2 * h + e] = -INFINITY;
+          }
+      }
+    }
+
+    // Online softmax, one FFMA and one exp2 a score: without a gate the maximum is taken over the
+    // raw scores (scale > 0) and the scale folded into the exponent; with one, over
+    // s * scale - gate_col, the row's gate term added to the maximum. A row lives in a quad.
+    const float* ngc = gate_col + buf * Bc;
+    float rescale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (G != nullptr) {
+#pragma unroll
+        for (int j = 0; j < Bc / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            s[4 * j + 2 * h + e] = fmaf(s[4 * j + 2 * h + e], p.scale_log2, ngc[8 * j + c2 + e]);
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < Bc / 8; ++j)
+        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float tile_max =
+          mx == -INFINITY ? -INFINITY : (G != nullptr ? mx + gate_row[h] : mx * p.scale_log2);
+      const float m_new = fmaxf(m[h], tile_max);
+      // exp2(logit - m_new) = exp2(s * mul + add); no visible key yet: keep zeros.
+      const float mul = G != nullptr ? 1.f : p.scale_log2;
+      const float add = m_new == -INFINITY ? 0.f : (G != nullptr ? gate_row[h] : 0.f) - m_new;
+      rescale[h] = fast_exp2(m[h] - (m_new == -INFINITY ? 0.f : m_new));
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < Bc / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * h + e];
+          x = fast_exp2(fmaf(x, mul, add));
+          sum += x;
+        }
+      l[h] = l[h] * rescale[h] + sum;  // per-thread partial; the quad is summed at the end
+      m[h] = m_new;
+    }
+
+    // The accumulator layout of S is the register A fragment of the next product.
+    wgmma_wait<0>();
+    wgmma_fence_operand(o);
+    wgmma_fence_operand(a);
+#pragma unroll
+    for (int j = 0; j < Dv / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * j + e] *= rescale[e / 2];
+#pragma unroll
+    for (int kc = 0; kc < Bc / 16; ++kc)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[kc][r] = pack2<T>(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+  }
+  wgmma_fence();
+  issue_values(o, a, sv + (key_tiles - 1) % Stages * tile::v_elems);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operand(o);
+
+  // Epilogue: full row sums, normalise, write.
+  T* out = static_cast<T*>(p.out) + batch * p.out_stride[0] + (start + i0) * p.out_stride[1] +
+           hq * p.out_stride[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = l[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int r = row0 + 8 * h;
+    if (r >= rows) continue;
+    const float inv = 1.f / sum;
+    T* orow = out + r * p.out_stride[1];
+#pragma unroll
+    for (int j = 0; j < Dv / 8; ++j)
+      *reinterpret_cast<std::uint32_t*>(orow + 8 * j + c2) =
+          pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+    if (p.lse != nullptr && lane % 4 == 0)
+      p.lse[batch * p.lse_stride[0] + (start + i0 + r) * p.lse_stride[1] + hq * p.lse_stride[2]] =
+          (m[h] + log2f(sum)) * 0.6931471805599453f;
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
