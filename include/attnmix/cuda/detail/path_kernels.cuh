@@ -7,7 +7,9 @@
 //   U  = (I + stril(diag(beta) W W^T))^-1 diag(beta) W       [n, D]  H_last...H_first = I - W^T U
 //   M  = (I + ...)^-1 diag(beta) stril(W K^T)                 [n, C]  (columns >= n are zero)
 //   K~ = K - M^T W                                            [n, D]  keys carried to chunk end
-// and, for the tensor-core forward, W rounded to half. All of it is computed in float.
+// and, for the tensor-core forward, W rounded to half. path_prepare_kernel below computes U, M
+// and K~ in float on CUDA cores, for the portable forward and the prefill key cache; the
+// tensor-core forward's preparation (16-bit outputs, and W in half) is path_prepare_mma.cuh.
 
 #include <cmath>
 #include <cstdint>
@@ -167,16 +169,12 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
     __syncthreads();
   }
 
-  // Write U, M (all C columns), W in half, and K~ = K - M^T W.
+  // Write U, M (all C columns), and K~ = K - M^T W.
   KT* kt = static_cast<KT*>(p.kt) + p.row(batch, h, t0) * D;
   TU* u = static_cast<TU*>(p.u) + p.row(batch, h, t0) * D;
   TU* m = static_cast<TU*>(p.m) + p.row(batch, h, t0) * C;
-  __half* wh = p.wh != nullptr ? static_cast<__half*>(p.wh) + p.row(batch, h, t0) * D : nullptr;
-  for (int idx = tid; idx < n * D; idx += threads) {
-    const int a = idx / D, d = idx % D;
-    u[idx] = from_float<TU>(sx[a * ldx + d]);
-    if (wh != nullptr) wh[idx] = __float2half_rn(sw[a * ld + d]);
-  }
+  for (int idx = tid; idx < n * D; idx += threads)
+    u[idx] = from_float<TU>(sx[(idx / D) * ldx + idx % D]);
   // Row a of K~ is key a minus the later rows' M[r][a] w_r: keys a = 4 ty + i, elements
   // d = 4 tx + 64 jj + e of this thread (float4 reads of M's and W's rows). Elements past D
   // read other rows' (finite) data and are dropped.

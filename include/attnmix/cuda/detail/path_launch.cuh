@@ -17,6 +17,7 @@
 #include "attnmix/cuda/detail/path_decode.cuh"
 #include "attnmix/cuda/detail/path_kernels.cuh"
 #include "attnmix/cuda/detail/path_mma.cuh"
+#include "attnmix/cuda/detail/path_prepare_mma.cuh"
 #include "attnmix/cuda/detail/types.cuh"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -71,6 +72,26 @@ void launch_path_prepare(const path_kernel_params& kp, index_t max_len, index_t 
                   static_cast<unsigned>(kp.kv_heads), static_cast<unsigned>(sequences));
   kernel<<<grid, 256, smem, stream>>>(kp);
   check(cudaGetLastError(), "path_prepare_kernel launch");
+}
+
+// The tensor-core preparation (16-bit keys, D = 64 or 128): U, M, W in half, K~ in T.
+template <class T>
+void launch_path_prepare_mma(const path_kernel_params& kp, index_t max_len, index_t sequences,
+                             cudaStream_t stream) {
+  const bool narrow = kp.a.head_dim == 64;
+  const int smem =
+      narrow ? path_prepare_mma_layout<64>::smem_bytes : path_prepare_mma_layout<128>::smem_bytes;
+  auto kernel = narrow ? path_prepare_mma_kernel<T, 64> : path_prepare_mma_kernel<T, 128>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+        "cudaFuncSetAttribute");
+  // All of the SM's shared memory: occupancy is bound by it (four CTAs at D = 64).
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared),
+        "cudaFuncSetAttribute");
+  const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
+                  static_cast<unsigned>(kp.kv_heads), static_cast<unsigned>(sequences));
+  kernel<<<grid, 256, smem, stream>>>(kp);
+  check(cudaGetLastError(), "path_prepare_mma_kernel launch");
 }
 
 // Where the prefill key cache goes (keys == nullptr: nowhere): [B, T, H, D] with these strides,
@@ -156,7 +177,7 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
     if (mma) {
       path_chunk_data<Dev, __half> chunks(p, true, stream);
       chunks.attach(kp);
-      launch_path_prepare<Dev, Dev, __half>(kp, setup.max_len, p.num_sequences, stream);
+      launch_path_prepare_mma<Dev>(kp, setup.max_len, p.num_sequences, stream);
       if (D == 64 && Dv == 64)
         launch_path_mma<Dev, 64, 64>(kp, setup.max_len, p.num_sequences, stream);
       else if (D == 128 && Dv == 128)

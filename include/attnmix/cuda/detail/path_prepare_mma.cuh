@@ -1,0 +1,477 @@
+#pragma once
+// The PaTH chunk preparation on tensor cores (spec/path_fox.md §1.5), for the tensor-core forward:
+// half / bfloat16 keys, D in {64, 128}. It writes what path_prepare_kernel<T, T, __half> would
+// (U, M and W in half, K~ in T, same layout), computed per (chunk, KV head, sequence) as
+//   G = W W^T, S = stril(W K^T)                        tensor cores
+//   A = (I + stril(diag(beta) G))^-1                   CUDA cores, float: the 16 x 16 diagonal
+//                                                      blocks by substitution, then two merges
+//   [U | M] = A diag(beta) [W | S], K~ = K - M^T W     tensor cores
+// A tensor-core operand that is not exact in T (W, S, A diag(beta), M) is split into two T
+// numbers, x = hi + lo, and its products take three passes (hi hi + hi lo + lo hi): about 16
+// significant bits in bfloat16 and more in half, far below the half rounding of the outputs even
+// where the inverse amplifies errors (beta near 2). K is exact in T: two passes.
+
+#include <cstdint>
+#include <type_traits>
+
+#include "attnmix/cuda/detail/mma.cuh"
+#include "attnmix/cuda/detail/path_kernels.cuh"
+#include "attnmix/cuda/detail/types.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+// x = hi + lo, each rounded to nearest in T.
+template <class T>
+__device__ __forceinline__ void split_hi_lo(float x, T& hi, T& lo) {
+  hi = from_float<T>(x);
+  lo = from_float<T>(x - to_float(hi));
+}
+
+template <class T>
+__device__ __forceinline__ std::uint32_t bits_of(T x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __bfloat16_as_ushort(x);
+  else
+    return __half_as_ushort(x);
+}
+
+// Two consecutive elements split into a pair of his and a pair of los (low element first).
+template <class T>
+__device__ __forceinline__ void split_pair(float x0, float x1, std::uint32_t& hi,
+                                           std::uint32_t& lo) {
+  T h0, l0, h1, l1;
+  split_hi_lo(x0, h0, l0);
+  split_hi_lo(x1, h1, l1);
+  hi = bits_of(h0) | bits_of(h1) << 16;
+  lo = bits_of(l0) | bits_of(l1) << 16;
+}
+
+// Two consecutive elements (4-byte aligned) as floats.
+__device__ __forceinline__ float2 pair_to_float2(const __half* x) {
+  return __half22float2(*reinterpret_cast<const __half2*>(x));
+}
+__device__ __forceinline__ float2 pair_to_float2(const __nv_bfloat16* x) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x));
+}
+
+// ldmatrix.x4 of the 16 x 16 tile at (r0, c0) of a row-major T array, ld elements a row:
+//   load_a:   the tile as an A operand (rows m, columns k);
+//   load_a_t: an A operand stored transposed (rows k, columns m);
+//   load_b:   B operands stored [n][k] (rows n), n-tiles {0, 1} in registers {0, 1} and {2, 3};
+//   load_b_t: B operands stored [k][n] (rows k), same registers.
+template <class T>
+__device__ __forceinline__ const T* tile_rows_then_cols(const T* s, int ld, int r0, int c0,
+                                                        int lane) {
+  return s + (r0 + lane % 8 + (lane / 8) % 2 * 8) * ld + c0 + lane / 16 * 8;
+}
+template <class T>
+__device__ __forceinline__ const T* tile_cols_then_rows(const T* s, int ld, int r0, int c0,
+                                                        int lane) {
+  return s + (r0 + lane % 8 + lane / 16 * 8) * ld + c0 + (lane / 8) % 2 * 8;
+}
+template <class T>
+__device__ __forceinline__ void load_a(std::uint32_t (&f)[4], const T* s, int ld, int m0, int k0,
+                                       int lane) {
+  ldmatrix_x4(f, tile_rows_then_cols(s, ld, m0, k0, lane));
+}
+template <class T>
+__device__ __forceinline__ void load_a_t(std::uint32_t (&f)[4], const T* s, int ld, int k0, int m0,
+                                         int lane) {
+  ldmatrix_x4_trans(f, tile_cols_then_rows(s, ld, k0, m0, lane));
+}
+template <class T>
+__device__ __forceinline__ void load_b(std::uint32_t (&f)[4], const T* s, int ld, int n0, int k0,
+                                       int lane) {
+  ldmatrix_x4(f, tile_cols_then_rows(s, ld, n0, k0, lane));
+}
+template <class T>
+__device__ __forceinline__ void load_b_t(std::uint32_t (&f)[4], const T* s, int ld, int k0, int n0,
+                                         int lane) {
+  ldmatrix_x4_trans(f, tile_rows_then_cols(s, ld, k0, n0, lane));
+}
+
+// acc[nt] += (ah + al) (bh + bl) over a 16 x 16 x 16 step, two n-tiles, without the lo lo term.
+template <class T>
+__device__ __forceinline__ void mma_split(float (&acc)[2][4], const std::uint32_t (&ah)[4],
+                                          const std::uint32_t (&al)[4],
+                                          const std::uint32_t (&bh)[4],
+                                          const std::uint32_t (&bl)[4]) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const std::uint32_t h[2] = {bh[2 * nt], bh[2 * nt + 1]}, l[2] = {bl[2 * nt], bl[2 * nt + 1]};
+    mma_16816<T>(acc[nt], al, h);
+    mma_16816<T>(acc[nt], ah, l);
+    mma_16816<T>(acc[nt], ah, h);
+  }
+}
+
+// Shared memory of one CTA (bytes): W hi, lo [C][D+8]; S hi, lo [C][C+8], later M; and one
+// region that holds K [C][D+8], then L and A in float [C][C+8], then A diag(beta) hi, lo
+// [C][C+8]. Rows padded by 8 elements keep ldmatrix (16-byte rows at a 16-byte offset mod 128)
+// and the float accesses free of bank conflicts. 54 KiB at D = 64: four CTAs per SM.
+template <int D>
+struct path_prepare_mma_layout {
+  static constexpr int C = path_chunk, ldw = D + 8, ldc = C + 8, ldf = C + 8;
+  static constexpr int w_bytes = 2 * C * ldw * 2, s_bytes = 2 * C * ldc * 2;
+  static constexpr int q_bytes = C * ldf * 4;
+  static_assert(q_bytes >= C * ldw * 2 && q_bytes >= 2 * C * ldc * 2, "region too small");
+  static constexpr int smem_bytes = w_bytes + s_bytes + q_bytes;
+};
+
+// One (chunk, KV head, sequence) = (blockIdx.x, .y, .z) per 256-thread CTA.
+template <class T, int D>
+__global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel_params p) {
+  using layout = path_prepare_mma_layout<D>;
+  constexpr int C = path_chunk, threads = 256, ldw = layout::ldw, ldc = layout::ldc,
+                ldf = layout::ldf;
+  static_assert(D % 16 == 0 && D <= 128, "head dim");
+  extern __shared__ __align__(16) unsigned char prepare_smem[];
+  T* swh = reinterpret_cast<T*>(prepare_smem);
+  T* swl = swh + C * ldw;
+  T* ssh = swl + C * ldw;  // S, then M
+  T* ssl = ssh + C * ldc;
+  unsigned char* region = prepare_smem + layout::w_bytes + layout::s_bytes;
+  T* sk = reinterpret_cast<T*>(region);
+  float* sf = reinterpret_cast<float*>(region);  // L, then A
+  T* sth = reinterpret_cast<T*>(region);         // A diag(beta)
+  T* stl = sth + C * ldc;
+  __shared__ float sbeta[C];
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c2 = 2 * (lane % 4);
+  const int h = blockIdx.y;
+  index_t batch, start, length;
+  p.a.sequence(blockIdx.z, batch, start, length);
+  const index_t c0 = static_cast<index_t>(blockIdx.x) * C;
+  if (c0 >= length) return;
+  const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+  const index_t t0 = start + c0;
+  const index_t ks1 = p.a.k_stride[1];
+  const T* k =
+      static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] + t0 * ks1 + h * p.a.k_stride[2];
+  const float* w = p.w + batch * p.w_stride[0] + t0 * p.w_stride[1] + h * p.w_stride[2];
+  const index_t row0 = p.row(batch, h, t0);
+
+  // K (rows past n zero-filled), W split into hi + lo (and written out in half), beta.
+  {
+    constexpr int chunks = D / 8;
+#pragma unroll
+    for (int i = 0; i < C * chunks / threads; ++i) {
+      const int idx = tid + i * threads, a = idx / chunks, cc = idx % chunks;
+      cp_async_16(sk + a * ldw + 8 * cc, a < n ? k + a * ks1 + 8 * cc : k, a < n);
+    }
+    cp_async_commit();
+    __half* wh = static_cast<__half*>(p.wh) + row0 * D;
+    if (reinterpret_cast<std::uintptr_t>(w) % 16 == 0 && p.w_stride[1] % 4 == 0) {
+      constexpr int quads = D / 4;  // four elements a thread and step: 16-byte reads
+#pragma unroll
+      for (int i = 0; i < C * quads / threads; ++i) {
+        const int idx = tid + i * threads, a = idx / quads, d = 4 * (idx % quads);
+        const float4 x = a < n ? *reinterpret_cast<const float4*>(w + a * p.w_stride[1] + d)
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+        std::uint32_t hi[2], lo[2];
+        split_pair<T>(x.x, x.y, hi[0], lo[0]);
+        split_pair<T>(x.z, x.w, hi[1], lo[1]);
+        *reinterpret_cast<uint2*>(swh + a * ldw + d) = make_uint2(hi[0], hi[1]);
+        *reinterpret_cast<uint2*>(swl + a * ldw + d) = make_uint2(lo[0], lo[1]);
+        if (a < n) {
+          const __half2 h01 = __floats2half2_rn(x.x, x.y), h23 = __floats2half2_rn(x.z, x.w);
+          *reinterpret_cast<uint2*>(wh + a * D + d) =
+              make_uint2(*reinterpret_cast<const std::uint32_t*>(&h01),
+                         *reinterpret_cast<const std::uint32_t*>(&h23));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < C * D / threads; ++i) {
+        const int idx = tid + i * threads, a = idx / D, d = idx % D;
+        const float x = a < n ? w[a * p.w_stride[1] + d] : 0.f;
+        split_hi_lo(x, swh[a * ldw + d], swl[a * ldw + d]);
+        if (a < n) wh[a * D + d] = __float2half_rn(x);
+      }
+    }
+    if (tid < C)
+      sbeta[tid] = tid < n ? p.beta[batch * p.beta_stride[0] + (t0 + tid) * p.beta_stride[1] +
+                                    h * p.beta_stride[2]]
+                           : 0.f;
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+
+  // G = W W^T and S = stril(W K^T) on the ten 16 x 16 blocks at or below the diagonal (block
+  // row rb, column jb <= rb): warp w takes blocks w and w + 8. S goes straight to its place; G
+  // waits in registers until K, which shares L's region, is no longer read.
+  auto block_row = [](int b) {
+    return (b >= 1) + (b >= 3) + (b >= 6);
+  };
+  float gram[2][2][4] = {};
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int blk = warp + 8 * s, rb = block_row(blk), jb = blk - rb * (rb + 1) / 2;
+    if (blk >= 10) break;
+    float acc[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      std::uint32_t ah[4], al[4], bh[4], bl[4], bk[4];
+      load_a(ah, swh, ldw, 16 * rb, 16 * kk, lane);
+      load_a(al, swl, ldw, 16 * rb, 16 * kk, lane);
+      load_b(bh, swh, ldw, 16 * jb, 16 * kk, lane);
+      load_b(bl, swl, ldw, 16 * jb, 16 * kk, lane);
+      load_b(bk, sk, ldw, 16 * jb, 16 * kk, lane);
+      mma_split<T>(gram[s], ah, al, bh, bl);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const std::uint32_t kb[2] = {bk[2 * nt], bk[2 * nt + 1]};
+        mma_16816<T>(acc[nt], al, kb);
+        mma_16816<T>(acc[nt], ah, kb);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int a = 16 * rb + g + 8 * hh, b = 16 * jb + 8 * nt + c2;
+        std::uint32_t hi, lo;
+        split_pair<T>(a > b ? acc[nt][2 * hh] : 0.f, a > b + 1 ? acc[nt][2 * hh + 1] : 0.f, hi, lo);
+        *reinterpret_cast<std::uint32_t*>(ssh + a * ldc + b) = hi;
+        *reinterpret_cast<std::uint32_t*>(ssl + a * ldc + b) = lo;
+      }
+  }
+  __syncthreads();  // K is no longer read
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int blk = warp + 8 * s, rb = block_row(blk), jb = blk - rb * (rb + 1) / 2;
+    if (blk >= 10) break;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int a = 16 * rb + g + 8 * hh, b = 16 * jb + 8 * nt + c2;
+        *reinterpret_cast<float2*>(sf + a * ldf + b) =
+            make_float2(a > b ? sbeta[a] * gram[s][nt][2 * hh] : 0.f,
+                        a > b + 1 ? sbeta[a] * gram[s][nt][2 * hh + 1] : 0.f);
+      }
+  }
+  // Zeros in the blocks above the diagonal (the inverse and the products below read them).
+  for (int idx = tid; idx < C * C / 4; idx += threads) {
+    const int a = idx / (C / 4), b = 4 * (idx % (C / 4));
+    if (b / 16 <= a / 16) continue;
+    *reinterpret_cast<float4*>(sf + a * ldf + b) = make_float4(0.f, 0.f, 0.f, 0.f);
+    *reinterpret_cast<uint2*>(ssh + a * ldc + b) = make_uint2(0u, 0u);
+    *reinterpret_cast<uint2*>(ssl + a * ldc + b) = make_uint2(0u, 0u);
+  }
+  __syncthreads();
+
+  // A = (I + L)^-1 in place, in float. The diagonal 16 x 16 blocks first: a thread per column of
+  // a block (its 16 threads share a warp), forward substitution in registers.
+  if (tid < 4 * 16) {
+    const int o = 16 * (tid / 16), j = tid % 16;
+    float x[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      const float* lr = sf + (o + r) * ldf + o;
+      float s = 0.f;
+#pragma unroll
+      for (int b = 0; b < r; ++b) s += lr[b] * x[b];
+      x[r] = r < j ? 0.f : (r == j ? 1.f : -s);
+    }
+    __syncwarp();  // the block's other columns have read L
+#pragma unroll
+    for (int r = 0; r < 16; ++r) sf[(o + r) * ldf + o + j] = x[r];
+  }
+  __syncthreads();
+  // Merges: [[A11, 0], [L21, A22]] -> A21 = -A22 (L21 A11). The product in brackets goes to the
+  // (unused) block above the diagonal in the top-right 32 x 32 quarter.
+  {  // two 16 -> 32 merges, two columns per thread
+    const int o = 32 * (tid / 128), r = tid % 128 / 8, c = 2 * (tid % 8);
+    float* t = sf + (o / 2) * ldf + 32 + o / 2;  // rows o/2.., columns 32 + o/2..
+    float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int b = 0; b < 16; b += 4) {
+      const float4 l4 = *reinterpret_cast<const float4*>(sf + (o + 16 + r) * ldf + o + b);
+      const float l[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 x = *reinterpret_cast<const float2*>(sf + (o + b + e) * ldf + o + c);
+        acc.x += l[e] * x.x, acc.y += l[e] * x.y;
+      }
+    }
+    *reinterpret_cast<float2*>(t + r * ldf + c) = acc;
+    __syncthreads();
+    acc = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int b = 0; b < 16; b += 4) {
+      const float4 a4 = *reinterpret_cast<const float4*>(sf + (o + 16 + r) * ldf + o + 16 + b);
+      const float a[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 x = *reinterpret_cast<const float2*>(t + (b + e) * ldf + c);
+        acc.x -= a[e] * x.x, acc.y -= a[e] * x.y;
+      }
+    }
+    *reinterpret_cast<float2*>(sf + (o + 16 + r) * ldf + o + c) = acc;
+  }
+  __syncthreads();
+  {  // the 32 -> 64 merge, four columns per thread; then A diag(beta) split into hi + lo
+    const int r = tid / 8, c = 4 * (tid % 8);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1  // four rows a step already; unrolled further, the half kernel spills
+    for (int b = 0; b < 32; b += 4) {
+      const float4 l4 = *reinterpret_cast<const float4*>(sf + (32 + r) * ldf + b);
+      const float l[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float4 x = *reinterpret_cast<const float4*>(sf + (b + e) * ldf + c);
+        acc.x += l[e] * x.x, acc.y += l[e] * x.y, acc.z += l[e] * x.z, acc.w += l[e] * x.w;
+      }
+    }
+    *reinterpret_cast<float4*>(sf + r * ldf + 32 + c) = acc;
+    __syncthreads();
+    float4 a21 = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+    for (int b = 0; b < 32; b += 4) {
+      const float4 a4 = *reinterpret_cast<const float4*>(sf + (32 + r) * ldf + 32 + b);
+      const float a[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float4 x = *reinterpret_cast<const float4*>(sf + (b + e) * ldf + 32 + c);
+        a21.x -= a[e] * x.x, a21.y -= a[e] * x.y, a21.z -= a[e] * x.z, a21.w -= a[e] * x.w;
+      }
+    }
+    // This thread converts its A21 quad and three quads elsewhere: the 512 of rows 0..31 and
+    // the 256 of the bottom-right quarter. The float A is read before anyone writes hi / lo.
+    float4 quad[4];
+    int qrow[4], qcol[4];
+    quad[0] = a21, qrow[0] = 32 + r, qcol[0] = c;
+#pragma unroll
+    for (int i = 1; i < 4; ++i) {
+      const int q = tid + (i - 1) * threads;
+      qrow[i] = q < 512 ? q / 16 : 32 + (q - 512) / 8;
+      qcol[i] = q < 512 ? 4 * (q % 16) : 32 + 4 * ((q - 512) % 8);
+      quad[i] = *reinterpret_cast<const float4*>(sf + qrow[i] * ldf + qcol[i]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float v[4] = {quad[i].x, quad[i].y, quad[i].z, quad[i].w};
+      std::uint32_t hi[2], lo[2];
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int col = qcol[i] + e;
+        split_pair<T>(col > qrow[i] ? 0.f : v[e] * sbeta[col],
+                      col + 1 > qrow[i] ? 0.f : v[e + 1] * sbeta[col + 1], hi[e / 2], lo[e / 2]);
+      }
+      *reinterpret_cast<uint2*>(sth + qrow[i] * ldc + qcol[i]) = make_uint2(hi[0], hi[1]);
+      *reinterpret_cast<uint2*>(stl + qrow[i] * ldc + qcol[i]) = make_uint2(lo[0], lo[1]);
+    }
+  }
+  __syncthreads();
+
+  // [U | M] = A diag(beta) [W | S]: a warp per 16 output columns, all 64 rows (the lower
+  // triangle of A diag(beta): row block rb reads k blocks <= rb; S's column block j has zeros
+  // in k blocks < j).
+  auto tc_product = [&](float(&acc)[4][2][4], const T* bh_s, const T* bl_s, int ldb, int col,
+                        int k_first) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      if (kk < k_first) continue;
+      std::uint32_t bh[4], bl[4];
+      load_b_t(bh, bh_s, ldb, 16 * kk, col, lane);
+      load_b_t(bl, bl_s, ldb, 16 * kk, col, lane);
+#pragma unroll
+      for (int rb = kk; rb < 4; ++rb) {
+        std::uint32_t ah[4], al[4];
+        load_a(ah, sth, ldc, 16 * rb, 16 * kk, lane);
+        load_a(al, stl, ldc, 16 * rb, 16 * kk, lane);
+        mma_split<T>(acc[rb], ah, al, bh, bl);
+      }
+    }
+  };
+  // Rows < n of a 64 x 16 accumulator as half pairs.
+  auto store_rows = [&](__half* dst, int ld, const float(&acc)[4][2][4]) {
+#pragma unroll
+    for (int rb = 0; rb < 4; ++rb)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int a = 16 * rb + g + 8 * hh;
+        if (a >= n) continue;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+          *reinterpret_cast<__half2*>(dst + a * ld + 8 * nt + c2) =
+              __floats2half2_rn(acc[rb][nt][2 * hh], acc[rb][nt][2 * hh + 1]);
+      }
+  };
+  for (int ub = warp; ub < D / 16; ub += 8) {
+    float acc[4][2][4] = {};
+    tc_product(acc, swh, swl, ldw, 16 * ub, 0);
+    store_rows(static_cast<__half*>(p.u) + row0 * D + 16 * ub, D, acc);
+  }
+  const int mb = (warp + 8 - D / 16) % 8;  // this warp's column block of M, if < 4
+  float macc[4][2][4] = {};
+  if (mb < 4) {
+    tc_product(macc, ssh, ssl, ldc, 16 * mb, mb);
+    store_rows(static_cast<__half*>(p.m) + row0 * C + 16 * mb, C, macc);
+  }
+  __syncthreads();  // S is no longer read: M, split, takes its place
+  if (mb < 4)
+#pragma unroll
+    for (int rb = 0; rb < 4; ++rb)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int a = 16 * rb + g + 8 * hh, b = 16 * mb + 8 * nt + c2;
+          std::uint32_t hi, lo;
+          split_pair<T>(macc[rb][nt][2 * hh], macc[rb][nt][2 * hh + 1], hi, lo);
+          *reinterpret_cast<std::uint32_t*>(ssh + a * ldc + b) = hi;
+          *reinterpret_cast<std::uint32_t*>(ssl + a * ldc + b) = lo;
+        }
+  __syncthreads();
+
+  // K~ = K - M^T W: a warp per 16 columns of D and (at D = 64) half of the row blocks, paired so
+  // the work evens out (row block rb of M^T reads k blocks >= rb: M is strictly lower).
+  {
+    constexpr int units = D / 16, groups = 8 / units;
+    const int du = warp % units, grp = warp / units;
+    auto owns = [&](int rb) {
+      return groups == 1 || ((rb == 0 || rb == 3) == (grp == 0));
+    };
+    float acc[4][2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      std::uint32_t bh[4], bl[4];
+      load_b_t(bh, swh, ldw, 16 * kk, 16 * du, lane);
+      load_b_t(bl, swl, ldw, 16 * kk, 16 * du, lane);
+#pragma unroll
+      for (int rb = 0; rb <= kk; ++rb) {
+        if (!owns(rb)) continue;
+        std::uint32_t ah[4], al[4];
+        load_a_t(ah, ssh, ldc, 16 * kk, 16 * rb, lane);
+        load_a_t(al, ssl, ldc, 16 * kk, 16 * rb, lane);
+        mma_split<T>(acc[rb], ah, al, bh, bl);
+      }
+    }
+    T* kt = static_cast<T*>(p.kt) + row0 * D;
+#pragma unroll
+    for (int rb = 0; rb < 4; ++rb) {
+      if (!owns(rb)) continue;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int b = 16 * rb + g + 8 * hh;
+        if (b >= n) continue;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int d = 16 * du + 8 * nt + c2;
+          const float2 kb = pair_to_float2(k + b * ks1 + d);
+          *reinterpret_cast<std::uint32_t*>(kt + b * D + d) =
+              pack2<T>(kb.x - acc[rb][nt][2 * hh], kb.y - acc[rb][nt][2 * hh + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
