@@ -1,17 +1,21 @@
 #pragma once
-// Softmax-family kernel for Hopper (wgmma, sm_90a), FlashAttention-3 style without a producer
-// warp: a CTA owns Br = 64 * WGs query rows of one (sequence, query head), each warpgroup 64 of
-// them. All threads stream Bc-key tiles of K and V through a ring of Stages shared-memory buffers
-// with cp.async; each warpgroup computes S = Q K^T with both operands in shared memory, keeps the
-// online softmax (base 2) in registers and computes O += P V with P straight from the S
-// accumulators. While one warpgroup runs its softmax the tensor cores serve the others.
+// Softmax-family kernel for Hopper (wgmma, sm_90a), FlashAttention-3 style: a CTA owns
+// Br = 64 * WGs query rows of one (sequence, query head), each consumer warpgroup 64 of them, and
+// one producer warp streams Bc-key tiles of K and V into a ring of Stages shared-memory buffers
+// with cp.async, handing them over through mbarriers (full: loaded; empty: every warpgroup is done
+// with it), so that warpgroups drift apart and keep the tensor cores busy between them. Each
+// warpgroup computes S = Q K^T with both operands in shared memory, keeps the online softmax (base
+// 2) in registers and computes O += P V with P straight from the S accumulators; the product P V
+// of one tile runs while the softmax of the next is computed.
 // Inputs are __half or __nv_bfloat16; D, Dv are 64 or 128.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 #include "attnmix/cuda/detail/attention_mma.cuh"
 #include "attnmix/cuda/detail/attention_params.cuh"
+#include "attnmix/cuda/detail/mbarrier.cuh"
 #include "attnmix/cuda/detail/types.cuh"
 #include "attnmix/cuda/detail/wgmma.cuh"
 
@@ -23,20 +27,41 @@ template <int D, int Dv, int WGs, int Bc, int Stages>
 struct wgmma_tile {
   static_assert((D == 64 || D == 128) && (Dv == 64 || Dv == 128), "head dims 64 or 128");
   static_assert(Bc == 64 || Bc == 128, "a key tile is one wgmma N (64 or 128)");
-  static_assert(Stages >= 3, "a tile's V is read one iteration after its K");
-  static constexpr int threads = 128 * WGs;
+  static_assert(Stages >= 2, "at least double buffering");
+  // WGs consumer warpgroups and a producer warpgroup (one warp of it copies; registers are
+  // handed out per warpgroup, so the other three only give theirs back).
+  static constexpr int threads = 128 * (WGs + 1);
+  static constexpr int producer_registers = 56;
+  static constexpr int consumer_registers =
+      std::min(240, (65536 - 128 * producer_registers) / (128 * WGs) / 8 * 8);
   static constexpr int br = 64 * WGs;
   static constexpr int bc = Bc;
   // Shared memory in elements: Q, then Stages K tiles, then Stages V tiles (each a multiple of
-  // 1024 bytes, so every atom stays aligned), then the gate terms of each stage's keys (floats).
+  // 1024 bytes, so every atom stays aligned), then the gate terms of each stage's keys (floats)
+  // and the full and empty barriers of each stage.
   static constexpr int q_elems = br * D, k_elems = Bc * D, v_elems = Bc * Dv;
   static constexpr int gate_offset = 2 * (q_elems + Stages * (k_elems + v_elems));  // bytes
-  static constexpr int smem_bytes = gate_offset + 4 * Stages * Bc + 1024;  // + alignment slack
+  static constexpr int barrier_offset = gate_offset + 4 * Stages * Bc;
+  static constexpr int smem_bytes = barrier_offset + 16 * Stages + 1024;  // + alignment slack
 };
 
+// Copies rows [0, Rows) of a row-major tile into a 64-column-atom tile with the 128 threads of
+// a warpgroup (cp.async, 16 bytes each); rows >= valid are zero-filled from `safe`.
+template <int Rows, int Cols, class T>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, index_t stride, index_t valid,
+                                          const T* safe, int thread) {
+  constexpr int chunks = Cols / 8;
+#pragma unroll
+  for (int idx = thread; idx < Rows * chunks; idx += 128) {
+    const int r = idx / chunks, c = idx % chunks;
+    const bool ok = r < valid;
+    cp_async_16(smem + sw128_layout<Rows>::offset(r, c), ok ? gmem + r * stride + c * 8 : safe, ok);
+  }
+}
+
 template <class T, int D, int Dv, int WGs, int Bc, int Stages>
-__global__ void __launch_bounds__(128 * WGs, 1)
-    attention_wgmma_kernel(const attention_kernel_params p) {
+__global__ void __launch_bounds__(128 * (WGs + 1), 1)
+    attention_wgmma_kernel(const attention_kernel_params p, const int row_tiles) {
   using tile = wgmma_tile<D, Dv, WGs, Bc, Stages>;
   constexpr int Br = tile::br;
   extern __shared__ unsigned char smem_raw[];
@@ -46,17 +71,25 @@ __global__ void __launch_bounds__(128 * WGs, 1)
   T* sk = sq + tile::q_elems;
   T* sv = sk + Stages * tile::k_elems;
   float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);
+  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + tile::barrier_offset);
+  std::uint64_t* empty = full + Stages;
 
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, wg = warp / 4;
+  // The warp index broadcast from lane 0, so that the compiler knows it is warp-uniform (wgmma
+  // under a branch it cannot prove uniform is serialised).
+  const int lane = threadIdx.x % 32, warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+  const int wg = warp / 4;
   const int g = lane / 4, c2 = 2 * (lane % 4);
   const int row0 = wg * 64 + (warp % 4) * 16 + g;  // this thread's rows: row0, row0 + 8
-  const int hq = blockIdx.x % p.q_heads, seq = blockIdx.x / p.q_heads;
+  // One CTA per (row tile, query head, sequence), row tiles fastest: the CTAs that run together
+  // share one head's K and V in L2. Causal: a head's heaviest (last) tiles are scheduled first.
+  // row_tiles: the most row tiles a sequence has.
+  const int head_seq = static_cast<int>(blockIdx.x / row_tiles);
+  const int hq = head_seq % p.q_heads, seq = head_seq / p.q_heads;
+  const int tile_slot = static_cast<int>(blockIdx.x % row_tiles);
   index_t batch, start, length;
   p.sequence(seq, batch, start, length);
-  // Causal: the heaviest (last) tiles are scheduled first.
   const index_t tiles = (length + Br - 1) / Br;
-  const index_t tile_index =
-      p.causal ? static_cast<index_t>(gridDim.y) - 1 - blockIdx.y : blockIdx.y;
+  const index_t tile_index = p.causal ? row_tiles - 1 - tile_slot : tile_slot;
   if (tile_index >= tiles) return;
   const index_t i0 = tile_index * Br;
   const index_t rows = length - i0 < Br ? length - i0 : Br;
@@ -88,29 +121,34 @@ __global__ void __launch_bounds__(128 * WGs, 1)
   float gate_row[2] = {};
   if (G != nullptr) gate_row[0] = gate_at(i0 + row0), gate_row[1] = gate_at(i0 + row0 + 8);
 
-  const tile_loader<Bc, D, tile::threads, sw128_layout<Bc>> k_loader(p.k_stride[1]);
-  const tile_loader<Bc, Dv, tile::threads, sw128_layout<Bc>> v_loader(p.v_stride[1]);
-  // Stage t % Stages <- key tile t (its K, V and gate terms); one cp.async group per tile, empty
-  // past the last so that the wait counts stay fixed.
-  auto load_tile = [&](int t) {
-    if (t < key_tiles) {
+  if (threadIdx.x == 0)
+    for (int b = 0; b < Stages; ++b)
+      mbarrier_init(full + b, 256), mbarrier_init(empty + b, 4 * WGs);
+  __syncthreads();  // the last CTA-wide barrier: from here on the warps meet only at mbarriers
+
+  if (wg == WGs) {
+    release_registers<tile::producer_registers>();
+    // Producer (the whole warpgroup copies): tile t goes to stage t % Stages once every
+    // consumer warp is done with tile t - Stages. Each thread arrives twice on the tile's full
+    // barrier: at once (its gate stores) and when its copies have landed.
+    const int thread = threadIdx.x - 128 * WGs;
+    for (int t = 0; t < key_tiles; ++t) {
       const int buf = t % Stages;
+      if (t >= Stages) mbarrier_wait(empty + buf, (t / Stages - 1) & 1);
       const index_t j0 = j_lo + static_cast<index_t>(t) * Bc;
-      k_loader.load(sk + buf * tile::k_elems, k + j0 * p.k_stride[1], j_hi + 1 - j0, k);
-      v_loader.load(sv + buf * tile::v_elems, v + j0 * p.v_stride[1], j_hi + 1 - j0, v);
-      if (G != nullptr && threadIdx.x < Bc)
-        gate_col[buf * Bc + threadIdx.x] = -gate_at(j0 + threadIdx.x);
+      if (t == 0) load_tile<Br, D>(sq, q, p.q_stride[1], rows, q, thread);
+      load_tile<Bc, D>(sk + buf * tile::k_elems, k + j0 * p.k_stride[1], p.k_stride[1],
+                       j_hi + 1 - j0, k, thread);
+      load_tile<Bc, Dv>(sv + buf * tile::v_elems, v + j0 * p.v_stride[1], p.v_stride[1],
+                        j_hi + 1 - j0, v, thread);
+      if (G != nullptr && thread < Bc) gate_col[buf * Bc + thread] = -gate_at(j0 + thread);
+      mbarrier_arrive(full + buf);
+      mbarrier_arrive_on_copies(full + buf);
     }
-    cp_async_commit();
-  };
-  // Iteration t reads K of tile t and V of tile t - 1, so a tile is loaded Stages - 2 ahead.
-  constexpr int ahead = Stages - 2;
-  {
-    const tile_loader<Br, D, tile::threads, sw128_layout<Br>> q_loader(p.q_stride[1]);
-    q_loader.load(sq, q, rows, q);  // joins tile 0's group
+    return;
+  } else {
+    claim_registers<tile::consumer_registers>();
   }
-#pragma unroll
-  for (int t = 0; t < ahead; ++t) load_tile(t);
 
   // Operand descriptors. Q and K are K-major (D contiguous): k-step kk is 16 columns, in atom
   // kk / 4 at byte 32 * (kk % 4) of its rows; 8-row groups are 1024 bytes apart. V is MN-major
@@ -132,26 +170,10 @@ __global__ void __launch_bounds__(128 * WGs, 1)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // m: row maxima of the logits
   std::uint32_t a[Bc / 16][4];                             // P of the previous tile
 
-  // Iteration t: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued together, and the softmax of
-  // S_t runs while the second product is still on the tensor cores.
-  for (int t = 0; t < key_tiles; ++t) {
-    cp_async_wait<ahead - 1>();
-    fence_proxy_async();
-    __syncthreads();  // tile t is in; every warpgroup is done with tile t - 2
-    load_tile(t + ahead);
-    const int buf = t % Stages, prev = (t + Stages - 1) % Stages;
+  // Mask (only on tiles that cross an edge) and online softmax of key tile t: s becomes P, the
+  // running maxima and sums advance, and `rescale` says by how much O must shrink.
+  auto softmax = [&](int t, float(&s)[Bc / 2], float(&rescale)[2]) {
     const index_t j0 = j_lo + static_cast<index_t>(t) * Bc;
-
-    float s[Bc / 2];
-    wgmma_fence();
-    issue_scores(s, sk + buf * tile::k_elems);
-    wgmma_commit();
-    if (t > 0) issue_values(o, a, sv + prev * tile::v_elems);
-    wgmma_commit();
-    wgmma_wait<1>();
-    wgmma_fence_operand(s);
-
-    // The mask only on tiles that cross an edge.
     if (j0 + Bc - 1 > hi_first || j0 < lo_last) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -173,8 +195,7 @@ __global__ void __launch_bounds__(128 * WGs, 1)
     // Online softmax, one FFMA and one exp2 a score: without a gate the maximum is taken over the
     // raw scores (scale > 0) and the scale folded into the exponent; with one, over
     // s * scale - gate_col, the row's gate term added to the maximum. A row lives in a quad.
-    const float* ngc = gate_col + buf * Bc;
-    float rescale[2];
+    const float* ngc = gate_col + (t % Stages) * Bc;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (G != nullptr) {
@@ -184,10 +205,12 @@ __global__ void __launch_bounds__(128 * WGs, 1)
           for (int e = 0; e < 2; ++e)
             s[4 * j + 2 * h + e] = fmaf(s[4 * j + 2 * h + e], p.scale_log2, ngc[8 * j + c2 + e]);
       }
-      float mx = -INFINITY;
+      // Maxima and sums in 4 independent chains: with only a few warps an SM, latency rules.
+      float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
       for (int j = 0; j < Bc / 8; ++j)
-        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        part[j % 4] = fmaxf(part[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float tile_max =
@@ -197,31 +220,66 @@ __global__ void __launch_bounds__(128 * WGs, 1)
       const float mul = G != nullptr ? 1.f : p.scale_log2;
       const float add = m_new == -INFINITY ? 0.f : (G != nullptr ? gate_row[h] : 0.f) - m_new;
       rescale[h] = fast_exp2(m[h] - (m_new == -INFINITY ? 0.f : m_new));
-      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) part[i] = 0.f;
 #pragma unroll
       for (int j = 0; j < Bc / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[4 * j + 2 * h + e];
           x = fast_exp2(fmaf(x, mul, add));
-          sum += x;
+          part[j % 4] += x;
         }
-      l[h] = l[h] * rescale[h] + sum;  // per-thread partial; the quad is summed at the end
+      // Per-thread partial sums; the quad is summed at the end.
+      l[h] = l[h] * rescale[h] + ((part[0] + part[1]) + (part[2] + part[3]));
       m[h] = m_new;
     }
-
-    // The accumulator layout of S is the register A fragment of the next product.
-    wgmma_wait<0>();
-    wgmma_fence_operand(o);
-    wgmma_fence_operand(a);
-#pragma unroll
-    for (int j = 0; j < Dv / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[4 * j + e] *= rescale[e / 2];
+  };
+  // The accumulator layout of S is the register A fragment of the next product.
+  auto to_operand = [&](const float(&s)[Bc / 2]) {
 #pragma unroll
     for (int kc = 0; kc < Bc / 16; ++kc)
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[kc][r] = pack2<T>(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+  };
+
+  {
+    float s[Bc / 2], rescale[2];
+    mbarrier_wait(full, 0);
+    fence_proxy_async();  // the copies came through the generic proxy; wgmma reads the async one
+    wgmma_fence();
+    issue_scores(s, sk);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(s);
+    softmax(0, s, rescale);  // O is still zero
+    to_operand(s);
+  }
+  // Iteration t: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued together, and the softmax of
+  // S_t runs while the second product is still on the tensor cores. (No wgmma sits under a
+  // branch: the compiler would serialise them all.)
+  for (int t = 1; t < key_tiles; ++t) {
+    const int buf = t % Stages, prev = (t - 1) % Stages;
+    float s[Bc / 2], rescale[2];
+    mbarrier_wait(full + buf, (t / Stages) & 1);
+    fence_proxy_async();
+    wgmma_fence();
+    issue_scores(s, sk + buf * tile::k_elems);
+    wgmma_commit();
+    issue_values(o, a, sv + prev * tile::v_elems);
+    wgmma_commit();
+    wgmma_wait<1>();
+    wgmma_fence_operand(s);
+    softmax(t, s, rescale);
+    wgmma_wait<0>();
+    wgmma_fence_operand(o);
+    wgmma_fence_operand(a);
+    if (lane == 0) mbarrier_arrive(empty + prev);  // this warp is done with tile t - 1
+#pragma unroll
+    for (int j = 0; j < Dv / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * j + e] *= rescale[e / 2];
+    to_operand(s);
   }
   wgmma_fence();
   issue_values(o, a, sv + (key_tiles - 1) % Stages * tile::v_elems);

@@ -78,6 +78,21 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Moves registers between the warpgroups of a CTA (sm_90a): a producer gives its surplus back,
+// the consumers take it. Counts are multiples of 8 in [24, 256].
+template <int Count>
+__device__ __forceinline__ void release_registers() {
+#if ATTNMIX_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Count));
+#endif
+}
+template <int Count>
+__device__ __forceinline__ void claim_registers() {
+#if ATTNMIX_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Count));
+#endif
+}
+
 // wgmma reads and writes registers asynchronously, which the compiler cannot see: after a wait,
 // this marks `r` as rewritten there, so that no read of an accumulator moves above the wait and
 // no register of an operand in flight is reused before it.
