@@ -5,7 +5,10 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -47,6 +50,31 @@ inline bool current_device_is_hopper() {
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
         "cudaDeviceGetAttribute");
   return major == 9;
+}
+
+// The stream-ordered memory pool of the current device that attnmix takes its scratch from. It
+// keeps what it has once held (no release threshold), so that a call's scratch costs no mapping
+// of fresh memory after the first calls; the default pool would hand memory back at every
+// synchronisation. Created once per device.
+inline cudaMemPool_t scratch_pool() {
+  static std::mutex mutex;
+  static std::map<int, cudaMemPool_t> pools;
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = pools.find(device);
+  if (it != pools.end()) return it->second;
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  cudaMemPool_t pool = nullptr;
+  check(cudaMemPoolCreate(&pool, &props), "cudaMemPoolCreate");
+  std::uint64_t keep = UINT64_MAX;
+  check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
+        "cudaMemPoolSetAttribute");
+  pools.emplace(device, pool);
+  return pool;
 }
 
 // Device memory from cudaMalloc, freed when the owner goes; movable, not copyable.

@@ -24,11 +24,14 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-// Stream-ordered scratch, released on the same stream when it goes out of scope.
+// Stream-ordered scratch from attnmix's pool, released on the same stream when it goes out of
+// scope.
 class stream_buffer {
  public:
   stream_buffer(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes > 0) check(cudaMallocAsync(&ptr_, bytes, stream), "cudaMallocAsync");
+    if (bytes > 0)
+      check(cudaMallocFromPoolAsync(&ptr_, bytes, scratch_pool(), stream),
+            "cudaMallocFromPoolAsync");
   }
   ~stream_buffer() {
     if (ptr_ != nullptr) (void)cudaFreeAsync(ptr_, stream_);
@@ -127,10 +130,17 @@ void launch_wgmma(const attention_kernel_params& kp, index_t max_len, index_t se
   auto kernel = attention_wgmma_kernel<Dev, D, Dv, WGs, 128, 3>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
         "cudaFuncSetAttribute");
-  // A 1-D grid of (row tile, head, sequence), row tiles fastest.
+  // Persistent: one CTA an SM walks the (row tile, head, sequence) items.
+  int device = 0, sms = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+        "cudaDeviceGetAttribute");
   const index_t row_tiles = (max_len + tile::br - 1) / tile::br;
-  const dim3 grid(static_cast<unsigned>(row_tiles * kp.q_heads * sequences));
-  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp, static_cast<int>(row_tiles));
+  const index_t items = row_tiles * kp.q_heads * sequences;
+  const dim3 grid(static_cast<unsigned>(std::min<index_t>(items, sms)));
+  check(cudaMemsetAsync(kp.work_counter, 0, sizeof(int), stream), "cudaMemsetAsync");
+  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp, static_cast<int>(row_tiles),
+                                                            static_cast<int>(items));
 }
 
 // The tensor-core kernel for D x Dv on this device: wgmma on Hopper, mma.sync elsewhere. At
@@ -170,7 +180,7 @@ std::size_t attention_scratch_bytes(const attention_args<T>& a, const attention_
   const std::size_t gate_bytes =
       a.g.has_value() ? static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double)
                       : 0;
-  return offsets_bytes(p) + gate_bytes;
+  return offsets_bytes(p) + (gate_bytes + 255) / 256 * 256 + 256;  // + the work counter
 }
 
 // Fills `s.kp` and the scratch at the front of `s.scratch` (attention_scratch_bytes of it).
@@ -196,6 +206,11 @@ void setup_attention(attention_setup& s, const attention_args<T>& a, const atten
   kp.causal = causal;
   if (s.max_len == 0) return;
   kp.cu_seqlens = upload_offsets(s.scratch.get(), p, stream);
+  const std::size_t gate_bytes =
+      a.g.has_value() ? static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double)
+                      : 0;
+  kp.work_counter =
+      reinterpret_cast<int*>(s.scratch.get() + offsets_bytes(p) + (gate_bytes + 255) / 256 * 256);
   if (a.g.has_value()) {
     auto* G = reinterpret_cast<double*>(s.scratch.get() + offsets_bytes(p));
     kp.gate_cumsum = G;

@@ -25,6 +25,7 @@ struct attention_kernel_params {
   bool causal;
   const double* gate_cumsum;  // [B, T, HQ] inclusive cumsum of g per sequence, or nullptr
   float gate_coef_log2;       // factor of (G_i - G_j), times log2(e)
+  int* work_counter;          // zeroed device int: the work queue of the persistent kernels
 
   // Sequence n: batch row, first token, length.
   __device__ void sequence(int n, index_t& batch, index_t& start, index_t& length) const {

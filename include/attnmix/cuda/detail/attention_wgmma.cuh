@@ -42,7 +42,9 @@ struct wgmma_tile {
   static constexpr int q_elems = br * D, k_elems = Bc * D, v_elems = Bc * Dv;
   static constexpr int gate_offset = 2 * (q_elems + Stages * (k_elems + v_elems));  // bytes
   static constexpr int barrier_offset = gate_offset + 4 * Stages * Bc;
-  static constexpr int smem_bytes = barrier_offset + 16 * Stages + 1024;  // + alignment slack
+  // Barriers: full and empty per stage, then q_full and q_empty; then three ints of the work queue.
+  static constexpr int queue_offset = barrier_offset + 16 * (Stages + 1);
+  static constexpr int smem_bytes = queue_offset + 16 + 1024;  // + alignment slack
 };
 
 // Copies rows [0, Rows) of a row-major tile into a 64-column-atom tile with the 128 threads of
@@ -59,9 +61,51 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, index_t stride
   }
 }
 
+// One unit of work: a tile of Br query rows of one (sequence, query head), and the key tiles
+// its rows may see.
+struct wgmma_work {
+  index_t batch, start, length, i0, rows, j_lo, j_hi, lo_last, hi_first;
+  int hq, hkv, key_tiles;
+  const double* G;  // the gate cumsum of this (sequence, head), or nullptr
+  double g_ref;     // G at i0: gate terms are taken relative to it, so that floats stay small
+
+  // Item n of row_tiles * q_heads * sequences, row tiles fastest (the CTAs that run together
+  // share one head's K and V in L2), a head's heaviest (last) causal tiles first. False when
+  // the sequence has no such tile.
+  template <int Br, int Bc>
+  __device__ bool decode(const attention_kernel_params& p, int n, int row_tiles) {
+    const int head_seq = n / row_tiles, slot = n % row_tiles;
+    hq = head_seq % p.q_heads;
+    hkv = hq / p.group;
+    p.sequence(head_seq / p.q_heads, batch, start, length);
+    const index_t index = p.causal ? row_tiles - 1 - slot : slot;
+    if (index >= (length + Br - 1) / Br) return false;
+    i0 = index * Br;
+    rows = length - i0 < Br ? length - i0 : Br;
+    // Keys any row of this tile may see; rows in between see subsets.
+    p.key_range(i0 + rows - 1, length, lo_last, j_hi);
+    p.key_range(i0, length, j_lo, hi_first);
+    key_tiles = static_cast<int>((j_hi - j_lo + Bc) / Bc);
+    G = p.gate_cumsum != nullptr ? p.gate_cumsum + (batch * p.tokens + start) * p.q_heads + hq
+                                 : nullptr;
+    g_ref = G != nullptr ? G[i0 * p.q_heads] : 0.0;
+    return true;
+  }
+  // The gate term of position i (clamped to the sequence), times the kernel's coefficient.
+  __device__ float gate(const attention_kernel_params& p, index_t i) const {
+    return p.gate_coef_log2 *
+           static_cast<float>(G[(i < length ? i : length - 1) * p.q_heads] - g_ref);
+  }
+};
+
+// Persistent: a CTA an SM. Each takes item blockIdx.x first, then the next of a device-wide
+// counter (p.work_counter, zeroed before the launch), so that items start in order (heaviest
+// first, a few heads at a time) and the SMs finish together. The producer runs ahead across
+// items: the next item's Q and first keys arrive while the consumers finish the current one.
+// Key tiles are counted across items for the stages' phases.
 template <class T, int D, int Dv, int WGs, int Bc, int Stages>
 __global__ void __launch_bounds__(128 * (WGs + 1), 1)
-    attention_wgmma_kernel(const attention_kernel_params p, const int row_tiles) {
+    attention_wgmma_kernel(const attention_kernel_params p, const int row_tiles, const int items) {
   using tile = wgmma_tile<D, Dv, WGs, Bc, Stages>;
   constexpr int Br = tile::br;
   extern __shared__ unsigned char smem_raw[];
@@ -71,84 +115,78 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
   T* sk = sq + tile::q_elems;
   T* sv = sk + Stages * tile::k_elems;
   float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);
+  // Per stage: full (loaded) and empty (every consumer warp is done); for Q the same pair.
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + tile::barrier_offset);
   std::uint64_t* empty = full + Stages;
+  std::uint64_t* q_full = empty + Stages;
+  std::uint64_t* q_empty = q_full + 1;
+  int* next_item = reinterpret_cast<int*>(base + tile::queue_offset);  // 2 slots, producer only
+  int* q_item = next_item + 2;  // the item whose Q is loaded, or -1: no more
 
   // The warp index broadcast from lane 0, so that the compiler knows it is warp-uniform (wgmma
   // under a branch it cannot prove uniform is serialised).
   const int lane = threadIdx.x % 32, warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
   const int wg = warp / 4;
-  const int g = lane / 4, c2 = 2 * (lane % 4);
-  const int row0 = wg * 64 + (warp % 4) * 16 + g;  // this thread's rows: row0, row0 + 8
-  // One CTA per (row tile, query head, sequence), row tiles fastest: the CTAs that run together
-  // share one head's K and V in L2. Causal: a head's heaviest (last) tiles are scheduled first.
-  // row_tiles: the most row tiles a sequence has.
-  const int head_seq = static_cast<int>(blockIdx.x / row_tiles);
-  const int hq = head_seq % p.q_heads, seq = head_seq / p.q_heads;
-  const int tile_slot = static_cast<int>(blockIdx.x % row_tiles);
-  index_t batch, start, length;
-  p.sequence(seq, batch, start, length);
-  const index_t tiles = (length + Br - 1) / Br;
-  const index_t tile_index = p.causal ? row_tiles - 1 - tile_slot : tile_slot;
-  if (tile_index >= tiles) return;
-  const index_t i0 = tile_index * Br;
-  const index_t rows = length - i0 < Br ? length - i0 : Br;
-  const int hkv = hq / p.group;
 
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + i0) * p.q_stride[1] +
-               hq * p.q_stride[2];
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
-               hkv * p.k_stride[2];
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
-               hkv * p.v_stride[2];
-
-  // Keys any row of this tile may see; rows in between see subsets.
-  index_t j_lo, j_hi, lo_last, hi_first;
-  p.key_range(i0 + rows - 1, length, lo_last, j_hi);
-  p.key_range(i0, length, j_lo, hi_first);
-  const int key_tiles = static_cast<int>((j_hi - j_lo + Bc) / Bc);
-
-  // Gate bias relative to G at i0 (in double), so that the float values stay small. A logit is
-  // s * scale + gate_row - gate_col; the key tiles hold -gate_col.
-  const double* G = p.gate_cumsum != nullptr
-                        ? p.gate_cumsum + (batch * p.tokens + start) * p.q_heads + hq
-                        : nullptr;
-  const double g_ref = G != nullptr ? G[i0 * p.q_heads] : 0.0;
-  auto gate_at = [&](index_t i) {
-    return p.gate_coef_log2 *
-           static_cast<float>(G[(i < length ? i : length - 1) * p.q_heads] - g_ref);
-  };
-  float gate_row[2] = {};
-  if (G != nullptr) gate_row[0] = gate_at(i0 + row0), gate_row[1] = gate_at(i0 + row0 + 8);
-
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
     for (int b = 0; b < Stages; ++b)
       mbarrier_init(full + b, 256), mbarrier_init(empty + b, 4 * WGs);
+    mbarrier_init(q_full, 256), mbarrier_init(q_empty, 4 * WGs);
+  }
   __syncthreads();  // the last CTA-wide barrier: from here on the warps meet only at mbarriers
 
   if (wg == WGs) {
     release_registers<tile::producer_registers>();
-    // Producer (the whole warpgroup copies): tile t goes to stage t % Stages once every
-    // consumer warp is done with tile t - Stages. Each thread arrives twice on the tile's full
-    // barrier: at once (its gate stores) and when its copies have landed.
+    // Producer (the whole warpgroup copies). Each thread arrives twice on a full barrier: at once
+    // (its gate stores) and when its copies have landed.
     const int thread = threadIdx.x - 128 * WGs;
-    for (int t = 0; t < key_tiles; ++t) {
-      const int buf = t % Stages;
-      if (t >= Stages) mbarrier_wait(empty + buf, (t / Stages - 1) & 1);
-      const index_t j0 = j_lo + static_cast<index_t>(t) * Bc;
-      if (t == 0) load_tile<Br, D>(sq, q, p.q_stride[1], rows, q, thread);
-      load_tile<Bc, D>(sk + buf * tile::k_elems, k + j0 * p.k_stride[1], p.k_stride[1],
-                       j_hi + 1 - j0, k, thread);
-      load_tile<Bc, Dv>(sv + buf * tile::v_elems, v + j0 * p.v_stride[1], p.v_stride[1],
-                        j_hi + 1 - j0, v, thread);
-      if (G != nullptr && thread < Bc) gate_col[buf * Bc + thread] = -gate_at(j0 + thread);
-      mbarrier_arrive(full + buf);
-      mbarrier_arrive_on_copies(full + buf);
+    int counted = 0, done = 0, fetches = 0;  // key tiles, items and queue reads so far
+    auto fetch = [&] {  // thread 0 takes the next item; the producer warpgroup reads it
+      int* slot = next_item + fetches++ % 2;
+      if (thread == 0) *slot = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      return *slot;
+    };
+    auto publish_q = [&](int n) {  // hand Q (of item n, or -1 at the end) to the consumers
+      if (thread == 0) *q_item = n;
+      mbarrier_arrive(q_full);
+      mbarrier_arrive_on_copies(q_full);
+      ++done;
+    };
+    for (int n = blockIdx.x; n < items; n = fetch()) {
+      wgmma_work w{};
+      if (!w.decode<Br, Bc>(p, n, row_tiles)) continue;
+      const T* q = static_cast<const T*>(p.q) + w.batch * p.q_stride[0] +
+                   (w.start + w.i0) * p.q_stride[1] + w.hq * p.q_stride[2];
+      const T* k = static_cast<const T*>(p.k) + w.batch * p.k_stride[0] + w.start * p.k_stride[1] +
+                   w.hkv * p.k_stride[2];
+      const T* v = static_cast<const T*>(p.v) + w.batch * p.v_stride[0] + w.start * p.v_stride[1] +
+                   w.hkv * p.v_stride[2];
+      if (done > 0) mbarrier_wait(q_empty, (done - 1) & 1);
+      load_tile<Br, D>(sq, q, p.q_stride[1], w.rows, q, thread);
+      publish_q(n);
+      for (int t = 0; t < w.key_tiles; ++t, ++counted) {
+        const int buf = counted % Stages;
+        if (counted >= Stages) mbarrier_wait(empty + buf, (counted / Stages - 1) & 1);
+        const index_t j0 = w.j_lo + static_cast<index_t>(t) * Bc;
+        load_tile<Bc, D>(sk + buf * tile::k_elems, k + j0 * p.k_stride[1], p.k_stride[1],
+                         w.j_hi + 1 - j0, k, thread);
+        load_tile<Bc, Dv>(sv + buf * tile::v_elems, v + j0 * p.v_stride[1], p.v_stride[1],
+                          w.j_hi + 1 - j0, v, thread);
+        if (w.G != nullptr && thread < Bc) gate_col[buf * Bc + thread] = -w.gate(p, j0 + thread);
+        mbarrier_arrive(full + buf);
+        mbarrier_arrive_on_copies(full + buf);
+      }
     }
+    if (done > 0) mbarrier_wait(q_empty, (done - 1) & 1);
+    publish_q(-1);
     return;
   } else {
     claim_registers<tile::consumer_registers>();
   }
+
+  const int g = lane / 4, c2 = 2 * (lane % 4);
+  const int row0 = wg * 64 + (warp % 4) * 16 + g;  // this thread's rows: row0, row0 + 8
 
   // Operand descriptors. Q and K are K-major (D contiguous): k-step kk is 16 columns, in atom
   // kk / 4 at byte 32 * (kk % 4) of its rows; 8-row groups are 1024 bytes apart. V is MN-major
@@ -166,146 +204,170 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
       wgmma_rs<T, 1>(o, a[kc], wgmma_desc(svb + kc * 16 * 64, Bc * 128, 1024));
   };
 
-  float o[Dv / 2] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // m: row maxima of the logits
-  std::uint32_t a[Bc / 16][4];                             // P of the previous tile
+  for (int counted = 0, done = 0;; ++done) {
+    mbarrier_wait(q_full, done & 1);
+    const int n = *static_cast<volatile int*>(q_item);
+    if (n < 0) break;
+    wgmma_work w{};
+    w.decode<Br, Bc>(p, n, row_tiles);
+    float gate_row[2] = {};  // a logit is s * scale + gate_row - gate_col; tiles hold -gate_col
+    if (w.G != nullptr)
+      gate_row[0] = w.gate(p, w.i0 + row0), gate_row[1] = w.gate(p, w.i0 + row0 + 8);
+    float o[Dv / 2] = {};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // m: row maxima of the logits
+    std::uint32_t a[Bc / 16][4];                             // P of the previous tile
 
-  // Mask (only on tiles that cross an edge) and online softmax of key tile t: s becomes P, the
-  // running maxima and sums advance, and `rescale` says by how much O must shrink.
-  auto softmax = [&](int t, float(&s)[Bc / 2], float(&rescale)[2]) {
-    const index_t j0 = j_lo + static_cast<index_t>(t) * Bc;
-    if (j0 + Bc - 1 > hi_first || j0 < lo_last) {
+    // Mask (only on tiles that cross an edge) and online softmax of key tile t in stage buf: s
+    // becomes P, the running maxima and sums advance, and `rescale` says by how much O shrinks.
+    auto softmax = [&](int t, int buf, float(&s)[Bc / 2], float(&rescale)[2]) {
+      const index_t j0 = w.j_lo + static_cast<index_t>(t) * Bc;
+      if (j0 + Bc - 1 > w.hi_first || j0 < w.lo_last) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          index_t lo, hi;
+          p.key_range(w.i0 + row0 + 8 * h, w.length, lo, hi);
+          // Visible columns of this tile for the row, relative to this thread's first column.
+          const int first = static_cast<int>(max(min(lo - j0, index_t{Bc}), index_t{-1})) - c2;
+          const int last = static_cast<int>(max(min(hi - j0, index_t{Bc}), index_t{-1})) - c2;
+#pragma unroll
+          for (int j = 0; j < Bc / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = 8 * j + e;
+              if (col < first || col > last) s[4 * j + 2 * h + e] = -INFINITY;
+            }
+        }
+      }
+      // One FFMA and one exp2 a score: without a gate the maximum is taken over the raw scores
+      // (scale > 0) and the scale folded into the exponent; with one, over s * scale - gate_col,
+      // the row's gate term added to the maximum. A row lives in a quad of lanes.
+      if (w.G != nullptr) {
+        const float* ngc = gate_col + buf * Bc + c2;
+#pragma unroll
+        for (int j = 0; j < Bc / 8; ++j) {
+          const float2 gc = *reinterpret_cast<const float2*>(ngc + 8 * j);  // both rows' columns
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            s[4 * j + 2 * h] = fmaf(s[4 * j + 2 * h], p.scale_log2, gc.x);
+            s[4 * j + 2 * h + 1] = fmaf(s[4 * j + 2 * h + 1], p.scale_log2, gc.y);
+          }
+        }
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        index_t lo, hi;
-        p.key_range(i0 + row0 + 8 * h, length, lo, hi);
-        // Visible columns of this tile for the row, relative to this thread's first column.
-        const int first = static_cast<int>(max(min(lo - j0, index_t{Bc}), index_t{-1})) - c2;
-        const int last = static_cast<int>(max(min(hi - j0, index_t{Bc}), index_t{-1})) - c2;
+        // Maxima and sums in 4 independent chains: with few warps an SM, latency rules.
+        float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < Bc / 8; ++j)
+          part[j % 4] = fmaxf(part[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float tile_max =
+            mx == -INFINITY ? -INFINITY : (w.G != nullptr ? mx + gate_row[h] : mx * p.scale_log2);
+        const float m_new = fmaxf(m[h], tile_max);
+        // exp2(logit - m_new) = exp2(s * mul + add); no visible key yet: keep zeros.
+        const float mul = w.G != nullptr ? 1.f : p.scale_log2;
+        const float add = m_new == -INFINITY ? 0.f : (w.G != nullptr ? gate_row[h] : 0.f) - m_new;
+        rescale[h] = fast_exp2(m[h] - (m_new == -INFINITY ? 0.f : m_new));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[i] = 0.f;
 #pragma unroll
         for (int j = 0; j < Bc / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int col = 8 * j + e;
-            if (col < first || col > last) s[4 * j + 2 * h + e] = -INFINITY;
+            float& x = s[4 * j + 2 * h + e];
+            x = fast_exp2(fmaf(x, mul, add));
+            part[j % 4] += x;
           }
+        // Per-thread partial sums; the quad is summed at the end.
+        l[h] = l[h] * rescale[h] + ((part[0] + part[1]) + (part[2] + part[3]));
+        m[h] = m_new;
       }
-    }
+    };
+    // The accumulator layout of S is the register A fragment of the next product.
+    auto to_operand = [&](const float(&s)[Bc / 2]) {
+#pragma unroll
+      for (int kc = 0; kc < Bc / 16; ++kc)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[kc][r] = pack2<T>(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+    };
+    // Once the last scores of an item are in, Q may be replaced by the next item's.
+    auto release_q = [&](int t) {
+      if (t == w.key_tiles - 1 && lane == 0) mbarrier_arrive(q_empty);
+    };
 
-    // Online softmax, one FFMA and one exp2 a score: without a gate the maximum is taken over the
-    // raw scores (scale > 0) and the scale folded into the exponent; with one, over
-    // s * scale - gate_col, the row's gate term added to the maximum. A row lives in a quad.
-    const float* ngc = gate_col + (t % Stages) * Bc;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (G != nullptr) {
-#pragma unroll
-        for (int j = 0; j < Bc / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            s[4 * j + 2 * h + e] = fmaf(s[4 * j + 2 * h + e], p.scale_log2, ngc[8 * j + c2 + e]);
-      }
-      // Maxima and sums in 4 independent chains: with only a few warps an SM, latency rules.
-      float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < Bc / 8; ++j)
-        part[j % 4] = fmaxf(part[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-      float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float tile_max =
-          mx == -INFINITY ? -INFINITY : (G != nullptr ? mx + gate_row[h] : mx * p.scale_log2);
-      const float m_new = fmaxf(m[h], tile_max);
-      // exp2(logit - m_new) = exp2(s * mul + add); no visible key yet: keep zeros.
-      const float mul = G != nullptr ? 1.f : p.scale_log2;
-      const float add = m_new == -INFINITY ? 0.f : (G != nullptr ? gate_row[h] : 0.f) - m_new;
-      rescale[h] = fast_exp2(m[h] - (m_new == -INFINITY ? 0.f : m_new));
-#pragma unroll
-      for (int i = 0; i < 4; ++i) part[i] = 0.f;
-#pragma unroll
-      for (int j = 0; j < Bc / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[4 * j + 2 * h + e];
-          x = fast_exp2(fmaf(x, mul, add));
-          part[j % 4] += x;
-        }
-      // Per-thread partial sums; the quad is summed at the end.
-      l[h] = l[h] * rescale[h] + ((part[0] + part[1]) + (part[2] + part[3]));
-      m[h] = m_new;
+    {
+      const int buf = counted % Stages;
+      float s[Bc / 2], rescale[2];
+      mbarrier_wait(full + buf, (counted / Stages) & 1);
+      // The copies came through the generic proxy; wgmma reads through the async one.
+      fence_proxy_async();
+      wgmma_fence();
+      issue_scores(s, sk + buf * tile::k_elems);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operand(s);
+      release_q(0);
+      softmax(0, buf, s, rescale);  // O is still zero
+      to_operand(s);
     }
-  };
-  // The accumulator layout of S is the register A fragment of the next product.
-  auto to_operand = [&](const float(&s)[Bc / 2]) {
+    // Iteration t: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued together, and the softmax
+    // of S_t runs while the second product is still on the tensor cores. (No wgmma sits under a
+    // branch: the compiler would serialise them all.)
+    for (int t = 1; t < w.key_tiles; ++t) {
+      const int buf = (counted + t) % Stages, prev = (counted + t - 1) % Stages;
+      float s[Bc / 2], rescale[2];
+      mbarrier_wait(full + buf, ((counted + t) / Stages) & 1);
+      fence_proxy_async();
+      wgmma_fence();
+      issue_scores(s, sk + buf * tile::k_elems);
+      wgmma_commit();
+      issue_values(o, a, sv + prev * tile::v_elems);
+      wgmma_commit();
+      wgmma_wait<1>();
+      wgmma_fence_operand(s);
+      release_q(t);
+      softmax(t, buf, s, rescale);
+      wgmma_wait<0>();
+      wgmma_fence_operand(o);
+      wgmma_fence_operand(a);
+      if (lane == 0) mbarrier_arrive(empty + prev);  // this warp is done with tile t - 1
 #pragma unroll
-    for (int kc = 0; kc < Bc / 16; ++kc)
+      for (int j = 0; j < Dv / 8; ++j)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[kc][r] = pack2<T>(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
-  };
-
-  {
-    float s[Bc / 2], rescale[2];
-    mbarrier_wait(full, 0);
-    fence_proxy_async();  // the copies came through the generic proxy; wgmma reads the async one
+        for (int e = 0; e < 4; ++e) o[4 * j + e] *= rescale[e / 2];
+      to_operand(s);
+    }
+    counted += w.key_tiles;
+    const int last = (counted - 1) % Stages;
     wgmma_fence();
-    issue_scores(s, sk);
+    issue_values(o, a, sv + last * tile::v_elems);
     wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operand(s);
-    softmax(0, s, rescale);  // O is still zero
-    to_operand(s);
-  }
-  // Iteration t: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued together, and the softmax of
-  // S_t runs while the second product is still on the tensor cores. (No wgmma sits under a
-  // branch: the compiler would serialise them all.)
-  for (int t = 1; t < key_tiles; ++t) {
-    const int buf = t % Stages, prev = (t - 1) % Stages;
-    float s[Bc / 2], rescale[2];
-    mbarrier_wait(full + buf, (t / Stages) & 1);
-    fence_proxy_async();
-    wgmma_fence();
-    issue_scores(s, sk + buf * tile::k_elems);
-    wgmma_commit();
-    issue_values(o, a, sv + prev * tile::v_elems);
-    wgmma_commit();
-    wgmma_wait<1>();
-    wgmma_fence_operand(s);
-    softmax(t, s, rescale);
     wgmma_wait<0>();
     wgmma_fence_operand(o);
-    wgmma_fence_operand(a);
-    if (lane == 0) mbarrier_arrive(empty + prev);  // this warp is done with tile t - 1
-#pragma unroll
-    for (int j = 0; j < Dv / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[4 * j + e] *= rescale[e / 2];
-    to_operand(s);
-  }
-  wgmma_fence();
-  issue_values(o, a, sv + (key_tiles - 1) % Stages * tile::v_elems);
-  wgmma_commit();
-  wgmma_wait<0>();
-  wgmma_fence_operand(o);
+    if (lane == 0) mbarrier_arrive(empty + last);
 
-  // Epilogue: full row sums, normalise, write.
-  T* out = static_cast<T*>(p.out) + batch * p.out_stride[0] + (start + i0) * p.out_stride[1] +
-           hq * p.out_stride[2];
+    // Epilogue: full row sums, normalise, write.
+    T* out = static_cast<T*>(p.out) + w.batch * p.out_stride[0] +
+             (w.start + w.i0) * p.out_stride[1] + w.hq * p.out_stride[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = l[h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int r = row0 + 8 * h;
-    if (r >= rows) continue;
-    const float inv = 1.f / sum;
-    T* orow = out + r * p.out_stride[1];
+    for (int h = 0; h < 2; ++h) {
+      float sum = l[h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int r = row0 + 8 * h;
+      if (r >= w.rows) continue;
+      const float inv = 1.f / sum;
+      T* orow = out + r * p.out_stride[1];
 #pragma unroll
-    for (int j = 0; j < Dv / 8; ++j)
-      *reinterpret_cast<std::uint32_t*>(orow + 8 * j + c2) =
-          pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-    if (p.lse != nullptr && lane % 4 == 0)
-      p.lse[batch * p.lse_stride[0] + (start + i0 + r) * p.lse_stride[1] + hq * p.lse_stride[2]] =
-          (m[h] + log2f(sum)) * 0.6931471805599453f;
+      for (int j = 0; j < Dv / 8; ++j)
+        *reinterpret_cast<std::uint32_t*>(orow + 8 * j + c2) =
+            pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      if (p.lse != nullptr && lane % 4 == 0)
+        p.lse[w.batch * p.lse_stride[0] + (w.start + w.i0 + r) * p.lse_stride[1] +
+              w.hq * p.lse_stride[2]] = (m[h] + log2f(sum)) * 0.6931471805599453f;
+    }
   }
 }
 
