@@ -144,17 +144,13 @@ void launch_wgmma(const attention_kernel_params& kp, index_t max_len, index_t se
 }
 
 // The tensor-core kernel for D x Dv on this device: wgmma on Hopper, mma.sync elsewhere. At
-// D = Dv = 64 long sequences take 3 consumer warpgroups (more warps to hide latency; measured
-// 7-12 % faster at T = 8192 on an H200) and short ones 2 (192-row tiles leave more of the last
-// wave idle; 7 % faster at T = 2048). Larger dims need the registers of 2.
+// D = Dv = 64 three consumer warpgroups hide more latency than two (measured 1-12 % faster on an
+// H200); larger dims need the registers of two.
 template <class Dev, int D, int Dv>
 void launch_tensor_cores(const attention_kernel_params& kp, index_t max_len, index_t sequences,
                          cudaStream_t stream) {
   if (!current_device_is_hopper()) return launch_mma<Dev, D, Dv>(kp, max_len, sequences, stream);
-  if constexpr (D == 64 && Dv == 64) {
-    if (max_len >= 4096) return launch_wgmma<Dev, D, Dv, 3>(kp, max_len, sequences, stream);
-  }
-  launch_wgmma<Dev, D, Dv, 2>(kp, max_len, sequences, stream);
+  launch_wgmma<Dev, D, Dv, (D == 64 && Dv == 64 ? 3 : 2)>(kp, max_len, sequences, stream);
 }
 
 template <class Dev, int MaxChunks>

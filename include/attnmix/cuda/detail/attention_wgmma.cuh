@@ -1,12 +1,13 @@
 #pragma once
-// Softmax-family kernel for Hopper (wgmma, sm_90a), FlashAttention-3 style: a CTA owns
-// Br = 64 * WGs query rows of one (sequence, query head), each consumer warpgroup 64 of them, and
-// one producer warp streams Bc-key tiles of K and V into a ring of Stages shared-memory buffers
-// with cp.async, handing them over through mbarriers (full: loaded; empty: every warpgroup is done
-// with it), so that warpgroups drift apart and keep the tensor cores busy between them. Each
-// warpgroup computes S = Q K^T with both operands in shared memory, keeps the online softmax (base
-// 2) in registers and computes O += P V with P straight from the S accumulators; the product P V
-// of one tile runs while the softmax of the next is computed.
+// Softmax-family kernel for Hopper (wgmma, sm_90a), FlashAttention-3 style. A persistent CTA
+// per SM walks work items, each Br = 64 * WGs query rows of one (sequence, query head):
+// - a producer warpgroup (its registers handed to the others with setmaxnreg) streams Q and
+//   Bc-key tiles of K and V into shared memory with cp.async, a ring of Stages buffers handed over
+//   through mbarriers (full: loaded; empty: every consumer warp is done with it), so that the
+//   warpgroups drift apart and keep the tensor cores busy between them;
+// - each consumer warpgroup owns 64 rows: S = Q K^T with both operands in shared memory, the
+//   online softmax (base 2) in registers, O += P V with P straight from the S accumulators; the
+//   product P V of one tile runs while the softmax of the next is computed.
 // Inputs are __half or __nv_bfloat16; D, Dv are 64 or 128.
 
 #include <algorithm>

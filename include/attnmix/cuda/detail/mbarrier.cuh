@@ -1,5 +1,5 @@
 #pragma once
-// Shared-memory barriers (mbarrier, sm_90 for the parity wait): a producer and its consumers hand
+// Shared-memory barriers (mbarrier; sm_90 for the parity wait): a producer and its consumers hand
 // buffers back and forth without stopping the whole CTA. A barrier completes a phase when `count`
 // threads have arrived; waiters name the phase by its parity (0, 1, 0, ...).
 
@@ -32,14 +32,20 @@ __device__ __forceinline__ void mbarrier_arrive_on_copies(std::uint64_t* bar) {
                : "memory");
 }
 
-// Blocks until the phase of the given parity has completed (acquire semantics).
+// Blocks until the phase of the given parity has completed (acquire semantics). sm_90 and later
+// (only the Hopper kernels wait on mbarriers).
 __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  (void)bar, (void)parity;
+  asm volatile("trap;");
+#else
   asm volatile(
       "{\n.reg .pred done;\nwait:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait;\n}\n" ::"r"(smem_address(bar)),
       "r"(parity)
       : "memory");
+#endif
 }
 
 }  // namespace cuda
