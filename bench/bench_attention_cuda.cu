@@ -12,8 +12,8 @@ namespace {
 using attnmix::index_t;
 using attnmix_bench::device_array;
 
-// args: B, T, H
-template <class Kind, class Policy>
+// args: B, T, H. Portable: the mma.sync kernel that GPUs other than Hopper run.
+template <class Kind, class Policy, bool Portable = false>
 void BM_attention_cuda(benchmark::State& state) {
   using T = attnmix::bfloat16;
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
@@ -27,8 +27,9 @@ void BM_attention_cuda(benchmark::State& state) {
                                attnmix::view4<T>(out.ptr, {B, Tn, H, D}, dev)};
   if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
     a.g = attnmix::view3<const float>(g.ptr, {B, Tn, H}, dev);
-  attnmix_bench::time_with_events(
-      state, [&] { attnmix::attention<Kind, Policy>(a, {}, attnmix::backend::cuda{}); });
+  attnmix::backend::cuda be{};
+  be.portable = Portable;
+  attnmix_bench::time_with_events(state, [&] { attnmix::attention<Kind, Policy>(a, {}, be); });
   const bool causal = Policy::mask == attnmix::mask_type::causal;
   const double flops = 4.0 * B * H * double(Tn) * double(Tn) * D * (causal ? 0.5 : 1.0);
   state.counters["TFLOP/s"] =
@@ -55,3 +56,8 @@ BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::fox, attnmix::fox_policy)
 BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::bidirectional_softmax_policy)
     ->Name("sa_bidirectional")
     ->Apply(bidirectional_shapes);
+// The portable kernel at the causal shapes ("_causal" last: sdpa_peer.py pairs it with causal
+// SDPA).
+BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::softmax_policy, true)
+    ->Name("portable_sa_causal")
+    ->Apply(causal_shapes);

@@ -24,7 +24,8 @@ struct cuda_case_result {
 // q, k, v drawn in float and rounded to T; the double reference sees the rounded values.
 // `row_pad` adds elements between tokens (an unaligned stride when odd).
 template <class Kind, class Policy, class T>
-cuda_case_result run_cuda_case(const attention_case& c, std::uint64_t salt, index_t row_pad = 0) {
+cuda_case_result run_cuda_case(const attention_case& c, std::uint64_t salt, index_t row_pad,
+                               attnmix::backend::cuda be) {
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   rng r(salt);
   attnmix::host_tensor<float, 4> qf({c.B, c.T, c.HQ, c.D + row_pad}),
@@ -58,7 +59,7 @@ cuda_case_result run_cuda_case(const attention_case& c, std::uint64_t salt, inde
                                attnmix::view4<T>(dout.get(), {c.B, c.T, c.HQ, c.Dv}, dev)};
   if constexpr (gated) a.g = attnmix::view3<const float>(dg.get(), {c.B, c.T, c.HQ}, dev);
   a.lse = attnmix::view3<float>(dlse.get(), {c.B, c.T, c.HQ}, dev);
-  attnmix::attention<Kind, Policy>(a, params, attnmix::backend::cuda{});
+  attnmix::attention<Kind, Policy>(a, params, be);
   attnmix::detail::cuda::check(cudaDeviceSynchronize(), "kernel");
   const auto out = convert_all<double>(dout.to_host());
   const auto lse = convert_all<double>(dlse.to_host());
@@ -106,11 +107,13 @@ std::vector<attention_case> small_cases() {
 }
 
 template <class Kind, class Policy, class T>
-void sweep(std::uint64_t salt, index_t row_pad = 0, bool small = false) {
+void sweep(std::uint64_t salt, index_t row_pad = 0, bool small = false,
+           attnmix::backend::cuda be = {}) {
   for (const attention_case& c : small ? small_cases() : cuda_cases()) {
     INFO("seed " << test_seed() << " " << c.describe() << " dtype "
-                 << attnmix::scalar_traits<T>::name << " row_pad " << row_pad);
-    const cuda_case_result r = run_cuda_case<Kind, Policy, T>(c, ++salt, row_pad);
+                 << attnmix::scalar_traits<T>::name << " row_pad " << row_pad << " portable "
+                 << be.portable);
+    const cuda_case_result r = run_cuda_case<Kind, Policy, T>(c, ++salt, row_pad, be);
     CAPTURE(r.error, r.plain_error, r.lse_error);
     CHECK(r.error <= tolerance<T>());
     if constexpr (sizeof(T) == 2) CHECK(r.error <= 2 * r.plain_error);
@@ -134,6 +137,19 @@ TEMPLATE_TEST_CASE("CUDA FoX matches the CPU path in both gate conventions", "[c
   sweep<attnmix::kind::fox,
         attnmix::with_gate_scaling<attnmix::fox_policy, attnmix::gate_scaling::before_scale>,
         TestType>(4000);
+}
+
+// On a Hopper GPU the 16-bit cases above run the wgmma kernel; these run the mma.sync one that
+// other GPUs take.
+TEMPLATE_TEST_CASE("CUDA attention on the portable tensor-core kernel", "[cuda][softmax]",
+                   attnmix::half, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  attnmix::backend::cuda portable{};
+  portable.portable = true;
+  sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(8000, 0, false, portable);
+  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, TestType>(8100, 0, false,
+                                                                                 portable);
+  sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(8200, 0, false, portable);
 }
 
 TEST_CASE("CUDA attention on unaligned strides takes the portable kernel", "[cuda][softmax]") {

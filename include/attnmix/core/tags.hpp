@@ -16,6 +16,9 @@ struct cpu {
 // kept as void* so that host-only translation units can name the tag.
 struct cuda {
   void* stream = nullptr;
+  // true: only kernels that every supported GPU runs (mma.sync, not Hopper's wgmma), to compare
+  // them or test them on a Hopper GPU.
+  bool portable = false;
   static constexpr const char* name = "cuda";
 };
 

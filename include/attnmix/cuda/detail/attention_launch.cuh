@@ -117,9 +117,10 @@ void launch_mma(const attention_kernel_params& kp, index_t max_len, index_t sequ
   auto kernel = attention_mma_kernel<Dev, D, Dv, warps, m_tiles, bc>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
         "cudaFuncSetAttribute");
-  const dim3 grid(static_cast<unsigned>(kp.q_heads * sequences),
-                  static_cast<unsigned>((max_len + tile::br - 1) / tile::br));
-  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
+  // A 1-D grid of attention_work items, row tiles first.
+  const index_t row_tiles = (max_len + tile::br - 1) / tile::br;
+  const dim3 grid(static_cast<unsigned>(row_tiles * kp.q_heads * sequences));
+  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp, static_cast<int>(row_tiles));
 }
 
 // Hopper: 128-key tiles, 3 stages, WGs consumer warpgroups of 64 query rows each.
@@ -143,13 +144,13 @@ void launch_wgmma(const attention_kernel_params& kp, index_t max_len, index_t se
                                                             static_cast<int>(items));
 }
 
-// The tensor-core kernel for D x Dv on this device: wgmma on Hopper, mma.sync elsewhere. At
+// The tensor-core kernel for D x Dv: wgmma on Hopper, mma.sync elsewhere (or when asked). At
 // D = Dv = 64 three consumer warpgroups hide more latency than two (measured 1-12 % faster on an
 // H200); larger dims need the registers of two.
 template <class Dev, int D, int Dv>
 void launch_tensor_cores(const attention_kernel_params& kp, index_t max_len, index_t sequences,
-                         cudaStream_t stream) {
-  if (!current_device_is_hopper()) return launch_mma<Dev, D, Dv>(kp, max_len, sequences, stream);
+                         bool hopper, cudaStream_t stream) {
+  if (!hopper) return launch_mma<Dev, D, Dv>(kp, max_len, sequences, stream);
   launch_wgmma<Dev, D, Dv, (D == 64 && Dv == 64 ? 3 : 2)>(kp, max_len, sequences, stream);
 }
 
@@ -243,16 +244,17 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
   const index_t D = p.head_dim, Dv = p.value_dim;
   bool launched = false;
   if constexpr (tensor_cores) {
+    const bool hopper = !be.portable && current_device_is_hopper();
     if (aligned) {
       launched = true;
       if (D == 64 && Dv == 64)
-        launch_tensor_cores<Dev, 64, 64>(kp, max_len, p.num_sequences, stream);
+        launch_tensor_cores<Dev, 64, 64>(kp, max_len, p.num_sequences, hopper, stream);
       else if (D == 128 && Dv == 128)
-        launch_tensor_cores<Dev, 128, 128>(kp, max_len, p.num_sequences, stream);
+        launch_tensor_cores<Dev, 128, 128>(kp, max_len, p.num_sequences, hopper, stream);
       else if (D == 64 && Dv == 128)
-        launch_tensor_cores<Dev, 64, 128>(kp, max_len, p.num_sequences, stream);
+        launch_tensor_cores<Dev, 64, 128>(kp, max_len, p.num_sequences, hopper, stream);
       else if (D == 128 && Dv == 64)
-        launch_tensor_cores<Dev, 128, 64>(kp, max_len, p.num_sequences, stream);
+        launch_tensor_cores<Dev, 128, 64>(kp, max_len, p.num_sequences, hopper, stream);
       else
         launched = false;
     }

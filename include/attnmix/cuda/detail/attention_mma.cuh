@@ -82,7 +82,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 template <class T, int D, int Dv, int Warps, int MTiles, int Bc>
 __global__ void __launch_bounds__(32 * Warps)
-    attention_mma_kernel(const attention_kernel_params p) {
+    attention_mma_kernel(const attention_kernel_params p, const int row_tiles) {
   using tile = mma_tile<D, Dv, Warps, MTiles, Bc>;
   constexpr int Br = tile::br, MT = MTiles;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -93,30 +93,20 @@ __global__ void __launch_bounds__(32 * Warps)
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, c2 = 2 * (lane % 4);
-  const int hq = blockIdx.x % p.q_heads, seq = blockIdx.x / p.q_heads;
-  index_t batch, start, length;
-  p.sequence(seq, batch, start, length);
-  // Causal: the heaviest (last) tiles are scheduled first.
-  const index_t tiles = (length + Br - 1) / Br;
-  const index_t tile_index =
-      p.causal ? static_cast<index_t>(gridDim.y) - 1 - blockIdx.y : blockIdx.y;
-  if (tile_index >= tiles) return;
-  const index_t i0 = tile_index * Br;
-  const index_t rows = length - i0 < Br ? length - i0 : Br;
-  const int hkv = hq / p.group;
+  // One CTA per item of attention_work (row tiles first, so that the CTAs that run together
+  // share one head's K and V in L2).
+  attention_work w{};
+  if (!w.decode<Br, Bc>(p, static_cast<int>(blockIdx.x), row_tiles)) return;
+  const index_t batch = w.batch, start = w.start, length = w.length, i0 = w.i0, rows = w.rows;
+  const index_t j_lo = w.j_lo, j_hi = w.j_hi, lo_last = w.lo_last, hi_first = w.hi_first;
+  const int hq = w.hq, key_tiles = w.key_tiles;
 
   const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + i0) * p.q_stride[1] +
                hq * p.q_stride[2];
   const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
-               hkv * p.k_stride[2];
+               w.hkv * p.k_stride[2];
   const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
-               hkv * p.v_stride[2];
-
-  // Keys any row of this tile may see; rows in between see subsets.
-  index_t j_lo, j_hi, lo_last, hi_first;
-  p.key_range(i0 + rows - 1, length, lo_last, j_hi);
-  p.key_range(i0, length, j_lo, hi_first);
-  const int key_tiles = static_cast<int>((j_hi - j_lo + Bc) / Bc);
+               w.hkv * p.v_stride[2];
 
   {
     const tile_loader<Br, D, tile::threads> q_loader(p.q_stride[1]);
@@ -138,10 +128,8 @@ __global__ void __launch_bounds__(32 * Warps)
   };
 
   // Gate bias relative to G at i0 (in double), so that the float values stay small.
-  const double* G = p.gate_cumsum != nullptr
-                        ? p.gate_cumsum + (batch * p.tokens + start) * p.q_heads + hq
-                        : nullptr;
-  const double g_ref = G != nullptr ? G[i0 * p.q_heads] : 0.0;
+  const double* G = w.G;
+  const double g_ref = w.g_ref;
   float gate_row[MT][2] = {};
   if (G != nullptr) {
 #pragma unroll

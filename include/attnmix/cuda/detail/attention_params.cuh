@@ -43,6 +43,43 @@ struct attention_kernel_params {
   }
 };
 
+// One unit of work: a tile of Br query rows of one (sequence, query head), and the key tiles
+// its rows may see.
+struct attention_work {
+  index_t batch, start, length, i0, rows, j_lo, j_hi, lo_last, hi_first;
+  int hq, hkv, key_tiles;
+  const double* G;  // the gate cumsum of this (sequence, head), or nullptr
+  double g_ref;     // G at i0: gate terms are taken relative to it, so that floats stay small
+
+  // Item n of row_tiles * q_heads * sequences, row tiles fastest (the CTAs that run together
+  // share one head's K and V in L2), a head's heaviest (last) causal tiles first. False when
+  // the sequence has no such tile.
+  template <int Br, int Bc>
+  __device__ bool decode(const attention_kernel_params& p, int n, int row_tiles) {
+    const int head_seq = n / row_tiles, slot = n % row_tiles;
+    hq = head_seq % p.q_heads;
+    hkv = hq / p.group;
+    p.sequence(head_seq / p.q_heads, batch, start, length);
+    const index_t index = p.causal ? row_tiles - 1 - slot : slot;
+    if (index >= (length + Br - 1) / Br) return false;
+    i0 = index * Br;
+    rows = length - i0 < Br ? length - i0 : Br;
+    // Keys any row of this tile may see; rows in between see subsets.
+    p.key_range(i0 + rows - 1, length, lo_last, j_hi);
+    p.key_range(i0, length, j_lo, hi_first);
+    key_tiles = static_cast<int>((j_hi - j_lo + Bc) / Bc);
+    G = p.gate_cumsum != nullptr ? p.gate_cumsum + (batch * p.tokens + start) * p.q_heads + hq
+                                 : nullptr;
+    g_ref = G != nullptr ? G[i0 * p.q_heads] : 0.0;
+    return true;
+  }
+  // The gate term of position i (clamped to the sequence), times the kernel's coefficient.
+  __device__ float gate(const attention_kernel_params& p, index_t i) const {
+    return p.gate_coef_log2 *
+           static_cast<float>(G[(i < length ? i : length - 1) * p.q_heads] - g_ref);
+  }
+};
+
 }  // namespace cuda
 }  // namespace detail
 }  // namespace attnmix
