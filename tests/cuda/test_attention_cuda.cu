@@ -97,6 +97,14 @@ std::vector<attention_case> cuda_cases() {
   cases.push_back({2, 140, 2, 1, 128, 64, 33});
   cases.push_back({1, 100, 2, 2, 96, 40});  // head dims the tensor-core kernel does not tile
   cases.push_back({1, 2048, 4, 2, 64, 64});
+  // More work items (row tiles x heads x sequences) than an H200 has SMs, so that a persistent
+  // CTA carries its pipeline across items: dense, and varlen with empty and one-token sequences.
+  cases.push_back({4, 200, 48, 12, 64, 64});
+  std::vector<std::int32_t> offsets{0};
+  for (int n = 0; n < 40; ++n) offsets.push_back(offsets.back() + (n * 37) % 150 * (n % 7 != 3));
+  offsets.push_back(offsets.back() + 1);
+  cases.push_back({1, offsets.back(), 8, 4, 64, 64, 0, offsets});
+  cases.push_back({1, offsets.back(), 8, 8, 64, 64, 100, offsets});
   return cases;
 }
 
