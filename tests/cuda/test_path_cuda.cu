@@ -107,8 +107,7 @@ gpu_result run_forward_case(const path_case& c, std::uint64_t salt) {
   // The device buffer holds at least one token (an empty batch still gets an allocation).
   std::vector<double> out = convert_all<double>(d.batch.out.to_host());
   out.resize(ref.out.size());
-  return {rel_error(out, ref.out),
-          lse_error(convert_all<double>(lse.to_host()), ref.lse)};
+  return {rel_error(out, ref.out), lse_error(convert_all<double>(lse.to_host()), ref.lse)};
 }
 
 // The CPU sweep (chunk boundaries, T < C, GQA, D != Dv, varlen with empty sequences, beta near

@@ -41,40 +41,42 @@ inline bool is_device_pointer(const void* p) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
-// True when the current device is a Hopper GPU (compute capability 9.x), where the sm_90a
-// kernels run. Kernels built for it need sm_90a code in the binary (CMAKE_CUDA_ARCHITECTURES
-// 90a-real, the default); plain sm_90 code traps in them.
-inline bool current_device_is_hopper() {
-  int device = 0, major = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-        "cudaDeviceGetAttribute");
-  return major == 9;
-}
+// What the launchers need to know of a device, looked up once per device.
+struct device_info {
+  int sms = 0;          // multiprocessors
+  bool hopper = false;  // compute capability 9.x, where the sm_90a kernels run. They need sm_90a
+                        // code in the binary (CMAKE_CUDA_ARCHITECTURES 90a-real, the default);
+                        // plain sm_90 code traps in them.
+  // The stream-ordered pool attnmix takes its scratch from. It keeps what it has once held (no
+  // release threshold), so that a call's scratch costs no mapping of fresh memory after the
+  // first calls; the default pool would hand memory back at every synchronisation.
+  cudaMemPool_t scratch_pool = nullptr;
+};
 
-// The stream-ordered memory pool of the current device that attnmix takes its scratch from. It
-// keeps what it has once held (no release threshold), so that a call's scratch costs no mapping
-// of fresh memory after the first calls; the default pool would hand memory back at every
-// synchronisation. Created once per device.
-inline cudaMemPool_t scratch_pool() {
+inline const device_info& current_device() {
   static std::mutex mutex;
-  static std::map<int, cudaMemPool_t> pools;
+  static std::map<int, device_info> known;
   int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
   const std::lock_guard<std::mutex> lock(mutex);
-  auto it = pools.find(device);
-  if (it != pools.end()) return it->second;
+  auto it = known.find(device);
+  if (it != known.end()) return it->second;  // map nodes do not move: the reference stays valid
+  device_info info;
+  int major = 0;
+  check(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device),
+        "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+        "cudaDeviceGetAttribute");
+  info.hopper = major == 9;
   cudaMemPoolProps props{};
   props.allocType = cudaMemAllocationTypePinned;
   props.location.type = cudaMemLocationTypeDevice;
   props.location.id = device;
-  cudaMemPool_t pool = nullptr;
-  check(cudaMemPoolCreate(&pool, &props), "cudaMemPoolCreate");
+  check(cudaMemPoolCreate(&info.scratch_pool, &props), "cudaMemPoolCreate");
   std::uint64_t keep = UINT64_MAX;
-  check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
+  check(cudaMemPoolSetAttribute(info.scratch_pool, cudaMemPoolAttrReleaseThreshold, &keep),
         "cudaMemPoolSetAttribute");
-  pools.emplace(device, pool);
-  return pool;
+  return known.emplace(device, info).first->second;
 }
 
 // Device memory from cudaMalloc, freed when the owner goes; movable, not copyable.

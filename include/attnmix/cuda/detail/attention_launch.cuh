@@ -30,7 +30,7 @@ class stream_buffer {
  public:
   stream_buffer(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
     if (bytes > 0)
-      check(cudaMallocFromPoolAsync(&ptr_, bytes, scratch_pool(), stream),
+      check(cudaMallocFromPoolAsync(&ptr_, bytes, current_device().scratch_pool, stream),
             "cudaMallocFromPoolAsync");
   }
   ~stream_buffer() {
@@ -132,13 +132,9 @@ void launch_wgmma(const attention_kernel_params& kp, index_t max_len, index_t se
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
         "cudaFuncSetAttribute");
   // Persistent: one CTA an SM walks the (row tile, head, sequence) items.
-  int device = 0, sms = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-        "cudaDeviceGetAttribute");
   const index_t row_tiles = (max_len + tile::br - 1) / tile::br;
   const index_t items = row_tiles * kp.q_heads * sequences;
-  const dim3 grid(static_cast<unsigned>(std::min<index_t>(items, sms)));
+  const dim3 grid(static_cast<unsigned>(std::min<index_t>(items, current_device().sms)));
   check(cudaMemsetAsync(kp.work_counter, 0, sizeof(int), stream), "cudaMemsetAsync");
   kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp, static_cast<int>(row_tiles),
                                                             static_cast<int>(items));
@@ -172,12 +168,17 @@ struct attention_setup {
   attention_setup(std::size_t bytes, cudaStream_t stream) : scratch(bytes, stream) {}
 };
 
+// Scratch layout: the cu_seqlens copy, the gate cumsum (with a gate), then the work counter of
+// the persistent kernels; each part padded to 256 bytes.
+template <class T>
+std::size_t gate_cumsum_bytes(const attention_args<T>& a, const attention_problem& p) {
+  if (!a.g.has_value()) return 0;
+  return (static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double) + 255) / 256 *
+         256;
+}
 template <class T>
 std::size_t attention_scratch_bytes(const attention_args<T>& a, const attention_problem& p) {
-  const std::size_t gate_bytes =
-      a.g.has_value() ? static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double)
-                      : 0;
-  return offsets_bytes(p) + (gate_bytes + 255) / 256 * 256 + 256;  // + the work counter
+  return offsets_bytes(p) + gate_cumsum_bytes(a, p) + 256;
 }
 
 // Fills `s.kp` and the scratch at the front of `s.scratch` (attention_scratch_bytes of it).
@@ -203,11 +204,8 @@ void setup_attention(attention_setup& s, const attention_args<T>& a, const atten
   kp.causal = causal;
   if (s.max_len == 0) return;
   kp.cu_seqlens = upload_offsets(s.scratch.get(), p, stream);
-  const std::size_t gate_bytes =
-      a.g.has_value() ? static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double)
-                      : 0;
   kp.work_counter =
-      reinterpret_cast<int*>(s.scratch.get() + offsets_bytes(p) + (gate_bytes + 255) / 256 * 256);
+      reinterpret_cast<int*>(s.scratch.get() + offsets_bytes(p) + gate_cumsum_bytes(a, p));
   if (a.g.has_value()) {
     auto* G = reinterpret_cast<double*>(s.scratch.get() + offsets_bytes(p));
     kp.gate_cumsum = G;
@@ -244,7 +242,7 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
   const index_t D = p.head_dim, Dv = p.value_dim;
   bool launched = false;
   if constexpr (tensor_cores) {
-    const bool hopper = !be.portable && current_device_is_hopper();
+    const bool hopper = !be.portable && current_device().hopper;
     if (aligned) {
       launched = true;
       if (D == 64 && Dv == 64)

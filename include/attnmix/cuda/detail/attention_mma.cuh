@@ -35,19 +35,14 @@ __device__ __forceinline__ int swizzle(int r, int c) {
   return r * Cols + ((c ^ (r & 7)) * 8);
 }
 
-template <int Cols>
-struct row_swizzle {
-  __device__ __forceinline__ static int offset(int r, int c) { return swizzle<Cols>(r, c); }
-};
-
-// Copies rows [0, Rows) of a row-major tile into swizzled shared memory (Layout::offset(row,
-// chunk)) with cp.async; rows >= valid are zero-filled. Each thread's (row, chunk) pairs are
-// fixed, so their offsets are computed once per kernel rather than once per tile.
-template <int Rows, int Cols, int Threads, class Layout = row_swizzle<Cols>>
+// Copies rows [0, Rows) of a row-major tile into swizzled shared memory with cp.async; rows
+// >= valid are zero-filled. Each thread's (row, chunk) pairs are fixed, so their offsets are
+// computed once per kernel rather than once per tile.
+template <int Rows, int Cols, int Threads>
 struct tile_loader {
   static constexpr int chunks = Cols / 8;
   static constexpr int per_thread = (Rows * chunks + Threads - 1) / Threads;
-  static constexpr bool ragged = Rows * chunks % Threads != 0;  // the last round is partial
+  static_assert(Rows * chunks % Threads == 0, "tile chunks must divide evenly among threads");
   int row[per_thread], smem_offset[per_thread];
   index_t gmem_offset[per_thread];
 
@@ -56,7 +51,7 @@ struct tile_loader {
     for (int k = 0; k < per_thread; ++k) {
       const int idx = threadIdx.x + k * Threads, r = idx / chunks, c = idx % chunks;
       row[k] = r;
-      smem_offset[k] = Layout::offset(r, c);
+      smem_offset[k] = swizzle<Cols>(r, c);
       gmem_offset[k] = r * row_stride + c * 8;
     }
   }
@@ -65,7 +60,6 @@ struct tile_loader {
   __device__ __forceinline__ void load(T* smem, const T* gmem, index_t valid, const T* safe) const {
 #pragma unroll
     for (int k = 0; k < per_thread; ++k) {
-      if (ragged && row[k] >= Rows) break;
       const bool ok = row[k] < valid;
       cp_async_16(smem + smem_offset[k], ok ? gmem + gmem_offset[k] : safe, ok);
     }
@@ -78,6 +72,35 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Epilogue of the tensor-core kernels, whose O accumulators share one layout: o[4 j + 2 h + e]
+// is row r0 + 8 h, column 8 j + c + e (c = 2 (lane % 4)), and a row's partial sums l live in
+// the quad of lanes that share it. Stores this thread's two rows of the tile at `out` (rows >=
+// `rows` are not stored), normalised, and with `lse` (row 0's, or nullptr) the log-sum-exp from
+// the base-2 maxima m.
+template <class T, int Dv>
+__device__ __forceinline__ void store_output_rows(T* out, index_t out_stride, float* lse,
+                                                  index_t lse_stride, int r0, index_t rows,
+                                                  const float* o, const float (&m)[2],
+                                                  const float (&l)[2]) {
+  const int lane = threadIdx.x % 32, c = 2 * (lane % 4);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = l[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int r = r0 + 8 * h;
+    if (r >= rows) continue;
+    const float inv = 1.f / sum;
+    T* orow = out + r * out_stride;
+#pragma unroll
+    for (int j = 0; j < Dv / 8; ++j)
+      *reinterpret_cast<std::uint32_t*>(orow + 8 * j + c) =
+          pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+    if (lse != nullptr && lane % 4 == 0)
+      lse[r * lse_stride] = (m[h] + log2f(sum)) * 0.6931471805599453f;
+  }
 }
 
 template <class T, int D, int Dv, int Warps, int MTiles, int Bc>
@@ -276,30 +299,15 @@ __global__ void __launch_bounds__(32 * Warps)
     __syncthreads();  // the next iteration's prefetch overwrites this buffer
   }
 
-  // Epilogue: full row sums, normalise, write.
   T* out = static_cast<T*>(p.out) + batch * p.out_stride[0] + (start + i0) * p.out_stride[1] +
            hq * p.out_stride[2];
+  float* lse = p.lse != nullptr ? p.lse + batch * p.lse_stride[0] + (start + i0) * p.lse_stride[1] +
+                                      hq * p.lse_stride[2]
+                                : nullptr;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = l[mt][h];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int r = row_of(mt, h);
-      if (r >= rows) continue;
-      const float inv = 1.f / sum;
-      T* orow = out + r * p.out_stride[1];
-#pragma unroll
-      for (int n = 0; n < Dv / 8; ++n) {
-        const int col = n * 8 + c2;
-        orow[col] = from_float<T>(o[mt][n][2 * h] * inv);
-        orow[col + 1] = from_float<T>(o[mt][n][2 * h + 1] * inv);
-      }
-      if (p.lse != nullptr && lane % 4 == 0)
-        p.lse[batch * p.lse_stride[0] + (start + i0 + r) * p.lse_stride[1] + hq * p.lse_stride[2]] =
-            (m[mt][h] + log2f(sum)) * 0.6931471805599453f;
-    }
+    store_output_rows<T, Dv>(out, p.out_stride[1], lse, p.lse_stride[1], row_of(mt, 0), rows,
+                             &o[mt][0][0], m[mt], l[mt]);
 }
 
 }  // namespace cuda

@@ -50,7 +50,8 @@ struct wgmma_tile {
 };
 
 // Copies rows [0, Rows) of a row-major tile into a 64-column-atom tile with the 128 threads of
-// a warpgroup (cp.async, 16 bytes each); rows >= valid are zero-filled from `safe`.
+// a warpgroup (cp.async, 16 bytes each); rows >= valid are zero-filled from `safe`. Offsets are
+// computed per copy, not held like tile_loader's: the producer has few registers.
 template <int Rows, int Cols, class T>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, index_t stride, index_t valid,
                                           const T* safe, int thread) {
@@ -313,26 +314,12 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
     wgmma_fence_operand(o);
     if (lane == 0) mbarrier_arrive(empty + last);
 
-    // Epilogue: full row sums, normalise, write.
     T* out = static_cast<T*>(p.out) + w.batch * p.out_stride[0] +
              (w.start + w.i0) * p.out_stride[1] + w.hq * p.out_stride[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = l[h];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int r = row0 + 8 * h;
-      if (r >= w.rows) continue;
-      const float inv = 1.f / sum;
-      T* orow = out + r * p.out_stride[1];
-#pragma unroll
-      for (int j = 0; j < Dv / 8; ++j)
-        *reinterpret_cast<std::uint32_t*>(orow + 8 * j + c2) =
-            pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if (p.lse != nullptr && lane % 4 == 0)
-        p.lse[w.batch * p.lse_stride[0] + (w.start + w.i0 + r) * p.lse_stride[1] +
-              w.hq * p.lse_stride[2]] = (m[h] + log2f(sum)) * 0.6931471805599453f;
-    }
+    float* lse = p.lse != nullptr ? p.lse + w.batch * p.lse_stride[0] +
+                                        (w.start + w.i0) * p.lse_stride[1] + w.hq * p.lse_stride[2]
+                                  : nullptr;
+    store_output_rows<T, Dv>(out, p.out_stride[1], lse, p.lse_stride[1], row0, w.rows, o, m, l);
   }
 }
 

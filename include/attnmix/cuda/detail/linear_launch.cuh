@@ -93,10 +93,8 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   const int causal_smem = causal ? causal_smem_floats(int(D), int(Dv)) * int(sizeof(float)) : 0;
   index_t segments = 1, segment_tokens = std::max<index_t>(max_len, 1);
   if constexpr (causal) {
-    int sms = 0, device = 0, per_sm = 0;
-    check(cudaGetDevice(&device), "cudaGetDevice");
-    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-          "cudaDeviceGetAttribute");
+    const int sms = current_device().sms;
+    int per_sm = 0;
     auto kernel = causal_kernel<Dev, Policy>(Dv);
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, causal_smem),
           "cudaFuncSetAttribute");

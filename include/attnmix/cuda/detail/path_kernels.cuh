@@ -39,6 +39,17 @@ struct path_kernel_params {
     return (batch * kv_heads + h) * a.tokens + t;
   }
 
+  // The chunk of a preparation block: sequence blockIdx.z, chunk blockIdx.x, its first token c0
+  // and its n <= C rows. False when the sequence has no such chunk.
+  __device__ bool prepare_chunk(index_t& batch, index_t& start, index_t& length, index_t& c0,
+                                int& n) const {
+    a.sequence(blockIdx.z, batch, start, length);
+    c0 = static_cast<index_t>(blockIdx.x) * path_chunk;
+    if (c0 >= length) return false;
+    n = length - c0 < path_chunk ? static_cast<int>(length - c0) : path_chunk;
+    return true;
+  }
+
   // The query chunk of a forward block: sequence blockIdx.z, chunk ci counted from the last by
   // blockIdx.x (the heaviest chunks start first), its first token c0 and its n <= C rows. False
   // when the sequence has no such chunk.
@@ -72,11 +83,9 @@ __global__ void __launch_bounds__(256) path_prepare_kernel(const path_kernel_par
   float* sx = sl + C * lds;
 
   const int h = blockIdx.y;
-  index_t batch, start, length;
-  p.a.sequence(blockIdx.z, batch, start, length);
-  const index_t c0 = static_cast<index_t>(blockIdx.x) * C;
-  if (c0 >= length) return;
-  const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+  index_t batch, start, length, c0;
+  int n;
+  if (!p.prepare_chunk(batch, start, length, c0, n)) return;
   const index_t t0 = start + c0;
 
   const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] + t0 * p.a.k_stride[1] +

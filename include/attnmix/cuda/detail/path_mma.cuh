@@ -239,24 +239,11 @@ __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel
 
   T* out = static_cast<T*>(p.a.out) + batch * p.a.out_stride[0] + (start + c0) * p.a.out_stride[1] +
            hq * p.a.out_stride[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float sum = l_run[hh];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int row = r0 + 8 * hh;
-    if (row >= n) continue;
-    const float inv = 1.f / sum;
-    T* orow = out + row * p.a.out_stride[1];
-#pragma unroll
-    for (int nt = 0; nt < Dv / 8; ++nt) {
-      orow[nt * 8 + c2] = from_float<T>(o[nt][2 * hh] * inv);
-      orow[nt * 8 + c2 + 1] = from_float<T>(o[nt][2 * hh + 1] * inv);
-    }
-    if (p.a.lse != nullptr && lane % 4 == 0)
-      p.a.lse[batch * p.a.lse_stride[0] + (start + c0 + row) * p.a.lse_stride[1] +
-              hq * p.a.lse_stride[2]] = (m_run[hh] + log2f(sum)) * 0.6931471805599453f;
-  }
+  float* lse = p.a.lse != nullptr ? p.a.lse + batch * p.a.lse_stride[0] +
+                                        (start + c0) * p.a.lse_stride[1] + hq * p.a.lse_stride[2]
+                                  : nullptr;
+  store_output_rows<T, Dv>(out, p.a.out_stride[1], lse, p.a.lse_stride[1], r0, n, &o[0][0], m_run,
+                           l_run);
 }
 
 }  // namespace cuda

@@ -141,11 +141,9 @@ __global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c2 = 2 * (lane % 4);
   const int h = blockIdx.y;
-  index_t batch, start, length;
-  p.a.sequence(blockIdx.z, batch, start, length);
-  const index_t c0 = static_cast<index_t>(blockIdx.x) * C;
-  if (c0 >= length) return;
-  const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+  index_t batch, start, length, c0;
+  int n;
+  if (!p.prepare_chunk(batch, start, length, c0, n)) return;
   const index_t t0 = start + c0;
   const index_t ks1 = p.a.k_stride[1];
   const T* k =
