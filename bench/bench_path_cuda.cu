@@ -70,14 +70,15 @@ struct path_call {
   }
 };
 
-// args: B, T, H
-template <class Kind>
+// args: B, T, H. Portable: the mma.sync kernel of non-Hopper GPUs, on this one.
+template <class Kind, bool Portable = false>
 void BM_path_cuda(benchmark::State& state) {
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
   const path_call call(B, Tn, H, D, 0);
   const auto a = call.args<Kind>();
-  attnmix_bench::time_with_events(
-      state, [&] { attnmix::attention<Kind>(a, {}, attnmix::backend::cuda{}); });
+  attnmix::backend::cuda be{};
+  be.portable = Portable;
+  attnmix_bench::time_with_events(state, [&] { attnmix::attention<Kind>(a, {}, be); });
   const double flops = 4.0 * B * H * double(Tn) * double(Tn) * D;
   state.counters["TFLOP/s"] =
       benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
@@ -128,6 +129,9 @@ void BM_copy_bandwidth(benchmark::State& state) {
 BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path)->Name("path_causal")->Apply(causal_shapes);
 BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path_fox)
     ->Name("path_fox_causal")
+    ->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path, true)
+    ->Name("portable_path_causal")
     ->Apply(causal_shapes);
 BENCHMARK_TEMPLATE(BM_path_decode, attnmix::bfloat16)
     ->Name("path_fox_decode_bf16_cache")

@@ -95,13 +95,14 @@ struct gpu_result {
 };
 
 template <class Kind, class Policy, class T>
-gpu_result run_forward_case(const path_case& c, std::uint64_t salt) {
+gpu_result run_forward_case(const path_case& c, std::uint64_t salt,
+                            const attnmix::backend::cuda& be) {
   const path_inputs in = make_path_inputs(c, salt);
   device_inputs<T> d(c, in);
   device_buffer<float> lse(static_cast<std::size_t>(c.B * c.T * c.HQ));
   attnmix::attention_args<T> a = d.batch.template args<Kind>();
   a.lse = attnmix::view3<float>(lse.get(), {c.B, c.T, c.HQ}, dev);
-  attnmix::attention<Kind, Policy>(a, path_params(c), attnmix::backend::cuda{});
+  attnmix::attention<Kind, Policy>(a, path_params(c), be);
   attnmix::detail::cuda::check(cudaDeviceSynchronize(), "kernel");
   const path_outputs ref = cpu_reference<Kind, Policy>(c, d.rounded);
   // The device buffer holds at least one token (an empty batch still gets an allocation).
@@ -129,6 +130,7 @@ std::vector<path_case> forward_cases() {
       {1, 40, 2, 1, 128, 128},
       {1, 100, 2, 2, 96, 40},  // dims the tensor-core kernel does not tile
       {1, 1500, 4, 2, 64, 64, {}, beta_range::near_two},
+      {1, 700, 4, 2, 64, 64, {0, 0, 1, 64, 65, 300, 700}},
   };
 }
 
@@ -139,11 +141,11 @@ std::vector<path_case> small_cases() {
 }
 
 template <class Kind, class Policy, class T>
-void forward_sweep(std::uint64_t salt, bool small = false) {
+void forward_sweep(std::uint64_t salt, bool small = false, attnmix::backend::cuda be = {}) {
   for (const path_case& c : small ? small_cases() : forward_cases()) {
     INFO("seed " << test_seed() << " " << c.describe() << " dtype "
-                 << attnmix::scalar_traits<T>::name);
-    const gpu_result r = run_forward_case<Kind, Policy, T>(c, ++salt);
+                 << attnmix::scalar_traits<T>::name << " portable " << be.portable);
+    const gpu_result r = run_forward_case<Kind, Policy, T>(c, ++salt, be);
     CAPTURE(r.error, r.lse_error);
     CHECK(r.error <= (sizeof(T) == 4 ? 1e-5 : 5e-3));
     CHECK(r.lse_error <= (sizeof(T) == 4 ? 1e-5 : 1e-2));
@@ -165,6 +167,17 @@ TEMPLATE_TEST_CASE("CUDA PaTH-FoX forward matches the CPU path in both gate conv
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   forward_sweep<path_fox, attnmix::path_fox_policy, TestType>(12000);
   forward_sweep<path_fox, after_scale, TestType>(13000);
+}
+
+// On a Hopper GPU the sweeps above take the wgmma kernel where it applies; this one the mma.sync
+// kernel that other GPUs run.
+TEMPLATE_TEST_CASE("CUDA PaTH on the portable tensor-core kernel", "[cuda][path]", attnmix::half,
+                   attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  attnmix::backend::cuda portable{};
+  portable.portable = true;
+  forward_sweep<path, attnmix::path_policy, TestType>(15000, false, portable);
+  forward_sweep<path_fox, attnmix::path_fox_policy, TestType>(15500, false, portable);
 }
 
 TEST_CASE("CUDA PaTH, a small sweep for compute-sanitizer", "[cuda][small]") {

@@ -49,21 +49,6 @@ struct wgmma_tile {
   static constexpr int smem_bytes = queue_offset + 16 + 1024;  // + alignment slack
 };
 
-// Copies rows [0, Rows) of a row-major tile into a 64-column-atom tile with the 128 threads of
-// a warpgroup (cp.async, 16 bytes each); rows >= valid are zero-filled from `safe`. Offsets are
-// computed per copy, not held like tile_loader's: the producer has few registers.
-template <int Rows, int Cols, class T>
-__device__ __forceinline__ void load_tile(T* smem, const T* gmem, index_t stride, index_t valid,
-                                          const T* safe, int thread) {
-  constexpr int chunks = Cols / 8;
-#pragma unroll
-  for (int idx = thread; idx < Rows * chunks; idx += 128) {
-    const int r = idx / chunks, c = idx % chunks;
-    const bool ok = r < valid;
-    cp_async_16(smem + sw128_layout<Rows>::offset(r, c), ok ? gmem + r * stride + c * 8 : safe, ok);
-  }
-}
-
 // Persistent: a CTA an SM. Each takes item blockIdx.x first, then the next of a device-wide
 // counter (p.work_counter, zeroed before the launch), so that items start in order (heaviest
 // first, a few heads at a time) and the SMs finish together. The producer runs ahead across
@@ -251,13 +236,6 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
         m[h] = m_new;
       }
     };
-    // The accumulator layout of S is the register A fragment of the next product.
-    auto to_operand = [&](const float(&s)[Bc / 2]) {
-#pragma unroll
-      for (int kc = 0; kc < Bc / 16; ++kc)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[kc][r] = pack2<T>(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
-    };
     // Once the last scores of an item are in, Q may be replaced by the next item's.
     auto release_q = [&](int t) {
       if (t == w.key_tiles - 1 && lane == 0) mbarrier_arrive(q_empty);
@@ -276,7 +254,7 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
       wgmma_fence_operand(s);
       release_q(0);
       softmax(0, buf, s, rescale);  // O is still zero
-      to_operand(s);
+      to_fragments<T>(a, s);
     }
     // Iteration t: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued together, and the softmax
     // of S_t runs while the second product is still on the tensor cores. (No wgmma sits under a
@@ -303,7 +281,7 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
       for (int j = 0; j < Dv / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[4 * j + e] *= rescale[e / 2];
-      to_operand(s);
+      to_fragments<T>(a, s);
     }
     counted += w.key_tiles;
     const int last = (counted - 1) % Stages;

@@ -1,6 +1,7 @@
 #pragma once
 // Host side of the CUDA PaTH kernels: argument checks that only the CUDA backend needs, the
-// stream-ordered chunk data, and the choice between the tensor-core and the portable forward.
+// stream-ordered chunk data, and the choice of forward: wgmma on Hopper (D = Dv = 64), mma.sync
+// elsewhere or when asked (backend::cuda::portable), CUDA cores for float and other dims.
 
 #include <cuda_runtime.h>
 
@@ -18,6 +19,7 @@
 #include "attnmix/cuda/detail/path_kernels.cuh"
 #include "attnmix/cuda/detail/path_mma.cuh"
 #include "attnmix/cuda/detail/path_prepare_mma.cuh"
+#include "attnmix/cuda/detail/path_wgmma.cuh"
 #include "attnmix/cuda/detail/types.cuh"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -137,6 +139,19 @@ void launch_path_mma(const path_kernel_params& kp, index_t max_len, index_t sequ
   kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
 }
 
+// Hopper, D = Dv = 64: two CTAs an SM, three stages each.
+template <class Dev>
+void launch_path_wgmma(const path_kernel_params& kp, index_t max_len, index_t sequences,
+                       cudaStream_t stream) {
+  using tile = path_wgmma_tile<64, 64, 3>;
+  auto kernel = path_wgmma_kernel<Dev, 64, 64, 3>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
+        "cudaFuncSetAttribute");
+  const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
+                  static_cast<unsigned>(kp.a.q_heads), static_cast<unsigned>(sequences));
+  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
+}
+
 template <class Dev>
 void launch_path_simt(const path_kernel_params& kp, index_t max_len, index_t sequences,
                       cudaStream_t stream) {
@@ -178,7 +193,9 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
       path_chunk_data<Dev, __half> chunks(p, true, stream);
       chunks.attach(kp);
       launch_path_prepare_mma<Dev>(kp, setup.max_len, p.num_sequences, stream);
-      if (D == 64 && Dv == 64)
+      if (D == 64 && Dv == 64 && !be.portable && current_device().hopper)
+        launch_path_wgmma<Dev>(kp, setup.max_len, p.num_sequences, stream);
+      else if (D == 64 && Dv == 64)
         launch_path_mma<Dev, 64, 64>(kp, setup.max_len, p.num_sequences, stream);
       else if (D == 128 && Dv == 128)
         launch_path_mma<Dev, 128, 128>(kp, setup.max_len, p.num_sequences, stream);
@@ -186,7 +203,7 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
         launch_path_mma<Dev, 64, 128>(kp, setup.max_len, p.num_sequences, stream);
       else
         launch_path_mma<Dev, 128, 64>(kp, setup.max_len, p.num_sequences, stream);
-      check(cudaGetLastError(), "path_forward_mma_kernel launch");
+      check(cudaGetLastError(), "PaTH tensor-core forward launch");
       if (cache.keys != nullptr)
         launch_path_key_cache<Dev, Dev, __half>(kp, p.num_sequences, cache, stream);
       return;

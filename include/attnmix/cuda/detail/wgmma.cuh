@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attnmix/config.hpp"
 #include "attnmix/cuda/detail/mma.cuh"
 
 // wgmma exists only in sm_90a code; elsewhere the wrappers trap, and the launcher never picks the
@@ -38,6 +39,21 @@ struct sw128_layout {
     return (c / 8) * Rows * 64 + r * 64 + ((c % 8) ^ (r % 8)) * 8;
   }
 };
+
+// Copies rows [0, Rows) of a row-major tile into a 64-column-atom tile with the 128 threads of
+// a warpgroup (cp.async, 16 bytes each); rows >= valid are zero-filled from `safe`. Offsets are
+// computed per copy, not held like tile_loader's: the producer has few registers.
+template <int Rows, int Cols, class T>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, index_t stride, index_t valid,
+                                          const T* safe, int thread) {
+  constexpr int chunks = Cols / 8;
+#pragma unroll
+  for (int idx = thread; idx < Rows * chunks; idx += 128) {
+    const int r = idx / chunks, c = idx % chunks;
+    const bool ok = r < valid;
+    cp_async_16(smem + sw128_layout<Rows>::offset(r, c), ok ? gmem + r * stride + c * 8 : safe, ok);
+  }
+}
 
 // Descriptor of a 128-byte-swizzled operand at `p` (its atom 1024-byte aligned, or p an offset
 // into one along a row). lbo / sbo: bytes between atoms along the leading dimension and between
@@ -109,6 +125,18 @@ __device__ __forceinline__ void wgmma_fence_operand(std::uint32_t (&r)[N][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
+// The register A operand of a product taken from a 64-row accumulator: fragment kc holds
+// columns 16 kc .. 16 kc + 15 of `sign` * d, in U (the layouts match, so no data moves).
+template <class U, int N>
+__device__ __forceinline__ void to_fragments(std::uint32_t (&a)[N / 8][4], const float (&d)[N],
+                                             float sign = 1.f) {
+#pragma unroll
+  for (int kc = 0; kc < N / 8; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      a[kc][r] = pack2<U>(sign * d[8 * kc + 2 * r], sign * d[8 * kc + 2 * r + 1]);
+}
+
 #define ATTNMIX_D8(i)                                                                         \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
@@ -169,39 +197,40 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], std::uint64_t a, std::u
 #endif
 }
 
-// d += A B for a 64 x N tile, K = 16, with A the register fragment `a`.
+// d (+)= A B for a 64 x N tile, K = 16, with A the register fragment `a`.
 template <class T, int TransB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[32], const std::uint32_t (&a)[4],
-                                         std::uint64_t b) {
+                                         std::uint64_t b, int accumulate = 1) {
 #if ATTNMIX_WGMMA
   if constexpr (std::is_same_v<T, __nv_bfloat16>)
     asm volatile(
         ATTNMIX_WGMMA_RS("m64n64k16", "bf16", ATTNMIX_R32, "32", "33", "34", "35", "36", "37", "38")
         : ATTNMIX_D32
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB), "r"(accumulate));
   else
     asm volatile(
         ATTNMIX_WGMMA_RS("m64n64k16", "f16", ATTNMIX_R32, "32", "33", "34", "35", "36", "37", "38")
         : ATTNMIX_D32
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB), "r"(accumulate));
 #else
   wgmma_unsupported();
 #endif
 }
 template <class T, int TransB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[64], const std::uint32_t (&a)[4],
-                                         std::uint64_t b) {
+                                         std::uint64_t b, int accumulate = 1) {
 #if ATTNMIX_WGMMA
   if constexpr (std::is_same_v<T, __nv_bfloat16>)
     asm volatile(ATTNMIX_WGMMA_RS("m64n128k16", "bf16", ATTNMIX_R64, "64", "65", "66", "67", "68",
                                   "69", "70")
                  : ATTNMIX_D64
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB), "r"(1));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB),
+                   "r"(accumulate));
   else
     asm volatile(
         ATTNMIX_WGMMA_RS("m64n128k16", "f16", ATTNMIX_R64, "64", "65", "66", "67", "68", "69", "70")
         : ATTNMIX_D64
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB), "r"(accumulate));
 #else
   wgmma_unsupported();
 #endif

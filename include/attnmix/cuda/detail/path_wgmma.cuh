@@ -1,0 +1,305 @@
+#pragma once
+// PaTH forward for Hopper (wgmma, sm_90a), half / bfloat16 inputs, D = Dv = 64. The loop of
+// path_mma.cuh (spec/path_fox.md §1.5, §1.7, BT = BS = C) on the softmax kernel's structure:
+// a CTA owns one 64-row query chunk of one (sequence, query head); a producer warpgroup streams
+// each key chunk's K~ (raw K on the diagonal), V, W and U into a ring of stages (cp.async,
+// mbarriers), and a consumer warpgroup walks the chunks right to left with the running query r in
+// float accumulators. Per chunk:
+//   S = r K~^T and X = r W^T (issued together, while P V of the previous chunk is still running),
+//   r <- r - X U (on the tensor cores while the softmax of S runs), then O += P V with the next.
+// On the diagonal, S = Q K^T - tril(Q W^T) M and the mask is causal. Two CTAs share an SM, so
+// that one's dependent products fill the other's softmax. Precision as in path_mma.cuh: scores
+// and P V take r rounded to T, the transition takes r, W and U in half, r accumulates in float.
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "attnmix/cuda/detail/attention_mma.cuh"
+#include "attnmix/cuda/detail/mbarrier.cuh"
+#include "attnmix/cuda/detail/path_kernels.cuh"
+#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/detail/wgmma.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+template <int D, int Dv, int Stages>
+struct path_wgmma_tile {
+  static_assert(D == 64 && Dv == 64, "two CTAs an SM fit the stages of D = Dv = 64 only");
+  static constexpr int C = path_chunk, threads = 256, ctas_per_sm = 2;
+  // The consumer takes the rest of the CTA's half of the SM (200 registers, no spills; below 56
+  // the producer's address arithmetic spills).
+  static constexpr int producer_registers = 56;
+  static constexpr int consumer_registers = (65536 / ctas_per_sm - 128 * producer_registers) / 128;
+  // Shared memory in elements: Stages tiles each of K (or K~), V (in T), W and U (in half), then
+  // the diagonal's M (half), each a multiple of 1024 bytes; then the gate terms of each stage
+  // (floats) and the full and empty barrier of each stage.
+  static constexpr int tile_elems = C * 64;
+  static constexpr int m_offset = 2 * 4 * Stages * tile_elems;  // bytes
+  static constexpr int gate_offset = m_offset + 2 * C * C;
+  static constexpr int barrier_offset = gate_offset + 4 * Stages * C;
+  static constexpr int smem_bytes = barrier_offset + 16 * Stages + 1024;  // + alignment slack
+};
+
+template <class T, int D, int Dv, int Stages>
+__global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_params p) {
+  using tile = path_wgmma_tile<D, Dv, Stages>;
+  constexpr int C = path_chunk, E = tile::tile_elems;
+  extern __shared__ unsigned char smem_raw[];
+  // The 128-byte swizzle is a function of the address: atoms must start 1024-byte aligned.
+  unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  T* sk = reinterpret_cast<T*>(base);
+  T* sv = sk + Stages * E;
+  __half* sw = reinterpret_cast<__half*>(sv + Stages * E);
+  __half* su = sw + Stages * E;
+  __half* sm = reinterpret_cast<__half*>(base + tile::m_offset);
+  float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);  // minus the gate terms
+  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + tile::barrier_offset);
+  std::uint64_t* empty = full + Stages;
+
+  // Warp-uniform as far as the compiler knows (wgmma under a divergent branch is serialised).
+  const int lane = threadIdx.x % 32, warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+  const int hq = blockIdx.y, h = hq / p.a.group;
+  index_t batch, start, length, ci, c0;
+  int n;
+  if (!p.query_chunk(batch, start, length, ci, c0, n)) return;
+  const double* G = p.a.gate_cumsum != nullptr
+                        ? p.a.gate_cumsum + (batch * p.a.tokens + start) * p.a.q_heads + hq
+                        : nullptr;
+  const double g_ref = G != nullptr ? G[c0 * p.a.q_heads] : 0.0;
+  auto gate = [&](index_t i) {  // the gate term of position i (clamped), relative to c0
+    return p.a.gate_coef_log2 *
+           static_cast<float>(G[(i < length ? i : length - 1) * p.a.q_heads] - g_ref);
+  };
+
+  if (threadIdx.x == 0)
+    for (int b = 0; b < Stages; ++b) mbarrier_init(full + b, 256), mbarrier_init(empty + b, 4);
+  __syncthreads();
+
+  if (warp >= 4) {
+    release_registers<tile::producer_registers>();
+    // Producer: stage t holds chunk ci - t. Each thread arrives twice on a full barrier: at once
+    // (its gate stores) and when its copies have landed.
+    const int thread = threadIdx.x - 128;
+    const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] + start * p.a.k_stride[1] +
+                 h * p.a.k_stride[2];
+    const T* v = static_cast<const T*>(p.a.v) + batch * p.a.v_stride[0] + start * p.a.v_stride[1] +
+                 h * p.a.v_stride[2];
+    const index_t row = p.row(batch, h, start);
+    const T* kt = static_cast<const T*>(p.kt) + row * D;
+    const __half* wh = static_cast<const __half*>(p.wh) + row * D;
+    const __half* u = static_cast<const __half*>(p.u) + row * D;
+    for (int t = 0; t <= ci; ++t) {
+      const int buf = t % Stages;
+      if (t >= Stages) mbarrier_wait(empty + buf, (t / Stages - 1) & 1);
+      const index_t j0 = (ci - t) * C, rows = t == 0 ? n : C;
+      if (t == 0) {
+        load_tile<C, D>(sk + buf * E, k + j0 * p.a.k_stride[1], p.a.k_stride[1], rows, k, thread);
+        const __half* mm = static_cast<const __half*>(p.m) + (row + c0) * C;
+        load_tile<C, C>(sm, mm, C, rows, mm, thread);
+      } else {
+        load_tile<C, D>(sk + buf * E, kt + j0 * D, D, rows, kt, thread);
+      }
+      load_tile<C, Dv>(sv + buf * E, v + j0 * p.a.v_stride[1], p.a.v_stride[1], rows, v, thread);
+      load_tile<C, D>(sw + buf * E, wh + j0 * D, D, rows, wh, thread);
+      load_tile<C, D>(su + buf * E, u + j0 * D, D, rows, u, thread);
+      if (G != nullptr && thread < C) gate_col[buf * C + thread] = -gate(j0 + thread);
+      mbarrier_arrive(full + buf);
+      mbarrier_arrive_on_copies(full + buf);
+    }
+    return;
+  }
+  claim_registers<tile::consumer_registers>();
+
+  const int g = lane / 4, c2 = 2 * (lane % 4);
+  const int row0 = warp * 16 + g;  // this thread's rows of the chunk: row0, row0 + 8
+
+  // The running query r (the accumulator layout, d[4 j + 2 h + e] = (row0 + 8 h, 8 j + c2 + e)).
+  float r[D / 2];
+  {
+    const T* q = static_cast<const T*>(p.a.q) + batch * p.a.q_stride[0] +
+                 (start + c0) * p.a.q_stride[1] + hq * p.a.q_stride[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const bool ok = row0 + 8 * hh < n;
+      const T* qr = q + (ok ? row0 + 8 * hh : 0) * p.a.q_stride[1];
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        r[4 * j + 2 * hh] = ok ? to_float(qr[8 * j + c2]) : 0.f;
+        r[4 * j + 2 * hh + 1] = ok ? to_float(qr[8 * j + c2 + 1]) : 0.f;
+      }
+    }
+  }
+  float gate_row[2] = {0.f, 0.f};
+  if (G != nullptr) gate_row[0] = gate(c0 + row0), gate_row[1] = gate(c0 + row0 + 8);
+
+  // Descriptors. K~ and W are K-major (D contiguous): k-step kk is 16 columns at byte 32 kk of
+  // a 128-byte row, 8-row groups 1024 bytes apart. V, U and M are MN-major (their rows are the
+  // reduction index): k-step kc is 16 rows, 2048 bytes further.
+  auto k_major = [](const void* tile_base, int kk) {
+    return wgmma_desc(static_cast<const __half*>(tile_base) + kk * 16, 16, 1024);
+  };
+  auto mn_major = [](const void* tile_base, int kc) {
+    return wgmma_desc(static_cast<const __half*>(tile_base) + kc * 16 * 64, C * 128, 1024);
+  };
+
+  float o[Dv / 2] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // m: row maxima of the logits (base 2)
+  float s[C / 2], x[C / 2];
+  std::uint32_t rh[D / 16][4], rb[D / 16][4];  // r in half (transition) and in T (scores)
+  std::uint32_t(&rt)[D / 16][4] = std::is_same_v<T, __half> ? rh : rb;
+  std::uint32_t xn[C / 16][4], pf[C / 16][4];  // -X in half; P in T
+  auto query_fragments = [&] {
+    to_fragments<__half>(rh, r);
+    if constexpr (!std::is_same_v<T, __half>) to_fragments<T>(rb, r);
+  };
+
+  // Online softmax (base 2) of the scores s of stage buf: s becomes P, the running maxima and
+  // sums advance, and `rescale` says by how much O shrinks. On the diagonal, keys after the row
+  // are masked; every row keeps its own key there, so its maximum is finite from the start.
+  auto softmax = [&](int buf, bool diagonal, float(&rescale)[2]) {
+    if (diagonal)
+#pragma unroll
+      for (int j = 0; j < C / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (8 * j + c2 + e % 2 > row0 + 8 * (e / 2)) s[4 * j + e] = -INFINITY;
+    if (G != nullptr) {
+      const float* ngc = gate_col + buf * C + c2;
+#pragma unroll
+      for (int j = 0; j < C / 8; ++j) {
+        const float2 gc = *reinterpret_cast<const float2*>(ngc + 8 * j);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          s[4 * j + 2 * hh] = fmaf(s[4 * j + 2 * hh], p.a.scale_log2, gc.x);
+          s[4 * j + 2 * hh + 1] = fmaf(s[4 * j + 2 * hh + 1], p.a.scale_log2, gc.y);
+        }
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < C / 8; ++j)
+        part[j % 4] = fmaxf(part[j % 4], fmaxf(s[4 * j + 2 * hh], s[4 * j + 2 * hh + 1]));
+      float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // Without a gate the maximum is over the raw scores (scale > 0), the scale folded into the
+      // exponent; with one, over s * scale - gate_col, the row's term added afterwards.
+      const float m_new = fmaxf(m[hh], G != nullptr ? mx + gate_row[hh] : mx * p.a.scale_log2);
+      const float mul = G != nullptr ? 1.f : p.a.scale_log2;
+      const float add = (G != nullptr ? gate_row[hh] : 0.f) - m_new;
+      rescale[hh] = fast_exp2(m[hh] - m_new);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) part[i] = 0.f;
+#pragma unroll
+      for (int j = 0; j < C / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& z = s[4 * j + 2 * hh + e];
+          z = fast_exp2(fmaf(z, mul, add));
+          part[j % 4] += z;
+        }
+      l[hh] = l[hh] * rescale[hh] + ((part[0] + part[1]) + (part[2] + part[3]));
+      m[hh] = m_new;
+    }
+  };
+
+  // The diagonal chunk (stage 0): X = tril(Q W^T) first, then S = Q K^T - X M and r <- r - X U.
+  {
+    float rescale[2];
+    mbarrier_wait(full, 0);
+    fence_proxy_async();  // the copies came through the generic proxy, wgmma reads the async one
+    query_fragments();
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<__half, 0>(x, rh[kk], k_major(sw, kk), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(x);
+    wgmma_fence_operand(rh);
+#pragma unroll
+    for (int j = 0; j < C / 8; ++j)  // only transitions up to the query's own position
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (8 * j + c2 + e % 2 > row0 + 8 * (e / 2)) x[4 * j + e] = 0.f;
+    to_fragments<__half>(xn, x, -1.f);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 0>(s, rt[kk], k_major(sk, kk), kk > 0);
+#pragma unroll
+    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(s, xn[kc], mn_major(sm, kc));
+    wgmma_commit();
+#pragma unroll
+    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(su, kc));
+    wgmma_commit();
+    wgmma_wait<1>();
+    wgmma_fence_operand(s);
+    softmax(0, true, rescale);  // O is still zero
+    wgmma_wait<0>();
+    wgmma_fence_operand(r);
+    wgmma_fence_operand(xn);
+    wgmma_fence_operand(rt);
+    to_fragments<T>(pf, s);
+  }
+
+  // Chunk ci - t from stage t % Stages. (No wgmma sits under a branch.)
+  for (int t = 1; t <= ci; ++t) {
+    const int buf = t % Stages, prev = (t - 1) % Stages;
+    float rescale[2];
+    mbarrier_wait(full + buf, (t / Stages) & 1);
+    fence_proxy_async();
+    query_fragments();
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      wgmma_rs<T, 0>(s, rt[kk], k_major(sk + buf * E, kk), kk > 0);
+      wgmma_rs<__half, 0>(x, rh[kk], k_major(sw + buf * E, kk), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<T, 1>(o, pf[kc], mn_major(sv + prev * E, kc));
+    wgmma_commit();
+    wgmma_wait<1>();
+    wgmma_fence_operand(s);
+    wgmma_fence_operand(x);
+    wgmma_fence_operand(rh);
+    wgmma_fence_operand(rt);
+    to_fragments<__half>(xn, x, -1.f);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(su + buf * E, kc));
+    wgmma_commit();
+    softmax(buf, false, rescale);
+    wgmma_wait<0>();
+    wgmma_fence_operand(o);
+    wgmma_fence_operand(pf);
+    wgmma_fence_operand(r);
+    wgmma_fence_operand(xn);
+    if (lane == 0) mbarrier_arrive(empty + prev);  // this warp is done with chunk ci - t + 1
+#pragma unroll
+    for (int i = 0; i < Dv / 2; ++i) o[i] *= rescale[(i / 2) % 2];
+    to_fragments<T>(pf, s);
+  }
+  wgmma_fence();
+#pragma unroll
+  for (int kc = 0; kc < C / 16; ++kc)
+    wgmma_rs<T, 1>(o, pf[kc], mn_major(sv + (ci % Stages) * E, kc));
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operand(o);
+
+  T* out = static_cast<T*>(p.a.out) + batch * p.a.out_stride[0] + (start + c0) * p.a.out_stride[1] +
+           hq * p.a.out_stride[2];
+  float* lse = p.a.lse != nullptr ? p.a.lse + batch * p.a.lse_stride[0] +
+                                        (start + c0) * p.a.lse_stride[1] + hq * p.a.lse_stride[2]
+                                  : nullptr;
+  store_output_rows<T, Dv>(out, p.a.out_stride[1], lse, p.a.lse_stride[1], row0, n, o, m, l);
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
