@@ -33,7 +33,7 @@ struct path_kernel_params {
   void* kt;  // K~, [.., D]
   void* u;   // U,  [.., D]
   void* m;   // M,  [.., C]
-  void* wh;  // W in half (tensor-core forward only), [.., D]
+  void* wh;  // -W in half (tensor-core forward only; X = -r W^T is then added), [.., D]
 
   __device__ index_t row(index_t batch, int h, index_t t) const {
     return (batch * kv_heads + h) * a.tokens + t;

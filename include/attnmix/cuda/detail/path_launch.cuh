@@ -139,15 +139,15 @@ void launch_path_mma(const path_kernel_params& kp, index_t max_len, index_t sequ
   kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
 }
 
-// Hopper, D = Dv = 64: two CTAs an SM, three stages each.
+// Hopper, D = Dv = 64: a CTA per pair of query chunks, a ring of four stages.
 template <class Dev>
 void launch_path_wgmma(const path_kernel_params& kp, index_t max_len, index_t sequences,
                        cudaStream_t stream) {
-  using tile = path_wgmma_tile<64, 64, 3>;
-  auto kernel = path_wgmma_kernel<Dev, 64, 64, 3>;
+  using tile = path_wgmma_tile<64, 64, 4>;
+  auto kernel = path_wgmma_kernel<Dev, 64, 64, 4>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
         "cudaFuncSetAttribute");
-  const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
+  const dim3 grid(static_cast<unsigned>((max_len + 2 * path_chunk - 1) / (2 * path_chunk)),
                   static_cast<unsigned>(kp.a.q_heads), static_cast<unsigned>(sequences));
   kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
 }

@@ -4,7 +4,8 @@
 // head); each warp keeps 16 rows of the running query r in float accumulators. Per key chunk,
 // right to left (spec/path_fox.md §1.5, §1.7 with BT = BS = C):
 //   S = r K~^T (the diagonal chunk: S = tril(Q K^T - tril(Q W^T) M)), online softmax, O += P V;
-//   X = r W^T, r <- r - X U   (the chunk's transition, skipped after chunk 0).
+//   X = r W^T, r <- r - X U   (the chunk's transition, skipped after chunk 0; the chunk data
+//   holds -W, so the kernel forms -X and adds).
 // Scores and P V take r rounded to T; the transition takes r, W and U in half (10 mantissa bits;
 // fla makes the same choice) and accumulates into r in float. K~/V/W/U tiles stream through
 // double-buffered, swizzled shared memory with cp.async.
@@ -32,12 +33,12 @@ struct path_mma_tile {
 
 // A fragment (16 x 16, columns 16 kk ... 16 kk + 15) of a 16-row float accumulator tile, in U.
 template <class U, int N>
-__device__ __forceinline__ void a_fragment(std::uint32_t (&a)[4], const float (&acc)[N][4], int kk,
-                                           float sign = 1.f) {
-  a[0] = pack2<U>(sign * acc[2 * kk][0], sign * acc[2 * kk][1]);
-  a[1] = pack2<U>(sign * acc[2 * kk][2], sign * acc[2 * kk][3]);
-  a[2] = pack2<U>(sign * acc[2 * kk + 1][0], sign * acc[2 * kk + 1][1]);
-  a[3] = pack2<U>(sign * acc[2 * kk + 1][2], sign * acc[2 * kk + 1][3]);
+__device__ __forceinline__ void a_fragment(std::uint32_t (&a)[4], const float (&acc)[N][4],
+                                           int kk) {
+  a[0] = pack2<U>(acc[2 * kk][0], acc[2 * kk][1]);
+  a[1] = pack2<U>(acc[2 * kk][2], acc[2 * kk][3]);
+  a[2] = pack2<U>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+  a[3] = pack2<U>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
 }
 
 // acc[16 x 8 N] += A[16 x 16 Kd] B^T with B row-major [8 N][16 Kd] in swizzled shared memory
@@ -61,15 +62,15 @@ __device__ __forceinline__ void mma_abt(float (&acc)[N][4], const float (&a_src)
   }
 }
 
-// acc[16 x 8 N] += sign * A[16 x 64] B with B row-major [64][8 N] in swizzled shared memory (B's
+// acc[16 x 8 N] += A[16 x 64] B with B row-major [64][8 N] in swizzled shared memory (B's
 // rows are the reduction index: keys). A from a float tile of 64 columns (converted to U).
 template <class U, int N>
 __device__ __forceinline__ void mma_ab(float (&acc)[N][4], const float (&a_src)[8][4], const U* sb,
-                                       int lane, float sign) {
+                                       int lane) {
 #pragma unroll
   for (int kc = 0; kc < 4; ++kc) {
     std::uint32_t a[4];
-    a_fragment<U>(a, a_src, kc, sign);
+    a_fragment<U>(a, a_src, kc);
 #pragma unroll
     for (int nn = 0; nn < N / 2; ++nn) {
       std::uint32_t b[4];
@@ -184,7 +185,8 @@ __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel
     const __half* sub = su + buf * tile::u_elems;
     const bool diagonal = it == 0;
 
-    // X = r W^T, needed by the transition (and, on the diagonal, by the scores).
+    // X = -r W^T (the chunk data holds -W), needed by the transition (and, on the diagonal, by
+    // the scores).
     float x[C / 8][4] = {};
     if (cj > 0 || diagonal) {
       mma_abt<__half, D>(x, r, swb, lane);
@@ -198,7 +200,7 @@ __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel
 
     float s[C / 8][4] = {};
     mma_abt<T, D>(s, r, skb, lane);
-    if (diagonal) mma_ab<__half>(s, x, sm, lane, -1.f);  // - tril(Q W^T) M
+    if (diagonal) mma_ab<__half>(s, x, sm, lane);  // - tril(Q W^T) M
 
 #pragma unroll
     for (int nt = 0; nt < C / 8; ++nt)
@@ -231,9 +233,9 @@ __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel
 #pragma unroll
       for (int nt = 0; nt < Dv / 8; ++nt) o[nt][2 * hh] *= alpha, o[nt][2 * hh + 1] *= alpha;
     }
-    mma_ab<T>(o, s, svb, lane, 1.f);  // O += P V
+    mma_ab<T>(o, s, svb, lane);  // O += P V
 
-    if (cj > 0 || diagonal) mma_ab<__half>(r, x, sub, lane, -1.f);  // r <- r - X U
+    if (cj > 0 || diagonal) mma_ab<__half>(r, x, sub, lane);  // r <- r - X U
     __syncthreads();  // the next iteration's prefetch overwrites this buffer
   }
 

@@ -1,7 +1,8 @@
 #pragma once
 // The PaTH chunk preparation on tensor cores (spec/path_fox.md §1.5), for the tensor-core forward:
 // half / bfloat16 keys, D in {64, 128}. It writes what path_prepare_kernel<T, T, __half> would
-// (U, M and W in half, K~ in T, same layout), computed per (chunk, KV head, sequence) as
+// (U and M in half, K~ in T, same layout), and -W in half for the forward's transition, computed
+// per (chunk, KV head, sequence) as
 //   G = W W^T, S = stril(W K^T)                        tensor cores
 //   A = (I + stril(diag(beta) G))^-1                   CUDA cores, float: the 16 x 16 diagonal
 //                                                      blocks by substitution, then two merges
@@ -174,7 +175,7 @@ __global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel
         *reinterpret_cast<uint2*>(swh + a * ldw + d) = make_uint2(hi[0], hi[1]);
         *reinterpret_cast<uint2*>(swl + a * ldw + d) = make_uint2(lo[0], lo[1]);
         if (a < n) {
-          const __half2 h01 = __floats2half2_rn(x.x, x.y), h23 = __floats2half2_rn(x.z, x.w);
+          const __half2 h01 = __floats2half2_rn(-x.x, -x.y), h23 = __floats2half2_rn(-x.z, -x.w);
           *reinterpret_cast<uint2*>(wh + a * D + d) =
               make_uint2(*reinterpret_cast<const std::uint32_t*>(&h01),
                          *reinterpret_cast<const std::uint32_t*>(&h23));
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel
         const int idx = tid + i * threads, a = idx / D, d = idx % D;
         const float x = a < n ? w[a * p.w_stride[1] + d] : 0.f;
         split_hi_lo(x, swh[a * ldw + d], swl[a * ldw + d]);
-        if (a < n) wh[a * D + d] = __float2half_rn(x);
+        if (a < n) wh[a * D + d] = __float2half_rn(-x);
       }
     }
     if (tid < C)

@@ -1,15 +1,18 @@
 #pragma once
 // PaTH forward for Hopper (wgmma, sm_90a), half / bfloat16 inputs, D = Dv = 64. The loop of
-// path_mma.cuh (spec/path_fox.md §1.5, §1.7, BT = BS = C) on the softmax kernel's structure:
-// a CTA owns one 64-row query chunk of one (sequence, query head); a producer warpgroup streams
-// each key chunk's K~ (raw K on the diagonal), V, W and U into a ring of stages (cp.async,
-// mbarriers), and a consumer warpgroup walks the chunks right to left with the running query r in
-// float accumulators. Per chunk:
-//   S = r K~^T and X = r W^T (issued together, while P V of the previous chunk is still running),
-//   r <- r - X U (on the tensor cores while the softmax of S runs), then O += P V with the next.
-// On the diagonal, S = Q K^T - tril(Q W^T) M and the mask is causal. Two CTAs share an SM, so
-// that one's dependent products fill the other's softmax. Precision as in path_mma.cuh: scores
-// and P V take r rounded to T, the transition takes r, W and U in half, r accumulates in float.
+// path_mma.cuh (spec/path_fox.md §1.5, §1.7, BT = BS = C) on the softmax kernel's structure. A CTA
+// owns two neighbouring 64-row query chunks of one (sequence, query head), lo + 1 and lo; a
+// consumer warpgroup walks each, right to left, with its running query r in float accumulators,
+// and a producer warpgroup streams the key chunks both need -- K~, V, W and U of chunk top - t in
+// stage t of a ring (cp.async, mbarriers), plus each consumer's diagonal K and M once. Sharing the
+// stream halves what each query row pulls from L2 (32 KB a key chunk): with one query chunk a CTA
+// that traffic, not the tensor cores, set the pace. Per key chunk:
+//   S = r K~^T and X = -r W^T (issued together, while P V of the previous chunk still runs; the
+//   chunk data holds -W), r <- r + X U (on the tensor cores while the softmax of S runs), then
+//   O += P V with the next chunk's products.
+// On the diagonal, S = Q K^T + tril(X) M and the mask is causal. Precision as in
+// path_mma.cuh: scores and P V take r rounded to T, the transition takes r, W and U in half, and r
+// accumulates in float.
 
 #include <cmath>
 #include <cstdint>
@@ -27,24 +30,24 @@ namespace cuda {
 
 template <int D, int Dv, int Stages>
 struct path_wgmma_tile {
-  static_assert(D == 64 && Dv == 64, "two CTAs an SM fit the stages of D = Dv = 64 only");
-  static constexpr int C = path_chunk, threads = 256, ctas_per_sm = 2;
-  // The consumer takes the rest of the CTA's half of the SM (200 registers, no spills; below 56
-  // the producer's address arithmetic spills).
+  static_assert(D == 64 && Dv == 64, "the registers and stages of D = Dv = 64 only");
+  static constexpr int C = path_chunk, consumers = 2, threads = 128 * (consumers + 1);
+  // The consumers take what the producer gives back (below 56 its address arithmetic spills).
   static constexpr int producer_registers = 56;
-  static constexpr int consumer_registers = (65536 / ctas_per_sm - 128 * producer_registers) / 128;
-  // Shared memory in elements: Stages tiles each of K (or K~), V (in T), W and U (in half), then
-  // the diagonal's M (half), each a multiple of 1024 bytes; then the gate terms of each stage
+  static constexpr int consumer_registers =
+      (65536 - 128 * producer_registers) / (128 * consumers) / 8 * 8;
+  // Shared memory, in 8 KB tiles of C x 64 16-bit elements: per stage K~, V (in T), W and U (in
+  // half); then each consumer's diagonal K (T) and M (half); then the gate terms of each stage
   // (floats) and the full and empty barrier of each stage.
-  static constexpr int tile_elems = C * 64;
-  static constexpr int m_offset = 2 * 4 * Stages * tile_elems;  // bytes
-  static constexpr int gate_offset = m_offset + 2 * C * C;
+  static constexpr int tile_elems = C * 64, tile_bytes = 2 * tile_elems;
+  static constexpr int diagonal_offset = 4 * Stages * tile_bytes;
+  static constexpr int gate_offset = diagonal_offset + 2 * consumers * tile_bytes;
   static constexpr int barrier_offset = gate_offset + 4 * Stages * C;
   static constexpr int smem_bytes = barrier_offset + 16 * Stages + 1024;  // + alignment slack
 };
 
 template <class T, int D, int Dv, int Stages>
-__global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_params p) {
+__global__ void __launch_bounds__(384, 1) path_wgmma_kernel(const path_kernel_params p) {
   using tile = path_wgmma_tile<D, Dv, Stages>;
   constexpr int C = path_chunk, E = tile::tile_elems;
   extern __shared__ unsigned char smem_raw[];
@@ -54,51 +57,67 @@ __global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_pa
   T* sv = sk + Stages * E;
   __half* sw = reinterpret_cast<__half*>(sv + Stages * E);
   __half* su = sw + Stages * E;
-  __half* sm = reinterpret_cast<__half*>(base + tile::m_offset);
+  T* sk_diag = reinterpret_cast<T*>(base + tile::diagonal_offset);       // [consumer]
+  __half* sm_diag = reinterpret_cast<__half*>(sk_diag + 2 * E);          // [consumer]
   float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);  // minus the gate terms
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + tile::barrier_offset);
   std::uint64_t* empty = full + Stages;
 
   // Warp-uniform as far as the compiler knows (wgmma under a divergent branch is serialised).
   const int lane = threadIdx.x % 32, warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+  const int wg = warp / 4;
   const int hq = blockIdx.y, h = hq / p.a.group;
-  index_t batch, start, length, ci, c0;
-  int n;
-  if (!p.query_chunk(batch, start, length, ci, c0, n)) return;
+  // Query chunks lo + 1 (consumer 0; when the sequence has it) and lo (consumer 1, or consumer 0
+  // alone); pairs counted from the last, so that the heaviest start first.
+  index_t batch, start, length;
+  p.a.sequence(blockIdx.z, batch, start, length);
+  const index_t lo = 2 * (static_cast<index_t>(gridDim.x) - 1 - blockIdx.x);
+  if (lo * C >= length) return;
+  const bool pair = (lo + 1) * C < length;
+  const index_t top = pair ? lo + 1 : lo;  // stage t holds key chunk top - t
+  auto rows_of = [&](index_t c) {
+    return length - c * C < C ? static_cast<int>(length - c * C) : C;
+  };
+  const index_t row = p.row(batch, h, start);  // of the chunk data
   const double* G = p.a.gate_cumsum != nullptr
                         ? p.a.gate_cumsum + (batch * p.a.tokens + start) * p.a.q_heads + hq
                         : nullptr;
-  const double g_ref = G != nullptr ? G[c0 * p.a.q_heads] : 0.0;
-  auto gate = [&](index_t i) {  // the gate term of position i (clamped), relative to c0
+  const double g_ref = G != nullptr ? G[lo * C * p.a.q_heads] : 0.0;
+  auto gate = [&](index_t i) {  // the gate term of position i (clamped), relative to lo's first
     return p.a.gate_coef_log2 *
            static_cast<float>(G[(i < length ? i : length - 1) * p.a.q_heads] - g_ref);
   };
 
   if (threadIdx.x == 0)
-    for (int b = 0; b < Stages; ++b) mbarrier_init(full + b, 256), mbarrier_init(empty + b, 4);
+    for (int b = 0; b < Stages; ++b)
+      mbarrier_init(full + b, 256), mbarrier_init(empty + b, pair ? 8 : 4);
   __syncthreads();
 
-  if (warp >= 4) {
+  if (wg == tile::consumers) {
     release_registers<tile::producer_registers>();
-    // Producer: stage t holds chunk ci - t. Each thread arrives twice on a full barrier: at once
-    // (its gate stores) and when its copies have landed.
-    const int thread = threadIdx.x - 128;
+    // Producer. Each thread arrives twice on a full barrier: at once (its gate stores) and when
+    // its copies have landed. Chunk top's K~ is nobody's: it is the top consumer's diagonal.
+    const int thread = threadIdx.x - 128 * tile::consumers;
     const T* k = static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] + start * p.a.k_stride[1] +
                  h * p.a.k_stride[2];
     const T* v = static_cast<const T*>(p.a.v) + batch * p.a.v_stride[0] + start * p.a.v_stride[1] +
                  h * p.a.v_stride[2];
-    const index_t row = p.row(batch, h, start);
     const T* kt = static_cast<const T*>(p.kt) + row * D;
     const __half* wh = static_cast<const __half*>(p.wh) + row * D;
     const __half* u = static_cast<const __half*>(p.u) + row * D;
-    for (int t = 0; t <= ci; ++t) {
+    const __half* mm = static_cast<const __half*>(p.m) + row * C;
+    for (int t = 0; t <= top; ++t) {
       const int buf = t % Stages;
       if (t >= Stages) mbarrier_wait(empty + buf, (t / Stages - 1) & 1);
-      const index_t j0 = (ci - t) * C, rows = t == 0 ? n : C;
+      const index_t j0 = (top - t) * C;
+      const int rows = rows_of(top - t);
       if (t == 0) {
-        load_tile<C, D>(sk + buf * E, k + j0 * p.a.k_stride[1], p.a.k_stride[1], rows, k, thread);
-        const __half* mm = static_cast<const __half*>(p.m) + (row + c0) * C;
-        load_tile<C, C>(sm, mm, C, rows, mm, thread);
+        for (int w = 0; w < (pair ? 2 : 1); ++w) {
+          const index_t d0 = (top - w) * C;
+          const int n = rows_of(top - w);
+          load_tile<C, D>(sk_diag + w * E, k + d0 * p.a.k_stride[1], p.a.k_stride[1], n, k, thread);
+          load_tile<C, C>(sm_diag + w * E, mm + d0 * C, C, n, mm, thread);
+        }
       } else {
         load_tile<C, D>(sk + buf * E, kt + j0 * D, D, rows, kt, thread);
       }
@@ -112,15 +131,20 @@ __global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_pa
     return;
   }
   claim_registers<tile::consumer_registers>();
+  if (wg == 1 && !pair) return;
 
+  // This consumer's query chunk c (its diagonal is stage t0) and rows row0, row0 + 8 of it.
+  const int t0 = wg;
+  const index_t c = top - t0;
+  const int n = rows_of(c);
   const int g = lane / 4, c2 = 2 * (lane % 4);
-  const int row0 = warp * 16 + g;  // this thread's rows of the chunk: row0, row0 + 8
+  const int row0 = (warp % 4) * 16 + g;
 
   // The running query r (the accumulator layout, d[4 j + 2 h + e] = (row0 + 8 h, 8 j + c2 + e)).
   float r[D / 2];
   {
     const T* q = static_cast<const T*>(p.a.q) + batch * p.a.q_stride[0] +
-                 (start + c0) * p.a.q_stride[1] + hq * p.a.q_stride[2];
+                 (start + c * C) * p.a.q_stride[1] + hq * p.a.q_stride[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const bool ok = row0 + 8 * hh < n;
@@ -133,16 +157,21 @@ __global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_pa
     }
   }
   float gate_row[2] = {0.f, 0.f};
-  if (G != nullptr) gate_row[0] = gate(c0 + row0), gate_row[1] = gate(c0 + row0 + 8);
-
-  // Descriptors. K~ and W are K-major (D contiguous): k-step kk is 16 columns at byte 32 kk of
-  // a 128-byte row, 8-row groups 1024 bytes apart. V, U and M are MN-major (their rows are the
-  // reduction index): k-step kc is 16 rows, 2048 bytes further.
-  auto k_major = [](const void* tile_base, int kk) {
-    return wgmma_desc(static_cast<const __half*>(tile_base) + kk * 16, 16, 1024);
+  if (G != nullptr) gate_row[0] = gate(c * C + row0), gate_row[1] = gate(c * C + row0 + 8);
+  // Descriptors, formed once; the rest is adding offsets in their 16-byte units. K~ and W are
+  // K-major (D contiguous): k-step kk is 16 columns at byte 32 kk of a 128-byte row, 8-row groups
+  // 1024 bytes apart. V, U and M are MN-major (their rows are the reduction index): k-step kc is
+  // 16 rows, 2048 bytes further. A stage's tile is 8 KB further.
+  const std::uint64_t k_desc = wgmma_desc(sk, 16, 1024), w_desc = wgmma_desc(sw, 16, 1024),
+                      v_desc = wgmma_desc(sv, C * 128, 1024),
+                      u_desc = wgmma_desc(su, C * 128, 1024),
+                      kd_desc = wgmma_desc(sk_diag + wg * E, 16, 1024),
+                      md_desc = wgmma_desc(sm_diag + wg * E, C * 128, 1024);
+  auto k_major = [](std::uint64_t desc, int buf, int kk) {
+    return desc + static_cast<std::uint64_t>(buf * (tile::tile_bytes >> 4) + 2 * kk);
   };
-  auto mn_major = [](const void* tile_base, int kc) {
-    return wgmma_desc(static_cast<const __half*>(tile_base) + kc * 16 * 64, C * 128, 1024);
+  auto mn_major = [](std::uint64_t desc, int buf, int kc) {
+    return desc + static_cast<std::uint64_t>(buf * (tile::tile_bytes >> 4) + 128 * kc);
   };
 
   float o[Dv / 2] = {};
@@ -150,7 +179,7 @@ __global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_pa
   float s[C / 2], x[C / 2];
   std::uint32_t rh[D / 16][4], rb[D / 16][4];  // r in half (transition) and in T (scores)
   std::uint32_t(&rt)[D / 16][4] = std::is_same_v<T, __half> ? rh : rb;
-  std::uint32_t xn[C / 16][4], pf[C / 16][4];  // -X in half; P in T
+  std::uint32_t xn[C / 16][4], pf[C / 16][4];  // X (= -r W^T) in half; P in T
   auto query_fragments = [&] {
     to_fragments<__half>(rh, r);
     if constexpr (!std::is_same_v<T, __half>) to_fragments<T>(rb, r);
@@ -208,15 +237,22 @@ __global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_pa
     }
   };
 
-  // The diagonal chunk (stage 0): X = tril(Q W^T) first, then S = Q K^T - X M and r <- r - X U.
+  // The diagonal chunk (stage t0): X = tril(-Q W^T) first, then S = Q K^T + X M and r <- r + X U.
+  // The diagonal K and M come with stage 0; the lower consumer skips stage 0's chunk (above its
+  // queries).
   {
     float rescale[2];
     mbarrier_wait(full, 0);
+    if (t0 == 1) {
+      if (lane == 0) mbarrier_arrive(empty);
+      mbarrier_wait(full + 1, 0);
+    }
     fence_proxy_async();  // the copies came through the generic proxy, wgmma reads the async one
     query_fragments();
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<__half, 0>(x, rh[kk], k_major(sw, kk), kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_rs<__half, 0>(x, rh[kk], k_major(w_desc, t0, kk), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(x);
@@ -226,19 +262,19 @@ __global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_pa
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         if (8 * j + c2 + e % 2 > row0 + 8 * (e / 2)) x[4 * j + e] = 0.f;
-    to_fragments<__half>(xn, x, -1.f);
+    to_fragments<__half>(xn, x);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 0>(s, rt[kk], k_major(sk, kk), kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 0>(s, rt[kk], k_major(kd_desc, 0, kk), kk > 0);
 #pragma unroll
-    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(s, xn[kc], mn_major(sm, kc));
+    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(s, xn[kc], mn_major(md_desc, 0, kc));
     wgmma_commit();
 #pragma unroll
-    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(su, kc));
+    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(u_desc, t0, kc));
     wgmma_commit();
     wgmma_wait<1>();
     wgmma_fence_operand(s);
-    softmax(0, true, rescale);  // O is still zero
+    softmax(t0, true, rescale);  // O is still zero
     wgmma_wait<0>();
     wgmma_fence_operand(r);
     wgmma_fence_operand(xn);
@@ -246,8 +282,8 @@ __global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_pa
     to_fragments<T>(pf, s);
   }
 
-  // Chunk ci - t from stage t % Stages. (No wgmma sits under a branch.)
-  for (int t = 1; t <= ci; ++t) {
+  // Chunk top - t from stage t % Stages. (No wgmma sits under a branch.)
+  for (int t = t0 + 1; t <= top; ++t) {
     const int buf = t % Stages, prev = (t - 1) % Stages;
     float rescale[2];
     mbarrier_wait(full + buf, (t / Stages) & 1);
@@ -256,22 +292,22 @@ __global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_pa
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      wgmma_rs<T, 0>(s, rt[kk], k_major(sk + buf * E, kk), kk > 0);
-      wgmma_rs<__half, 0>(x, rh[kk], k_major(sw + buf * E, kk), kk > 0);
+      wgmma_rs<T, 0>(s, rt[kk], k_major(k_desc, buf, kk), kk > 0);
+      wgmma_rs<__half, 0>(x, rh[kk], k_major(w_desc, buf, kk), kk > 0);
     }
     wgmma_commit();
 #pragma unroll
-    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<T, 1>(o, pf[kc], mn_major(sv + prev * E, kc));
+    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<T, 1>(o, pf[kc], mn_major(v_desc, prev, kc));
     wgmma_commit();
     wgmma_wait<1>();
     wgmma_fence_operand(s);
     wgmma_fence_operand(x);
     wgmma_fence_operand(rh);
     wgmma_fence_operand(rt);
-    to_fragments<__half>(xn, x, -1.f);
+    to_fragments<__half>(xn, x);
     wgmma_fence();
 #pragma unroll
-    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(su + buf * E, kc));
+    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(u_desc, buf, kc));
     wgmma_commit();
     softmax(buf, false, rescale);
     wgmma_wait<0>();
@@ -279,23 +315,22 @@ __global__ void __launch_bounds__(256, 2) path_wgmma_kernel(const path_kernel_pa
     wgmma_fence_operand(pf);
     wgmma_fence_operand(r);
     wgmma_fence_operand(xn);
-    if (lane == 0) mbarrier_arrive(empty + prev);  // this warp is done with chunk ci - t + 1
+    if (lane == 0) mbarrier_arrive(empty + prev);  // this warp is done with stage t - 1
 #pragma unroll
     for (int i = 0; i < Dv / 2; ++i) o[i] *= rescale[(i / 2) % 2];
     to_fragments<T>(pf, s);
   }
   wgmma_fence();
 #pragma unroll
-  for (int kc = 0; kc < C / 16; ++kc)
-    wgmma_rs<T, 1>(o, pf[kc], mn_major(sv + (ci % Stages) * E, kc));
+  for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<T, 1>(o, pf[kc], mn_major(v_desc, top % Stages, kc));
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operand(o);
 
-  T* out = static_cast<T*>(p.a.out) + batch * p.a.out_stride[0] + (start + c0) * p.a.out_stride[1] +
-           hq * p.a.out_stride[2];
+  T* out = static_cast<T*>(p.a.out) + batch * p.a.out_stride[0] +
+           (start + c * C) * p.a.out_stride[1] + hq * p.a.out_stride[2];
   float* lse = p.a.lse != nullptr ? p.a.lse + batch * p.a.lse_stride[0] +
-                                        (start + c0) * p.a.lse_stride[1] + hq * p.a.lse_stride[2]
+                                        (start + c * C) * p.a.lse_stride[1] + hq * p.a.lse_stride[2]
                                   : nullptr;
   store_output_rows<T, Dv>(out, p.a.out_stride[1], lse, p.a.lse_stride[1], row0, n, o, m, l);
 }

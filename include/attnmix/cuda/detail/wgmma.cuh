@@ -41,17 +41,22 @@ struct sw128_layout {
 };
 
 // Copies rows [0, Rows) of a row-major tile into a 64-column-atom tile with the 128 threads of
-// a warpgroup (cp.async, 16 bytes each); rows >= valid are zero-filled from `safe`. Offsets are
-// computed per copy, not held like tile_loader's: the producer has few registers.
+// a warpgroup (cp.async, 16 bytes each); rows >= valid are zero-filled from `safe`. A thread
+// keeps one 16-byte column c and steps down the rows 128 / chunks at a time, so that its
+// swizzled position within a row never changes (the step is a multiple of 8 rows): a copy costs a
+// few instructions, which matters to a producer that issues thousands of them.
 template <int Rows, int Cols, class T>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, index_t stride, index_t valid,
                                           const T* safe, int thread) {
-  constexpr int chunks = Cols / 8;
+  constexpr int chunks = Cols / 8, step = 128 / chunks;
+  static_assert(Rows * chunks % 128 == 0 && step % 8 == 0, "whole passes of the warpgroup");
+  const int r0 = thread / chunks, c = thread % chunks;
+  T* dst = smem + sw128_layout<Rows>::offset(r0, c);
+  const T* src = gmem + r0 * stride + c * 8;
 #pragma unroll
-  for (int idx = thread; idx < Rows * chunks; idx += 128) {
-    const int r = idx / chunks, c = idx % chunks;
-    const bool ok = r < valid;
-    cp_async_16(smem + sw128_layout<Rows>::offset(r, c), ok ? gmem + r * stride + c * 8 : safe, ok);
+  for (int i = 0; i < Rows / step; ++i) {
+    const bool ok = r0 + i * step < valid;
+    cp_async_16(dst + i * step * 64, ok ? src + i * step * stride : safe, ok);
   }
 }
 
@@ -126,15 +131,13 @@ __device__ __forceinline__ void wgmma_fence_operand(std::uint32_t (&r)[N][4]) {
 }
 
 // The register A operand of a product taken from a 64-row accumulator: fragment kc holds
-// columns 16 kc .. 16 kc + 15 of `sign` * d, in U (the layouts match, so no data moves).
+// columns 16 kc .. 16 kc + 15 of d, in U (the layouts match, so no data moves).
 template <class U, int N>
-__device__ __forceinline__ void to_fragments(std::uint32_t (&a)[N / 8][4], const float (&d)[N],
-                                             float sign = 1.f) {
+__device__ __forceinline__ void to_fragments(std::uint32_t (&a)[N / 8][4], const float (&d)[N]) {
 #pragma unroll
   for (int kc = 0; kc < N / 8; ++kc)
 #pragma unroll
-    for (int r = 0; r < 4; ++r)
-      a[kc][r] = pack2<U>(sign * d[8 * kc + 2 * r], sign * d[8 * kc + 2 * r + 1]);
+    for (int r = 0; r < 4; ++r) a[kc][r] = pack2<U>(d[8 * kc + 2 * r], d[8 * kc + 2 * r + 1]);
 }
 
 #define ATTNMIX_D8(i)                                                                         \
