@@ -5,8 +5,8 @@
 // consumer warpgroup walks each, right to left, with its running query r in float accumulators,
 // and a producer warpgroup streams the key chunks both need -- K~, V, W and U of chunk top - t in
 // stage t of a ring (cp.async, mbarriers), plus each consumer's diagonal K and M once. Sharing the
-// stream halves what each query row pulls from L2 (32 KB a key chunk): with one query chunk a CTA
-// that traffic, not the tensor cores, set the pace. Per key chunk:
+// stream halves what each query row pulls from L2 (32 KB a key chunk; 1-8 % faster than a CTA a
+// query chunk, two CTAs an SM, on an H200). Per key chunk:
 //   S = r K~^T and X = -r W^T (issued together, while P V of the previous chunk still runs; the
 //   chunk data holds -W), r <- r + X U (on the tensor cores while the softmax of S runs), then
 //   O += P V with the next chunk's products.
