@@ -110,8 +110,10 @@ __device__ __forceinline__ void mma_split(float (&acc)[2][4], const std::uint32_
 
 // Shared memory of one CTA (bytes): W hi, lo [C][D+8]; S hi, lo [C][C+8], later M; and one
 // region that holds K [C][D+8], then L and A in float [C][C+8], then A diag(beta) hi, lo
-// [C][C+8]. Rows padded by 8 elements keep ldmatrix (16-byte rows at a 16-byte offset mod 128)
-// and the float accesses free of bank conflicts. 54 KiB at D = 64: four CTAs per SM.
+// [C][C+8], then U and M in half (D = 64) on their way out, then K again, rewritten as K~ and
+// written out. Global results leave as 16-byte rows, never as 4-byte fragments. Rows padded by 8
+// elements keep ldmatrix (16-byte rows at a 16-byte offset mod 128) and the float accesses free of
+// bank conflicts. 54 KiB at D = 64: four CTAs per SM.
 template <int D>
 struct path_prepare_mma_layout {
   static constexpr int C = path_chunk, ldw = D + 8, ldc = C + 8, ldf = C + 8;
@@ -119,11 +121,14 @@ struct path_prepare_mma_layout {
   static constexpr int q_bytes = C * ldf * 4;
   static_assert(q_bytes >= C * ldw * 2 && q_bytes >= 2 * C * ldc * 2, "region too small");
   static constexpr int smem_bytes = w_bytes + s_bytes + q_bytes;
+  // U and M fit the region side by side after the products (D = 64): written out as rows.
+  static constexpr bool staged = q_bytes >= C * (ldw + ldc) * 2;
 };
 
 // One (chunk, KV head, sequence) = (blockIdx.x, .y, .z) per 256-thread CTA.
 template <class T, int D>
-__global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel_params p) {
+__global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
+    path_prepare_mma_kernel(const path_kernel_params p) {
   using layout = path_prepare_mma_layout<D>;
   constexpr int C = path_chunk, threads = 256, ldw = layout::ldw, ldc = layout::ldc,
                 ldf = layout::ldf;
@@ -138,7 +143,7 @@ __global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel
   float* sf = reinterpret_cast<float*>(region);  // L, then A
   T* sth = reinterpret_cast<T*>(region);         // A diag(beta)
   T* stl = sth + C * ldc;
-  __shared__ float sbeta[C];
+  __shared__ __align__(16) float sbeta[C];
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c2 = 2 * (lane % 4);
   const int h = blockIdx.y;
@@ -199,67 +204,78 @@ __global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel
   __syncthreads();
 
   // G = W W^T and S = stril(W K^T) on the ten 16 x 16 blocks at or below the diagonal (block
-  // row rb, column jb <= rb): warp w takes blocks w and w + 8. S goes straight to its place; G
-  // waits in registers until K, which shares L's region, is no longer read.
-  auto block_row = [](int b) {
-    return (b >= 1) + (b >= 3) + (b >= 6);
-  };
+  // row rb, column jb <= rb). Warps 0..5 take a block column jb and one or two block rows from
+  // rb0: (jb, rb0) = (0, 0..1), (0, 2..3), (1, 1..2), (2, 2..3), (1, 3), (3, 3); the B fragments
+  // (W and K of column jb) serve both rows, and a diagonal block takes W's B fragments from A's
+  // registers. S goes straight to its place; G waits in registers until K, which shares L's
+  // region, is no longer read.
+  const int gjb = 0x312100 >> (4 * warp) & 15, grb0 = 0x332120 >> (4 * warp) & 15;
+  const int gnb = warp < 4 ? 2 : warp < 6 ? 1 : 0;
   float gram[2][2][4] = {};
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const int blk = warp + 8 * s, rb = block_row(blk), jb = blk - rb * (rb + 1) / 2;
-    if (blk >= 10) break;
-    float acc[2][4] = {};
+  if (gnb > 0) {
+    float acc[2][2][4] = {};
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       std::uint32_t ah[4], al[4], bh[4], bl[4], bk[4];
-      load_a(ah, swh, ldw, 16 * rb, 16 * kk, lane);
-      load_a(al, swl, ldw, 16 * rb, 16 * kk, lane);
-      load_b(bh, swh, ldw, 16 * jb, 16 * kk, lane);
-      load_b(bl, swl, ldw, 16 * jb, 16 * kk, lane);
-      load_b(bk, sk, ldw, 16 * jb, 16 * kk, lane);
-      mma_split<T>(gram[s], ah, al, bh, bl);
+      load_a(ah, swh, ldw, 16 * grb0, 16 * kk, lane);
+      load_a(al, swl, ldw, 16 * grb0, 16 * kk, lane);
+      if (gjb == grb0) {  // the same tile: B's four 8 x 8 matrices are A's, two swapped
+        bh[0] = ah[0], bh[1] = ah[2], bh[2] = ah[1], bh[3] = ah[3];
+        bl[0] = al[0], bl[1] = al[2], bl[2] = al[1], bl[3] = al[3];
+      } else {
+        load_b(bh, swh, ldw, 16 * gjb, 16 * kk, lane);
+        load_b(bl, swl, ldw, 16 * gjb, 16 * kk, lane);
+      }
+      load_b(bk, sk, ldw, 16 * gjb, 16 * kk, lane);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const std::uint32_t kb[2] = {bk[2 * nt], bk[2 * nt + 1]};
-        mma_16816<T>(acc[nt], al, kb);
-        mma_16816<T>(acc[nt], ah, kb);
+      for (int s = 0; s < 2; ++s) {
+        if (s == 1) {
+          if (gnb < 2) break;
+          load_a(ah, swh, ldw, 16 * (grb0 + 1), 16 * kk, lane);
+          load_a(al, swl, ldw, 16 * (grb0 + 1), 16 * kk, lane);
+        }
+        mma_split<T>(gram[s], ah, al, bh, bl);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const std::uint32_t kb[2] = {bk[2 * nt], bk[2 * nt + 1]};
+          mma_16816<T>(acc[s][nt], al, kb);
+          mma_16816<T>(acc[s][nt], ah, kb);
+        }
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int s = 0; s < 2; ++s) {
+      if (s >= gnb) break;
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int a = 16 * rb + g + 8 * hh, b = 16 * jb + 8 * nt + c2;
-        std::uint32_t hi, lo;
-        split_pair<T>(a > b ? acc[nt][2 * hh] : 0.f, a > b + 1 ? acc[nt][2 * hh + 1] : 0.f, hi, lo);
-        *reinterpret_cast<std::uint32_t*>(ssh + a * ldc + b) = hi;
-        *reinterpret_cast<std::uint32_t*>(ssl + a * ldc + b) = lo;
-      }
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int a = 16 * (grb0 + s) + g + 8 * hh, b = 16 * gjb + 8 * nt + c2;
+          std::uint32_t hi, lo;
+          split_pair<T>(a > b ? acc[s][nt][2 * hh] : 0.f, a > b + 1 ? acc[s][nt][2 * hh + 1] : 0.f,
+                        hi, lo);
+          *reinterpret_cast<std::uint32_t*>(ssh + a * ldc + b) = hi;
+          *reinterpret_cast<std::uint32_t*>(ssl + a * ldc + b) = lo;
+        }
+    }
   }
   __syncthreads();  // K is no longer read
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
-    const int blk = warp + 8 * s, rb = block_row(blk), jb = blk - rb * (rb + 1) / 2;
-    if (blk >= 10) break;
+    if (s >= gnb) break;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int a = 16 * rb + g + 8 * hh, b = 16 * jb + 8 * nt + c2;
+        const int a = 16 * (grb0 + s) + g + 8 * hh, b = 16 * gjb + 8 * nt + c2;
         *reinterpret_cast<float2*>(sf + a * ldf + b) =
             make_float2(a > b ? sbeta[a] * gram[s][nt][2 * hh] : 0.f,
                         a > b + 1 ? sbeta[a] * gram[s][nt][2 * hh + 1] : 0.f);
       }
   }
-  // Zeros in the blocks above the diagonal (the inverse and the products below read them).
-  for (int idx = tid; idx < C * C / 4; idx += threads) {
-    const int a = idx / (C / 4), b = 4 * (idx % (C / 4));
-    if (b / 16 <= a / 16) continue;
-    *reinterpret_cast<float4*>(sf + a * ldf + b) = make_float4(0.f, 0.f, 0.f, 0.f);
-    *reinterpret_cast<uint2*>(ssh + a * ldc + b) = make_uint2(0u, 0u);
-    *reinterpret_cast<uint2*>(ssl + a * ldc + b) = make_uint2(0u, 0u);
-  }
+  // The blocks above the diagonal are not cleared: the merges' loops skip them, their top-right
+  // quarter is the merges' scratch, the hi / lo split of A diag(beta) masks them, and the
+  // products read S only at or below the diagonal.
   __syncthreads();
 
   // A = (I + L)^-1 in place, in float. The diagonal 16 x 16 blocks first: a thread per column of
@@ -280,86 +296,146 @@ __global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel
     for (int r = 0; r < 16; ++r) sf[(o + r) * ldf + o + j] = x[r];
   }
   __syncthreads();
-  // Merges: [[A11, 0], [L21, A22]] -> A21 = -A22 (L21 A11). The product in brackets goes to the
-  // (unused) block above the diagonal in the top-right 32 x 32 quarter.
-  {  // two 16 -> 32 merges, two columns per thread
-    const int o = 32 * (tid / 128), r = tid % 128 / 8, c = 2 * (tid % 8);
+  // Merges: [[A11, 0], [L21, A22]] -> A21 = -A22 (L21 A11), in two products whose loops skip
+  // the zeros above the diagonals of A11 and A22 (both lower triangular). The product in brackets
+  // goes to the (unused) block above the diagonal in the top-right 32 x 32 quarter. Warps 0..3
+  // work, each thread on a tile of 4 or 8 outputs: the shared-memory wavefronts of a warp go with
+  // the words a thread loads (a 16-byte load costs four, broadcast or not), and the tiles reuse
+  // each loaded word two to four times.
+  const int rg = lane / 4, rq = lane / 8;
+  const int rq_row = 2 * (rq % 2) + rq / 2;  // rows 0, 2, 1, 3: two rows of a half warp 2 apart
+  if (warp < 4) {                            // two 16 -> 32 merges, two warps each; T = L21 A11
+    const int o = 32 * (warp / 2), w2 = warp % 2, c = 8 * w2 + 2 * (lane % 4);
+    float acc[2][2] = {};
+#pragma unroll
+    for (int k = 0; k < 16; k += 4) {
+      if (k < 8 * w2) continue;  // A11's rows above column 8 w2 are zero there
+      float4 l[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        l[i] = *reinterpret_cast<const float4*>(sf + (o + 16 + rg + 8 * i) * ldf + o + k);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 x = *reinterpret_cast<const float2*>(sf + (o + k + e) * ldf + o + c);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float le = e == 0 ? l[i].x : e == 1 ? l[i].y : e == 2 ? l[i].z : l[i].w;
+          acc[i][0] += le * x.x, acc[i][1] += le * x.y;
+        }
+      }
+    }
     float* t = sf + (o / 2) * ldf + 32 + o / 2;  // rows o/2.., columns 32 + o/2..
-    float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
-    for (int b = 0; b < 16; b += 4) {
-      const float4 l4 = *reinterpret_cast<const float4*>(sf + (o + 16 + r) * ldf + o + b);
-      const float l[4] = {l4.x, l4.y, l4.z, l4.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = *reinterpret_cast<const float2*>(sf + (o + b + e) * ldf + o + c);
-        acc.x += l[e] * x.x, acc.y += l[e] * x.y;
-      }
-    }
-    *reinterpret_cast<float2*>(t + r * ldf + c) = acc;
-    __syncthreads();
-    acc = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int b = 0; b < 16; b += 4) {
-      const float4 a4 = *reinterpret_cast<const float4*>(sf + (o + 16 + r) * ldf + o + 16 + b);
-      const float a[4] = {a4.x, a4.y, a4.z, a4.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = *reinterpret_cast<const float2*>(t + (b + e) * ldf + c);
-        acc.x -= a[e] * x.x, acc.y -= a[e] * x.y;
-      }
-    }
-    *reinterpret_cast<float2*>(sf + (o + 16 + r) * ldf + o + c) = acc;
+    for (int i = 0; i < 2; ++i)
+      *reinterpret_cast<float2*>(t + (rg + 8 * i) * ldf + c) = make_float2(acc[i][0], acc[i][1]);
   }
   __syncthreads();
-  {  // the 32 -> 64 merge, four columns per thread; then A diag(beta) split into hi + lo
-    const int r = tid / 8, c = 4 * (tid % 8);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1  // four rows a step already; unrolled further, the half kernel spills
-    for (int b = 0; b < 32; b += 4) {
-      const float4 l4 = *reinterpret_cast<const float4*>(sf + (32 + r) * ldf + b);
-      const float l[4] = {l4.x, l4.y, l4.z, l4.w};
+  if (warp < 4) {  // A21 = -A22 T: warp w2 takes rows 8 w2.. (A22's columns k <= 8 w2 + 7)
+    const int o = 32 * (warp / 2), w2 = warp % 2, c = 2 * (lane % 8);
+    const float* t = sf + (o / 2) * ldf + 32 + o / 2;
+    float acc[2][2] = {};
+#pragma unroll
+    for (int k = 0; k < 16; k += 4) {
+      if (k > 8 * w2 + 7) continue;
+      float4 a[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        a[i] = *reinterpret_cast<const float4*>(sf + (o + 16 + 8 * w2 + rq_row + 4 * i) * ldf + o +
+                                                16 + k);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float4 x = *reinterpret_cast<const float4*>(sf + (b + e) * ldf + c);
-        acc.x += l[e] * x.x, acc.y += l[e] * x.y, acc.z += l[e] * x.z, acc.w += l[e] * x.w;
+        const float2 x = *reinterpret_cast<const float2*>(t + (k + e) * ldf + c);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float ae = e == 0 ? a[i].x : e == 1 ? a[i].y : e == 2 ? a[i].z : a[i].w;
+          acc[i][0] -= ae * x.x, acc[i][1] -= ae * x.y;
+        }
       }
     }
-    *reinterpret_cast<float4*>(sf + r * ldf + 32 + c) = acc;
-    __syncthreads();
-    float4 a21 = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      *reinterpret_cast<float2*>(sf + (o + 16 + 8 * w2 + rq_row + 4 * i) * ldf + o + c) =
+          make_float2(acc[i][0], acc[i][1]);
+  }
+  __syncthreads();
+  // The 32 -> 64 merge. T = L21 A11: warp w takes columns 8 w.. (A11's rows k >= 8 w), a thread
+  // rows rg + 8 i and two columns.
+  if (warp < 4) {
+    const int c = 8 * warp + 2 * (lane % 4);
+    float acc[4][2] = {};
 #pragma unroll 1
-    for (int b = 0; b < 32; b += 4) {
-      const float4 a4 = *reinterpret_cast<const float4*>(sf + (32 + r) * ldf + 32 + b);
-      const float a[4] = {a4.x, a4.y, a4.z, a4.w};
+    for (int k = 8 * warp; k < 32; k += 4) {
+      float4 l[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        l[i] = *reinterpret_cast<const float4*>(sf + (32 + rg + 8 * i) * ldf + k);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float4 x = *reinterpret_cast<const float4*>(sf + (b + e) * ldf + 32 + c);
-        a21.x -= a[e] * x.x, a21.y -= a[e] * x.y, a21.z -= a[e] * x.z, a21.w -= a[e] * x.w;
+        const float2 x = *reinterpret_cast<const float2*>(sf + (k + e) * ldf + c);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float le = e == 0 ? l[i].x : e == 1 ? l[i].y : e == 2 ? l[i].z : l[i].w;
+          acc[i][0] += le * x.x, acc[i][1] += le * x.y;
+        }
       }
     }
-    // This thread converts its A21 quad and three quads elsewhere: the 512 of rows 0..31 and
-    // the 256 of the bottom-right quarter. The float A is read before anyone writes hi / lo.
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      *reinterpret_cast<float2*>(sf + (rg + 8 * i) * ldf + 32 + c) =
+          make_float2(acc[i][0], acc[i][1]);
+  }
+  __syncthreads();
+  {  // A21 = -A22 T (warp w < 4: rows 8 w.., A22's columns k <= 8 w + 7; a thread two rows and
+     // four columns), then A diag(beta) split into hi + lo
+    const int cq = 4 * (lane % 8);
+    float4 a21[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+    if (warp < 4) {
+#pragma unroll 1
+      for (int k = 0; k < 8 * warp + 8; k += 4) {
+        float4 a[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          a[i] = *reinterpret_cast<const float4*>(sf + (32 + 8 * warp + rq_row + 4 * i) * ldf + 32 +
+                                                  k);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float4 x = *reinterpret_cast<const float4*>(sf + (k + e) * ldf + 32 + cq);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float ae = e == 0 ? a[i].x : e == 1 ? a[i].y : e == 2 ? a[i].z : a[i].w;
+            a21[i].x -= ae * x.x, a21[i].y -= ae * x.y, a21[i].z -= ae * x.z, a21[i].w -= ae * x.w;
+          }
+        }
+      }
+    }
+    // Four quads a thread: warps 0..3 their two A21 quads and two more, warps 4..7 four; the
+    // others are the 512 of rows 0..31 and the 256 of the bottom-right quarter. The float A is
+    // read before anyone writes hi / lo; the top-right quarter (the merges' scratch) is masked.
     float4 quad[4];
     int qrow[4], qcol[4];
-    quad[0] = a21, qrow[0] = 32 + r, qcol[0] = c;
 #pragma unroll
-    for (int i = 1; i < 4; ++i) {
-      const int q = tid + (i - 1) * threads;
+    for (int i = 0; i < 4; ++i) {
+      if (warp < 4 && i < 2) {
+        quad[i] = a21[i], qrow[i] = 32 + 8 * warp + rq_row + 4 * i, qcol[i] = cq;
+        continue;
+      }
+      const int q = warp < 4 ? tid + (i - 2) * 128 : 256 + (tid - 128) + i * 128;
       qrow[i] = q < 512 ? q / 16 : 32 + (q - 512) / 8;
       qcol[i] = q < 512 ? 4 * (q % 16) : 32 + 4 * ((q - 512) % 8);
-      quad[i] = *reinterpret_cast<const float4*>(sf + qrow[i] * ldf + qcol[i]);
+      quad[i] = qcol[i] > qrow[i] ? make_float4(0.f, 0.f, 0.f, 0.f)
+                                  : *reinterpret_cast<const float4*>(sf + qrow[i] * ldf + qcol[i]);
     }
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float v[4] = {quad[i].x, quad[i].y, quad[i].z, quad[i].w};
+      const float4 b4 = *reinterpret_cast<const float4*>(sbeta + qcol[i]);
+      const float v[4] = {quad[i].x * b4.x, quad[i].y * b4.y, quad[i].z * b4.z, quad[i].w * b4.w};
       std::uint32_t hi[2], lo[2];
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int col = qcol[i] + e;
-        split_pair<T>(col > qrow[i] ? 0.f : v[e] * sbeta[col],
-                      col + 1 > qrow[i] ? 0.f : v[e + 1] * sbeta[col + 1], hi[e / 2], lo[e / 2]);
+        split_pair<T>(col > qrow[i] ? 0.f : v[e], col + 1 > qrow[i] ? 0.f : v[e + 1], hi[e / 2],
+                      lo[e / 2]);
       }
       *reinterpret_cast<uint2*>(sth + qrow[i] * ldc + qcol[i]) = make_uint2(hi[0], hi[1]);
       *reinterpret_cast<uint2*>(stl + qrow[i] * ldc + qcol[i]) = make_uint2(lo[0], lo[1]);
@@ -387,7 +463,7 @@ __global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel
       }
     }
   };
-  // Rows < n of a 64 x 16 accumulator as half pairs.
+  // Rows < n of a 64 x 16 accumulator as half pairs (straight to global memory).
   auto store_rows = [&](__half* dst, int ld, const float(&acc)[4][2][4]) {
 #pragma unroll
     for (int rb = 0; rb < 4; ++rb)
@@ -401,19 +477,33 @@ __global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel
               __floats2half2_rn(acc[rb][nt][2 * hh], acc[rb][nt][2 * hh + 1]);
       }
   };
-  for (int ub = warp; ub < D / 16; ub += 8) {
-    float acc[4][2][4] = {};
-    tc_product(acc, swh, swl, ldw, 16 * ub, 0);
-    store_rows(static_cast<__half*>(p.u) + row0 * D + 16 * ub, D, acc);
-  }
-  const int mb = (warp + 8 - D / 16) % 8;  // this warp's column block of M, if < 4
-  float macc[4][2][4] = {};
-  if (mb < 4) {
-    tc_product(macc, ssh, ssl, ldc, 16 * mb, mb);
-    store_rows(static_cast<__half*>(p.m) + row0 * C + 16 * mb, C, macc);
-  }
-  __syncthreads();  // S is no longer read: M, split, takes its place
-  if (mb < 4)
+  // A 64 x 16 accumulator as half pairs into a shared tile, all 64 rows.
+  auto stage_rows = [&](__half* dst, int ld, const float(&acc)[4][2][4]) {
+#pragma unroll
+    for (int rb = 0; rb < 4; ++rb)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+          *reinterpret_cast<__half2*>(dst + (16 * rb + g + 8 * hh) * ld + 8 * nt + c2) =
+              __floats2half2_rn(acc[rb][nt][2 * hh], acc[rb][nt][2 * hh + 1]);
+  };
+  // Rows < n of a shared [C][cols] tile (ld elements a row) to global memory (cols a row) as
+  // 16-byte rows: a thread keeps one 16-byte column and steps down the rows.
+  auto copy_rows = [&](auto* dst, const auto* src, int ld, auto cols_tag) {
+    constexpr int cols = decltype(cols_tag)::value, chunks = cols / 8, step = threads / chunks;
+    static_assert(sizeof(*src) == 2 && C % step == 0, "copy shape");
+    const int cc = tid % chunks, r0 = tid / chunks;
+#pragma unroll
+    for (int i = 0; i < C / step; ++i) {
+      const int a = r0 + i * step;
+      if (a < n)
+        *reinterpret_cast<uint4*>(dst + a * cols + 8 * cc) =
+            *reinterpret_cast<const uint4*>(src + a * ld + 8 * cc);
+    }
+  };
+  // M, split, in S's place (after S's last read).
+  auto split_m = [&](const float(&acc)[4][2][4], int mb) {
 #pragma unroll
     for (int rb = 0; rb < 4; ++rb)
 #pragma unroll
@@ -422,11 +512,58 @@ __global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel
         for (int hh = 0; hh < 2; ++hh) {
           const int a = 16 * rb + g + 8 * hh, b = 16 * mb + 8 * nt + c2;
           std::uint32_t hi, lo;
-          split_pair<T>(macc[rb][nt][2 * hh], macc[rb][nt][2 * hh + 1], hi, lo);
+          split_pair<T>(acc[rb][nt][2 * hh], acc[rb][nt][2 * hh + 1], hi, lo);
           *reinterpret_cast<std::uint32_t*>(ssh + a * ldc + b) = hi;
           *reinterpret_cast<std::uint32_t*>(ssl + a * ldc + b) = lo;
         }
-  __syncthreads();
+  };
+  __half* const u_out = static_cast<__half*>(p.u) + row0 * D;
+  __half* const m_out = static_cast<__half*>(p.m) + row0 * C;
+  if constexpr (layout::staged) {
+    // D = 64: one 16-column block a warp, U (warps 0..3) or M (warps 4..7). After the products
+    // A diag(beta)'s region holds U and M in half, and the CTA writes them out as 16-byte rows.
+    static_assert(ldw == ldc, "U's and M's operands share a row length");
+    const bool is_u = warp < D / 16;
+    const int cb = is_u ? warp : warp - D / 16;
+    float acc[4][2][4] = {};
+    tc_product(acc, is_u ? swh : ssh, is_u ? swl : ssl, ldw, 16 * cb, is_u ? 0 : cb);
+    __syncthreads();  // A diag(beta) and S are no longer read
+    __half* su = reinterpret_cast<__half*>(region);
+    __half* sm = su + C * ldw;
+    stage_rows((is_u ? su : sm) + 16 * cb, ldw, acc);
+    if (!is_u) split_m(acc, cb);
+    __syncthreads();
+    copy_rows(u_out, su, ldw, std::integral_constant<int, D>{});
+    copy_rows(m_out, sm, ldw, std::integral_constant<int, C>{});
+  } else {
+    for (int ub = warp; ub < D / 16; ub += 8) {
+      float acc[4][2][4] = {};
+      tc_product(acc, swh, swl, ldw, 16 * ub, 0);
+      store_rows(u_out + 16 * ub, D, acc);
+    }
+    const int mb = (warp + 8 - D / 16) % 8;  // this warp's column block of M, if < 4
+    float macc[4][2][4] = {};
+    if (mb < 4) {
+      tc_product(macc, ssh, ssl, ldc, 16 * mb, mb);
+      store_rows(m_out + 16 * mb, C, macc);
+    }
+    __syncthreads();  // S is no longer read: M, split, takes its place
+    if (mb < 4) split_m(macc, mb);
+  }
+  __syncthreads();  // M is split; the region is free once U and M have left it
+
+  // K back into the region (rows past n are not written out), while the tensor cores work.
+  T* skt = reinterpret_cast<T*>(region);
+  {
+    constexpr int chunks = D / 8, step = threads / chunks;
+    const int cc = tid % chunks, r0 = tid / chunks;
+#pragma unroll
+    for (int i = 0; i < C / step; ++i) {
+      const int a = r0 + i * step;
+      if (a < n) cp_async_16(skt + a * ldw + 8 * cc, k + a * ks1 + 8 * cc, true);
+    }
+    cp_async_commit();
+  }
 
   // K~ = K - M^T W: a warp per 16 columns of D and (at D = 64) half of the row blocks, paired so
   // the work evens out (row block rb of M^T reads k blocks >= rb: M is strictly lower).
@@ -451,23 +588,24 @@ __global__ void __launch_bounds__(256) path_prepare_mma_kernel(const path_kernel
         mma_split<T>(acc[rb], ah, al, bh, bl);
       }
     }
-    T* kt = static_cast<T*>(p.kt) + row0 * D;
+    cp_async_wait<0>();
+    __syncthreads();  // K is in
+    // K~ in place of K (each thread rewrites the elements it read), then out as 16-byte rows.
 #pragma unroll
     for (int rb = 0; rb < 4; ++rb) {
       if (!owns(rb)) continue;
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int b = 16 * rb + g + 8 * hh;
-        if (b >= n) continue;
+      for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          const int d = 16 * du + 8 * nt + c2;
-          const float2 kb = pair_to_float2(k + b * ks1 + d);
-          *reinterpret_cast<std::uint32_t*>(kt + b * D + d) =
+          T* at = skt + (16 * rb + g + 8 * hh) * ldw + 16 * du + 8 * nt + c2;
+          const float2 kb = pair_to_float2(at);
+          *reinterpret_cast<std::uint32_t*>(at) =
               pack2<T>(kb.x - acc[rb][nt][2 * hh], kb.y - acc[rb][nt][2 * hh + 1]);
         }
-      }
     }
+    __syncthreads();
+    copy_rows(static_cast<T*>(p.kt) + row0 * D, skt, ldw, std::integral_constant<int, D>{});
   }
 }
 
