@@ -4,8 +4,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "attnmix/attention/linear_args.hpp"
 #include "attnmix/core/linear_policy.hpp"
@@ -43,6 +46,22 @@ auto causal_kernel(index_t Dv) {
   if (Dv <= 32) return linear_causal_kernel<Dev, Policy, 1>;
   if (Dv <= 64) return linear_causal_kernel<Dev, Policy, 2>;
   return linear_causal_kernel<Dev, Policy, 4>;
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory on the current device; the attribute is set
+// once per kernel and device rather than on every launch.
+template <class Kernel>
+void allow_dynamic_smem(Kernel kernel, int bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> set;  // (kernel, device) -> bytes allowed
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const std::lock_guard<std::mutex> lock(mutex);
+  int& allowed = set[{reinterpret_cast<const void*>(kernel), device}];
+  if (allowed >= bytes) return;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+        "cudaFuncSetAttribute");
+  allowed = bytes;
 }
 
 // Every view of `a` that is given must point to device memory (the twin of the softmax
@@ -130,27 +149,48 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
                          aligned_for_vectors(a.gate.data(), a.gate.stride(0), a.gate.stride(1),
                                              a.gate.stride(2), int(per_vector), int(sizeof(T))));
 
-  // Blocks of the bidirectional reduce pass: enough CTAs to fill the GPU several times over
-  // (whole 64-token tiles for the tensor-core kernel). The causal kind reduces every segment
-  // but the last.
-  const index_t target = (mma_reduce ? 8 : 4) * 132, round = mma_reduce ? 64 : 32;
-  index_t partials = std::clamp<index_t>((target + H * N - 1) / (H * N), 1,
-                                         std::max<index_t>(1, (max_len + 63) / 64));
+  // Blocks of the bidirectional reduce pass (whole 64-token tiles for the tensor-core kernel).
+  // The tensor-core kernel for D, Dv <= 64 runs one wave: as many blocks as the GPU holds CTAs
+  // of it at once (linear_mma_reduce_ctas an SM), so that no CTA waits for a second wave and
+  // each streams a long run of tiles; the others fill the GPU several times over. The causal kind
+  // reduces every segment but the last.
+  const bool one_wave = mma_reduce && !linear_mma_wide(D, Dv);
+  const index_t target = one_wave ? index_t(current_device().sms) * linear_mma_reduce_ctas
+                                  : (mma_reduce ? 8 : 4) * 132,
+                round = mma_reduce ? 64 : 32;
+  index_t partials =
+      std::clamp<index_t>(one_wave ? target / (H * N) : (target + H * N - 1) / (H * N), 1,
+                          std::max<index_t>(1, (max_len + 63) / 64));
   index_t block_tokens =
       std::max<index_t>(round, ((max_len + partials - 1) / partials + round - 1) / round * round);
   partials = std::max<index_t>(1, (max_len + block_tokens - 1) / block_tokens);
   if constexpr (causal) partials = segments - 1, block_tokens = segment_tokens;
 
+  // The bidirectional tensor-core path merges the partial states in the reduce kernel's last CTA
+  // of each head, and the read kernel of head dims 64 copies the state that CTA staged.
+  const bool fused = !causal && mma_reduce && partials <= linear_fused_partials;
+  const bool fast_read = mma_read && linear_fast_dims(D, Dv) &&
+                         aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1),
+                                             a.out.stride(2), int(per_vector), int(sizeof(T)));
   const std::size_t cu_padded = offsets_bytes(p);
-  const std::size_t partial_bytes =
-      static_cast<std::size_t>(N * H * partials * partial_floats(int(D), int(Dv))) * sizeof(float);
-  const std::size_t state_bytes =
+  // Every part of the scratch starts 256-byte aligned (the staged state is read 16 bytes a load).
+  auto padded = [](std::size_t bytes) {
+    return (bytes + 255) / 256 * 256;
+  };
+  const std::size_t partial_bytes = padded(
+      static_cast<std::size_t>(N * H * partials * partial_floats(int(D), int(Dv))) * sizeof(float));
+  const std::size_t state_bytes = padded(
       causal ? (segments > 1
                     ? static_cast<std::size_t>(N * H * segments * partial_floats(int(D), int(Dv))) *
                           sizeof(float)
                     : 0)
-             : static_cast<std::size_t>(N * H * (D * Dv + D)) * sizeof(float);
-  stream_buffer scratch(cu_padded + partial_bytes + state_bytes, stream);
+             : static_cast<std::size_t>(N * H * (D * Dv + D)) * sizeof(float));
+  const std::size_t staged_bytes =
+      fused && fast_read ? static_cast<std::size_t>(N * H * staged_state_bytes(int(D), int(Dv)))
+                         : 0;
+  const std::size_t done_bytes = fused ? static_cast<std::size_t>(N * H) * sizeof(unsigned) : 0;
+  stream_buffer scratch(cu_padded + partial_bytes + state_bytes + staged_bytes + done_bytes,
+                        stream);
 
   linear_kernel_params kp{};
   kp.q = a.q.data(), kp.k = a.k.data(), kp.v = a.v.data(), kp.out = a.out.data();
@@ -184,6 +224,12 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
 
   float* partial = reinterpret_cast<float*>(scratch.get() + cu_padded);
   float* state = reinterpret_cast<float*>(scratch.get() + cu_padded + partial_bytes);
+  unsigned char* staged =
+      staged_bytes > 0 ? scratch.get() + cu_padded + partial_bytes + state_bytes : nullptr;
+  unsigned* done = fused ? reinterpret_cast<unsigned*>(scratch.get() + cu_padded + partial_bytes +
+                                                       state_bytes + staged_bytes)
+                         : nullptr;
+  if (fused) check(cudaMemsetAsync(done, 0, done_bytes, stream), "cudaMemsetAsync");
   auto reduce = [&](auto blocks) {
     constexpr int Blocks = decltype(blocks)::value;
     const int reduce_smem = int((32 * (D + Dv) + 32) * sizeof(float));
@@ -197,11 +243,12 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
       if (mma_reduce) {
         auto kernel = linear_mma_wide(D, Dv) ? linear_reduce_mma_kernel<Dev, Policy, true>
                                              : linear_reduce_mma_kernel<Dev, Policy, false>;
+        if constexpr (!causal)
+          if (linear_reduce_fast_dims(D, Dv)) kernel = linear_reduce_fast_kernel<Dev, Policy>;
         const int smem = linear_mma_reduce_smem(D, Dv);
-        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-              "cudaFuncSetAttribute");
+        allow_dynamic_smem(kernel, smem);
         kernel<<<dim3(unsigned(H), unsigned(partials), unsigned(N)), linear_mma_reduce_threads,
-                 smem, stream>>>(kp, block_tokens, partial, partials);
+                 smem, stream>>>(kp, block_tokens, partial, partials, done, state, staged);
         check(cudaGetLastError(), "linear_reduce_mma_kernel launch");
         return;
       }
@@ -226,14 +273,31 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
         kp, segment_tokens, segments > 1 ? state : nullptr, segments);
   } else {
     reduce_all();
-    linear_combine_kernel<Policy>
-        <<<dim3(unsigned(H), unsigned(N),
-                unsigned((D * Dv + D + linear_combine_slice - 1) / linear_combine_slice)),
-           256, 0, stream>>>(kp, partial, partials, state);
-    check(cudaGetLastError(), "linear_combine_kernel launch");
+    if (!fused) {
+      linear_combine_kernel<Policy>
+          <<<dim3(unsigned(H), unsigned(N),
+                  unsigned((D * Dv + D + linear_combine_slice - 1) / linear_combine_slice)),
+             256, 0, stream>>>(kp, partial, partials, state);
+      check(cudaGetLastError(), "linear_combine_kernel launch");
+    }
     bool read_done = false;
     if constexpr (sixteen_bit) {
-      if (mma_read && max_len > 0) {
+      if (fast_read && max_len > 0) {
+        // 16-row groups: a warp takes about groups / (resident warps * 2) of them (about two
+        // waves of 2 CTAs an SM; at least 1, at most 64), so that the state is staged rarely and
+        // the grid still balances.
+        const index_t groups = (max_len + 15) / 16;
+        const index_t warps = index_t(current_device().sms) * 2 * (linear_fast_threads / 32);
+        const index_t per_warp =
+            std::max(std::clamp<index_t>(groups * p.q_heads * N / (warps * 2), 1, 64),
+                     (groups + 8 * 65535 - 1) / (8 * 65535));
+        const index_t per_cta = per_warp * (linear_fast_threads / 32);
+        linear_read_fast_kernel<Dev, Policy, 64, 64>
+            <<<dim3(unsigned(p.q_heads), unsigned((groups + per_cta - 1) / per_cta), unsigned(N)),
+               linear_fast_threads, 0, stream>>>(kp, state, staged, int(per_cta));
+        read_done = true;
+      }
+      if (mma_read && max_len > 0 && !read_done) {
         // Several query tiles a CTA (about two waves of 3 CTAs an SM), so that S is staged
         // less often.
         const index_t tiles = (max_len + linear_mma_rows - 1) / linear_mma_rows;
@@ -243,8 +307,7 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
         const int smem = linear_mma_read_smem(D, Dv, Policy::norm == gated_norm::per_head);
         auto kernel = linear_mma_wide(D, Dv) ? linear_read_mma_kernel<Dev, Policy, true>
                                              : linear_read_mma_kernel<Dev, Policy, false>;
-        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-              "cudaFuncSetAttribute");
+        allow_dynamic_smem(kernel, smem);
         kernel<<<dim3(unsigned(p.q_heads), unsigned((tiles + per_cta - 1) / per_cta), unsigned(N)),
                  linear_mma_read_threads, smem, stream>>>(kp, state, int(per_cta));
         read_done = true;

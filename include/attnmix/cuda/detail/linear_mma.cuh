@@ -5,14 +5,21 @@
 //           w = exp(a - M_p) (0 at pads) and phi applied while K is staged to shared memory in
 //           the input type; the next tile's 16-byte loads are in flight during the products.
 //           It writes the partial layout of linear_reduce_kernel, so the combine kernel and the
-//           causal prefix kernel read it unchanged.
+//           causal prefix kernel read it unchanged. Bidirectional calls merge the partials in
+//           the last CTA of each head (combine_head) when a head has few blocks. D = Dv = 64
+//           has its own kernel (linear_reduce_fast_kernel: phi on the A fragments in registers).
 //   read:   Num | den = phi(Q) [S | z] with S and z staged once per CTA in the input type (half
 //           scales them by a power of two to stay in range); the normaliser and the gated
 //           RMSNorm run on the accumulator fragments (a row lives in one quad of lanes).
-// Needs 16-byte aligned k, v, q rows, 4-byte aligned out and gate rows and the dims that
-// linear_mma_dims accepts; other cases take the kernels of linear_kernels.cuh.
+//           D = Dv = 64 has its own kernel (linear_read_fast_kernel: warps load their query and
+//           gate rows straight into registers against a permuted staged state, no barrier).
+// phi (elu+1) and the gate activation (SiLU, sigmoid) run on packed pairs of the input type.
+// Needs 16-byte aligned k, v, q rows, 4-byte aligned out and gate rows (16-byte for the D = 64
+// read kernel) and the dims that linear_mma_dims accepts; other cases take the kernels of
+// linear_kernels.cuh.
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "attnmix/cuda/detail/linear_kernels.cuh"
@@ -24,7 +31,8 @@ namespace cuda {
 
 constexpr int linear_mma_tokens = 64;  // reduce: tokens staged per tile
 constexpr int linear_mma_reduce_threads = 256;
-constexpr int linear_mma_rows = 64;  // read: query rows per tile, 16 a warp
+constexpr int linear_mma_reduce_ctas = 3;  // CTAs an SM of the narrow reduce kernel
+constexpr int linear_mma_rows = 64;        // read: query rows per tile, 16 a warp
 constexpr int linear_mma_read_threads = 128;
 
 // The reduce kernel's 8 warps split S_p (D x Dv) into D / 16 row tiles times 8 / (D / 16)
@@ -71,6 +79,78 @@ __device__ __forceinline__ float fast_gate_activation(float g) {
   }
 }
 
+// Packed pairs of T: the feature map and the gate activation on two elements at once with the
+// 16-bit ALU and the 16-bit approximate ex2 and tanh (sm_90 for bfloat16). Their results are
+// rounded to T, as the operands of the products and the output are anyway; the exp argument
+// is rounded to T before ex2, which moves exp(x) by under |x| 2^-8 relatively, where exp(x) <= 1
+// is the small branch of elu+1.
+template <class T>
+using pair_t = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+template <class T>
+__device__ __forceinline__ pair_t<T> as_pair(std::uint32_t x) {
+  pair_t<T> y;
+  memcpy(&y, &x, 4);
+  return y;
+}
+template <class T>
+__device__ __forceinline__ std::uint32_t as_bits(pair_t<T> x) {
+  std::uint32_t y;
+  memcpy(&y, &x, 4);
+  return y;
+}
+template <class T>
+__device__ __forceinline__ pair_t<T> pair_splat(float x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat162_rn(x);
+  } else {
+    return __float2half2_rn(x);
+  }
+}
+template <class T>
+__device__ __forceinline__ pair_t<T> pair_ex2(pair_t<T> x) {
+  std::uint32_t y;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("ex2.approx.ftz.bf16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
+  } else {
+    asm("ex2.approx.f16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
+  }
+  return as_pair<T>(y);
+}
+template <class T>
+__device__ __forceinline__ pair_t<T> pair_tanh(pair_t<T> x) {
+  std::uint32_t y;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("tanh.approx.bf16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
+  } else {
+    asm("tanh.approx.f16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
+  }
+  return as_pair<T>(y);
+}
+// Whether the feature map and the gate activation have a packed form.
+template <class Policy>
+constexpr bool packed_phi = Policy::phi == feature_map::elu_plus_one;
+template <class Policy>
+constexpr bool packed_gate =
+    Policy::activation == gate_activation::silu || Policy::activation == gate_activation::sigmoid;
+// elu+1 of a pair: max(x, 0) + exp(min(x, 0)).
+template <class T>
+__device__ __forceinline__ pair_t<T> pair_elu1(pair_t<T> x) {
+  const pair_t<T> zero = pair_splat<T>(0.f);
+  const pair_t<T> e = pair_ex2<T>(__hmul2(__hmin2(x, zero), pair_splat<T>(1.4426950408889634f)));
+  return __hadd2(__hmax2(x, zero), e);
+}
+// SiLU or sigmoid of a pair through tanh: sigmoid(g) = (1 + tanh(g / 2)) / 2, silu = g sigmoid(g).
+template <class T, gate_activation G>
+__device__ __forceinline__ pair_t<T> pair_gate(pair_t<T> g) {
+  const pair_t<T> half = pair_splat<T>(0.5f);
+  const pair_t<T> h = __hmul2(g, half), t = pair_tanh<T>(h);
+  if constexpr (G == gate_activation::silu) {
+    return __hfma2(h, t, h);
+  } else {
+    return __hfma2(t, half, half);
+  }
+}
+
 // Converts 8 staged elements: mul * phi(x) (Keys) or x, zeros when mul == 0 (pads, rows past
 // the end: their values may be NaN or garbage).
 template <class T, class Policy, bool Keys>
@@ -89,23 +169,157 @@ __device__ __forceinline__ uint4 convert8(uint4 raw, float mul) {
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+// w phi(k) for 8 staged keys, zero when w == 0 (pads and rows past the end are zero-filled, so
+// that no NaN reaches the products).
+template <class T, class Policy>
+__device__ __forceinline__ uint4 convert_keys8(uint4 raw, float w) {
+  const std::uint32_t in[4] = {raw.x, raw.y, raw.z, raw.w};
+  std::uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (packed_phi<Policy>) {
+      o[i] = as_bits<T>(__hmul2(pair_elu1<T>(as_pair<T>(in[i])), pair_splat<T>(w)));
+    } else {
+      const float2 f = unpack2<T>(in[i]);
+      o[i] = w != 0.f ? pack2<T>(w * fast_feature_map<Policy::phi>(f.x),
+                                 w * fast_feature_map<Policy::phi>(f.y))
+                      : 0u;
+    }
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // ---- reduce --------------------------------------------------------------------------------
 // CTA (KV head h, block p, sequence n), 256 threads; the heads of one block are neighbours in
 // the grid, so that CTAs running together read whole [H, D] rows. Wide: D or Dv above 64 (a warp
 // owns up to 16 column tiles of S_p). The tiles of K and V stream through a ring of Stages
 // shared-memory buffers by cp.async, Stages - 1 tiles in flight while one is multiplied.
 template <bool Wide>
-constexpr int linear_mma_stages = Wide ? 3 : 4;
+constexpr int linear_mma_stages = 3;
 
 inline int linear_mma_reduce_smem(index_t D, index_t Dv) {
   const int stages = D > 64 || Dv > 64 ? linear_mma_stages<true> : linear_mma_stages<false>;
   return int(stages * linear_mma_tokens * (D + 8 + Dv + 8) * 2);
 }
 
+// The read kernel's staged state, permuted so that a lane's A fragments are whole 16-byte
+// pieces of its query row and its accumulator columns whole pieces of its output row: lane
+// (g, c) of a warp holds elements [c D/4, (c + 1) D/4) of rows g and g + 8. Row state_row(d) of
+// the staged S holds S[d, :]; column state_col(e) holds S[:, e] (state_col is the same map on
+// the value side). A lane's pair i (elements c D/4 + 2i, + 1) is the A register of k-step i / 2,
+// low (even i) or high (odd i) half of the 16 k-slots.
+__host__ __device__ inline int state_row(int d, int D) {
+  const int w = D / 4, c = d / w, r = d % w;
+  return (r / 4) * 16 + ((r % 4) / 2) * 8 + 2 * c + r % 2;
+}
+__host__ __device__ inline int state_col(int e, int Dv) {
+  const int w = Dv / 4, c = e / w, r = e % w;
+  return (r / 2) * 8 + 2 * c + r % 2;
+}
+// The staged state of one head in the input type: [D][Dv + 24] (scale * S permuted, then
+// scale * z repeated in columns Dv .. Dv + 15, then padding that keeps ldmatrix free of bank
+// conflicts), then one float that undoes half's power-of-two scaling.
+inline __host__ __device__ int staged_stride(int Dv) {
+  return Dv + 24;
+}
+inline __host__ __device__ index_t staged_state_bytes(int D, int Dv) {
+  return (index_t(D) * staged_stride(Dv) * 2 + 16 + 127) / 128 * 128;
+}
+// The reduce kernel merges the partial states itself (the last CTA of a head to finish does it)
+// when a head has at most this many blocks; more go through linear_combine_kernel.
+constexpr index_t linear_fused_partials = 32;
+
+// Merges the `partials` partial states of head (n, h) with a log-sum-exp over the block maxima,
+// as linear_combine_kernel does, with one CTA of 256 threads: the float state, the caller's
+// state_out and, when `staged` is given, the staged state of the read kernel.
+template <class T, class Policy>
+__device__ void combine_head(const linear_kernel_params& p, const float* part, index_t partials,
+                             float* state, unsigned char* staged, int n, int h, float* scratch,
+                             float* alpha) {
+  constexpr bool gated = Policy::gate != key_gate::off;
+  const int D = p.head_dim, Dv = p.value_dim, tid = threadIdx.x;
+  const index_t stride = partial_floats(D, Dv);
+  float M = 0.f, ell = 0.f;
+  if (gated) {
+    float mx = -INFINITY;
+    for (index_t q = tid; q < partials; q += blockDim.x)
+      if (__ldcg(part + q * stride + D * Dv + D + 1) > 0.f)
+        mx = fmaxf(mx, __ldcg(part + q * stride + D * Dv + D));
+    M = block_reduce<true>(mx, scratch);
+    float sum = 0.f;
+    for (index_t q = tid; q < partials; q += blockDim.x) {
+      const float l = __ldcg(part + q * stride + D * Dv + D + 1);
+      if (l > 0.f) sum += l * __expf(__ldcg(part + q * stride + D * Dv + D) - M);
+    }
+    ell = block_reduce<false>(sum, scratch);
+  }
+  const float inv = gated ? (ell > 0.f ? 1.f / ell : 0.f) : 1.f;
+  for (index_t q = tid; q < partials; q += blockDim.x) {
+    const float l = __ldcg(part + q * stride + D * Dv + D + 1);
+    alpha[q] = gated ? (l > 0.f ? __expf(__ldcg(part + q * stride + D * Dv + D) - M) : 0.f) : 1.f;
+  }
+  __syncthreads();
+  float* out = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
+  float vmax = 0.f;
+  const int pairs = (D * Dv + D) / 2;
+  for (int i = tid; i < pairs; i += blockDim.x) {
+    float2 sum = make_float2(0.f, 0.f);
+#pragma unroll 8
+    for (index_t q = 0; q < partials; ++q) {
+      const float2 x = __ldcg(reinterpret_cast<const float2*>(part + q * stride) + i);
+      sum.x += alpha[q] * x.x, sum.y += alpha[q] * x.y;
+    }
+    sum.x *= inv, sum.y *= inv;
+    reinterpret_cast<float2*>(out)[i] = sum;
+    vmax = fmaxf(vmax, fmaxf(fabsf(sum.x), fabsf(sum.y)));
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int idx = 2 * i + k;
+      const float x = k == 0 ? sum.x : sum.y;
+      if (idx < D * Dv) {
+        if (p.S_out != nullptr)
+          p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + (idx / Dv) * p.S_out_stride[2] +
+                  (idx % Dv) * p.S_out_stride[3]] = x;
+      } else if (p.z_out != nullptr) {
+        p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] +
+                (idx - D * Dv) * p.z_out_stride[2]] = x;
+      }
+    }
+  }
+  if (gated && p.lse_out != nullptr && tid == 0)
+    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] =
+        ell > 0.f ? M + logf(ell) : -INFINITY;
+  if (staged == nullptr) return;
+  // The staged state: scale * S (the query's scale moves onto the state), in the input type;
+  // half keeps it under 1 by a power of two, undone by the read kernel.
+  float mul = p.scale;
+  if constexpr (std::is_same_v<T, __half>) {
+    const float mx = block_reduce<true>(vmax * p.scale, scratch);
+    if (mx > 0.f) {
+      int ex;
+      frexpf(mx, &ex);
+      mul = p.scale * ldexpf(1.f, -ex);
+    }
+  } else {
+    __syncthreads();  // this CTA's stores of the float state are visible to all its threads
+  }
+  T* st = reinterpret_cast<T*>(staged + (index_t(n) * p.kv_heads + h) * staged_state_bytes(D, Dv));
+  const int ss = staged_stride(Dv);
+  for (int idx = tid; idx < D * Dv; idx += blockDim.x) {
+    const int d = idx / Dv, e = idx % Dv;
+    st[state_row(d, D) * ss + state_col(e, Dv)] = from_float<T>(out[idx] * mul);
+  }
+  for (int idx = tid; idx < D * 16; idx += blockDim.x)
+    st[state_row(idx / 16, D) * ss + Dv + idx % 16] = from_float<T>(out[D * Dv + idx / 16] * mul);
+  if (tid == 0)
+    *reinterpret_cast<float*>(st + D * ss) = std::is_same_v<T, __half> ? p.scale / mul : 1.f;
+}
+
 template <class T, class Policy, bool Wide>
-__global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : 2)
+__global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : linear_mma_reduce_ctas)
     linear_reduce_mma_kernel(const linear_kernel_params p, index_t block_tokens, float* partial,
-                             index_t partials) {
+                             index_t partials, unsigned* done, float* state,
+                             unsigned char* staged) {
   constexpr int TT = linear_mma_tokens, threads = linear_mma_reduce_threads;
   constexpr int NT = Wide ? 16 : 4, max_chunks = TT * (Wide ? 128 : 64) / 8 / threads;
   constexpr int Stages = linear_mma_stages<Wide>;
@@ -142,12 +356,15 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : 2)
 #pragma unroll
     for (int c = 0; c < max_chunks; ++c) {
       const int rk = kr0 + c * kstep, rv = vr0 + c * vstep;
-      if (rk < TT)
-        cp_async_16(sk + rk * ks + kcol, rk < rows ? k + (base + rk) * p.k_stride[1] + kcol : k,
-                    rk < rows);
-      if (rv < TT)
-        cp_async_16(sv + rv * vs + vcol, rv < rows ? v + (base + rv) * p.v_stride[1] + vcol : v,
-                    rv < rows);
+      // Pad tokens are zero-filled too: their k and v may hold anything, NaN included.
+      if (rk < TT) {
+        const bool in = rk < rows && p.valid(batch, start + base + rk);
+        cp_async_16(sk + rk * ks + kcol, in ? k + (base + rk) * p.k_stride[1] + kcol : k, in);
+      }
+      if (rv < TT) {
+        const bool in = rv < rows && p.valid(batch, start + base + rv);
+        cp_async_16(sv + rv * vs + vcol, in ? v + (base + rv) * p.v_stride[1] + vcol : v, in);
+      }
     }
     cp_async_commit();
   };
@@ -197,16 +414,13 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : 2)
     if (tid < TT)
       weight[tid] = tid < rows ? (gated ? shifted_exp(next_logit, M) : next_logit) : 0.f;
     __syncthreads();  // this tile has landed; the previous tile's products are done
-    // Pad tokens (weight 0) become zeros: their k and v may hold anything, NaN included.
 #pragma unroll
     for (int c = 0; c < max_chunks; ++c) {
-      const int rk = kr0 + c * kstep, rv = vr0 + c * vstep;
+      const int rk = kr0 + c * kstep;
       if (rk < TT) {
         uint4* x = reinterpret_cast<uint4*>(sk + rk * ks + kcol);
-        *x = convert8<T, Policy, true>(*x, weight[rk]);
+        *x = convert_keys8<T, Policy>(*x, weight[rk]);
       }
-      if (rv < TT && weight[rv] == 0.f)
-        *reinterpret_cast<uint4*>(sv + rv * vs + vcol) = make_uint4(0u, 0u, 0u, 0u);
     }
     __syncthreads();
     // The stage the previous tile used is free: the tile Stages - 1 ahead goes there.
@@ -252,6 +466,189 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : 2)
     out[D * Dv + D] = gated ? M : 0.f;
     out[D * Dv + D + 1] = ell;
   }
+  if (done == nullptr) return;
+  // The last CTA of this head to finish merges the partial states (threadfence reduction).
+  __shared__ float alpha[linear_fused_partials];
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(done + n * p.kv_heads + h, 1u) == unsigned(partials - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  combine_head<T, Policy>(
+      p, partial + (index_t(n) * p.kv_heads + h) * partials * partial_floats(D, Dv), partials,
+      state, staged, n, h, scratch, alpha);
+}
+
+// ---- reduce, D = Dv = 64 -----------------------------------------------------------------------
+// The bidirectional reduce pass for D = Dv = 64: warp w owns rows 16 (w % 4) .. + 15 of S_p and
+// the k-steps 2 (w / 4), + 1 of every 64-token tile, so that each key is feature-mapped once,
+// on the A fragments in registers (pairs of T, times the token weights), and a tile needs one
+// barrier. The two token halves are added in shared memory at the end. Same grid, ring of
+// tiles, partial layout and fused combine as linear_reduce_mma_kernel.
+inline bool linear_reduce_fast_dims(index_t D, index_t Dv) {
+  return D == 64 && Dv == 64;
+}
+
+template <class T, class Policy>
+__global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_ctas)
+    linear_reduce_fast_kernel(const linear_kernel_params p, index_t block_tokens, float* partial,
+                              index_t partials, unsigned* done, float* state,
+                              unsigned char* staged) {
+  constexpr int D = 64, Dv = 64, TT = linear_mma_tokens, threads = linear_mma_reduce_threads;
+  constexpr int Stages = linear_mma_stages<false>, ks = D + 8, vs = Dv + 8;
+  constexpr int stage_elems = TT * (ks + vs), chunks = TT * D / 8 / threads;
+  constexpr bool gated = Policy::gate != key_gate::off;
+  extern __shared__ __align__(16) unsigned char linear_smem[];
+  __shared__ __align__(16) std::uint16_t weight_bits[2][TT];
+  T(*weight)[TT] = reinterpret_cast<T(*)[TT]>(weight_bits);  // token weights, double-buffered
+  __shared__ float scratch[8];
+  T* ring = reinterpret_cast<T*>(linear_smem);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int h = blockIdx.x, blk = blockIdx.y, n = blockIdx.z;
+  index_t batch, start, length;
+  p.sequence(n, batch, start, length);
+  const index_t t0 = blk * block_tokens, t1 = min(t0 + block_tokens, length);
+  float* out = partial + ((index_t(n) * p.kv_heads + h) * partials + blk) * partial_floats(D, Dv);
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
+               h * p.k_stride[2];
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
+               h * p.v_stride[2];
+  const int r0 = tid / 8, col = (tid % 8) * 8;  // chunk c: row r0 + 32 c, 16 bytes at col
+  // Tile at `base` into stage `st`; rows past the end and pad tokens are zero-filled.
+  auto issue = [&](index_t base, int st) {
+    T* sk = ring + st * stage_elems;
+    T* sv = sk + TT * ks;
+    const index_t rows = base < t1 ? min(index_t(TT), t1 - base) : 0;
+#pragma unroll
+    for (int c = 0; c < chunks; ++c) {
+      const int r = r0 + 32 * c;
+      const bool in = r < rows && p.valid(batch, start + base + r);
+      cp_async_16(sk + r * ks + col, in ? k + (base + r) * p.k_stride[1] + col : k, in);
+      cp_async_16(sv + r * vs + col, in ? v + (base + r) * p.v_stride[1] + col : v, in);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s) issue(t0 + s * TT, s);
+
+  float M = 0.f, ell = 0.f;
+  if (gated) {
+    float mx = -INFINITY;
+    for (index_t t = t0 + tid; t < t1; t += threads) mx = fmaxf(mx, p.logit(batch, start + t, h));
+    M = block_reduce<true>(mx, scratch);
+    float sum = 0.f;
+    for (index_t t = t0 + tid; t < t1; t += threads)
+      sum += shifted_exp(p.logit(batch, start + t, h), M);
+    ell = block_reduce<false>(sum, scratch);
+  } else {
+    float sum = 0.f;
+    for (index_t t = t0 + tid; t < t1; t += threads) sum += p.valid(batch, start + t) ? 1.f : 0.f;
+    ell = block_reduce<false>(sum, scratch);
+  }
+  auto logit = [&](index_t base) {
+    float x = 0.f;
+    if (tid < TT && base + tid < t1) {
+      if (gated)
+        x = p.logit(batch, start + base + tid, h);
+      else
+        x = p.valid(batch, start + base + tid) ? 1.f : 0.f;
+    }
+    return x;
+  };
+  float next_logit = logit(t0);
+
+  const int wm = warp % 4, wt = warp / 4, g = lane / 4, c2 = 2 * (lane % 4);
+  float acc[8][4] = {};
+  float zacc[4] = {};
+  const std::uint32_t ones[2] = {pack2<T>(1.f, 1.f), pack2<T>(1.f, 1.f)};
+  int st = 0, wb = 0;
+  for (index_t base = t0; base < t1; base += TT) {
+    const int rows = static_cast<int>(min(index_t(TT), t1 - base));
+    const T* sk = ring + st * stage_elems;
+    const T* sv = sk + TT * ks;
+    cp_async_wait<Stages - 2>();
+    if (tid < TT)
+      weight[wb][tid] =
+          from_float<T>(tid < rows ? (gated ? shifted_exp(next_logit, M) : next_logit) : 0.f);
+    // This tile has landed; every warp is done with the previous tile (its stage is free) and
+    // with the weights of two tiles ago.
+    __syncthreads();
+    issue(base + (Stages - 1) * TT, st == 0 ? Stages - 1 : st - 1);
+    next_logit = logit(base + TT);
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int kk = 2 * wt + h2;
+      std::uint32_t a[4];
+      // A = (w phi(K))^T: rows d, columns tokens; a0, a1 hold tokens c2, c2 + 1 of the k-step,
+      // a2, a3 tokens c2 + 8, c2 + 9.
+      ldmatrix_x4_trans(
+          a, sk + (kk * 16 + lane % 8 + (lane / 16) * 8) * ks + wm * 16 + ((lane / 8) % 2) * 8);
+      const pair_t<T> w_lo = *reinterpret_cast<const pair_t<T>*>(&weight[wb][kk * 16 + c2]);
+      const pair_t<T> w_hi = *reinterpret_cast<const pair_t<T>*>(&weight[wb][kk * 16 + c2 + 8]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        pair_t<T> x = as_pair<T>(a[i]);
+        if constexpr (packed_phi<Policy>) {
+          x = pair_elu1<T>(x);
+        } else {
+          const float2 f = unpack2<T>(a[i]);
+          x = as_pair<T>(
+              pack2<T>(fast_feature_map<Policy::phi>(f.x), fast_feature_map<Policy::phi>(f.y)));
+        }
+        a[i] = as_bits<T>(__hmul2(x, i < 2 ? w_lo : w_hi));
+      }
+      const T* brow = sv + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * vs + (lane / 16) * 8;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        std::uint32_t b[4];
+        ldmatrix_x4_trans(b, brow + j * 16);
+        const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_16816<T>(acc[2 * j], a, b0);
+        mma_16816<T>(acc[2 * j + 1], a, b1);
+      }
+      mma_16816<T>(zacc, a, ones);
+    }
+    st = st + 1 == Stages ? 0 : st + 1;
+    wb ^= 1;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free: it takes the two token halves
+  float* red = reinterpret_cast<float*>(linear_smem);  // [2][D * Dv + D]
+  float* mine = red + wt * (D * Dv + D);
+  const int d = wm * 16 + g;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int e = j * 8 + c2;
+    *reinterpret_cast<float2*>(mine + d * Dv + e) = make_float2(acc[j][0], acc[j][1]);
+    *reinterpret_cast<float2*>(mine + (d + 8) * Dv + e) = make_float2(acc[j][2], acc[j][3]);
+  }
+  if (lane % 4 == 0) mine[D * Dv + d] = zacc[0], mine[D * Dv + d + 8] = zacc[2];
+  __syncthreads();
+  for (int i = tid; i < (D * Dv + D) / 4; i += threads) {
+    const float4 x = reinterpret_cast<const float4*>(red)[i];
+    const float4 y = reinterpret_cast<const float4*>(red + D * Dv + D)[i];
+    const float sum[4] = {x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) out[4 * i + u] = sum[u];
+  }
+  if (tid == 0) {
+    out[D * Dv + D] = gated ? M : 0.f;
+    out[D * Dv + D + 1] = ell;
+  }
+  if (done == nullptr) return;
+  __shared__ float alpha[linear_fused_partials];
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(done + n * p.kv_heads + h, 1u) == unsigned(partials - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  combine_head<T, Policy>(
+      p, partial + (index_t(n) * p.kv_heads + h) * partials * partial_floats(D, Dv), partials,
+      state, staged, n, h, scratch, alpha);
 }
 
 // ---- read ----------------------------------------------------------------------------------
@@ -457,6 +854,242 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
     stage = stage + 1 == Stages ? 0 : stage + 1;
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA ends
+}
+
+// ---- read, one head dim ------------------------------------------------------------------------
+// The read pass for D and Dv fixed at compile time (multiples of 32, at most 128), 256 threads.
+// Every warp works alone on 16-row groups of the CTA's rows (w, w + 8, ...): lane (g, c) loads
+// elements [c D/4, (c + 1) D/4) of query rows g and g + 8 with 16-byte loads straight into
+// registers (the next group's are in flight while this one is computed), applies phi there and
+// uses them as its A fragments against the permuted staged state (state_row, state_col), so
+// that its accumulators are elements [c Dv/4, (c + 1) Dv/4) of output rows g and g + 8: the
+// gate is read and the output written with 16-byte accesses too. Only the state (and the norm
+// weight) sits in shared memory; no barrier after it is staged.
+constexpr int linear_fast_threads = 256;
+
+inline bool linear_fast_dims(index_t D, index_t Dv) {
+  return D == 64 && Dv == 64;
+}
+
+template <class T, class Policy, int D, int Dv>
+__global__ void __launch_bounds__(linear_fast_threads, 2)
+    linear_read_fast_kernel(const linear_kernel_params p, const float* state,
+                            const unsigned char* staged, int groups) {
+  static_assert(D % 32 == 0 && Dv % 32 == 0 && D <= 128 && Dv <= 128, "linear_read_fast_kernel");
+  constexpr int QV = D / 32, GV = Dv / 32, NT = Dv / 8, KK = D / 16, ss = Dv + 24;
+  constexpr int warps = linear_fast_threads / 32;
+  constexpr bool normed = Policy::norm == gated_norm::per_head;
+  __shared__ __align__(16) T sS[D * ss];
+  __shared__ __align__(16) float sgamma[normed ? Dv : 1];
+  __shared__ float scratch[8];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int hq = blockIdx.x, n = blockIdx.z, h = hq / p.group;
+  index_t batch, start, length;
+  p.sequence(n, batch, start, length);
+  const index_t row0 = index_t(blockIdx.y) * groups * 16;
+  if (row0 >= length) return;
+  const int cta_groups = int(min(index_t(groups), (length - row0 + 15) / 16));
+
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + row0) * p.q_stride[1] +
+               hq * p.q_stride[2] + c * (D / 4);
+  const T* gate = normed
+                      ? static_cast<const T*>(p.gate) + batch * p.gate_stride[0] +
+                            (start + row0) * p.gate_stride[1] + hq * p.gate_stride[2] + c * (Dv / 4)
+                      : nullptr;
+  T* out = static_cast<T*>(p.out) + batch * p.out_stride[0] + (start + row0) * p.out_stride[1] +
+           hq * p.out_stride[2] + c * (Dv / 4);
+  const index_t rows = length - row0;
+  // Query rows g and g + 8 of group grp (zeros past the end) and whether they are real tokens.
+  auto load_q = [&](int grp, uint4(&x)[2][QV], bool(&ok)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const index_t i = index_t(grp) * 16 + g + 8 * half;
+      const bool in = i < rows;
+      ok[half] = in && p.valid(batch, start + row0 + i);
+      const uint4* src = reinterpret_cast<const uint4*>(q + (in ? i : 0) * p.q_stride[1]);
+#pragma unroll
+      for (int u = 0; u < QV; ++u) x[half][u] = in ? __ldcs(src + u) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  // Gate rows g and g + 8 of group grp (zeros for pads and past the end).
+  auto load_gate = [&](int grp, const bool(&ok)[2], uint4(&x)[2][normed ? GV : 1]) {
+    if constexpr (normed) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const index_t i = index_t(grp) * 16 + g + 8 * half;
+        const uint4* src =
+            reinterpret_cast<const uint4*>(gate + (ok[half] ? i : 0) * p.gate_stride[1]);
+#pragma unroll
+        for (int u = 0; u < GV; ++u)
+          x[half][u] = ok[half] ? __ldcs(src + u) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  };
+  // In flight while the state is staged: the first group's queries and gate.
+  uint4 qn[2][QV], gv[2][normed ? GV : 1];
+  bool okn[2] = {false, false};
+  if (warp < cta_groups) load_q(warp, qn, okn), load_gate(warp, okn, gv);
+
+  // The staged state (a copy of what the reduce kernel's last CTA wrote, or converted here from
+  // the float state) and the norm weight.
+  float unmul = 1.f;
+  if (staged != nullptr) {
+    const unsigned char* src = staged + (index_t(n) * p.kv_heads + h) * staged_state_bytes(D, Dv);
+    for (int i = tid; i < D * ss / 8; i += linear_fast_threads)
+      reinterpret_cast<uint4*>(sS)[i] = __ldcg(reinterpret_cast<const uint4*>(src) + i);
+    unmul = __ldcg(reinterpret_cast<const float*>(src + D * ss * 2));
+  } else {
+    const float* st = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
+    float mul = p.scale;
+    if constexpr (std::is_same_v<T, __half>) {
+      float mx = 0.f;
+      for (int idx = tid; idx < D * Dv + D; idx += linear_fast_threads)
+        mx = fmaxf(mx, fabsf(st[idx]));
+      mx = block_reduce<true>(mx * p.scale, scratch);
+      if (mx > 0.f) {
+        int ex;
+        frexpf(mx, &ex);
+        mul = p.scale * ldexpf(1.f, -ex);
+        unmul = ldexpf(1.f, ex);
+      }
+    }
+    for (int idx = tid; idx < D * Dv; idx += linear_fast_threads)
+      sS[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = from_float<T>(st[idx] * mul);
+    for (int idx = tid; idx < D * 16; idx += linear_fast_threads)
+      sS[state_row(idx / 16, D) * ss + Dv + idx % 16] = from_float<T>(st[D * Dv + idx / 16] * mul);
+  }
+  if constexpr (normed) {
+    const float* gamma = p.gamma == nullptr
+                             ? nullptr
+                             : p.gamma + (Policy::weight == norm_weight::per_head ? hq * Dv : 0);
+    for (int e = tid; e < Dv; e += linear_fast_threads)
+      sgamma[e] = gamma != nullptr ? gamma[e] : 1.f;
+  }
+  __syncthreads();
+
+  for (int grp = warp; grp < cta_groups; grp += warps) {
+    uint4 qv[2][QV];
+    bool ok[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      ok[half] = okn[half];
+#pragma unroll
+      for (int u = 0; u < QV; ++u) qv[half][u] = qn[half][u];
+    }
+    if (grp != warp) load_gate(grp, ok, gv);
+    if (grp + warps < cta_groups) load_q(grp + warps, qn, okn);
+
+    // phi(q) as A fragments; pads (their q may be NaN) are zero rows.
+    std::uint32_t af[2][D / 8];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int u = 0; u < QV; ++u) {
+        const std::uint32_t w[4] = {qv[half][u].x, qv[half][u].y, qv[half][u].z, qv[half][u].w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          std::uint32_t x;
+          if constexpr (packed_phi<Policy>) {
+            x = as_bits<T>(pair_elu1<T>(as_pair<T>(w[k])));
+          } else {
+            const float2 f = unpack2<T>(w[k]);
+            x = pack2<T>(fast_feature_map<Policy::phi>(f.x), fast_feature_map<Policy::phi>(f.y));
+          }
+          af[half][4 * u + k] = ok[half] ? x : 0u;
+        }
+      }
+    }
+    float acc[NT][4] = {};
+    float zacc[4] = {};
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+      const std::uint32_t a[4] = {af[0][2 * kk], af[1][2 * kk], af[0][2 * kk + 1],
+                                  af[1][2 * kk + 1]};
+      const T* brow = sS + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ss + (lane / 16) * 8;
+#pragma unroll
+      for (int j = 0; j < NT / 2; ++j) {
+        std::uint32_t b[4];
+        ldmatrix_x4_trans(b, brow + j * 16);
+        const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_16816<T>(acc[2 * j], a, b0);
+        mma_16816<T>(acc[2 * j + 1], a, b1);
+      }
+      std::uint32_t b[4];
+      ldmatrix_x4_trans(b, brow + Dv);
+      const std::uint32_t b0[2] = {b[0], b[1]};
+      mma_16816<T>(zacc, a, b0);
+    }
+
+    // Epilogue: half 0 is row g, half 1 row g + 8; accumulator pair j of a half is elements
+    // c Dv/4 + 2j, + 1 of its row. Num / den, then the gated RMSNorm, folded into one factor
+    // per row: o = acc * s with s = unmul / den, rms(o) = s rms(acc).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const index_t i = index_t(grp) * 16 + g + 8 * half;
+      float s = unmul;
+      if (Policy::normalize) s = unmul * __frcp_rn(zacc[2 * half] * unmul + p.eps);
+      float o[NT][2];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) o[j][0] = acc[j][2 * half], o[j][1] = acc[j][2 * half + 1];
+      std::uint32_t res[NT];
+      if constexpr (normed) {
+        // The gate activation in pairs of T (packed_gate) or in float.
+        float act[NT][2];
+        std::uint32_t act2[NT];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const std::uint32_t w = j % 4 == 0   ? gv[half][j / 4].x
+                                  : j % 4 == 1 ? gv[half][j / 4].y
+                                  : j % 4 == 2 ? gv[half][j / 4].z
+                                               : gv[half][j / 4].w;
+          if constexpr (packed_gate<Policy>) {
+            act2[j] = as_bits<T>(pair_gate<T, Policy::activation>(as_pair<T>(w)));
+            if (Policy::order == norm_gate_order::gate_then_norm) {
+              const float2 a = unpack2<T>(act2[j]);
+              act[j][0] = a.x, act[j][1] = a.y;
+            }
+          } else {
+            const float2 gf = unpack2<T>(w);
+            act[j][0] = fast_gate_activation<Policy::activation>(gf.x);
+            act[j][1] = fast_gate_activation<Policy::activation>(gf.y);
+          }
+          if (Policy::order == norm_gate_order::gate_then_norm)
+            o[j][0] *= act[j][0], o[j][1] *= act[j][1];
+        }
+        float sq = 0.f;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) sq += o[j][0] * o[j][0] + o[j][1] * o[j][1];
+        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+        const float f = s * rsqrtf(s * s * sq * (1.f / Dv) + p.norm_eps);
+        const float4* gam = reinterpret_cast<const float4*>(sgamma + c * (Dv / 4));
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+          const float4 gm = gam[j / 2];
+          float y[4] = {o[j][0] * f * gm.x, o[j][1] * f * gm.y, o[j + 1][0] * f * gm.z,
+                        o[j + 1][1] * f * gm.w};
+          if (Policy::order == norm_gate_order::norm_then_gate && !packed_gate<Policy>)
+            y[0] *= act[j][0], y[1] *= act[j][1], y[2] *= act[j + 1][0], y[3] *= act[j + 1][1];
+          res[j] = pack2<T>(y[0], y[1]), res[j + 1] = pack2<T>(y[2], y[3]);
+          if (Policy::order == norm_gate_order::norm_then_gate && packed_gate<Policy>) {
+            res[j] = as_bits<T>(__hmul2(as_pair<T>(res[j]), as_pair<T>(act2[j])));
+            res[j + 1] = as_bits<T>(__hmul2(as_pair<T>(res[j + 1]), as_pair<T>(act2[j + 1])));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) res[j] = pack2<T>(o[j][0] * s, o[j][1] * s);
+      }
+      if (i < rows && (ok[half] || Policy::zero_pad_rows)) {
+        uint4* dst = reinterpret_cast<uint4*>(out + i * p.out_stride[1]);
+#pragma unroll
+        for (int u = 0; u < GV; ++u)
+          __stcs(dst + u,
+                 ok[half] ? make_uint4(res[4 * u], res[4 * u + 1], res[4 * u + 2], res[4 * u + 3])
+                          : make_uint4(0u, 0u, 0u, 0u));
+      }
+    }
+  }
 }
 
 }  // namespace cuda
