@@ -282,18 +282,23 @@ __global__ void __launch_bounds__(384, 1) path_wgmma_kernel(const path_kernel_pa
     to_fragments<T>(pf, s);
   }
 
-  // Chunk top - t from stage t % Stages. (No wgmma sits under a branch.)
-  for (int t = t0 + 1; t <= top; ++t) {
+  // Chunk top - t from stage t % Stages; the last one (chunk 0) needs no transition. The lambda
+  // is inlined with a constant `transition`, so no wgmma sits under a run-time branch (the
+  // compiler would serialise them all).
+  auto key_chunk = [&](int t, bool transition) {
     const int buf = t % Stages, prev = (t - 1) % Stages;
     float rescale[2];
     mbarrier_wait(full + buf, (t / Stages) & 1);
     fence_proxy_async();
-    query_fragments();
+    if (transition)
+      query_fragments();
+    else
+      to_fragments<T>(rt, r);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       wgmma_rs<T, 0>(s, rt[kk], k_major(k_desc, buf, kk), kk > 0);
-      wgmma_rs<__half, 0>(x, rh[kk], k_major(w_desc, buf, kk), kk > 0);
+      if (transition) wgmma_rs<__half, 0>(x, rh[kk], k_major(w_desc, buf, kk), kk > 0);
     }
     wgmma_commit();
 #pragma unroll
@@ -301,25 +306,31 @@ __global__ void __launch_bounds__(384, 1) path_wgmma_kernel(const path_kernel_pa
     wgmma_commit();
     wgmma_wait<1>();
     wgmma_fence_operand(s);
-    wgmma_fence_operand(x);
-    wgmma_fence_operand(rh);
     wgmma_fence_operand(rt);
-    to_fragments<__half>(xn, x);
-    wgmma_fence();
+    if (transition) {
+      wgmma_fence_operand(x);
+      wgmma_fence_operand(rh);
+      to_fragments<__half>(xn, x);
+      wgmma_fence();
 #pragma unroll
-    for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(u_desc, buf, kc));
-    wgmma_commit();
+      for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(u_desc, buf, kc));
+      wgmma_commit();
+    }
     softmax(buf, false, rescale);
     wgmma_wait<0>();
     wgmma_fence_operand(o);
     wgmma_fence_operand(pf);
-    wgmma_fence_operand(r);
-    wgmma_fence_operand(xn);
+    if (transition) {
+      wgmma_fence_operand(r);
+      wgmma_fence_operand(xn);
+    }
     if (lane == 0) mbarrier_arrive(empty + prev);  // this warp is done with stage t - 1
 #pragma unroll
     for (int i = 0; i < Dv / 2; ++i) o[i] *= rescale[(i / 2) % 2];
     to_fragments<T>(pf, s);
-  }
+  };
+  for (int t = t0 + 1; t < top; ++t) key_chunk(t, true);
+  if (top > t0) key_chunk(top, false);
   wgmma_fence();
 #pragma unroll
   for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<T, 1>(o, pf[kc], mn_major(v_desc, top % Stages, kc));
