@@ -87,6 +87,25 @@ __device__ float block_reduce(float x, float* scratch) {
   return Max ? warp_max(y) : warp_sum(y);
 }
 
+// The log-sum-exp merge of a head's `partials` partial states, `stride` floats apart, from each
+// one's block max and mass (tail[0], tail[1]): M = the largest max of a block with mass, ell =
+// sum of mass * exp(max - M). The loads bypass L1: the states may come from other CTAs of the
+// running kernel.
+__device__ __forceinline__ void partial_gate_merge(const float* tail, index_t partials,
+                                                   index_t stride, float* scratch, float& M,
+                                                   float& ell) {
+  float mx = -INFINITY;
+  for (index_t q = threadIdx.x; q < partials; q += blockDim.x)
+    if (__ldcg(tail + q * stride + 1) > 0.f) mx = fmaxf(mx, __ldcg(tail + q * stride));
+  M = block_reduce<true>(mx, scratch);
+  float sum = 0.f;
+  for (index_t q = threadIdx.x; q < partials; q += blockDim.x) {
+    const float l = __ldcg(tail + q * stride + 1);
+    if (l > 0.f) sum += l * __expf(__ldcg(tail + q * stride) - M);
+  }
+  ell = block_reduce<false>(sum, scratch);
+}
+
 // ---- bidirectional: reduce ---------------------------------------------------------------
 // The state of a block of tokens: S_p (D x Dv), z_p (D), and for the key gate the block max
 // M_p and mass ell_p = sum exp(a_j - M_p). Workspace layout per (n, h, p):
@@ -263,18 +282,7 @@ __global__ void __launch_bounds__(256)
   const index_t stride = partial_floats(D, Dv);
   const float* part = partial + (index_t(n) * p.kv_heads + h) * partials * stride;
   float M = 0.f, ell = 0.f;
-  if (gated) {
-    float mx = -INFINITY;
-    for (index_t q = threadIdx.x; q < partials; q += blockDim.x)
-      if (part[q * stride + D * Dv + D + 1] > 0.f) mx = fmaxf(mx, part[q * stride + D * Dv + D]);
-    M = block_reduce<true>(mx, scratch);
-    float sum = 0.f;
-    for (index_t q = threadIdx.x; q < partials; q += blockDim.x) {
-      const float l = part[q * stride + D * Dv + D + 1];
-      if (l > 0.f) sum += l * __expf(part[q * stride + D * Dv + D] - M);
-    }
-    ell = block_reduce<false>(sum, scratch);
-  }
+  if (gated) partial_gate_merge(part + D * Dv + D, partials, stride, scratch, M, ell);
   const float inv = gated ? (ell > 0.f ? 1.f / ell : 0.f) : 1.f;
   float* out = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
   const int end = min(D * Dv + D, int(blockIdx.z + 1) * linear_combine_slice);

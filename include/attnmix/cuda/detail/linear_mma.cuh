@@ -229,6 +229,36 @@ inline __host__ __device__ index_t staged_state_bytes(int D, int Dv) {
 // when a head has at most this many blocks; more go through linear_combine_kernel.
 constexpr index_t linear_fused_partials = 32;
 
+// Token t's logit, or 1 / 0 for a valid / pad token without a gate; 0 past t1.
+template <bool Gated>
+__device__ __forceinline__ float token_logit(const linear_kernel_params& p, index_t batch,
+                                             index_t start, int h, index_t t, index_t t1) {
+  if (t >= t1) return 0.f;
+  if (Gated) return p.logit(batch, start + t, h);
+  return p.valid(batch, start + t) ? 1.f : 0.f;
+}
+
+// A reduce block's gate statistics over tokens [t0, t1), with all its threads: the largest logit
+// M and the mass ell = sum exp(logit - M); without a gate M = 0 and ell counts the valid tokens.
+template <bool Gated>
+__device__ void block_gate_stats(const linear_kernel_params& p, index_t batch, index_t start, int h,
+                                 index_t t0, index_t t1, float* scratch, float& M, float& ell) {
+  M = 0.f;
+  float sum = 0.f;
+  if (Gated) {
+    float mx = -INFINITY;
+    for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
+      mx = fmaxf(mx, p.logit(batch, start + t, h));
+    M = block_reduce<true>(mx, scratch);
+    for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
+      sum += shifted_exp(p.logit(batch, start + t, h), M);
+  } else {
+    for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
+      sum += p.valid(batch, start + t) ? 1.f : 0.f;
+  }
+  ell = block_reduce<false>(sum, scratch);
+}
+
 // Merges the `partials` partial states of head (n, h) with a log-sum-exp over the block maxima,
 // as linear_combine_kernel does, with one CTA of 256 threads: the float state, the caller's
 // state_out and, when `staged` is given, the staged state of the read kernel.
@@ -240,19 +270,7 @@ __device__ void combine_head(const linear_kernel_params& p, const float* part, i
   const int D = p.head_dim, Dv = p.value_dim, tid = threadIdx.x;
   const index_t stride = partial_floats(D, Dv);
   float M = 0.f, ell = 0.f;
-  if (gated) {
-    float mx = -INFINITY;
-    for (index_t q = tid; q < partials; q += blockDim.x)
-      if (__ldcg(part + q * stride + D * Dv + D + 1) > 0.f)
-        mx = fmaxf(mx, __ldcg(part + q * stride + D * Dv + D));
-    M = block_reduce<true>(mx, scratch);
-    float sum = 0.f;
-    for (index_t q = tid; q < partials; q += blockDim.x) {
-      const float l = __ldcg(part + q * stride + D * Dv + D + 1);
-      if (l > 0.f) sum += l * __expf(__ldcg(part + q * stride + D * Dv + D) - M);
-    }
-    ell = block_reduce<false>(sum, scratch);
-  }
+  if (gated) partial_gate_merge(part + D * Dv + D, partials, stride, scratch, M, ell);
   const float inv = gated ? (ell > 0.f ? 1.f / ell : 0.f) : 1.f;
   for (index_t q = tid; q < partials; q += blockDim.x) {
     const float l = __ldcg(part + q * stride + D * Dv + D + 1);
@@ -373,29 +391,10 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : linear_m
   for (int s = 0; s < Stages - 1; ++s) issue(t0 + s * TT, s);
 
   float M = 0.f, ell = 0.f;
-  if (gated) {
-    float mx = -INFINITY;
-    for (index_t t = t0 + tid; t < t1; t += threads) mx = fmaxf(mx, p.logit(batch, start + t, h));
-    M = block_reduce<true>(mx, scratch);
-    float sum = 0.f;
-    for (index_t t = t0 + tid; t < t1; t += threads)
-      sum += shifted_exp(p.logit(batch, start + t, h), M);
-    ell = block_reduce<false>(sum, scratch);
-  } else {
-    float sum = 0.f;
-    for (index_t t = t0 + tid; t < t1; t += threads) sum += p.valid(batch, start + t) ? 1.f : 0.f;
-    ell = block_reduce<false>(sum, scratch);
-  }
+  block_gate_stats<gated>(p, batch, start, h, t0, t1, scratch, M, ell);
   // Token (tile base + tid)'s logit, or 1 / 0 for valid / pad without a gate; one tile ahead.
   auto logit = [&](index_t base) {
-    float x = 0.f;
-    if (tid < TT && base + tid < t1) {
-      if (gated)
-        x = p.logit(batch, start + base + tid, h);
-      else
-        x = p.valid(batch, start + base + tid) ? 1.f : 0.f;
-    }
-    return x;
+    return tid < TT ? token_logit<gated>(p, batch, start, h, base + tid, t1) : 0.f;
   };
   float next_logit = logit(t0);
 
@@ -534,28 +533,9 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
   for (int s = 0; s < Stages - 1; ++s) issue(t0 + s * TT, s);
 
   float M = 0.f, ell = 0.f;
-  if (gated) {
-    float mx = -INFINITY;
-    for (index_t t = t0 + tid; t < t1; t += threads) mx = fmaxf(mx, p.logit(batch, start + t, h));
-    M = block_reduce<true>(mx, scratch);
-    float sum = 0.f;
-    for (index_t t = t0 + tid; t < t1; t += threads)
-      sum += shifted_exp(p.logit(batch, start + t, h), M);
-    ell = block_reduce<false>(sum, scratch);
-  } else {
-    float sum = 0.f;
-    for (index_t t = t0 + tid; t < t1; t += threads) sum += p.valid(batch, start + t) ? 1.f : 0.f;
-    ell = block_reduce<false>(sum, scratch);
-  }
+  block_gate_stats<gated>(p, batch, start, h, t0, t1, scratch, M, ell);
   auto logit = [&](index_t base) {
-    float x = 0.f;
-    if (tid < TT && base + tid < t1) {
-      if (gated)
-        x = p.logit(batch, start + base + tid, h);
-      else
-        x = p.valid(batch, start + base + tid) ? 1.f : 0.f;
-    }
-    return x;
+    return tid < TT ? token_logit<gated>(p, batch, start, h, base + tid, t1) : 0.f;
   };
   float next_logit = logit(t0);
 
