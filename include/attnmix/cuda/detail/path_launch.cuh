@@ -139,7 +139,8 @@ void launch_path_mma(const path_kernel_params& kp, index_t max_len, index_t sequ
   kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
 }
 
-// Hopper, D = Dv = 64: a CTA per pair of query chunks, a ring of four stages.
+// Hopper, D = Dv = 64: persistent, a CTA an SM over the items (pairs of query chunks, heads,
+// sequences), a ring of four stages.
 template <class Dev>
 void launch_path_wgmma(const path_kernel_params& kp, index_t max_len, index_t sequences,
                        cudaStream_t stream) {
@@ -147,9 +148,12 @@ void launch_path_wgmma(const path_kernel_params& kp, index_t max_len, index_t se
   auto kernel = path_wgmma_kernel<Dev, 64, 64, 4>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
         "cudaFuncSetAttribute");
-  const dim3 grid(static_cast<unsigned>((max_len + 2 * path_chunk - 1) / (2 * path_chunk)),
-                  static_cast<unsigned>(kp.a.q_heads), static_cast<unsigned>(sequences));
-  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
+  const index_t pairs = (max_len + 2 * path_chunk - 1) / (2 * path_chunk);
+  const index_t items = pairs * kp.a.q_heads * sequences;
+  const dim3 grid(static_cast<unsigned>(std::min<index_t>(items, current_device().sms)));
+  check(cudaMemsetAsync(kp.a.work_counter, 0, sizeof(int), stream), "cudaMemsetAsync");
+  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp, static_cast<int>(pairs),
+                                                            static_cast<int>(items));
 }
 
 template <class Dev>
@@ -193,7 +197,9 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
       path_chunk_data<Dev, __half> chunks(p, true, stream);
       chunks.attach(kp);
       launch_path_prepare_mma<Dev>(kp, setup.max_len, p.num_sequences, stream);
-      if (D == 64 && Dv == 64 && !be.portable && current_device().hopper)
+      // The Hopper kernel also stages the queries with 16-byte copies.
+      if (D == 64 && Dv == 64 && !be.portable && current_device().hopper &&
+          aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 8))
         launch_path_wgmma<Dev>(kp, setup.max_len, p.num_sequences, stream);
       else if (D == 64 && Dv == 64)
         launch_path_mma<Dev, 64, 64>(kp, setup.max_len, p.num_sequences, stream);
