@@ -106,11 +106,22 @@ __device__ __forceinline__ pair_t<T> pair_splat(float x) {
     return __float2half2_rn(x);
   }
 }
+// Below sm_90 the bfloat16 pairs go through float (the bf16x2 forms do not exist there).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define ATTNMIX_BF16X2_SFU 0
+#else
+#define ATTNMIX_BF16X2_SFU 1
+#endif
 template <class T>
 __device__ __forceinline__ pair_t<T> pair_ex2(pair_t<T> x) {
   std::uint32_t y;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#if ATTNMIX_BF16X2_SFU
     asm("ex2.approx.ftz.bf16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
+#else
+    const float2 f = __bfloat1622float2(x);
+    y = as_bits<T>(__floats2bfloat162_rn(exp2f(f.x), exp2f(f.y)));
+#endif
   } else {
     asm("ex2.approx.f16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
   }
@@ -120,12 +131,18 @@ template <class T>
 __device__ __forceinline__ pair_t<T> pair_tanh(pair_t<T> x) {
   std::uint32_t y;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#if ATTNMIX_BF16X2_SFU
     asm("tanh.approx.bf16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
+#else
+    const float2 f = __bfloat1622float2(x);
+    y = as_bits<T>(__floats2bfloat162_rn(tanhf(f.x), tanhf(f.y)));
+#endif
   } else {
     asm("tanh.approx.f16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
   }
   return as_pair<T>(y);
 }
+#undef ATTNMIX_BF16X2_SFU
 // Whether the feature map and the gate activation have a packed form.
 template <class Policy>
 constexpr bool packed_phi = Policy::phi == feature_map::elu_plus_one;
