@@ -35,7 +35,7 @@ struct wgmma_tile {
   static constexpr int threads = 128 * (WGs + 1);
   static constexpr int producer_registers = WGs >= 3 ? 24 : 56;
   static constexpr int consumer_registers =
-      std::min(240, (65536 - 128 * producer_registers) / (128 * WGs) / 8 * 8);
+      std::min(240, claimable_registers(threads, WGs, producer_registers));  // 160 or 224
   static constexpr int br = 64 * WGs;
   static constexpr int bc = Bc;
   // Shared memory in elements: Q, then Stages K tiles, then Stages V tiles (each a multiple of

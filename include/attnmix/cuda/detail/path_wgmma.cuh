@@ -37,7 +37,7 @@ struct path_wgmma_tile {
   // The consumers take what the producer gives back (below 56 its address arithmetic spills).
   static constexpr int producer_registers = 56;
   static constexpr int consumer_registers =
-      (65536 - 128 * producer_registers) / (128 * consumers) / 8 * 8;
+      claimable_registers(threads, consumers, producer_registers);  // 224
   // Shared memory, in 8 KB tiles of C x 64 16-bit elements: per stage K~, V (in T), W and U (in
   // half); then each consumer's diagonal K (T), M (half) and queries (T); then the gate terms of
   // each stage (floats); the full and empty barrier of each stage and the item's pair; the queue.

@@ -99,6 +99,14 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// The registers a consumer warpgroup may claim when `producers` warpgroups keep `kept` each: what
+// the launch gave the CTA's `threads` (65536 / threads, rounded down to 8) less the producers'
+// share, split among the consumers. setmaxnreg.inc waits until the registers are free, so the
+// total must not exceed the launch's allocation.
+constexpr int claimable_registers(int threads, int consumers, int kept, int producers = 1) {
+  return (65536 / threads / 8 * 8 * threads - 128 * producers * kept) / (128 * consumers) / 8 * 8;
+}
+
 // Moves registers between the warpgroups of a CTA (sm_90a): a producer gives its surplus back,
 // the consumers take it. Counts are multiples of 8 in [24, 256].
 template <int Count>
