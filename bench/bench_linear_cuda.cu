@@ -40,24 +40,7 @@ void BM_linear_cuda(benchmark::State& state) {
   auto call = [&] {
     attnmix::linear_attention<Kind, Policy>(args, {}, attnmix::backend::cuda{});
   };
-  if constexpr (Calls == 1) {
-    attnmix_bench::time_with_events(state, call);
-  } else {
-    cudaEvent_t start, stop;
-    check(cudaEventCreate(&start), "cudaEventCreate"),
-        check(cudaEventCreate(&stop), "cudaEventCreate");
-    for (int i = 0; i < 3; ++i) call();
-    for (auto _ : state) {
-      check(cudaEventRecord(start), "cudaEventRecord");
-      for (int i = 0; i < Calls; ++i) call();
-      check(cudaEventRecord(stop), "cudaEventRecord");
-      check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-      float ms = 0;
-      check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-      state.SetIterationTime(ms / 1e3 / Calls);
-    }
-    cudaEventDestroy(start), cudaEventDestroy(stop);
-  }
+  attnmix_bench::time_with_events(state, call, Calls);
   const double bytes =
       double(B) * Tn * H * D * 2 * (normed ? 5 : 4) + (gated ? double(B) * Tn * 4 : 0);
   state.counters["GB/s"] =

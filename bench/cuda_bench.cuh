@@ -44,10 +44,10 @@ struct device_array {
   device_array& operator=(const device_array&) = delete;
 };
 
-// Runs `call` three times to warm up, then once per benchmark iteration between two CUDA
-// events, reporting the event time as the iteration's manual time.
+// Runs `call` three times to warm up, then `calls` times back to back per benchmark iteration
+// between two CUDA events, reporting the event time per call as the iteration's manual time.
 template <class Call>
-void time_with_events(benchmark::State& state, Call&& call) {
+void time_with_events(benchmark::State& state, Call&& call, int calls = 1) {
   using attnmix::detail::cuda::check;
   cudaEvent_t start, stop;
   check(cudaEventCreate(&start), "cudaEventCreate"),
@@ -55,12 +55,12 @@ void time_with_events(benchmark::State& state, Call&& call) {
   for (int i = 0; i < 3; ++i) call();
   for (auto _ : state) {
     check(cudaEventRecord(start), "cudaEventRecord");
-    call();
+    for (int i = 0; i < calls; ++i) call();
     check(cudaEventRecord(stop), "cudaEventRecord");
     check(cudaEventSynchronize(stop), "cudaEventSynchronize");
     float ms = 0;
     check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    state.SetIterationTime(ms / 1e3);
+    state.SetIterationTime(ms / 1e3 / calls);
   }
   cudaEventDestroy(start), cudaEventDestroy(stop);
 }

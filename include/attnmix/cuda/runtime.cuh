@@ -79,6 +79,22 @@ inline const device_info& current_device() {
   return known.emplace(device, info).first->second;
 }
 
+// Lets `kernel` take `bytes` of dynamic shared memory on the current device; the attribute is set
+// once per kernel and device rather than on every launch.
+template <class Kernel>
+void allow_dynamic_smem(Kernel kernel, int bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> set;  // (kernel, device) -> bytes allowed
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const std::lock_guard<std::mutex> lock(mutex);
+  int& allowed = set[{reinterpret_cast<const void*>(kernel), device}];
+  if (allowed >= bytes) return;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+        "cudaFuncSetAttribute");
+  allowed = bytes;
+}
+
 // Device memory from cudaMalloc, freed when the owner goes; movable, not copyable.
 class device_memory {
  public:

@@ -115,8 +115,7 @@ void launch_mma(const attention_kernel_params& kp, index_t max_len, index_t sequ
   constexpr int warps = 4, m_tiles = 1, bc = 64;
   using tile = mma_tile<D, Dv, warps, m_tiles, bc>;
   auto kernel = attention_mma_kernel<Dev, D, Dv, warps, m_tiles, bc>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
-        "cudaFuncSetAttribute");
+  allow_dynamic_smem(kernel, tile::smem_bytes);
   // A 1-D grid of attention_work items, row tiles first.
   const index_t row_tiles = (max_len + tile::br - 1) / tile::br;
   const dim3 grid(static_cast<unsigned>(row_tiles * kp.q_heads * sequences));
@@ -129,8 +128,7 @@ void launch_wgmma(const attention_kernel_params& kp, index_t max_len, index_t se
                   cudaStream_t stream) {
   using tile = wgmma_tile<D, Dv, WGs, 128, 3>;
   auto kernel = attention_wgmma_kernel<Dev, D, Dv, WGs, 128, 3>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
-        "cudaFuncSetAttribute");
+  allow_dynamic_smem(kernel, tile::smem_bytes);
   // Persistent: one CTA an SM walks the (row tile, head, sequence) items.
   const index_t row_tiles = (max_len + tile::br - 1) / tile::br;
   const index_t items = row_tiles * kp.q_heads * sequences;

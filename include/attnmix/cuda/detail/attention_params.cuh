@@ -43,6 +43,15 @@ struct attention_kernel_params {
   }
 };
 
+// The gate term of position i of a sequence of `length` (clamped to it): the kernel's coefficient
+// times G_i - g_ref, with G the gate cumsum of the (sequence, head) and g_ref a G of the work
+// item's, so that the floats stay small.
+__device__ __forceinline__ float gate_term(const attention_kernel_params& p, const double* G,
+                                           double g_ref, index_t i, index_t length) {
+  return p.gate_coef_log2 *
+         static_cast<float>(G[(i < length ? i : length - 1) * p.q_heads] - g_ref);
+}
+
 // One unit of work: a tile of Br query rows of one (sequence, query head), and the key tiles
 // its rows may see.
 struct attention_work {
@@ -73,10 +82,8 @@ struct attention_work {
     g_ref = G != nullptr ? G[i0 * p.q_heads] : 0.0;
     return true;
   }
-  // The gate term of position i (clamped to the sequence), times the kernel's coefficient.
   __device__ float gate(const attention_kernel_params& p, index_t i) const {
-    return p.gate_coef_log2 *
-           static_cast<float>(G[(i < length ? i : length - 1) * p.q_heads] - g_ref);
+    return gate_term(p, G, g_ref, i, length);
   }
 };
 

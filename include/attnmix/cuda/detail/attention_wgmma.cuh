@@ -91,20 +91,13 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
     // Producer (the whole warpgroup copies). Each thread arrives twice on a full barrier: at once
     // (its gate stores) and when its copies have landed.
     const int thread = threadIdx.x - 128 * WGs;
-    int counted = 0, done = 0, fetches = 0;  // key tiles, items and queue reads so far
-    auto fetch = [&] {  // thread 0 takes the next item; the producer warpgroup reads it
-      int* slot = next_item + fetches++ % 2;
-      if (thread == 0) *slot = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");
-      return *slot;
-    };
-    auto publish_q = [&](int n) {  // hand Q (of item n, or -1 at the end) to the consumers
-      if (thread == 0) *q_item = n;
-      mbarrier_arrive(q_full);
-      mbarrier_arrive_on_copies(q_full);
+    int counted = 0, done = 0, draws = 0;  // key tiles, items and queue reads so far
+    auto publish_q = [&](int n) {          // hand Q (of item n, or -1 at the end) to the consumers
+      publish_work_item(q_item, n, q_full, thread);
       ++done;
     };
-    for (int n = blockIdx.x; n < items; n = fetch()) {
+    for (int n = blockIdx.x; n < items;
+         n = next_work_item(p.work_counter, next_item, draws, thread)) {
       attention_work w{};
       if (!w.decode<Br, Bc>(p, n, row_tiles)) continue;
       const T* q = static_cast<const T*>(p.q) + w.batch * p.q_stride[0] +

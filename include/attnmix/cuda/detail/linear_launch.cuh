@@ -4,8 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -46,22 +44,6 @@ auto causal_kernel(index_t Dv) {
   if (Dv <= 32) return linear_causal_kernel<Dev, Policy, 1>;
   if (Dv <= 64) return linear_causal_kernel<Dev, Policy, 2>;
   return linear_causal_kernel<Dev, Policy, 4>;
-}
-
-// Lets `kernel` take `bytes` of dynamic shared memory on the current device; the attribute is set
-// once per kernel and device rather than on every launch.
-template <class Kernel>
-void allow_dynamic_smem(Kernel kernel, int bytes) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> set;  // (kernel, device) -> bytes allowed
-  int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  const std::lock_guard<std::mutex> lock(mutex);
-  int& allowed = set[{reinterpret_cast<const void*>(kernel), device}];
-  if (allowed >= bytes) return;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-        "cudaFuncSetAttribute");
-  allowed = bytes;
 }
 
 // Every view of `a` that is given must point to device memory (the twin of the softmax
@@ -115,8 +97,7 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
     const int sms = current_device().sms;
     int per_sm = 0;
     auto kernel = causal_kernel<Dev, Policy>(Dv);
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, causal_smem),
-          "cudaFuncSetAttribute");
+    allow_dynamic_smem(kernel, causal_smem);
     check(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, causal_threads, causal_smem),
         "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
@@ -319,8 +300,7 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
         constexpr int VC = decltype(vc)::value;
         // 4x4 tiles of the 64-row tile per thread: 64 * Dv / 16 / 128.
         auto kernel = linear_read_kernel<Dev, Policy, VC, (VC == 4 ? 4 : VC == 2 ? 2 : 1)>;
-        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, read_smem),
-              "cudaFuncSetAttribute");
+        allow_dynamic_smem(kernel, read_smem);
         kernel<<<dim3(unsigned((max_len + linear_read_rows - 1) / linear_read_rows),
                       unsigned(p.q_heads), unsigned(N)),
                  128, read_smem, stream>>>(kp, state);

@@ -648,6 +648,29 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
       state, staged, n, h, scratch, alpha);
 }
 
+// One k-step of [Num | den] += phi(Q) [S | z] against the staged state sS (row stride ss, z in
+// columns Dv ..): the column tiles of acc below nt, and zacc, from A fragment `a` of k-step kk.
+template <class T, int NT>
+__device__ __forceinline__ void state_kstep(float (&acc)[NT][4], float (&zacc)[4],
+                                            const std::uint32_t (&a)[4], const T* sS, int ss,
+                                            int kk, int nt, int Dv, int lane) {
+  const T* brow = sS + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ss + (lane / 16) * 8;
+#pragma unroll
+  for (int j = 0; j < NT / 2; ++j) {
+    if (2 * j < nt) {
+      std::uint32_t b[4];
+      ldmatrix_x4_trans(b, brow + j * 16);
+      const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      mma_16816<T>(acc[2 * j], a, b0);
+      mma_16816<T>(acc[2 * j + 1], a, b1);
+    }
+  }
+  std::uint32_t b[4];
+  ldmatrix_x4_trans(b, brow + Dv);
+  const std::uint32_t b0[2] = {b[0], b[1]};
+  mma_16816<T>(zacc, a, b0);
+}
+
 // ---- read ----------------------------------------------------------------------------------
 // CTA (query head hq, `tiles` consecutive 64-row query tiles, sequence n), 128 threads; warp w
 // owns rows 16w .. 16w + 15 of a tile. Wide: D or Dv above 64. The query rows (and the gate rows
@@ -780,21 +803,7 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
     for (int kk = 0; kk < D / 16; ++kk) {
       std::uint32_t a[4];
       ldmatrix_x4(a, sq + (warp * 16 + lane % 16) * qs + kk * 16 + (lane / 16) * 8);
-      const T* brow = sS + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ss + (lane / 16) * 8;
-#pragma unroll
-      for (int j = 0; j < NT / 2; ++j) {
-        if (2 * j < nt) {
-          std::uint32_t b[4];
-          ldmatrix_x4_trans(b, brow + j * 16);
-          const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-          mma_16816<T>(acc[2 * j], a, b0);
-          mma_16816<T>(acc[2 * j + 1], a, b1);
-        }
-      }
-      std::uint32_t b[4];
-      ldmatrix_x4_trans(b, brow + Dv);
-      const std::uint32_t b0[2] = {b[0], b[1]};
-      mma_16816<T>(zacc, a, b0);
+      state_kstep<T>(acc, zacc, a, sS, ss, kk, nt, Dv, lane);
     }
 
     // Epilogue on the fragments: half 0 is row g, half 1 row g + 8 of the warp's 16.
@@ -1002,19 +1011,7 @@ __global__ void __launch_bounds__(linear_fast_threads, 2)
     for (int kk = 0; kk < KK; ++kk) {
       const std::uint32_t a[4] = {af[0][2 * kk], af[1][2 * kk], af[0][2 * kk + 1],
                                   af[1][2 * kk + 1]};
-      const T* brow = sS + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ss + (lane / 16) * 8;
-#pragma unroll
-      for (int j = 0; j < NT / 2; ++j) {
-        std::uint32_t b[4];
-        ldmatrix_x4_trans(b, brow + j * 16);
-        const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-        mma_16816<T>(acc[2 * j], a, b0);
-        mma_16816<T>(acc[2 * j + 1], a, b1);
-      }
-      std::uint32_t b[4];
-      ldmatrix_x4_trans(b, brow + Dv);
-      const std::uint32_t b0[2] = {b[0], b[1]};
-      mma_16816<T>(zacc, a, b0);
+      state_kstep<T>(acc, zacc, a, sS, ss, kk, NT, Dv, lane);
     }
 
     // Epilogue: half 0 is row g, half 1 row g + 8; accumulator pair j of a half is elements

@@ -48,6 +48,27 @@ __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, int parity) {
 #endif
 }
 
+// The work queue of the persistent kernels. A CTA takes item blockIdx.x first, then the next of
+// a device-wide counter (zeroed before the launch); thread 0 of the producer warpgroup draws, the
+// warpgroup reads it after named barrier 1. Two slots, so that a slow reader of the last draw
+// never sees the next one.
+__device__ __forceinline__ int next_work_item(int* counter, int* slots, int& draws, int thread) {
+  int* slot = slots + draws++ % 2;
+  if (thread == 0) *slot = atomicAdd(counter, 1) + static_cast<int>(gridDim.x);
+  asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  return *slot;
+}
+
+// Hands work item n (-1: no more) to the consumers: they wait on `full` (counted for the whole
+// producer warpgroup, two arrivals a thread), then read *slot; the arrival on copies completes
+// once this thread's cp.async copies for the item have landed.
+__device__ __forceinline__ void publish_work_item(int* slot, int n, std::uint64_t* full,
+                                                  int thread) {
+  if (thread == 0) *slot = n;
+  mbarrier_arrive(full);
+  mbarrier_arrive_on_copies(full);
+}
+
 }  // namespace cuda
 }  // namespace detail
 }  // namespace attnmix

@@ -68,8 +68,7 @@ void launch_path_prepare(const path_kernel_params& kp, index_t max_len, index_t 
   const int smem = path_prepare_smem_bytes(kp.a.head_dim);
   auto kernel = kp.a.head_dim <= 64 ? path_prepare_kernel<T, KT, TU, 64>
                                     : path_prepare_kernel<T, KT, TU, 128>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-        "cudaFuncSetAttribute");
+  allow_dynamic_smem(kernel, smem);
   const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
                   static_cast<unsigned>(kp.kv_heads), static_cast<unsigned>(sequences));
   kernel<<<grid, 256, smem, stream>>>(kp);
@@ -84,8 +83,7 @@ void launch_path_prepare_mma(const path_kernel_params& kp, index_t max_len, inde
   const int smem =
       narrow ? path_prepare_mma_layout<64>::smem_bytes : path_prepare_mma_layout<128>::smem_bytes;
   auto kernel = narrow ? path_prepare_mma_kernel<T, 64> : path_prepare_mma_kernel<T, 128>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-        "cudaFuncSetAttribute");
+  allow_dynamic_smem(kernel, smem);
   // All of the SM's shared memory: occupancy is bound by it (four CTAs at D = 64).
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                              cudaSharedmemCarveoutMaxShared),
@@ -114,8 +112,7 @@ void launch_path_key_cache(const path_kernel_params& kp, index_t sequences,
                            const key_cache_target<Out>& target, cudaStream_t stream) {
   const int smem = path_key_cache_smem_bytes(kp.a.head_dim);
   auto kernel = path_key_cache_kernel<KT, TU, Out>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-        "cudaFuncSetAttribute");
+  allow_dynamic_smem(kernel, smem);
   kernel<<<dim3(static_cast<unsigned>(kp.kv_heads), static_cast<unsigned>(sequences)), 256, smem,
            stream>>>(kp, target.keys, target.stride[0], target.stride[1], target.stride[2],
                      target.slot_of);
@@ -132,8 +129,7 @@ void launch_path_mma(const path_kernel_params& kp, index_t max_len, index_t sequ
                      cudaStream_t stream) {
   using tile = path_mma_tile<D, Dv>;
   auto kernel = path_forward_mma_kernel<Dev, D, Dv>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
-        "cudaFuncSetAttribute");
+  allow_dynamic_smem(kernel, tile::smem_bytes);
   const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
                   static_cast<unsigned>(kp.a.q_heads), static_cast<unsigned>(sequences));
   kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
@@ -146,8 +142,7 @@ void launch_path_wgmma(const path_kernel_params& kp, index_t max_len, index_t se
                        cudaStream_t stream) {
   using tile = path_wgmma_tile<64, 64, 4>;
   auto kernel = path_wgmma_kernel<Dev, 64, 64, 4>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile::smem_bytes),
-        "cudaFuncSetAttribute");
+  allow_dynamic_smem(kernel, tile::smem_bytes);
   const index_t pairs = (max_len + 2 * path_chunk - 1) / (2 * path_chunk);
   const index_t items = pairs * kp.a.q_heads * sequences;
   const dim3 grid(static_cast<unsigned>(std::min<index_t>(items, current_device().sms)));
@@ -326,8 +321,7 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
   auto kernel =
       narrow ? path_decode_kernel<Dev, DevStore, 64> : path_decode_kernel<Dev, DevStore, 128>;
   if (smem > 48 * 1024)  // the default limit; only wide GQA groups need more (not per step)
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-          "cudaFuncSetAttribute");
+    allow_dynamic_smem(kernel, smem);
   kernel<<<grid, 128, smem, stream>>>(p);
   check(cudaGetLastError(), "path_decode_kernel launch");
   path_decode_combine_kernel<Dev>

@@ -77,10 +77,8 @@ struct path_item {
     return length - c * path_chunk < path_chunk ? static_cast<int>(length - c * path_chunk)
                                                 : path_chunk;
   }
-  // The gate term of position i (clamped), times the kernel's coefficient.
   __device__ float gate(const path_kernel_params& p, index_t i) const {
-    return p.a.gate_coef_log2 *
-           static_cast<float>(G[(i < length ? i : length - 1) * p.a.q_heads] - g_ref);
+    return gate_term(p.a, G, g_ref, i, length);
   }
 };
 
@@ -124,20 +122,13 @@ __global__ void __launch_bounds__(384, 1)
     // Producer. Each thread arrives twice on a full barrier: at once (its gate stores) and when
     // its copies have landed. Chunk top's K~ is nobody's: it is the top consumer's diagonal.
     const int thread = threadIdx.x - 128 * tile::consumers;
-    int counted = 0, loaded = 0, fetches = 0;  // stages, items and queue reads so far
-    auto fetch = [&] {  // thread 0 takes the next item; the producer warpgroup reads it
-      int* slot = next_item + fetches++ % 2;
-      if (thread == 0) *slot = atomicAdd(p.a.work_counter, 1) + static_cast<int>(gridDim.x);
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");
-      return *slot;
-    };
-    auto publish = [&](int n) {  // hand item n (or -1: no more) to the consumers
-      if (thread == 0) *item_slot = n;
-      mbarrier_arrive(item_full);
-      mbarrier_arrive_on_copies(item_full);
+    int counted = 0, loaded = 0, draws = 0;  // stages, items and queue reads so far
+    auto publish = [&](int n) {              // hand item n (or -1: no more) to the consumers
+      publish_work_item(item_slot, n, item_full, thread);
       ++loaded;
     };
-    for (int n = blockIdx.x; n < items; n = fetch()) {
+    for (int n = blockIdx.x; n < items;
+         n = next_work_item(p.a.work_counter, next_item, draws, thread)) {
       path_item it{};
       if (!it.decode(p, n, pairs)) continue;
       const index_t ks = p.a.k_stride[1], vs = p.a.v_stride[1], qs = p.a.q_stride[1];
