@@ -91,13 +91,13 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
     // Producer (the whole warpgroup copies). Each thread arrives twice on a full barrier: at once
     // (its gate stores) and when its copies have landed.
     const int thread = threadIdx.x - 128 * WGs;
-    int counted = 0, done = 0, draws = 0;  // key tiles, items and queue reads so far
-    auto publish_q = [&](int n) {          // hand Q (of item n, or -1 at the end) to the consumers
+    int counted = 0, done = 0;  // key tiles and items so far
+    work_queue queue(p.work_counter, next_item, thread);
+    auto publish_q = [&](int n) {  // hand Q (of item n, or -1 at the end) to the consumers
       publish_work_item(q_item, n, q_full, thread);
       ++done;
     };
-    for (int n = blockIdx.x; n < items;
-         n = next_work_item(p.work_counter, next_item, draws, thread)) {
+    for (int n = blockIdx.x; n < items; n = queue.next()) {
       attention_work w{};
       if (!w.decode<Br, Bc>(p, n, row_tiles)) continue;
       const T* q = static_cast<const T*>(p.q) + w.batch * p.q_stride[0] +

@@ -48,16 +48,35 @@ __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, int parity) {
 #endif
 }
 
-// The work queue of the persistent kernels. A CTA takes item blockIdx.x first, then the next of
-// a device-wide counter (zeroed before the launch); thread 0 of the producer warpgroup draws, the
-// warpgroup reads it after named barrier 1. Two slots, so that a slow reader of the last draw
-// never sees the next one.
-__device__ __forceinline__ int next_work_item(int* counter, int* slots, int& draws, int thread) {
-  int* slot = slots + draws++ % 2;
-  if (thread == 0) *slot = atomicAdd(counter, 1) + static_cast<int>(gridDim.x);
-  asm volatile("bar.sync 1, 128;\n" ::: "memory");
-  return *slot;
-}
+// The work queue of the persistent kernels. A CTA takes item blockIdx.x first, then items of a
+// device-wide counter (zeroed before the launch). Thread 0 of the producer warpgroup draws one
+// item ahead, so that the atomic's round trip to L2 overlaps the current item instead of
+// stalling the producer between items; the warpgroup reads the drawn item after named barrier 1.
+// Two slots, so that a slow reader of one draw never sees the next.
+struct work_queue {
+  int* counter;
+  int* slots;  // two ints of shared memory
+  int thread;  // in the producer warpgroup
+  int draws = 0;
+  int drawn = 0;  // thread 0: the item after the current one
+
+  __device__ work_queue(int* counter_, int* slots_, int thread_)
+      : counter(counter_), slots(slots_), thread(thread_) {
+    draw();
+  }
+  __device__ void draw() {
+    if (thread == 0) drawn = atomicAdd(counter, 1) + static_cast<int>(gridDim.x);
+  }
+  // The item after the current one, for the whole warpgroup.
+  __device__ int next() {
+    int* slot = slots + draws++ % 2;
+    if (thread == 0) *slot = drawn;
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    const int n = *slot;
+    draw();
+    return n;
+  }
+};
 
 // Hands work item n (-1: no more) to the consumers: they wait on `full` (counted for the whole
 // producer warpgroup, two arrivals a thread), then read *slot; the arrival on copies completes
