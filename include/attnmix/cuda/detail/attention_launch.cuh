@@ -166,13 +166,21 @@ struct attention_setup {
   attention_setup(std::size_t bytes, cudaStream_t stream) : scratch(bytes, stream) {}
 };
 
-// Scratch layout: the cu_seqlens copy, the gate cumsum (with a gate), then the work counter of
-// the persistent kernels; each part padded to 256 bytes.
+// Scratch layout: the cu_seqlens copy, the gate cumsum and its part sums (with a gate), then the
+// work counter of the persistent kernels; each part padded to 256 bytes.
+inline index_t gate_parts(index_t max_len) {
+  return std::max<index_t>(1, (max_len + gate_part - 1) / gate_part);
+}
+inline std::size_t gate_cumsum_only_bytes(const attention_problem& p) {
+  return (static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double) + 255) / 256 *
+         256;
+}
 template <class T>
 std::size_t gate_cumsum_bytes(const attention_args<T>& a, const attention_problem& p) {
   if (!a.g.has_value()) return 0;
-  return (static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double) + 255) / 256 *
-         256;
+  const auto part_sums =
+      static_cast<std::size_t>(p.num_sequences * gate_parts(longest_sequence(p)) * p.q_heads);
+  return gate_cumsum_only_bytes(p) + (part_sums * sizeof(double) + 255) / 256 * 256;
 }
 template <class T>
 std::size_t attention_scratch_bytes(const attention_args<T>& a, const attention_problem& p) {
@@ -206,12 +214,18 @@ void setup_attention(attention_setup& s, const attention_args<T>& a, const atten
       reinterpret_cast<int*>(s.scratch.get() + offsets_bytes(p) + gate_cumsum_bytes(a, p));
   if (a.g.has_value()) {
     auto* G = reinterpret_cast<double*>(s.scratch.get() + offsets_bytes(p));
+    auto* part_sums =
+        reinterpret_cast<double*>(s.scratch.get() + offsets_bytes(p) + gate_cumsum_only_bytes(p));
     kp.gate_cumsum = G;
     kp.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
-    gate_cumsum_kernel<<<dim3(static_cast<unsigned>(p.q_heads),
-                              static_cast<unsigned>(p.num_sequences)),
-                         256, 0, stream>>>(a.g.data(), a.g.stride(0), a.g.stride(1), a.g.stride(2),
-                                           kp, G);
+    const dim3 grid(static_cast<unsigned>(gate_parts(s.max_len)),
+                    static_cast<unsigned>((p.q_heads + 31) / 32),
+                    static_cast<unsigned>(p.num_sequences));
+    gate_part_sum_kernel<<<grid, gate_part, 0, stream>>>(a.g.data(), a.g.stride(0), a.g.stride(1),
+                                                         a.g.stride(2), kp, part_sums);
+    check(cudaGetLastError(), "gate_part_sum_kernel launch");
+    gate_cumsum_kernel<<<grid, gate_part, 0, stream>>>(a.g.data(), a.g.stride(0), a.g.stride(1),
+                                                       a.g.stride(2), kp, part_sums, G);
     check(cudaGetLastError(), "gate_cumsum_kernel launch");
   }
 }

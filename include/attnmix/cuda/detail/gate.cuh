@@ -8,34 +8,80 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-// One block of 256 threads per (query head, sequence); each thread sums a contiguous segment,
-// a block scan of the segment sums gives each segment's offset. G: [B, T, HQ] contiguous.
+// G is computed in parts of gate_part tokens of a sequence, a CTA per (part, 32 query heads,
+// sequence), in two passes: gate_part_sum_kernel sums each part, gate_cumsum_kernel adds the sums
+// of the parts before its own and scans it. A warp takes 32 tokens with the heads across its lanes,
+// so that each read takes a token's neighbouring heads at once (g is [B, T, HQ], heads
+// innermost), and a thread holds its 32 gates in registers. part_sums: [sequence][part][HQ].
+constexpr int gate_part = 256, gate_warps = gate_part / 32;
+
+// The gates of this thread's head over its warp's 32 tokens of the part (0 past the sequence),
+// and their sum.
 template <class A>
-__global__ void gate_cumsum_kernel(const A* g, index_t g_stride0, index_t g_stride1,
-                                   index_t g_stride2, const attention_kernel_params p, double* G) {
-  constexpr int threads = 256;
-  __shared__ double partial[threads];
-  const int hq = blockIdx.x, seq = blockIdx.y;
-  index_t batch, start, length;
-  p.sequence(seq, batch, start, length);
-  const index_t per = (length + threads - 1) / threads;
-  const index_t t0 = threadIdx.x * per, t1 = t0 + per < length ? t0 + per : length;
-  const A* gs = g + batch * g_stride0 + start * g_stride1 + hq * g_stride2;
+__device__ __forceinline__ double gate_segment(const A* g, index_t g_stride0, index_t g_stride1,
+                                               index_t g_stride2, const attention_kernel_params& p,
+                                               index_t& batch, index_t& start, index_t& t0,
+                                               A (&v)[32]) {
+  const int h = blockIdx.y * 32 + threadIdx.x % 32, warp = threadIdx.x / 32;
+  index_t length;
+  p.sequence(blockIdx.z, batch, start, length);
+  t0 = static_cast<index_t>(blockIdx.x) * gate_part + warp * 32;
+  const A* gs = g + batch * g_stride0 + (start + t0) * g_stride1 + h * g_stride2;
   double sum = 0;
-  for (index_t t = t0; t < t1; ++t) sum += static_cast<double>(gs[t * g_stride1]);
-  partial[threadIdx.x] = sum;
-  __syncthreads();
-  for (int off = 1; off < threads; off *= 2) {  // Hillis-Steele inclusive scan
-    const double add = threadIdx.x >= off ? partial[threadIdx.x - off] : 0.0;
-    __syncthreads();
-    partial[threadIdx.x] += add;
-    __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    v[i] = h < p.q_heads && t0 + i < length ? gs[i * g_stride1] : A(0);
+    sum += static_cast<double>(v[i]);
   }
-  double running = threadIdx.x > 0 ? partial[threadIdx.x - 1] : 0.0;
-  double* Gs = G + (batch * p.tokens + start) * p.q_heads + hq;
-  for (index_t t = t0; t < t1; ++t) {
-    running += static_cast<double>(gs[t * g_stride1]);
-    Gs[t * p.q_heads] = running;
+  return sum;
+}
+
+template <class A>
+__global__ void __launch_bounds__(gate_part)
+    gate_part_sum_kernel(const A* g, index_t g_stride0, index_t g_stride1, index_t g_stride2,
+                         const attention_kernel_params p, double* part_sums) {
+  __shared__ double warp_sum[gate_warps][32];
+  index_t batch, start, t0;
+  A v[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, h = blockIdx.y * 32 + lane;
+  warp_sum[warp][lane] = gate_segment(g, g_stride0, g_stride1, g_stride2, p, batch, start, t0, v);
+  __syncthreads();
+  if (warp > 0 || h >= p.q_heads) return;
+  double total = 0;
+#pragma unroll
+  for (int w = 0; w < gate_warps; ++w) total += warp_sum[w][lane];
+  part_sums[(static_cast<index_t>(blockIdx.z) * gridDim.x + blockIdx.x) * p.q_heads + h] = total;
+}
+
+template <class A>
+__global__ void __launch_bounds__(gate_part)
+    gate_cumsum_kernel(const A* g, index_t g_stride0, index_t g_stride1, index_t g_stride2,
+                       const attention_kernel_params p, const double* part_sums, double* G) {
+  __shared__ double warp_sum[gate_warps][32];
+  index_t batch, start, t0;
+  A v[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, h = blockIdx.y * 32 + lane;
+  __shared__ double before[gate_warps][32];  // the sums of the parts before, a share a warp
+  warp_sum[warp][lane] = gate_segment(g, g_stride0, g_stride1, g_stride2, p, batch, start, t0, v);
+  double share = 0;
+  if (h < p.q_heads) {
+    const double* sums = part_sums + static_cast<index_t>(blockIdx.z) * gridDim.x * p.q_heads + h;
+    for (unsigned q = warp; q < blockIdx.x; q += gate_warps) share += sums[q * p.q_heads];
+  }
+  before[warp][lane] = share;
+  __syncthreads();
+  double running = 0;
+#pragma unroll
+  for (int w = 0; w < gate_warps; ++w)
+    running += before[w][lane] + (w < warp ? warp_sum[w][lane] : 0.0);
+  if (h >= p.q_heads) return;
+  index_t length;
+  p.sequence(blockIdx.z, batch, start, length);
+  double* Gs = G + (batch * p.tokens + start + t0) * p.q_heads + h;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    running += static_cast<double>(v[i]);
+    if (t0 + i < length) Gs[i * p.q_heads] = running;
   }
 }
 
