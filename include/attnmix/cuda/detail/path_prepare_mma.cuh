@@ -166,14 +166,26 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
       cp_async_16(sk + a * ldw + 8 * cc, a < n ? k + a * ks1 + 8 * cc : k, a < n);
     }
     cp_async_commit();
+    // beta and W are read before anything is stored (see below).
+    const float beta = tid < n ? p.beta[batch * p.beta_stride[0] + (t0 + tid) * p.beta_stride[1] +
+                                        h * p.beta_stride[2]]
+                               : 0.f;
     __half* wh = static_cast<__half*>(p.wh) + row0 * D;
     if (reinterpret_cast<std::uintptr_t>(w) % 16 == 0 && p.w_stride[1] % 4 == 0) {
-      constexpr int quads = D / 4;  // four elements a thread and step: 16-byte reads
+      constexpr int quads = D / 4, steps = C * quads / threads;  // 16-byte reads
+      // Every read is issued before the first store: the compiler may not move a read of w past
+      // a store to wh (both global), and one round trip a step would serialise them.
+      float4 xs[steps];
 #pragma unroll
-      for (int i = 0; i < C * quads / threads; ++i) {
+      for (int i = 0; i < steps; ++i) {
         const int idx = tid + i * threads, a = idx / quads, d = 4 * (idx % quads);
-        const float4 x = a < n ? *reinterpret_cast<const float4*>(w + a * p.w_stride[1] + d)
-                               : make_float4(0.f, 0.f, 0.f, 0.f);
+        xs[i] = a < n ? *reinterpret_cast<const float4*>(w + a * p.w_stride[1] + d)
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int i = 0; i < steps; ++i) {
+        const int idx = tid + i * threads, a = idx / quads, d = 4 * (idx % quads);
+        const float4 x = xs[i];
         std::uint32_t hi[2], lo[2];
         split_pair<T>(x.x, x.y, hi[0], lo[0]);
         split_pair<T>(x.z, x.w, hi[1], lo[1]);
@@ -195,10 +207,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
         if (a < n) wh[a * D + d] = __float2half_rn(-x);
       }
     }
-    if (tid < C)
-      sbeta[tid] = tid < n ? p.beta[batch * p.beta_stride[0] + (t0 + tid) * p.beta_stride[1] +
-                                    h * p.beta_stride[2]]
-                           : 0.f;
+    if (tid < C) sbeta[tid] = beta;
     cp_async_wait<0>();
   }
   __syncthreads();
