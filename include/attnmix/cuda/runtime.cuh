@@ -11,6 +11,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "attnmix/core/error.hpp"
 #include "attnmix/core/tensor_view.hpp"
@@ -79,20 +80,33 @@ inline const device_info& current_device() {
   return known.emplace(device, info).first->second;
 }
 
-// Lets `kernel` take `bytes` of dynamic shared memory on the current device; the attribute is set
-// once per kernel and device rather than on every launch.
+// Raises `attribute` of `kernel` on the current device to `value` unless a call here already has:
+// launchers call this on every launch, the driver sees it once per kernel and device.
 template <class Kernel>
-void allow_dynamic_smem(Kernel kernel, int bytes) {
+void raise_kernel_attribute(Kernel kernel, cudaFuncAttribute attribute, int value) {
   static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> set;  // (kernel, device) -> bytes allowed
+  static std::map<std::tuple<const void*, int, int>, int> set;  // (kernel, device, attribute)
   int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
   const std::lock_guard<std::mutex> lock(mutex);
-  int& allowed = set[{reinterpret_cast<const void*>(kernel), device}];
-  if (allowed >= bytes) return;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-        "cudaFuncSetAttribute");
-  allowed = bytes;
+  int& current = set[{reinterpret_cast<const void*>(kernel), device, static_cast<int>(attribute)}];
+  if (current >= value) return;
+  check(cudaFuncSetAttribute(kernel, attribute, value), "cudaFuncSetAttribute");
+  current = value;
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory.
+template <class Kernel>
+void allow_dynamic_smem(Kernel kernel, int bytes) {
+  raise_kernel_attribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+// Gives `kernel` all of the SM's shared memory (the L1 cache keeps the rest), for kernels whose
+// occupancy shared memory bounds.
+template <class Kernel>
+void prefer_shared_memory(Kernel kernel) {
+  raise_kernel_attribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                         cudaSharedmemCarveoutMaxShared);
 }
 
 // Device memory from cudaMalloc, freed when the owner goes; movable, not copyable.

@@ -84,10 +84,7 @@ void launch_path_prepare_mma(const path_kernel_params& kp, index_t max_len, inde
       narrow ? path_prepare_mma_layout<64>::smem_bytes : path_prepare_mma_layout<128>::smem_bytes;
   auto kernel = narrow ? path_prepare_mma_kernel<T, 64> : path_prepare_mma_kernel<T, 128>;
   allow_dynamic_smem(kernel, smem);
-  // All of the SM's shared memory: occupancy is bound by it (four CTAs at D = 64).
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared),
-        "cudaFuncSetAttribute");
+  prefer_shared_memory(kernel);  // occupancy is bound by it (four CTAs at D = 64)
   const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
                   static_cast<unsigned>(kp.kv_heads), static_cast<unsigned>(sequences));
   kernel<<<grid, 256, smem, stream>>>(kp);
