@@ -12,8 +12,9 @@ namespace {
 using attnmix::index_t;
 using attnmix_bench::device_array;
 
-// args: B, T, H. Portable: the mma.sync kernel that GPUs other than Hopper run.
-template <class Kind, class Policy, bool Portable = false>
+// args: B, T, H. Portable: the mma.sync kernel that GPUs other than Hopper run. Calls: calls
+// timed back to back (per call), so that the host's work for a call overlaps the previous one.
+template <class Kind, class Policy, bool Portable = false, int Calls = 1>
 void BM_attention_cuda(benchmark::State& state) {
   using T = attnmix::bfloat16;
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
@@ -29,7 +30,8 @@ void BM_attention_cuda(benchmark::State& state) {
     a.g = attnmix::view3<const float>(g.ptr, {B, Tn, H}, dev);
   attnmix::backend::cuda be{};
   be.portable = Portable;
-  attnmix_bench::time_with_events(state, [&] { attnmix::attention<Kind, Policy>(a, {}, be); });
+  attnmix_bench::time_with_events(
+      state, [&] { attnmix::attention<Kind, Policy>(a, {}, be); }, Calls);
   const bool causal = Policy::mask == attnmix::mask_type::causal;
   const double flops = 4.0 * B * H * double(Tn) * double(Tn) * D * (causal ? 0.5 : 1.0);
   state.counters["TFLOP/s"] =
@@ -52,6 +54,12 @@ BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::softmax_p
     ->Apply(causal_shapes);
 BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::fox, attnmix::fox_policy)
     ->Name("fox_causal")
+    ->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::softmax_policy, false, 10)
+    ->Name("sa_causal_chain10")
+    ->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::fox, attnmix::fox_policy, false, 10)
+    ->Name("fox_causal_chain10")
     ->Apply(causal_shapes);
 BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::bidirectional_softmax_policy)
     ->Name("sa_bidirectional")

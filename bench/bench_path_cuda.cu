@@ -70,15 +70,17 @@ struct path_call {
   }
 };
 
-// args: B, T, H. Portable: the mma.sync kernel of non-Hopper GPUs, on this one.
-template <class Kind, bool Portable = false>
+// args: B, T, H. Portable: the mma.sync kernel of non-Hopper GPUs, on this one. Calls: calls
+// timed back to back (per call), so that the host's work for a call overlaps the previous one.
+template <class Kind, bool Portable = false, int Calls = 1>
 void BM_path_cuda(benchmark::State& state) {
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
   const path_call call(B, Tn, H, D, 0);
   const auto a = call.args<Kind>();
   attnmix::backend::cuda be{};
   be.portable = Portable;
-  attnmix_bench::time_with_events(state, [&] { attnmix::attention<Kind>(a, {}, be); });
+  attnmix_bench::time_with_events(
+      state, [&] { attnmix::attention<Kind>(a, {}, be); }, Calls);
   const double flops = 4.0 * B * H * double(Tn) * double(Tn) * D;
   state.counters["TFLOP/s"] =
       benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
@@ -129,6 +131,12 @@ void BM_copy_bandwidth(benchmark::State& state) {
 BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path)->Name("path_causal")->Apply(causal_shapes);
 BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path_fox)
     ->Name("path_fox_causal")
+    ->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path, false, 10)
+    ->Name("path_causal_chain10")
+    ->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path_fox, false, 10)
+    ->Name("path_fox_causal_chain10")
     ->Apply(causal_shapes);
 BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path, true)
     ->Name("portable_path_causal")

@@ -33,10 +33,15 @@ def time_ms(fn, warmup=5, reps=30):
     return times[len(times) // 2]
 
 
-def sdpa_ms(backend, B, T, H, D, causal):
+def sdpa_ms(backend, B, T, H, D, causal, calls=1):
     q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def chain():
+        for _ in range(calls):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
     with sdpa_kernel([backend]):
-        return time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        return time_ms(chain) / calls
 
 
 def main():
@@ -55,11 +60,15 @@ def main():
     print("| kernel | B | T | H | D | attnmix ms | cuDNN ms | flash ms | attnmix / cuDNN | attnmix / flash |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for kind, B, T, H, ms in rows:
-        causal = kind.endswith("_causal")  # bidirectional SA is the peer of BLA/GBLA
-        key = (B, T, H, causal)
+        # Bidirectional SA is the peer of BLA/GBLA; a row named ..._chainN times N calls back to
+        # back (per call), and so does its peer.
+        chain = re.search(r"_chain(\d+)$", kind)
+        calls = int(chain.group(1)) if chain else 1
+        causal = kind[: chain.start()].endswith("_causal") if chain else kind.endswith("_causal")
+        key = (B, T, H, causal, calls)
         if key not in peers:
-            peers[key] = (sdpa_ms(SDPBackend.CUDNN_ATTENTION, B, T, H, 64, causal),
-                          sdpa_ms(SDPBackend.FLASH_ATTENTION, B, T, H, 64, causal))
+            peers[key] = (sdpa_ms(SDPBackend.CUDNN_ATTENTION, B, T, H, 64, causal, calls),
+                          sdpa_ms(SDPBackend.FLASH_ATTENTION, B, T, H, 64, causal, calls))
             torch.cuda.empty_cache()
         cudnn, flash = peers[key]
         print(f"| {kind} | {B} | {T} | {H} | 64 | {ms:.3f} | {cudnn:.3f} | {flash:.3f} | "
