@@ -40,13 +40,11 @@ struct path_wgmma_tile {
       claimable_registers(threads, consumers, producer_registers);  // 224
   // Shared memory, in 8 KB tiles of C x 64 16-bit elements: per stage K~, V (in T), W and U (in
   // half); then each consumer's diagonal K (T), M (half) and queries (T); then the gate terms of
-  // each stage's keys and of each consumer's queries (floats); the full and empty barrier of each
-  // stage and the item's pair; the queue.
+  // each stage (floats); the full and empty barrier of each stage and the item's pair; the queue.
   static constexpr int tile_elems = C * 64, tile_bytes = 2 * tile_elems;
   static constexpr int diagonal_offset = 4 * Stages * tile_bytes;
   static constexpr int gate_offset = diagonal_offset + 3 * consumers * tile_bytes;
-  static constexpr int gate_row_offset = gate_offset + 4 * Stages * C;
-  static constexpr int barrier_offset = gate_row_offset + 4 * consumers * C;
+  static constexpr int barrier_offset = gate_offset + 4 * Stages * C;
   static constexpr int queue_offset = barrier_offset + 16 * (Stages + 1);
   static constexpr int smem_bytes = queue_offset + 16 + 1024;  // + alignment slack
 };
@@ -58,7 +56,7 @@ struct path_item {
   int hq, h;
   bool pair;        // whether chunk lo + 1 exists (the second consumer works)
   const double* G;  // the gate cumsum of this (sequence, head), or nullptr
-  double g_ref;     // G at lo's first token (load_gate_reference): gate terms are relative to it
+  double g_ref;     // G at lo's first token: gate terms are relative to it
 
   __device__ bool decode(const path_kernel_params& p, int n, int pairs) {
     constexpr int C = path_chunk;
@@ -72,11 +70,8 @@ struct path_item {
     G = p.a.gate_cumsum != nullptr
             ? p.a.gate_cumsum + (batch * p.a.tokens + start) * p.a.q_heads + hq
             : nullptr;
+    g_ref = G != nullptr ? G[lo * C * p.a.q_heads] : 0.0;
     return true;
-  }
-  // Only the producer reads the gate cumsum; the consumers find the terms in shared memory.
-  __device__ void load_gate_reference(const path_kernel_params& p) {
-    g_ref = G != nullptr ? G[lo * path_chunk * p.a.q_heads] : 0.0;
   }
   __device__ int rows(index_t c) const {  // of chunk c
     return length - c * path_chunk < path_chunk ? static_cast<int>(length - c * path_chunk)
@@ -99,11 +94,10 @@ __global__ void __launch_bounds__(384, 1)
   T* sv = sk + Stages * E;
   __half* sw = reinterpret_cast<__half*>(sv + Stages * E);
   __half* su = sw + Stages * E;
-  T* sk_diag = reinterpret_cast<T*>(base + tile::diagonal_offset);         // [consumer]
-  __half* sm_diag = reinterpret_cast<__half*>(sk_diag + 2 * E);            // [consumer]
-  T* sq = reinterpret_cast<T*>(sm_diag + 2 * E);                           // [consumer]
-  float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);    // minus the gate terms
-  float* gate_q = reinterpret_cast<float*>(base + tile::gate_row_offset);  // [consumer]
+  T* sk_diag = reinterpret_cast<T*>(base + tile::diagonal_offset);       // [consumer]
+  __half* sm_diag = reinterpret_cast<__half*>(sk_diag + 2 * E);          // [consumer]
+  T* sq = reinterpret_cast<T*>(sm_diag + 2 * E);                         // [consumer]
+  float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);  // minus the gate terms
   // Per stage: full (loaded) and empty (every consumer warp is done with it); for the item's
   // queries, diagonal K and M the same pair.
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + tile::barrier_offset);
@@ -137,7 +131,6 @@ __global__ void __launch_bounds__(384, 1)
     for (int n = blockIdx.x; n < items; n = queue.next()) {
       path_item it{};
       if (!it.decode(p, n, pairs)) continue;
-      it.load_gate_reference(p);
       const index_t ks = p.a.k_stride[1], vs = p.a.v_stride[1], qs = p.a.q_stride[1];
       const T* k = static_cast<const T*>(p.a.k) + it.batch * p.a.k_stride[0] + it.start * ks +
                    it.h * p.a.k_stride[2];
@@ -158,21 +151,18 @@ __global__ void __launch_bounds__(384, 1)
         load_tile<C, D>(sq + w * E, q + d0 * qs, qs, n_rows, q, thread);
         load_tile<C, D>(sk_diag + w * E, k + d0 * ks, ks, n_rows, k, thread);
         load_tile<C, C>(sm_diag + w * E, mm + d0 * C, C, n_rows, mm, thread);
-        if (it.G != nullptr && thread < C) gate_q[w * C + thread] = it.gate(p, d0 + thread);
       }
       publish(n);
       for (int t = 0; t <= it.top; ++t, ++counted) {
         const int buf = counted % Stages;
-        const index_t j0 = (it.top - t) * C;
-        // The gate term is read before the wait, so that its trip to L2 overlaps it.
-        const float gate = it.G != nullptr && thread < C ? -it.gate(p, j0 + thread) : 0.f;
         if (counted >= Stages) mbarrier_wait(empty + buf, (counted / Stages - 1) & 1);
+        const index_t j0 = (it.top - t) * C;
         const int rows = it.rows(it.top - t);
         if (t > 0) load_tile<C, D>(sk + buf * E, kt + j0 * D, D, rows, kt, thread);
         load_tile<C, Dv>(sv + buf * E, v + j0 * vs, vs, rows, v, thread);
         load_tile<C, D>(sw + buf * E, wh + j0 * D, D, rows, wh, thread);
         load_tile<C, D>(su + buf * E, u + j0 * D, D, rows, u, thread);
-        if (it.G != nullptr && thread < C) gate_col[buf * C + thread] = gate;
+        if (it.G != nullptr && thread < C) gate_col[buf * C + thread] = -it.gate(p, j0 + thread);
         mbarrier_arrive(full + buf);
         mbarrier_arrive_on_copies(full + buf);
       }
@@ -349,7 +339,7 @@ __global__ void __launch_bounds__(384, 1)
         }
     }
     if (it.G != nullptr)
-      gate_row[0] = gate_q[wg * C + row0], gate_row[1] = gate_q[wg * C + row0 + 8];
+      gate_row[0] = it.gate(p, c * C + row0), gate_row[1] = it.gate(p, c * C + row0 + 8);
 #pragma unroll
     for (int i = 0; i < Dv / 2; ++i) o[i] = 0.f;
     m[0] = m[1] = -INFINITY, l[0] = l[1] = 0.f;
@@ -388,7 +378,6 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_commit();
       wgmma_wait<1>();
       wgmma_fence_operand(s);
-      __syncwarp();  // every lane's reads of the item's shared data come before the hand-back
       if (lane == 0) mbarrier_arrive(item_empty);
       softmax(buf, true, rescale);  // O is still zero
       wgmma_wait<0>();
