@@ -15,22 +15,22 @@ namespace cuda {
 // innermost), and a thread holds its 32 gates in registers. part_sums: [sequence][part][HQ].
 constexpr int gate_part = 256, gate_warps = gate_part / 32;
 
-// The gates of this thread's head over its warp's 32 tokens of the part (0 past the sequence),
-// and their sum.
+// The gates of this thread's head over its warp's 32 tokens of the part (0 past the sequence or
+// past the heads), and their sum; the sequence's batch row, start and length, and the first token.
 template <class A>
 __device__ __forceinline__ double gate_segment(const A* g, index_t g_stride0, index_t g_stride1,
                                                index_t g_stride2, const attention_kernel_params& p,
-                                               index_t& batch, index_t& start, index_t& t0,
-                                               A (&v)[32]) {
+                                               index_t& batch, index_t& start, index_t& length,
+                                               index_t& t0, A (&v)[32]) {
   const int h = blockIdx.y * 32 + threadIdx.x % 32, warp = threadIdx.x / 32;
-  index_t length;
+  const bool head = h < p.q_heads;
   p.sequence(blockIdx.z, batch, start, length);
   t0 = static_cast<index_t>(blockIdx.x) * gate_part + warp * 32;
-  const A* gs = g + batch * g_stride0 + (start + t0) * g_stride1 + h * g_stride2;
+  const A* gs = g + batch * g_stride0 + start * g_stride1 + (head ? h : 0) * g_stride2;
   double sum = 0;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    v[i] = h < p.q_heads && t0 + i < length ? gs[i * g_stride1] : A(0);
+    v[i] = head && t0 + i < length ? gs[(t0 + i) * g_stride1] : A(0);
     sum += static_cast<double>(v[i]);
   }
   return sum;
@@ -41,10 +41,11 @@ __global__ void __launch_bounds__(gate_part)
     gate_part_sum_kernel(const A* g, index_t g_stride0, index_t g_stride1, index_t g_stride2,
                          const attention_kernel_params p, double* part_sums) {
   __shared__ double warp_sum[gate_warps][32];
-  index_t batch, start, t0;
+  index_t batch, start, length, t0;
   A v[32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, h = blockIdx.y * 32 + lane;
-  warp_sum[warp][lane] = gate_segment(g, g_stride0, g_stride1, g_stride2, p, batch, start, t0, v);
+  warp_sum[warp][lane] =
+      gate_segment(g, g_stride0, g_stride1, g_stride2, p, batch, start, length, t0, v);
   __syncthreads();
   if (warp > 0 || h >= p.q_heads) return;
   double total = 0;
@@ -58,11 +59,12 @@ __global__ void __launch_bounds__(gate_part)
     gate_cumsum_kernel(const A* g, index_t g_stride0, index_t g_stride1, index_t g_stride2,
                        const attention_kernel_params p, const double* part_sums, double* G) {
   __shared__ double warp_sum[gate_warps][32];
-  index_t batch, start, t0;
+  __shared__ double before[gate_warps][32];  // the sums of the parts before, a share a warp
+  index_t batch, start, length, t0;
   A v[32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, h = blockIdx.y * 32 + lane;
-  __shared__ double before[gate_warps][32];  // the sums of the parts before, a share a warp
-  warp_sum[warp][lane] = gate_segment(g, g_stride0, g_stride1, g_stride2, p, batch, start, t0, v);
+  warp_sum[warp][lane] =
+      gate_segment(g, g_stride0, g_stride1, g_stride2, p, batch, start, length, t0, v);
   double share = 0;
   if (h < p.q_heads) {
     const double* sums = part_sums + static_cast<index_t>(blockIdx.z) * gridDim.x * p.q_heads + h;
@@ -75,13 +77,11 @@ __global__ void __launch_bounds__(gate_part)
   for (int w = 0; w < gate_warps; ++w)
     running += before[w][lane] + (w < warp ? warp_sum[w][lane] : 0.0);
   if (h >= p.q_heads) return;
-  index_t length;
-  p.sequence(blockIdx.z, batch, start, length);
-  double* Gs = G + (batch * p.tokens + start + t0) * p.q_heads + h;
+  double* Gs = G + (batch * p.tokens + start) * p.q_heads + h;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
     running += static_cast<double>(v[i]);
-    if (t0 + i < length) Gs[i * p.q_heads] = running;
+    if (t0 + i < length) Gs[(t0 + i) * p.q_heads] = running;
   }
 }
 
