@@ -156,69 +156,69 @@ void launch_simt(const attention_kernel_params& kp, index_t max_len, index_t seq
   attention_simt_kernel<Dev, MaxChunks><<<grid, 128, 0, stream>>>(kp);
 }
 
-// Everything a softmax-family kernel reads, set up on `stream`: the kernel parameters, the
-// device copy of cu_seqlens and, with a gate, its cumsum G in double. The scratch lives until
-// the returned object is destroyed (stream-ordered, so kernels launched before that are safe).
-struct attention_setup {
-  attention_kernel_params kp{};
-  stream_buffer scratch;
-  index_t max_len = 0;
-  attention_setup(std::size_t bytes, cudaStream_t stream) : scratch(bytes, stream) {}
+// Scratch of a softmax-family call: the cu_seqlens copy, with a gate its cumsum G and G's part
+// sums, then the work counter of the persistent kernels; each part padded to 256 bytes.
+struct attention_scratch_layout {
+  std::size_t gate = 0, part_sums = 0, counter = 0, bytes = 0;  // offsets, then the total
+  index_t gate_parts = 1;  // parts of gate_part tokens of the longest sequence
+  attention_scratch_layout(const attention_problem& p, bool gated, index_t max_len) {
+    auto padded = [](std::size_t n) {
+      return (n + 255) / 256 * 256;
+    };
+    gate_parts = std::max<index_t>(1, (max_len + gate_part - 1) / gate_part);
+    gate = offsets_bytes(p);
+    part_sums =
+        gate +
+        (gated ? padded(static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double))
+               : 0);
+    counter = part_sums +
+              (gated ? padded(static_cast<std::size_t>(p.num_sequences * gate_parts * p.q_heads) *
+                              sizeof(double))
+                     : 0);
+    bytes = counter + 256;
+  }
 };
 
-// Scratch layout: the cu_seqlens copy, the gate cumsum and its part sums (with a gate), then the
-// work counter of the persistent kernels; each part padded to 256 bytes.
-inline index_t gate_parts(index_t max_len) {
-  return std::max<index_t>(1, (max_len + gate_part - 1) / gate_part);
-}
-inline std::size_t gate_cumsum_only_bytes(const attention_problem& p) {
-  return (static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) * sizeof(double) + 255) / 256 *
-         256;
-}
-template <class T>
-std::size_t gate_cumsum_bytes(const attention_args<T>& a, const attention_problem& p) {
-  if (!a.g.has_value()) return 0;
-  const auto part_sums =
-      static_cast<std::size_t>(p.num_sequences * gate_parts(longest_sequence(p)) * p.q_heads);
-  return gate_cumsum_only_bytes(p) + (part_sums * sizeof(double) + 255) / 256 * 256;
-}
-template <class T>
-std::size_t attention_scratch_bytes(const attention_args<T>& a, const attention_problem& p) {
-  return offsets_bytes(p) + gate_cumsum_bytes(a, p) + 256;
-}
+// Everything a softmax-family kernel reads, set up on `stream`: the kernel parameters, the
+// device copy of cu_seqlens and, with a gate, its cumsum G in double (gate_coef: the factor of
+// G_i - G_j). The scratch lives as long as the object (stream-ordered, so kernels launched before
+// it goes are safe).
+struct attention_setup {
+  index_t max_len;
+  attention_scratch_layout layout;
+  stream_buffer scratch;
+  attention_kernel_params kp{};
 
-// Fills `s.kp` and the scratch at the front of `s.scratch` (attention_scratch_bytes of it).
-// gate_coef: factor of (G_i - G_j), ignored without a.g.
-template <class T>
-void setup_attention(attention_setup& s, const attention_args<T>& a, const attention_problem& p,
-                     bool causal, double gate_coef, cudaStream_t stream) {
-  s.max_len = longest_sequence(p);
-  attention_kernel_params& kp = s.kp;
-  kp.q = a.q.data(), kp.k = a.k.data(), kp.v = a.v.data(), kp.out = a.out.data();
-  kp.lse = a.lse.has_value() ? a.lse.data() : nullptr;
-  for (int i = 0; i < 3; ++i) {
-    kp.q_stride[i] = a.q.stride(i), kp.k_stride[i] = a.k.stride(i), kp.v_stride[i] = a.v.stride(i);
-    kp.out_stride[i] = a.out.stride(i);
-    kp.lse_stride[i] = a.lse.has_value() ? a.lse.stride(i) : 0;
-  }
-  kp.tokens = p.tokens;
-  kp.q_heads = static_cast<int>(p.q_heads), kp.group = static_cast<int>(p.group());
-  kp.head_dim = static_cast<int>(p.head_dim), kp.value_dim = static_cast<int>(p.value_dim);
-  constexpr double log2e = 1.4426950408889634;
-  kp.scale_log2 = static_cast<float>(p.scale * log2e);
-  kp.window = p.window;
-  kp.causal = causal;
-  if (s.max_len == 0) return;
-  kp.cu_seqlens = upload_offsets(s.scratch.get(), p, stream);
-  kp.work_counter =
-      reinterpret_cast<int*>(s.scratch.get() + offsets_bytes(p) + gate_cumsum_bytes(a, p));
-  if (a.g.has_value()) {
-    auto* G = reinterpret_cast<double*>(s.scratch.get() + offsets_bytes(p));
-    auto* part_sums =
-        reinterpret_cast<double*>(s.scratch.get() + offsets_bytes(p) + gate_cumsum_only_bytes(p));
+  template <class T>
+  attention_setup(const attention_args<T>& a, const attention_problem& p, bool causal,
+                  double gate_coef, cudaStream_t stream)
+      : max_len(longest_sequence(p)),
+        layout(p, a.g.has_value(), max_len),
+        scratch(layout.bytes, stream) {
+    kp.q = a.q.data(), kp.k = a.k.data(), kp.v = a.v.data(), kp.out = a.out.data();
+    kp.lse = a.lse.has_value() ? a.lse.data() : nullptr;
+    for (int i = 0; i < 3; ++i) {
+      kp.q_stride[i] = a.q.stride(i), kp.k_stride[i] = a.k.stride(i),
+      kp.v_stride[i] = a.v.stride(i);
+      kp.out_stride[i] = a.out.stride(i);
+      kp.lse_stride[i] = a.lse.has_value() ? a.lse.stride(i) : 0;
+    }
+    kp.tokens = p.tokens;
+    kp.q_heads = static_cast<int>(p.q_heads), kp.group = static_cast<int>(p.group());
+    kp.head_dim = static_cast<int>(p.head_dim), kp.value_dim = static_cast<int>(p.value_dim);
+    constexpr double log2e = 1.4426950408889634;
+    kp.scale_log2 = static_cast<float>(p.scale * log2e);
+    kp.window = p.window;
+    kp.causal = causal;
+    if (max_len == 0) return;
+    kp.cu_seqlens = upload_offsets(scratch.get(), p, stream);
+    kp.work_counter = reinterpret_cast<int*>(scratch.get() + layout.counter);
+    if (!a.g.has_value()) return;
+    auto* G = reinterpret_cast<double*>(scratch.get() + layout.gate);
+    auto* part_sums = reinterpret_cast<double*>(scratch.get() + layout.part_sums);
     kp.gate_cumsum = G;
     kp.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
-    const dim3 grid(static_cast<unsigned>(gate_parts(s.max_len)),
+    const dim3 grid(static_cast<unsigned>(layout.gate_parts),
                     static_cast<unsigned>((p.q_heads + 31) / 32),
                     static_cast<unsigned>(p.num_sequences));
     gate_part_sum_kernel<<<grid, gate_part, 0, stream>>>(a.g.data(), a.g.stride(0), a.g.stride(1),
@@ -228,7 +228,7 @@ void setup_attention(attention_setup& s, const attention_args<T>& a, const atten
                                                        a.g.stride(2), kp, part_sums, G);
     check(cudaGetLastError(), "gate_cumsum_kernel launch");
   }
-}
+};
 
 // Runs one softmax-family forward. gate_coef: factor of (G_i - G_j), ignored without a.g.
 template <class Policy, class T>
@@ -239,8 +239,7 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
   check_launch_sizes(fn, p, 256, "softmax kernels");
 
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
-  attention_setup setup(attention_scratch_bytes(a, p), stream);
-  setup_attention(setup, a, p, Policy::mask == mask_type::causal, gate_coef, stream);
+  const attention_setup setup(a, p, Policy::mask == mask_type::causal, gate_coef, stream);
   const attention_kernel_params& kp = setup.kp;
   const index_t max_len = setup.max_len;
   if (max_len == 0) return;

@@ -169,8 +169,7 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
   check_launch_sizes(fn, p, 128, "PaTH kernels");
 
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
-  attention_setup setup(attention_scratch_bytes(a, p), stream);
-  setup_attention(setup, a, p, true, gate_coef, stream);
+  const attention_setup setup(a, p, true, gate_coef, stream);
   if (setup.max_len == 0) return;
   path_kernel_params kp{};
   kp.a = setup.kp;
