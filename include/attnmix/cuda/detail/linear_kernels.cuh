@@ -106,6 +106,16 @@ __device__ __forceinline__ void partial_gate_merge(const float* tail, index_t pa
   ell = block_reduce<false>(sum, scratch);
 }
 
+// The largest key-gate logit of tokens [t0, t1) of head h, with all the block's threads.
+__device__ __forceinline__ float block_logit_max(const linear_kernel_params& p, index_t batch,
+                                                 index_t start, int h, index_t t0, index_t t1,
+                                                 float* scratch) {
+  float mx = -INFINITY;
+  for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
+    mx = fmaxf(mx, p.logit(batch, start + t, h));
+  return block_reduce<true>(mx, scratch);
+}
+
 // ---- bidirectional: reduce ---------------------------------------------------------------
 // The state of a block of tokens: S_p (D x Dv), z_p (D), and for the key gate the block max
 // M_p and mass ell_p = sum exp(a_j - M_p). Workspace layout per (n, h, p):
@@ -171,13 +181,7 @@ __global__ void __launch_bounds__(256)
   float* out = partial + ((index_t(n) * p.kv_heads + h) * partials + blk) * partial_floats(D, Dv);
 
   // Key gate: the block max first.
-  float M = 0.f;
-  if (gated) {
-    float mx = -INFINITY;
-    for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
-      mx = fmaxf(mx, p.logit(batch, start + t, h));
-    M = block_reduce<true>(mx, scratch);
-  }
+  const float M = gated ? block_logit_max(p, batch, start, h, t0, t1, scratch) : 0.f;
 
   const int bd = D / 4, bdv = Dv / 4;  // 4x4 tiles of S_p
   float acc[Blocks][16] = {};

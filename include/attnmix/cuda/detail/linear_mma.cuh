@@ -112,33 +112,27 @@ __device__ __forceinline__ pair_t<T> pair_splat(float x) {
 #else
 #define ATTNMIX_BF16X2_SFU 1
 #endif
-template <class T>
-__device__ __forceinline__ pair_t<T> pair_ex2(pair_t<T> x) {
+// exp2 or tanh of a pair, on the SFU's packed forms.
+enum class pair_fn { ex2, tanh };
+template <pair_fn F, class T>
+__device__ __forceinline__ pair_t<T> pair_sfu(pair_t<T> x) {
   std::uint32_t y;
+  const std::uint32_t b = as_bits<T>(x);
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
 #if ATTNMIX_BF16X2_SFU
-    asm("ex2.approx.ftz.bf16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
+    if constexpr (F == pair_fn::ex2)
+      asm("ex2.approx.ftz.bf16x2 %0, %1;" : "=r"(y) : "r"(b));
+    else
+      asm("tanh.approx.bf16x2 %0, %1;" : "=r"(y) : "r"(b));
 #else
     const float2 f = __bfloat1622float2(x);
-    y = as_bits<T>(__floats2bfloat162_rn(exp2f(f.x), exp2f(f.y)));
+    y = F == pair_fn::ex2 ? as_bits<T>(__floats2bfloat162_rn(exp2f(f.x), exp2f(f.y)))
+                          : as_bits<T>(__floats2bfloat162_rn(tanhf(f.x), tanhf(f.y)));
 #endif
+  } else if constexpr (F == pair_fn::ex2) {
+    asm("ex2.approx.f16x2 %0, %1;" : "=r"(y) : "r"(b));
   } else {
-    asm("ex2.approx.f16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
-  }
-  return as_pair<T>(y);
-}
-template <class T>
-__device__ __forceinline__ pair_t<T> pair_tanh(pair_t<T> x) {
-  std::uint32_t y;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-#if ATTNMIX_BF16X2_SFU
-    asm("tanh.approx.bf16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
-#else
-    const float2 f = __bfloat1622float2(x);
-    y = as_bits<T>(__floats2bfloat162_rn(tanhf(f.x), tanhf(f.y)));
-#endif
-  } else {
-    asm("tanh.approx.f16x2 %0, %1;" : "=r"(y) : "r"(as_bits<T>(x)));
+    asm("tanh.approx.f16x2 %0, %1;" : "=r"(y) : "r"(b));
   }
   return as_pair<T>(y);
 }
@@ -153,14 +147,15 @@ constexpr bool packed_gate =
 template <class T>
 __device__ __forceinline__ pair_t<T> pair_elu1(pair_t<T> x) {
   const pair_t<T> zero = pair_splat<T>(0.f);
-  const pair_t<T> e = pair_ex2<T>(__hmul2(__hmin2(x, zero), pair_splat<T>(1.4426950408889634f)));
+  const pair_t<T> e =
+      pair_sfu<pair_fn::ex2, T>(__hmul2(__hmin2(x, zero), pair_splat<T>(1.4426950408889634f)));
   return __hadd2(__hmax2(x, zero), e);
 }
 // SiLU or sigmoid of a pair through tanh: sigmoid(g) = (1 + tanh(g / 2)) / 2, silu = g sigmoid(g).
 template <class T, gate_activation G>
 __device__ __forceinline__ pair_t<T> pair_gate(pair_t<T> g) {
   const pair_t<T> half = pair_splat<T>(0.5f);
-  const pair_t<T> h = __hmul2(g, half), t = pair_tanh<T>(h);
+  const pair_t<T> h = __hmul2(g, half), t = pair_sfu<pair_fn::tanh, T>(h);
   if constexpr (G == gate_activation::silu) {
     return __hfma2(h, t, h);
   } else {
@@ -263,10 +258,7 @@ __device__ void block_gate_stats(const linear_kernel_params& p, index_t batch, i
   M = 0.f;
   float sum = 0.f;
   if (Gated) {
-    float mx = -INFINITY;
-    for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
-      mx = fmaxf(mx, p.logit(batch, start + t, h));
-    M = block_reduce<true>(mx, scratch);
+    M = block_logit_max(p, batch, start, h, t0, t1, scratch);
     for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
       sum += shifted_exp(p.logit(batch, start + t, h), M);
   } else {
