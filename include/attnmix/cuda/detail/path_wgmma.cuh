@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "attnmix/cuda/detail/attention_mma.cuh"
+#include "attnmix/cuda/detail/attention_wgmma.cuh"
 #include "attnmix/cuda/detail/mbarrier.cuh"
 #include "attnmix/cuda/detail/path_kernels.cuh"
 #include "attnmix/cuda/detail/types.cuh"
@@ -215,46 +216,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           if (8 * j + c2 + e % 2 > row0 + 8 * (e / 2)) s[4 * j + e] = -INFINITY;
-    if (it.G != nullptr) {
-      const float* ngc = gate_col + buf * C + c2;
-#pragma unroll
-      for (int j = 0; j < C / 8; ++j) {
-        const float2 gc = *reinterpret_cast<const float2*>(ngc + 8 * j);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          s[4 * j + 2 * hh] = fmaf(s[4 * j + 2 * hh], p.a.scale_log2, gc.x);
-          s[4 * j + 2 * hh + 1] = fmaf(s[4 * j + 2 * hh + 1], p.a.scale_log2, gc.y);
-        }
-      }
-    }
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < C / 8; ++j)
-        part[j % 4] = fmaxf(part[j % 4], fmaxf(s[4 * j + 2 * hh], s[4 * j + 2 * hh + 1]));
-      float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // Without a gate the maximum is over the raw scores (scale > 0), the scale folded into the
-      // exponent; with one, over s * scale - gate_col, the row's term added afterwards.
-      const float m_new = fmaxf(m[hh], it.G != nullptr ? mx + gate_row[hh] : mx * p.a.scale_log2);
-      const float mul = it.G != nullptr ? 1.f : p.a.scale_log2;
-      const float add = (it.G != nullptr ? gate_row[hh] : 0.f) - m_new;
-      rescale[hh] = fast_exp2(m[hh] - m_new);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) part[i] = 0.f;
-#pragma unroll
-      for (int j = 0; j < C / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& z = s[4 * j + 2 * hh + e];
-          z = fast_exp2(fmaf(z, mul, add));
-          part[j % 4] += z;
-        }
-      l[hh] = l[hh] * rescale[hh] + ((part[0] + part[1]) + (part[2] + part[3]));
-      m[hh] = m_new;
-    }
+    online_softmax<C>(s, it.G != nullptr, gate_col + buf * C + c2, gate_row, p.a.scale_log2, m, l,
+                      rescale);
   };
 
   // The key chunk in stage st (counted across items), after the item's first; the last one
