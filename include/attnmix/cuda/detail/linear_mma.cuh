@@ -342,6 +342,33 @@ __device__ void combine_head(const linear_kernel_params& p, const float* part, i
     *reinterpret_cast<float*>(st + D * ss) = std::is_same_v<T, __half> ? p.scale / mul : 1.f;
 }
 
+// The end of a reduce CTA, after its partial state `out` (S_p, then z_p): its block max and mass;
+// then, with the fused merge (done != nullptr), the last CTA of the head to finish merges the
+// head's partial states (a threadfence reduction).
+template <class T, class Policy>
+__device__ void finish_partial(const linear_kernel_params& p, float* out, float M, float ell,
+                               const float* partial, index_t partials, unsigned* done, float* state,
+                               unsigned char* staged, int n, int h, float* scratch) {
+  constexpr bool gated = Policy::gate != key_gate::off;
+  const int D = p.head_dim, Dv = p.value_dim;
+  if (threadIdx.x == 0) {
+    out[D * Dv + D] = gated ? M : 0.f;
+    out[D * Dv + D + 1] = ell;
+  }
+  if (done == nullptr) return;
+  __shared__ float alpha[linear_fused_partials];
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(done + n * p.kv_heads + h, 1u) == unsigned(partials - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  combine_head<T, Policy>(
+      p, partial + (index_t(n) * p.kv_heads + h) * partials * partial_floats(D, Dv), partials,
+      state, staged, n, h, scratch, alpha);
+}
+
 template <class T, class Policy, bool Wide>
 __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : linear_mma_reduce_ctas)
     linear_reduce_mma_kernel(const linear_kernel_params p, index_t block_tokens, float* partial,
@@ -470,23 +497,7 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : linear_m
     out[D * Dv + d] = zacc[0];
     out[D * Dv + d + 8] = zacc[2];
   }
-  if (tid == 0) {
-    out[D * Dv + D] = gated ? M : 0.f;
-    out[D * Dv + D + 1] = ell;
-  }
-  if (done == nullptr) return;
-  // The last CTA of this head to finish merges the partial states (threadfence reduction).
-  __shared__ float alpha[linear_fused_partials];
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) last = atomicAdd(done + n * p.kv_heads + h, 1u) == unsigned(partials - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  combine_head<T, Policy>(
-      p, partial + (index_t(n) * p.kv_heads + h) * partials * partial_floats(D, Dv), partials,
-      state, staged, n, h, scratch, alpha);
+  finish_partial<T, Policy>(p, out, M, ell, partial, partials, done, state, staged, n, h, scratch);
 }
 
 // ---- reduce, D = Dv = 64 -----------------------------------------------------------------------
@@ -622,22 +633,7 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
 #pragma unroll
     for (int u = 0; u < 4; ++u) out[4 * i + u] = sum[u];
   }
-  if (tid == 0) {
-    out[D * Dv + D] = gated ? M : 0.f;
-    out[D * Dv + D + 1] = ell;
-  }
-  if (done == nullptr) return;
-  __shared__ float alpha[linear_fused_partials];
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) last = atomicAdd(done + n * p.kv_heads + h, 1u) == unsigned(partials - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  combine_head<T, Policy>(
-      p, partial + (index_t(n) * p.kv_heads + h) * partials * partial_floats(D, Dv), partials,
-      state, staged, n, h, scratch, alpha);
+  finish_partial<T, Policy>(p, out, M, ell, partial, partials, done, state, staged, n, h, scratch);
 }
 
 // One k-step of [Num | den] += phi(Q) [S | z] against the staged state sS (row stride ss, z in
