@@ -47,15 +47,6 @@ inline bool linear_mma_wide(index_t D, index_t Dv) {
   return D > 64 || Dv > 64;
 }
 
-template <class T>
-__device__ __forceinline__ float2 unpack2(std::uint32_t x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
-  } else {
-    return __half22float2(*reinterpret_cast<const __half2*>(&x));
-  }
-}
-
 // The feature map and the gate activation of math/feature_map.hpp with the hardware exp and
 // reciprocal: the 16-bit kernels are bound by these per-element instructions, and their error
 // (a few float ulps) is far below the operands' rounding.

@@ -1,5 +1,6 @@
 #pragma once
-// Warp-level tensor-core and copy primitives (sm_80+): mma.sync m16n8k16, ldmatrix, cp.async.
+// Warp-level tensor-core and copy primitives (sm_80+): mma.sync m16n8k16 and m16n8k8 (tf32),
+// ldmatrix, cp.async.
 // Fragment layouts follow the PTX ISA ("Matrix fragments for mma.m16n8k16"); with g = lane / 4
 // and c = 2 * (lane % 4):
 //   A 16x16: a0 = (g, c..c+1), a1 = (g+8, c..), a2 = (g, c+8..), a3 = (g+8, c+8..)
@@ -74,6 +75,35 @@ __device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<std::uint32_t*>(&v);
   }
+}
+
+// The inverse of pack2 (bfloat16 by shifts: the conversion intrinsic costs two more operations).
+template <class T>
+__device__ __forceinline__ float2 unpack2(std::uint32_t bits) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+  else
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+
+// x = big + small for three-pass tf32 products: big is x cut to tf32's 10-bit mantissa, and
+// small, exact in float, is cut the same way by the tensor core (about 21 bits kept in all).
+// Truncation is one logic operation where cvt.rna.tf32.f32 is a sequence on sm_90.
+__device__ __forceinline__ void split_tf32(float x, std::uint32_t& big, std::uint32_t& small) {
+  big = __float_as_uint(x) & 0xffffe000u;
+  small = __float_as_uint(x - __uint_as_float(big));
+}
+
+// d += a * b, tf32 inputs, m16n8k8. With g = lane / 4 and t = lane % 4:
+//   A 16x8: a0 = (g, t), a1 = (g+8, t), a2 = (g, t+4), a3 = (g+8, t+4)
+//   B 8x8:  b0 = (k = t, n = g), b1 = (k = t+4, n = g);  C as for m16n8k16.
+__device__ __forceinline__ void mma_1688_tf32(float (&d)[4], const std::uint32_t (&a)[4],
+                                              const std::uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 }  // namespace cuda

@@ -4,8 +4,9 @@
 // (U and M in half, K~ in T, same layout), and -W in half for the forward's transition, computed
 // per (chunk, KV head, sequence) as
 //   G = W W^T, S = stril(W K^T)                        tensor cores
-//   A = (I + stril(diag(beta) G))^-1                   CUDA cores, float: the 16 x 16 diagonal
-//                                                      blocks by substitution, then two merges
+//   A = (I + stril(diag(beta) G))^-1                   the 16 x 16 diagonal blocks by substitution
+//                                                      (CUDA cores, float), then merges (tensor
+//                                                      cores, tf32 in three passes)
 //   [U | M] = A diag(beta) [W | S], K~ = K - M^T W     tensor cores
 // A tensor-core operand that is not exact in T (W, S, A diag(beta), M) is split into two T
 // numbers, x = hi + lo, and its products take three passes (hi hi + hi lo + lo hi): about 16
@@ -30,23 +31,14 @@ __device__ __forceinline__ void split_hi_lo(float x, T& hi, T& lo) {
   lo = from_float<T>(x - to_float(hi));
 }
 
-template <class T>
-__device__ __forceinline__ std::uint32_t bits_of(T x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __bfloat16_as_ushort(x);
-  else
-    return __half_as_ushort(x);
-}
-
-// Two consecutive elements split into a pair of his and a pair of los (low element first).
+// Two consecutive elements split into a pair of his and a pair of los (low element first), with
+// packed conversions.
 template <class T>
 __device__ __forceinline__ void split_pair(float x0, float x1, std::uint32_t& hi,
                                            std::uint32_t& lo) {
-  T h0, l0, h1, l1;
-  split_hi_lo(x0, h0, l0);
-  split_hi_lo(x1, h1, l1);
-  hi = bits_of(h0) | bits_of(h1) << 16;
-  lo = bits_of(l0) | bits_of(l1) << 16;
+  hi = pack2<T>(x0, x1);
+  const float2 h = unpack2<T>(hi);
+  lo = pack2<T>(x0 - h.x, x1 - h.y);
 }
 
 // Two consecutive elements (4-byte aligned) as floats.
@@ -108,6 +100,60 @@ __device__ __forceinline__ void mma_split(float (&acc)[2][4], const std::uint32_
   }
 }
 
+// acc += A B over one m16n8k8 step, tf32 in three passes (big big + big small + small big: about
+// 21 significant bits): A's 16 x 8 tile at a, B's 8 x 8 tile at b, both row-major float, ld
+// elements a row.
+template <int ld>
+__device__ __forceinline__ void mma_tf32x3(float (&acc)[4], const float* a, const float* b,
+                                           int lane) {
+  const int g = lane / 4, t = lane % 4;
+  std::uint32_t ab[4], as[4], bb[2], bs[2];
+  split_tf32(a[g * ld + t], ab[0], as[0]);
+  split_tf32(a[(g + 8) * ld + t], ab[1], as[1]);
+  split_tf32(a[g * ld + t + 4], ab[2], as[2]);
+  split_tf32(a[(g + 8) * ld + t + 4], ab[3], as[3]);
+  split_tf32(b[t * ld + g], bb[0], bs[0]);
+  split_tf32(b[(t + 4) * ld + g], bb[1], bs[1]);
+  mma_1688_tf32(acc, as, bb);
+  mma_1688_tf32(acc, ab, bs);
+  mma_1688_tf32(acc, ab, bb);
+}
+
+// s times a 16 x 8 accumulator tile into a row-major float array.
+template <int ld>
+__device__ __forceinline__ void store_tile(float* dst, const float (&acc)[4], float s, int lane) {
+  const int g = lane / 4, c = 2 * (lane % 4);
+  *reinterpret_cast<float2*>(dst + g * ld + c) = make_float2(s * acc[0], s * acc[1]);
+  *reinterpret_cast<float2*>(dst + (g + 8) * ld + c) = make_float2(s * acc[2], s * acc[3]);
+}
+
+// One merge of the blocked inverse of a unit lower-triangular matrix, on the H x H blocks at
+// (o, o) of a (row-major float, ld): [[A11, 0], [L21, A22]] -> A21 = -A22 (L21 A11), in two
+// products with a barrier between them, T = L21 A11 kept at t. A warp computes the 16 x 8
+// output tile (mt, nt); the k steps skip the blocks above the diagonals of A11 and A22, which may
+// hold anything.
+template <int H, int ld>
+__device__ __forceinline__ void merge_left(float* a, float* t, int o, int mt, int nt, int lane) {
+  float acc[4] = {};
+#pragma unroll
+  for (int kk = 0; kk < H / 8; ++kk)
+    if (kk >= nt)
+      mma_tf32x3<ld>(acc, a + (o + H + 16 * mt) * ld + o + 8 * kk,
+                     a + (o + 8 * kk) * ld + o + 8 * nt, lane);
+  store_tile<ld>(t + 16 * mt * ld + 8 * nt, acc, 1.f, lane);
+}
+template <int H, int ld>
+__device__ __forceinline__ void merge_right(float* a, const float* t, int o, int mt, int nt,
+                                            int lane) {
+  float acc[4] = {};
+#pragma unroll
+  for (int kk = 0; kk < H / 8; ++kk)
+    if (8 * kk <= 16 * mt + 15)
+      mma_tf32x3<ld>(acc, a + (o + H + 16 * mt) * ld + o + H + 8 * kk, t + 8 * kk * ld + 8 * nt,
+                     lane);
+  store_tile<ld>(a + (o + H + 16 * mt) * ld + o + 8 * nt, acc, -1.f, lane);
+}
+
 // Shared memory of one CTA (bytes): W hi, lo [C][D+8]; S hi, lo [C][C+8], later M; and one
 // region that holds K [C][D+8], then L and A in float [C][C+8], then A diag(beta) hi, lo
 // [C][C+8], then U and M in half (D = 64) on their way out, then K again, rewritten as K~ and
@@ -145,7 +191,8 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   T* stl = sth + C * ldc;
   __shared__ __align__(16) float sbeta[C];
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c2 = 2 * (lane % 4);
+  const int tid = threadIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4,
+            c2 = 2 * (lane % 4);
   const int h = blockIdx.y;
   index_t batch, start, length, c0;
   int n;
@@ -157,13 +204,16 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   const float* w = p.w + batch * p.w_stride[0] + t0 * p.w_stride[1] + h * p.w_stride[2];
   const index_t row0 = p.row(batch, h, t0);
 
-  // K (rows past n zero-filled), W split into hi + lo (and written out in half), beta.
+  // K (rows past n zero-filled), W split into hi + lo (and written out in half), beta. Each
+  // thread keeps one 16-byte column and steps down the rows: one pointer each, constant offsets.
   {
-    constexpr int chunks = D / 8;
+    constexpr int chunks = D / 8, k_rows = threads / chunks;
+    const int ka = threadIdx.x / chunks, kd = 8 * (threadIdx.x % chunks);
+    const T* kp = k + ka * ks1 + kd;
 #pragma unroll
-    for (int i = 0; i < C * chunks / threads; ++i) {
-      const int idx = tid + i * threads, a = idx / chunks, cc = idx % chunks;
-      cp_async_16(sk + a * ldw + 8 * cc, a < n ? k + a * ks1 + 8 * cc : k, a < n);
+    for (int i = 0; i < C / k_rows; ++i) {
+      const bool in = ka + i * k_rows < n;
+      cp_async_16(sk + (ka + i * k_rows) * ldw + kd, in ? kp + i * k_rows * ks1 : k, in);
     }
     cp_async_commit();
     // beta and W are read before anything is stored (see below).
@@ -171,38 +221,37 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
                                         h * p.beta_stride[2]]
                                : 0.f;
     __half* wh = static_cast<__half*>(p.wh) + row0 * D;
-    if (reinterpret_cast<std::uintptr_t>(w) % 16 == 0 && p.w_stride[1] % 4 == 0) {
-      constexpr int quads = D / 4, steps = C * quads / threads;  // 16-byte reads
+    const index_t ws1 = p.w_stride[1];
+    if (reinterpret_cast<std::uintptr_t>(w) % 16 == 0 && ws1 % 4 == 0) {
+      constexpr int quads = D / 4, w_rows = threads / quads, steps = C / w_rows;  // 16-byte reads
+      const int wa = threadIdx.x / quads, wd = 4 * (threadIdx.x % quads);
+      const float* wp = w + wa * ws1 + wd;
       // Every read is issued before the first store: the compiler may not move a read of w past
       // a store to wh (both global), and one round trip a step would serialise them.
       float4 xs[steps];
 #pragma unroll
-      for (int i = 0; i < steps; ++i) {
-        const int idx = tid + i * threads, a = idx / quads, d = 4 * (idx % quads);
-        xs[i] = a < n ? *reinterpret_cast<const float4*>(w + a * p.w_stride[1] + d)
-                      : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+      for (int i = 0; i < steps; ++i)
+        xs[i] = wa + i * w_rows < n ? *reinterpret_cast<const float4*>(wp + i * w_rows * ws1)
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+      T* const sh = swh + wa * ldw + wd;
+      __half* const whp = wh + wa * D + wd;
 #pragma unroll
       for (int i = 0; i < steps; ++i) {
-        const int idx = tid + i * threads, a = idx / quads, d = 4 * (idx % quads);
         const float4 x = xs[i];
         std::uint32_t hi[2], lo[2];
         split_pair<T>(x.x, x.y, hi[0], lo[0]);
         split_pair<T>(x.z, x.w, hi[1], lo[1]);
-        *reinterpret_cast<uint2*>(swh + a * ldw + d) = make_uint2(hi[0], hi[1]);
-        *reinterpret_cast<uint2*>(swl + a * ldw + d) = make_uint2(lo[0], lo[1]);
-        if (a < n) {
-          const __half2 h01 = __floats2half2_rn(-x.x, -x.y), h23 = __floats2half2_rn(-x.z, -x.w);
-          *reinterpret_cast<uint2*>(wh + a * D + d) =
-              make_uint2(*reinterpret_cast<const std::uint32_t*>(&h01),
-                         *reinterpret_cast<const std::uint32_t*>(&h23));
-        }
+        *reinterpret_cast<uint2*>(sh + i * w_rows * ldw) = make_uint2(hi[0], hi[1]);
+        *reinterpret_cast<uint2*>(sh + (C + i * w_rows) * ldw) = make_uint2(lo[0], lo[1]);
+        if (wa + i * w_rows < n)
+          *reinterpret_cast<uint2*>(whp + i * w_rows * D) =
+              make_uint2(pack2<__half>(-x.x, -x.y), pack2<__half>(-x.z, -x.w));
       }
     } else {
 #pragma unroll
       for (int i = 0; i < C * D / threads; ++i) {
         const int idx = tid + i * threads, a = idx / D, d = idx % D;
-        const float x = a < n ? w[a * p.w_stride[1] + d] : 0.f;
+        const float x = a < n ? w[a * ws1 + d] : 0.f;
         split_hi_lo(x, swh[a * ldw + d], swl[a * ldw + d]);
         if (a < n) wh[a * D + d] = __float2half_rn(-x);
       }
@@ -287,7 +336,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   // products read S only at or below the diagonal.
   __syncthreads();
 
-  // A = (I + L)^-1 in place, in float. The diagonal 16 x 16 blocks first: a thread per column of
+  // A = (I + L)^-1 in place. The diagonal 16 x 16 blocks first, in float: a thread per column of
   // a block (its 16 threads share a warp), forward substitution in registers.
   if (tid < 4 * 16) {
     const int o = 16 * (tid / 16), j = tid % 16;
@@ -305,149 +354,44 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
     for (int r = 0; r < 16; ++r) sf[(o + r) * ldf + o + j] = x[r];
   }
   __syncthreads();
-  // Merges: [[A11, 0], [L21, A22]] -> A21 = -A22 (L21 A11), in two products whose loops skip
-  // the zeros above the diagonals of A11 and A22 (both lower triangular). The product in brackets
-  // goes to the (unused) block above the diagonal in the top-right 32 x 32 quarter. Warps 0..3
-  // work, each thread on a tile of 4 or 8 outputs: the shared-memory wavefronts of a warp go with
-  // the words a thread loads (a 16-byte load costs four, broadcast or not), and the tiles reuse
-  // each loaded word two to four times.
-  const int rg = lane / 4, rq = lane / 8;
-  const int rq_row = 2 * (rq % 2) + rq / 2;  // rows 0, 2, 1, 3: two rows of a half warp 2 apart
-  if (warp < 4) {                            // two 16 -> 32 merges, two warps each; T = L21 A11
-    const int o = 32 * (warp / 2), w2 = warp % 2, c = 8 * w2 + 2 * (lane % 4);
-    float acc[2][2] = {};
-#pragma unroll
-    for (int k = 0; k < 16; k += 4) {
-      if (k < 8 * w2) continue;  // A11's rows above column 8 w2 are zero there
-      float4 l[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-        l[i] = *reinterpret_cast<const float4*>(sf + (o + 16 + rg + 8 * i) * ldf + o + k);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = *reinterpret_cast<const float2*>(sf + (o + k + e) * ldf + o + c);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float le = e == 0 ? l[i].x : e == 1 ? l[i].y : e == 2 ? l[i].z : l[i].w;
-          acc[i][0] += le * x.x, acc[i][1] += le * x.y;
-        }
-      }
-    }
-    float* t = sf + (o / 2) * ldf + 32 + o / 2;  // rows o/2.., columns 32 + o/2..
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      *reinterpret_cast<float2*>(t + (rg + 8 * i) * ldf + c) = make_float2(acc[i][0], acc[i][1]);
-  }
-  __syncthreads();
-  if (warp < 4) {  // A21 = -A22 T: warp w2 takes rows 8 w2.. (A22's columns k <= 8 w2 + 7)
-    const int o = 32 * (warp / 2), w2 = warp % 2, c = 2 * (lane % 8);
-    const float* t = sf + (o / 2) * ldf + 32 + o / 2;
-    float acc[2][2] = {};
-#pragma unroll
-    for (int k = 0; k < 16; k += 4) {
-      if (k > 8 * w2 + 7) continue;
-      float4 a[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-        a[i] = *reinterpret_cast<const float4*>(sf + (o + 16 + 8 * w2 + rq_row + 4 * i) * ldf + o +
-                                                16 + k);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = *reinterpret_cast<const float2*>(t + (k + e) * ldf + c);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float ae = e == 0 ? a[i].x : e == 1 ? a[i].y : e == 2 ? a[i].z : a[i].w;
-          acc[i][0] -= ae * x.x, acc[i][1] -= ae * x.y;
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      *reinterpret_cast<float2*>(sf + (o + 16 + 8 * w2 + rq_row + 4 * i) * ldf + o + c) =
-          make_float2(acc[i][0], acc[i][1]);
-  }
-  __syncthreads();
-  // The 32 -> 64 merge. T = L21 A11: warp w takes columns 8 w.. (A11's rows k >= 8 w), a thread
-  // rows rg + 8 i and two columns.
+  // Merges, two 16 -> 32 on warps 0..3, then 32 -> 64 on all eight (merge_left, merge_right).
+  // Their T goes to the top-right 32 x 32 quarter, unused above the diagonal.
   if (warp < 4) {
-    const int c = 8 * warp + 2 * (lane % 4);
-    float acc[4][2] = {};
-#pragma unroll 1
-    for (int k = 8 * warp; k < 32; k += 4) {
-      float4 l[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        l[i] = *reinterpret_cast<const float4*>(sf + (32 + rg + 8 * i) * ldf + k);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = *reinterpret_cast<const float2*>(sf + (k + e) * ldf + c);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float le = e == 0 ? l[i].x : e == 1 ? l[i].y : e == 2 ? l[i].z : l[i].w;
-          acc[i][0] += le * x.x, acc[i][1] += le * x.y;
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      *reinterpret_cast<float2*>(sf + (rg + 8 * i) * ldf + 32 + c) =
-          make_float2(acc[i][0], acc[i][1]);
+    const int o = 32 * (warp / 2);
+    merge_left<16, ldf>(sf, sf + (o / 2) * ldf + 32 + o / 2, o, 0, warp % 2, lane);
   }
   __syncthreads();
-  {  // A21 = -A22 T (warp w < 4: rows 8 w.., A22's columns k <= 8 w + 7; a thread two rows and
-     // four columns), then A diag(beta) split into hi + lo
-    const int cq = 4 * (lane % 8);
-    float4 a21[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
-    if (warp < 4) {
-#pragma unroll 1
-      for (int k = 0; k < 8 * warp + 8; k += 4) {
-        float4 a[2];
+  if (warp < 4) {
+    const int o = 32 * (warp / 2);
+    merge_right<16, ldf>(sf, sf + (o / 2) * ldf + 32 + o / 2, o, 0, warp % 2, lane);
+  }
+  __syncthreads();
+  merge_left<32, ldf>(sf, sf + 32, 0, warp % 2, warp / 2, lane);
+  __syncthreads();
+  merge_right<32, ldf>(sf, sf + 32, 0, warp % 2, warp / 2, lane);
+  __syncthreads();
+  {  // A diag(beta) split into hi + lo: a thread per 16-byte column, down the rows. The float A
+     // is read before anyone writes over it; what lies above the diagonal reads as zero.
+    constexpr int quads = C / 4, q_rows = threads / quads, steps = C / q_rows;
+    const int qa = threadIdx.x / quads, qc = 4 * (threadIdx.x % quads);
+    float4 quad[steps];
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-          a[i] = *reinterpret_cast<const float4*>(sf + (32 + 8 * warp + rq_row + 4 * i) * ldf + 32 +
-                                                  k);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float4 x = *reinterpret_cast<const float4*>(sf + (k + e) * ldf + 32 + cq);
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const float ae = e == 0 ? a[i].x : e == 1 ? a[i].y : e == 2 ? a[i].z : a[i].w;
-            a21[i].x -= ae * x.x, a21[i].y -= ae * x.y, a21[i].z -= ae * x.z, a21[i].w -= ae * x.w;
-          }
-        }
-      }
-    }
-    // Four quads a thread: warps 0..3 their two A21 quads and two more, warps 4..7 four; the
-    // others are the 512 of rows 0..31 and the 256 of the bottom-right quarter. The float A is
-    // read before anyone writes hi / lo; the top-right quarter (the merges' scratch) is masked.
-    float4 quad[4];
-    int qrow[4], qcol[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (warp < 4 && i < 2) {
-        quad[i] = a21[i], qrow[i] = 32 + 8 * warp + rq_row + 4 * i, qcol[i] = cq;
-        continue;
-      }
-      const int q = warp < 4 ? tid + (i - 2) * 128 : 256 + (tid - 128) + i * 128;
-      qrow[i] = q < 512 ? q / 16 : 32 + (q - 512) / 8;
-      qcol[i] = q < 512 ? 4 * (q % 16) : 32 + 4 * ((q - 512) % 8);
-      quad[i] = qcol[i] > qrow[i] ? make_float4(0.f, 0.f, 0.f, 0.f)
-                                  : *reinterpret_cast<const float4*>(sf + qrow[i] * ldf + qcol[i]);
+    for (int i = 0; i < steps; ++i) {
+      const int row = qa + i * q_rows;
+      quad[i] = qc > row ? make_float4(0.f, 0.f, 0.f, 0.f)
+                         : *reinterpret_cast<const float4*>(sf + row * ldf + qc);
     }
     __syncthreads();
+    const float4 b4 = *reinterpret_cast<const float4*>(sbeta + qc);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 b4 = *reinterpret_cast<const float4*>(sbeta + qcol[i]);
-      const float v[4] = {quad[i].x * b4.x, quad[i].y * b4.y, quad[i].z * b4.z, quad[i].w * b4.w};
+    for (int i = 0; i < steps; ++i) {
+      const int row = qa + i * q_rows;
       std::uint32_t hi[2], lo[2];
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int col = qcol[i] + e;
-        split_pair<T>(col > qrow[i] ? 0.f : v[e], col + 1 > qrow[i] ? 0.f : v[e + 1], hi[e / 2],
-                      lo[e / 2]);
-      }
-      *reinterpret_cast<uint2*>(sth + qrow[i] * ldc + qcol[i]) = make_uint2(hi[0], hi[1]);
-      *reinterpret_cast<uint2*>(stl + qrow[i] * ldc + qcol[i]) = make_uint2(lo[0], lo[1]);
+      split_pair<T>(quad[i].x * b4.x, qc + 1 > row ? 0.f : quad[i].y * b4.y, hi[0], lo[0]);
+      split_pair<T>(qc + 2 > row ? 0.f : quad[i].z * b4.z, qc + 3 > row ? 0.f : quad[i].w * b4.w,
+                    hi[1], lo[1]);
+      *reinterpret_cast<uint2*>(sth + row * ldc + qc) = make_uint2(hi[0], hi[1]);
+      *reinterpret_cast<uint2*>(stl + row * ldc + qc) = make_uint2(lo[0], lo[1]);
     }
   }
   __syncthreads();
@@ -502,14 +446,14 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   auto copy_rows = [&](auto* dst, const auto* src, int ld, auto cols_tag) {
     constexpr int cols = decltype(cols_tag)::value, chunks = cols / 8, step = threads / chunks;
     static_assert(sizeof(*src) == 2 && C % step == 0, "copy shape");
-    const int cc = tid % chunks, r0 = tid / chunks;
+    const int r0 = threadIdx.x / chunks, cc = 8 * (threadIdx.x % chunks);
+    auto* const d0 = dst + r0 * cols + cc;
+    const auto* const s0 = src + r0 * ld + cc;
 #pragma unroll
-    for (int i = 0; i < C / step; ++i) {
-      const int a = r0 + i * step;
-      if (a < n)
-        *reinterpret_cast<uint4*>(dst + a * cols + 8 * cc) =
-            *reinterpret_cast<const uint4*>(src + a * ld + 8 * cc);
-    }
+    for (int i = 0; i < C / step; ++i)
+      if (r0 + i * step < n)
+        *reinterpret_cast<uint4*>(d0 + i * step * cols) =
+            *reinterpret_cast<const uint4*>(s0 + i * step * ld);
   };
   // M, split, in S's place (after S's last read).
   auto split_m = [&](const float(&acc)[4][2][4], int mb) {
