@@ -326,14 +326,14 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int a = 16 * (grb0 + s) + g + 8 * hh, b = 16 * gjb + 8 * nt + c2;
+        const float beta = sbeta[a];
         *reinterpret_cast<float2*>(sf + a * ldf + b) =
-            make_float2(a > b ? sbeta[a] * gram[s][nt][2 * hh] : 0.f,
-                        a > b + 1 ? sbeta[a] * gram[s][nt][2 * hh + 1] : 0.f);
+            make_float2(beta * gram[s][nt][2 * hh], beta * gram[s][nt][2 * hh + 1]);
       }
   }
-  // The blocks above the diagonal are not cleared: the merges' loops skip them, their top-right
-  // quarter is the merges' scratch, the hi / lo split of A diag(beta) masks them, and the
-  // products read S only at or below the diagonal.
+  // Nothing at or above the diagonal is cleared: the substitution reads the diagonal blocks below
+  // their diagonals only, the merges skip the blocks above, whose top-right quarter is their
+  // scratch, and the products read A diag(beta) and S only at or below the diagonal.
   __syncthreads();
 
   // A = (I + L)^-1 in place. The diagonal 16 x 16 blocks first, in float: a thread per column of
@@ -370,26 +370,25 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   __syncthreads();
   merge_right<32, ldf>(sf, sf + 32, 0, warp % 2, warp / 2, lane);
   __syncthreads();
-  {  // A diag(beta) split into hi + lo: a thread per 16-byte column, down the rows. The float A
-     // is read before anyone writes over it; what lies above the diagonal reads as zero.
+  {  // A diag(beta) split into hi + lo, at or below the diagonal blocks (the substitution left
+     // zeros above the diagonal inside them): a thread per 16-byte column, down the rows, reading
+     // all it needs of the float A before anyone writes over it.
     constexpr int quads = C / 4, q_rows = threads / quads, steps = C / q_rows;
-    const int qa = threadIdx.x / quads, qc = 4 * (threadIdx.x % quads);
+    static_assert(q_rows == 16, "step i is block row i");
+    const int qa = threadIdx.x / quads, qc = 4 * (threadIdx.x % quads), qb = qc / 16;
     float4 quad[steps];
 #pragma unroll
-    for (int i = 0; i < steps; ++i) {
-      const int row = qa + i * q_rows;
-      quad[i] = qc > row ? make_float4(0.f, 0.f, 0.f, 0.f)
-                         : *reinterpret_cast<const float4*>(sf + row * ldf + qc);
-    }
+    for (int i = 0; i < steps; ++i)
+      if (i >= qb) quad[i] = *reinterpret_cast<const float4*>(sf + (qa + i * q_rows) * ldf + qc);
     __syncthreads();
     const float4 b4 = *reinterpret_cast<const float4*>(sbeta + qc);
 #pragma unroll
     for (int i = 0; i < steps; ++i) {
+      if (i < qb) continue;
       const int row = qa + i * q_rows;
       std::uint32_t hi[2], lo[2];
-      split_pair<T>(quad[i].x * b4.x, qc + 1 > row ? 0.f : quad[i].y * b4.y, hi[0], lo[0]);
-      split_pair<T>(qc + 2 > row ? 0.f : quad[i].z * b4.z, qc + 3 > row ? 0.f : quad[i].w * b4.w,
-                    hi[1], lo[1]);
+      split_pair<T>(quad[i].x * b4.x, quad[i].y * b4.y, hi[0], lo[0]);
+      split_pair<T>(quad[i].z * b4.z, quad[i].w * b4.w, hi[1], lo[1]);
       *reinterpret_cast<uint2*>(sth + row * ldc + qc) = make_uint2(hi[0], hi[1]);
       *reinterpret_cast<uint2*>(stl + row * ldc + qc) = make_uint2(lo[0], lo[1]);
     }

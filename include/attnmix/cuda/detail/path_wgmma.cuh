@@ -307,8 +307,8 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < Dv / 2; ++i) o[i] = 0.f;
     m[0] = m[1] = -INFINITY, l[0] = l[1] = 0.f;
 
-    // The diagonal chunk: X = tril(-Q W^T) first, then S = Q K^T + X M and r <- r + X U. The
-    // queries, diagonal K and M are then free for the next item's.
+    // The diagonal chunk: X = tril(-Q W^T) and S = Q K^T together, then S += X M and
+    // r <- r + X U. The queries, diagonal K and M are then free for the next item's.
     {
       const int st = counted + t0, buf = st % Stages;
       float rescale[2];
@@ -320,7 +320,11 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < D / 16; ++kk)
         wgmma_rs<__half, 0>(x, rh[kk], k_major(w_desc, buf, kk), kk > 0);
       wgmma_commit();
-      wgmma_wait<0>();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_rs<T, 0>(s, rt[kk], k_major(kd_desc, 0, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // X is in; Q K^T may still run
       wgmma_fence_operand(x);
       wgmma_fence_operand(rh);
 #pragma unroll
@@ -330,9 +334,6 @@ __global__ void __launch_bounds__(384, 1)
           if (8 * j + c2 + e % 2 > row0 + 8 * (e / 2)) x[4 * j + e] = 0.f;
       to_fragments<__half>(xn, x);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_rs<T, 0>(s, rt[kk], k_major(kd_desc, 0, kk), kk > 0);
 #pragma unroll
       for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(s, xn[kc], mn_major(md_desc, 0, kc));
       wgmma_commit();
