@@ -128,10 +128,10 @@ __device__ __forceinline__ void store_tile(float* dst, const float (&acc)[4], fl
 }
 
 // One merge of the blocked inverse of a unit lower-triangular matrix, on the H x H blocks at
-// (o, o) of a (row-major float, ld): [[A11, 0], [L21, A22]] -> A21 = -A22 (L21 A11), in two
-// products with a barrier between them, T = L21 A11 kept at t. A warp computes the 16 x 8
-// output tile (mt, nt); the k steps skip the blocks above the diagonals of A11 and A22, which may
-// hold anything.
+// (o, o) of a (row-major float, ld): [[A11, 0], [L21, A22]] -> A21 = -A22 (L21 A11).
+// merge_left writes T = L21 A11 to t, merge_right then A21 = -A22 T in L21's place; the caller
+// puts a barrier between them. A warp computes the 16 x 8 output tile (mt, nt); the k steps skip
+// the blocks above the diagonals of A11 and A22, which may hold anything.
 template <int H, int ld>
 __device__ __forceinline__ void merge_left(float* a, float* t, int o, int mt, int nt, int lane) {
   float acc[4] = {};
