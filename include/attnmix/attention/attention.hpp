@@ -52,12 +52,12 @@ qkv_sizes check_qkv_out(const std::string& fn, const view4<const T>& q, const vi
   check_tensor(fn, "out", out, space, be);
   const qkv_sizes s{q.extent(0), q.extent(1), q.extent(2), k.extent(2), q.extent(3), v.extent(3)};
   require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
-          shape_string(q));
-  require(s.H >= 1, fn, "k", "must have at least one head but has shape ", shape_string(k));
+          shape_of(q));
+  require(s.H >= 1, fn, "k", "must have at least one head but has shape ", shape_of(k));
   require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H,
           " heads, which does not divide the HQ = ", s.HQ, " heads of 'q'");
   check_shape(fn, "k", k, {s.B, s.T, s.H, s.D}, "[B, T, H, D]");
-  require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_string(v));
+  require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_of(v));
   check_shape(fn, "v", v, {s.B, s.T, s.H, s.Dv}, "[B, T, H, Dv]");
   check_shape(fn, "out", out, {s.B, s.T, s.HQ, s.Dv}, "[B, T, HQ, Dv]");
   check_non_overlapping(fn, "out", out);

@@ -271,8 +271,7 @@ std::pair<attention_problem, std::vector<index_t>> check_path_decode(
                   "a decoding step takes one token per batch row");
   const attention_problem prob = validate_attention<Kind, T, Backend>(fn, args, params);
   require(prob.tokens == 1, fn, "q",
-          "must hold one new token per sequence ([N, 1, HQ, D]) but has shape ",
-          shape_string(args.q));
+          "must hold one new token per sequence ([N, 1, HQ, D]) but has shape ", shape_of(args.q));
   check_cache_layout(fn, cache, prob);
   std::vector<index_t> where = resolve_slots(fn, slots, prob.batch, cache);
   for (index_t n = 0; n < prob.batch; ++n) {
@@ -309,7 +308,7 @@ void path_prefill_key_cache(const path_key_cache_args<T>& a, const attention_par
   detail::check_tensor(fn, "key_cache", a.key_cache, space, be);
   const index_t B = a.k.extent(0), T_ = a.k.extent(1), H = a.k.extent(2), D = a.k.extent(3);
   detail::require(H >= 1 && D >= 1, fn, "k",
-                  "must have at least one head and D >= 1 but has shape ", shape_string(a.k));
+                  "must have at least one head and D >= 1 but has shape ", detail::shape_of(a.k));
   detail::check_shape(fn, "w", a.w, {B, T_, H, D}, "[B, T, H, D]");
   detail::check_shape(fn, "beta", a.beta, {B, T_, H}, "[B, T, H]");
   detail::check_shape(fn, "key_cache", a.key_cache, {B, T_, H, D}, "[B, T, H, D]");

@@ -101,6 +101,25 @@ std::string shape_string(const tensor_view<T, R>& v) {
   return os.str();
 }
 
+namespace detail {
+
+// A view's shape for an error message, formatted only when the message is built: the arguments
+// of require() are evaluated on every call, and a string each costs the front door microseconds.
+template <class T, int R>
+struct lazy_shape {
+  const tensor_view<T, R>& view;
+};
+template <class T, int R>
+std::ostream& operator<<(std::ostream& os, const lazy_shape<T, R>& s) {
+  return os << shape_string(s.view);
+}
+template <class T, int R>
+lazy_shape<T, R> shape_of(const tensor_view<T, R>& v) {
+  return {v};
+}
+
+}  // namespace detail
+
 // Common ranks: [B,T,H,D] activations, [B,T,H] per-token per-head scalars, [N] vectors.
 template <class T>
 using view4 = tensor_view<T, 4>;

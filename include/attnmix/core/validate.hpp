@@ -49,11 +49,11 @@ template <class T, int R>
 void check_layout(const std::string& fn, const char* arg, const tensor_view<T, R>& v) {
   for (int i = 0; i < R; ++i) {
     require(v.extent(i) >= 0, fn, arg, "has a negative extent in dimension ", i, ": shape ",
-            shape_string(v));
+            shape_of(v));
     require(v.stride(i) >= 0, fn, arg, "has a negative stride ", v.stride(i), " in dimension ", i);
   }
   if (v.size() == 0) return;
-  require(v.data() != nullptr, fn, arg, "has shape ", shape_string(v), " but a null pointer");
+  require(v.data() != nullptr, fn, arg, "has shape ", shape_of(v), " but a null pointer");
   require(v.extent(R - 1) == 1 || v.stride(R - 1) == 1, fn, arg,
           "must be contiguous in its last dimension but has stride ", v.stride(R - 1));
 }
@@ -68,8 +68,8 @@ void check_non_overlapping(const std::string& fn, const char* arg, const tensor_
   std::sort(dims.begin(), dims.end());
   index_t span = 1;
   for (auto [stride, extent] : dims) {
-    require(stride >= span, fn, arg, "has strides that make elements overlap (shape ",
-            shape_string(v), ")");
+    require(stride >= span, fn, arg, "has strides that make elements overlap (shape ", shape_of(v),
+            ")");
     span = stride * (extent - 1) + span;
   }
 }

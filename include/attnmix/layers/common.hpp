@@ -147,7 +147,7 @@ void check_activation(const std::string& fn, const char* arg, const view3<T>& v,
   attnmix::detail::check_given(fn, arg, v);
   attnmix::detail::check_layout(fn, arg, v);
   attnmix::detail::check_space(fn, arg, v, space, space == memory_space::host ? "cpu" : "cuda");
-  attnmix::detail::require(v.extent(2) == D, fn, arg, "has shape ", attnmix::shape_string(v),
+  attnmix::detail::require(v.extent(2) == D, fn, arg, "has shape ", attnmix::detail::shape_of(v),
                            " but its last dimension must be hidden_size = ", D);
   attnmix::detail::require(
       v.stride(2) == 1 && v.stride(1) == D && (v.extent(0) <= 1 || v.stride(0) == v.extent(1) * D),
@@ -159,8 +159,8 @@ void check_activation(const std::string& fn, const char* arg, const view3<T>& v,
 template <class T>
 void check_same_shape(const std::string& fn, const view3<T>& out, const view3<const T>& x) {
   attnmix::detail::require(out.shape() == x.shape(), fn, "out", "has shape ",
-                           attnmix::shape_string(out), " but must have the shape of 'x', ",
-                           attnmix::shape_string(x));
+                           attnmix::detail::shape_of(out), " but must have the shape of 'x', ",
+                           attnmix::detail::shape_of(x));
 }
 
 // Resolves the token layout of x ([B, T, D]) and optional cu_seqlens (then B == 1).

@@ -49,11 +49,12 @@ std::vector<index_t> decode_slots(const std::string& fn, const view1<const std::
   if (slots.has_value()) {
     attnmix::detail::require(x.extent(1) == 1, fn, "x",
                              "must be [N, 1, D] (one token per sequence) but has shape ",
-                             attnmix::shape_string(x));
+                             attnmix::detail::shape_of(x));
   } else {
     attnmix::detail::require(x.extent(1) == 1 && x.extent(0) == cache.sequences(), fn, "x",
                              "must be [N, 1, D] with N = ", cache.sequences(),
-                             " (the cache's sequences) but has shape ", attnmix::shape_string(x));
+                             " (the cache's sequences) but has shape ",
+                             attnmix::detail::shape_of(x));
   }
   std::vector<index_t> where = prefill_slots(fn, slots, x.extent(0), cache.sequences());
   for (index_t n = 0; n < x.extent(0); ++n) {
