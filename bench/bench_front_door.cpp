@@ -22,6 +22,15 @@ struct host_inputs {
                      gamma = std::vector<float>(D, 1.f);
 };
 
+// q, k, v and out of either front door's arguments.
+template <class Args>
+void set_qkv_out(Args& a, host_inputs& in) {
+  a.q = attnmix::view4<const float>(in.q.data(), {B, T, H, D});
+  a.k = attnmix::view4<const float>(in.k.data(), {B, T, H, D});
+  a.v = attnmix::view4<const float>(in.v.data(), {B, T, H, D});
+  a.out = attnmix::view4<float>(in.out.data(), {B, T, H, D});
+}
+
 void BM_empty(benchmark::State& state) {
   for (auto _ : state) benchmark::ClobberMemory();
 }
@@ -30,10 +39,7 @@ void BM_empty(benchmark::State& state) {
 void BM_checks_gbla(benchmark::State& state) {
   host_inputs in;
   attnmix::linear_attention_args<float> a;
-  a.q = attnmix::view4<const float>(in.q.data(), {B, T, H, D});
-  a.k = attnmix::view4<const float>(in.k.data(), {B, T, H, D});
-  a.v = attnmix::view4<const float>(in.v.data(), {B, T, H, D});
-  a.out = attnmix::view4<float>(in.out.data(), {B, T, H, D});
+  set_qkv_out(a, in);
   a.a = attnmix::view3<const float>(in.per_token.data(), {B, T, 1});
   a.gate = attnmix::view4<const float>(in.gate.data(), {B, T, H, D});
   a.gamma = attnmix::view1<const float>(in.gamma.data(), {D});
@@ -49,10 +55,7 @@ void BM_checks_gbla(benchmark::State& state) {
 void BM_checks_path_fox(benchmark::State& state) {
   host_inputs in;
   attnmix::attention_args<float> a;
-  a.q = attnmix::view4<const float>(in.q.data(), {B, T, H, D});
-  a.k = attnmix::view4<const float>(in.k.data(), {B, T, H, D});
-  a.v = attnmix::view4<const float>(in.v.data(), {B, T, H, D});
-  a.out = attnmix::view4<float>(in.out.data(), {B, T, H, D});
+  set_qkv_out(a, in);
   a.w = attnmix::view4<const float>(in.w.data(), {B, T, H, D});
   a.beta = attnmix::view3<const float>(in.per_token.data(), {B, T, H});
   a.g = attnmix::view3<const float>(in.per_token.data(), {B, T, H});

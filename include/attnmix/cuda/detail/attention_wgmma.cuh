@@ -55,8 +55,7 @@ struct wgmma_tile {
 // and rescale[h] says by how much O shrinks. One FFMA and one exp2 a score: without a gate the
 // maximum is taken over the raw scores (scale > 0) and the scale is folded into the exponent;
 // with one, over s * scale - gate_col (neg_gate: -gate_col at this thread's first column), the
-// row's gate term added to the maximum. A row that has seen no
-// visible key keeps zeros.
+// row's gate term added to the maximum. A row that has seen no visible key keeps zeros.
 template <int N>
 __device__ __forceinline__ void online_softmax(float (&s)[N / 2], bool gated, const float* neg_gate,
                                                const float (&gate_row)[2], float scale_log2,
