@@ -273,9 +273,12 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
             std::max(std::clamp<index_t>(groups * p.q_heads * N / (warps * 2), 1, 64),
                      (groups + 8 * 65535 - 1) / (8 * 65535));
         const index_t per_cta = per_warp * (linear_fast_threads / 32);
-        linear_read_fast_kernel<Dev, Policy, 64, 64>
-            <<<dim3(unsigned(p.q_heads), unsigned((groups + per_cta - 1) / per_cta), unsigned(N)),
-               linear_fast_threads, 0, stream>>>(kp, state, staged, int(per_cta));
+        launch_dependent(
+            linear_read_fast_kernel<Dev, Policy, 64, 64>,
+            dim3(unsigned(p.q_heads), unsigned((groups + per_cta - 1) / per_cta), unsigned(N)),
+            dim3(linear_fast_threads), 0, stream, "linear_read_fast_kernel launch", kp,
+            static_cast<const float*>(state), static_cast<const unsigned char*>(staged),
+            int(per_cta));
         read_done = true;
       }
       if (mma_read && max_len > 0 && !read_done) {

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "attnmix/cuda/detail/dependent_launch.cuh"
 #include "attnmix/cuda/detail/linear_kernels.cuh"
 #include "attnmix/cuda/detail/mma.cuh"
 
@@ -243,20 +244,41 @@ __device__ __forceinline__ float token_logit(const linear_kernel_params& p, inde
 
 // A reduce block's gate statistics over tokens [t0, t1), with all its threads: the largest logit
 // M and the mass ell = sum exp(logit - M); without a gate M = 0 and ell counts the valid tokens.
+// One pass with four logits in flight a thread: each thread keeps a running max and the mass
+// under it (rescaled when the max grows), and the block merges them. The block's first tiles
+// wait for these statistics, so their latency is the kernel's ramp.
 template <bool Gated>
 __device__ void block_gate_stats(const linear_kernel_params& p, index_t batch, index_t start, int h,
                                  index_t t0, index_t t1, float* scratch, float& M, float& ell) {
-  M = 0.f;
-  float sum = 0.f;
-  if (Gated) {
-    M = block_logit_max(p, batch, start, h, t0, t1, scratch);
-    for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
-      sum += shifted_exp(p.logit(batch, start + t, h), M);
-  } else {
+  if (!Gated) {
+    float sum = 0.f;
     for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
       sum += p.valid(batch, start + t) ? 1.f : 0.f;
+    M = 0.f;
+    ell = block_reduce<false>(sum, scratch);
+    return;
   }
-  ell = block_reduce<false>(sum, scratch);
+  constexpr int unroll = 4;
+  float m = -INFINITY, s = 0.f;
+  for (index_t t = t0 + threadIdx.x; t < t1; t += unroll * blockDim.x) {
+    float x[unroll];
+#pragma unroll
+    for (int u = 0; u < unroll; ++u) {
+      const index_t tu = t + u * blockDim.x;
+      x[u] = tu < t1 ? p.logit(batch, start + tu, h) : -INFINITY;
+    }
+#pragma unroll
+    for (int u = 0; u < unroll; ++u) {
+      if (x[u] > m) {
+        s = s * __expf(m - x[u]) + 1.f;  // exp(-inf) = 0 for the first valid logit
+        m = x[u];
+      } else {
+        s += shifted_exp(x[u], m);
+      }
+    }
+  }
+  M = block_reduce<true>(m, scratch);
+  ell = block_reduce<false>(s > 0.f ? s * __expf(m - M) : 0.f, scratch);
 }
 
 // Merges the `partials` partial states of head (n, h) with a log-sum-exp over the block maxima,
@@ -517,6 +539,7 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
   T* ring = reinterpret_cast<T*>(linear_smem);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int h = blockIdx.x, blk = blockIdx.y, n = blockIdx.z;
+  allow_dependents();  // one wave: the read kernel's CTAs take the SMs as this kernel's leave
   index_t batch, start, length;
   p.sequence(n, batch, start, length);
   const index_t t0 = blk * block_tokens, t1 = min(t0 + block_tokens, length);
@@ -525,30 +548,59 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
                h * p.k_stride[2];
   const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
                h * p.v_stride[2];
-  const int r0 = tid / 8, col = (tid % 8) * 8;  // chunk c: row r0 + 32 c, 16 bytes at col
-  // Tile at `base` into stage `st`; rows past the end and pad tokens are zero-filled.
-  auto issue = [&](index_t base, int st) {
-    T* sk = ring + st * stage_elems;
-    T* sv = sk + TT * ks;
-    const index_t rows = base < t1 ? min(index_t(TT), t1 - base) : 0;
+  // Tiles are issued in order, each into the next stage of the ring; rows past the end and pad
+  // tokens are zero-filled. A thread copies 16 bytes at column `col` of rows r0 + 32 c; its
+  // global pointers step down a tile at each issue (no index arithmetic in the loop).
+  const bool masked = p.mask != nullptr;
+  const int r0 = tid / 8, col = (tid % 8) * 8;
+  const index_t k_row = p.k_stride[1], v_row = p.v_stride[1];
+  const T* kp = k + (t0 + r0) * k_row + col;
+  const T* vp = v + (t0 + r0) * v_row + col;
+  const std::uint32_t sk0 = smem_address(ring + r0 * ks + col), sv0 = sk0 + TT * ks * sizeof(T);
+  index_t issued = t0;  // first token of the next tile to issue
+  auto issue = [&](int st) {
+    const std::uint32_t so = st * stage_elems * sizeof(T);
+    const index_t left = t1 - issued;  // rows of this tile that exist (<= 0 past the end)
 #pragma unroll
     for (int c = 0; c < chunks; ++c) {
       const int r = r0 + 32 * c;
-      const bool in = r < rows && p.valid(batch, start + base + r);
-      cp_async_16(sk + r * ks + col, in ? k + (base + r) * p.k_stride[1] + col : k, in);
-      cp_async_16(sv + r * vs + col, in ? v + (base + r) * p.v_stride[1] + col : v, in);
+      bool in = r < left;
+      if (masked) in = in && p.valid(batch, start + issued + r);
+      cp_async_16(sk0 + so + 32 * c * ks * sizeof(T), in ? kp + 32 * c * k_row : k, in);
+      cp_async_16(sv0 + so + 32 * c * vs * sizeof(T), in ? vp + 32 * c * v_row : v, in);
     }
     cp_async_commit();
+    issued += TT;
+    if (issued < t1) kp += TT * k_row, vp += TT * v_row;  // never past the end
   };
 #pragma unroll
-  for (int s = 0; s < Stages - 1; ++s) issue(t0 + s * TT, s);
+  for (int s = 0; s < Stages - 1; ++s) issue(s);
 
   float M = 0.f, ell = 0.f;
   block_gate_stats<gated>(p, batch, start, h, t0, t1, scratch, M, ell);
-  auto logit = [&](index_t base) {
-    return tid < TT ? token_logit<gated>(p, batch, start, h, base + tid, t1) : 0.f;
+  // Threads tid < TT fetch the logit (or 1 / 0 for a valid / pad token without a gate) of row
+  // tid of the next tile, in tile order; 0 past the end.
+  const float* ap = nullptr;
+  if constexpr (gated)
+    if (tid < TT)
+      ap = p.a + batch * p.a_stride[0] + (start + t0 + tid) * p.a_stride[1] +
+           (p.gate_heads == 1 ? 0 : h) * p.a_stride[2];
+  index_t fetched = t0 + tid;  // this thread's token of the next tile
+  auto logit = [&] {
+    float x = 0.f;
+    if (tid < TT && fetched < t1) {
+      const bool ok = !masked || p.valid(batch, start + fetched);
+      if constexpr (gated) {
+        x = ok ? *ap : -INFINITY;
+        ap += TT * p.a_stride[1];
+      } else {
+        x = ok ? 1.f : 0.f;
+      }
+    }
+    fetched += TT;
+    return x;
   };
-  float next_logit = logit(t0);
+  float next_logit = logit();
 
   const int wm = warp % 4, wt = warp / 4, g = lane / 4, c2 = 2 * (lane % 4);
   float acc[8][4] = {};
@@ -566,8 +618,8 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
     // This tile has landed; every warp is done with the previous tile (its stage is free) and
     // with the weights of two tiles ago.
     __syncthreads();
-    issue(base + (Stages - 1) * TT, st == 0 ? Stages - 1 : st - 1);
-    next_logit = logit(base + TT);
+    issue(st == 0 ? Stages - 1 : st - 1);
+    next_logit = logit();
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       const int kk = 2 * wt + h2;
@@ -914,6 +966,15 @@ __global__ void __launch_bounds__(linear_fast_threads, 2)
   uint4 qn[2][QV], gv[2][normed ? GV : 1];
   bool okn[2] = {false, false};
   if (warp < cta_groups) load_q(warp, qn, okn), load_gate(warp, okn, gv);
+  if constexpr (normed) {
+    const float* gamma = p.gamma == nullptr
+                             ? nullptr
+                             : p.gamma + (Policy::weight == norm_weight::per_head ? hq * Dv : 0);
+    for (int e = tid; e < Dv; e += linear_fast_threads)
+      sgamma[e] = gamma != nullptr ? gamma[e] : 1.f;
+  }
+  // All of the above are inputs; the state is the reduce pass's (launched dependent on it).
+  grid_dependency_wait();
 
   // The staged state (a copy of what the reduce kernel's last CTA wrote, or converted here from
   // the float state) and the norm weight.
@@ -942,13 +1003,6 @@ __global__ void __launch_bounds__(linear_fast_threads, 2)
       sS[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = from_float<T>(st[idx] * mul);
     for (int idx = tid; idx < D * 16; idx += linear_fast_threads)
       sS[state_row(idx / 16, D) * ss + Dv + idx % 16] = from_float<T>(st[D * Dv + idx / 16] * mul);
-  }
-  if constexpr (normed) {
-    const float* gamma = p.gamma == nullptr
-                             ? nullptr
-                             : p.gamma + (Policy::weight == norm_weight::per_head ? hq * Dv : 0);
-    for (int e = tid; e < Dv; e += linear_fast_threads)
-      sgamma[e] = gamma != nullptr ? gamma[e] : 1.f;
   }
   __syncthreads();
 
