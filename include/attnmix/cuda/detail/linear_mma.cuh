@@ -548,59 +548,30 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
                h * p.k_stride[2];
   const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
                h * p.v_stride[2];
-  // Tiles are issued in order, each into the next stage of the ring; rows past the end and pad
-  // tokens are zero-filled. A thread copies 16 bytes at column `col` of rows r0 + 32 c; its
-  // global pointers step down a tile at each issue (no index arithmetic in the loop).
-  const bool masked = p.mask != nullptr;
-  const int r0 = tid / 8, col = (tid % 8) * 8;
-  const index_t k_row = p.k_stride[1], v_row = p.v_stride[1];
-  const T* kp = k + (t0 + r0) * k_row + col;
-  const T* vp = v + (t0 + r0) * v_row + col;
-  const std::uint32_t sk0 = smem_address(ring + r0 * ks + col), sv0 = sk0 + TT * ks * sizeof(T);
-  index_t issued = t0;  // first token of the next tile to issue
-  auto issue = [&](int st) {
-    const std::uint32_t so = st * stage_elems * sizeof(T);
-    const index_t left = t1 - issued;  // rows of this tile that exist (<= 0 past the end)
+  const int r0 = tid / 8, col = (tid % 8) * 8;  // chunk c: row r0 + 32 c, 16 bytes at col
+  // Tile at `base` into stage `st`; rows past the end and pad tokens are zero-filled.
+  auto issue = [&](index_t base, int st) {
+    T* sk = ring + st * stage_elems;
+    T* sv = sk + TT * ks;
+    const index_t rows = base < t1 ? min(index_t(TT), t1 - base) : 0;
 #pragma unroll
     for (int c = 0; c < chunks; ++c) {
       const int r = r0 + 32 * c;
-      bool in = r < left;
-      if (masked) in = in && p.valid(batch, start + issued + r);
-      cp_async_16(sk0 + so + 32 * c * ks * sizeof(T), in ? kp + 32 * c * k_row : k, in);
-      cp_async_16(sv0 + so + 32 * c * vs * sizeof(T), in ? vp + 32 * c * v_row : v, in);
+      const bool in = r < rows && p.valid(batch, start + base + r);
+      cp_async_16(sk + r * ks + col, in ? k + (base + r) * p.k_stride[1] + col : k, in);
+      cp_async_16(sv + r * vs + col, in ? v + (base + r) * p.v_stride[1] + col : v, in);
     }
     cp_async_commit();
-    issued += TT;
-    if (issued < t1) kp += TT * k_row, vp += TT * v_row;  // never past the end
   };
 #pragma unroll
-  for (int s = 0; s < Stages - 1; ++s) issue(s);
+  for (int s = 0; s < Stages - 1; ++s) issue(t0 + s * TT, s);
 
   float M = 0.f, ell = 0.f;
   block_gate_stats<gated>(p, batch, start, h, t0, t1, scratch, M, ell);
-  // Threads tid < TT fetch the logit (or 1 / 0 for a valid / pad token without a gate) of row
-  // tid of the next tile, in tile order; 0 past the end.
-  const float* ap = nullptr;
-  if constexpr (gated)
-    if (tid < TT)
-      ap = p.a + batch * p.a_stride[0] + (start + t0 + tid) * p.a_stride[1] +
-           (p.gate_heads == 1 ? 0 : h) * p.a_stride[2];
-  index_t fetched = t0 + tid;  // this thread's token of the next tile
-  auto logit = [&] {
-    float x = 0.f;
-    if (tid < TT && fetched < t1) {
-      const bool ok = !masked || p.valid(batch, start + fetched);
-      if constexpr (gated) {
-        x = ok ? *ap : -INFINITY;
-        ap += TT * p.a_stride[1];
-      } else {
-        x = ok ? 1.f : 0.f;
-      }
-    }
-    fetched += TT;
-    return x;
+  auto logit = [&](index_t base) {
+    return tid < TT ? token_logit<gated>(p, batch, start, h, base + tid, t1) : 0.f;
   };
-  float next_logit = logit();
+  float next_logit = logit(t0);
 
   const int wm = warp % 4, wt = warp / 4, g = lane / 4, c2 = 2 * (lane % 4);
   float acc[8][4] = {};
@@ -618,8 +589,8 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
     // This tile has landed; every warp is done with the previous tile (its stage is free) and
     // with the weights of two tiles ago.
     __syncthreads();
-    issue(st == 0 ? Stages - 1 : st - 1);
-    next_logit = logit();
+    issue(base + (Stages - 1) * TT, st == 0 ? Stages - 1 : st - 1);
+    next_logit = logit(base + TT);
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       const int kk = 2 * wt + h2;
