@@ -128,6 +128,9 @@ std::vector<linear_case> cuda_linear_cases(bool causal) {
     // Many sequences, varlen with empty and length-1 sequences.
     cs.push_back({24, 600, 12, 12, 64, 64});
     cs.push_back({1, 1500, 4, 2, 64, 64, {0, 0, 1, 64, 64, 130, 500, 501, 1000, 1500}});
+    // More query heads a KV head than the one-kernel path of D = Dv = 64 (a cluster of CTAs a
+    // head) takes: the two-pass kernels of those dims.
+    cs.push_back({2, 700, 66, 1, 64, 64, {}, padding::holes});
     // Pad tokens whose q, k, v, logits and gate are NaN.
     for (index_t T : {index_t(129), index_t(1000)}) {
       linear_case nan_pads{3, T, 4, 2, 64, 64, {}, T < 500 ? padding::holes : padding::right};
@@ -353,7 +356,9 @@ TEMPLATE_TEST_CASE("CUDA GBLA core, small shapes", "[cuda][gbla][small]", attnmi
                                  {2, 70, 2, 2, 32, 64},
                                  {1, 200, 2, 1, 128, 64, {0, 0, 1, 64, 64, 130, 200}},
                                  {2, 150, 4, 2, 64, 128, {}, padding::left},
-                                 {1, 90, 2, 1, 24, 40}};
+                                 {1, 90, 2, 1, 24, 40},
+                                 {1, 300, 4, 2, 64, 64, {0, 0, 1, 64, 64, 130, 300}},
+                                 {1, 100, 65, 1, 64, 64}};
   linear_case nan_pads{3, 130, 4, 2, 64, 64, {}, padding::holes};
   nan_pads.nan_pads = true;
   cs.push_back(nan_pads);

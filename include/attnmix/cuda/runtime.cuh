@@ -49,6 +49,7 @@ struct device_info {
                         // code in the binary (CMAKE_CUDA_ARCHITECTURES 90a-real, the default);
                         // plain sm_90 code traps in them.
   bool dependent_launch = false;  // 9.0 and later: kernels may overlap the one before them
+  bool clusters = false;          // 9.0 and later: thread-block clusters
   // The stream-ordered pool attnmix takes its scratch from. It keeps what it has once held (no
   // release threshold), so that a call's scratch costs no mapping of fresh memory after the
   // first calls; the default pool would hand memory back at every synchronisation.
@@ -71,6 +72,7 @@ inline const device_info& current_device() {
         "cudaDeviceGetAttribute");
   info.hopper = major == 9;
   info.dependent_launch = major >= 9;
+  info.clusters = major >= 9;
   cudaMemPoolProps props{};
   props.allocType = cudaMemAllocationTypePinned;
   props.location.type = cudaMemLocationTypeDevice;

@@ -153,23 +153,32 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   const bool fast_read = mma_read && linear_fast_dims(D, Dv) &&
                          aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1),
                                              a.out.stride(2), int(per_vector), int(sizeof(T)));
+  // D = Dv = 64 on compute capability 9.0 and later: one kernel, a cluster of CTAs a head (its
+  // shared memory holds the norm weights of a group of query heads).
+  const bool clustered = !causal && fast_read && linear_reduce_fast_dims(D, Dv) &&
+                         current_device().clusters && max_len > 0 &&
+                         p.group() <= linear_cluster_max_group;
   const std::size_t cu_padded = offsets_bytes(p);
   // Every part of the scratch starts 256-byte aligned (the staged state is read 16 bytes a load).
   auto padded = [](std::size_t bytes) {
     return (bytes + 255) / 256 * 256;
   };
-  const std::size_t partial_bytes = padded(
-      static_cast<std::size_t>(N * H * partials * partial_floats(int(D), int(Dv))) * sizeof(float));
-  const std::size_t state_bytes = padded(
-      causal ? (segments > 1
-                    ? static_cast<std::size_t>(N * H * segments * partial_floats(int(D), int(Dv))) *
-                          sizeof(float)
-                    : 0)
-             : static_cast<std::size_t>(N * H * (D * Dv + D)) * sizeof(float));
-  const std::size_t staged_bytes =
-      fused && fast_read ? static_cast<std::size_t>(N * H * staged_state_bytes(int(D), int(Dv)))
-                         : 0;
-  const std::size_t done_bytes = fused ? static_cast<std::size_t>(N * H) * sizeof(unsigned) : 0;
+  // The one-kernel path needs no scratch but the sequence offsets.
+  std::size_t partial_bytes = 0, state_bytes = 0, staged_bytes = 0, done_bytes = 0;
+  if (!clustered) {
+    const auto floats = [](index_t count) {
+      return static_cast<std::size_t>(count) * sizeof(float);
+    };
+    partial_bytes = padded(floats(N * H * partials * partial_floats(int(D), int(Dv))));
+    if constexpr (causal)
+      state_bytes =
+          segments > 1 ? padded(floats(N * H * segments * partial_floats(int(D), int(Dv)))) : 0;
+    else
+      state_bytes = padded(floats(N * H * (D * Dv + D)));
+    if (fused && fast_read)
+      staged_bytes = static_cast<std::size_t>(N * H * staged_state_bytes(int(D), int(Dv)));
+    if (fused) done_bytes = static_cast<std::size_t>(N * H) * sizeof(unsigned);
+  }
   stream_buffer scratch(cu_padded + partial_bytes + state_bytes + staged_bytes + done_bytes,
                         stream);
 
@@ -203,6 +212,24 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
       copy_strides(kp.lse_out_stride, so.lse);
   kp.cu_seqlens = upload_offsets(scratch.get(), p, stream);
 
+  if constexpr (sixteen_bit && !causal) {
+    if (clustered) {
+      // As many CTAs a head (up to a cluster's 8) as fill the GPU's CTA slots about once.
+      const index_t tiles = (max_len + linear_mma_tokens - 1) / linear_mma_tokens;
+      const index_t slots = index_t(current_device().sms) * linear_cluster_ctas;
+      const index_t ctas =
+          std::clamp<index_t>(slots / (N * H), 1, std::min<index_t>(linear_cluster_max, tiles));
+      const index_t tokens = (tiles + ctas - 1) / ctas * linear_mma_tokens;
+      const index_t used = (max_len + tokens - 1) / tokens;
+      const int smem = linear_cluster_smem(p.group());
+      auto kernel = linear_cluster_fast_kernel<Dev, Policy>;
+      allow_dynamic_smem(kernel, smem);
+      launch_clustered(kernel, dim3(unsigned(used), unsigned(H), unsigned(N)), unsigned(used),
+                       dim3(linear_fast_threads), smem, stream, "linear_cluster_fast_kernel launch",
+                       kp, tokens);
+      return;
+    }
+  }
   float* partial = reinterpret_cast<float*>(scratch.get() + cu_padded);
   float* state = reinterpret_cast<float*>(scratch.get() + cu_padded + partial_bytes);
   unsigned char* staged =

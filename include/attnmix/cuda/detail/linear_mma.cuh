@@ -13,16 +13,21 @@
 //           RMSNorm run on the accumulator fragments (a row lives in one quad of lanes).
 //           D = Dv = 64 has its own kernel (linear_read_fast_kernel: warps load their query and
 //           gate rows straight into registers against a permuted staged state, no barrier).
+//   one kernel: D = Dv = 64 on compute capability 9.0 and later (linear_cluster_fast_kernel):
+//           a cluster of CTAs a head reduces, merges the partials over distributed shared
+//           memory, and reads, in one launch.
 // phi (elu+1) and the gate activation (SiLU, sigmoid) run on packed pairs of the input type.
 // Needs 16-byte aligned k, v, q rows, 4-byte aligned out and gate rows (16-byte for the D = 64
 // read kernel) and the dims that linear_mma_dims accepts; other cases take the kernels of
 // linear_kernels.cuh.
 
+#include <cooperative_groups.h>
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
-#include "attnmix/cuda/detail/dependent_launch.cuh"
+#include "attnmix/cuda/detail/launch_attributes.cuh"
 #include "attnmix/cuda/detail/linear_kernels.cuh"
 #include "attnmix/cuda/detail/mma.cuh"
 
@@ -523,27 +528,23 @@ inline bool linear_reduce_fast_dims(index_t D, index_t Dv) {
   return D == 64 && Dv == 64;
 }
 
-template <class T, class Policy>
-__global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_ctas)
-    linear_reduce_fast_kernel(const linear_kernel_params p, index_t block_tokens, float* partial,
-                              index_t partials, unsigned* done, float* state,
-                              unsigned char* staged) {
+// The partial state [S_p | z_p] of tokens [t0, t1) of KV head h (a sequence at batch, start)
+// with the CTA's 256 threads: the tiles stream through a ring of Stages stages at `smem`, which
+// then holds the two token halves. Returns the block's gate statistics in M, ell and hands the
+// partial to sink(i, x), x = elements 4 i .. 4 i + 3, each i to one thread.
+template <class T, class Policy, int Stages, class Sink>
+__device__ __forceinline__ void reduce_fast_tiles(const linear_kernel_params& p, index_t batch,
+                                                  index_t start, int h, index_t t0, index_t t1,
+                                                  unsigned char* smem, float* scratch, float& M,
+                                                  float& ell, Sink&& sink) {
   constexpr int D = 64, Dv = 64, TT = linear_mma_tokens, threads = linear_mma_reduce_threads;
-  constexpr int Stages = linear_mma_stages<false>, ks = D + 8, vs = Dv + 8;
+  constexpr int ks = D + 8, vs = Dv + 8;
   constexpr int stage_elems = TT * (ks + vs), chunks = TT * D / 8 / threads;
   constexpr bool gated = Policy::gate != key_gate::off;
-  extern __shared__ __align__(16) unsigned char linear_smem[];
   __shared__ __align__(16) std::uint16_t weight_bits[2][TT];
   T(*weight)[TT] = reinterpret_cast<T(*)[TT]>(weight_bits);  // token weights, double-buffered
-  __shared__ float scratch[8];
-  T* ring = reinterpret_cast<T*>(linear_smem);
+  T* ring = reinterpret_cast<T*>(smem);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int h = blockIdx.x, blk = blockIdx.y, n = blockIdx.z;
-  allow_dependents();  // one wave: the read kernel's CTAs take the SMs as this kernel's leave
-  index_t batch, start, length;
-  p.sequence(n, batch, start, length);
-  const index_t t0 = blk * block_tokens, t1 = min(t0 + block_tokens, length);
-  float* out = partial + ((index_t(n) * p.kv_heads + h) * partials + blk) * partial_floats(D, Dv);
   const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
                h * p.k_stride[2];
   const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
@@ -566,7 +567,6 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
 #pragma unroll
   for (int s = 0; s < Stages - 1; ++s) issue(t0 + s * TT, s);
 
-  float M = 0.f, ell = 0.f;
   block_gate_stats<gated>(p, batch, start, h, t0, t1, scratch, M, ell);
   auto logit = [&](index_t base) {
     return tid < TT ? token_logit<gated>(p, batch, start, h, base + tid, t1) : 0.f;
@@ -628,8 +628,8 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
     wb ^= 1;
   }
   cp_async_wait<0>();
-  __syncthreads();  // the ring is free: it takes the two token halves
-  float* red = reinterpret_cast<float*>(linear_smem);  // [2][D * Dv + D]
+  __syncthreads();                              // the ring is free: it takes the two token halves
+  float* red = reinterpret_cast<float*>(smem);  // [2][D * Dv + D]
   float* mine = red + wt * (D * Dv + D);
   const int d = wm * 16 + g;
 #pragma unroll
@@ -643,10 +643,30 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_c
   for (int i = tid; i < (D * Dv + D) / 4; i += threads) {
     const float4 x = reinterpret_cast<const float4*>(red)[i];
     const float4 y = reinterpret_cast<const float4*>(red + D * Dv + D)[i];
-    const float sum[4] = {x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w};
-#pragma unroll
-    for (int u = 0; u < 4; ++u) out[4 * i + u] = sum[u];
+    sink(i, make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w));
   }
+}
+
+template <class T, class Policy>
+__global__ void __launch_bounds__(linear_mma_reduce_threads, linear_mma_reduce_ctas)
+    linear_reduce_fast_kernel(const linear_kernel_params p, index_t block_tokens, float* partial,
+                              index_t partials, unsigned* done, float* state,
+                              unsigned char* staged) {
+  constexpr int D = 64, Dv = 64;
+  extern __shared__ __align__(16) unsigned char linear_smem[];
+  __shared__ float scratch[8];
+  const int h = blockIdx.x, blk = blockIdx.y, n = blockIdx.z;
+  allow_dependents();  // one wave: the read kernel's CTAs take the SMs as this kernel's leave
+  index_t batch, start, length;
+  p.sequence(n, batch, start, length);
+  const index_t t0 = blk * block_tokens, t1 = min(t0 + block_tokens, length);
+  float* out = partial + ((index_t(n) * p.kv_heads + h) * partials + blk) * partial_floats(D, Dv);
+  float M = 0.f, ell = 0.f;
+  // The partial is not 16-byte aligned in global memory (partial_floats has a 2-float tail).
+  reduce_fast_tiles<T, Policy, linear_mma_stages<false>>(
+      p, batch, start, h, t0, t1, linear_smem, scratch, M, ell, [&](int i, float4 x) {
+        out[4 * i] = x.x, out[4 * i + 1] = x.y, out[4 * i + 2] = x.z, out[4 * i + 3] = x.w;
+      });
   finish_partial<T, Policy>(p, out, M, ell, partial, partials, done, state, staged, n, h, scratch);
 }
 
@@ -879,151 +899,125 @@ inline bool linear_fast_dims(index_t D, index_t Dv) {
   return D == 64 && Dv == 64;
 }
 
+// One CTA's share of the read: `rows` query rows from token `first` of batch row `batch`, for
+// query heads hq0 .. hq0 + heads - 1. Its items are (head, 16-row group), head-major; warp w
+// takes items w, w + 8, ... prime() starts the loads of a warp's first item, which need neither
+// the state nor the norm weight; run() does the rest.
 template <class T, class Policy, int D, int Dv>
-__global__ void __launch_bounds__(linear_fast_threads, 2)
-    linear_read_fast_kernel(const linear_kernel_params p, const float* state,
-                            const unsigned char* staged, int groups) {
-  static_assert(D % 32 == 0 && Dv % 32 == 0 && D <= 128 && Dv <= 128, "linear_read_fast_kernel");
-  constexpr int QV = D / 32, GV = Dv / 32, NT = Dv / 8, KK = D / 16, ss = Dv + 24;
-  constexpr int warps = linear_fast_threads / 32;
-  constexpr bool normed = Policy::norm == gated_norm::per_head;
-  __shared__ __align__(16) T sS[D * ss];
-  __shared__ __align__(16) float sgamma[normed ? Dv : 1];
-  __shared__ float scratch[8];
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-  const int hq = blockIdx.x, n = blockIdx.z, h = hq / p.group;
-  index_t batch, start, length;
-  p.sequence(n, batch, start, length);
-  const index_t row0 = index_t(blockIdx.y) * groups * 16;
-  if (row0 >= length) return;
-  const int cta_groups = int(min(index_t(groups), (length - row0 + 15) / 16));
+struct fast_read {
+  static_assert(D % 32 == 0 && Dv % 32 == 0 && D <= 128 && Dv <= 128, "fast_read");
+  static constexpr int QV = D / 32, GV = Dv / 32, NT = Dv / 8, KK = D / 16, ss = Dv + 24;
+  static constexpr int warps = linear_fast_threads / 32;
+  static constexpr bool normed = Policy::norm == gated_norm::per_head;
 
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + row0) * p.q_stride[1] +
-               hq * p.q_stride[2] + c * (D / 4);
-  const T* gate = normed
-                      ? static_cast<const T*>(p.gate) + batch * p.gate_stride[0] +
-                            (start + row0) * p.gate_stride[1] + hq * p.gate_stride[2] + c * (Dv / 4)
-                      : nullptr;
-  T* out = static_cast<T*>(p.out) + batch * p.out_stride[0] + (start + row0) * p.out_stride[1] +
-           hq * p.out_stride[2] + c * (Dv / 4);
-  const index_t rows = length - row0;
-  // Query rows g and g + 8 of group grp (zeros past the end) and whether they are real tokens.
-  auto load_q = [&](int grp, uint4(&x)[2][QV], bool(&ok)[2]) {
+  const linear_kernel_params& p;
+  index_t batch, first, rows;
+  int hq0, groups, items, g, c;
+  // The next item's query rows g and g + 8 (zeros past the end), whether they are real tokens,
+  // and the current item's gate rows (zeros for pads and past the end).
+  uint4 qn[2][QV], gv[2][normed ? GV : 1];
+  bool okn[2] = {false, false};
+
+  __device__ fast_read(const linear_kernel_params& params, index_t batch_row, index_t first_token,
+                       index_t row_count, int first_head, int heads)
+      : p(params), batch(batch_row), first(first_token), rows(row_count), hq0(first_head) {
+    groups = int((rows + 15) / 16);
+    items = heads * groups;
+    g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+  }
+  // Row i of the range in tensor x (strides s) of item it's head, at lane column piece c.
+  template <class X>
+  __device__ X* row(X* x, const index_t (&s)[3], int it, index_t i, int width) const {
+    return x + batch * s[0] + (first + i) * s[1] + (hq0 + it / groups) * s[2] + c * (width / 4);
+  }
+  __device__ index_t row_index(int it, int half) const {
+    return index_t(it % groups) * 16 + g + 8 * half;
+  }
+  __device__ void load_q(int it) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const index_t i = index_t(grp) * 16 + g + 8 * half;
+      const index_t i = row_index(it, half);
       const bool in = i < rows;
-      ok[half] = in && p.valid(batch, start + row0 + i);
-      const uint4* src = reinterpret_cast<const uint4*>(q + (in ? i : 0) * p.q_stride[1]);
+      okn[half] = in && p.valid(batch, first + i);
+      const uint4* src = reinterpret_cast<const uint4*>(
+          row(static_cast<const T*>(p.q), p.q_stride, it, in ? i : 0, D));
 #pragma unroll
-      for (int u = 0; u < QV; ++u) x[half][u] = in ? __ldcs(src + u) : make_uint4(0u, 0u, 0u, 0u);
+      for (int u = 0; u < QV; ++u) qn[half][u] = in ? __ldcs(src + u) : make_uint4(0u, 0u, 0u, 0u);
     }
-  };
-  // Gate rows g and g + 8 of group grp (zeros for pads and past the end).
-  auto load_gate = [&](int grp, const bool(&ok)[2], uint4(&x)[2][normed ? GV : 1]) {
+  }
+  __device__ void load_gate(int it, const bool (&ok)[2]) {
     if constexpr (normed) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const index_t i = index_t(grp) * 16 + g + 8 * half;
         const uint4* src =
-            reinterpret_cast<const uint4*>(gate + (ok[half] ? i : 0) * p.gate_stride[1]);
+            reinterpret_cast<const uint4*>(row(static_cast<const T*>(p.gate), p.gate_stride, it,
+                                               ok[half] ? row_index(it, half) : 0, Dv));
 #pragma unroll
         for (int u = 0; u < GV; ++u)
-          x[half][u] = ok[half] ? __ldcs(src + u) : make_uint4(0u, 0u, 0u, 0u);
+          gv[half][u] = ok[half] ? __ldcs(src + u) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
-  };
-  // In flight while the state is staged: the first group's queries and gate.
-  uint4 qn[2][QV], gv[2][normed ? GV : 1];
-  bool okn[2] = {false, false};
-  if (warp < cta_groups) load_q(warp, qn, okn), load_gate(warp, okn, gv);
-  if constexpr (normed) {
-    const float* gamma = p.gamma == nullptr
-                             ? nullptr
-                             : p.gamma + (Policy::weight == norm_weight::per_head ? hq * Dv : 0);
-    for (int e = tid; e < Dv; e += linear_fast_threads)
-      sgamma[e] = gamma != nullptr ? gamma[e] : 1.f;
   }
-  // All of the above are inputs; the state is the reduce pass's (launched dependent on it).
-  grid_dependency_wait();
+  __device__ void prime(int warp) {
+    if (warp < items) load_q(warp), load_gate(warp, okn);
+  }
 
-  // The staged state (a copy of what the reduce kernel's last CTA wrote, or converted here from
-  // the float state) and the norm weight.
-  float unmul = 1.f;
-  if (staged != nullptr) {
-    const unsigned char* src = staged + (index_t(n) * p.kv_heads + h) * staged_state_bytes(D, Dv);
-    for (int i = tid; i < D * ss / 8; i += linear_fast_threads)
-      reinterpret_cast<uint4*>(sS)[i] = __ldcg(reinterpret_cast<const uint4*>(src) + i);
-    unmul = __ldcg(reinterpret_cast<const float*>(src + D * ss * 2));
-  } else {
-    const float* st = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
-    float mul = p.scale;
-    if constexpr (std::is_same_v<T, __half>) {
-      float mx = 0.f;
-      for (int idx = tid; idx < D * Dv + D; idx += linear_fast_threads)
-        mx = fmaxf(mx, fabsf(st[idx]));
-      mx = block_reduce<true>(mx * p.scale, scratch);
-      if (mx > 0.f) {
-        int ex;
-        frexpf(mx, &ex);
-        mul = p.scale * ldexpf(1.f, -ex);
-        unmul = ldexpf(1.f, ex);
+  // The items of warp `warp` against the staged state sS (undone by unmul) and the norm weights
+  // sgamma [heads][Dv].
+  __device__ void run(int warp, const T* sS, const float* sgamma, float unmul) {
+    const int lane = threadIdx.x % 32;
+    for (int it = warp; it < items; it += warps) {
+      uint4 qv[2][QV];
+      bool ok[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        ok[half] = okn[half];
+#pragma unroll
+        for (int u = 0; u < QV; ++u) qv[half][u] = qn[half][u];
       }
-    }
-    for (int idx = tid; idx < D * Dv; idx += linear_fast_threads)
-      sS[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = from_float<T>(st[idx] * mul);
-    for (int idx = tid; idx < D * 16; idx += linear_fast_threads)
-      sS[state_row(idx / 16, D) * ss + Dv + idx % 16] = from_float<T>(st[D * Dv + idx / 16] * mul);
-  }
-  __syncthreads();
+      if (it != warp) load_gate(it, ok);
+      if (it + warps < items) load_q(it + warps);
 
-  for (int grp = warp; grp < cta_groups; grp += warps) {
-    uint4 qv[2][QV];
-    bool ok[2];
+      // phi(q) as A fragments; pads (their q may be NaN) are zero rows.
+      std::uint32_t af[2][D / 8];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      ok[half] = okn[half];
+      for (int half = 0; half < 2; ++half) {
 #pragma unroll
-      for (int u = 0; u < QV; ++u) qv[half][u] = qn[half][u];
-    }
-    if (grp != warp) load_gate(grp, ok, gv);
-    if (grp + warps < cta_groups) load_q(grp + warps, qn, okn);
-
-    // phi(q) as A fragments; pads (their q may be NaN) are zero rows.
-    std::uint32_t af[2][D / 8];
+        for (int u = 0; u < QV; ++u) {
+          const std::uint32_t w[4] = {qv[half][u].x, qv[half][u].y, qv[half][u].z, qv[half][u].w};
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-      for (int u = 0; u < QV; ++u) {
-        const std::uint32_t w[4] = {qv[half][u].x, qv[half][u].y, qv[half][u].z, qv[half][u].w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          std::uint32_t x;
-          if constexpr (packed_phi<Policy>) {
-            x = as_bits<T>(pair_elu1<T>(as_pair<T>(w[k])));
-          } else {
-            const float2 f = unpack2<T>(w[k]);
-            x = pack2<T>(fast_feature_map<Policy::phi>(f.x), fast_feature_map<Policy::phi>(f.y));
+          for (int k = 0; k < 4; ++k) {
+            std::uint32_t x;
+            if constexpr (packed_phi<Policy>) {
+              x = as_bits<T>(pair_elu1<T>(as_pair<T>(w[k])));
+            } else {
+              const float2 f = unpack2<T>(w[k]);
+              x = pack2<T>(fast_feature_map<Policy::phi>(f.x), fast_feature_map<Policy::phi>(f.y));
+            }
+            af[half][4 * u + k] = ok[half] ? x : 0u;
           }
-          af[half][4 * u + k] = ok[half] ? x : 0u;
         }
       }
-    }
-    float acc[NT][4] = {};
-    float zacc[4] = {};
+      float acc[NT][4] = {};
+      float zacc[4] = {};
 #pragma unroll
-    for (int kk = 0; kk < KK; ++kk) {
-      const std::uint32_t a[4] = {af[0][2 * kk], af[1][2 * kk], af[0][2 * kk + 1],
-                                  af[1][2 * kk + 1]};
-      state_kstep<T>(acc, zacc, a, sS, ss, kk, NT, Dv, lane);
+      for (int kk = 0; kk < KK; ++kk) {
+        const std::uint32_t a[4] = {af[0][2 * kk], af[1][2 * kk], af[0][2 * kk + 1],
+                                    af[1][2 * kk + 1]};
+        state_kstep<T>(acc, zacc, a, sS, ss, kk, NT, Dv, lane);
+      }
+      epilogue(it, acc, zacc, ok, sgamma + (it / groups) * Dv, unmul);
     }
+  }
 
-    // Epilogue: half 0 is row g, half 1 row g + 8; accumulator pair j of a half is elements
-    // c Dv/4 + 2j, + 1 of its row. Num / den, then the gated RMSNorm, folded into one factor
-    // per row: o = acc * s with s = unmul / den, rms(o) = s rms(acc).
+  // Half 0 is row g, half 1 row g + 8; accumulator pair j of a half is elements c Dv/4 + 2j, + 1
+  // of its row. Num / den, then the gated RMSNorm, folded into one factor per row: o = acc * s
+  // with s = unmul / den, rms(o) = s rms(acc).
+  __device__ void epilogue(int it, const float (&acc)[NT][4], const float (&zacc)[4],
+                           const bool (&ok)[2], const float* gamma, float unmul) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const index_t i = index_t(grp) * 16 + g + 8 * half;
+      const index_t i = row_index(it, half);
       float s = unmul;
       if (Policy::normalize) s = unmul * __frcp_rn(zacc[2 * half] * unmul + p.eps);
       float o[NT][2];
@@ -1060,7 +1054,7 @@ __global__ void __launch_bounds__(linear_fast_threads, 2)
         sq += __shfl_xor_sync(0xffffffffu, sq, 1);
         sq += __shfl_xor_sync(0xffffffffu, sq, 2);
         const float f = s * rsqrtf(s * s * sq * (1.f / Dv) + p.norm_eps);
-        const float4* gam = reinterpret_cast<const float4*>(sgamma + c * (Dv / 4));
+        const float4* gam = reinterpret_cast<const float4*>(gamma + c * (Dv / 4));
 #pragma unroll
         for (int j = 0; j < NT; j += 2) {
           const float4 gm = gam[j / 2];
@@ -1079,7 +1073,7 @@ __global__ void __launch_bounds__(linear_fast_threads, 2)
         for (int j = 0; j < NT; ++j) res[j] = pack2<T>(o[j][0] * s, o[j][1] * s);
       }
       if (i < rows && (ok[half] || Policy::zero_pad_rows)) {
-        uint4* dst = reinterpret_cast<uint4*>(out + i * p.out_stride[1]);
+        uint4* dst = reinterpret_cast<uint4*>(row(static_cast<T*>(p.out), p.out_stride, it, i, Dv));
 #pragma unroll
         for (int u = 0; u < GV; ++u)
           __stcs(dst + u,
@@ -1088,6 +1082,243 @@ __global__ void __launch_bounds__(linear_fast_threads, 2)
       }
     }
   }
+};
+
+// The norm weights of query heads hq0 .. hq0 + heads - 1 into sgamma [heads][Dv] (ones without
+// a weight), with all the CTA's threads.
+template <class Policy>
+__device__ void stage_gamma(const linear_kernel_params& p, int hq0, int heads, int Dv,
+                            float* sgamma) {
+  if constexpr (Policy::norm == gated_norm::per_head) {
+    for (int e = threadIdx.x; e < heads * Dv; e += blockDim.x) {
+      const int hq = hq0 + e / Dv;
+      const float* gamma = p.gamma == nullptr
+                               ? nullptr
+                               : p.gamma + (Policy::weight == norm_weight::per_head ? hq * Dv : 0);
+      sgamma[e] = gamma != nullptr ? gamma[e % Dv] : 1.f;
+    }
+  }
+}
+
+template <class T, class Policy, int D, int Dv>
+__global__ void __launch_bounds__(linear_fast_threads, 2)
+    linear_read_fast_kernel(const linear_kernel_params p, const float* state,
+                            const unsigned char* staged, int groups) {
+  using reader_t = fast_read<T, Policy, D, Dv>;
+  constexpr int ss = reader_t::ss;
+  __shared__ __align__(16) T sS[D * ss];
+  __shared__ __align__(16) float sgamma[reader_t::normed ? Dv : 1];
+  __shared__ float scratch[8];
+  const int tid = threadIdx.x, warp = tid / 32;
+  const int hq = blockIdx.x, n = blockIdx.z, h = hq / p.group;
+  index_t batch, start, length;
+  p.sequence(n, batch, start, length);
+  const index_t row0 = index_t(blockIdx.y) * groups * 16;
+  if (row0 >= length) return;
+  reader_t reader(p, batch, start + row0, min(index_t(groups) * 16, length - row0), hq, 1);
+  // In flight while the state is staged: the first group's queries and gate.
+  reader.prime(warp);
+  stage_gamma<Policy>(p, hq, 1, Dv, sgamma);
+  // All of the above are inputs; the state is the reduce pass's (launched dependent on it).
+  grid_dependency_wait();
+
+  // The staged state (a copy of what the reduce kernel's last CTA wrote, or converted here from
+  // the float state).
+  float unmul = 1.f;
+  if (staged != nullptr) {
+    const unsigned char* src = staged + (index_t(n) * p.kv_heads + h) * staged_state_bytes(D, Dv);
+    for (int i = tid; i < D * ss / 8; i += linear_fast_threads)
+      reinterpret_cast<uint4*>(sS)[i] = __ldcg(reinterpret_cast<const uint4*>(src) + i);
+    unmul = __ldcg(reinterpret_cast<const float*>(src + D * ss * 2));
+  } else {
+    const float* st = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
+    float mul = p.scale;
+    if constexpr (std::is_same_v<T, __half>) {
+      float mx = 0.f;
+      for (int idx = tid; idx < D * Dv + D; idx += linear_fast_threads)
+        mx = fmaxf(mx, fabsf(st[idx]));
+      mx = block_reduce<true>(mx * p.scale, scratch);
+      if (mx > 0.f) {
+        int ex;
+        frexpf(mx, &ex);
+        mul = p.scale * ldexpf(1.f, -ex);
+        unmul = ldexpf(1.f, ex);
+      }
+    }
+    for (int idx = tid; idx < D * Dv; idx += linear_fast_threads)
+      sS[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = from_float<T>(st[idx] * mul);
+    for (int idx = tid; idx < D * 16; idx += linear_fast_threads)
+      sS[state_row(idx / 16, D) * ss + Dv + idx % 16] = from_float<T>(st[D * Dv + idx / 16] * mul);
+  }
+  __syncthreads();
+  reader.run(warp, sS, sgamma, unmul);
+}
+
+// ---- one cluster a head: reduce, merge, read (D = Dv = 64, compute capability 9.0) -------------
+// When the KV heads times a few CTAs fill the GPU about once, one kernel does the whole call: a
+// cluster of n CTAs per (KV head, sequence), grid (n, H, N). CTA r reduces tokens [r b, (r + 1)
+// b) into its partial state in shared memory (reduce_fast_tiles); after a cluster barrier every
+// CTA merges the n partials over distributed shared memory, with combine_head's log-sum-exp
+// weights, straight into its staged state, then reads the query rows of its own tokens for every
+// query head of the group (fast_read). One launch: no scratch memory, no memset, and no state
+// round trip through global memory.
+constexpr int linear_cluster_ctas = 2;        // CTAs an SM: the read needs about 128 registers
+constexpr int linear_cluster_max = 8;         // the portable cluster size
+constexpr int linear_cluster_max_group = 64;  // query heads a KV head, for the norm weights
+constexpr int linear_cluster_ring =
+    linear_mma_stages<false> * linear_mma_tokens * (64 + 8 + 64 + 8) * 2;
+
+// Dynamic shared memory: the ring of tiles (later the partial state), then the group's norm
+// weights.
+inline int linear_cluster_smem(index_t group) {
+  return linear_cluster_ring + int(group) * 64 * int(sizeof(float));
+}
+
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+template <class T, class Policy>
+__global__ void __launch_bounds__(linear_fast_threads, linear_cluster_ctas)
+    linear_cluster_fast_kernel(const linear_kernel_params p, index_t block_tokens) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int D = 64, Dv = 64, vecs = (D * Dv + D) / 4, per_thread = (vecs + 255) / 256;
+  constexpr bool gated = Policy::gate != key_gate::off;
+  using reader_t = fast_read<T, Policy, D, Dv>;
+  constexpr int ss = reader_t::ss;
+  static_assert(linear_fast_threads == linear_mma_reduce_threads, "one block shape");
+  extern __shared__ __align__(16) unsigned char linear_smem[];
+  __shared__ __align__(16) T sS[D * ss];
+  __shared__ float scratch[8];
+  __shared__ float stats[2];  // this CTA's gate statistics M, ell
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int tid = threadIdx.x, warp = tid / 32;
+  const int rank = int(cluster.block_rank()), ranks = int(cluster.num_blocks());
+  const int h = blockIdx.y, n = blockIdx.z;
+  index_t batch, start, length;
+  p.sequence(n, batch, start, length);
+  const index_t t0 = rank * block_tokens, t1 = min(t0 + block_tokens, length);
+  float* red = reinterpret_cast<float*>(linear_smem);  // the partial state, once the ring is done
+  float* sgamma = reinterpret_cast<float*>(linear_smem + linear_cluster_ring);
+
+  float M = 0.f, ell = 0.f;
+  reduce_fast_tiles<T, Policy, linear_mma_stages<false>>(
+      p, batch, start, h, t0, t1, linear_smem, scratch, M, ell,
+      [&](int i, float4 x) { reinterpret_cast<float4*>(red)[i] = x; });
+  if (tid == 0) stats[0] = M, stats[1] = ell;
+  stage_gamma<Policy>(p, h * p.group, p.group, Dv, sgamma);
+  cluster.sync();  // every partial and its statistics sit in its CTA's shared memory
+
+  // Rank r's weight: exp(M_r - M) over the merged mass, M the largest block max (1 without a
+  // gate). Remote loads are issued in batches (a rank's loads together), since each one takes
+  // a round trip to the peer's SM.
+  float Mg = -INFINITY, ellg = 0.f;
+  {
+    float Mr[linear_cluster_max], lr[linear_cluster_max];
+#pragma unroll
+    for (int r = 0; r < linear_cluster_max; ++r) {
+      const float* st = cluster.map_shared_rank(stats, r < ranks ? r : 0);
+      Mr[r] = st[0], lr[r] = st[1];
+    }
+#pragma unroll
+    for (int r = 0; r < linear_cluster_max; ++r)
+      if (r < ranks && lr[r] > 0.f) Mg = fmaxf(Mg, Mr[r]);
+#pragma unroll
+    for (int r = 0; r < linear_cluster_max; ++r)
+      if (r < ranks) ellg += (gated ? shifted_exp(Mr[r], Mg) : 1.f) * lr[r];
+  }
+  float4 merged[per_thread];
+#pragma unroll
+  for (int u = 0; u < per_thread; ++u) merged[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int r = 0; r < ranks; ++r) {
+    const float* st = cluster.map_shared_rank(stats, r);
+    const float4* part = reinterpret_cast<const float4*>(cluster.map_shared_rank(red, r));
+    float4 x[per_thread];
+#pragma unroll
+    for (int u = 0; u < per_thread; ++u) x[u] = part[min(tid + u * linear_fast_threads, vecs - 1)];
+    const float alpha = gated ? (st[1] > 0.f ? __expf(st[0] - Mg) : 0.f) : 1.f;
+#pragma unroll
+    for (int u = 0; u < per_thread; ++u)
+      merged[u].x += alpha * x[u].x, merged[u].y += alpha * x[u].y, merged[u].z += alpha * x[u].z,
+          merged[u].w += alpha * x[u].w;
+  }
+  const float inv = gated ? (ellg > 0.f ? 1.f / ellg : 0.f) : 1.f;
+  float vmax = 0.f;
+#pragma unroll
+  for (int u = 0; u < per_thread; ++u) {
+    float4& s = merged[u];
+    s.x *= inv, s.y *= inv, s.z *= inv, s.w *= inv;
+    if (tid + u * linear_fast_threads < vecs)
+      vmax = fmaxf(vmax, fmaxf(fmaxf(fabsf(s.x), fabsf(s.y)), fmaxf(fabsf(s.z), fabsf(s.w))));
+  }
+  cluster_arrive();  // done with the peers' shared memory
+  // The first query rows are in flight while the state is staged (primed only now: their
+  // registers held through the merge cost more than the overlap gains).
+  reader_t reader(p, batch, start + t0, max(index_t(0), t1 - t0), h * p.group, p.group);
+  reader.prime(warp);
+
+  // The caller's state, from rank 0.
+  auto each = [&](auto&& f) {
+#pragma unroll
+    for (int u = 0; u < per_thread; ++u) {
+      const int i = tid + u * linear_fast_threads;
+      if (i < vecs) {
+        const float x[4] = {merged[u].x, merged[u].y, merged[u].z, merged[u].w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) f(4 * i + k, x[k]);
+      }
+    }
+  };
+  if (rank == 0 && (p.S_out != nullptr || p.z_out != nullptr)) {
+    each([&](int idx, float x) {
+      if (idx < D * Dv) {
+        if (p.S_out != nullptr)
+          p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + (idx / Dv) * p.S_out_stride[2] +
+                  (idx % Dv) * p.S_out_stride[3]] = x;
+      } else if (p.z_out != nullptr) {
+        p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] +
+                (idx - D * Dv) * p.z_out_stride[2]] = x;
+      }
+    });
+  }
+  if (gated && rank == 0 && p.lse_out != nullptr && tid == 0)
+    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] =
+        ellg > 0.f ? Mg + logf(ellg) : -INFINITY;
+
+  // The staged state, as combine_head writes it (half keeps it under 1 by a power of two).
+  float mul = p.scale, unmul = 1.f;
+  if constexpr (std::is_same_v<T, __half>) {
+    const float mx = block_reduce<true>(vmax * p.scale, scratch);
+    if (mx > 0.f) {
+      int ex;
+      frexpf(mx, &ex);
+      mul = p.scale * ldexpf(1.f, -ex);
+      unmul = ldexpf(1.f, ex);
+    }
+  }
+  each([&](int idx, float x) {
+    const T y = from_float<T>(x * mul);
+    if (idx < D * Dv) {
+      sS[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = y;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) sS[state_row(idx - D * Dv, D) * ss + Dv + j] = y;
+    }
+  });
+  __syncthreads();  // the staged state and the norm weights are complete
+  reader.run(warp, sS, sgamma, unmul);
+  cluster_wait();  // this CTA's partial stays until every peer has read it
+#else
+  __trap();  // launched only on devices of compute capability 9.0 and later
+#endif
 }
 
 }  // namespace cuda
