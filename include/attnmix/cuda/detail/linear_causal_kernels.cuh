@@ -432,16 +432,8 @@ __global__ void __launch_bounds__(causal_threads)
   if (!last) return;
   __syncthreads();
   const float inv = gated && ell > 0.f ? 1.f / ell : 1.f;
-  for (int idx = threadIdx.x; idx < D * Dv + D; idx += causal_threads) {
-    if (idx < D * Dv) {
-      if (p.S_out != nullptr)
-        p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + (idx / Dv) * p.S_out_stride[2] +
-                (idx % Dv) * p.S_out_stride[3]] = sS[idx] * inv;
-    } else if (p.z_out != nullptr) {
-      p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] + (idx - D * Dv) * p.z_out_stride[2]] =
-          sS[idx] * inv;
-    }
-  }
+  for (int idx = threadIdx.x; idx < D * Dv + D; idx += causal_threads)
+    store_state_out(p, n, h, idx, sS[idx] * inv);
   if (gated && p.lse_out != nullptr && threadIdx.x == 0)
     p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] = ell > 0.f ? m + logf(ell) : m;
 }

@@ -106,6 +106,26 @@ __device__ __forceinline__ void partial_gate_merge(const float* tail, index_t pa
   ell = block_reduce<false>(sum, scratch);
 }
 
+// Element idx of a merged state [S | z] (S row-major, then z) to the caller's state_out, and the
+// merged gate statistics to its lse_out.
+__device__ __forceinline__ void store_state_out(const linear_kernel_params& p, int n, int h,
+                                                int idx, float x) {
+  const int D = p.head_dim, Dv = p.value_dim;
+  if (idx < D * Dv) {
+    if (p.S_out != nullptr)
+      p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + (idx / Dv) * p.S_out_stride[2] +
+              (idx % Dv) * p.S_out_stride[3]] = x;
+  } else if (p.z_out != nullptr) {
+    p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] + (idx - D * Dv) * p.z_out_stride[2]] = x;
+  }
+}
+__device__ __forceinline__ void store_lse_out(const linear_kernel_params& p, int n, int h, float M,
+                                              float ell) {
+  if (p.lse_out != nullptr)
+    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] =
+        ell > 0.f ? M + logf(ell) : -INFINITY;
+}
+
 // The largest key-gate logit of tokens [t0, t1) of head h, with all the block's threads.
 __device__ __forceinline__ float block_logit_max(const linear_kernel_params& p, index_t batch,
                                                  index_t start, int h, index_t t0, index_t t1,
@@ -300,18 +320,9 @@ __global__ void __launch_bounds__(256)
     }
     sum *= inv;
     out[idx] = sum;
-    if (idx < D * Dv) {
-      if (p.S_out != nullptr)
-        p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + (idx / Dv) * p.S_out_stride[2] +
-                (idx % Dv) * p.S_out_stride[3]] = sum;
-    } else if (p.z_out != nullptr) {
-      p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] + (idx - D * Dv) * p.z_out_stride[2]] =
-          sum;
-    }
+    store_state_out(p, n, h, idx, sum);
   }
-  if (gated && p.lse_out != nullptr && threadIdx.x == 0 && blockIdx.z == 0)
-    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] =
-        ell > 0.f ? M + logf(ell) : -INFINITY;
+  if (gated && threadIdx.x == 0 && blockIdx.z == 0) store_lse_out(p, n, h, M, ell);
 }
 
 // ---- the per-row epilogue shared by both forms ---------------------------------------------

@@ -286,6 +286,24 @@ __device__ void block_gate_stats(const linear_kernel_params& p, index_t batch, i
   ell = block_reduce<false>(s > 0.f ? s * __expf(m - M) : 0.f, scratch);
 }
 
+// The factor that takes a merged state into the staged input type: the query's scale, and for half
+// also a power of two that keeps the largest |scale x| under 1 (vmax: this thread's largest |x|;
+// every thread of the CTA calls it). unmul receives the power of two that the read undoes.
+template <class T>
+__device__ float staged_scale(float vmax, float scale, float* scratch, float& unmul) {
+  unmul = 1.f;
+  if constexpr (std::is_same_v<T, __half>) {
+    const float mx = block_reduce<true>(vmax * scale, scratch);
+    if (mx > 0.f) {
+      int ex;
+      frexpf(mx, &ex);
+      unmul = ldexpf(1.f, ex);
+      return scale * ldexpf(1.f, -ex);
+    }
+  }
+  return scale;
+}
+
 // Merges the `partials` partial states of head (n, h) with a log-sum-exp over the block maxima,
 // as linear_combine_kernel does, with one CTA of 256 threads: the float state, the caller's
 // state_out and, when `staged` is given, the staged state of the read kernel.
@@ -317,37 +335,18 @@ __device__ void combine_head(const linear_kernel_params& p, const float* part, i
     sum.x *= inv, sum.y *= inv;
     reinterpret_cast<float2*>(out)[i] = sum;
     vmax = fmaxf(vmax, fmaxf(fabsf(sum.x), fabsf(sum.y)));
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int idx = 2 * i + k;
-      const float x = k == 0 ? sum.x : sum.y;
-      if (idx < D * Dv) {
-        if (p.S_out != nullptr)
-          p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + (idx / Dv) * p.S_out_stride[2] +
-                  (idx % Dv) * p.S_out_stride[3]] = x;
-      } else if (p.z_out != nullptr) {
-        p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] +
-                (idx - D * Dv) * p.z_out_stride[2]] = x;
-      }
-    }
+    store_state_out(p, n, h, 2 * i, sum.x);
+    store_state_out(p, n, h, 2 * i + 1, sum.y);
   }
-  if (gated && p.lse_out != nullptr && tid == 0)
-    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] =
-        ell > 0.f ? M + logf(ell) : -INFINITY;
+  if (gated && tid == 0) store_lse_out(p, n, h, M, ell);
   if (staged == nullptr) return;
   // The staged state: scale * S (the query's scale moves onto the state), in the input type;
   // half keeps it under 1 by a power of two, undone by the read kernel.
-  float mul = p.scale;
-  if constexpr (std::is_same_v<T, __half>) {
-    const float mx = block_reduce<true>(vmax * p.scale, scratch);
-    if (mx > 0.f) {
-      int ex;
-      frexpf(mx, &ex);
-      mul = p.scale * ldexpf(1.f, -ex);
-    }
-  } else {
-    __syncthreads();  // this CTA's stores of the float state are visible to all its threads
-  }
+  float unmul;
+  const float mul = staged_scale<T>(vmax, p.scale, scratch, unmul);
+  // This CTA's stores of the float state are visible to all its threads (half's block_reduce
+  // has synchronised already).
+  if constexpr (!std::is_same_v<T, __half>) __syncthreads();
   T* st = reinterpret_cast<T*>(staged + (index_t(n) * p.kv_heads + h) * staged_state_bytes(D, Dv));
   const int ss = staged_stride(Dv);
   for (int idx = tid; idx < D * Dv; idx += blockDim.x) {
@@ -356,8 +355,7 @@ __device__ void combine_head(const linear_kernel_params& p, const float* part, i
   }
   for (int idx = tid; idx < D * 16; idx += blockDim.x)
     st[state_row(idx / 16, D) * ss + Dv + idx % 16] = from_float<T>(out[D * Dv + idx / 16] * mul);
-  if (tid == 0)
-    *reinterpret_cast<float*>(st + D * ss) = std::is_same_v<T, __half> ? p.scale / mul : 1.f;
+  if (tid == 0) *reinterpret_cast<float*>(st + D * ss) = unmul;
 }
 
 // The end of a reduce CTA, after its partial state `out` (S_p, then z_p): its block max and mass;
@@ -1132,19 +1130,11 @@ __global__ void __launch_bounds__(linear_fast_threads, 2)
     unmul = __ldcg(reinterpret_cast<const float*>(src + D * ss * 2));
   } else {
     const float* st = state + (index_t(n) * p.kv_heads + h) * (index_t(D) * Dv + D);
-    float mul = p.scale;
-    if constexpr (std::is_same_v<T, __half>) {
-      float mx = 0.f;
+    float mx = 0.f;
+    if constexpr (std::is_same_v<T, __half>)
       for (int idx = tid; idx < D * Dv + D; idx += linear_fast_threads)
         mx = fmaxf(mx, fabsf(st[idx]));
-      mx = block_reduce<true>(mx * p.scale, scratch);
-      if (mx > 0.f) {
-        int ex;
-        frexpf(mx, &ex);
-        mul = p.scale * ldexpf(1.f, -ex);
-        unmul = ldexpf(1.f, ex);
-      }
-    }
+    const float mul = staged_scale<T>(mx, p.scale, scratch, unmul);
     for (int idx = tid; idx < D * Dv; idx += linear_fast_threads)
       sS[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = from_float<T>(st[idx] * mul);
     for (int idx = tid; idx < D * 16; idx += linear_fast_threads)
@@ -1277,33 +1267,13 @@ __global__ void __launch_bounds__(linear_fast_threads, linear_cluster_ctas)
       }
     }
   };
-  if (rank == 0 && (p.S_out != nullptr || p.z_out != nullptr)) {
-    each([&](int idx, float x) {
-      if (idx < D * Dv) {
-        if (p.S_out != nullptr)
-          p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + (idx / Dv) * p.S_out_stride[2] +
-                  (idx % Dv) * p.S_out_stride[3]] = x;
-      } else if (p.z_out != nullptr) {
-        p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] +
-                (idx - D * Dv) * p.z_out_stride[2]] = x;
-      }
-    });
-  }
-  if (gated && rank == 0 && p.lse_out != nullptr && tid == 0)
-    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] =
-        ellg > 0.f ? Mg + logf(ellg) : -INFINITY;
+  if (rank == 0 && (p.S_out != nullptr || p.z_out != nullptr))
+    each([&](int idx, float x) { store_state_out(p, n, h, idx, x); });
+  if (gated && rank == 0 && tid == 0) store_lse_out(p, n, h, Mg, ellg);
 
   // The staged state, as combine_head writes it (half keeps it under 1 by a power of two).
-  float mul = p.scale, unmul = 1.f;
-  if constexpr (std::is_same_v<T, __half>) {
-    const float mx = block_reduce<true>(vmax * p.scale, scratch);
-    if (mx > 0.f) {
-      int ex;
-      frexpf(mx, &ex);
-      mul = p.scale * ldexpf(1.f, -ex);
-      unmul = ldexpf(1.f, ex);
-    }
-  }
+  float unmul;
+  const float mul = staged_scale<T>(vmax, p.scale, scratch, unmul);
   each([&](int idx, float x) {
     const T y = from_float<T>(x * mul);
     if (idx < D * Dv) {
