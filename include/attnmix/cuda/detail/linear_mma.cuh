@@ -521,7 +521,8 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : linear_m
 // the k-steps 2 (w / 4), + 1 of every 64-token tile, so that each key is feature-mapped once,
 // on the A fragments in registers (pairs of T, times the token weights), and a tile needs one
 // barrier. The two token halves are added in shared memory at the end. Same grid, ring of
-// tiles, partial layout and fused combine as linear_reduce_mma_kernel.
+// tiles, partial layout and fused combine as linear_reduce_mma_kernel. Its loop
+// (reduce_fast_tiles) is also the first phase of linear_cluster_fast_kernel.
 inline bool linear_reduce_fast_dims(index_t D, index_t Dv) {
   return D == 64 && Dv == 64;
 }
