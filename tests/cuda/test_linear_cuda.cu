@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "attnmix/cuda.cuh"
@@ -447,61 +448,67 @@ TEMPLATE_TEST_CASE("CUDA GBLA core: packed and unaligned strided views", "[cuda]
   check_packed_views<TestType>(1, 300, 2, 2, 64, 128, 961);
 }
 
-// A call captured into a CUDA graph (its scratch allocation, memset and the dependent launch of
-// the read kernel become graph nodes) and replayed gives the direct call's output, bit for bit.
+// A call captured into a CUDA graph and replayed gives the direct call's output, bit for bit:
+// with 4 query heads a KV head on Hopper the one-kernel path (a cluster launch), with 66 the
+// two-pass kernels (their scratch allocation, memset and the read kernel's dependent launch
+// become graph nodes).
 TEST_CASE("CUDA GBLA core: a call captured into a CUDA graph", "[cuda][gbla][graph]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   using T = attnmix::bfloat16;
   using attnmix::detail::cuda::check;
   const auto dev = attnmix::memory_space::device;
-  const index_t B = 2, Tn = 1000, H = 4, D = 64;
-  rng r(970);
-  auto normals = [&](std::size_t n, double s) {
-    std::vector<float> x(n);
-    for (float& e : x) e = static_cast<float>(s * r.normal());
-    return x;
-  };
-  const std::size_t n = std::size_t(B * Tn * H * D);
-  device_buffer<T> q(convert_all<T>(normals(n, 1))), k(convert_all<T>(normals(n, 1))),
-      v(convert_all<T>(normals(n, 1))), gate(convert_all<T>(normals(n, 1))), out_direct(n),
-      out_graph(n);
-  device_buffer<float> a(normals(std::size_t(B * Tn), 2)),
-      gamma(std::vector<float>(std::size_t(D), 0.75f));
-  cudaStream_t stream = nullptr;
-  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  auto call = [&](T* out) {
-    attnmix::linear_attention_args<T> args;
-    args.q = attnmix::view4<const T>(q.get(), {B, Tn, H, D}, dev);
-    args.k = attnmix::view4<const T>(k.get(), {B, Tn, H, D}, dev);
-    args.v = attnmix::view4<const T>(v.get(), {B, Tn, H, D}, dev);
-    args.out = attnmix::view4<T>(out, {B, Tn, H, D}, dev);
-    args.a = attnmix::view3<const float>(a.get(), {B, Tn, 1}, dev);
-    args.gate = attnmix::view4<const T>(gate.get(), {B, Tn, H, D}, dev);
-    args.gamma = attnmix::view1<const float>(gamma.get(), {D}, dev);
-    attnmix::linear_attention<attnmix::kind::gbla, attnmix::gbla_policy>(
-        args, {}, attnmix::backend::cuda{stream});
-  };
-  call(out_direct.get());
-  check(cudaStreamSynchronize(stream), "direct call");
-  const std::vector<T> direct = out_direct.to_host();
-  bool finite = true;
-  for (float x : convert_all<float>(direct)) finite = finite && std::isfinite(x);
-  REQUIRE(finite);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  call(out_graph.get());
-  check(cudaStreamEndCapture(stream, &graph), "end capture");
-  check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-  for (int replay = 0; replay < 2; ++replay) {
-    check(cudaMemsetAsync(out_graph.get(), 0xff, n * sizeof(T), stream), "poison");  // NaNs
-    check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-    check(cudaStreamSynchronize(stream), "replay");
-    const std::vector<T> replayed = out_graph.to_host();
-    INFO("replay " << replay);
-    CHECK(std::memcmp(direct.data(), replayed.data(), n * sizeof(T)) == 0);
+  const index_t B = 2, Tn = 1000, D = 64;
+  for (const auto& heads : {std::pair<index_t, index_t>{4, 4}, {66, 1}}) {
+    const index_t HQ = heads.first, H = heads.second;
+    INFO("HQ " << HQ << " H " << H);
+    rng r(970);
+    auto normals = [&](std::size_t n, double s) {
+      std::vector<float> x(n);
+      for (float& e : x) e = static_cast<float>(s * r.normal());
+      return x;
+    };
+    const std::size_t n = std::size_t(B * Tn * HQ * D), nkv = std::size_t(B * Tn * H * D);
+    device_buffer<T> q(convert_all<T>(normals(n, 1))), k(convert_all<T>(normals(nkv, 1))),
+        v(convert_all<T>(normals(nkv, 1))), gate(convert_all<T>(normals(n, 1))), out_direct(n),
+        out_graph(n);
+    device_buffer<float> a(normals(std::size_t(B * Tn), 2)),
+        gamma(std::vector<float>(std::size_t(D), 0.75f));
+    cudaStream_t stream = nullptr;
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    auto call = [&](T* out) {
+      attnmix::linear_attention_args<T> args;
+      args.q = attnmix::view4<const T>(q.get(), {B, Tn, HQ, D}, dev);
+      args.k = attnmix::view4<const T>(k.get(), {B, Tn, H, D}, dev);
+      args.v = attnmix::view4<const T>(v.get(), {B, Tn, H, D}, dev);
+      args.out = attnmix::view4<T>(out, {B, Tn, HQ, D}, dev);
+      args.a = attnmix::view3<const float>(a.get(), {B, Tn, 1}, dev);
+      args.gate = attnmix::view4<const T>(gate.get(), {B, Tn, HQ, D}, dev);
+      args.gamma = attnmix::view1<const float>(gamma.get(), {D}, dev);
+      attnmix::linear_attention<attnmix::kind::gbla, attnmix::gbla_policy>(
+          args, {}, attnmix::backend::cuda{stream});
+    };
+    call(out_direct.get());
+    check(cudaStreamSynchronize(stream), "direct call");
+    const std::vector<T> direct = out_direct.to_host();
+    bool finite = true;
+    for (float x : convert_all<float>(direct)) finite = finite && std::isfinite(x);
+    REQUIRE(finite);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    call(out_graph.get());
+    check(cudaStreamEndCapture(stream, &graph), "end capture");
+    check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    for (int replay = 0; replay < 2; ++replay) {
+      check(cudaMemsetAsync(out_graph.get(), 0xff, n * sizeof(T), stream), "poison");  // NaNs
+      check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+      check(cudaStreamSynchronize(stream), "replay");
+      const std::vector<T> replayed = out_graph.to_host();
+      INFO("replay " << replay);
+      CHECK(std::memcmp(direct.data(), replayed.data(), n * sizeof(T)) == 0);
+    }
+    check(cudaGraphExecDestroy(exec), "cudaGraphExecDestroy");
+    check(cudaGraphDestroy(graph), "cudaGraphDestroy");
+    check(cudaStreamDestroy(stream), "cudaStreamDestroy");
   }
-  check(cudaGraphExecDestroy(exec), "cudaGraphExecDestroy");
-  check(cudaGraphDestroy(graph), "cudaGraphDestroy");
-  check(cudaStreamDestroy(stream), "cudaStreamDestroy");
 }

@@ -153,10 +153,9 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   const bool fast_read = mma_read && linear_fast_dims(D, Dv) &&
                          aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1),
                                              a.out.stride(2), int(per_vector), int(sizeof(T)));
-  // D = Dv = 64 on compute capability 9.0 and later: one kernel, a cluster of CTAs a head (its
-  // shared memory holds the norm weights of a group of query heads).
-  const bool clustered = !causal && fast_read && linear_reduce_fast_dims(D, Dv) &&
-                         current_device().clusters && max_len > 0 &&
+  // The D = Dv = 64 kernels on compute capability 9.0 and later: one kernel, a cluster of CTAs a
+  // head (its shared memory holds the norm weights of a group of query heads).
+  const bool clustered = !causal && fast_read && current_device().clusters && max_len > 0 &&
                          p.group() <= linear_cluster_max_group;
   const std::size_t cu_padded = offsets_bytes(p);
   // Every part of the scratch starts 256-byte aligned (the staged state is read 16 bytes a load).
