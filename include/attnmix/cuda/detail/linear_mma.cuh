@@ -231,6 +231,19 @@ __host__ __device__ inline int state_col(int e, int Dv) {
 inline __host__ __device__ int staged_stride(int Dv) {
   return Dv + 24;
 }
+// Element idx of [S | z] (S row-major, then z) as y, into its place in a staged state st:
+// S[d, e] at (state_row(d), state_col(e)), z[d] in the 16 columns from Dv of row state_row(d).
+template <class T>
+__device__ __forceinline__ void stage_state_element(T* st, int D, int Dv, int idx, T y) {
+  const int ss = staged_stride(Dv);
+  if (idx < D * Dv) {
+    st[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = y;
+    return;
+  }
+  T* row = st + state_row(idx - D * Dv, D) * ss + Dv;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) row[j] = y;
+}
 inline __host__ __device__ index_t staged_state_bytes(int D, int Dv) {
   return (index_t(D) * staged_stride(Dv) * 2 + 16 + 127) / 128 * 128;
 }
@@ -349,12 +362,8 @@ __device__ void combine_head(const linear_kernel_params& p, const float* part, i
   if constexpr (!std::is_same_v<T, __half>) __syncthreads();
   T* st = reinterpret_cast<T*>(staged + (index_t(n) * p.kv_heads + h) * staged_state_bytes(D, Dv));
   const int ss = staged_stride(Dv);
-  for (int idx = tid; idx < D * Dv; idx += blockDim.x) {
-    const int d = idx / Dv, e = idx % Dv;
-    st[state_row(d, D) * ss + state_col(e, Dv)] = from_float<T>(out[idx] * mul);
-  }
-  for (int idx = tid; idx < D * 16; idx += blockDim.x)
-    st[state_row(idx / 16, D) * ss + Dv + idx % 16] = from_float<T>(out[D * Dv + idx / 16] * mul);
+  for (int idx = tid; idx < D * Dv + D; idx += blockDim.x)
+    stage_state_element(st, D, Dv, idx, from_float<T>(out[idx] * mul));
   if (tid == 0) *reinterpret_cast<float*>(st + D * ss) = unmul;
 }
 
@@ -1136,10 +1145,8 @@ __global__ void __launch_bounds__(linear_fast_threads, 2)
       for (int idx = tid; idx < D * Dv + D; idx += linear_fast_threads)
         mx = fmaxf(mx, fabsf(st[idx]));
     const float mul = staged_scale<T>(mx, p.scale, scratch, unmul);
-    for (int idx = tid; idx < D * Dv; idx += linear_fast_threads)
-      sS[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = from_float<T>(st[idx] * mul);
-    for (int idx = tid; idx < D * 16; idx += linear_fast_threads)
-      sS[state_row(idx / 16, D) * ss + Dv + idx % 16] = from_float<T>(st[D * Dv + idx / 16] * mul);
+    for (int idx = tid; idx < D * Dv + D; idx += linear_fast_threads)
+      stage_state_element(sS, D, Dv, idx, from_float<T>(st[idx] * mul));
   }
   __syncthreads();
   reader.run(warp, sS, sgamma, unmul);
@@ -1275,15 +1282,7 @@ __global__ void __launch_bounds__(linear_fast_threads, linear_cluster_ctas)
   // The staged state, as combine_head writes it (half keeps it under 1 by a power of two).
   float unmul;
   const float mul = staged_scale<T>(vmax, p.scale, scratch, unmul);
-  each([&](int idx, float x) {
-    const T y = from_float<T>(x * mul);
-    if (idx < D * Dv) {
-      sS[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = y;
-    } else {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) sS[state_row(idx - D * Dv, D) * ss + Dv + j] = y;
-    }
-  });
+  each([&](int idx, float x) { stage_state_element(sS, D, Dv, idx, from_float<T>(x * mul)); });
   __syncthreads();  // the staged state and the norm weights are complete
   reader.run(warp, sS, sgamma, unmul);
   cluster_wait();  // this CTA's partial stays until every peer has read it
