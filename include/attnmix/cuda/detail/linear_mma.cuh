@@ -231,18 +231,22 @@ __host__ __device__ inline int state_col(int e, int Dv) {
 inline __host__ __device__ int staged_stride(int Dv) {
   return Dv + 24;
 }
-// Element idx of [S | z] (S row-major, then z) as y, into its place in a staged state st:
-// S[d, e] at (state_row(d), state_col(e)), z[d] in the 16 columns from Dv of row state_row(d).
+// Element idx of [S | z] (S row-major, then z) as y, into its place in a 16-byte aligned staged
+// state st (16-bit T): S[d, e] at (state_row(d), state_col(e)), z[d] in the 16 columns from Dv of
+// row state_row(d), two 16-byte stores (Dv and the stride are multiples of 8).
 template <class T>
 __device__ __forceinline__ void stage_state_element(T* st, int D, int Dv, int idx, T y) {
+  static_assert(sizeof(T) == 2, "a 16-bit staged state");
   const int ss = staged_stride(Dv);
   if (idx < D * Dv) {
     st[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = y;
     return;
   }
-  T* row = st + state_row(idx - D * Dv, D) * ss + Dv;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) row[j] = y;
+  std::uint16_t bits;
+  memcpy(&bits, &y, sizeof bits);
+  const std::uint32_t pair = bits * 0x10001u;
+  uint4* row = reinterpret_cast<uint4*>(st + state_row(idx - D * Dv, D) * ss + Dv);
+  row[0] = row[1] = make_uint4(pair, pair, pair, pair);
 }
 inline __host__ __device__ index_t staged_state_bytes(int D, int Dv) {
   return (index_t(D) * staged_stride(Dv) * 2 + 16 + 127) / 128 * 128;
