@@ -41,14 +41,6 @@ __device__ __forceinline__ void split_pair(float x0, float x1, std::uint32_t& hi
   lo = pack2<T>(x0 - h.x, x1 - h.y);
 }
 
-// Two consecutive elements (4-byte aligned) as floats.
-__device__ __forceinline__ float2 pair_to_float2(const __half* x) {
-  return __half22float2(*reinterpret_cast<const __half2*>(x));
-}
-__device__ __forceinline__ float2 pair_to_float2(const __nv_bfloat16* x) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x));
-}
-
 // ldmatrix.x4 of the 16 x 16 tile at (r0, c0) of a row-major T array, ld elements a row:
 //   load_a:   the tile as an A operand (rows m, columns k);
 //   load_a_t: an A operand stored transposed (rows k, columns m);
@@ -551,7 +543,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           T* at = skt + (16 * rb + g + 8 * hh) * ldw + 16 * du + 8 * nt + c2;
-          const float2 kb = pair_to_float2(at);
+          const float2 kb = unpack2<T>(*reinterpret_cast<const std::uint32_t*>(at));
           *reinterpret_cast<std::uint32_t*>(at) =
               pack2<T>(kb.x - acc[rb][nt][2 * hh], kb.y - acc[rb][nt][2 * hh + 1]);
         }
