@@ -34,32 +34,37 @@ void set_householder(path_kernel_params& kp, const W& w, const B& beta, index_t 
   kp.kv_heads = static_cast<int>(kv_heads);
 }
 
-// The per-chunk data of one call: K~ in KT, U and M in TU, optionally W in half.
+// The per-chunk data of one call: K~ in KT, U and M in TU, optionally W in half (half_w) and the
+// dense transitions E in half (dense, D = C only).
 template <class KT, class TU>
 class path_chunk_data {
  public:
-  path_chunk_data(const attention_problem& p, bool half_w, cudaStream_t stream)
+  path_chunk_data(const attention_problem& p, bool half_w, bool dense, cudaStream_t stream)
       : rows_(static_cast<std::size_t>(p.batch * p.kv_heads * p.tokens)),
-        buffer_(bytes(rows_, p.head_dim, half_w), stream) {
+        buffer_(bytes(rows_, p.head_dim, half_w, dense), stream) {
     const auto D = static_cast<std::size_t>(p.head_dim);
     unsigned char* at = buffer_.get();
     kt_ = at, at += align(rows_ * D * sizeof(KT));
     u_ = at, at += align(rows_ * D * sizeof(TU));
     m_ = at, at += align(rows_ * path_chunk * sizeof(TU));
-    wh_ = half_w ? at : nullptr;
+    if (half_w) wh_ = at, at += align(rows_ * D * sizeof(__half));
+    if (dense) e_ = at;
   }
-  void attach(path_kernel_params& kp) const { kp.kt = kt_, kp.u = u_, kp.m = m_, kp.wh = wh_; }
+  void attach(path_kernel_params& kp) const {
+    kp.kt = kt_, kp.u = u_, kp.m = m_, kp.wh = wh_, kp.e = e_;
+  }
 
  private:
   static std::size_t align(std::size_t n) { return (n + 255) / 256 * 256; }
-  static std::size_t bytes(std::size_t rows, index_t D, bool half_w) {
+  static std::size_t bytes(std::size_t rows, index_t D, bool half_w, bool dense) {
     const auto d = static_cast<std::size_t>(D);
     return align(rows * d * sizeof(KT)) + align(rows * d * sizeof(TU)) +
-           align(rows * path_chunk * sizeof(TU)) + (half_w ? align(rows * d * sizeof(__half)) : 0);
+           align(rows * path_chunk * sizeof(TU)) + (half_w ? align(rows * d * sizeof(__half)) : 0) +
+           (dense ? align(rows * d * sizeof(__half)) : 0);
   }
   std::size_t rows_;
   stream_buffer buffer_;
-  void *kt_ = nullptr, *u_ = nullptr, *m_ = nullptr, *wh_ = nullptr;
+  void *kt_ = nullptr, *u_ = nullptr, *m_ = nullptr, *wh_ = nullptr, *e_ = nullptr;
 };
 
 template <class T, class KT, class TU>
@@ -185,12 +190,15 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
       aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1), a.out.stride(2), 2);
   if constexpr (tensor_cores) {
     if (mma) {
-      path_chunk_data<Dev, __half> chunks(p, true, stream);
+      // The Hopper kernel also stages the queries with 16-byte copies; it takes each chunk's
+      // transition as E (D = C).
+      const bool hopper =
+          D == 64 && Dv == 64 && !be.portable && current_device().hopper &&
+          aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 8);
+      path_chunk_data<Dev, __half> chunks(p, true, hopper, stream);
       chunks.attach(kp);
       launch_path_prepare_mma<Dev>(kp, setup.max_len, p.num_sequences, stream);
-      // The Hopper kernel also stages the queries with 16-byte copies.
-      if (D == 64 && Dv == 64 && !be.portable && current_device().hopper &&
-          aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 8))
+      if (hopper)
         launch_path_wgmma<Dev>(kp, setup.max_len, p.num_sequences, stream);
       else if (D == 64 && Dv == 64)
         launch_path_mma<Dev, 64, 64>(kp, setup.max_len, p.num_sequences, stream);
@@ -206,7 +214,7 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
       return;
     }
   }
-  path_chunk_data<float, float> chunks(p, false, stream);
+  path_chunk_data<float, float> chunks(p, false, false, stream);
   chunks.attach(kp);
   launch_path_prepare<Dev, float, float>(kp, setup.max_len, p.num_sequences, stream);
   launch_path_simt<Dev>(kp, setup.max_len, p.num_sequences, stream);
@@ -237,7 +245,7 @@ void run_path_key_cache(const std::string& fn, const path_key_cache_args<T>& a,
   kp.a.head_dim = static_cast<int>(p.head_dim);
   kp.a.cu_seqlens = upload_offsets(offsets.get(), p, stream);
   set_householder(kp, a.w, a.beta, p.kv_heads);
-  path_chunk_data<float, float> chunks(p, false, stream);
+  path_chunk_data<float, float> chunks(p, false, false, stream);
   chunks.attach(kp);
   launch_path_prepare<Dev, float, float>(kp, max_len, p.num_sequences, stream);
   key_cache_target<Dev> target;

@@ -8,6 +8,7 @@
 //                                                      (CUDA cores, float), then merges (tensor
 //                                                      cores, tf32 in three passes)
 //   [U | M] = A diag(beta) [W | S], K~ = K - M^T W     tensor cores
+//   E = -W^T U (D = 64, when asked)                     tensor cores, half operands
 // A tensor-core operand that is not exact in T (W, S, A diag(beta), M) is split into two T
 // numbers, x = hi + lo, and its products take three passes (hi hi + hi lo + lo hi): about 16
 // significant bits in bfloat16 and more in half, far below the half rounding of the outputs even
@@ -463,6 +464,33 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   };
   __half* const u_out = static_cast<__half*>(p.u) + row0 * D;
   __half* const m_out = static_cast<__half*>(p.m) + row0 * C;
+  // E = -W^T U (D = C = 64, full chunks, when asked): warp w the 16 x 32 block at rows
+  // 16 (w % 4), columns 32 (w / 4), from -W in half (its T hi + lo, rounded) and U in half (su),
+  // the operands the forward's X = -r W^T and r + X U would take.
+  const bool dense = layout::staged && p.e != nullptr && n == C;
+  float eacc[4][4] = {};
+  auto dense_transition = [&](float(&acc)[4][4], const __half* su) {
+    const int mb = warp % 4, nh = warp / 4;
+#pragma unroll
+    for (int kk = 0; kk < C / 16; ++kk) {
+      std::uint32_t ah[4], al[4], a[4];
+      load_a_t(ah, swh, ldw, 16 * kk, 16 * mb, lane);
+      load_a_t(al, swl, ldw, 16 * kk, 16 * mb, lane);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 h = unpack2<T>(ah[i]), l = unpack2<T>(al[i]);
+        a[i] = pack2<__half>(-(h.x + l.x), -(h.y + l.y));
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        std::uint32_t b[4];
+        load_b_t(b, su, ldw, 16 * kk, 32 * nh + 16 * j, lane);
+        const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_16816<__half>(acc[2 * j], a, b0);
+        mma_16816<__half>(acc[2 * j + 1], a, b1);
+      }
+    }
+  };
   if constexpr (layout::staged) {
     // D = 64: one 16-column block a warp, U (warps 0..3) or M (warps 4..7). After the products
     // A diag(beta)'s region holds U and M in half, and the CTA writes them out as 16-byte rows.
@@ -479,6 +507,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
     __syncthreads();
     copy_rows(u_out, su, ldw, std::integral_constant<int, D>{});
     copy_rows(m_out, sm, ldw, std::integral_constant<int, C>{});
+    if (dense) dense_transition(eacc, su);
   } else {
     for (int ub = warp; ub < D / 16; ub += 8) {
       float acc[4][2][4] = {};
@@ -496,8 +525,19 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   }
   __syncthreads();  // M is split; the region is free once U and M have left it
 
-  // K back into the region (rows past n are not written out), while the tensor cores work.
-  T* skt = reinterpret_cast<T*>(region);
+  // K back into the region (rows past n are not written out), while the tensor cores work; at
+  // D = 64 into its second half, the first takes E on its way out.
+  T* skt = reinterpret_cast<T*>(region) + (layout::staged ? C * ldw : 0);
+  __half* se = reinterpret_cast<__half*>(region);
+  if (dense) {
+    const int mb = warp % 4, nh = warp / 4;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        *reinterpret_cast<__half2*>(se + (16 * mb + g + 8 * hh) * ldw + 32 * nh + 8 * nt + c2) =
+            __floats2half2_rn(eacc[nt][2 * hh], eacc[nt][2 * hh + 1]);
+  }
   {
     constexpr int chunks = D / 8, step = threads / chunks;
     const int cc = tid % chunks, r0 = tid / chunks;
@@ -550,6 +590,8 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
     }
     __syncthreads();
     copy_rows(static_cast<T*>(p.kt) + row0 * D, skt, ldw, std::integral_constant<int, D>{});
+    if (dense)
+      copy_rows(static_cast<__half*>(p.e) + row0 * D, se, ldw, std::integral_constant<int, D>{});
   }
 }
 

@@ -6,15 +6,16 @@
 // warpgroup walks each chunk, right to left, with its running query r in float accumulators; a
 // producer warpgroup streams the key chunks both need -- K~, V, W and U of chunk top - t in stage
 // t of a ring (cp.async, mbarriers) -- and, one item ahead, each consumer's queries, diagonal K and
-// M, so that an item starts without a trip to global memory. Sharing the stream halves what each
-// query row pulls from L2 (32 KB a key chunk; 1-8 % faster than a CTA a query chunk, two CTAs an
-// SM, on an H200). Per key chunk:
-//   S = r K~^T and X = -r W^T (issued together, while P V of the previous chunk still runs; the
-//   chunk data holds -W), r <- r + X U (on the tensor cores while the softmax of S runs), then
-//   O += P V with the next chunk's products.
-// On the diagonal, S = Q K^T + tril(X) M and the mask is causal. Precision as in
-// path_mma.cuh: scores and P V take r rounded to T, the transition takes r, W and U in half, and r
-// accumulates in float.
+// M, W and U, so that an item starts without a trip to global memory. Sharing the stream halves
+// what each query row pulls from L2 (24 KB a key chunk). At D = C the chunk's transition
+// I - W^T U is no dearer stored dense than as its two factors, and one product instead of two:
+// the preparation writes E = -W^T U, and per key chunk
+//   S = r K~^T, then r <- r + r E together with O += P V of the previous chunk (on the tensor
+//   cores while the softmax of S runs).
+// On the diagonal, X = tril(-Q W^T), S = Q K^T + X M and r <- r + X U. Precision: scores and P V
+// take r rounded to T; the transition takes r and E in half (E from -W and U in half, summed in
+// float: the operands path_mma.cuh's X = -r W^T, r + X U take, without rounding X); r accumulates
+// in float.
 
 #include <cmath>
 #include <cstdint>
@@ -39,12 +40,13 @@ struct path_wgmma_tile {
   static constexpr int producer_registers = 56;
   static constexpr int consumer_registers =
       claimable_registers(threads, consumers, producer_registers);  // 224
-  // Shared memory, in 8 KB tiles of C x 64 16-bit elements: per stage K~, V (in T), W and U (in
-  // half); then each consumer's diagonal K (T), M (half) and queries (T); then the gate terms of
-  // each stage (floats); the full and empty barrier of each stage and the item's pair; the queue.
+  // Shared memory, in 8 KB tiles of C x 64 16-bit elements: per stage K~, V (in T) and E (in
+  // half); then each consumer's diagonal K (T), M (half), queries (T), -W and U (half); then the
+  // gate terms of each stage (floats); the full and empty barrier of each stage and the item's
+  // pair; the queue.
   static constexpr int tile_elems = C * 64, tile_bytes = 2 * tile_elems;
-  static constexpr int diagonal_offset = 4 * Stages * tile_bytes;
-  static constexpr int gate_offset = diagonal_offset + 3 * consumers * tile_bytes;
+  static constexpr int diagonal_offset = 3 * Stages * tile_bytes;
+  static constexpr int gate_offset = diagonal_offset + 5 * consumers * tile_bytes;
   static constexpr int barrier_offset = gate_offset + 4 * Stages * C;
   static constexpr int queue_offset = barrier_offset + 16 * (Stages + 1);
   static constexpr int smem_bytes = queue_offset + 16 + 1024;  // + alignment slack
@@ -93,11 +95,12 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
   T* sk = reinterpret_cast<T*>(base);
   T* sv = sk + Stages * E;
-  __half* sw = reinterpret_cast<__half*>(sv + Stages * E);
-  __half* su = sw + Stages * E;
+  __half* se = reinterpret_cast<__half*>(sv + Stages * E);
   T* sk_diag = reinterpret_cast<T*>(base + tile::diagonal_offset);       // [consumer]
   __half* sm_diag = reinterpret_cast<__half*>(sk_diag + 2 * E);          // [consumer]
   T* sq = reinterpret_cast<T*>(sm_diag + 2 * E);                         // [consumer]
+  __half* sw_diag = reinterpret_cast<__half*>(sq + 2 * E);               // [consumer]
+  __half* su_diag = sw_diag + 2 * E;                                     // [consumer]
   float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);  // minus the gate terms
   // Per stage: full (loaded) and empty (every consumer warp is done with it); for the item's
   // queries, diagonal K and M the same pair.
@@ -144,7 +147,9 @@ __global__ void __launch_bounds__(384, 1)
       const __half* wh = static_cast<const __half*>(p.wh) + row * D;
       const __half* u = static_cast<const __half*>(p.u) + row * D;
       const __half* mm = static_cast<const __half*>(p.m) + row * C;
-      // The consumers' queries, diagonal K and M, once they are done with the previous item's.
+      const __half* e = static_cast<const __half*>(p.e) + row * D;
+      // The consumers' queries, diagonal K, M, -W and U, once they are done with the previous
+      // item's.
       if (loaded > 0) mbarrier_wait(item_empty, (loaded - 1) & 1);
       for (int w = 0; w < (it.pair ? 2 : 1); ++w) {
         const index_t d0 = (it.top - w) * C;
@@ -152,6 +157,8 @@ __global__ void __launch_bounds__(384, 1)
         load_tile<C, D>(sq + w * E, q + d0 * qs, qs, n_rows, q, thread);
         load_tile<C, D>(sk_diag + w * E, k + d0 * ks, ks, n_rows, k, thread);
         load_tile<C, C>(sm_diag + w * E, mm + d0 * C, C, n_rows, mm, thread);
+        load_tile<C, D>(sw_diag + w * E, wh + d0 * D, D, n_rows, wh, thread);
+        load_tile<C, D>(su_diag + w * E, u + d0 * D, D, n_rows, u, thread);
       }
       publish(n);
       for (int t = 0; t <= it.top; ++t, ++counted) {
@@ -161,8 +168,9 @@ __global__ void __launch_bounds__(384, 1)
         const int rows = it.rows(it.top - t);
         if (t > 0) load_tile<C, D>(sk + buf * E, kt + j0 * D, D, rows, kt, thread);
         load_tile<C, Dv>(sv + buf * E, v + j0 * vs, vs, rows, v, thread);
-        load_tile<C, D>(sw + buf * E, wh + j0 * D, D, rows, wh, thread);
-        load_tile<C, D>(su + buf * E, u + j0 * D, D, rows, u, thread);
+        // E: for the chunks some consumer passes (neither top, a diagonal only, nor chunk 0);
+        // those are full.
+        if (t > 0 && t < it.top) load_tile<C, D>(se + buf * E, e + j0 * D, D, C, e, thread);
         if (it.G != nullptr && thread < C) gate_col[buf * C + thread] = -it.gate(p, j0 + thread);
         mbarrier_arrive(full + buf);
         mbarrier_arrive_on_copies(full + buf);
@@ -178,13 +186,14 @@ __global__ void __launch_bounds__(384, 1)
   const int row0 = (warp % 4) * 16 + g;  // this thread's rows of its chunk: row0, row0 + 8
   // Descriptors, formed once; the rest is adding offsets in their 16-byte units. K~ and W are
   // K-major (D contiguous): k-step kk is 16 columns at byte 32 kk of a 128-byte row, 8-row groups
-  // 1024 bytes apart. V, U and M are MN-major (their rows are the reduction index): k-step kc is
-  // 16 rows, 2048 bytes further. A stage's tile is 8 KB further.
-  const std::uint64_t k_desc = wgmma_desc(sk, 16, 1024), w_desc = wgmma_desc(sw, 16, 1024),
-                      v_desc = wgmma_desc(sv, C * 128, 1024),
-                      u_desc = wgmma_desc(su, C * 128, 1024),
+  // 1024 bytes apart. V, E, U and M are MN-major (their rows are the reduction index): k-step kc
+  // is 16 rows, 2048 bytes further. A stage's tile is 8 KB further.
+  const std::uint64_t k_desc = wgmma_desc(sk, 16, 1024), v_desc = wgmma_desc(sv, C * 128, 1024),
+                      e_desc = wgmma_desc(se, C * 128, 1024),
                       kd_desc = wgmma_desc(sk_diag + wg * E, 16, 1024),
-                      md_desc = wgmma_desc(sm_diag + wg * E, C * 128, 1024);
+                      md_desc = wgmma_desc(sm_diag + wg * E, C * 128, 1024),
+                      wd_desc = wgmma_desc(sw_diag + wg * E, 16, 1024),
+                      ud_desc = wgmma_desc(su_diag + wg * E, C * 128, 1024);
   auto k_major = [](std::uint64_t desc, int buf, int kk) {
     return desc + static_cast<std::uint64_t>(buf * (tile::tile_bytes >> 4) + 2 * kk);
   };
@@ -200,7 +209,7 @@ __global__ void __launch_bounds__(384, 1)
   float s[C / 2], x[C / 2];
   std::uint32_t rh[D / 16][4], rb[D / 16][4];  // r in half (transition) and in T (scores)
   std::uint32_t(&rt)[D / 16][4] = std::is_same_v<T, __half> ? rh : rb;
-  std::uint32_t xn[C / 16][4], pf[C / 16][4];  // X (= -r W^T) in half; P in T
+  std::uint32_t xn[C / 16][4], pf[C / 16][4];  // X (= -Q W^T on the diagonal) in half; P in T
   auto query_fragments = [&] {
     to_fragments<__half>(rh, r);
     if constexpr (!std::is_same_v<T, __half>) to_fragments<T>(rb, r);
@@ -234,33 +243,24 @@ __global__ void __launch_bounds__(384, 1)
       to_fragments<T>(rt, r);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      wgmma_rs<T, 0>(s, rt[kk], k_major(k_desc, buf, kk), kk > 0);
-      if (transition) wgmma_rs<__half, 0>(x, rh[kk], k_major(w_desc, buf, kk), kk > 0);
-    }
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 0>(s, rt[kk], k_major(k_desc, buf, kk), kk > 0);
     wgmma_commit();
+    if (transition)
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<__half, 1>(r, rh[kk], mn_major(e_desc, buf, kk));
 #pragma unroll
     for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<T, 1>(o, pf[kc], mn_major(v_desc, prev, kc));
     wgmma_commit();
-    wgmma_wait<1>();
+    wgmma_wait<1>();  // S is in; r <- r + r E and P V may still run
     wgmma_fence_operand(s);
-    wgmma_fence_operand(rt);
-    if (transition) {
-      wgmma_fence_operand(x);
-      wgmma_fence_operand(rh);
-      to_fragments<__half>(xn, x);
-      wgmma_fence();
-#pragma unroll
-      for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(u_desc, buf, kc));
-      wgmma_commit();
-    }
     softmax(buf, false, rescale);
     wgmma_wait<0>();
     wgmma_fence_operand(o);
     wgmma_fence_operand(pf);
+    wgmma_fence_operand(rt);
     if (transition) {
       wgmma_fence_operand(r);
-      wgmma_fence_operand(xn);
+      wgmma_fence_operand(rh);
     }
     if (lane == 0) mbarrier_arrive(empty + prev);  // this warp is done with stage st - 1
 #pragma unroll
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_rs<__half, 0>(x, rh[kk], k_major(w_desc, buf, kk), kk > 0);
+        wgmma_rs<__half, 0>(x, rh[kk], k_major(wd_desc, 0, kk), kk > 0);
       wgmma_commit();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
@@ -338,16 +338,16 @@ __global__ void __launch_bounds__(384, 1)
       for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(s, xn[kc], mn_major(md_desc, 0, kc));
       wgmma_commit();
 #pragma unroll
-      for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(u_desc, buf, kc));
+      for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<__half, 1>(r, xn[kc], mn_major(ud_desc, 0, kc));
       wgmma_commit();
       wgmma_wait<1>();
       wgmma_fence_operand(s);
-      if (lane == 0) mbarrier_arrive(item_empty);
       softmax(buf, true, rescale);  // O is still zero
       wgmma_wait<0>();
       wgmma_fence_operand(r);
       wgmma_fence_operand(xn);
       wgmma_fence_operand(rt);
+      if (lane == 0) mbarrier_arrive(item_empty);  // done with the queries, diagonal K, M, W, U
       to_fragments<T>(pf, s);
     }
     for (int t = t0 + 1; t < top; ++t) key_chunk(counted + t, true);
