@@ -135,7 +135,9 @@ std::vector<path_case> forward_cases() {
 }
 
 std::vector<path_case> small_cases() {
+  // The first two take the Hopper kernel there: single-chunk items, and items with transitions.
   return {{1, 70, 2, 1, 64, 64, {0, 0, 5, 70}, beta_range::near_two},
+          {1, 260, 2, 1, 64, 64, {0, 3, 260}},
           {1, 30, 2, 2, 40, 24},
           {2, 20, 2, 1, 128, 128}};
 }

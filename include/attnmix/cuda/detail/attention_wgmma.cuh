@@ -3,7 +3,7 @@
 // per SM walks work items, each Br = 64 * WGs query rows of one (sequence, query head):
 // - a producer warpgroup (its registers handed to the others with setmaxnreg) streams Q and
 //   Bc-key tiles of K and V into shared memory with cp.async, a ring of Stages buffers handed over
-//   through mbarriers (full: loaded; empty: every consumer warp is done with it), so that the
+//   through mbarriers (full: loaded; empty: every consumer thread is done with it), so that the
 //   warpgroups drift apart and keep the tensor cores busy between them;
 // - each consumer warpgroup owns 64 rows: S = Q K^T with both operands in shared memory, the
 //   online softmax (base 2) in registers, O += P V with P straight from the S accumulators; the
@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
   T* sk = sq + tile::q_elems;
   T* sv = sk + Stages * tile::k_elems;
   float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);
-  // Per stage: full (loaded) and empty (every consumer warp is done); for Q the same pair.
+  // Per stage: full (loaded) and empty (every consumer thread is done: each arrives, so that each
+  // one's reads are ordered before the producer's next writes); for Q the same pair.
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + tile::barrier_offset);
   std::uint64_t* empty = full + Stages;
   std::uint64_t* q_full = empty + Stages;
@@ -136,8 +137,8 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
 
   if (threadIdx.x == 0) {
     for (int b = 0; b < Stages; ++b)
-      mbarrier_init(full + b, 256), mbarrier_init(empty + b, 4 * WGs);
-    mbarrier_init(q_full, 256), mbarrier_init(q_empty, 4 * WGs);
+      mbarrier_init(full + b, 256), mbarrier_init(empty + b, 128 * WGs);
+    mbarrier_init(q_full, 256), mbarrier_init(q_empty, 128 * WGs);
   }
   __syncthreads();  // the last CTA-wide barrier: from here on the warps meet only at mbarriers
 
@@ -242,7 +243,7 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
     };
     // Once the last scores of an item are in, Q may be replaced by the next item's.
     auto release_q = [&](int t) {
-      if (t == w.key_tiles - 1 && lane == 0) mbarrier_arrive(q_empty);
+      if (t == w.key_tiles - 1) mbarrier_arrive(q_empty);
     };
 
     {
@@ -280,7 +281,7 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
       wgmma_wait<0>();
       wgmma_fence_operand(o);
       wgmma_fence_operand(a);
-      if (lane == 0) mbarrier_arrive(empty + prev);  // this warp is done with tile t - 1
+      mbarrier_arrive(empty + prev);  // done with tile t - 1
 #pragma unroll
       for (int j = 0; j < Dv / 8; ++j)
 #pragma unroll
@@ -294,7 +295,7 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(o);
-    if (lane == 0) mbarrier_arrive(empty + last);
+    mbarrier_arrive(empty + last);
 
     T* out = static_cast<T*>(p.out) + w.batch * p.out_stride[0] +
              (w.start + w.i0) * p.out_stride[1] + w.hq * p.out_stride[2];

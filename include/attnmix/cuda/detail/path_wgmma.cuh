@@ -102,7 +102,8 @@ __global__ void __launch_bounds__(384, 1)
   __half* sw_diag = reinterpret_cast<__half*>(sq + 2 * E);               // [consumer]
   __half* su_diag = sw_diag + 2 * E;                                     // [consumer]
   float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);  // minus the gate terms
-  // Per stage: full (loaded) and empty (every consumer warp is done with it); for the item's
+  // Per stage: full (loaded) and empty (every consumer thread is done with it: each arrives, so
+  // that each one's reads are ordered before the producer's next writes); for the item's
   // queries, diagonal K and M the same pair.
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + tile::barrier_offset);
   std::uint64_t* empty = full + Stages;
@@ -116,8 +117,8 @@ __global__ void __launch_bounds__(384, 1)
   const int wg = warp / 4;
 
   if (threadIdx.x == 0) {
-    for (int b = 0; b < Stages; ++b) mbarrier_init(full + b, 256), mbarrier_init(empty + b, 8);
-    mbarrier_init(item_full, 256), mbarrier_init(item_empty, 8);
+    for (int b = 0; b < Stages; ++b) mbarrier_init(full + b, 256), mbarrier_init(empty + b, 256);
+    mbarrier_init(item_full, 256), mbarrier_init(item_empty, 256);
   }
   __syncthreads();  // the last CTA-wide barrier: from here on the warps meet only at mbarriers
 
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_fence_operand(r);
       wgmma_fence_operand(rh);
     }
-    if (lane == 0) mbarrier_arrive(empty + prev);  // this warp is done with stage st - 1
+    mbarrier_arrive(empty + prev);  // done with stage st - 1
 #pragma unroll
     for (int i = 0; i < Dv / 2; ++i) o[i] *= rescale[(i / 2) % 2];
     to_fragments<T>(pf, s);
@@ -274,11 +275,11 @@ __global__ void __launch_bounds__(384, 1)
     it.decode(p, n_item, pairs);
     const index_t top = it.top;
     if (wg == 1 && !it.pair) {  // no second chunk: hand every stage back as it arrives
-      if (lane == 0) mbarrier_arrive(item_empty);
+      mbarrier_arrive(item_empty);
       for (int t = 0; t <= top; ++t) {
         const int st = counted + t;
         mbarrier_wait(full + st % Stages, (st / Stages) & 1);
-        if (lane == 0) mbarrier_arrive(empty + st % Stages);
+        mbarrier_arrive(empty + st % Stages);
       }
       counted += static_cast<int>(top) + 1;
       continue;
@@ -289,7 +290,7 @@ __global__ void __launch_bounds__(384, 1)
     const index_t c = top - t0;
     if (t0 == 1) {
       mbarrier_wait(full + counted % Stages, (counted / Stages) & 1);
-      if (lane == 0) mbarrier_arrive(empty + counted % Stages);
+      mbarrier_arrive(empty + counted % Stages);
     }
     {
       const T* q = sq + wg * E;
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_fence_operand(r);
       wgmma_fence_operand(xn);
       wgmma_fence_operand(rt);
-      if (lane == 0) mbarrier_arrive(item_empty);  // done with the queries, diagonal K, M, W, U
+      mbarrier_arrive(item_empty);  // done with the queries, diagonal K, M, W, U
       to_fragments<T>(pf, s);
     }
     for (int t = t0 + 1; t < top; ++t) key_chunk(counted + t, true);
@@ -359,7 +360,7 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(o);
-    if (lane == 0) mbarrier_arrive(empty + last);
+    mbarrier_arrive(empty + last);
 
     T* out = static_cast<T*>(p.a.out) + it.batch * p.a.out_stride[0] +
              (it.start + c * C) * p.a.out_stride[1] + it.hq * p.a.out_stride[2];
