@@ -434,8 +434,8 @@ __global__ void __launch_bounds__(causal_threads)
   const float inv = gated && ell > 0.f ? 1.f / ell : 1.f;
   for (int idx = threadIdx.x; idx < D * Dv + D; idx += causal_threads)
     store_state_out(p, n, h, idx, sS[idx] * inv);
-  if (gated && p.lse_out != nullptr && threadIdx.x == 0)
-    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] = ell > 0.f ? m + logf(ell) : m;
+  // ell = 0 only at m = -inf (no state, nothing seen), so -inf is what the sequence had.
+  if (gated && threadIdx.x == 0) store_lse_out(p, n, h, m, ell);
 }
 
 }  // namespace cuda

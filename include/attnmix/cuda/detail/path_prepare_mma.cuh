@@ -464,10 +464,11 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   };
   __half* const u_out = static_cast<__half*>(p.u) + row0 * D;
   __half* const m_out = static_cast<__half*>(p.m) + row0 * C;
-  // E = -W^T U (D = C = 64, full chunks, when asked): warp w the 16 x 32 block at rows
-  // 16 (w % 4), columns 32 (w / 4), from -W in half (its T hi + lo, rounded) and U in half (su),
-  // the operands the forward's X = -r W^T and r + X U would take.
-  const bool dense = layout::staged && p.e != nullptr && n == C;
+  // E = -W^T U (D = C = 64, when asked) of the chunks a later chunk's queries pass: full ones,
+  // not the last. Warp w the 16 x 32 block at rows 16 (w % 4), columns 32 (w / 4), from -W in
+  // half (its T hi + lo, rounded) and U in half (su), the operands the forward's X = -r W^T and
+  // r + X U would take.
+  const bool dense = layout::staged && p.e != nullptr && c0 + C < length;
   float eacc[4][4] = {};
   auto dense_transition = [&](float(&acc)[4][4], const __half* su) {
     const int mb = warp % 4, nh = warp / 4;
