@@ -465,33 +465,9 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   __half* const u_out = static_cast<__half*>(p.u) + row0 * D;
   __half* const m_out = static_cast<__half*>(p.m) + row0 * C;
   // E = -W^T U (D = C = 64, when asked) of the chunks a later chunk's queries pass: full ones,
-  // not the last. Warp w the 16 x 32 block at rows 16 (w % 4), columns 32 (w / 4), from -W in
-  // half (its T hi + lo, rounded) and U in half (su), the operands the forward's X = -r W^T and
-  // r + X U would take.
+  // not the last (computed with K~ below).
   const bool dense = layout::staged && p.e != nullptr && c0 + C < length;
-  float eacc[4][4] = {};
-  auto dense_transition = [&](float(&acc)[4][4], const __half* su) {
-    const int mb = warp % 4, nh = warp / 4;
-#pragma unroll
-    for (int kk = 0; kk < C / 16; ++kk) {
-      std::uint32_t ah[4], al[4], a[4];
-      load_a_t(ah, swh, ldw, 16 * kk, 16 * mb, lane);
-      load_a_t(al, swl, ldw, 16 * kk, 16 * mb, lane);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 h = unpack2<T>(ah[i]), l = unpack2<T>(al[i]);
-        a[i] = pack2<__half>(-(h.x + l.x), -(h.y + l.y));
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        std::uint32_t b[4];
-        load_b_t(b, su, ldw, 16 * kk, 32 * nh + 16 * j, lane);
-        const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-        mma_16816<__half>(acc[2 * j], a, b0);
-        mma_16816<__half>(acc[2 * j + 1], a, b1);
-      }
-    }
-  };
+
   if constexpr (layout::staged) {
     // D = 64: one 16-column block a warp, U (warps 0..3) or M (warps 4..7). After the products
     // A diag(beta)'s region holds U and M in half, and the CTA writes them out as 16-byte rows.
@@ -508,7 +484,6 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
     __syncthreads();
     copy_rows(u_out, su, ldw, std::integral_constant<int, D>{});
     copy_rows(m_out, sm, ldw, std::integral_constant<int, C>{});
-    if (dense) dense_transition(eacc, su);
   } else {
     for (int ub = warp; ub < D / 16; ub += 8) {
       float acc[4][2][4] = {};
@@ -529,16 +504,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   // K back into the region (rows past n are not written out), while the tensor cores work; at
   // D = 64 into its second half, the first takes E on its way out.
   T* skt = reinterpret_cast<T*>(region) + (layout::staged ? C * ldw : 0);
-  __half* se = reinterpret_cast<__half*>(region);
-  if (dense) {
-    const int mb = warp % 4, nh = warp / 4;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        *reinterpret_cast<__half2*>(se + (16 * mb + g + 8 * hh) * ldw + 32 * nh + 8 * nt + c2) =
-            __floats2half2_rn(eacc[nt][2 * hh], eacc[nt][2 * hh + 1]);
-  }
+  __half* se = reinterpret_cast<__half*>(region);  // U in half, later E
   {
     constexpr int chunks = D / 8, step = threads / chunks;
     const int cc = tid % chunks, r0 = tid / chunks;
@@ -550,35 +516,59 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
     cp_async_commit();
   }
 
-  // K~ = K - M^T W: a warp per 16 columns of D and (at D = 64) half of the row blocks, paired so
-  // the work evens out (row block rb of M^T reads k blocks >= rb: M is strictly lower).
+  // K~ = K - M^T W: a warp per 16 columns of D and (at D = 64) two of the row blocks, paired so
+  // the work evens out (row block rb of M^T reads k blocks >= rb: M is strictly lower), in its
+  // slots 0 and 1. With E, warp w also takes E's 16 x 32 block at rows 16 (w % 4), columns
+  // 32 (w / 4): its A operand, -W^T in half (T hi + lo, rounded), is this warp's W tile of each
+  // k step with two registers swapped; its B operand is U in half (se). These are the operands
+  // the forward's X = -r W^T and r + X U would take.
   {
-    constexpr int units = D / 16, groups = 8 / units;
+    constexpr int units = D / 16, groups = 8 / units, slots = 4 / groups;
     const int du = warp % units, grp = warp / units;
-    auto owns = [&](int rb) {
-      return groups == 1 || ((rb == 0 || rb == 3) == (grp == 0));
+    auto block_of = [&](int slot) {
+      return groups == 1 ? slot : grp == 0 ? (slot == 0 ? 0 : 3) : (slot == 0 ? 1 : 2);
     };
-    float acc[4][2][4] = {};
+    float acc[slots][2][4] = {};
+    float eacc[4][4] = {};
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       std::uint32_t bh[4], bl[4];
       load_b_t(bh, swh, ldw, 16 * kk, 16 * du, lane);
       load_b_t(bl, swl, ldw, 16 * kk, 16 * du, lane);
+      if (dense) {
+        std::uint32_t a[4];
 #pragma unroll
-      for (int rb = 0; rb <= kk; ++rb) {
-        if (!owns(rb)) continue;
+        for (int i = 0; i < 4; ++i) {
+          const int j = i == 1 ? 2 : i == 2 ? 1 : i;  // the A layout of the same tile
+          const float2 h = unpack2<T>(bh[j]), l = unpack2<T>(bl[j]);
+          a[i] = pack2<__half>(-(h.x + l.x), -(h.y + l.y));
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          std::uint32_t b[4];
+          load_b_t(b, se, ldw, 16 * kk, 32 * grp + 16 * j, lane);
+          const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+          mma_16816<__half>(eacc[2 * j], a, b0);
+          mma_16816<__half>(eacc[2 * j + 1], a, b1);
+        }
+      }
+#pragma unroll
+      for (int sl = 0; sl < slots; ++sl) {
+        const int rb = block_of(sl);
+        if (rb > kk) continue;
         std::uint32_t ah[4], al[4];
         load_a_t(ah, ssh, ldc, 16 * kk, 16 * rb, lane);
         load_a_t(al, ssl, ldc, 16 * kk, 16 * rb, lane);
-        mma_split<T>(acc[rb], ah, al, bh, bl);
+        mma_split<T>(acc[sl], ah, al, bh, bl);
       }
     }
     cp_async_wait<0>();
-    __syncthreads();  // K is in
-    // K~ in place of K (each thread rewrites the elements it read), then out as 16-byte rows.
+    __syncthreads();  // K is in; U is no longer read
+    // K~ in place of K (each thread rewrites the elements it read), E in place of U, then both
+    // out as 16-byte rows.
 #pragma unroll
-    for (int rb = 0; rb < 4; ++rb) {
-      if (!owns(rb)) continue;
+    for (int sl = 0; sl < slots; ++sl) {
+      const int rb = block_of(sl);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -586,8 +576,16 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
           T* at = skt + (16 * rb + g + 8 * hh) * ldw + 16 * du + 8 * nt + c2;
           const float2 kb = unpack2<T>(*reinterpret_cast<const std::uint32_t*>(at));
           *reinterpret_cast<std::uint32_t*>(at) =
-              pack2<T>(kb.x - acc[rb][nt][2 * hh], kb.y - acc[rb][nt][2 * hh + 1]);
+              pack2<T>(kb.x - acc[sl][nt][2 * hh], kb.y - acc[sl][nt][2 * hh + 1]);
         }
+    }
+    if (dense) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<__half2*>(se + (16 * du + g + 8 * hh) * ldw + 32 * grp + 8 * nt + c2) =
+              __floats2half2_rn(eacc[nt][2 * hh], eacc[nt][2 * hh + 1]);
     }
     __syncthreads();
     copy_rows(static_cast<T*>(p.kt) + row0 * D, skt, ldw, std::integral_constant<int, D>{});
