@@ -1220,11 +1220,9 @@ __global__ void __launch_bounds__(linear_fast_threads, linear_cluster_ctas)
   cluster.sync();  // every partial and its statistics sit in its CTA's shared memory
 
   // Rank r's weight: exp(M_r - M) over the merged mass, M the largest block max (1 without a
-  // gate). Every rank's statistics are loaded at once, since each remote load takes a round trip
-  // to the peer's SM; the weights stay in registers (the merge picks its rank's by comparison,
-  // not by a run-time index, which would put the array in local memory).
+  // gate). Remote loads are issued in batches (a rank's loads together), since each one takes
+  // a round trip to the peer's SM.
   float Mg = -INFINITY, ellg = 0.f;
-  float weight[linear_cluster_max];
   {
     float Mr[linear_cluster_max], lr[linear_cluster_max];
 #pragma unroll
@@ -1236,22 +1234,19 @@ __global__ void __launch_bounds__(linear_fast_threads, linear_cluster_ctas)
     for (int r = 0; r < linear_cluster_max; ++r)
       if (r < ranks && lr[r] > 0.f) Mg = fmaxf(Mg, Mr[r]);
 #pragma unroll
-    for (int r = 0; r < linear_cluster_max; ++r) {
-      weight[r] = gated ? (lr[r] > 0.f ? __expf(Mr[r] - Mg) : 0.f) : 1.f;
-      if (r < ranks) ellg += (gated ? weight[r] : 1.f) * lr[r];
-    }
+    for (int r = 0; r < linear_cluster_max; ++r)
+      if (r < ranks) ellg += (gated ? shifted_exp(Mr[r], Mg) : 1.f) * lr[r];
   }
   float4 merged[per_thread];
 #pragma unroll
   for (int u = 0; u < per_thread; ++u) merged[u] = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int r = 0; r < ranks; ++r) {
+    const float* st = cluster.map_shared_rank(stats, r);
     const float4* part = reinterpret_cast<const float4*>(cluster.map_shared_rank(red, r));
     float4 x[per_thread];
 #pragma unroll
     for (int u = 0; u < per_thread; ++u) x[u] = part[min(tid + u * linear_fast_threads, vecs - 1)];
-    float alpha = weight[0];
-#pragma unroll
-    for (int q = 1; q < linear_cluster_max; ++q) alpha = q == r ? weight[q] : alpha;
+    const float alpha = gated ? (st[1] > 0.f ? __expf(st[0] - Mg) : 0.f) : 1.f;
 #pragma unroll
     for (int u = 0; u < per_thread; ++u)
       merged[u].x += alpha * x[u].x, merged[u].y += alpha * x[u].y, merged[u].z += alpha * x[u].z,
