@@ -35,7 +35,7 @@ struct path_kernel_params {
   void* m;   // M,  [.., C]
   void* wh;  // -W in half (tensor-core forward only; X = -r W^T is then added), [.., D]
   void* e;   // E = -W^T U in half, the chunk's transition r <- r + r E at D = C (Hopper forward
-             // only; full chunks), [.., D]: a chunk's D rows in its C token rows
+             // only; the chunks a later chunk follows), [.., D]: its D rows in its C token rows
 
   __device__ index_t row(index_t batch, int h, index_t t) const {
     return (batch * kv_heads + h) * a.tokens + t;

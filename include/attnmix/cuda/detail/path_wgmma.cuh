@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(384, 1)
   float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);  // minus the gate terms
   // Per stage: full (loaded) and empty (every consumer thread is done with it: each arrives, so
   // that each one's reads are ordered before the producer's next writes); for the item's
-  // queries, diagonal K and M the same pair.
+  // queries, diagonal K, M, -W and U the same pair.
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + tile::barrier_offset);
   std::uint64_t* empty = full + Stages;
   std::uint64_t* item_full = empty + Stages;
