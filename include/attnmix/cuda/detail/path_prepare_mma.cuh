@@ -468,6 +468,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   // not the last (computed with K~ below).
   const bool dense = layout::staged && p.e != nullptr && c0 + C < length;
 
+  __half* const su = reinterpret_cast<__half*>(region);  // U in half (D = 64), later E
   if constexpr (layout::staged) {
     // D = 64: one 16-column block a warp, U (warps 0..3) or M (warps 4..7). After the products
     // A diag(beta)'s region holds U and M in half, and the CTA writes them out as 16-byte rows.
@@ -477,7 +478,6 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
     float acc[4][2][4] = {};
     tc_product(acc, is_u ? swh : ssh, is_u ? swl : ssl, ldw, 16 * cb, is_u ? 0 : cb);
     __syncthreads();  // A diag(beta) and S are no longer read
-    __half* su = reinterpret_cast<__half*>(region);
     __half* sm = su + C * ldw;
     stage_rows((is_u ? su : sm) + 16 * cb, ldw, acc);
     if (!is_u) split_m(acc, cb);
@@ -504,7 +504,6 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   // K back into the region (rows past n are not written out), while the tensor cores work; at
   // D = 64 into its second half, the first takes E on its way out.
   T* skt = reinterpret_cast<T*>(region) + (layout::staged ? C * ldw : 0);
-  __half* se = reinterpret_cast<__half*>(region);  // U in half, later E
   {
     constexpr int chunks = D / 8, step = threads / chunks;
     const int cc = tid % chunks, r0 = tid / chunks;
@@ -520,7 +519,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   // the work evens out (row block rb of M^T reads k blocks >= rb: M is strictly lower), in its
   // slots 0 and 1. With E, warp w also takes E's 16 x 32 block at rows 16 (w % 4), columns
   // 32 (w / 4): its A operand, -W^T in half (T hi + lo, rounded), is this warp's W tile of each
-  // k step with two registers swapped; its B operand is U in half (se). These are the operands
+  // k step with two registers swapped; its B operand is U in half (su). These are the operands
   // the forward's X = -r W^T and r + X U would take.
   {
     constexpr int units = D / 16, groups = 8 / units, slots = 4 / groups;
@@ -546,7 +545,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           std::uint32_t b[4];
-          load_b_t(b, se, ldw, 16 * kk, 32 * grp + 16 * j, lane);
+          load_b_t(b, su, ldw, 16 * kk, 32 * grp + 16 * j, lane);
           const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
           mma_16816<__half>(eacc[2 * j], a, b0);
           mma_16816<__half>(eacc[2 * j + 1], a, b1);
@@ -584,13 +583,13 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          *reinterpret_cast<__half2*>(se + (16 * du + g + 8 * hh) * ldw + 32 * grp + 8 * nt + c2) =
+          *reinterpret_cast<__half2*>(su + (16 * du + g + 8 * hh) * ldw + 32 * grp + 8 * nt + c2) =
               __floats2half2_rn(eacc[nt][2 * hh], eacc[nt][2 * hh + 1]);
     }
     __syncthreads();
     copy_rows(static_cast<T*>(p.kt) + row0 * D, skt, ldw, std::integral_constant<int, D>{});
     if (dense)
-      copy_rows(static_cast<__half*>(p.e) + row0 * D, se, ldw, std::integral_constant<int, D>{});
+      copy_rows(static_cast<__half*>(p.e) + row0 * D, su, ldw, std::integral_constant<int, D>{});
   }
 }
 

@@ -89,18 +89,18 @@ template <class T, int D, int Dv, int Stages>
 __global__ void __launch_bounds__(384, 1)
     path_wgmma_kernel(const path_kernel_params p, const int pairs, const int items) {
   using tile = path_wgmma_tile<D, Dv, Stages>;
-  constexpr int C = path_chunk, E = tile::tile_elems;
+  constexpr int C = path_chunk, tile_n = tile::tile_elems;  // elements a tile
   extern __shared__ unsigned char smem_raw[];
   // The 128-byte swizzle is a function of the address: atoms must start 1024-byte aligned.
   unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
   T* sk = reinterpret_cast<T*>(base);
-  T* sv = sk + Stages * E;
-  __half* se = reinterpret_cast<__half*>(sv + Stages * E);
+  T* sv = sk + Stages * tile_n;
+  __half* se = reinterpret_cast<__half*>(sv + Stages * tile_n);
   T* sk_diag = reinterpret_cast<T*>(base + tile::diagonal_offset);       // [consumer]
-  __half* sm_diag = reinterpret_cast<__half*>(sk_diag + 2 * E);          // [consumer]
-  T* sq = reinterpret_cast<T*>(sm_diag + 2 * E);                         // [consumer]
-  __half* sw_diag = reinterpret_cast<__half*>(sq + 2 * E);               // [consumer]
-  __half* su_diag = sw_diag + 2 * E;                                     // [consumer]
+  __half* sm_diag = reinterpret_cast<__half*>(sk_diag + 2 * tile_n);     // [consumer]
+  T* sq = reinterpret_cast<T*>(sm_diag + 2 * tile_n);                    // [consumer]
+  __half* sw_diag = reinterpret_cast<__half*>(sq + 2 * tile_n);          // [consumer]
+  __half* su_diag = sw_diag + 2 * tile_n;                                // [consumer]
   float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);  // minus the gate terms
   // Per stage: full (loaded) and empty (every consumer thread is done with it: each arrives, so
   // that each one's reads are ordered before the producer's next writes); for the item's
@@ -155,11 +155,11 @@ __global__ void __launch_bounds__(384, 1)
       for (int w = 0; w < (it.pair ? 2 : 1); ++w) {
         const index_t d0 = (it.top - w) * C;
         const int n_rows = it.rows(it.top - w);
-        load_tile<C, D>(sq + w * E, q + d0 * qs, qs, n_rows, q, thread);
-        load_tile<C, D>(sk_diag + w * E, k + d0 * ks, ks, n_rows, k, thread);
-        load_tile<C, C>(sm_diag + w * E, mm + d0 * C, C, n_rows, mm, thread);
-        load_tile<C, D>(sw_diag + w * E, wh + d0 * D, D, n_rows, wh, thread);
-        load_tile<C, D>(su_diag + w * E, u + d0 * D, D, n_rows, u, thread);
+        load_tile<C, D>(sq + w * tile_n, q + d0 * qs, qs, n_rows, q, thread);
+        load_tile<C, D>(sk_diag + w * tile_n, k + d0 * ks, ks, n_rows, k, thread);
+        load_tile<C, C>(sm_diag + w * tile_n, mm + d0 * C, C, n_rows, mm, thread);
+        load_tile<C, D>(sw_diag + w * tile_n, wh + d0 * D, D, n_rows, wh, thread);
+        load_tile<C, D>(su_diag + w * tile_n, u + d0 * D, D, n_rows, u, thread);
       }
       publish(n);
       for (int t = 0; t <= it.top; ++t, ++counted) {
@@ -167,11 +167,11 @@ __global__ void __launch_bounds__(384, 1)
         if (counted >= Stages) mbarrier_wait(empty + buf, (counted / Stages - 1) & 1);
         const index_t j0 = (it.top - t) * C;
         const int rows = it.rows(it.top - t);
-        if (t > 0) load_tile<C, D>(sk + buf * E, kt + j0 * D, D, rows, kt, thread);
-        load_tile<C, Dv>(sv + buf * E, v + j0 * vs, vs, rows, v, thread);
+        if (t > 0) load_tile<C, D>(sk + buf * tile_n, kt + j0 * D, D, rows, kt, thread);
+        load_tile<C, Dv>(sv + buf * tile_n, v + j0 * vs, vs, rows, v, thread);
         // E: for the chunks some consumer passes (neither top, a diagonal only, nor chunk 0);
         // those are full.
-        if (t > 0 && t < it.top) load_tile<C, D>(se + buf * E, e + j0 * D, D, C, e, thread);
+        if (t > 0 && t < it.top) load_tile<C, D>(se + buf * tile_n, e + j0 * D, D, C, e, thread);
         if (it.G != nullptr && thread < C) gate_col[buf * C + thread] = -it.gate(p, j0 + thread);
         mbarrier_arrive(full + buf);
         mbarrier_arrive_on_copies(full + buf);
@@ -191,10 +191,10 @@ __global__ void __launch_bounds__(384, 1)
   // is 16 rows, 2048 bytes further. A stage's tile is 8 KB further.
   const std::uint64_t k_desc = wgmma_desc(sk, 16, 1024), v_desc = wgmma_desc(sv, C * 128, 1024),
                       e_desc = wgmma_desc(se, C * 128, 1024),
-                      kd_desc = wgmma_desc(sk_diag + wg * E, 16, 1024),
-                      md_desc = wgmma_desc(sm_diag + wg * E, C * 128, 1024),
-                      wd_desc = wgmma_desc(sw_diag + wg * E, 16, 1024),
-                      ud_desc = wgmma_desc(su_diag + wg * E, C * 128, 1024);
+                      kd_desc = wgmma_desc(sk_diag + wg * tile_n, 16, 1024),
+                      md_desc = wgmma_desc(sm_diag + wg * tile_n, C * 128, 1024),
+                      wd_desc = wgmma_desc(sw_diag + wg * tile_n, 16, 1024),
+                      ud_desc = wgmma_desc(su_diag + wg * tile_n, C * 128, 1024);
   auto k_major = [](std::uint64_t desc, int buf, int kk) {
     return desc + static_cast<std::uint64_t>(buf * (tile::tile_bytes >> 4) + 2 * kk);
   };
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(384, 1)
       mbarrier_arrive(empty + counted % Stages);
     }
     {
-      const T* q = sq + wg * E;
+      const T* q = sq + wg * tile_n;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
