@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -40,6 +41,7 @@ struct path_case {
   beta_range beta = beta_range::uniform;
   int threads = 0;
   double gate_lo = -0.2, gate_hi = -0.01;
+  std::optional<double> scale{};  // softmax scale; default 1/sqrt(D)
 
   index_t sequences() const {
     return cu_seqlens.empty() ? B : static_cast<index_t>(cu_seqlens.size()) - 1;
@@ -49,7 +51,8 @@ struct path_case {
     os << "B=" << B << " T=" << T << " HQ=" << HQ << " H=" << H << " D=" << D << " Dv=" << Dv
        << " cu_seqlens={";
     for (auto c : cu_seqlens) os << c << ",";
-    os << "} beta=" << to_string(beta) << " threads=" << threads;
+    os << "} beta=" << to_string(beta) << " threads=" << threads << " gate=U(" << gate_lo << ","
+       << gate_hi << ") scale=" << (scale ? *scale : -1.0);
     return os.str();
   }
 };
@@ -156,6 +159,7 @@ struct path_tensors {
 
 inline attnmix::attention_params path_params(const path_case& c) {
   attnmix::attention_params p;
+  p.scale = c.scale;
   if (!c.cu_seqlens.empty())
     p.cu_seqlens = {c.cu_seqlens.data(), {static_cast<index_t>(c.cu_seqlens.size())}};
   return p;

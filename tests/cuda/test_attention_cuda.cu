@@ -105,6 +105,11 @@ std::vector<attention_case> cuda_cases() {
   offsets.push_back(offsets.back() + 1);
   cases.push_back({1, offsets.back(), 8, 4, 64, 64, 0, offsets});
   cases.push_back({1, offsets.back(), 8, 8, 64, 64, 100, offsets});
+  // Strong decay (gate terms in the hundreds); a negative and a zero scale, which the Hopper
+  // kernel hands to the portable one.
+  cases.push_back({2, 400, 4, 2, 64, 64, 0, {}, std::nullopt, -6.0, -0.5});
+  cases.push_back({1, 300, 2, 1, 64, 64, 0, {}, -0.2});
+  cases.push_back({1, 130, 2, 1, 64, 64, 0, {}, 0.0});
   return cases;
 }
 

@@ -131,6 +131,11 @@ std::vector<path_case> forward_cases() {
       {1, 100, 2, 2, 96, 40},  // dims the tensor-core kernel does not tile
       {1, 1500, 4, 2, 64, 64, {}, beta_range::near_two},
       {1, 700, 4, 2, 64, 64, {0, 0, 1, 64, 65, 300, 700}},
+      // Strong decay (gate terms in the hundreds); a negative and a zero scale, which the Hopper
+      // kernel hands to the portable one.
+      {2, 400, 2, 1, 64, 64, {}, beta_range::uniform, 0, -6.0, -0.5},
+      {1, 300, 2, 1, 64, 64, {}, beta_range::uniform, 0, -0.2, -0.01, -0.2},
+      {1, 130, 2, 1, 64, 64, {}, beta_range::uniform, 0, -0.2, -0.01, 0.0},
   };
 }
 

@@ -218,6 +218,7 @@ struct attention_setup {
     auto* part_sums = reinterpret_cast<double*>(scratch.get() + layout.part_sums);
     kp.gate_cumsum = G;
     kp.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
+    kp.gate_bias_coef = p.scale > 0 ? static_cast<float>(-gate_coef / p.scale) : 0.f;
     const dim3 grid(static_cast<unsigned>(layout.gate_parts),
                     static_cast<unsigned>((p.q_heads + 31) / 32),
                     static_cast<unsigned>(p.num_sequences));
@@ -253,7 +254,9 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
   const index_t D = p.head_dim, Dv = p.value_dim;
   bool launched = false;
   if constexpr (tensor_cores) {
-    const bool hopper = !be.portable && current_device().hopper;
+    // The Hopper kernel takes a row's maximum over the raw scores and folds the scale into the
+    // exponent: a positive scale only.
+    const bool hopper = !be.portable && current_device().hopper && p.scale > 0;
     if (aligned) {
       launched = true;
       if (D == 64 && Dv == 64)

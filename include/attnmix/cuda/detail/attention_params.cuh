@@ -25,6 +25,7 @@ struct attention_kernel_params {
   bool causal;
   const double* gate_cumsum;  // [B, T, HQ] inclusive cumsum of g per sequence, or nullptr
   float gate_coef_log2;       // factor of (G_i - G_j), times log2(e)
+  float gate_bias_coef;       // -gate_coef / scale: the gate in score units (Hopper PaTH)
   int* work_counter;          // zeroed device int: the work queue of the persistent kernels
 
   // Sequence n: batch row, first token, length.
@@ -45,11 +46,29 @@ struct attention_kernel_params {
 
 // The gate term of position i of a sequence of `length` (clamped to it): the kernel's coefficient
 // times G_i - g_ref, with G the gate cumsum of the (sequence, head) and g_ref a G of the work
-// item's, so that the floats stay small.
+// item's, so that the floats stay small. In two steps for the producers: `load` reads G_i before
+// the producer waits for a free stage and `term` forms the term after, so that the read (often a
+// trip to DRAM) runs during the wait instead of holding the stage back.
+struct gate_fetch {
+  double g = 0.0;
+  __device__ void load(const attention_kernel_params& p, const double* G, index_t i,
+                       index_t length) {
+    g = G[(i < length ? i : length - 1) * p.q_heads];
+  }
+  __device__ float term(const attention_kernel_params& p, double g_ref) const {
+    return p.gate_coef_log2 * static_cast<float>(g - g_ref);
+  }
+  // Minus the term over the scale: the bias of a key column's scores (store_gate_bias).
+  __device__ float bias(const attention_kernel_params& p, double g_ref) const {
+    return p.gate_bias_coef * static_cast<float>(g - g_ref);
+  }
+};
+
 __device__ __forceinline__ float gate_term(const attention_kernel_params& p, const double* G,
                                            double g_ref, index_t i, index_t length) {
-  return p.gate_coef_log2 *
-         static_cast<float>(G[(i < length ? i : length - 1) * p.q_heads] - g_ref);
+  gate_fetch f;
+  f.load(p, G, i, length);
+  return f.term(p, g_ref);
 }
 
 // One unit of work: a tile of Br query rows of one (sequence, query head), and the key tiles

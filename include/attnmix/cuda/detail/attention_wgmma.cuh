@@ -55,7 +55,8 @@ struct wgmma_tile {
 // and rescale[h] says by how much O shrinks. One FFMA and one exp2 a score: without a gate the
 // maximum is taken over the raw scores (scale > 0) and the scale is folded into the exponent;
 // with one, over s * scale - gate_col (neg_gate: -gate_col at this thread's first column), the
-// row's gate term added to the maximum. A row that has seen no visible key keeps zeros.
+// row's gate term added to the maximum (gate_row is read only then). A row that has seen no
+// visible key keeps zeros.
 template <int N>
 __device__ __forceinline__ void online_softmax(float (&s)[N / 2], bool gated, const float* neg_gate,
                                                const float (&gate_row)[2], float scale_log2,
@@ -167,13 +168,15 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
       publish_q(n);
       for (int t = 0; t < w.key_tiles; ++t, ++counted) {
         const int buf = counted % Stages;
-        if (counted >= Stages) mbarrier_wait(empty + buf, (counted / Stages - 1) & 1);
         const index_t j0 = w.j_lo + static_cast<index_t>(t) * Bc;
+        gate_fetch gate;
+        if (w.G != nullptr && thread < Bc) gate.load(p, w.G, j0 + thread, w.length);
+        if (counted >= Stages) mbarrier_wait(empty + buf, (counted / Stages - 1) & 1);
         load_tile<Bc, D>(sk + buf * tile::k_elems, k + j0 * p.k_stride[1], p.k_stride[1],
                          w.j_hi + 1 - j0, k, thread);
         load_tile<Bc, Dv>(sv + buf * tile::v_elems, v + j0 * p.v_stride[1], p.v_stride[1],
                           w.j_hi + 1 - j0, v, thread);
-        if (w.G != nullptr && thread < Bc) gate_col[buf * Bc + thread] = -w.gate(p, j0 + thread);
+        if (w.G != nullptr && thread < Bc) gate_col[buf * Bc + thread] = -gate.term(p, w.g_ref);
         mbarrier_arrive(full + buf);
         mbarrier_arrive_on_copies(full + buf);
       }

@@ -191,9 +191,10 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
   if constexpr (tensor_cores) {
     if (mma) {
       // The Hopper kernel also stages the queries with 16-byte copies; it takes each chunk's
-      // transition as E (D = C).
+      // transition as E (D = C), and folds the scale into the exponent and the gate into the
+      // scores' sums (a positive scale only).
       const bool hopper =
-          D == 64 && Dv == 64 && !be.portable && current_device().hopper &&
+          D == 64 && Dv == 64 && !be.portable && current_device().hopper && p.scale > 0 &&
           aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 8);
       path_chunk_data<Dev, __half> chunks(p, true, hopper, stream);
       chunks.attach(kp);

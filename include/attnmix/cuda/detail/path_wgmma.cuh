@@ -4,12 +4,13 @@
 // Persistent: a CTA an SM takes work items from a device-wide counter, each two neighbouring
 // 64-row query chunks of one (sequence, query head), lo + 1 and lo, heaviest first. A consumer
 // warpgroup walks each chunk, right to left, with its running query r in float accumulators; a
-// producer warpgroup streams the key chunks both need -- K~, V, W and U of chunk top - t in stage
-// t of a ring (cp.async, mbarriers) -- and, one item ahead, each consumer's queries, diagonal K and
-// M, W and U, so that an item starts without a trip to global memory. Sharing the stream halves
-// what each query row pulls from L2 (24 KB a key chunk). At D = C the chunk's transition
-// I - W^T U is no dearer stored dense than as its two factors, and one product instead of two:
-// the preparation writes E = -W^T U, and per key chunk
+// producer warpgroup streams the key chunks both need -- K~, V, E and the gate of chunk top - t
+// in stage t of a ring (cp.async, mbarriers) -- and, one item ahead, each consumer's queries,
+// diagonal K and M, -W and U, so that an item starts without a trip to global memory. Sharing the
+// stream halves what each query row pulls from L2 (24 KB a key chunk). The forget gate is a bias
+// the scores start from (store_gate_bias). At D = C the chunk's transition I - W^T U is no dearer
+// stored dense than as its two factors, and one product instead of two: the preparation writes
+// E = -W^T U, and per key chunk
 //   S = r K~^T, then r <- r + r E together with O += P V of the previous chunk (on the tensor
 //   cores while the softmax of S runs).
 // On the diagonal, X = tril(-Q W^T), S = Q K^T + X M and r <- r + X U. Precision: scores and P V
@@ -42,15 +43,38 @@ struct path_wgmma_tile {
       claimable_registers(threads, consumers, producer_registers);  // 224
   // Shared memory, in 8 KB tiles of C x 64 16-bit elements: per stage K~, V (in T) and E (in
   // half); then each consumer's diagonal K (T), M (half), queries (T), -W and U (half); then the
-  // gate terms of each stage (floats); the full and empty barrier of each stage and the item's
-  // pair; the queue.
+  // gate of each stage's chunk (3 C floats: the bias of store_gate_bias, then the terms); the full
+  // and empty barrier of each stage and the item's pair; the queue.
   static constexpr int tile_elems = C * 64, tile_bytes = 2 * tile_elems;
   static constexpr int diagonal_offset = 3 * Stages * tile_bytes;
   static constexpr int gate_offset = diagonal_offset + 5 * consumers * tile_bytes;
-  static constexpr int barrier_offset = gate_offset + 4 * Stages * C;
+  static constexpr int gate_floats = 3 * C;  // a stage's
+  static constexpr int barrier_offset = gate_offset + 4 * Stages * gate_floats;
   static constexpr int queue_offset = barrier_offset + 16 * (Stages + 1);
   static constexpr int smem_bytes = queue_offset + 16 + 1024;  // + alignment slack
 };
+
+// The forget gate enters the scores through the wgmma accumulators. For each key column the
+// producer stores its bias b_j = -(gate term of j) / scale, in score units, each pair of
+// neighbouring columns twice, (b0, b1, b0, b1): the layout of a thread's accumulators for its two
+// rows at those columns. S then starts from the bias instead of zero, and the softmax sees
+// s * scale = scores * scale - gate_col with no further work a score. (The scale is positive:
+// the host sends other scales to the portable kernel.)
+__device__ __forceinline__ void store_gate_bias(float* pairs, int col, float bias) {
+  float* at = pairs + 4 * (col / 2) + col % 2;
+  at[0] = bias, at[2] = bias;
+}
+
+// This thread's accumulators of a 64 x N score tile set to the bias of their columns (c2: the
+// thread's first column).
+template <int N>
+__device__ __forceinline__ void load_gate_bias(float (&s)[N / 2], const float* pairs, int c2) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    const float4 b = *reinterpret_cast<const float4*>(pairs + 16 * j + 2 * c2);
+    s[4 * j] = b.x, s[4 * j + 1] = b.y, s[4 * j + 2] = b.z, s[4 * j + 3] = b.w;
+  }
+}
 
 // Work item n of pairs * q_heads * sequences, pairs fastest and counted from the last (the
 // heaviest first, a few heads at a time): query chunks lo + 1 (when the sequence has it) and lo.
@@ -80,9 +104,6 @@ struct path_item {
     return length - c * path_chunk < path_chunk ? static_cast<int>(length - c * path_chunk)
                                                 : path_chunk;
   }
-  __device__ float gate(const path_kernel_params& p, index_t i) const {
-    return gate_term(p.a, G, g_ref, i, length);
-  }
 };
 
 template <class T, int D, int Dv, int Stages>
@@ -96,12 +117,12 @@ __global__ void __launch_bounds__(384, 1)
   T* sk = reinterpret_cast<T*>(base);
   T* sv = sk + Stages * tile_n;
   __half* se = reinterpret_cast<__half*>(sv + Stages * tile_n);
-  T* sk_diag = reinterpret_cast<T*>(base + tile::diagonal_offset);       // [consumer]
-  __half* sm_diag = reinterpret_cast<__half*>(sk_diag + 2 * tile_n);     // [consumer]
-  T* sq = reinterpret_cast<T*>(sm_diag + 2 * tile_n);                    // [consumer]
-  __half* sw_diag = reinterpret_cast<__half*>(sq + 2 * tile_n);          // [consumer]
-  __half* su_diag = sw_diag + 2 * tile_n;                                // [consumer]
-  float* gate_col = reinterpret_cast<float*>(base + tile::gate_offset);  // minus the gate terms
+  T* sk_diag = reinterpret_cast<T*>(base + tile::diagonal_offset);    // [consumer]
+  __half* sm_diag = reinterpret_cast<__half*>(sk_diag + 2 * tile_n);  // [consumer]
+  T* sq = reinterpret_cast<T*>(sm_diag + 2 * tile_n);                 // [consumer]
+  __half* sw_diag = reinterpret_cast<__half*>(sq + 2 * tile_n);       // [consumer]
+  __half* su_diag = sw_diag + 2 * tile_n;                             // [consumer]
+  float* gate = reinterpret_cast<float*>(base + tile::gate_offset);   // tile::gate_floats a stage
   // Per stage: full (loaded) and empty (every consumer thread is done with it: each arrives, so
   // that each one's reads are ordered before the producer's next writes); for the item's
   // queries, diagonal K, M, -W and U the same pair.
@@ -164,15 +185,21 @@ __global__ void __launch_bounds__(384, 1)
       publish(n);
       for (int t = 0; t <= it.top; ++t, ++counted) {
         const int buf = counted % Stages;
-        if (counted >= Stages) mbarrier_wait(empty + buf, (counted / Stages - 1) & 1);
         const index_t j0 = (it.top - t) * C;
+        gate_fetch g;
+        if (it.G != nullptr && thread < C) g.load(p.a, it.G, j0 + thread, it.length);
+        if (counted >= Stages) mbarrier_wait(empty + buf, (counted / Stages - 1) & 1);
         const int rows = it.rows(it.top - t);
         if (t > 0) load_tile<C, D>(sk + buf * tile_n, kt + j0 * D, D, rows, kt, thread);
         load_tile<C, Dv>(sv + buf * tile_n, v + j0 * vs, vs, rows, v, thread);
         // E: for the chunks some consumer passes (neither top, a diagonal only, nor chunk 0);
         // those are full.
         if (t > 0 && t < it.top) load_tile<C, D>(se + buf * tile_n, e + j0 * D, D, C, e, thread);
-        if (it.G != nullptr && thread < C) gate_col[buf * C + thread] = -it.gate(p, j0 + thread);
+        if (it.G != nullptr && thread < C) {
+          float* stage_gate = gate + buf * tile::gate_floats;
+          store_gate_bias(stage_gate, thread, g.bias(p.a, it.g_ref));
+          stage_gate[2 * C + thread] = g.term(p.a, it.g_ref);
+        }
         mbarrier_arrive(full + buf);
         mbarrier_arrive_on_copies(full + buf);
       }
@@ -205,8 +232,8 @@ __global__ void __launch_bounds__(384, 1)
   path_item it{};
   // The running query r (the accumulator layout, d[4 j + 2 h + e] = (row0 + 8 h, 8 j + c2 + e)).
   float r[D / 2], o[Dv / 2];
-  float m[2], l[2];  // m: row maxima of the logits (base 2)
-  float gate_row[2] = {0.f, 0.f};
+  float m[2], l[2];                // m: row maxima of the logits (base 2)
+  float gate_row[2] = {0.f, 0.f};  // the rows' own gate terms, for the log-sum-exp
   float s[C / 2], x[C / 2];
   std::uint32_t rh[D / 16][4], rb[D / 16][4];  // r in half (transition) and in T (scores)
   std::uint32_t(&rt)[D / 16][4] = std::is_same_v<T, __half> ? rh : rb;
@@ -216,18 +243,25 @@ __global__ void __launch_bounds__(384, 1)
     if constexpr (!std::is_same_v<T, __half>) to_fragments<T>(rb, r);
   };
 
-  // Online softmax (base 2) of the scores s of stage buf: s becomes P, the running maxima and
-  // sums advance, and `rescale` says by how much O shrinks. On the diagonal, keys after the row
-  // are masked; every row keeps its own key there, so its maximum is finite from the start.
-  auto softmax = [&](int buf, bool diagonal, float(&rescale)[2]) {
+  // The scores' accumulators before the products of stage buf: the gate bias of its chunk, or
+  // nothing (S then starts from zero).
+  const bool gated = p.a.gate_cumsum != nullptr;
+  auto start_scores = [&](int buf) {
+    if (gated) load_gate_bias<C>(s, gate + buf * tile::gate_floats, c2);
+  };
+  // Online softmax (base 2) of the scores s: s becomes P, the running maxima and sums advance,
+  // and `rescale` says by how much O shrinks. On the diagonal, keys after the row are masked;
+  // every row keeps its own key there, so its maximum is finite from the start.
+  auto softmax = [&](bool diagonal, float(&rescale)[2]) {
     if (diagonal)
 #pragma unroll
       for (int j = 0; j < C / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           if (8 * j + c2 + e % 2 > row0 + 8 * (e / 2)) s[4 * j + e] = -INFINITY;
-    online_softmax<C>(s, it.G != nullptr, gate_col + buf * C + c2, gate_row, p.a.scale_log2, m, l,
-                      rescale);
+    // The columns' gate is in s already, and the rows' is left out: a row's constant changes
+    // neither P nor the sums; it is added to m for the log-sum-exp at the end.
+    online_softmax<C>(s, false, nullptr, gate_row, p.a.scale_log2, m, l, rescale);
   };
 
   // The key chunk in stage st (counted across items), after the item's first; the last one
@@ -242,9 +276,11 @@ __global__ void __launch_bounds__(384, 1)
       query_fragments();
     else
       to_fragments<T>(rt, r);
+    start_scores(buf);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 0>(s, rt[kk], k_major(k_desc, buf, kk), kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_rs<T, 0>(s, rt[kk], k_major(k_desc, buf, kk), kk > 0 || gated);
     wgmma_commit();
     if (transition)
 #pragma unroll
@@ -254,7 +290,7 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_commit();
     wgmma_wait<1>();  // S is in; r <- r + r E and P V may still run
     wgmma_fence_operand(s);
-    softmax(buf, false, rescale);
+    softmax(false, rescale);
     wgmma_wait<0>();
     wgmma_fence_operand(o);
     wgmma_fence_operand(pf);
@@ -302,8 +338,6 @@ __global__ void __launch_bounds__(384, 1)
           r[4 * j + 2 * hh] = to_float(qe[0]), r[4 * j + 2 * hh + 1] = to_float(qe[1]);
         }
     }
-    if (it.G != nullptr)
-      gate_row[0] = it.gate(p, c * C + row0), gate_row[1] = it.gate(p, c * C + row0 + 8);
 #pragma unroll
     for (int i = 0; i < Dv / 2; ++i) o[i] = 0.f;
     m[0] = m[1] = -INFINITY, l[0] = l[1] = 0.f;
@@ -315,7 +349,12 @@ __global__ void __launch_bounds__(384, 1)
       float rescale[2];
       mbarrier_wait(full + buf, (st / Stages) & 1);
       fence_proxy_async();  // the copies came through the generic proxy, wgmma reads the async one
+      if (gated) {          // the rows' own gate terms came with the stage, as its columns'
+        const float* terms = gate + buf * tile::gate_floats + 2 * C;
+        gate_row[0] = terms[row0], gate_row[1] = terms[row0 + 8];
+      }
       query_fragments();
+      start_scores(buf);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
@@ -323,7 +362,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_commit();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_rs<T, 0>(s, rt[kk], k_major(kd_desc, 0, kk), kk > 0);
+        wgmma_rs<T, 0>(s, rt[kk], k_major(kd_desc, 0, kk), kk > 0 || gated);
       wgmma_commit();
       wgmma_wait<1>();  // X is in; Q K^T may still run
       wgmma_fence_operand(x);
@@ -343,7 +382,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_commit();
       wgmma_wait<1>();
       wgmma_fence_operand(s);
-      softmax(buf, true, rescale);  // O is still zero
+      softmax(true, rescale);  // O is still zero
       wgmma_wait<0>();
       wgmma_fence_operand(r);
       wgmma_fence_operand(xn);
@@ -368,6 +407,8 @@ __global__ void __launch_bounds__(384, 1)
                      ? p.a.lse + it.batch * p.a.lse_stride[0] +
                            (it.start + c * C) * p.a.lse_stride[1] + it.hq * p.a.lse_stride[2]
                      : nullptr;
+    if (gated && lse != nullptr)  // the rows' own gate terms, left out of the softmax above
+      m[0] += gate_row[0], m[1] += gate_row[1];
     store_output_rows<T, Dv>(out, p.a.out_stride[1], lse, p.a.lse_stride[1], row0, it.rows(c), o, m,
                              l);
     counted += static_cast<int>(top) + 1;
