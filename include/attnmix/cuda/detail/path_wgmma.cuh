@@ -148,7 +148,10 @@ __global__ void __launch_bounds__(384, 1)
     // Producer. Each thread arrives twice on a full barrier: at once (its gate stores) and when
     // its copies have landed. Chunk top's K~ is nobody's: it is the top consumer's diagonal.
     const int thread = threadIdx.x - 128 * tile::consumers;
-    int counted = 0, loaded = 0;  // stages and items so far
+    // Stages and items so far. Stage counts are unsigned: a stage's buffer and parity are then a
+    // mask and a shift.
+    unsigned counted = 0;
+    int loaded = 0;
     work_queue queue(p.a.work_counter, next_item, thread);
     auto publish = [&](int n) {  // hand item n (or -1: no more) to the consumers
       publish_work_item(item_slot, n, item_full, thread);
@@ -184,7 +187,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       publish(n);
       for (int t = 0; t <= it.top; ++t, ++counted) {
-        const int buf = counted % Stages;
+        const unsigned buf = counted % Stages;
         const index_t j0 = (it.top - t) * C;
         gate_fetch g;
         if (it.G != nullptr && thread < C) g.load(p.a, it.G, j0 + thread, it.length);
@@ -222,11 +225,11 @@ __global__ void __launch_bounds__(384, 1)
                       md_desc = wgmma_desc(sm_diag + wg * tile_n, C * 128, 1024),
                       wd_desc = wgmma_desc(sw_diag + wg * tile_n, 16, 1024),
                       ud_desc = wgmma_desc(su_diag + wg * tile_n, C * 128, 1024);
-  auto k_major = [](std::uint64_t desc, int buf, int kk) {
-    return desc + static_cast<std::uint64_t>(buf * (tile::tile_bytes >> 4) + 2 * kk);
+  auto k_major = [](std::uint64_t desc, unsigned buf, int kk) {
+    return wgmma_desc_add(desc, buf * (tile::tile_bytes >> 4) + 2 * kk);
   };
-  auto mn_major = [](std::uint64_t desc, int buf, int kc) {
-    return desc + static_cast<std::uint64_t>(buf * (tile::tile_bytes >> 4) + 128 * kc);
+  auto mn_major = [](std::uint64_t desc, unsigned buf, int kc) {
+    return wgmma_desc_add(desc, buf * (tile::tile_bytes >> 4) + 128 * kc);
   };
 
   path_item it{};
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(384, 1)
   // The scores' accumulators before the products of stage buf: the gate bias of its chunk, or
   // nothing (S then starts from zero).
   const bool gated = p.a.gate_cumsum != nullptr;
-  auto start_scores = [&](int buf) {
+  auto start_scores = [&](unsigned buf) {
     if (gated) load_gate_bias<C>(s, gate + buf * tile::gate_floats, c2);
   };
   // Online softmax (base 2) of the scores s: s becomes P, the running maxima and sums advance,
@@ -267,8 +270,8 @@ __global__ void __launch_bounds__(384, 1)
   // The key chunk in stage st (counted across items), after the item's first; the last one
   // (chunk 0) needs no transition. The lambda is inlined with a constant `transition`, so no wgmma
   // sits under a run-time branch (the compiler would serialise them all).
-  auto key_chunk = [&](int st, bool transition) {
-    const int buf = st % Stages, prev = (st - 1) % Stages;
+  auto key_chunk = [&](unsigned st, bool transition) {
+    const unsigned buf = st % Stages, prev = (st - 1) % Stages;
     float rescale[2];
     mbarrier_wait(full + buf, (st / Stages) & 1);
     fence_proxy_async();
@@ -304,7 +307,8 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < Dv / 2; ++i) o[i] *= rescale[(i / 2) % 2];
     to_fragments<T>(pf, s);
   };
-  for (int counted = 0, done = 0;; ++done) {  // counted: stages of the items before
+  unsigned counted = 0;  // stages of the items before
+  for (int done = 0;; ++done) {
     mbarrier_wait(item_full, done & 1);
     const int n_item = *static_cast<volatile int*>(item_slot);
     if (n_item < 0) break;
@@ -313,11 +317,11 @@ __global__ void __launch_bounds__(384, 1)
     if (wg == 1 && !it.pair) {  // no second chunk: hand every stage back as it arrives
       mbarrier_arrive(item_empty);
       for (int t = 0; t <= top; ++t) {
-        const int st = counted + t;
+        const unsigned st = counted + t;
         mbarrier_wait(full + st % Stages, (st / Stages) & 1);
         mbarrier_arrive(empty + st % Stages);
       }
-      counted += static_cast<int>(top) + 1;
+      counted += static_cast<unsigned>(top) + 1;
       continue;
     }
     // This consumer's query chunk c; its diagonal is the item's stage t0. The lower consumer hands
@@ -345,7 +349,7 @@ __global__ void __launch_bounds__(384, 1)
     // The diagonal chunk: X = tril(-Q W^T) and S = Q K^T together, then S += X M and
     // r <- r + X U. The queries, diagonal K and M are then free for the next item's.
     {
-      const int st = counted + t0, buf = st % Stages;
+      const unsigned st = counted + t0, buf = st % Stages;
       float rescale[2];
       mbarrier_wait(full + buf, (st / Stages) & 1);
       fence_proxy_async();  // the copies came through the generic proxy, wgmma reads the async one
@@ -391,8 +395,8 @@ __global__ void __launch_bounds__(384, 1)
       to_fragments<T>(pf, s);
     }
     for (int t = t0 + 1; t < top; ++t) key_chunk(counted + t, true);
-    if (top > t0) key_chunk(counted + static_cast<int>(top), false);
-    const int last = (counted + static_cast<int>(top)) % Stages;
+    if (top > t0) key_chunk(counted + static_cast<unsigned>(top), false);
+    const unsigned last = (counted + static_cast<unsigned>(top)) % Stages;
     wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < C / 16; ++kc) wgmma_rs<T, 1>(o, pf[kc], mn_major(v_desc, last, kc));
@@ -411,7 +415,7 @@ __global__ void __launch_bounds__(384, 1)
       m[0] += gate_row[0], m[1] += gate_row[1];
     store_output_rows<T, Dv>(out, p.a.out_stride[1], lse, p.a.lse_stride[1], row0, it.rows(c), o, m,
                              l);
-    counted += static_cast<int>(top) + 1;
+    counted += static_cast<unsigned>(top) + 1;
   }
 }
 

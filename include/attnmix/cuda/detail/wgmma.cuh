@@ -70,6 +70,18 @@ __device__ __forceinline__ std::uint64_t wgmma_desc(const void* p, std::uint32_t
          std::uint64_t{1} << 62;
 }
 
+// The descriptor `units` 16-byte units further along its start address. The address field fills
+// the low 14 bits and never carries out (shared memory is under 256 KB), so a 32-bit add on the
+// low word does: a 64-bit add costs three uniform instructions a product, where they queue
+// before each wgmma.
+__device__ __forceinline__ std::uint64_t wgmma_desc_add(std::uint64_t desc, std::uint32_t units) {
+  std::uint32_t lo, hi;
+  asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(desc));
+  lo += units;
+  asm("mov.b64 %0, {%1, %2};\n" : "=l"(desc) : "r"(lo), "r"(hi));
+  return desc;
+}
+
 __device__ __forceinline__ void wgmma_unsupported() {
   asm volatile("trap;");
 }
