@@ -148,7 +148,9 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
     // Producer (the whole warpgroup copies). Each thread arrives twice on a full barrier: at once
     // (its gate stores) and when its copies have landed.
     const int thread = threadIdx.x - 128 * WGs;
-    int counted = 0, done = 0;  // key tiles and items so far
+    // Key tiles and items so far (key tiles unsigned: cheaper stage arithmetic).
+    unsigned counted = 0;
+    int done = 0;
     work_queue queue(p.work_counter, next_item, thread);
     auto publish_q = [&](int n) {  // hand Q (of item n, or -1 at the end) to the consumers
       publish_work_item(q_item, n, q_full, thread);
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
       load_tile<Br, D>(sq, q, p.q_stride[1], w.rows, q, thread);
       publish_q(n);
       for (int t = 0; t < w.key_tiles; ++t, ++counted) {
-        const int buf = counted % Stages;
+        const unsigned buf = counted % Stages;
         const index_t j0 = w.j_lo + static_cast<index_t>(t) * Bc;
         gate_fetch gate;
         if (w.G != nullptr && thread < Bc) gate.load(p, w.G, j0 + thread, w.length);
@@ -194,20 +196,26 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
   // Operand descriptors. Q and K are K-major (D contiguous): k-step kk is 16 columns, in atom
   // kk / 4 at byte 32 * (kk % 4) of its rows; 8-row groups are 1024 bytes apart. V is MN-major
   // (Dv contiguous): k-step kc is 16 keys = 2048 bytes further, its 64-column atoms Bc rows apart.
-  const T* sq_wg = sq + wg * 64 * 64;
-  auto issue_scores = [&](float(&s)[Bc / 2], const T* skb) {
+  // The descriptors are formed once; a product adds offsets in their 16-byte units (an element is
+  // 1/8 of one): a stage's tile, the atom, the k-step.
+  const std::uint64_t q_desc = wgmma_desc(sq + wg * 64 * 64, 16, 1024),
+                      k_desc = wgmma_desc(sk, 16, 1024), v_desc = wgmma_desc(sv, Bc * 128, 1024);
+  auto issue_scores = [&](float(&s)[Bc / 2], unsigned buf) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T, 0>(s, wgmma_desc(sq_wg + (kk / 4) * Br * 64 + (kk % 4) * 16, 16, 1024),
-                     wgmma_desc(skb + (kk / 4) * Bc * 64 + (kk % 4) * 16, 16, 1024), kk > 0);
+      wgmma_ss<T, 0>(
+          s, wgmma_desc_add(q_desc, (kk / 4) * Br * 8 + (kk % 4) * 2),
+          wgmma_desc_add(k_desc, buf * (tile::k_elems / 8) + (kk / 4) * Bc * 8 + (kk % 4) * 2),
+          kk > 0);
   };
-  auto issue_values = [&](float(&o)[Dv / 2], std::uint32_t(&a)[Bc / 16][4], const T* svb) {
+  auto issue_values = [&](float(&o)[Dv / 2], std::uint32_t(&a)[Bc / 16][4], unsigned buf) {
 #pragma unroll
     for (int kc = 0; kc < Bc / 16; ++kc)
-      wgmma_rs<T, 1>(o, a[kc], wgmma_desc(svb + kc * 16 * 64, Bc * 128, 1024));
+      wgmma_rs<T, 1>(o, a[kc], wgmma_desc_add(v_desc, buf * (tile::v_elems / 8) + kc * 128));
   };
 
-  for (int counted = 0, done = 0;; ++done) {
+  unsigned counted = 0;  // key tiles of the items before
+  for (int done = 0;; ++done) {
     mbarrier_wait(q_full, done & 1);
     const int n = *static_cast<volatile int*>(q_item);
     if (n < 0) break;
@@ -250,13 +258,13 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
     };
 
     {
-      const int buf = counted % Stages;
+      const unsigned buf = counted % Stages;
       float s[Bc / 2], rescale[2];
       mbarrier_wait(full + buf, (counted / Stages) & 1);
       // The copies came through the generic proxy; wgmma reads through the async one.
       fence_proxy_async();
       wgmma_fence();
-      issue_scores(s, sk + buf * tile::k_elems);
+      issue_scores(s, buf);
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operand(s);
@@ -268,14 +276,14 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
     // of S_t runs while the second product is still on the tensor cores. (No wgmma sits under a
     // branch: the compiler would serialise them all.)
     for (int t = 1; t < w.key_tiles; ++t) {
-      const int buf = (counted + t) % Stages, prev = (counted + t - 1) % Stages;
+      const unsigned buf = (counted + t) % Stages, prev = (counted + t - 1) % Stages;
       float s[Bc / 2], rescale[2];
       mbarrier_wait(full + buf, ((counted + t) / Stages) & 1);
       fence_proxy_async();
       wgmma_fence();
-      issue_scores(s, sk + buf * tile::k_elems);
+      issue_scores(s, buf);
       wgmma_commit();
-      issue_values(o, a, sv + prev * tile::v_elems);
+      issue_values(o, a, prev);
       wgmma_commit();
       wgmma_wait<1>();
       wgmma_fence_operand(s);
@@ -291,10 +299,10 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
         for (int e = 0; e < 4; ++e) o[4 * j + e] *= rescale[e / 2];
       to_fragments<T>(a, s);
     }
-    counted += w.key_tiles;
-    const int last = (counted - 1) % Stages;
+    counted += static_cast<unsigned>(w.key_tiles);
+    const unsigned last = (counted - 1) % Stages;
     wgmma_fence();
-    issue_values(o, a, sv + last * tile::v_elems);
+    issue_values(o, a, last);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(o);
