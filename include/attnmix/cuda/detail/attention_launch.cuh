@@ -138,6 +138,14 @@ void launch_wgmma(const attention_kernel_params& kp, index_t max_len, index_t se
                                                             static_cast<int>(items));
 }
 
+// Whether a call may take the Hopper (wgmma) softmax-family and PaTH kernels: on Hopper, unless
+// the portable kernels were asked for, and with a positive scale (those kernels take a row's
+// maximum over the raw scores and fold the scale into the exponent; PaTH's gate bias is the gate
+// over the scale).
+inline bool hopper_kernels_apply(const attention_problem& p, const backend::cuda& be) {
+  return !be.portable && current_device().hopper && p.scale > 0;
+}
+
 // The tensor-core kernel for D x Dv: wgmma on Hopper, mma.sync elsewhere (or when asked). At
 // D = Dv = 64 three consumer warpgroups hide more latency than two (measured 1-12 % faster on an
 // H200); larger dims need the registers of two.
@@ -254,9 +262,7 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
   const index_t D = p.head_dim, Dv = p.value_dim;
   bool launched = false;
   if constexpr (tensor_cores) {
-    // The Hopper kernel takes a row's maximum over the raw scores and folds the scale into the
-    // exponent: a positive scale only.
-    const bool hopper = !be.portable && current_device().hopper && p.scale > 0;
+    const bool hopper = hopper_kernels_apply(p, be);
     if (aligned) {
       launched = true;
       if (D == 64 && Dv == 64)

@@ -190,11 +190,10 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
       aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1), a.out.stride(2), 2);
   if constexpr (tensor_cores) {
     if (mma) {
-      // The Hopper kernel also stages the queries with 16-byte copies; it takes each chunk's
-      // transition as E (D = C), and folds the scale into the exponent and the gate into the
-      // scores' sums (a positive scale only).
+      // The Hopper kernel also stages the queries with 16-byte copies, and takes each chunk's
+      // transition as E (D = C).
       const bool hopper =
-          D == 64 && Dv == 64 && !be.portable && current_device().hopper && p.scale > 0 &&
+          D == 64 && Dv == 64 && hopper_kernels_apply(p, be) &&
           aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 8);
       path_chunk_data<Dev, __half> chunks(p, true, hopper, stream);
       chunks.attach(kp);
