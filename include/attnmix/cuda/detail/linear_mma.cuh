@@ -555,62 +555,79 @@ __device__ __forceinline__ void reduce_fast_tiles(const linear_kernel_params& p,
   constexpr bool gated = Policy::gate != key_gate::off;
   __shared__ __align__(16) std::uint16_t weight_bits[2][TT];
   T(*weight)[TT] = reinterpret_cast<T(*)[TT]>(weight_bits);  // token weights, double-buffered
-  T* ring = reinterpret_cast<T*>(smem);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
-               h * p.k_stride[2];
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
-               h * p.v_stride[2];
+  // The loop is bound by its instruction issue (four warps a scheduler), so the tiles' addresses
+  // walk by increments: K and V row pointers a tile at a time, 32-bit shared-memory addresses,
+  // and row counts relative to the block's end. (The same walk for the logits measured slower in
+  // the gated kernel; they keep token_logit.)
+  constexpr std::uint32_t stage_bytes = stage_elems * 2, v_bytes = TT * ks * 2;
+  const index_t ks1 = p.k_stride[1], vs1 = p.v_stride[1], ms1 = p.mask_stride[1];
   const int r0 = tid / 8, col = (tid % 8) * 8;  // chunk c: row r0 + 32 c, 16 bytes at col
-  // Tile at `base` into stage `st`; rows past the end and pad tokens are zero-filled.
-  auto issue = [&](index_t base, int st) {
-    T* sk = ring + st * stage_elems;
-    T* sv = sk + TT * ks;
-    const index_t rows = base < t1 ? min(index_t(TT), t1 - base) : 0;
+  const index_t row0 = start + t0 + r0;         // this thread's first row in the batch row
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + h * p.k_stride[2] + col;
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + h * p.v_stride[2] + col;
+  const T* kr = k + row0 * ks1;  // chunk 0 of the next tile to issue
+  const T* vr = v + row0 * vs1;
+  const std::uint8_t* mr =
+      p.mask != nullptr ? p.mask + batch * p.mask_stride[0] + row0 * ms1 : nullptr;
+  int ahead = int(t1 - t0) - r0;  // rows of chunk 0 from the next tile to issue to the end
+  const std::uint32_t ring = smem_address(smem);
+  const std::uint32_t kdst = ring + std::uint32_t(r0 * ks + col) * 2;
+  // The next tile into the stage at byte offset st; rows past the end and pad tokens are
+  // zero-filled.
+  auto issue = [&](std::uint32_t st) {
+    const std::uint32_t dst = kdst + st;
 #pragma unroll
     for (int c = 0; c < chunks; ++c) {
-      const int r = r0 + 32 * c;
-      const bool in = r < rows && p.valid(batch, start + base + r);
-      cp_async_16(sk + r * ks + col, in ? k + (base + r) * p.k_stride[1] + col : k, in);
-      cp_async_16(sv + r * vs + col, in ? v + (base + r) * p.v_stride[1] + col : v, in);
+      bool in = 32 * c < ahead;
+      if (mr != nullptr) in = in && mr[32 * c * ms1] != 0;
+      cp_async_16(dst + 32 * c * ks * 2, in ? kr + 32 * c * ks1 : k, in);
+      cp_async_16(dst + v_bytes + 32 * c * vs * 2, in ? vr + 32 * c * vs1 : v, in);
     }
     cp_async_commit();
+    kr += TT * ks1, vr += TT * vs1, ahead -= TT;
+    if (mr != nullptr) mr += TT * ms1;
   };
 #pragma unroll
-  for (int s = 0; s < Stages - 1; ++s) issue(t0 + s * TT, s);
+  for (int s = 0; s < Stages - 1; ++s) issue(s * stage_bytes);
 
   block_gate_stats<gated>(p, batch, start, h, t0, t1, scratch, M, ell);
-  auto logit = [&](index_t base) {
-    return tid < TT ? token_logit<gated>(p, batch, start, h, base + tid, t1) : 0.f;
+  index_t lbase = t0;  // the tile of the next logit
+  auto logit = [&] {
+    const float x = tid < TT ? token_logit<gated>(p, batch, start, h, lbase + tid, t1) : 0.f;
+    lbase += TT;
+    return x;
   };
-  float next_logit = logit(t0);
+  float next_logit = logit();
 
   const int wm = warp % 4, wt = warp / 4, g = lane / 4, c2 = 2 * (lane % 4);
+  // This lane's ldmatrix addresses in stage 0: A rows of K, B rows of V.
+  const std::uint32_t a_at =
+      ring + std::uint32_t((lane % 8 + (lane / 16) * 8) * ks + wm * 16 + ((lane / 8) % 2) * 8) * 2;
+  const std::uint32_t b_at =
+      ring + v_bytes + std::uint32_t((lane % 8 + ((lane / 8) % 2) * 8) * vs + (lane / 16) * 8) * 2;
   float acc[8][4] = {};
   float zacc[4] = {};
   const std::uint32_t ones[2] = {pack2<T>(1.f, 1.f), pack2<T>(1.f, 1.f)};
-  int st = 0, wb = 0;
-  for (index_t base = t0; base < t1; base += TT) {
-    const int rows = static_cast<int>(min(index_t(TT), t1 - base));
-    const T* sk = ring + st * stage_elems;
-    const T* sv = sk + TT * ks;
+  std::uint32_t st = 0;  // byte offset of the stage in use
+  int wb = 0;
+  for (int left = int(t1 - t0); left > 0; left -= TT) {
     cp_async_wait<Stages - 2>();
     if (tid < TT)
       weight[wb][tid] =
-          from_float<T>(tid < rows ? (gated ? shifted_exp(next_logit, M) : next_logit) : 0.f);
+          from_float<T>(tid < left ? (gated ? shifted_exp(next_logit, M) : next_logit) : 0.f);
     // This tile has landed; every warp is done with the previous tile (its stage is free) and
     // with the weights of two tiles ago.
     __syncthreads();
-    issue(base + (Stages - 1) * TT, st == 0 ? Stages - 1 : st - 1);
-    next_logit = logit(base + TT);
+    issue(st == 0 ? (Stages - 1) * stage_bytes : st - stage_bytes);
+    next_logit = logit();
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       const int kk = 2 * wt + h2;
       std::uint32_t a[4];
       // A = (w phi(K))^T: rows d, columns tokens; a0, a1 hold tokens c2, c2 + 1 of the k-step,
       // a2, a3 tokens c2 + 8, c2 + 9.
-      ldmatrix_x4_trans(
-          a, sk + (kk * 16 + lane % 8 + (lane / 16) * 8) * ks + wm * 16 + ((lane / 8) % 2) * 8);
+      ldmatrix_x4_trans(a, a_at + st + kk * 16 * ks * 2);
       const pair_t<T> w_lo = *reinterpret_cast<const pair_t<T>*>(&weight[wb][kk * 16 + c2]);
       const pair_t<T> w_hi = *reinterpret_cast<const pair_t<T>*>(&weight[wb][kk * 16 + c2 + 8]);
 #pragma unroll
@@ -625,18 +642,18 @@ __device__ __forceinline__ void reduce_fast_tiles(const linear_kernel_params& p,
         }
         a[i] = as_bits<T>(__hmul2(x, i < 2 ? w_lo : w_hi));
       }
-      const T* brow = sv + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * vs + (lane / 16) * 8;
+      const std::uint32_t brow = b_at + st + kk * 16 * vs * 2;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         std::uint32_t b[4];
-        ldmatrix_x4_trans(b, brow + j * 16);
+        ldmatrix_x4_trans(b, brow + j * 32);
         const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
         mma_16816<T>(acc[2 * j], a, b0);
         mma_16816<T>(acc[2 * j + 1], a, b1);
       }
       mma_16816<T>(zacc, a, ones);
     }
-    st = st + 1 == Stages ? 0 : st + 1;
+    st = st + stage_bytes == Stages * stage_bytes ? 0 : st + stage_bytes;
     wb ^= 1;
   }
   cp_async_wait<0>();
