@@ -6,18 +6,19 @@ bench_attention_cuda and prints the ratio table against that benchmark's JSON ou
     bench_linear_cuda --benchmark_out=linear.json --benchmark_out_format=json
     python3 bench/sdpa_peer.py sa.json linear.json > table.md
 
+With bench_linear_cuda's JSON (which holds BM_copy) it also prints each linear kernel against its
+memory floor: the bytes a call must move over the copy bandwidth of the same run.
+
 Run both in the same call on the same GPU: a figure from another run is not a comparison.
 """
 import json
 import re
 import sys
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
 
 def time_ms(fn, warmup=5, reps=30):
+    import torch
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -34,6 +35,10 @@ def time_ms(fn, warmup=5, reps=30):
 
 
 def sdpa_ms(backend, B, T, H, D, causal, calls=1):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
     q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
     def chain():
@@ -44,16 +49,43 @@ def sdpa_ms(backend, B, T, H, D, causal, calls=1):
         return time_ms(chain) / calls
 
 
-def main():
+def shaped_rows(benchmarks):
+    """(kind, B, T, H, ms, MB or None) of each benchmark named kind/B:../T:../H:.."""
     rows = []
-    benchmarks = [b for path in sys.argv[1:] for b in json.load(open(path))["benchmarks"]]
     for b in benchmarks:
         m = re.match(r"(\w+)/B:(\d+)/T:(\d+)/H:(\d+)", b["name"])
         if not m or b.get("run_type") == "aggregate":
             continue
         kind, B, T, H = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
         ms = b["real_time"] if b["time_unit"] == "ms" else b["real_time"] / 1e6
-        rows.append((kind, B, T, H, ms))
+        rows.append((kind, B, T, H, ms, b.get("MB")))
+    return rows
+
+
+def print_floor(benchmarks):
+    """The memory-floor table of the benchmarks with an MB counter (the bytes a call must move),
+    against the copy bandwidth that BM_copy measured in the same run (bytes read + written)."""
+    copies = [b["GB/s"] for b in benchmarks if b["name"].startswith("BM_copy") and "GB/s" in b]
+    rows = [r for r in shaped_rows(benchmarks) if r[5] is not None]
+    if not copies or not rows:
+        return
+    tbs = max(copies) / 1e3
+    print()
+    print(f"memory floor: the call's bytes over the copy's {tbs:.3f} TB/s (BM_copy, same run)")
+    print()
+    print("| kernel | B | T | H | MB | attnmix ms | floor ms | attnmix / floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, B, T, H, ms, mb in rows:
+        floor = mb / tbs / 1e3
+        print(f"| {kind} | {B} | {T} | {H} | {mb:.1f} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
+
+
+def main():
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    benchmarks = [b for path in sys.argv[1:] for b in json.load(open(path))["benchmarks"]]
+    rows = [r[:5] for r in shaped_rows(benchmarks)]
     peers = {}
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print()
@@ -73,6 +105,7 @@ def main():
         cudnn, flash = peers[key]
         print(f"| {kind} | {B} | {T} | {H} | 64 | {ms:.3f} | {cudnn:.3f} | {flash:.3f} | "
               f"{ms / cudnn:.2f} | {ms / flash:.2f} |")
+    print_floor(benchmarks)
 
 
 if __name__ == "__main__":
