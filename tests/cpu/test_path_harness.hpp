@@ -52,7 +52,11 @@ struct path_case {
        << " cu_seqlens={";
     for (auto c : cu_seqlens) os << c << ",";
     os << "} beta=" << to_string(beta) << " threads=" << threads << " gate=U(" << gate_lo << ","
-       << gate_hi << ") scale=" << (scale ? *scale : -1.0);
+       << gate_hi << ") scale=";
+    if (scale)
+      os << *scale;
+    else
+      os << "1/sqrt(D)";
     return os.str();
   }
 };

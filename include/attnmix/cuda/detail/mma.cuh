@@ -21,17 +21,15 @@ __device__ __forceinline__ std::uint32_t smem_address(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte global -> shared copy; bytes beyond `valid` (0 or 16) are zero-filled.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)),
-               "l"(gmem), "r"(src_bytes));
-}
-// The same to a shared-memory address from smem_address.
+// 16-byte global -> shared copy to a shared-memory address (smem_address); bytes beyond `valid`
+// (0 or 16) are zero-filled.
 __device__ __forceinline__ void cp_async_16(std::uint32_t smem, const void* gmem, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
                "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  cp_async_16(smem_address(smem), gmem, valid);
 }
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::);
