@@ -929,9 +929,9 @@ inline bool linear_fast_dims(index_t D, index_t Dv) {
 }
 
 // One CTA's share of the read: `rows` query rows from token `first` of batch row `batch`, for
-// query heads hq0 .. hq0 + heads - 1. Its items are (head, 16-row group), head-major; warp w
-// takes items w, w + 8, ... prime() starts the loads of a warp's first item, which need neither
-// the state nor the norm weight; run() does the rest.
+// query heads first_head .. first_head + heads - 1. Its items are (head, 16-row group), head-major;
+// warp w takes items w, w + 8, ... prime() starts the loads of a warp's first item, which need
+// neither the state nor the norm weight; run() does the rest.
 template <class T, class Policy, int D, int Dv>
 struct fast_read {
   static_assert(D % 32 == 0 && Dv % 32 == 0 && D <= 128 && Dv <= 128, "fast_read");
@@ -940,47 +940,72 @@ struct fast_read {
   static constexpr bool normed = Policy::norm == gated_norm::per_head;
 
   const linear_kernel_params& p;
-  index_t batch, first, rows;
-  int hq0, groups, items, g, c;
+  index_t batch, first;
+  int rows, groups, items, g, c;
+  // Lane (g, c)'s piece of row g of the range, for the first query head, in q, gate and out: an
+  // item adds its head and row offsets to these (no 64-bit products of the batch and the range's
+  // start an item).
+  const T* q_at;
+  const T* gate_at;
+  T* out_at;
   // The next item's query rows g and g + 8 (zeros past the end), whether they are real tokens,
   // and the current item's gate rows (zeros for pads and past the end).
   uint4 qn[2][QV], gv[2][normed ? GV : 1];
   bool okn[2] = {false, false};
 
+  // An item: query head `head` of the range's heads, 16-row group `group`.
+  struct item {
+    int head, group;
+  };
+
   __device__ fast_read(const linear_kernel_params& params, index_t batch_row, index_t first_token,
                        index_t row_count, int first_head, int heads)
-      : p(params), batch(batch_row), first(first_token), rows(row_count), hq0(first_head) {
-    groups = int((rows + 15) / 16);
+      : p(params), batch(batch_row), first(first_token), rows(int(row_count)) {
+    groups = (rows + 15) / 16;
     items = heads * groups;
     g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+    auto at = [&](auto* x, const index_t(&s)[3], int width) {
+      return x + batch * s[0] + (first + g) * s[1] + first_head * s[2] + c * (width / 4);
+    };
+    q_at = at(static_cast<const T*>(p.q), p.q_stride, D);
+    gate_at = normed ? at(static_cast<const T*>(p.gate), p.gate_stride, Dv) : nullptr;
+    out_at = at(static_cast<T*>(p.out), p.out_stride, Dv);
   }
-  // Row i of the range in tensor x (strides s) of item it's head, at lane column piece c.
+  __device__ item first_item(int warp) const { return {warp / groups, warp % groups}; }
+  // The item `warps` items after x, head-major.
+  __device__ item next_item(item x) const {
+    x.group += warps;
+    if (x.group >= groups) {
+      const int w = x.group / groups;
+      x.head += w, x.group -= w * groups;
+    }
+    return x;
+  }
+  // Row g + 8 half of item x's group, from the range's first row.
+  __device__ int row_index(item x, int half) const { return x.group * 16 + g + 8 * half; }
+  // The lane's piece of that row in the tensor at `at` (strides s). A row beyond the range (in
+  // false) gives the lane's row of the first group instead: the callers do not read it.
   template <class X>
-  __device__ X* row(X* x, const index_t (&s)[3], int it, index_t i, int width) const {
-    return x + batch * s[0] + (first + i) * s[1] + (hq0 + it / groups) * s[2] + c * (width / 4);
+  __device__ X* row(X* at, const index_t (&s)[3], item x, int half, bool in) const {
+    return at + (in ? index_t(x.group * 16 + 8 * half) * s[1] : 0) + index_t(x.head) * s[2];
   }
-  __device__ index_t row_index(int it, int half) const {
-    return index_t(it % groups) * 16 + g + 8 * half;
-  }
-  __device__ void load_q(int it) {
+  __device__ void load_q(item x) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const index_t i = row_index(it, half);
+      const int i = row_index(x, half);
       const bool in = i < rows;
       okn[half] = in && p.valid(batch, first + i);
-      const uint4* src = reinterpret_cast<const uint4*>(
-          row(static_cast<const T*>(p.q), p.q_stride, it, in ? i : 0, D));
+      const uint4* src = reinterpret_cast<const uint4*>(row(q_at, p.q_stride, x, half, in));
 #pragma unroll
       for (int u = 0; u < QV; ++u) qn[half][u] = in ? __ldcs(src + u) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  __device__ void load_gate(int it, const bool (&ok)[2]) {
+  __device__ void load_gate(item x, const bool (&ok)[2]) {
     if constexpr (normed) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const uint4* src =
-            reinterpret_cast<const uint4*>(row(static_cast<const T*>(p.gate), p.gate_stride, it,
-                                               ok[half] ? row_index(it, half) : 0, Dv));
+            reinterpret_cast<const uint4*>(row(gate_at, p.gate_stride, x, half, ok[half]));
 #pragma unroll
         for (int u = 0; u < GV; ++u)
           gv[half][u] = ok[half] ? __ldcs(src + u) : make_uint4(0u, 0u, 0u, 0u);
@@ -988,13 +1013,17 @@ struct fast_read {
     }
   }
   __device__ void prime(int warp) {
-    if (warp < items) load_q(warp), load_gate(warp, okn);
+    if (warp < items) {
+      const item x = first_item(warp);
+      load_q(x), load_gate(x, okn);
+    }
   }
 
   // The items of warp `warp` against the staged state sS (undone by unmul) and the norm weights
   // sgamma [heads][Dv].
   __device__ void run(int warp, const T* sS, const float* sgamma, float unmul) {
     const int lane = threadIdx.x % 32;
+    item x = first_item(warp);
     for (int it = warp; it < items; it += warps) {
       uint4 qv[2][QV];
       bool ok[2];
@@ -1004,8 +1033,9 @@ struct fast_read {
 #pragma unroll
         for (int u = 0; u < QV; ++u) qv[half][u] = qn[half][u];
       }
-      if (it != warp) load_gate(it, ok);
-      if (it + warps < items) load_q(it + warps);
+      const item xn = next_item(x);
+      if (it != warp) load_gate(x, ok);
+      if (it + warps < items) load_q(xn);
 
       // phi(q) as A fragments; pads (their q may be NaN) are zero rows.
       std::uint32_t af[2][D / 8];
@@ -1035,18 +1065,19 @@ struct fast_read {
                                     af[1][2 * kk + 1]};
         state_kstep<T>(acc, zacc, a, sS, ss, kk, NT, Dv, lane);
       }
-      epilogue(it, acc, zacc, ok, sgamma + (it / groups) * Dv, unmul);
+      epilogue(x, acc, zacc, ok, sgamma + x.head * Dv, unmul);
+      x = xn;
     }
   }
 
   // Half 0 is row g, half 1 row g + 8; accumulator pair j of a half is elements c Dv/4 + 2j, + 1
   // of its row. Num / den, then the gated RMSNorm, folded into one factor per row: o = acc * s
   // with s = unmul / den, rms(o) = s rms(acc).
-  __device__ void epilogue(int it, const float (&acc)[NT][4], const float (&zacc)[4],
+  __device__ void epilogue(item x, const float (&acc)[NT][4], const float (&zacc)[4],
                            const bool (&ok)[2], const float* gamma, float unmul) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const index_t i = row_index(it, half);
+      const int i = row_index(x, half);
       float s = unmul;
       if (Policy::normalize) s = unmul * __frcp_rn(zacc[2 * half] * unmul + p.eps);
       float o[NT][2];
@@ -1102,7 +1133,7 @@ struct fast_read {
         for (int j = 0; j < NT; ++j) res[j] = pack2<T>(o[j][0] * s, o[j][1] * s);
       }
       if (i < rows && (ok[half] || Policy::zero_pad_rows)) {
-        uint4* dst = reinterpret_cast<uint4*>(row(static_cast<T*>(p.out), p.out_stride, it, i, Dv));
+        uint4* dst = reinterpret_cast<uint4*>(row(out_at, p.out_stride, x, half, true));
 #pragma unroll
         for (int u = 0; u < GV; ++u)
           __stcs(dst + u,
