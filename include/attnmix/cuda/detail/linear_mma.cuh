@@ -217,18 +217,19 @@ inline int linear_mma_reduce_smem(index_t D, index_t Dv) {
 // the staged S holds S[d, :]; column state_col(e) holds S[:, e] (state_col is the same map on
 // the value side). A lane's pair i (elements c D/4 + 2i, + 1) is the A register of k-step i / 2,
 // low (even i) or high (odd i) half of the 16 k-slots.
+// (Unsigned arithmetic: the indices are never negative, and the divisions become shifts.)
 __host__ __device__ inline int state_row(int d, int D) {
-  const int w = D / 4, c = d / w, r = d % w;
-  return (r / 4) * 16 + ((r % 4) / 2) * 8 + 2 * c + r % 2;
+  const unsigned w = unsigned(D) / 4, c = unsigned(d) / w, r = unsigned(d) % w;
+  return int((r / 4) * 16 + ((r % 4) / 2) * 8 + 2 * c + r % 2);
 }
 __host__ __device__ inline int state_col(int e, int Dv) {
-  const int w = Dv / 4, c = e / w, r = e % w;
-  return (r / 2) * 8 + 2 * c + r % 2;
+  const unsigned w = unsigned(Dv) / 4, c = unsigned(e) / w, r = unsigned(e) % w;
+  return int((r / 2) * 8 + 2 * c + r % 2);
 }
 // The staged state of one head in the input type: [D][Dv + 24] (scale * S permuted, then
 // scale * z repeated in columns Dv .. Dv + 15, then padding that keeps ldmatrix free of bank
 // conflicts), then one float that undoes half's power-of-two scaling.
-inline __host__ __device__ int staged_stride(int Dv) {
+constexpr __host__ __device__ int staged_stride(int Dv) {
   return Dv + 24;
 }
 // Element idx of [S | z] (S row-major, then z) as y, into its place in a 16-byte aligned staged
@@ -247,6 +248,30 @@ __device__ __forceinline__ void stage_state_element(T* st, int D, int Dv, int id
   const std::uint32_t pair = bits * 0x10001u;
   uint4* row = reinterpret_cast<uint4*>(st + state_row(idx - D * Dv, D) * ss + Dv);
   row[0] = row[1] = make_uint4(pair, pair, pair, pair);
+}
+// Elements 4 i .. 4 i + 3 of [S | z] times mul into the staged state st, as stage_state_element
+// places them: the form for dims known at compile time and a thread holding whole float4s. Four
+// elements of S lie in one row, in two pairs of neighbouring columns (two 32-bit stores); four of
+// z are four rows (two 16-byte stores each). Index arithmetic dominates the element-wise form.
+template <class T, int D, int Dv>
+__device__ __forceinline__ void stage_state4(T* st, unsigned i, float4 x, float mul) {
+  static_assert(sizeof(T) == 2 && D % 4 == 0 && Dv % 16 == 0, "a 16-bit staged state");
+  constexpr int ss = staged_stride(Dv);
+  if (4 * i < unsigned(D * Dv)) {
+    const unsigned d = 4 * i / Dv, e = 4 * i % Dv;
+    T* row = st + state_row(int(d), D) * ss;
+    *reinterpret_cast<std::uint32_t*>(row + state_col(int(e), Dv)) = pack2<T>(x.x * mul, x.y * mul);
+    *reinterpret_cast<std::uint32_t*>(row + state_col(int(e + 2), Dv)) =
+        pack2<T>(x.z * mul, x.w * mul);
+    return;
+  }
+  const float z[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const std::uint32_t pair = pack2<T>(z[k] * mul, z[k] * mul);
+    uint4* row = reinterpret_cast<uint4*>(st + state_row(int(4 * i - D * Dv + k), D) * ss + Dv);
+    row[0] = row[1] = make_uint4(pair, pair, pair, pair);
+  }
 }
 inline __host__ __device__ index_t staged_state_bytes(int D, int Dv) {
   return (index_t(D) * staged_stride(Dv) * 2 + 16 + 127) / 128 * 128;
@@ -1334,7 +1359,11 @@ __global__ void __launch_bounds__(linear_fast_threads, linear_cluster_ctas)
   // The staged state, as combine_head writes it (half keeps it under 1 by a power of two).
   float unmul;
   const float mul = staged_scale<T>(vmax, p.scale, scratch, unmul);
-  each([&](int idx, float x) { stage_state_element(sS, D, Dv, idx, from_float<T>(x * mul)); });
+#pragma unroll
+  for (int u = 0; u < per_thread; ++u) {
+    const int i = tid + u * linear_fast_threads;
+    if (i < vecs) stage_state4<T, D, Dv>(sS, unsigned(i), merged[u], mul);
+  }
   __syncthreads();  // the staged state and the norm weights are complete
   reader.run(warp, sS, sgamma, unmul);
   cluster_wait();  // this CTA's partial stays until every peer has read it
