@@ -232,22 +232,25 @@ __host__ __device__ inline int state_col(int e, int Dv) {
 constexpr __host__ __device__ int staged_stride(int Dv) {
   return Dv + 24;
 }
+// z[d] of a 16-byte aligned staged state st (16-bit T), given as `pair` (the element twice): the 16
+// columns from Dv of row state_row(d), two 16-byte stores (Dv and the stride are multiples of 8).
+template <class T>
+__device__ __forceinline__ void stage_state_z(T* st, int D, int Dv, int d, std::uint32_t pair) {
+  uint4* row = reinterpret_cast<uint4*>(st + state_row(d, D) * staged_stride(Dv) + Dv);
+  row[0] = row[1] = make_uint4(pair, pair, pair, pair);
+}
 // Element idx of [S | z] (S row-major, then z) as y, into its place in a 16-byte aligned staged
-// state st (16-bit T): S[d, e] at (state_row(d), state_col(e)), z[d] in the 16 columns from Dv of
-// row state_row(d), two 16-byte stores (Dv and the stride are multiples of 8).
+// state st (16-bit T): S[d, e] at (state_row(d), state_col(e)), z[d] by stage_state_z.
 template <class T>
 __device__ __forceinline__ void stage_state_element(T* st, int D, int Dv, int idx, T y) {
   static_assert(sizeof(T) == 2, "a 16-bit staged state");
-  const int ss = staged_stride(Dv);
   if (idx < D * Dv) {
-    st[state_row(idx / Dv, D) * ss + state_col(idx % Dv, Dv)] = y;
+    st[state_row(idx / Dv, D) * staged_stride(Dv) + state_col(idx % Dv, Dv)] = y;
     return;
   }
   std::uint16_t bits;
   memcpy(&bits, &y, sizeof bits);
-  const std::uint32_t pair = bits * 0x10001u;
-  uint4* row = reinterpret_cast<uint4*>(st + state_row(idx - D * Dv, D) * ss + Dv);
-  row[0] = row[1] = make_uint4(pair, pair, pair, pair);
+  stage_state_z(st, D, Dv, idx - D * Dv, bits * 0x10001u);
 }
 // Elements 4 i .. 4 i + 3 of [S | z] times mul into the staged state st, as stage_state_element
 // places them: the form for dims known at compile time and a thread holding whole float4s. Four
@@ -267,11 +270,8 @@ __device__ __forceinline__ void stage_state4(T* st, unsigned i, float4 x, float 
   }
   const float z[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const std::uint32_t pair = pack2<T>(z[k] * mul, z[k] * mul);
-    uint4* row = reinterpret_cast<uint4*>(st + state_row(int(4 * i - D * Dv + k), D) * ss + Dv);
-    row[0] = row[1] = make_uint4(pair, pair, pair, pair);
-  }
+  for (int k = 0; k < 4; ++k)
+    stage_state_z(st, D, Dv, int(4 * i - D * Dv + k), pack2<T>(z[k] * mul, z[k] * mul));
 }
 inline __host__ __device__ index_t staged_state_bytes(int D, int Dv) {
   return (index_t(D) * staged_stride(Dv) * 2 + 16 + 127) / 128 * 128;
