@@ -20,8 +20,7 @@ namespace attnmix {
 namespace detail {
 
 template <class Backend>
-inline constexpr memory_space space_of =
-    std::is_same_v<Backend, backend::cuda> ? memory_space::device : memory_space::host;
+inline constexpr memory_space space_of = space_of_v<Backend>;
 
 template <class T, int R>
 void check_tensor(const std::string& fn, const char* arg, const tensor_view<T, R>& v,
@@ -151,7 +150,7 @@ void attention(const attention_args<T>& args, const attention_params& params = {
   static_assert(kind_traits<Kind>::softmax_family,
                 "attnmix::attention: Kind must be kind::softmax, fox, path or path_fox");
   static_assert(is_scalar_v<T>, "attnmix::attention: T must be float, double, half or bfloat16");
-  static_assert(is_backend_v<Backend>, "attnmix::attention: Backend must be backend::cpu or cuda");
+  static_assert(is_backend_v<Backend>, "attnmix::attention: Backend must be a backend tag (a name and a memory_space)");
   static_assert(std::is_same_v<Kind, kind::softmax> || Policy::mask == mask_type::causal,
                 "attnmix::attention: fox, path and path_fox are causal only; only kind::softmax "
                 "takes mask_type::bidirectional");

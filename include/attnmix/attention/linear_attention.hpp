@@ -208,7 +208,7 @@ void linear_attention(const linear_attention_args<T>& args,
   static_assert(is_scalar_v<T>,
                 "attnmix::linear_attention: T must be float, double, half or bfloat16");
   static_assert(is_backend_v<Backend>,
-                "attnmix::linear_attention: Backend must be backend::cpu or cuda");
+                "attnmix::linear_attention: Backend must be a backend tag (a name and a memory_space)");
   static_assert(!Policy::normalize || feature_map_traits<Policy::phi>::nonnegative,
                 "attnmix::linear_attention: this feature map can go negative, which can make the "
                 "normaliser phi(q).z + eps zero; use it only with Policy::normalize = false");

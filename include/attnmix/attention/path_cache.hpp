@@ -294,7 +294,7 @@ std::pair<attention_problem, std::vector<index_t>> check_path_decode(
 template <class Policy = path_policy, class T, class Backend = backend::cpu>
 void path_prefill_key_cache(const path_key_cache_args<T>& a, const attention_params& params = {},
                             const Backend& backend = Backend{}) {
-  static_assert(is_backend_v<Backend>, "attnmix: Backend must be backend::cpu or cuda");
+  static_assert(is_backend_v<Backend>, "attnmix: Backend must be a backend tag (a name and a memory_space)");
   const std::string fn = "attnmix::path_prefill_key_cache";
   constexpr memory_space space = detail::space_of<Backend>;
   const char* be = Backend::name;

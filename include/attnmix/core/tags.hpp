@@ -1,6 +1,11 @@
 #pragma once
 // Backend and kind tags. Backends are objects because they carry runtime state (a thread
 // count, a CUDA stream); kinds are empty types that only select code.
+//
+// A backend tag is any struct with a `name` and a `memory_space` (host_space or device_space):
+// is_backend_v detects them, so a new backend is its tag plus its specialisations.
+
+#include "attnmix/core/memory_space.hpp"
 
 namespace attnmix {
 
@@ -8,6 +13,7 @@ namespace backend {
 
 // Eigen on the host. threads = 0 uses std::thread::hardware_concurrency().
 struct cpu {
+  using memory_space = host_space;
   int threads = 0;
   static constexpr const char* name = "cpu";
 };
@@ -15,6 +21,7 @@ struct cpu {
 // CUDA on the current device. `stream` is a cudaStream_t (nullptr: the legacy default stream),
 // kept as void* so that host-only translation units can name the tag.
 struct cuda {
+  using memory_space = device_space;
   void* stream = nullptr;
   // true: only kernels that every supported GPU runs (mma.sync, not Hopper's wgmma), to compare
   // them or test them on a Hopper GPU.

@@ -10,14 +10,9 @@
 #include <type_traits>
 
 #include "attnmix/config.hpp"
+#include "attnmix/core/memory_space.hpp"
 
 namespace attnmix {
-
-enum class memory_space { host, device };
-
-inline const char* to_string(memory_space s) {
-  return s == memory_space::host ? "host" : "device";
-}
 
 template <class T, int Rank>
 class tensor_view {

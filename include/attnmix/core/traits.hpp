@@ -46,9 +46,19 @@ struct kind_traits<kind::path_fox> {
   static constexpr bool uses_householder = true;
 };
 
+// A backend tag: has a `name` and a `memory_space` that is host_space or device_space.
+template <class Backend, class = void>
+struct is_backend : std::false_type {};
 template <class Backend>
-inline constexpr bool is_backend_v =
-    std::is_same_v<Backend, backend::cpu> || std::is_same_v<Backend, backend::cuda>;
+struct is_backend<Backend, std::void_t<typename Backend::memory_space, decltype(Backend::name)>>
+    : std::bool_constant<std::is_same_v<typename Backend::memory_space, host_space> ||
+                         std::is_same_v<typename Backend::memory_space, device_space>> {};
+template <class Backend>
+inline constexpr bool is_backend_v = is_backend<Backend>::value;
+
+// The memory space a backend's kernels read and write (the enum a view records).
+template <class Backend>
+inline constexpr memory_space space_of_v = Backend::memory_space::value;
 
 namespace detail {
 // For static_asserts in primary templates that must only fire on instantiation.

@@ -161,7 +161,7 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   static_assert(sizeof...(Layers) >= 1, "attnmix::stack: a stack needs at least one layer");
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "attnmix::stack: the CPU layers compute in float or double");
-  static_assert(is_backend_v<Backend>, "attnmix::stack: Backend must be backend::cpu or cuda");
+  static_assert(is_backend_v<Backend>, "attnmix::stack: Backend must be a backend tag (a name and a memory_space)");
   static_assert(layers::detail::layers_run_on<Backend>,
                 "attnmix::stack: a stack runs on backend::cpu; for the GPU, build an "
                 "attnmix::device_stack from it (attnmix/cuda.cuh)");
