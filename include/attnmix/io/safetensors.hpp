@@ -251,8 +251,7 @@ class safetensors_file {
     });
     const tensor_info* furthest = nullptr;  // the tensor that ends last among those before
     for (const tensor_info* t : order) {
-      if (furthest != nullptr && t->begin < furthest->end &&
-          !(t->begin == t->end && t->begin == furthest->begin))
+      if (furthest != nullptr && t->begin < furthest->end)
         detail::fail(fn, source,
                      "is corrupt: tensors '" + furthest->name + "' and '" + t->name +
                          "' overlap (data bytes [" + std::to_string(furthest->begin) + ", " +
