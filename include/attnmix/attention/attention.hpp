@@ -34,47 +34,62 @@ struct qkv_sizes {
   index_t B, T, HQ, H, D, Dv;
 };
 
+// q, k, v and out: required. Entries 0..3 of every list the front doors build.
+template <class T>
+arg_list qkv_out_args(const view4<const T>& q, const view4<const T>& k, const view4<const T>& v,
+                      const view4<T>& out) {
+  return {input("q", q, arg_presence::required), input("k", k, arg_presence::required),
+          input("v", v, arg_presence::required), output("out", out, arg_presence::required)};
+}
+
+// The sizes of q, k, v (whose placement is checked), their consistency (HQ % H == 0), and the
+// expected shapes of k, v and out.
+inline qkv_sizes resolve_qkv(const std::string& fn, arg_list& args) {
+  const tensor_arg &q = args[0], &k = args[1], &v = args[2];
+  const qkv_sizes s{q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]};
+  require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
+          shape_string(q.shape.data(), 4));
+  require(s.H >= 1, fn, "k", "must have at least one head but has shape ",
+          shape_string(k.shape.data(), 4));
+  require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H, " heads, which does not divide the HQ = ",
+          s.HQ, " heads of 'q'");
+  args[1].expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
+  check_shapes(fn, {args[1]});
+  require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_string(v.shape.data(), 4));
+  args[2].expect("[B, T, H, Dv]", s.B, s.T, s.H, s.Dv);
+  args[3].expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
+  return s;
+}
+
 // Checks q, k, v and out: given, laid out for and living where the backend needs them, their
 // shapes consistent (HQ % H == 0), out free of self-overlap.
 template <class Backend, class T>
 qkv_sizes check_qkv_out(const std::string& fn, const view4<const T>& q, const view4<const T>& k,
                         const view4<const T>& v, const view4<T>& out) {
-  constexpr memory_space space = space_of<Backend>;
-  const char* be = Backend::name;
-  check_given(fn, "q", q);
-  check_given(fn, "k", k);
-  check_given(fn, "v", v);
-  check_given(fn, "out", out);
-  check_tensor(fn, "q", q, space, be);
-  check_tensor(fn, "k", k, space, be);
-  check_tensor(fn, "v", v, space, be);
-  check_tensor(fn, "out", out, space, be);
-  const qkv_sizes s{q.extent(0), q.extent(1), q.extent(2), k.extent(2), q.extent(3), v.extent(3)};
-  require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
-          shape_of(q));
-  require(s.H >= 1, fn, "k", "must have at least one head but has shape ", shape_of(k));
-  require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H,
-          " heads, which does not divide the HQ = ", s.HQ, " heads of 'q'");
-  check_shape(fn, "k", k, {s.B, s.T, s.H, s.D}, "[B, T, H, D]");
-  require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_of(v));
-  check_shape(fn, "v", v, {s.B, s.T, s.H, s.Dv}, "[B, T, H, Dv]");
-  check_shape(fn, "out", out, {s.B, s.T, s.HQ, s.Dv}, "[B, T, HQ, Dv]");
-  check_non_overlapping(fn, "out", out);
+  arg_list args = qkv_out_args(q, k, v, out);
+  check_presence(fn, args);
+  check_placement(fn, args, space_of<Backend>, Backend::name);
+  const qkv_sizes s = resolve_qkv(fn, args);
+  check_shapes(fn, args);
+  check_outputs(fn, args);
   return s;
 }
 
-// Checks packed-batch offsets (host memory, B == 1, 0 first, non-decreasing, T last).
-// Returns them and the number of sequences; a dense batch (no offsets) has B sequences.
-inline std::pair<const std::int32_t*, index_t> check_packed_batch(
-    const std::string& fn, const view1<const std::int32_t>& cu_seqlens, const qkv_sizes& s) {
-  if (!cu_seqlens.has_value()) return {nullptr, s.B};
-  check_space(fn, "cu_seqlens", cu_seqlens, memory_space::host, "offset validation");
-  require(s.B == 1, fn, "q", "must have B = 1 when cu_seqlens is given but has B = ", s.B);
-  check_offsets(fn, "cu_seqlens", cu_seqlens, s.T);
-  return {cu_seqlens.data(), cu_seqlens.extent(0) - 1};
+// The packed-batch offsets of a call on q-shaped tensors (see resolve_packed_batch).
+inline packed_batch check_packed_batch(const std::string& fn,
+                                       const view1<const std::int32_t>& cu_seqlens,
+                                       const qkv_sizes& s) {
+  return resolve_packed_batch(fn, cu_seqlens, s.B, s.T, "q");
 }
 
-// Checks everything attention() needs and returns the resolved sizes. Throws attnmix::error.
+// A softmax or linear scale, eps and the like: finite in the type the kernels compute in
+// (1e39 is finite in double but not in float).
+template <class A>
+void check_finite_in(const std::string& fn, const char* arg, double x) {
+  require(std::isfinite(x) && std::isfinite(static_cast<A>(x)), fn, arg, "must be finite in ",
+          sizeof(A) == 4 ? "float" : "double", " (the type it is computed in) but is ", x);
+}
+
 // The factor of (G_i - G_j) in the logits of the gated kinds: the softmax scale when the gate
 // enters before it (PaTH-FoX's convention), else 1 (FoX's). Every backend uses this one.
 template <class Policy>
@@ -82,58 +97,66 @@ double gate_coefficient(const attention_problem& p) {
   return Policy::gate == gate_scaling::before_scale ? p.scale : 1.0;
 }
 
+// The tensors of a softmax-family call, in the order of checks and messages.
+template <class Kind, class T>
+arg_list attention_arg_list(const attention_args<T>& a, const attention_params& p) {
+  constexpr bool gated = kind_traits<Kind>::uses_forget_gate;
+  constexpr bool householder = kind_traits<Kind>::uses_householder;
+  const auto needs = [](bool used) { return used ? arg_presence::required : arg_presence::forbidden; };
+  arg_list args = qkv_out_args(a.q, a.k, a.v, a.out);
+  args.push_back(input("g", a.g, needs(gated),
+                       gated ? "(the log forget gate) is required by this kind"
+                             : "this kind has no forget gate"));
+  args.push_back(input("w", a.w, needs(householder),
+                       householder ? "(the Householder directions) is required by this kind"
+                                   : "this kind has no Householder transforms"));
+  args.push_back(input("beta", a.beta, needs(householder),
+                       householder ? "(the Householder strengths) is required by this kind"
+                                   : "this kind has no Householder transforms"));
+  args.push_back(host_input("cu_seqlens", p.cu_seqlens, "offset validation"));
+  args.push_back(output("lse", a.lse));
+  return args;
+}
+
+// Checks everything attention() needs and returns the resolved sizes. Throws attnmix::error.
 template <class Kind, class T, class Backend>
 attention_problem validate_attention(const std::string& fn, const attention_args<T>& a,
                                      const attention_params& p) {
-  constexpr memory_space space = space_of<Backend>;
-  const char* be = Backend::name;
-  const qkv_sizes sz = check_qkv_out<Backend>(fn, a.q, a.k, a.v, a.out);
-  const index_t B = sz.B, T_ = sz.T, HQ = sz.HQ, H = sz.H, D = sz.D, Dv = sz.Dv;
+  using space = typename Backend::memory_space;
+  arg_list args = attention_arg_list<Kind>(a, p);
+  check_presence(fn, args);
+  check_placement(fn, args, space::value, Backend::name);
+  const qkv_sizes s = resolve_qkv(fn, args);
+  find_arg(args, "g")->expect("[B, T, HQ]", s.B, s.T, s.HQ);
+  find_arg(args, "w")->expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
+  find_arg(args, "beta")->expect("[B, T, H]", s.B, s.T, s.H);
+  find_arg(args, "lse")->expect("[B, T, HQ]", s.B, s.T, s.HQ);
+  check_shapes(fn, args);
+  check_outputs(fn, args);
 
-  if constexpr (kind_traits<Kind>::uses_forget_gate) {
-    check_given(fn, "g", a.g, "(the log forget gate) is required by this kind");
-    check_tensor(fn, "g", a.g, space, be);
-    check_shape(fn, "g", a.g, {B, T_, HQ}, "[B, T, HQ]");
-  } else {
-    check_not_given(fn, "g", a.g, "this kind has no forget gate");
-  }
-  if constexpr (kind_traits<Kind>::uses_householder) {
-    check_given(fn, "w", a.w, "(the Householder directions) is required by this kind");
-    check_given(fn, "beta", a.beta, "(the Householder strengths) is required by this kind");
-    check_tensor(fn, "w", a.w, space, be);
-    check_tensor(fn, "beta", a.beta, space, be);
-    check_shape(fn, "w", a.w, {B, T_, H, D}, "[B, T, H, D]");
-    check_shape(fn, "beta", a.beta, {B, T_, H}, "[B, T, H]");
-  } else {
-    check_not_given(fn, "w", a.w, "this kind has no Householder transforms");
-    check_not_given(fn, "beta", a.beta, "this kind has no Householder transforms");
-  }
-  if (a.lse.has_value()) {
-    check_tensor(fn, "lse", a.lse, space, be);
-    check_shape(fn, "lse", a.lse, {B, T_, HQ}, "[B, T, HQ]");
-    check_non_overlapping(fn, "lse", a.lse);
-  }
-  const auto no_alias = [&](const char* out_name, const auto& out) {
-    check_no_alias(fn, out_name, out, "q", a.q);
-    check_no_alias(fn, out_name, out, "k", a.k);
-    check_no_alias(fn, out_name, out, "v", a.v);
-    check_no_alias(fn, out_name, out, "g", a.g);
-    check_no_alias(fn, out_name, out, "w", a.w);
-    check_no_alias(fn, out_name, out, "beta", a.beta);
-  };
-  no_alias("out", a.out);
-  no_alias("lse", a.lse);
-  check_no_alias(fn, "lse", a.lse, "out", a.out);
-
-  const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(D));
-  require(std::isfinite(scale), fn, "scale", "must be finite but is ", scale);
+  const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(s.D));
+  check_finite_in<accum_t<T>>(fn, "scale", scale);
   require(p.window >= 0, fn, "window", "must be >= 0 (0: no window) but is ", p.window);
   if constexpr (kind_traits<Kind>::uses_householder)
     require(p.window == 0, fn, "window", "must be 0: PaTH has no sliding window, but is ",
             p.window);
+  const packed_batch packed = check_packed_batch(fn, p.cu_seqlens, s);
+  pointer_check<space>::run(fn, args);
 
-  const auto [cu, sequences] = check_packed_batch(fn, p.cu_seqlens, sz);
-  return {B, T_, HQ, H, D, Dv, scale, p.window, cu, sequences};
+  attention_problem prob{};
+  prob.batch = s.B;
+  prob.tokens = s.T;
+  prob.q_heads = s.HQ;
+  prob.kv_heads = s.H;
+  prob.head_dim = s.D;
+  prob.value_dim = s.Dv;
+  prob.scale = scale;
+  // A window of T or more sees every key of every sequence: no window. This also keeps the
+  // kernels' index arithmetic (i + window) far from overflow.
+  prob.window = p.window >= s.T ? 0 : p.window;
+  prob.cu_seqlens = packed.cu_seqlens;
+  prob.num_sequences = packed.sequences;
+  return prob;
 }
 
 }  // namespace detail

@@ -21,9 +21,37 @@
 namespace attnmix {
 namespace detail {
 
-template <class T, int R>
-bool same_view(const tensor_view<T, R>& x, const tensor_view<T, R>& y) {
-  return x.data() == y.data() && x.shape() == y.shape() && x.strides() == y.strides();
+// The tensors of a linear-attention call, in the order of checks and messages. A state may be
+// updated in place: state_out.X the very same view as state_in.X.
+template <class Kind, class Policy, class T>
+arg_list linear_arg_list(const linear_attention_args<T>& a, const linear_attention_params& p) {
+  constexpr bool causal = linear_kind_traits<Kind>::causal;
+  constexpr bool gated = Policy::gate != key_gate::off;
+  constexpr bool normed = Policy::norm != gated_norm::off;
+  constexpr auto opt = arg_presence::optional, req = arg_presence::required,
+                 no = arg_presence::forbidden;
+  const char* no_gate = "this policy has no key gate (key_gate::off)";
+  const char* no_norm = "this policy has no gated norm (gated_norm::off)";
+  const char* no_state = "only causal kinds (kind::linear_causal) continue from a state";
+  arg_list args = qkv_out_args(a.q, a.k, a.v, a.out);
+  args.push_back(input("mask", a.mask));
+  args.push_back(input("a", a.a, gated ? req : no,
+                       gated ? "(the key-gate logits) is required by this policy" : no_gate));
+  args.push_back(input("gate", a.gate, normed ? req : no,
+                       normed ? "(the output gate of the gated RMSNorm) is required by this policy"
+                              : no_norm));
+  args.push_back(input("gamma", a.gamma, normed ? opt : no, no_norm));
+  args.push_back(input("state_in.S", a.state_in.S, causal ? opt : no, no_state));
+  args.push_back(input("state_in.z", a.state_in.z, causal ? opt : no, no_state));
+  args.push_back(input("state_in.lse", a.state_in.lse, !causal ? no : gated ? opt : no,
+                       causal ? no_gate : no_state));
+  args.push_back(host_input("cu_seqlens", p.cu_seqlens, "offset validation"));
+  args.push_back(output("state_out.S", a.state_out.S));
+  args.push_back(output("state_out.z", a.state_out.z));
+  args.push_back(output("state_out.lse", a.state_out.lse, gated ? opt : no, no_gate));
+  for (auto& x : args)
+    if (std::string(x.name).rfind("state_", 0) == 0) x.in_place = true;
+  return args;
 }
 
 // Checks everything linear_attention() needs and returns the resolved sizes. Throws
@@ -32,158 +60,73 @@ template <class Kind, class Policy, class T, class Backend>
 linear_attention_problem validate_linear_attention(const std::string& fn,
                                                    const linear_attention_args<T>& a,
                                                    const linear_attention_params& p) {
-  constexpr memory_space space = space_of<Backend>;
-  constexpr bool causal = linear_kind_traits<Kind>::causal;
+  using space = typename Backend::memory_space;
+  using A = accum_t<T>;
   constexpr bool gated = Policy::gate != key_gate::off;
   constexpr bool normed = Policy::norm != gated_norm::off;
-  const char* be = Backend::name;
 
-  const qkv_sizes sz = check_qkv_out<Backend>(fn, a.q, a.k, a.v, a.out);
-  const index_t B = sz.B, T_ = sz.T, HQ = sz.HQ, H = sz.H, D = sz.D, Dv = sz.Dv;
-
-  if (a.mask.has_value()) {
-    check_tensor(fn, "mask", a.mask, space, be);
-    check_shape(fn, "mask", a.mask, {B, T_}, "[B, T]");
-  }
-
-  index_t Hg = 0;
-  if constexpr (gated) {
-    Hg = Policy::gate == key_gate::shared ? 1 : H;
-    check_given(fn, "a", a.a, "(the key-gate logits) is required by this policy");
-    check_tensor(fn, "a", a.a, space, be);
-    check_shape(fn, "a", a.a, {B, T_, Hg},
-                Policy::gate == key_gate::shared ? "[B, T, 1] (key_gate::shared)"
-                                                 : "[B, T, H] (key_gate::per_head)");
+  arg_list args = linear_arg_list<Kind, Policy>(a, p);
+  check_presence(fn, args);
+  const auto& si = a.state_in;
+  if (si.S.has_value()) {
+    if (Policy::normalize)
+      check_given(fn, "state_in.z", si.z, "is required with state_in.S when the normaliser is on");
+    if constexpr (gated)
+      check_given(fn, "state_in.lse", si.lse, "is required with state_in.S under a key gate");
   } else {
-    check_not_given(fn, "a", a.a, "this policy has no key gate (key_gate::off)");
+    check_not_given(fn, "state_in.z", si.z, "'state_in.S' was not");
+    check_not_given(fn, "state_in.lse", si.lse, "'state_in.S' was not");
   }
+  check_placement(fn, args, space::value, Backend::name);
+  const qkv_sizes s = resolve_qkv(fn, args);
+  const index_t Hg = !gated ? 0 : Policy::gate == key_gate::shared ? 1 : s.H;
+  find_arg(args, "mask")->expect("[B, T]", s.B, s.T);
+  find_arg(args, "a")->expect(Policy::gate == key_gate::shared ? "[B, T, 1] (key_gate::shared)"
+                                                               : "[B, T, H] (key_gate::per_head)",
+                              s.B, s.T, Hg);
+  find_arg(args, "gate")->expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
+  if constexpr (Policy::weight == norm_weight::shared)
+    find_arg(args, "gamma")->expect("[Dv] (norm_weight::shared)", s.Dv);
+  else
+    find_arg(args, "gamma")->expect("[HQ * Dv] (norm_weight::per_head)", s.HQ * s.Dv);
+  check_shapes(fn, args);
 
-  if constexpr (normed) {
-    check_given(fn, "gate", a.gate,
-                "(the output gate of the gated RMSNorm) is required by this policy");
-    check_tensor(fn, "gate", a.gate, space, be);
-    check_shape(fn, "gate", a.gate, {B, T_, HQ, Dv}, "[B, T, HQ, Dv]");
-    if (a.gamma.has_value()) {
-      check_tensor(fn, "gamma", a.gamma, space, be);
-      if constexpr (Policy::weight == norm_weight::shared)
-        check_shape(fn, "gamma", a.gamma, {Dv}, "[Dv] (norm_weight::shared)");
-      else
-        check_shape(fn, "gamma", a.gamma, {HQ * Dv}, "[HQ * Dv] (norm_weight::per_head)");
-    }
-    require(std::isfinite(p.norm_eps) && p.norm_eps > 0, fn, "norm_eps",
-            "must be finite and > 0 but is ", p.norm_eps);
-  } else {
-    check_not_given(fn, "gate", a.gate, "this policy has no gated norm (gated_norm::off)");
-    check_not_given(fn, "gamma", a.gamma, "this policy has no gated norm (gated_norm::off)");
-  }
-
+  const auto finite = [](double x) { return std::isfinite(x) && std::isfinite(static_cast<A>(x)); };
+  if constexpr (normed)
+    require(finite(p.norm_eps) && p.norm_eps > 0, fn, "norm_eps",
+            "must be finite and > 0 (in the type it is computed in) but is ", p.norm_eps);
   const double scale =
-      p.scale ? *p.scale : (Policy::normalize ? 1.0 : 1.0 / std::sqrt(static_cast<double>(D)));
-  require(std::isfinite(scale), fn, "scale", "must be finite but is ", scale);
-  require(std::isfinite(p.eps) && p.eps >= 0, fn, "eps", "must be finite and >= 0 but is ", p.eps);
+      p.scale ? *p.scale : (Policy::normalize ? 1.0 : 1.0 / std::sqrt(static_cast<double>(s.D)));
+  check_finite_in<A>(fn, "scale", scale);
+  require(finite(p.eps) && p.eps >= 0, fn, "eps",
+          "must be finite and >= 0 (in the type it is computed in) but is ", p.eps);
   // phi(q).z is 0 for a query or key set whose features vanish (relu): eps keeps 0 / eps = 0.
   require(!Policy::normalize || p.eps > 0, fn, "eps",
           "must be > 0 with the normaliser on (phi(q).z can be 0) but is ", p.eps);
 
-  const auto [cu, sequences] = check_packed_batch(fn, p.cu_seqlens, sz);
-  const linear_attention_problem prob{B,  T_,    HQ,    H,          Hg, D,
-                                      Dv, scale, p.eps, p.norm_eps, cu, sequences};
-  const index_t N = prob.num_sequences;
+  const packed_batch packed = check_packed_batch(fn, p.cu_seqlens, s);
+  const index_t N = packed.sequences;
+  for (const char* S : {"state_in.S", "state_out.S"})
+    find_arg(args, S)->expect("[N, H, D, Dv]", N, s.H, s.D, s.Dv);
+  for (const char* z : {"state_in.z", "state_out.z"}) find_arg(args, z)->expect("[N, H, D]", N, s.H, s.D);
+  for (const char* l : {"state_in.lse", "state_out.lse"}) find_arg(args, l)->expect("[N, H]", N, s.H);
+  check_shapes(fn, args);
+  check_outputs(fn, args);
+  pointer_check<space>::run(fn, args);
 
-  // States.
-  const auto& si = a.state_in;
-  const auto& so = a.state_out;
-  if constexpr (causal) {
-    if (si.S.has_value()) {
-      check_tensor(fn, "state_in.S", si.S, space, be);
-      check_shape(fn, "state_in.S", si.S, {N, H, D, Dv}, "[N, H, D, Dv]");
-      if (Policy::normalize)
-        check_given(fn, "state_in.z", si.z,
-                    "is required with state_in.S when the normaliser is on");
-      if constexpr (gated)
-        check_given(fn, "state_in.lse", si.lse, "is required with state_in.S under a key gate");
-    } else {
-      check_not_given(fn, "state_in.z", si.z, "'state_in.S' was not");
-      check_not_given(fn, "state_in.lse", si.lse, "'state_in.S' was not");
-    }
-    if (si.z.has_value()) {
-      check_tensor(fn, "state_in.z", si.z, space, be);
-      check_shape(fn, "state_in.z", si.z, {N, H, D}, "[N, H, D]");
-    }
-    if constexpr (!gated)
-      check_not_given(fn, "state_in.lse", si.lse, "this policy has no key gate (key_gate::off)");
-    if (si.lse.has_value()) {
-      check_tensor(fn, "state_in.lse", si.lse, space, be);
-      check_shape(fn, "state_in.lse", si.lse, {N, H}, "[N, H]");
-    }
-  } else {
-    const char* why = "only causal kinds (kind::linear_causal) continue from a state";
-    check_not_given(fn, "state_in.S", si.S, why);
-    check_not_given(fn, "state_in.z", si.z, why);
-    check_not_given(fn, "state_in.lse", si.lse, why);
-  }
-  if (so.S.has_value()) {
-    check_tensor(fn, "state_out.S", so.S, space, be);
-    check_shape(fn, "state_out.S", so.S, {N, H, D, Dv}, "[N, H, D, Dv]");
-    check_non_overlapping(fn, "state_out.S", so.S);
-  }
-  if (so.z.has_value()) {
-    check_tensor(fn, "state_out.z", so.z, space, be);
-    check_shape(fn, "state_out.z", so.z, {N, H, D}, "[N, H, D]");
-    check_non_overlapping(fn, "state_out.z", so.z);
-  }
-  if constexpr (!gated)
-    check_not_given(fn, "state_out.lse", so.lse, "this policy has no key gate (key_gate::off)");
-  if (so.lse.has_value()) {
-    check_tensor(fn, "state_out.lse", so.lse, space, be);
-    check_shape(fn, "state_out.lse", so.lse, {N, H}, "[N, H]");
-    check_non_overlapping(fn, "state_out.lse", so.lse);
-  }
-
-  // Outputs never share memory with the inputs, except that a state may be updated in place
-  // (state_out.X the very same view as state_in.X): each (sequence, head) reads its state
-  // before it writes it.
-  const auto no_alias = [&](const char* out_name, const auto& out) {
-    check_no_alias(fn, out_name, out, "q", a.q);
-    check_no_alias(fn, out_name, out, "k", a.k);
-    check_no_alias(fn, out_name, out, "v", a.v);
-    check_no_alias(fn, out_name, out, "mask", a.mask);
-    check_no_alias(fn, out_name, out, "a", a.a);
-    check_no_alias(fn, out_name, out, "gate", a.gate);
-    check_no_alias(fn, out_name, out, "gamma", a.gamma);
-    check_no_alias(fn, out_name, out, "cu_seqlens", p.cu_seqlens);
-  };
-  no_alias("out", a.out);
-  no_alias("state_out.S", so.S);
-  no_alias("state_out.z", so.z);
-  no_alias("state_out.lse", so.lse);
-  check_no_alias(fn, "out", a.out, "state_in.S", si.S);
-  check_no_alias(fn, "out", a.out, "state_in.z", si.z);
-  check_no_alias(fn, "out", a.out, "state_in.lse", si.lse);
-  check_no_alias(fn, "state_out.S", so.S, "out", a.out);
-  check_no_alias(fn, "state_out.z", so.z, "out", a.out);
-  check_no_alias(fn, "state_out.lse", so.lse, "out", a.out);
-  check_no_alias(fn, "state_out.z", so.z, "state_out.S", so.S);
-  check_no_alias(fn, "state_out.lse", so.lse, "state_out.S", so.S);
-  check_no_alias(fn, "state_out.lse", so.lse, "state_out.z", so.z);
-  const auto in_place_or_apart = [&](const char* out_name, const auto& out, const char* in_name,
-                                     const auto& in) {
-    using out_view = std::decay_t<decltype(out)>;
-    using in_view = std::decay_t<decltype(in)>;
-    if constexpr (out_view::rank == in_view::rank) {
-      if (out.has_value() && in.has_value() && same_view(in_view(out), in)) return;
-    }
-    check_no_alias(fn, out_name, out, in_name, in);
-  };
-  in_place_or_apart("state_out.S", so.S, "state_in.S", si.S);
-  in_place_or_apart("state_out.S", so.S, "state_in.z", si.z);
-  in_place_or_apart("state_out.S", so.S, "state_in.lse", si.lse);
-  in_place_or_apart("state_out.z", so.z, "state_in.S", si.S);
-  in_place_or_apart("state_out.z", so.z, "state_in.z", si.z);
-  in_place_or_apart("state_out.z", so.z, "state_in.lse", si.lse);
-  in_place_or_apart("state_out.lse", so.lse, "state_in.S", si.S);
-  in_place_or_apart("state_out.lse", so.lse, "state_in.z", si.z);
-  in_place_or_apart("state_out.lse", so.lse, "state_in.lse", si.lse);
+  linear_attention_problem prob{};
+  prob.batch = s.B;
+  prob.tokens = s.T;
+  prob.q_heads = s.HQ;
+  prob.kv_heads = s.H;
+  prob.gate_heads = Hg;
+  prob.head_dim = s.D;
+  prob.value_dim = s.Dv;
+  prob.scale = scale;
+  prob.eps = p.eps;
+  prob.norm_eps = p.norm_eps;
+  prob.cu_seqlens = packed.cu_seqlens;
+  prob.num_sequences = N;
   return prob;
 }
 

@@ -15,7 +15,10 @@
 //     attnmix::path_decode_step<attnmix::kind::path_fox>(cache, step_args, slots, params);
 // Include <attnmix/attnmix.hpp> (or attnmix/cpu/path.hpp) for the implementation.
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -31,15 +34,16 @@
 
 namespace attnmix {
 
-template <class T>
+template <class T, class Space = host_space>
 class path_cache;
 
 namespace detail {
 
-// Backend implementations of the operations below; cpu/path.hpp specialises it.
+// Backend implementations of the operations below; cpu/path.hpp and cuda/path.cuh specialise it.
 //   key_cache<Policy>(const path_key_cache_args<T>&, const attention_problem&, const Backend&)
-//   prefill<Kind, Policy>(path_cache<T>&, const attention_args<T>&, const attention_problem&,
-//                         const std::vector<index_t>& slots, const Backend&)
+//   prefill<Kind, Policy>(path_cache<Store, Space>&, const attention_args<T>&,
+//                         const attention_problem&, const std::vector<index_t>& slots,
+//                         const Backend&)
 //   decode<Kind, Policy>(same arguments as prefill)
 template <class Backend, class Enable = void>
 struct path_cache_impl {
@@ -50,22 +54,51 @@ struct path_cache_impl {
 
 // Mutable access to a cache's storage for the implementations.
 struct path_cache_access {
-  template <class T>
-  static T* keys(path_cache<T>& c) {
-    return c.keys_.data();
+  template <class T, class S>
+  static T* keys(path_cache<T, S>& c) {
+    return static_cast<T*>(c.keys_.get());
   }
-  template <class T>
-  static T* values(path_cache<T>& c) {
-    return c.values_.data();
+  template <class T, class S>
+  static T* values(path_cache<T, S>& c) {
+    return static_cast<T*>(c.values_.get());
   }
-  template <class T>
-  static double* gates(path_cache<T>& c) {
-    return c.gates_.data();
+  template <class T, class S>
+  static double* gates(path_cache<T, S>& c) {
+    return static_cast<double*>(c.gates_.get());
   }
-  template <class Cache>  // path_cache or device_path_cache
+  template <class Cache>
   static void set_length(Cache& c, index_t slot, index_t length) {
     c.set_length(slot, length);
   }
+};
+
+// What a memory space's path_cache is made of: owned bytes (`buffer`, zero-filled on the host),
+// the element types it holds, its name in messages and the head dims its kernels take.
+// Specialised for host_space here and for device_space in cuda/path.cuh.
+template <class Space>
+struct path_cache_space {
+  static_assert(dependent_false_space<Space>,
+                "attnmix::path_cache: no cache for this memory space; for device_space include "
+                "<attnmix/cuda.cuh> in a translation unit compiled by nvcc");
+};
+
+template <>
+struct path_cache_space<host_space> {
+  static constexpr const char* name = "attnmix::path_cache";
+  template <class T>
+  static constexpr bool holds = std::is_same_v<T, float> || std::is_same_v<T, double>;
+  static void check_dims(const std::string&, index_t, index_t) {}
+  // Zero-filled bytes; copyable.
+  class buffer {
+   public:
+    buffer() = default;
+    buffer(std::size_t bytes, const char*) : bytes_(bytes / sizeof(double) + 1, 0.0) {}
+    void* get() { return bytes_.data(); }
+    const void* get() const { return bytes_.data(); }
+
+   private:
+    std::vector<double> bytes_;  // doubles: aligned for every element type the cache holds
+  };
 };
 
 }  // namespace detail
@@ -124,14 +157,25 @@ class path_cache_base {
             "must be a positive multiple of kv_heads = ", kv_heads, " but is ", q_heads);
     require(head_dim >= 1, fn, "head_dim", "must be >= 1 but is ", head_dim);
     require(value_dim >= 1, fn, "value_dim", "must be >= 1 but is ", value_dim);
+    // Every array's bytes (8 per element at most) must be addressable.
+    const index_t max_elements = std::numeric_limits<index_t>::max() / 8;
+    index_t rows = 0, row = 0, n = 0;
+    const bool fits = checked_mul(slots, capacity, rows, max_elements) &&
+                      checked_mul(kv_heads, std::max(head_dim, value_dim), row, max_elements) &&
+                      checked_mul(rows, row, n, max_elements) &&
+                      checked_mul(rows, q_heads, n, max_elements);
+    require(fits, fn, "capacity", "makes the cache too large to address: ", slots, " slots x ",
+            capacity, " tokens x ", kv_heads, " heads x ", std::max(head_dim, value_dim),
+            " (or ", q_heads, " query heads) elements");
     lengths_.assign(static_cast<std::size_t>(slots), 0);
   }
   void set_length(index_t slot, index_t length) {
     lengths_[static_cast<std::size_t>(slot)] = length;
   }
-  // Elements of a [slots, capacity, heads, dim] array.
-  std::size_t elements(index_t heads, index_t dim) const {
-    return static_cast<std::size_t>(slots_ * capacity_) * static_cast<std::size_t>(heads * dim);
+  // Bytes of a [slots, capacity, heads, dim] array of `element` bytes (checked to fit).
+  std::size_t bytes(index_t heads, index_t dim, std::size_t element) const {
+    return static_cast<std::size_t>(slots_ * capacity_) * static_cast<std::size_t>(heads * dim) *
+           element;
   }
 
   const char* name_ = "attnmix::path_cache";
@@ -148,41 +192,70 @@ class path_cache_base {
 
 }  // namespace detail
 
-// Decoding state of a batch of independent PaTH / PaTH-FoX sequences, in host memory.
-// Each of `slots` slots holds one sequence of at most `capacity` tokens:
+// Decoding state of a batch of independent PaTH / PaTH-FoX sequences, in the memory space
+// `Space` (host_space: float or double; device_space, with <attnmix/cuda.cuh>: float or bfloat16,
+// D and Dv multiples of 8 up to 128). Each of `slots` slots holds one sequence of at most
+// `capacity` tokens:
 //   keys   [slots, capacity, H, D]   kappa_j, the keys carried through all later transitions
 //   values [slots, capacity, H, Dv]  raw values
 //   gates  [slots, capacity, HQ]     inclusive cumsum G_j of the log forget gate (double, so a
 //                                    long generation keeps the small differences G_t - G_j);
 //                                    zero for kind::path
-// Tokens [0, length(slot)) of a slot are valid. The keys are rewritten by every decoding step,
-// so slots cannot share a prefix. (The CUDA backend's device_path_cache has the same layout.)
-template <class T>
+// Tokens [0, length(slot)) of a slot are valid; lengths are kept on the host. The keys are
+// rewritten by every decoding step, so slots cannot share a prefix. A bfloat16 device cache
+// halves the traffic of a decoding step, but every step rounds each carried key again.
+// Movable (a moved-from cache holds no slots); copyable where its storage is (the host).
+template <class T, class Space>
 class path_cache : public detail::path_cache_base {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "attnmix::path_cache: the host cache holds float or double");
+  using space_traits = detail::path_cache_space<Space>;
+  static_assert(space_traits::template holds<T>, "attnmix::path_cache: this memory space's cache "
+                                                 "does not hold this element type (host: float, "
+                                                 "double; device: float, bfloat16)");
+  using buffer = typename space_traits::buffer;
 
  public:
-  path_cache() = default;
-  // Throws attnmix::error naming the bad size.
+  using element_type = T;
+  using memory_space = Space;
+
+  path_cache() { name_ = space_traits::name; }
+  // Throws attnmix::error naming a bad size (before allocating anything).
   path_cache(index_t slots, index_t capacity, index_t q_heads, index_t kv_heads, index_t head_dim,
              index_t value_dim)
-      : path_cache_base("attnmix::path_cache", slots, capacity, q_heads, kv_heads, head_dim,
-                        value_dim),
-        keys_(elements(kv_heads, head_dim), T(0)),
-        values_(elements(kv_heads, value_dim), T(0)),
-        gates_(elements(q_heads, 1), 0.0) {}
-
-  view4<const T> keys() const { return {keys_.data(), {slots_, capacity_, kv_heads_, head_dim_}}; }
-  view4<const T> values() const {
-    return {values_.data(), {slots_, capacity_, kv_heads_, value_dim_}};
+      : path_cache_base(space_traits::name, slots, capacity, q_heads, kv_heads, head_dim,
+                        value_dim) {
+    space_traits::check_dims(name_, head_dim, value_dim);
+    keys_ = buffer(bytes(kv_heads, head_dim, sizeof(T)), "path_cache keys");
+    values_ = buffer(bytes(kv_heads, value_dim, sizeof(T)), "path_cache values");
+    gates_ = buffer(bytes(q_heads, 1, sizeof(double)), "path_cache gates");
   }
-  view3<const double> gate_cumsum() const { return {gates_.data(), {slots_, capacity_, q_heads_}}; }
+  path_cache(const path_cache&) = default;
+  path_cache& operator=(const path_cache&) = default;
+  path_cache(path_cache&& o) noexcept { *this = std::move(o); }
+  path_cache& operator=(path_cache&& o) noexcept {
+    if (this != &o) {
+      static_cast<path_cache_base&>(*this) = std::move(static_cast<path_cache_base&>(o));
+      keys_ = std::move(o.keys_), values_ = std::move(o.values_), gates_ = std::move(o.gates_);
+      o.slots_ = 0;
+      o.lengths_.clear();
+    }
+    return *this;
+  }
+
+  view4<const T> keys() const {
+    return {static_cast<const T*>(keys_.get()), {slots_, capacity_, kv_heads_, head_dim_},
+            Space::value};
+  }
+  view4<const T> values() const {
+    return {static_cast<const T*>(values_.get()), {slots_, capacity_, kv_heads_, value_dim_},
+            Space::value};
+  }
+  view3<const double> gate_cumsum() const {
+    return {static_cast<const double*>(gates_.get()), {slots_, capacity_, q_heads_}, Space::value};
+  }
 
  private:
   friend struct detail::path_cache_access;
-  std::vector<T> keys_, values_;
-  std::vector<double> gates_;
+  buffer keys_, values_, gates_;
 };
 
 namespace detail {
@@ -284,6 +357,18 @@ std::pair<attention_problem, std::vector<index_t>> check_path_decode(
 
 }  // namespace detail
 
+// The default backend of a cache's memory space, for the front doors' default arguments.
+template <class Space>
+struct default_backend;
+template <>
+struct default_backend<host_space> {
+  using type = backend::cpu;
+};
+template <>
+struct default_backend<device_space> {
+  using type = backend::cuda;
+};
+
 // The prefill key cache: for each sequence of length L (a batch row, or a cu_seqlens segment)
 //   key_cache[j] = H_{L-1} H_{L-2} ... H_{j+1} k_j,   H_t = I - beta_t w_t w_t^T,
 // i.e. every key carried through all later transitions of its sequence (the last key is k
@@ -294,41 +379,50 @@ std::pair<attention_problem, std::vector<index_t>> check_path_decode(
 template <class Policy = path_policy, class T, class Backend = backend::cpu>
 void path_prefill_key_cache(const path_key_cache_args<T>& a, const attention_params& params = {},
                             const Backend& backend = Backend{}) {
-  static_assert(is_backend_v<Backend>, "attnmix: Backend must be a backend tag (a name and a memory_space)");
+  static_assert(is_backend_v<Backend>,
+                "attnmix: Backend must be a backend tag (a name and a memory_space)");
+  using space = typename Backend::memory_space;
+  namespace d = detail;
   const std::string fn = "attnmix::path_prefill_key_cache";
-  constexpr memory_space space = detail::space_of<Backend>;
-  const char* be = Backend::name;
-  detail::check_given(fn, "k", a.k);
-  detail::check_given(fn, "w", a.w);
-  detail::check_given(fn, "beta", a.beta);
-  detail::check_given(fn, "key_cache", a.key_cache);
-  detail::check_tensor(fn, "k", a.k, space, be);
-  detail::check_tensor(fn, "w", a.w, space, be);
-  detail::check_tensor(fn, "beta", a.beta, space, be);
-  detail::check_tensor(fn, "key_cache", a.key_cache, space, be);
+  const auto req = d::arg_presence::required;
+  d::arg_list args{d::input("k", a.k, req), d::input("w", a.w, req),
+                   d::input("beta", a.beta, req),
+                   d::host_input("cu_seqlens", params.cu_seqlens, "offset validation"),
+                   d::output("key_cache", a.key_cache, req)};
+  d::check_presence(fn, args);
+  d::check_placement(fn, args, space::value, Backend::name);
   const index_t B = a.k.extent(0), T_ = a.k.extent(1), H = a.k.extent(2), D = a.k.extent(3);
-  detail::require(H >= 1 && D >= 1, fn, "k",
-                  "must have at least one head and D >= 1 but has shape ", detail::shape_of(a.k));
-  detail::check_shape(fn, "w", a.w, {B, T_, H, D}, "[B, T, H, D]");
-  detail::check_shape(fn, "beta", a.beta, {B, T_, H}, "[B, T, H]");
-  detail::check_shape(fn, "key_cache", a.key_cache, {B, T_, H, D}, "[B, T, H, D]");
-  detail::check_non_overlapping(fn, "key_cache", a.key_cache);
-  detail::check_no_alias(fn, "key_cache", a.key_cache, "k", a.k);
-  detail::check_no_alias(fn, "key_cache", a.key_cache, "w", a.w);
-  detail::check_no_alias(fn, "key_cache", a.key_cache, "beta", a.beta);
-  detail::require(params.window == 0, fn, "window",
-                  "must be 0: PaTH has no sliding window, but is ", params.window);
-  attention_problem prob{B, T_, H, H, D, D, 1.0, 0, nullptr, B};
-  if (params.cu_seqlens.has_value()) {
-    detail::check_space(fn, "cu_seqlens", params.cu_seqlens, memory_space::host,
-                        "offset validation");
-    detail::require(B == 1, fn, "k", "must have B = 1 when cu_seqlens is given but has B = ", B);
-    detail::check_offsets(fn, "cu_seqlens", params.cu_seqlens, T_);
-    prob.cu_seqlens = params.cu_seqlens.data();
-    prob.num_sequences = params.cu_seqlens.extent(0) - 1;
-  }
-  detail::path_cache_impl<Backend>::template key_cache<Policy>(a, prob, backend);
+  d::require(H >= 1 && D >= 1, fn, "k", "must have at least one head and D >= 1 but has shape ",
+             d::shape_of(a.k));
+  d::find_arg(args, "w")->expect("[B, T, H, D]", B, T_, H, D);
+  d::find_arg(args, "beta")->expect("[B, T, H]", B, T_, H);
+  d::find_arg(args, "key_cache")->expect("[B, T, H, D]", B, T_, H, D);
+  d::check_shapes(fn, args);
+  d::check_outputs(fn, args);
+  d::require(params.window == 0, fn, "window", "must be 0: PaTH has no sliding window, but is ",
+             params.window);
+  const d::packed_batch packed = d::resolve_packed_batch(fn, params.cu_seqlens, B, T_, "k");
+  d::pointer_check<space>::run(fn, args);
+  attention_problem prob{};
+  prob.batch = B;
+  prob.tokens = T_;
+  prob.q_heads = prob.kv_heads = H;
+  prob.head_dim = prob.value_dim = D;
+  prob.scale = 1.0;
+  prob.window = 0;
+  prob.cu_seqlens = packed.cu_seqlens;
+  prob.num_sequences = packed.sequences;
+  d::path_cache_impl<Backend>::template key_cache<Policy>(a, prob, backend);
 }
+
+namespace detail {
+template <class Space, class Backend>
+constexpr void check_cache_space() {
+  static_assert(std::is_same_v<Space, typename Backend::memory_space>,
+                "attnmix: the cache lives in another memory space than the backend computes in "
+                "(path_cache<T> for host backends, path_cache<T, device_space> for backend::cuda)");
+}
+}  // namespace detail
 
 // Prefill: the PaTH / PaTH-FoX forward over a batch of prompts (exactly attnmix::attention<Kind,
 // Policy>: out, optional lse), which also loads each prompt's keys (carried through all its
@@ -336,12 +430,15 @@ void path_prefill_key_cache(const path_key_cache_args<T>& a, const attention_par
 // args as for attention<Kind>: q [B,T,HQ,D], k/w [B,T,H,D], v [B,T,H,Dv], beta [B,T,H],
 // g [B,T,HQ] (path_fox), out [B,T,HQ,Dv]; params.cu_seqlens for a packed batch.
 // slots: [N] host int32, the cache slot of each of the N sequences (absent: sequence n -> slot n).
-// The cache must have the call's head layout and room for every prompt.
+// The cache must live where the backend computes, have the call's head layout and room for
+// every prompt. The backend defaults to the cache's space's (cpu on the host, cuda on the device).
 // Throws attnmix::error (and changes neither the outputs nor the cache) on invalid arguments.
-template <class Kind, class Policy = default_policy_t<Kind>, class T, class Backend = backend::cpu>
-void path_prefill(path_cache<T>& cache, const attention_args<T>& args,
+template <class Kind, class Policy = default_policy_t<Kind>, class Store, class Space, class T,
+          class Backend = typename default_backend<Space>::type>
+void path_prefill(path_cache<Store, Space>& cache, const attention_args<T>& args,
                   const view1<const std::int32_t>& slots = {}, const attention_params& params = {},
                   const Backend& backend = Backend{}) {
+  detail::check_cache_space<Space, Backend>();
   const auto [prob, where] = detail::check_path_prefill<Kind, Backend>(
       detail::path_fn<Kind>("path_prefill"), cache, args, slots, params);
   detail::path_cache_impl<Backend>::template prefill<Kind, Policy>(cache, args, prob, where,
@@ -357,10 +454,12 @@ void path_prefill(path_cache<T>& cache, const attention_args<T>& args,
 // params.scale as for the forward; cu_seqlens and window must be absent.
 // Throws attnmix::error (and changes neither the outputs nor the cache) on invalid arguments,
 // a cache of another head layout, or a full slot.
-template <class Kind, class Policy = default_policy_t<Kind>, class T, class Backend = backend::cpu>
-void path_decode_step(path_cache<T>& cache, const attention_args<T>& args,
+template <class Kind, class Policy = default_policy_t<Kind>, class Store, class Space, class T,
+          class Backend = typename default_backend<Space>::type>
+void path_decode_step(path_cache<Store, Space>& cache, const attention_args<T>& args,
                       const view1<const std::int32_t>& slots = {},
                       const attention_params& params = {}, const Backend& backend = Backend{}) {
+  detail::check_cache_space<Space, Backend>();
   const auto [prob, where] = detail::check_path_decode<Kind, Backend>(
       detail::path_fn<Kind>("path_decode_step"), cache, args, slots, params);
   detail::path_cache_impl<Backend>::template decode<Kind, Policy>(cache, args, prob, where,

@@ -2,6 +2,7 @@
 // FoX (forgetting attention) on the CPU: softmax attention with the bias G_i - G_j, where G is
 // the inclusive cumsum of the log forget gate g over each sequence.
 
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -17,20 +18,44 @@ namespace detail {
 namespace cpu {
 
 // G laid out like g ([B, T, HQ], contiguous), restarting at every sequence; summed in double.
+// A log gate of -inf is a hard reset: keys before it get weight 0 for every later query. The sum
+// restarts at 0 there (so that G_i - G_j stays finite within the segment), and reset[t] holds
+// the sequence-local position of the last reset at or before t (0 when none); a query at t sees
+// only keys j >= reset[t]. `reset` stays empty when g holds no -inf.
+struct gate_prefix {
+  std::vector<double> G;
+  std::vector<index_t> reset;
+
+  const double* cumsum() const { return G.data(); }
+  const index_t* resets() const { return reset.empty() ? nullptr : reset.data(); }
+};
+
 template <class T>
-std::vector<double> gate_cumsum(const view3<const T>& g, const attention_problem& p) {
-  std::vector<double> G(static_cast<std::size_t>(p.batch * p.tokens * p.q_heads));
+gate_prefix gate_cumsum(const view3<const T>& g, const attention_problem& p) {
+  gate_prefix out;
+  const auto size = static_cast<std::size_t>(p.batch * p.tokens * p.q_heads);
+  out.G.resize(size);
   for (index_t n = 0; n < p.num_sequences; ++n) {
     const sequence s = p.seq(n);
     for (index_t hq = 0; hq < p.q_heads; ++hq) {
       double sum = 0;
+      index_t last = 0;
       for (index_t t = s.start; t < s.start + s.length; ++t) {
-        sum += static_cast<double>(g(s.batch, t, hq));
-        G[static_cast<std::size_t>((s.batch * p.tokens + t) * p.q_heads + hq)] = sum;
+        const auto at = static_cast<std::size_t>((s.batch * p.tokens + t) * p.q_heads + hq);
+        const double x = static_cast<double>(g(s.batch, t, hq));
+        if (x == -std::numeric_limits<double>::infinity()) {
+          if (out.reset.empty()) out.reset.assign(size, 0);
+          sum = 0;
+          last = t - s.start;
+        } else {
+          sum += x;
+        }
+        out.G[at] = sum;
+        if (!out.reset.empty()) out.reset[at] = last;
       }
     }
   }
-  return G;
+  return out;
 }
 
 }  // namespace cpu
@@ -40,8 +65,8 @@ struct attention_impl<kind::fox, backend::cpu, Policy> {
   template <class T>
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be) {
     cpu::require_cpu_scalar<T>();
-    const std::vector<double> G = cpu::gate_cumsum(a.g, p);
-    cpu::flash_forward<Policy>(a, p, be, G.data(), gate_coefficient<Policy>(p));
+    const cpu::gate_prefix G = cpu::gate_cumsum(a.g, p);
+    cpu::flash_forward<Policy>(a, p, be, G.cumsum(), gate_coefficient<Policy>(p), G.resets());
   }
 };
 

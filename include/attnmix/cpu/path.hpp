@@ -165,11 +165,12 @@ void path_softmax_update(path_scratch<T>& ws, const V& values) {
 }
 
 // Step 2 for one query chunk of one (sequence, query head). G: gate cumsum of this (sequence,
-// query head) at token 0 of the sequence with stride Gs (nullptr: no gate); coef multiplies it.
+// query head) at token 0 of the sequence with stride Gs (nullptr: no gate); coef multiplies it;
+// reset: the hard resets laid out like G (nullptr: none; see gate_cumsum in cpu/fox.hpp).
 template <class T>
 void path_query_chunk(const attention_args<T>& a, const attention_problem& p, path_chunks<T>& c,
                       index_t seq, index_t hq, index_t ci, const double* G, index_t Gs, double coef,
-                      path_scratch<T>& ws) {
+                      const index_t* reset, path_scratch<T>& ws) {
   constexpr T ninf = -std::numeric_limits<T>::infinity();
   const sequence s = p.seq(seq);
   const index_t b = s.batch, h = hq / p.group(), C = c.chunk, D = p.head_dim, Dv = p.value_dim;
@@ -192,6 +193,7 @@ void path_query_chunk(const attention_args<T>& a, const attention_problem& p, pa
     for (index_t j = 0; j < cols; ++j) ws.gj(j) = static_cast<T>(coef * (G[(j0 + j) * Gs] - g_ref));
     ws.s.array().colwise() += ws.gi;
     ws.s.array().rowwise() -= ws.gj.transpose();
+    cut_at_resets(ws.s, gate_bias{G, Gs, coef, reset}, c0, j0);
   };
 
   // The diagonal chunk: scores s * tril(Q K^T - tril(Q W^T) M); no transition on the diagonal.
@@ -231,10 +233,11 @@ void path_query_chunk(const attention_args<T>& a, const attention_problem& p, pa
 }
 
 // The blocked forward over prepared chunks. G: gate cumsum laid out like g ([B, T, HQ],
-// contiguous) or nullptr.
+// contiguous) or nullptr; reset: its hard resets, or nullptr.
 template <class T>
 void path_forward(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be,
-                  path_chunks<T>& c, const double* G, double coef) {
+                  path_chunks<T>& c, const double* G, double coef,
+                  const index_t* reset = nullptr) {
   require_cpu_scalar<T>();
   const index_t chunk = c.chunk;
 
@@ -254,9 +257,9 @@ void path_forward(const attention_args<T>& a, const attention_problem& p, const 
   parallel_for(static_cast<index_t>(tasks.size()), workers, [&](index_t i, int worker) {
     const task& tk = tasks[static_cast<std::size_t>(i)];
     const sequence s = p.seq(tk.seq);
-    const double* g =
-        G != nullptr ? G + (s.batch * p.tokens + s.start) * p.q_heads + tk.head : nullptr;
-    path_query_chunk(a, p, c, tk.seq, tk.head, tk.chunk, g, p.q_heads, coef,
+    const index_t at = (s.batch * p.tokens + s.start) * p.q_heads + tk.head;
+    path_query_chunk(a, p, c, tk.seq, tk.head, tk.chunk, G != nullptr ? G + at : nullptr,
+                     p.q_heads, coef, reset != nullptr ? reset + at : nullptr,
                      scratch[static_cast<std::size_t>(worker)]);
   });
 }
@@ -319,8 +322,16 @@ void path_decode_head(const attention_args<T>& a, const attention_problem& p, T*
   for (index_t e = 0; e < Dv; ++e) vh[length * H * Dv + e] = a.v(row, 0, h, e);
   for (index_t g = 0; g < G; ++g) {
     const index_t hq = hq0 + g;
-    const double prev = length > 0 ? gates[(length - 1) * HQ + hq] : 0.0;
-    gates[length * HQ + hq] = prev + (gated ? static_cast<double>(a.g(row, 0, hq)) : 0.0);
+    const double x = gated ? static_cast<double>(a.g(row, 0, hq)) : 0.0;
+    if (x == -std::numeric_limits<double>::infinity()) {
+      // A hard reset: the cached keys get weight 0 from now on (G_t - (+inf) = -inf), and the
+      // cumsum restarts at this token.
+      for (index_t j = 0; j < length; ++j) gates[j * HQ + hq] = std::numeric_limits<double>::infinity();
+      gates[length * HQ + hq] = 0.0;
+    } else {
+      const double prev = length > 0 ? gates[(length - 1) * HQ + hq] : 0.0;
+      gates[length * HQ + hq] = prev + x;
+    }
   }
 
   const index_t L = length + 1;
@@ -362,9 +373,9 @@ struct attention_impl<kind::path_fox, backend::cpu, Policy> {
   static void run(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be) {
     static_assert(Policy::chunk >= 1, "attnmix: Policy::chunk must be positive");
     cpu::require_cpu_scalar<T>();
-    const std::vector<double> G = cpu::gate_cumsum(a.g, p);
+    const cpu::gate_prefix G = cpu::gate_cumsum(a.g, p);
     auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
-    cpu::path_forward(a, p, be, c, G.data(), gate_coefficient<Policy>(p));
+    cpu::path_forward(a, p, be, c, G.cumsum(), gate_coefficient<Policy>(p), G.resets());
   }
 };
 
@@ -390,9 +401,10 @@ struct path_cache_impl<backend::cpu> {
     cpu::require_cpu_scalar<T>();
     // The forward and the key cache share the per-chunk UT data.
     auto c = cpu::path_prepare<T>(a.k, a.w, a.beta, p, Policy::chunk, be);
+    cpu::gate_prefix G;
     if constexpr (kind_traits<Kind>::uses_forget_gate) {
-      const std::vector<double> G = cpu::gate_cumsum(a.g, p);
-      cpu::path_forward(a, p, be, c, G.data(), gate_coefficient<Policy>(p));
+      G = cpu::gate_cumsum(a.g, p);
+      cpu::path_forward(a, p, be, c, G.cumsum(), gate_coefficient<Policy>(p), G.resets());
     } else {
       cpu::path_forward(a, p, be, c, nullptr, 0.0);
     }
@@ -415,13 +427,18 @@ struct path_cache_impl<backend::cpu> {
           for (index_t e = 0; e < Dv; ++e)
             values[((slot * cap + t) * H + h) * Dv + e] = a.v(s.batch, s.start + t, h, e);
       }
+      // The cumsum as the forward has it; keys before the last hard reset get +inf, so that
+      // every later query gives them G_t - (+inf) = -inf.
       for (index_t hq = 0; hq < HQ; ++hq) {
-        double sum = 0;
-        for (index_t t = 0; t < s.length; ++t) {
-          if constexpr (kind_traits<Kind>::uses_forget_gate)
-            sum += static_cast<double>(a.g(s.batch, s.start + t, hq));
-          gates[(slot * cap + t) * HQ + hq] = sum;
-        }
+        const auto at = [&](index_t t) {
+          return static_cast<std::size_t>((s.batch * p.tokens + s.start + t) * HQ + hq);
+        };
+        const index_t cut = G.resets() != nullptr && s.length > 0 ? G.reset[at(s.length - 1)] : 0;
+        for (index_t t = 0; t < s.length; ++t)
+          gates[(slot * cap + t) * HQ + hq] =
+              !kind_traits<Kind>::uses_forget_gate ? 0.0
+              : t < cut                            ? std::numeric_limits<double>::infinity()
+                                                   : G.G[at(t)];
       }
       path_cache_access::set_length(cache, slot, s.length);
     }

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -241,28 +242,40 @@ class safetensors_file {
             std::to_string(numel * detail_size(t.type)));
       f.tensors_.push_back(std::move(t));
     }
-    // Tensors must not share bytes.
+    // Tensors must not share bytes: sorted by where they begin, each begins at or after the
+    // furthest end so far. An empty tensor may sit at an edge but not inside another's bytes.
     std::vector<const tensor_info*> order;
     for (const auto& t : f.tensors_) order.push_back(&t);
-    std::sort(order.begin(), order.end(),
-              [](const tensor_info* a, const tensor_info* b) { return a->begin < b->begin; });
-    for (std::size_t i = 1; i < order.size(); ++i)
-      if (order[i]->begin < order[i - 1]->end && order[i]->begin != order[i]->end &&
-          order[i - 1]->begin != order[i - 1]->end)
+    std::sort(order.begin(), order.end(), [](const tensor_info* a, const tensor_info* b) {
+      return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+    });
+    const tensor_info* furthest = nullptr;  // the tensor that ends last among those before
+    for (const tensor_info* t : order) {
+      if (furthest != nullptr && t->begin < furthest->end)
         detail::fail(fn, source,
-                     "is corrupt: tensors '" + order[i - 1]->name + "' and '" + order[i]->name +
-                         "' overlap");
+                     "is corrupt: tensors '" + furthest->name + "' and '" + t->name +
+                         "' overlap (data bytes [" + std::to_string(furthest->begin) + ", " +
+                         std::to_string(furthest->end) + ") and [" + std::to_string(t->begin) +
+                         ", " + std::to_string(t->end) + "))");
+      if (furthest == nullptr || t->end > furthest->end) furthest = t;
+    }
     return f;
   }
 
   // Reads and parses a file. Throws attnmix::error if it cannot be read or is malformed.
   static safetensors_file read(const std::string& path) {
+    const char* fn = "attnmix::io::safetensors_file::read";
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) detail::fail(fn, path, "is a directory");
     std::ifstream in(path, std::ios::binary);
-    if (!in)
-      detail::fail("attnmix::io::safetensors_file::read", path, "cannot be opened for reading");
-    std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)),
-                                     std::istreambuf_iterator<char>());
-    if (in.bad()) detail::fail("attnmix::io::safetensors_file::read", path, "could not be read");
+    if (!in) detail::fail(fn, path, "cannot be opened for reading");
+    std::vector<unsigned char> bytes;
+    try {  // the stream library reports some read errors (EISDIR, EIO) by throwing
+      bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    } catch (const std::ios_base::failure& e) {
+      detail::fail(fn, path, std::string("could not be read: ") + e.what());
+    }
+    if (in.bad()) detail::fail(fn, path, "could not be read");
     return parse(std::move(bytes), path);
   }
 

@@ -21,11 +21,25 @@ namespace cpu {
 // Forget-gate bias z_ij += coef * (G_i - G_j). G is the inclusive cumsum of g over the
 // sequence, kept in double: float cumsums of long sequences lose the small differences that
 // matter. cumsum[t * stride] is G at token t of this (sequence, query head).
+// reset[t * stride] (nullptr: no hard resets) is the first key token t may see (see
+// gate_cumsum in cpu/fox.hpp).
 struct gate_bias {
   const double* cumsum = nullptr;
   index_t stride = 0;
   double coef = 0;
+  const index_t* reset = nullptr;
 };
+
+// Keys before each row's last hard reset get weight 0: scores of columns j0 + c < reset[i]
+// become -inf. The diagonal key is never cut, so every row keeps a finite maximum.
+template <class M>
+void cut_at_resets(M& s, const gate_bias& gate, index_t i0, index_t j0) {
+  if (gate.reset == nullptr) return;
+  for (index_t r = 0; r < s.rows(); ++r) {
+    const index_t cut = std::clamp<index_t>(gate.reset[(i0 + r) * gate.stride] - j0, 0, s.cols());
+    s.row(r).head(cut).setConstant(-std::numeric_limits<typename M::Scalar>::infinity());
+  }
+}
 
 // One (sequence, query head). Pointers address token 0 of the sequence in that head.
 template <class T>
@@ -87,6 +101,7 @@ void flash_tile(const flash_head<T>& h, index_t i0, index_t i1, index_t block_k,
         ws.gj(c) = static_cast<T>(h.gate.coef * (h.gate.cumsum[(j0 + c) * h.gate.stride] - g_ref));
       S.colwise() += ws.gi;
       S.rowwise() -= ws.gj.transpose();
+      cut_at_resets(ws.s, h.gate, i0, j0);
     }
     // Mask only the tiles that cross the diagonal or a window edge.
     const bool cut_right = h.causal ? (j1 - 1 > i0) : (W > 0 && (j1 - 1) - i0 >= W);
@@ -126,7 +141,8 @@ void flash_tile(const flash_head<T>& h, index_t i0, index_t i1, index_t block_k,
 // gate cumsum laid out like g ([B, T, HQ], contiguous), or nullptr without a gate.
 template <class Policy, class T>
 void flash_forward(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be,
-                   const double* cumsum = nullptr, double coef = 0) {
+                   const double* cumsum = nullptr, double coef = 0,
+                   const index_t* reset = nullptr) {
   constexpr index_t bq = Policy::block_q, bk = Policy::block_k;
   static_assert(bq >= 1 && bk >= 1, "attnmix: block_q and block_k must be positive");
   constexpr bool causal = Policy::mask == mask_type::causal;
@@ -172,8 +188,10 @@ void flash_forward(const attention_args<T>& a, const attention_problem& p, const
                     p.window,
                     causal,
                     {}};
-    if (cumsum != nullptr)
-      h.gate = {cumsum + (s.batch * p.tokens + s.start) * p.q_heads + tk.head, p.q_heads, coef};
+    if (cumsum != nullptr) {
+      const index_t at = (s.batch * p.tokens + s.start) * p.q_heads + tk.head;
+      h.gate = {cumsum + at, p.q_heads, coef, reset != nullptr ? reset + at : nullptr};
+    }
     flash_tile(h, tk.i0, std::min(tk.i0 + bq, s.length), bk,
                scratch[static_cast<std::size_t>(worker)]);
   });

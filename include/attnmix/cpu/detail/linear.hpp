@@ -346,7 +346,9 @@ void bidirectional_forward(const linear_attention_args<T>& a, const linear_atten
                 if (!all_valid && !ws.valid[static_cast<std::size_t>(r)]) continue;
                 const double logit =
                     static_cast<double>(a.a(s.batch, s.start + j0 + r, p.gate_heads == 1 ? 0 : h));
-                ws.w(i++) = static_cast<T>(std::exp(logit - gs.max) * gs.inv_sum);
+                // Every key gated off (all logits -inf): weight 0, as for an all-masked sequence.
+                ws.w(i++) =
+                    gs.inv_sum > 0 ? static_cast<T>(std::exp(logit - gs.max) * gs.inv_sum) : T(0);
               }
             }
             ph = ws.w.asDiagonal() * ph;
@@ -497,6 +499,14 @@ T shifted_exp(T x, T m) {
   return x == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(x - m);
 }
 
+// 1 / x, and 0 where x is 0: under the key gate a row that has seen no key with a finite logit
+// has a zero softmax mass (ell = 0) and a zero numerator; its output is 0, as for a masked row.
+template <class V>
+auto inverse_or_zero(const V& x) {
+  using T = typename V::Scalar;
+  return (x.array() == T(0)).select(T(0), x.array().inverse()).matrix().eval();
+}
+
 // Chunked form for one (sequence, KV head), all query heads of its group.
 template <class Policy, class T>
 void causal_chunked(const linear_attention_args<T>& a, const linear_attention_problem& p, index_t n,
@@ -576,10 +586,10 @@ void causal_chunked(const linear_attention_args<T>& a, const linear_attention_pr
           ws.den.array() += eps;
         }
         ws.den += ws.scores.rowwise().sum();
-        ws.den = ws.den.cwiseInverse();
+        ws.den = inverse_or_zero(ws.den);
         ws.num = ws.den.asDiagonal() * ws.num;
       } else if constexpr (gated) {
-        ws.den = ws.ell.cwiseInverse();
+        ws.den = inverse_or_zero(ws.ell);
         ws.num = ws.den.asDiagonal() * ws.num;
       }
       write_rows<Policy>(a, p, s, hq, c0, ws.num, all_valid, ws);
@@ -642,7 +652,9 @@ void causal_recurrent(const linear_attention_args<T>& a, const linear_attention_
         apply_phi<Policy::phi>(ws.r, rows_of(&a.q(s.batch, t, hq, 0), 1, D, D));
         ws.r *= scale;
         ws.num.noalias() = ws.r * cs.S;
-        if constexpr (Policy::normalize) {
+        if (gated && cs.ell == T(0)) {  // no key with a finite logit yet: 0, as if masked
+          ws.num.setZero(1, Dv);
+        } else if constexpr (Policy::normalize) {
           const T den = (ws.r * cs.z)(0, 0) + eps * cs.ell;
           ws.num /= den;
         } else if constexpr (gated) {

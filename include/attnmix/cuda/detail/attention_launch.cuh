@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "attnmix/attention/args.hpp"
+#include "attnmix/attention/device_pointers.cuh"  // the front doors' pointer check
 #include "attnmix/core/policy.hpp"
 #include "attnmix/core/tags.hpp"
 #include "attnmix/cuda/detail/attention_mma.cuh"
@@ -71,19 +72,6 @@ const std::int32_t* upload_offsets(unsigned char* dst, const Problem& p, cudaStr
                         cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync(cu_seqlens)");
   return reinterpret_cast<const std::int32_t*>(dst);
-}
-
-// Every view of `a` that is given must point to device memory (cudaPointerGetAttributes).
-template <class T>
-void check_device_pointers(const std::string& fn, const attention_args<T>& a) {
-  check_device_pointer(fn, "q", a.q);
-  check_device_pointer(fn, "k", a.k);
-  check_device_pointer(fn, "v", a.v);
-  check_device_pointer(fn, "w", a.w);
-  check_device_pointer(fn, "beta", a.beta);
-  check_device_pointer(fn, "g", a.g);
-  check_device_pointer(fn, "out", a.out);
-  check_device_pointer(fn, "lse", a.lse);
 }
 
 // What every CUDA launch relies on: head dims up to what the `kernels` hold on chip, and at most
@@ -244,7 +232,6 @@ template <class Policy, class T>
 void run_attention(const std::string& fn, const attention_args<T>& a, const attention_problem& p,
                    const backend::cuda& be, double gate_coef) {
   using Dev = device_t<T>;
-  check_device_pointers(fn, a);
   check_launch_sizes(fn, p, 256, "softmax kernels");
 
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);

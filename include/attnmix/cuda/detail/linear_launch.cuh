@@ -46,26 +46,6 @@ auto causal_kernel(index_t Dv) {
   return linear_causal_kernel<Dev, Policy, 4>;
 }
 
-// Every view of `a` that is given must point to device memory (the twin of the softmax
-// family's check in attention_launch.cuh).
-template <class T>
-void check_device_pointers(const std::string& fn, const linear_attention_args<T>& a) {
-  check_device_pointer(fn, "q", a.q);
-  check_device_pointer(fn, "k", a.k);
-  check_device_pointer(fn, "v", a.v);
-  check_device_pointer(fn, "out", a.out);
-  check_device_pointer(fn, "mask", a.mask);
-  check_device_pointer(fn, "a", a.a);
-  check_device_pointer(fn, "gate", a.gate);
-  check_device_pointer(fn, "gamma", a.gamma);
-  check_device_pointer(fn, "state_in.S", a.state_in.S);
-  check_device_pointer(fn, "state_in.z", a.state_in.z);
-  check_device_pointer(fn, "state_in.lse", a.state_in.lse);
-  check_device_pointer(fn, "state_out.S", a.state_out.S);
-  check_device_pointer(fn, "state_out.z", a.state_out.z);
-  check_device_pointer(fn, "state_out.lse", a.state_out.lse);
-}
-
 template <class Kind, class Policy, class T>
 void run_linear(const std::string& fn, const linear_attention_args<T>& a,
                 const linear_attention_problem& p, const backend::cuda& be) {
@@ -74,7 +54,6 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
                 "the CPU backend");
   using Dev = device_t<T>;
   constexpr bool causal = linear_kind_traits<Kind>::causal;
-  check_device_pointers(fn, a);
   check_launch_sizes(fn, p, 128, "linear-attention kernels");
   const index_t D = p.head_dim, Dv = p.value_dim;
   require(D % 4 == 0, fn, "q", "has head dim D = ", D,

@@ -170,7 +170,6 @@ template <class T, class Out = device_t<T>>
 void run_path(const std::string& fn, const attention_args<T>& a, const attention_problem& p,
               const backend::cuda& be, double gate_coef, key_cache_target<Out> cache = {}) {
   using Dev = device_t<T>;
-  check_device_pointers(fn, a);
   check_launch_sizes(fn, p, 128, "PaTH kernels");
 
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
@@ -229,10 +228,6 @@ template <class T>
 void run_path_key_cache(const std::string& fn, const path_key_cache_args<T>& a,
                         const attention_problem& p, const backend::cuda& be) {
   using Dev = device_t<T>;
-  check_device_pointer(fn, "k", a.k);
-  check_device_pointer(fn, "w", a.w);
-  check_device_pointer(fn, "beta", a.beta);
-  check_device_pointer(fn, "key_cache", a.key_cache);
   check_launch_sizes(fn, p, 128, "PaTH kernels");
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
   const index_t max_len = longest_sequence(p);
@@ -270,7 +265,6 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
                      const attention_problem& prob, const decode_cache& cache, double gate_coef,
                      const backend::cuda& be) {
   using Dev = device_t<T>;
-  check_device_pointers(fn, a);
   const bool gated = a.g.has_value();
   require(prob.batch <= 65535, fn, "q", "holds ", prob.batch,
           " sequences but a CUDA decoding step takes at most 65535");

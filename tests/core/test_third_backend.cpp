@@ -1,0 +1,193 @@
+// A third backend, defined in this test only: a serial CPU backend. Adding it takes its tag and
+// the specialisations below (attention_impl, linear_attention_impl, path_cache_impl and
+// is_implemented); the front doors, their checks and the host path_cache need no change. Its
+// results equal the cpu backend's.
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attnmix/attnmix.hpp"
+#include "support/catch.hpp"
+#include "support/testing.hpp"
+
+namespace test_backend {
+
+// The tag: a name and the memory space its kernels read.
+struct serial {
+  using memory_space = attnmix::host_space;
+  static constexpr const char* name = "serial";
+};
+
+}  // namespace test_backend
+
+namespace attnmix {
+
+template <class Kind>
+struct is_implemented<Kind, test_backend::serial> : is_implemented<Kind, backend::cpu> {};
+
+namespace detail {
+
+// The specialisations: the cpu implementations on one thread.
+template <class Kind, class Policy>
+struct attention_impl<Kind, test_backend::serial, Policy> {
+  template <class T>
+  static void run(const attention_args<T>& a, const attention_problem& p,
+                  const test_backend::serial&) {
+    attention_impl<Kind, backend::cpu, Policy>::run(a, p, backend::cpu{1});
+  }
+};
+
+template <class Kind, class Policy>
+struct linear_attention_impl<Kind, test_backend::serial, Policy> {
+  template <class T>
+  static void run(const linear_attention_args<T>& a, const linear_attention_problem& p,
+                  const test_backend::serial&) {
+    linear_attention_impl<Kind, backend::cpu, Policy>::run(a, p, backend::cpu{1});
+  }
+};
+
+template <>
+struct path_cache_impl<test_backend::serial> {
+  using cpu_impl = path_cache_impl<backend::cpu>;
+  template <class Policy, class T>
+  static void key_cache(const path_key_cache_args<T>& a, const attention_problem& p,
+                        const test_backend::serial&) {
+    cpu_impl::key_cache<Policy>(a, p, backend::cpu{1});
+  }
+  template <class Kind, class Policy, class T>
+  static void prefill(path_cache<T>& c, const attention_args<T>& a, const attention_problem& p,
+                      const std::vector<index_t>& slots, const test_backend::serial&) {
+    cpu_impl::prefill<Kind, Policy>(c, a, p, slots, backend::cpu{1});
+  }
+  template <class Kind, class Policy, class T>
+  static void decode(path_cache<T>& c, const attention_args<T>& a, const attention_problem& p,
+                     const std::vector<index_t>& slots, const test_backend::serial&) {
+    cpu_impl::decode<Kind, Policy>(c, a, p, slots, backend::cpu{1});
+  }
+};
+
+}  // namespace detail
+}  // namespace attnmix
+
+using namespace attnmix_test;
+using attnmix::host_tensor;
+using attnmix::index_t;
+using test_backend::serial;
+
+static_assert(attnmix::is_backend_v<serial>);
+static_assert(attnmix::space_of_v<serial> == attnmix::memory_space::host);
+static_assert(attnmix::is_implemented_v<attnmix::kind::path_fox, serial>);
+
+namespace {
+
+constexpr index_t B = 2, T = 45, HQ = 4, H = 2, D = 16, Dv = 8;
+
+struct inputs {
+  host_tensor<float, 4> q{{B, T, HQ, D}}, k{{B, T, H, D}}, v{{B, T, H, Dv}}, w{{B, T, H, D}};
+  host_tensor<float, 4> gate{{B, T, HQ, Dv}};
+  host_tensor<float, 3> g{{B, T, HQ}}, beta{{B, T, H}}, a{{B, T, 1}};
+  explicit inputs(std::uint64_t salt) {
+    rng r(salt);
+    r.fill_normal(q), r.fill_normal(k), r.fill_normal(v), r.fill_normal(gate), r.fill_normal(a);
+    r.fill_uniform(g, -0.2, -0.01), r.fill_uniform(beta, 0.1, 1.9);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < T; ++t)
+        for (index_t h = 0; h < H; ++h) {
+          w(b, t, h, h) = 1.0f;  // unit directions
+        }
+  }
+  attnmix::attention_args<float> args(host_tensor<float, 4>& out) {
+    attnmix::attention_args<float> x{q.view(), k.view(), v.view(), out.view()};
+    return x;
+  }
+};
+
+template <class Kind, class Backend>
+std::vector<float> run_attention(inputs& in, const Backend& be) {
+  host_tensor<float, 4> out({B, T, HQ, Dv});
+  poison(out);
+  auto x = in.args(out);
+  if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate) x.g = in.g.view();
+  if constexpr (attnmix::kind_traits<Kind>::uses_householder) x.w = in.w.view(), x.beta = in.beta.view();
+  attnmix::attention<Kind>(x, {}, be);
+  return out.storage();
+}
+
+template <class Kind, class Backend>
+std::vector<float> run_linear(inputs& in, const Backend& be) {
+  host_tensor<float, 4> out({B, T, HQ, Dv});
+  poison(out);
+  attnmix::linear_attention_args<float> x{in.q.view(), in.k.view(), in.v.view(), out.view()};
+  if constexpr (std::is_same_v<Kind, attnmix::kind::gbla>) x.a = in.a.view(), x.gate = in.gate.view();
+  attnmix::linear_attention<Kind>(x, {}, be);
+  return out.storage();
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("a serial backend runs the softmax family through the front door",
+                   "[core][backend]", attnmix::kind::softmax, attnmix::kind::fox,
+                   attnmix::kind::path, attnmix::kind::path_fox) {
+  inputs in(31);
+  const auto mine = run_attention<TestType>(in, serial{});
+  CHECK(bitwise_equal(mine, run_attention<TestType>(in, attnmix::backend::cpu{})));
+  for (float x : mine) REQUIRE(std::isfinite(x));
+}
+
+TEMPLATE_TEST_CASE("a serial backend runs linear attention through the front door",
+                   "[core][backend]", attnmix::kind::bla, attnmix::kind::gbla,
+                   attnmix::kind::linear_causal) {
+  inputs in(32);
+  const auto mine = run_linear<TestType>(in, serial{});
+  CHECK(bitwise_equal(mine, run_linear<TestType>(in, attnmix::backend::cpu{})));
+  for (float x : mine) REQUIRE(std::isfinite(x));
+}
+
+TEST_CASE("a serial backend prefills and decodes a host path_cache", "[core][backend]") {
+  using fox = attnmix::kind::path_fox;
+  inputs in(33);
+  const auto decode = [&](const auto& be) {
+    attnmix::path_cache<float> cache(B, T + 1, HQ, H, D, Dv);
+    host_tensor<float, 4> out({B, T, HQ, Dv}), step_out({B, 1, HQ, Dv});
+    auto x = in.args(out);
+    x.g = in.g.view(), x.w = in.w.view(), x.beta = in.beta.view();
+    attnmix::path_prefill<fox>(cache, x, {}, {}, be);
+    // One more token per sequence: the first token of each row again.
+    const auto row0 = [](const auto& t) {
+      auto s = t.view().shape();
+      s[1] = 1;
+      return decltype(t.view())(t.view().data(), s, t.view().strides());
+    };
+    attnmix::attention_args<float> step{row0(in.q), row0(in.k), row0(in.v), step_out.view()};
+    step.g = row0(in.g), step.w = row0(in.w), step.beta = row0(in.beta);
+    attnmix::path_decode_step<fox>(cache, step, {}, {}, be);
+    std::vector<float> all = out.storage();
+    all.insert(all.end(), step_out.storage().begin(), step_out.storage().end());
+    host_tensor<float, 4> keys({B, T, H, D});
+    attnmix::path_prefill_key_cache(
+        attnmix::path_key_cache_args<float>{in.k.view(), in.w.view(), in.beta.view(), keys.view()},
+        {}, be);
+    all.insert(all.end(), keys.storage().begin(), keys.storage().end());
+    return all;
+  };
+  const auto mine = decode(serial{});
+  CHECK(bitwise_equal(mine, decode(attnmix::backend::cpu{})));
+  for (float x : mine) REQUIRE(std::isfinite(x));
+}
+
+TEST_CASE("the front doors check a new backend's memory space by its tag", "[core][backend]") {
+  inputs in(34);
+  host_tensor<float, 4> out({B, T, HQ, Dv}, 42.0f);
+  auto x = in.args(out);
+  x.k = attnmix::view4<const float>(in.k.data(), {B, T, H, D}, attnmix::memory_space::device);
+  try {
+    attnmix::attention<attnmix::kind::softmax>(x, {}, serial{});
+    FAIL("no attnmix::error");
+  } catch (const attnmix::error& e) {
+    CHECK(std::string(e.what()).find("'k' is in device memory but the serial backend needs host "
+                                     "memory") != std::string::npos);
+  }
+  CHECK(out(0, 0, 0, 0) == 42.0f);
+}
