@@ -30,8 +30,8 @@ struct biased_rope_sa_policy : L::sa_layer_policy {
   static constexpr bool qkv_bias = true;
   static constexpr const char* name = "biased_rope_sa";
 };
-template <class T>
-using biased_rope_sa_layer = L::attention_layer<T, biased_rope_sa_policy>;
+template <class T, class Backend = attnmix::backend::cpu>
+using biased_rope_sa_layer = L::attention_layer<T, biased_rope_sa_policy, Backend>;
 using biased_rope_sa = layer::custom<attnmix::kind::softmax, biased_rope_sa_layer>;
 
 L::config make_config(index_t heads, index_t kv_heads, index_t window = 0) {
