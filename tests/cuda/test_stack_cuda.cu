@@ -1,6 +1,7 @@
-// attnmix::device_stack (the layers on the GPU) against the host stack in double with the same
-// weights: the hybrid encoder, causal stacks of every mixer kind and policy switch, dense,
-// padded and varlen batches, in float and bfloat16; and its argument checks.
+// attnmix::device_stack (the host stack type on backend::cuda) against the host stack in double
+// with the same weights: the hybrid encoder, causal stacks of every mixer kind and policy switch,
+// a test-only custom layer, dense, padded and varlen batches, in float and bfloat16; and its
+// argument checks.
 
 #include <cstdint>
 #include <map>
@@ -9,6 +10,7 @@
 
 #include "attnmix/cuda.cuh"
 #include "layers/custom_layers.hpp"
+#include "layers/gated_softmax_layer.hpp"
 #include "support/cuda_testing.cuh"
 #include "support/testing.hpp"
 
@@ -157,6 +159,11 @@ void run_all(double tol) {
         gqa, packed, 6, tol);
     check_stack<D, stack_policy, rope_sa, gated_fox, biased_rope_sa>(mha, masked, 7, tol);
   }
+  SECTION("a test-only layer written on layers::ops, with no CUDA code of its own") {
+    check_stack<D, stack_policy, attnmix_test::gated_softmax, layer::gbla,
+                attnmix_test::gated_softmax>(mha, masked, 10, tol);
+    check_stack<D, stack_policy, layer::fox, attnmix_test::gated_softmax>(gqa, packed, 11, tol);
+  }
   SECTION("GELU and ReLU MLPs, sliding windows") {
     check_stack<D, attnmix::with_mlp<L::mlp_kind::gelu>, layer::sa, layer::fox>(
         make_config(2, 2, 5), dense, 8, tol);
@@ -217,7 +224,7 @@ TEST_CASE("device_stack reports each block and rejects bad arguments", "[stack][
   };
   // Host memory marked as host, and host memory marked as device.
   std::string m = message([&] { gpu.forward(cview(hx.data(), {B, T, D}), y); });
-  CHECK(has(m, "attnmix::device_stack::forward"));
+  CHECK(has(m, "attnmix::stack::forward"));
   CHECK(has(m, "'x' is in host memory"));
   m = message([&] { gpu.forward(cview(hx.data(), {B, T, D}, dev), y); });
   CHECK(has(m, "'x' is marked as device memory"));

@@ -149,10 +149,10 @@ namespace detail {
 // the backend that runs them.
 template <class T>
 void check_activation(const std::string& fn, const char* arg, const view3<T>& v, index_t D,
-                      memory_space space = memory_space::host) {
+                      memory_space space = memory_space::host, const char* backend = "cpu") {
   attnmix::detail::check_given(fn, arg, v);
   attnmix::detail::check_layout(fn, arg, v);
-  attnmix::detail::check_space(fn, arg, v, space, space == memory_space::host ? "cpu" : "cuda");
+  attnmix::detail::check_space(fn, arg, v, space, backend);
   attnmix::detail::require(v.extent(2) == D, fn, arg, "has shape ", attnmix::detail::shape_of(v),
                            " but its last dimension must be hidden_size = ", D);
   attnmix::detail::require(

@@ -169,8 +169,8 @@ class mixer_api {
   token_layout check(const std::string& fn, const view3<const T>& x, const view3<T>& out,
                      const view1<const std::int32_t>& cu) const {
     const index_t D = self().hidden_size();
-    detail::check_activation(fn, "x", x, D, space_of_v<Backend>);
-    detail::check_activation(fn, "out", out, D, space_of_v<Backend>);
+    detail::check_activation(fn, "x", x, D, space_of_v<Backend>, Backend::name);
+    detail::check_activation(fn, "out", out, D, space_of_v<Backend>, Backend::name);
     detail::check_same_shape(fn, out, x);
     attnmix::detail::check_no_alias(fn, "out", out, "x", x);
     O::check_memory(fn, "x", x);

@@ -76,13 +76,15 @@ class short_conv {
   template <class Y>
   void apply(const context<Backend>& c, const T* x, Y* y,
              conv_state<T, space>* final = nullptr) const {
-    if (final == nullptr) {
-      ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_);
-    } else {
-      static_assert(on_host_v<Backend>, "attnmix::layers::short_conv: states live on the host");
-      ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_,
-                               static_cast<const T*>(nullptr), final->data.data());
+    if constexpr (on_host_v<Backend>) {
+      if (final != nullptr) {
+        ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_,
+                                 static_cast<const T*>(nullptr), final->data.data());
+        return;
+      }
     }
+    (void)final;  // states live on the host: a device call has none
+    ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_);
   }
   // The same as one call of its own, on the CPU-style host signature.
   void apply(const T* x, T* y, const token_layout& L, const Backend& be,

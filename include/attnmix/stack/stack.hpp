@@ -388,8 +388,8 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
 
   void check_rows(const std::string& fn, const view3<const T>& x, const view3<T>& out) const {
     const index_t D = cfg_.hidden_size;
-    layers::detail::check_activation(fn, "x", x, D, space_of_v<Backend>);
-    layers::detail::check_activation(fn, "out", out, D, space_of_v<Backend>);
+    layers::detail::check_activation(fn, "x", x, D, space_of_v<Backend>, Backend::name);
+    layers::detail::check_activation(fn, "out", out, D, space_of_v<Backend>, Backend::name);
     layers::detail::check_same_shape(fn, out, x);
     attnmix::detail::check_no_alias(fn, "out", out, "x", x);
     O::check_memory(fn, "x", x);
