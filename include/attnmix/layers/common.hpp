@@ -149,7 +149,7 @@ namespace detail {
 // the backend that runs them.
 template <class T>
 void check_activation(const std::string& fn, const char* arg, const view3<T>& v, index_t D,
-                      memory_space space = memory_space::host, const char* backend = "cpu") {
+                      memory_space space, const char* backend) {
   attnmix::detail::check_given(fn, arg, v);
   attnmix::detail::check_layout(fn, arg, v);
   attnmix::detail::check_space(fn, arg, v, space, backend);
