@@ -184,6 +184,53 @@ TEST_CASE("device_stack in bfloat16 matches the host stack in double", "[stack][
   run_all<attnmix::bfloat16>(bf16_tol);
 }
 
+// One mixer alone on the GPU: the same template with backend::cuda, made from the host layer.
+template <class HostF, class HostD, class Device>
+void check_layer(const L::config& c, const std::vector<std::int32_t>& cu, index_t B, index_t T,
+                 std::uint64_t salt) {
+  rng r(salt);
+  INFO("seed " << test_seed() << " salt " << salt << " layer " << HostF::name);
+  HostF hf(c);
+  L::randomize_parameters(hf, test_seed() ^ salt, 0.15, 0.3);
+  HostD hd(c);
+  copy_parameters(hf, hd);
+  const Device gpu(hf);
+  const index_t n = B * T * c.hidden_size;
+  std::vector<float> xf(static_cast<std::size_t>(n));
+  host_tensor<double, 3> x({B, T, c.hidden_size}), want({B, T, c.hidden_size});
+  for (index_t i = 0; i < n; ++i)
+    x.storage()[std::size_t(i)] = xf[std::size_t(i)] = static_cast<float>(r.normal());
+  attnmix::view1<const std::int32_t> cv;
+  if (!cu.empty()) cv = {cu.data(), {index_t(cu.size())}};
+  hd.forward(x.view(), want.view(), cv);
+  device_buffer<float> dx(xf), dy(static_cast<std::size_t>(n));
+  const auto dev = attnmix::memory_space::device;
+  gpu.forward(attnmix::view3<const float>(dx.get(), {B, T, c.hidden_size}, dev),
+              attnmix::view3<float>(dy.get(), {B, T, c.hidden_size}, dev), cv);
+  attnmix::detail::cuda::check(cudaDeviceSynchronize(), "layer forward");
+  const std::vector<float> got = dy.to_host();
+  const double err = rel_error(std::vector<double>(got.begin(), got.end()), want.storage());
+  INFO("relative error " << err);
+  CHECK(err <= float_tol);
+}
+
+TEST_CASE("a single mixer runs on the GPU through the same forward", "[layers][float]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using cuda = attnmix::backend::cuda;
+  const L::config gqa = make_config(4, 2), mha = make_config(2, 2);
+  const std::vector<std::int32_t> cu{0, 9, 9, 10, 40};
+  using pf = L::path_fox_layer_policy;
+  check_layer<L::path_layer<float, pf>, L::path_layer<double, pf>, L::path_layer<float, pf, cuda>>(
+      gqa, {}, 2, 23, 21);
+  check_layer<L::path_layer<float, pf>, L::path_layer<double, pf>, L::path_layer<float, pf, cuda>>(
+      mha, cu, 1, 40, 22);
+  check_layer<attnmix_test::gated_softmax_mixer<float>, attnmix_test::gated_softmax_mixer<double>,
+              attnmix_test::gated_softmax_mixer<float, cuda>>(mha, cu, 1, 40, 23);
+  using gp = causal_gbla_policy;
+  check_layer<L::linear_layer<float, gp>, L::linear_layer<double, gp>,
+              L::linear_layer<float, gp, cuda>>(gqa, {}, 2, 23, 24);
+}
+
 TEST_CASE("device_stack reports each block and rejects bad arguments", "[stack][errors]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   using host = attnmix::stack<float, layer::sa, layer::gbla, layer::gbla>;

@@ -11,9 +11,12 @@
 //   map<Fn>(c, y, a, b, n)                             y = Fn(a, b) element-wise (fn:: tags)
 //   move_rows(c, x, y, src, dst, rows, width)          row gather / scatter
 //   positions(be, pos, layout), upload(be, dst, src, n), zero(be, p, n)
+//   check_memory(fn, arg, view)                        the pointer is in the backend's memory
 //   scratch(be, bytes) with take<S>(n)                 one allocation, carved in order
+//   timer(be, on) with start(), seconds()              a block's time for stack_inputs::on_layer
 //   handles                                            long-lived library state (cuBLAS)
 //   computes<T>                                        the compute types of the backend
+//   for_each(be, n, body)                              host backends: the decoding loops
 // The CPU specialisation is in attnmix/cpu/layer_ops.hpp, the CUDA one in
 // attnmix/cuda/layer_ops.cuh; a new backend specialises ops<> (and the attention front doors'
 // implementations) and runs every layer and stack.
