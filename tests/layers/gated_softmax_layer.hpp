@@ -41,8 +41,14 @@ class gated_softmax_mixer
   // Backend conversion: every projection copied once.
   template <class U, class B>
   explicit gated_softmax_mixer(const gated_softmax_mixer<U, B>& o)
-      : D_(o.D_), H_(o.H_), d_(o.d_), q_proj(o.q_proj), k_proj(o.k_proj), v_proj(o.v_proj),
-        g_proj(o.g_proj), o_proj(o.o_proj) {}
+      : D_(o.D_),
+        H_(o.H_),
+        d_(o.d_),
+        q_proj(o.q_proj),
+        k_proj(o.k_proj),
+        v_proj(o.v_proj),
+        g_proj(o.g_proj),
+        o_proj(o.o_proj) {}
 
   index_t hidden_size() const { return D_; }
 

@@ -1,6 +1,6 @@
-// Each mixer layer (and a test-only one written on layers::ops) against its float64 oracle (dense and packed batches, float and double), the
-// MLPs, decoding against the full forward for every cached layer (with and without a sliding
-// window), and caches addressed through slot mappings.
+// Each mixer layer (and a test-only one written on layers::ops) against its float64 oracle (dense
+// and packed batches, float and double), the MLPs, decoding against the full forward for every
+// cached layer (with and without a sliding window), and caches addressed through slot mappings.
 
 #include <functional>
 #include <limits>
@@ -294,7 +294,8 @@ std::vector<double> gated_softmax_oracle(const layer_ref::params& p, const std::
         for (index_t j = 0; j < len; ++j) {
           double dot = 0;
           for (index_t e = 0; e < d; ++e)
-            dot += q[std::size_t(t)][std::size_t(h * d + e)] * k[std::size_t(j)][std::size_t(h * d + e)];
+            dot += q[std::size_t(t)][std::size_t(h * d + e)] *
+                   k[std::size_t(j)][std::size_t(h * d + e)];
           z[std::size_t(j)] = dot / std::sqrt(double(d));
           zmax = std::max(zmax, z[std::size_t(j)]);
         }
@@ -302,7 +303,8 @@ std::vector<double> gated_softmax_oracle(const layer_ref::params& p, const std::
         for (index_t e = 0; e < d; ++e) {
           double acc = 0;
           for (index_t j = 0; j < len; ++j)
-            acc += std::exp(z[std::size_t(j)] - zmax) / den * v[std::size_t(j)][std::size_t(h * d + e)];
+            acc += std::exp(z[std::size_t(j)] - zmax) / den *
+                   v[std::size_t(j)][std::size_t(h * d + e)];
           const double gate = g[std::size_t(t)][std::size_t(h * d + e)];
           o[std::size_t(h * d + e)] = acc / (1.0 + std::exp(-gate));
         }
@@ -314,7 +316,8 @@ std::vector<double> gated_softmax_oracle(const layer_ref::params& p, const std::
   return y;
 }
 
-TEST_CASE("a test-only mixer written on layers::ops matches its float64 oracle", "[layers][custom]") {
+TEST_CASE("a test-only mixer written on layers::ops matches its float64 oracle",
+          "[layers][custom]") {
   rng r(91);
   INFO("seed " << test_seed());
   const L::config c = small_config(3, 3);
@@ -346,14 +349,15 @@ TEST_CASE("a test-only mixer written on layers::ops matches its float64 oracle",
     md.forward(xd.view(), yd.view(), cv);
     mf.forward(xf.view(), yf.view(), cv);
     INFO("packed " << !cu.empty());
-    CHECK(rel_error(yd.storage(), gated_softmax_oracle(params, as_double(xd), D, 3, c.dim(), seqs)) <=
-          1e-12);
-    CHECK(rel_error(yf.storage(), gated_softmax_oracle(params, as_double(xf), D, 3, c.dim(), seqs)) <=
-          4 * tolerance<float>());
+    CHECK(rel_error(yd.storage(),
+                    gated_softmax_oracle(params, as_double(xd), D, 3, c.dim(), seqs)) <= 1e-12);
+    CHECK(rel_error(yf.storage(), gated_softmax_oracle(params, as_double(xf), D, 3, c.dim(),
+                                                       seqs)) <= 4 * tolerance<float>());
   }
 }
 
-TEST_CASE("layers reject a cache made for another layout, and absurd cache sizes", "[layers][errors]") {
+TEST_CASE("layers reject a cache made for another layout, and absurd cache sizes",
+          "[layers][errors]") {
   L::config a = small_config(4, 1), b = small_config(4, 4);
   attnmix::layer::fox::type<double> fa(a), fb(b);
   attnmix::layer::path::type<double> pa(a), pb(b);

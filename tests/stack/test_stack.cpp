@@ -306,7 +306,8 @@ TEST_CASE("stack arguments are checked", "[stack][errors]") {
   ATTNMIX_CHECK_ERROR(s.forward(x.view(), y.view(), {{}, {cu.data(), {3}}}), "B = 1");
 }
 
-TEST_CASE("stacks reject a cache of another layout before any layer writes", "[stack][errors][cache]") {
+TEST_CASE("stacks reject a cache of another layout before any layer writes",
+          "[stack][errors][cache]") {
   using lm = attnmix::stack<double, layer::path_fox, layer::fox, layer::causal_sa, layer::path,
                             layer::linear_causal>;
   L::config a = stack_config(), b = stack_config();
@@ -351,9 +352,11 @@ TEST_CASE("a host stack rejects a mask tagged as device memory", "[stack][errors
   attnmix::stack<float, layer::sa, layer::gbla> s(c);
   host_tensor<float, 3> x({2, 5, 32}), y({2, 5, 32});
   host_tensor<std::uint8_t, 2> mask({2, 5}, 1);
-  const attnmix::tensor_view<const std::uint8_t, 2> dm(mask.data(), {2, 5}, attnmix::memory_space::device);
+  const attnmix::tensor_view<const std::uint8_t, 2> dm(mask.data(), {2, 5},
+                                                       attnmix::memory_space::device);
   poison(y);
-  ATTNMIX_CHECK_ERROR(s.forward(x.view(), y.view(), {dm, {}}), "argument 'mask' is in device memory");
+  ATTNMIX_CHECK_ERROR(s.forward(x.view(), y.view(), {dm, {}}),
+                      "argument 'mask' is in device memory");
   CHECK(std::isnan(y.data()[0]));
 }
 
@@ -374,7 +377,8 @@ void check_on_serial(const attnmix::stack_inputs& in, index_t B, index_t T, std:
   CHECK(got.storage() == want.storage());
 }
 
-TEST_CASE("a third host backend runs stacks by specialising only the operations", "[stack][backend]") {
+TEST_CASE("a third host backend runs stacks by specialising only the operations",
+          "[stack][backend]") {
   using hybrid = attnmix::stack<double, layer::sa, layer::gbla, attnmix_test::gated_softmax,
                                 layer::path_fox, layer::fox, layer::bla>;
   check_on_serial<hybrid>({}, 2, 13, 51);
@@ -384,8 +388,8 @@ TEST_CASE("a third host backend runs stacks by specialising only the operations"
   mask(1, 0) = mask(1, 8) = 0;
   check_on_serial<hybrid>({mask.view(), {}}, 2, 9, 53);
   // And a causal stack's prefill and decoding there.
-  using lm = attnmix::stack<double, layer::path_fox, layer::fox, layer::causal_sa,
-                            layer::linear_causal>;
+  using lm =
+      attnmix::stack<double, layer::path_fox, layer::fox, layer::causal_sa, layer::linear_causal>;
   const L::config c = stack_config();
   lm s(c);
   L::randomize_parameters(s, test_seed() ^ 54, 0.15, 0.3);

@@ -99,8 +99,9 @@ inline A gelu(A x) {  // exact (erf) GELU, PyTorch's default
 // [N, K-1, C], oldest first). W: [C, 1, K] (PyTorch Conv1d, groups = C).
 // If final_state != nullptr it receives each sequence's last K-1 inputs (zero-filled).
 template <class T>
-void short_conv_rows(const T* x, T* y, const layers::token_layout& L, index_t C, const T* W, index_t K,
-                     bool silu_act, const T* state, T* final_state, const backend::cpu& be) {
+void short_conv_rows(const T* x, T* y, const layers::token_layout& L, index_t C, const T* W,
+                     index_t K, bool silu_act, const T* state, T* final_state,
+                     const backend::cpu& be) {
   using A = accum_t<T>;
   const index_t N = L.num_sequences();
   // Taps transposed to [K, C] so that the inner loop runs over contiguous channels.
@@ -236,8 +237,8 @@ struct ops<backend::cpu> {
   template <class C, class T, class W>
   static void short_conv(const C& c, const T* x, T* y, index_t channels, const W* w, index_t K,
                          bool silu, const T* state_in = nullptr, T* state_out = nullptr) {
-    attnmix::detail::cpu::short_conv_rows(x, y, c.layout, channels, w, K, silu, state_in,
-                                          state_out, c.be);
+    attnmix::detail::cpu::short_conv_rows(x, y, c.layout, channels, w, K, silu, state_in, state_out,
+                                          c.be);
   }
 
   template <class C, class T>

@@ -93,7 +93,9 @@ struct device_fn<fn::plus> {
 
 template <>
 struct ops<backend::cuda> {
-  static cudaStream_t stream(const backend::cuda& be) { return static_cast<cudaStream_t>(be.stream); }
+  static cudaStream_t stream(const backend::cuda& be) {
+    return static_cast<cudaStream_t>(be.stream);
+  }
 
   // A cuBLAS handle (creating one costs milliseconds: a stack makes it once).
   struct handles {
@@ -126,15 +128,14 @@ struct ops<backend::cuda> {
                    index_t out, const B* bias, Y* y, index_t ldy) {
     attnmix::detail::cuda::gemm_rows(c.handles.blas.get(), stream(c.be), x, ldx, rows, W, in, out,
                                      y, ldy);
-    if (bias != nullptr)
-      attnmix::detail::cuda::add_bias(y, bias, rows, out, ldy, stream(c.be));
+    if (bias != nullptr) attnmix::detail::cuda::add_bias(y, bias, rows, out, ldy, stream(c.be));
   }
 
   template <class C, class In, class Out>
   static void norm(const C& c, const In* x, Out* y, index_t groups, index_t width, const float* w,
                    bool per_group, index_t groups_per_row, bool mean, double eps) {
-    attnmix::detail::cuda::norm_groups(x, y, groups, width, w, per_group, groups_per_row, mean,
-                                       eps, stream(c.be));
+    attnmix::detail::cuda::norm_groups(x, y, groups, width, w, per_group, groups_per_row, mean, eps,
+                                       stream(c.be));
   }
 
   // Restarts at every sequence start (c.positions); no rolling states on the device yet.
@@ -181,9 +182,9 @@ struct ops<backend::cuda> {
   }
   template <class S>
   static void upload(const backend::cuda& be, S* dst, const S* src, index_t n) {
-    attnmix::detail::cuda::check(cudaMemcpyAsync(dst, src, std::size_t(n) * sizeof(S),
-                                                 cudaMemcpyHostToDevice, stream(be)),
-                                 "cudaMemcpyAsync");
+    attnmix::detail::cuda::check(
+        cudaMemcpyAsync(dst, src, std::size_t(n) * sizeof(S), cudaMemcpyHostToDevice, stream(be)),
+        "cudaMemcpyAsync");
   }
   template <class S>
   static void zero(const backend::cuda& be, S* p, index_t n) {

@@ -23,10 +23,10 @@
 #include "attnmix/attention/attention.hpp"
 #include "attnmix/core/policy.hpp"
 #include "attnmix/cpu/fox.hpp"
-#include "attnmix/cpu/softmax.hpp"
-#include "attnmix/layers/common.hpp"
 #include "attnmix/cpu/layer_ops.hpp"
+#include "attnmix/cpu/softmax.hpp"
 #include "attnmix/layers/cache_layout.hpp"
+#include "attnmix/layers/common.hpp"
 #include "attnmix/layers/linear.hpp"
 #include "attnmix/layers/mixer.hpp"
 #include "attnmix/layers/norm.hpp"
@@ -145,9 +145,20 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
   // The same layer with every weight copied once to Backend's memory, projections in T.
   template <class U, class B>
   explicit attention_layer(const attention_layer<U, Policy, B>& o)
-      : D_(o.D_), HQ_(o.HQ_), H_(o.H_), d_(o.d_), theta_(o.theta_), scale_(o.scale_),
-        window_(o.window_), q_proj(o.q_proj), k_proj(o.k_proj), v_proj(o.v_proj),
-        o_proj(o.o_proj), f_proj(o.f_proj), g_proj(o.g_proj), q_norm(o.q_norm),
+      : D_(o.D_),
+        HQ_(o.HQ_),
+        H_(o.H_),
+        d_(o.d_),
+        theta_(o.theta_),
+        scale_(o.scale_),
+        window_(o.window_),
+        q_proj(o.q_proj),
+        k_proj(o.k_proj),
+        v_proj(o.v_proj),
+        o_proj(o.o_proj),
+        f_proj(o.f_proj),
+        g_proj(o.g_proj),
+        q_norm(o.q_norm),
         k_norm(o.k_norm) {}
 
   index_t hidden_size() const { return D_; }
@@ -156,11 +167,12 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
 
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers have a cache");
-    static_assert(on_host_v<Backend>, "attnmix::layers::attention_layer: caches live on the host "
-                                      "for now (prefill and decode on a host backend)");
+    static_assert(on_host_v<Backend>,
+                  "attnmix::layers::attention_layer: caches live on the host "
+                  "for now (prefill and decode on a host backend)");
     detail::check_cache_size(std::string("attnmix::layers::") + name + "::make_cache", sequences,
-                             capacity, (2 * H_ * d_) * index_t(sizeof(T)) +
-                                           HQ_ * index_t(sizeof(double)));
+                             capacity,
+                             (2 * H_ * d_) * index_t(sizeof(T)) + HQ_ * index_t(sizeof(double)));
     return cache_type(sequences, capacity, HQ_, H_, d_);
   }
   // Throws attnmix::error naming `what` unless `cache` was made by a layer of this layout.
@@ -187,7 +199,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
   void decode_rows(const T* x, T* y, index_t N, cache_type& cache,
                    const std::vector<index_t>& slots, const Backend& be) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers decode");
-    static_assert(on_host_v<Backend>, "attnmix::layers::attention_layer: decoding runs on the host");
+    static_assert(on_host_v<Backend>,
+                  "attnmix::layers::attention_layer: decoding runs on the host");
     const token_layout L{N, 1, {}};
     const auto slot = [&](index_t n) {
       return slots[static_cast<std::size_t>(n)];
@@ -198,8 +211,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     const typename O::handles handles{};
     const context<Backend> c{be, L, pos.data(), handles};
     const index_t nq = N * HQ_ * d_, nk = N * H_ * d_;
-    typename O::scratch sc(be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 2 +
-                                   scratch_bytes<A>(N * HQ_));
+    typename O::scratch sc(
+        be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 2 + scratch_bytes<A>(N * HQ_));
     T *q = sc.template take<T>(nq), *k = sc.template take<T>(nk), *v = sc.template take<T>(nk),
       *o = sc.template take<T>(nq);
     A* g = sc.template take<A>(N * HQ_);
@@ -320,8 +333,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
            const std::vector<index_t>* slots) const {
     const token_layout& L = c.layout;
     const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
-    typename O::scratch sc(c.be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 2 +
-                                     scratch_bytes<A>(rows * HQ_));
+    typename O::scratch sc(
+        c.be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 2 + scratch_bytes<A>(rows * HQ_));
     T *q = sc.template take<T>(nq), *k = sc.template take<T>(nk), *v = sc.template take<T>(nk),
       *o = sc.template take<T>(nq);
     A* g = sc.template take<A>(rows * HQ_);
@@ -343,8 +356,7 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
             std::copy_n(k + (r0 + t) * H_ * d_, H_ * d_, cache->key(sl, t));
             std::copy_n(v + (r0 + t) * H_ * d_, H_ * d_, cache->value(sl, t));
             for (index_t hq = 0; hq < HQ_; ++hq) {
-              if constexpr (fox)
-                G[static_cast<std::size_t>(hq)] += double(g[(r0 + t) * HQ_ + hq]);
+              if constexpr (fox) G[static_cast<std::size_t>(hq)] += double(g[(r0 + t) * HQ_ + hq]);
               cache->gate(sl, t)[hq] = G[static_cast<std::size_t>(hq)];
             }
           }

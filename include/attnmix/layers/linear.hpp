@@ -30,7 +30,9 @@ class linear {
   // The same projection with the weights copied (and rounded) to T in Backend's memory.
   template <class U, class B>
   explicit linear(const linear<U, B>& other)
-      : weight(other.weight), in_(other.in_features()), out_(other.out_features()),
+      : weight(other.weight),
+        in_(other.in_features()),
+        out_(other.out_features()),
         bias_(other.bias()) {}
 
   index_t in_features() const { return in_; }

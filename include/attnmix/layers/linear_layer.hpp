@@ -22,10 +22,10 @@
 #include "attnmix/core/linear_policy.hpp"
 #include "attnmix/cpu/bla.hpp"
 #include "attnmix/cpu/gbla.hpp"
-#include "attnmix/cpu/linear_causal.hpp"
-#include "attnmix/layers/common.hpp"
 #include "attnmix/cpu/layer_ops.hpp"
+#include "attnmix/cpu/linear_causal.hpp"
 #include "attnmix/layers/cache_layout.hpp"
+#include "attnmix/layers/common.hpp"
 #include "attnmix/layers/linear.hpp"
 #include "attnmix/layers/mixer.hpp"
 #include "attnmix/layers/ops.hpp"
@@ -174,33 +174,42 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
   // The same layer with every weight copied once to Backend's memory, projections in T.
   template <class U, class B>
   explicit linear_layer(const linear_layer<U, Policy, B>& o)
-      : D_(o.D_), HQ_(o.HQ_), H_(o.H_), d_(o.d_), norm_eps_(o.norm_eps_), conv1d(o.conv1d),
-        q_proj(o.q_proj), k_proj(o.k_proj), v_proj(o.v_proj), o_proj(o.o_proj),
-        a_proj(o.a_proj), g_proj(o.g_proj), o_norm_weight(o.o_norm_weight) {}
+      : D_(o.D_),
+        HQ_(o.HQ_),
+        H_(o.H_),
+        d_(o.d_),
+        norm_eps_(o.norm_eps_),
+        conv1d(o.conv1d),
+        q_proj(o.q_proj),
+        k_proj(o.k_proj),
+        v_proj(o.v_proj),
+        o_proj(o.o_proj),
+        a_proj(o.a_proj),
+        g_proj(o.g_proj),
+        o_norm_weight(o.o_norm_weight) {}
 
   index_t hidden_size() const { return D_; }
 
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers have a cache");
-    static_assert(on_host_v<Backend>, "attnmix::layers::linear_layer: caches live on the host for "
-                                      "now (prefill and decode on a host backend)");
-    detail::check_cache_size(std::string("attnmix::layers::") + name + "::make_cache", sequences,
-                             capacity, 0,
-                             (H_ * d_ * d_ + H_ * d_ + H_) * index_t(sizeof(A)) +
-                                 (Policy::use_conv ? Policy::conv_size : 1) * D_ *
-                                     index_t(sizeof(T)));
+    static_assert(on_host_v<Backend>,
+                  "attnmix::layers::linear_layer: caches live on the host for "
+                  "now (prefill and decode on a host backend)");
+    detail::check_cache_size(
+        std::string("attnmix::layers::") + name + "::make_cache", sequences, capacity, 0,
+        (H_ * d_ * d_ + H_ * d_ + H_) * index_t(sizeof(A)) +
+            (Policy::use_conv ? Policy::conv_size : 1) * D_ * index_t(sizeof(T)));
     return cache_type(sequences, capacity, H_, d_,
                       conv_state<T>(sequences, Policy::use_conv ? Policy::conv_size : 1, D_));
   }
   void check_cache(const std::string& fn, const char* arg, const std::string& what,
                    const cache_type& cache) const {
-    detail::check_cache_layout(
-        fn, arg, what, cache.layout(),
-        {{"kv_heads", H_},
-         {"head_dim", d_},
-         {"conv sequences", cache.sequences()},
-         {"conv taps", Policy::use_conv ? Policy::conv_size - 1 : 0},
-         {"conv channels", D_}});
+    detail::check_cache_layout(fn, arg, what, cache.layout(),
+                               {{"kv_heads", H_},
+                                {"head_dim", d_},
+                                {"conv sequences", cache.sequences()},
+                                {"conv taps", Policy::use_conv ? Policy::conv_size - 1 : 0},
+                                {"conv channels", D_}});
   }
 
   // y = mixer(x) on c.layout's rows (x, y: [rows, D], distinct).
@@ -318,7 +327,8 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
       T* g = sc.template take<T>(nq);
       g_proj.apply(c, u, rows, g);
       args.gate = as_heads<Backend, const T>(g, L, HQ_, d_);
-      args.gamma = view1<const A>(o_norm_weight.ptr(), {o_norm_weight.numel()}, space_of_v<Backend>);
+      args.gamma =
+          view1<const A>(o_norm_weight.ptr(), {o_norm_weight.numel()}, space_of_v<Backend>);
     }
     if constexpr (causal && on_host_v<Backend>) {
       if (cache != nullptr) {

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "attnmix/layers/common.hpp"
 #include "attnmix/cpu/layer_ops.hpp"
+#include "attnmix/layers/common.hpp"
 #include "attnmix/layers/linear.hpp"
 #include "attnmix/layers/ops.hpp"
 

@@ -21,10 +21,10 @@
 #include "attnmix/attention/attention.hpp"
 #include "attnmix/attention/path_cache.hpp"
 #include "attnmix/core/policy.hpp"
-#include "attnmix/cpu/path.hpp"
-#include "attnmix/layers/common.hpp"
 #include "attnmix/cpu/layer_ops.hpp"
+#include "attnmix/cpu/path.hpp"
 #include "attnmix/layers/cache_layout.hpp"
+#include "attnmix/layers/common.hpp"
 #include "attnmix/layers/linear.hpp"
 #include "attnmix/layers/mixer.hpp"
 #include "attnmix/layers/norm.hpp"
@@ -62,8 +62,8 @@ struct path_layer_cache<T, host_space> {
   index_t capacity() const { return attn.capacity(); }
   index_t length(index_t n) const { return attn.length(n); }
   cache_layout layout() const {
-    return {{"q_heads", attn.q_heads()},     {"kv_heads", attn.kv_heads()},
-            {"head_dim", attn.head_dim()},   {"value_dim", attn.value_dim()},
+    return {{"q_heads", attn.q_heads()},        {"kv_heads", attn.kv_heads()},
+            {"head_dim", attn.head_dim()},      {"value_dim", attn.value_dim()},
             {"conv sequences", conv.sequences}, {"conv taps", conv.taps},
             {"conv channels", conv.channels}};
   }
@@ -121,16 +121,30 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
   // The same layer with every weight copied once to Backend's memory, projections in T.
   template <class U, class B>
   explicit path_layer(const path_layer<U, Policy, B>& o)
-      : D_(o.D_), HQ_(o.HQ_), H_(o.H_), d_(o.d_), scale_(o.scale_), low_rank_(o.low_rank_),
-        q_proj(o.q_proj), k_proj(o.k_proj), v_proj(o.v_proj), o_proj(o.o_proj),
-        bt_proj(o.bt_proj), g_proj(o.g_proj), w_proj_down(o.w_proj_down), w_proj(o.w_proj),
-        w_conv1d(o.w_conv1d), maybe_q_norm(o.maybe_q_norm), maybe_k_norm(o.maybe_k_norm) {}
+      : D_(o.D_),
+        HQ_(o.HQ_),
+        H_(o.H_),
+        d_(o.d_),
+        scale_(o.scale_),
+        low_rank_(o.low_rank_),
+        q_proj(o.q_proj),
+        k_proj(o.k_proj),
+        v_proj(o.v_proj),
+        o_proj(o.o_proj),
+        bt_proj(o.bt_proj),
+        g_proj(o.g_proj),
+        w_proj_down(o.w_proj_down),
+        w_proj(o.w_proj),
+        w_conv1d(o.w_conv1d),
+        maybe_q_norm(o.maybe_q_norm),
+        maybe_k_norm(o.maybe_k_norm) {}
 
   index_t hidden_size() const { return D_; }
 
   cache_type make_cache(index_t sequences, index_t capacity) const {
-    static_assert(on_host_v<Backend>, "attnmix::layers::path_layer: caches live on the host for "
-                                      "now (prefill and decode on a host backend)");
+    static_assert(on_host_v<Backend>,
+                  "attnmix::layers::path_layer: caches live on the host for "
+                  "now (prefill and decode on a host backend)");
     detail::check_cache_size(std::string("attnmix::layers::") + name + "::make_cache", sequences,
                              capacity, (4 * H_ * d_ + 2 * HQ_ + 2 * H_) * index_t(sizeof(double)),
                              Policy::conv_size * H_ * d_ * index_t(sizeof(T)));

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "attnmix/layers/common.hpp"
 #include "attnmix/core/scalar.hpp"
 #include "attnmix/cpu/layer_ops.hpp"
+#include "attnmix/layers/common.hpp"
 #include "attnmix/layers/ops.hpp"
 
 namespace attnmix {
@@ -83,7 +83,7 @@ class short_conv {
         return;
       }
     }
-    (void)final;  // states live on the host: a device call has none
+    (void) final;  // states live on the host: a device call has none
     ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_);
   }
   // The same as one call of its own, on the CPU-style host signature.
@@ -100,8 +100,7 @@ class short_conv {
     const typename ops<Backend>::handles h{};
     std::vector<T> next(state.data.size());
     ops<Backend>::short_conv(context<Backend>{be, L, nullptr, h}, x, y, channels_, weight.ptr(),
-                             kernel_, silu_, static_cast<const T*>(state.data.data()),
-                             next.data());
+                             kernel_, silu_, static_cast<const T*>(state.data.data()), next.data());
     state.data.swap(next);
   }
 
