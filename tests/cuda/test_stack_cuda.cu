@@ -1,6 +1,7 @@
-// attnmix::device_stack (the layers on the GPU) against the host stack in double with the same
-// weights: the hybrid encoder, causal stacks of every mixer kind and policy switch, dense,
-// padded and varlen batches, in float and bfloat16; and its argument checks.
+// attnmix::device_stack (the host stack type on backend::cuda) against the host stack in double
+// with the same weights: the hybrid encoder, causal stacks of every mixer kind and policy switch,
+// a test-only custom layer, dense, padded and varlen batches, in float and bfloat16; and its
+// argument checks.
 
 #include <cstdint>
 #include <map>
@@ -9,6 +10,7 @@
 
 #include "attnmix/cuda.cuh"
 #include "layers/custom_layers.hpp"
+#include "layers/gated_softmax_layer.hpp"
 #include "support/cuda_testing.cuh"
 #include "support/testing.hpp"
 
@@ -30,8 +32,8 @@ struct biased_rope_sa_policy : L::sa_layer_policy {
   static constexpr bool qkv_bias = true;
   static constexpr const char* name = "biased_rope_sa";
 };
-template <class T>
-using biased_rope_sa_layer = L::attention_layer<T, biased_rope_sa_policy>;
+template <class T, class Backend = attnmix::backend::cpu>
+using biased_rope_sa_layer = L::attention_layer<T, biased_rope_sa_policy, Backend>;
 using biased_rope_sa = layer::custom<attnmix::kind::softmax, biased_rope_sa_layer>;
 
 L::config make_config(index_t heads, index_t kv_heads, index_t window = 0) {
@@ -157,6 +159,11 @@ void run_all(double tol) {
         gqa, packed, 6, tol);
     check_stack<D, stack_policy, rope_sa, gated_fox, biased_rope_sa>(mha, masked, 7, tol);
   }
+  SECTION("a test-only layer written on layers::ops, with no CUDA code of its own") {
+    check_stack<D, stack_policy, attnmix_test::gated_softmax, layer::gbla,
+                attnmix_test::gated_softmax>(mha, masked, 10, tol);
+    check_stack<D, stack_policy, layer::fox, attnmix_test::gated_softmax>(gqa, packed, 11, tol);
+  }
   SECTION("GELU and ReLU MLPs, sliding windows") {
     check_stack<D, attnmix::with_mlp<L::mlp_kind::gelu>, layer::sa, layer::fox>(
         make_config(2, 2, 5), dense, 8, tol);
@@ -175,6 +182,53 @@ TEST_CASE("device_stack in float matches the host stack in double", "[stack][flo
 TEST_CASE("device_stack in bfloat16 matches the host stack in double", "[stack][bf16]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   run_all<attnmix::bfloat16>(bf16_tol);
+}
+
+// One mixer alone on the GPU: the same template with backend::cuda, made from the host layer.
+template <class HostF, class HostD, class Device>
+void check_layer(const L::config& c, const std::vector<std::int32_t>& cu, index_t B, index_t T,
+                 std::uint64_t salt) {
+  rng r(salt);
+  INFO("seed " << test_seed() << " salt " << salt << " layer " << HostF::name);
+  HostF hf(c);
+  L::randomize_parameters(hf, test_seed() ^ salt, 0.15, 0.3);
+  HostD hd(c);
+  copy_parameters(hf, hd);
+  const Device gpu(hf);
+  const index_t n = B * T * c.hidden_size;
+  std::vector<float> xf(static_cast<std::size_t>(n));
+  host_tensor<double, 3> x({B, T, c.hidden_size}), want({B, T, c.hidden_size});
+  for (index_t i = 0; i < n; ++i)
+    x.storage()[std::size_t(i)] = xf[std::size_t(i)] = static_cast<float>(r.normal());
+  attnmix::view1<const std::int32_t> cv;
+  if (!cu.empty()) cv = {cu.data(), {index_t(cu.size())}};
+  hd.forward(x.view(), want.view(), cv);
+  device_buffer<float> dx(xf), dy(static_cast<std::size_t>(n));
+  const auto dev = attnmix::memory_space::device;
+  gpu.forward(attnmix::view3<const float>(dx.get(), {B, T, c.hidden_size}, dev),
+              attnmix::view3<float>(dy.get(), {B, T, c.hidden_size}, dev), cv);
+  attnmix::detail::cuda::check(cudaDeviceSynchronize(), "layer forward");
+  const std::vector<float> got = dy.to_host();
+  const double err = rel_error(std::vector<double>(got.begin(), got.end()), want.storage());
+  INFO("relative error " << err);
+  CHECK(err <= float_tol);
+}
+
+TEST_CASE("a single mixer runs on the GPU through the same forward", "[layers][float]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using cuda = attnmix::backend::cuda;
+  const L::config gqa = make_config(4, 2), mha = make_config(2, 2);
+  const std::vector<std::int32_t> cu{0, 9, 9, 10, 40};
+  using pf = L::path_fox_layer_policy;
+  check_layer<L::path_layer<float, pf>, L::path_layer<double, pf>, L::path_layer<float, pf, cuda>>(
+      gqa, {}, 2, 23, 21);
+  check_layer<L::path_layer<float, pf>, L::path_layer<double, pf>, L::path_layer<float, pf, cuda>>(
+      mha, cu, 1, 40, 22);
+  check_layer<attnmix_test::gated_softmax_mixer<float>, attnmix_test::gated_softmax_mixer<double>,
+              attnmix_test::gated_softmax_mixer<float, cuda>>(mha, cu, 1, 40, 23);
+  using gp = causal_gbla_policy;
+  check_layer<L::linear_layer<float, gp>, L::linear_layer<double, gp>,
+              L::linear_layer<float, gp, cuda>>(gqa, {}, 2, 23, 24);
 }
 
 TEST_CASE("device_stack reports each block and rejects bad arguments", "[stack][errors]") {
@@ -217,7 +271,7 @@ TEST_CASE("device_stack reports each block and rejects bad arguments", "[stack][
   };
   // Host memory marked as host, and host memory marked as device.
   std::string m = message([&] { gpu.forward(cview(hx.data(), {B, T, D}), y); });
-  CHECK(has(m, "attnmix::device_stack::forward"));
+  CHECK(has(m, "attnmix::stack::forward"));
   CHECK(has(m, "'x' is in host memory"));
   m = message([&] { gpu.forward(cview(hx.data(), {B, T, D}, dev), y); });
   CHECK(has(m, "'x' is marked as device memory"));

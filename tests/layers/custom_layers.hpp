@@ -35,14 +35,14 @@ struct normed_path_fox_policy : L::path_fox_layer_policy {
   static constexpr const char* name = "normed_path_fox";
 };
 
-template <class T>
-using rope_sa_layer = L::attention_layer<T, rope_sa_policy>;
-template <class T>
-using gated_fox_layer = L::attention_layer<T, gated_fox_policy>;
-template <class T>
-using causal_gbla_layer = L::linear_layer<T, causal_gbla_policy>;
-template <class T>
-using normed_path_fox_layer = L::path_layer<T, normed_path_fox_policy>;
+template <class T, class Backend = attnmix::backend::cpu>
+using rope_sa_layer = L::attention_layer<T, rope_sa_policy, Backend>;
+template <class T, class Backend = attnmix::backend::cpu>
+using gated_fox_layer = L::attention_layer<T, gated_fox_policy, Backend>;
+template <class T, class Backend = attnmix::backend::cpu>
+using causal_gbla_layer = L::linear_layer<T, causal_gbla_policy, Backend>;
+template <class T, class Backend = attnmix::backend::cpu>
+using normed_path_fox_layer = L::path_layer<T, normed_path_fox_policy, Backend>;
 
 using rope_sa = attnmix::layer::custom<attnmix::kind::softmax, rope_sa_layer>;
 using gated_fox = attnmix::layer::custom<attnmix::kind::fox, gated_fox_layer>;

@@ -1,6 +1,6 @@
-// Each mixer layer against its float64 oracle (dense and packed batches, float and double), the
-// MLPs, decoding against the full forward for every cached layer (with and without a sliding
-// window), and caches addressed through slot mappings.
+// Each mixer layer (and a test-only one written on layers::ops) against its float64 oracle (dense
+// and packed batches, float and double), the MLPs, decoding against the full forward for every
+// cached layer (with and without a sliding window), and caches addressed through slot mappings.
 
 #include <functional>
 #include <limits>
@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "layers/custom_layers.hpp"
+#include "layers/gated_softmax_layer.hpp"
 #include "layers/layer_harness.hpp"
 
 namespace {
@@ -259,6 +260,127 @@ TEST_CASE("layers reject bad arguments with attnmix::error", "[layers][errors]")
   broken.num_kv_heads = 3;
   ATTNMIX_CHECK_ERROR((void)attnmix::layer::gbla::type<float>{broken}, "num_kv_heads");
   ATTNMIX_CHECK_ERROR((void)attnmix::layer::fox::type<float>{windowed(c, -1)}, "config.window");
+}
+
+// The test-only gated softmax mixer, in the plainest loops: per sequence and head,
+// o = softmax(q k^T / sqrt(d)) v, y = o_proj(o * sigmoid(g)).
+std::vector<double> gated_softmax_oracle(const layer_ref::params& p, const std::vector<double>& x,
+                                         index_t D, index_t H, index_t d,
+                                         const std::vector<std::pair<index_t, index_t>>& seqs) {
+  const index_t W = H * d;
+  const auto proj = [&](const char* name, const double* in, index_t n_in, index_t n_out) {
+    const std::vector<double>& w = p.at(std::string(name) + ".weight");
+    std::vector<double> out(static_cast<std::size_t>(n_out), 0.0);
+    for (index_t o = 0; o < n_out; ++o)
+      for (index_t i = 0; i < n_in; ++i)
+        out[std::size_t(o)] += w[std::size_t(o * n_in + i)] * in[i];
+    return out;
+  };
+  std::vector<double> y(x.size(), 0.0);
+  for (const auto& [r0, len] : seqs) {
+    std::vector<std::vector<double>> q, k, v, g;
+    for (index_t t = 0; t < len; ++t) {
+      const double* xt = x.data() + (r0 + t) * D;
+      q.push_back(proj("q_proj", xt, D, W));
+      k.push_back(proj("k_proj", xt, D, W));
+      v.push_back(proj("v_proj", xt, D, W));
+      g.push_back(proj("g_proj", xt, D, W));
+    }
+    for (index_t t = 0; t < len; ++t) {
+      std::vector<double> o(static_cast<std::size_t>(W), 0.0);
+      for (index_t h = 0; h < H; ++h) {
+        std::vector<double> z(static_cast<std::size_t>(len));
+        double zmax = -1e300, den = 0;
+        for (index_t j = 0; j < len; ++j) {
+          double dot = 0;
+          for (index_t e = 0; e < d; ++e)
+            dot += q[std::size_t(t)][std::size_t(h * d + e)] *
+                   k[std::size_t(j)][std::size_t(h * d + e)];
+          z[std::size_t(j)] = dot / std::sqrt(double(d));
+          zmax = std::max(zmax, z[std::size_t(j)]);
+        }
+        for (index_t j = 0; j < len; ++j) den += std::exp(z[std::size_t(j)] - zmax);
+        for (index_t e = 0; e < d; ++e) {
+          double acc = 0;
+          for (index_t j = 0; j < len; ++j)
+            acc += std::exp(z[std::size_t(j)] - zmax) / den *
+                   v[std::size_t(j)][std::size_t(h * d + e)];
+          const double gate = g[std::size_t(t)][std::size_t(h * d + e)];
+          o[std::size_t(h * d + e)] = acc / (1.0 + std::exp(-gate));
+        }
+      }
+      const std::vector<double> yt = proj("o_proj", o.data(), W, D);
+      std::copy(yt.begin(), yt.end(), y.begin() + (r0 + t) * D);
+    }
+  }
+  return y;
+}
+
+TEST_CASE("a test-only mixer written on layers::ops matches its float64 oracle",
+          "[layers][custom]") {
+  rng r(91);
+  INFO("seed " << test_seed());
+  const L::config c = small_config(3, 3);
+  attnmix_test::gated_softmax_mixer<double> md(c);
+  attnmix_test::gated_softmax_mixer<float> mf(c);
+  L::randomize_parameters(md, test_seed() ^ 91, 0.15, 0.3);
+  copy_parameters(md, mf);
+  const auto params = parameters_of(md);
+  const index_t D = c.hidden_size;
+  // A dense batch of two sequences, then a packed one with an empty and a length-1 sequence.
+  for (const std::vector<std::int32_t>& cu :
+       {std::vector<std::int32_t>{}, std::vector<std::int32_t>{0, 7, 7, 8, 21}}) {
+    const index_t B = cu.empty() ? 2 : 1, T = cu.empty() ? 11 : 21;
+    auto xd = random_activations<double>(r, B, T, D);
+    host_tensor<float, 3> xf(xd.shape());
+    for (index_t i = 0; i < xd.size(); ++i) xf.data()[i] = static_cast<float>(xd.data()[i]);
+    host_tensor<double, 3> yd(xd.shape());
+    host_tensor<float, 3> yf(xd.shape());
+    poison(yd);
+    poison(yf);
+    std::vector<std::pair<index_t, index_t>> seqs;
+    attnmix::view1<const std::int32_t> cv;
+    if (cu.empty()) {
+      for (index_t b = 0; b < B; ++b) seqs.push_back({b * T, T});
+    } else {
+      cv = {cu.data(), {index_t(cu.size())}};
+      for (std::size_t n = 0; n + 1 < cu.size(); ++n) seqs.push_back({cu[n], cu[n + 1] - cu[n]});
+    }
+    md.forward(xd.view(), yd.view(), cv);
+    mf.forward(xf.view(), yf.view(), cv);
+    INFO("packed " << !cu.empty());
+    CHECK(rel_error(yd.storage(),
+                    gated_softmax_oracle(params, as_double(xd), D, 3, c.dim(), seqs)) <= 1e-12);
+    CHECK(rel_error(yf.storage(), gated_softmax_oracle(params, as_double(xf), D, 3, c.dim(),
+                                                       seqs)) <= 4 * tolerance<float>());
+  }
+}
+
+TEST_CASE("layers reject a cache made for another layout, and absurd cache sizes",
+          "[layers][errors]") {
+  L::config a = small_config(4, 1), b = small_config(4, 4);
+  attnmix::layer::fox::type<double> fa(a), fb(b);
+  attnmix::layer::path::type<double> pa(a), pb(b);
+  attnmix::layer::linear_causal::type<double> la(a), lb(b);
+  host_tensor<double, 3> x({2, 3, 48}), y({2, 3, 48}), x1({2, 1, 48}), y1({2, 1, 48});
+  auto fc = fb.make_cache(2, 4);
+  ATTNMIX_CHECK_ERROR(fa.prefill(x.view(), y.view(), fc), "was made for kv_heads = 4");
+  ATTNMIX_CHECK_ERROR(fa.decode(x1.view(), y1.view(), fc), "the layer has kv_heads = 1");
+  auto pc = pb.make_cache(2, 4);
+  ATTNMIX_CHECK_ERROR(pa.prefill(x.view(), y.view(), pc), "kv_heads = 4");
+  ATTNMIX_CHECK_ERROR(pa.decode(x1.view(), y1.view(), pc), "kv_heads = 4");
+  auto lc = lb.make_cache(2, 4);
+  ATTNMIX_CHECK_ERROR(la.prefill(x.view(), y.view(), lc), "kv_heads = 4");
+  CHECK(fc.length(0) == 0);
+  CHECK(pc.length(0) == 0);
+  CHECK(lc.length(0) == 0);
+
+  ATTNMIX_CHECK_ERROR((void)fa.make_cache(-1, 4), "argument 'sequences' must be >= 0");
+  ATTNMIX_CHECK_ERROR((void)fa.make_cache(2, -1), "argument 'capacity' must be >= 0");
+  ATTNMIX_CHECK_ERROR((void)fa.make_cache(2, index_t{1} << 62), "argument 'capacity'");
+  ATTNMIX_CHECK_ERROR((void)pa.make_cache(-1, 4), "argument 'sequences'");
+  ATTNMIX_CHECK_ERROR((void)pa.make_cache(2, index_t{1} << 62), "argument 'capacity'");
+  ATTNMIX_CHECK_ERROR((void)la.make_cache(index_t{1} << 60, 1), "argument 'capacity'");
 }
 
 }  // namespace

@@ -1,13 +1,135 @@
 // Hybrid stacks: the [SA, GBLA, GBLA] encoder and causal stacks against the float64 oracle,
 // padded / left-padded / varlen batches agreeing at valid positions, whole-stack decoding
-// against the full forward (with and without a sliding window), and caches addressed through
-// slot mappings.
+// against the full forward (with and without a sliding window), caches addressed through slot
+// mappings, caches of another layout rejected before anything is written, and the same stacks
+// on a test-only third host backend that only specialises the operations.
 
 #include <string>
 #include <vector>
 
 #include "layers/custom_layers.hpp"
+#include "layers/gated_softmax_layer.hpp"
 #include "layers/layer_harness.hpp"
+
+// A third host backend: its tag, the attention front doors' implementations and layers::ops,
+// each forwarding to the CPU backend on one thread. Nothing else of attnmix knows it.
+namespace serial_test {
+struct serial {
+  using memory_space = attnmix::host_space;
+  static constexpr const char* name = "serial";
+};
+}  // namespace serial_test
+
+namespace attnmix {
+template <class Kind>
+struct is_implemented<Kind, serial_test::serial> : is_implemented<Kind, backend::cpu> {};
+namespace detail {
+template <class Kind, class Policy>
+struct attention_impl<Kind, serial_test::serial, Policy> {
+  template <class T>
+  static void run(const attention_args<T>& a, const attention_problem& p,
+                  const serial_test::serial&) {
+    attention_impl<Kind, backend::cpu, Policy>::run(a, p, backend::cpu{1});
+  }
+};
+template <class Kind, class Policy>
+struct linear_attention_impl<Kind, serial_test::serial, Policy> {
+  template <class T>
+  static void run(const linear_attention_args<T>& a, const linear_attention_problem& p,
+                  const serial_test::serial&) {
+    linear_attention_impl<Kind, backend::cpu, Policy>::run(a, p, backend::cpu{1});
+  }
+};
+template <>
+struct path_cache_impl<serial_test::serial> {
+  using cpu = path_cache_impl<backend::cpu>;
+  template <class Policy, class T>
+  static void key_cache(const path_key_cache_args<T>& a, const attention_problem& p,
+                        const serial_test::serial&) {
+    cpu::template key_cache<Policy>(a, p, backend::cpu{1});
+  }
+  template <class Kind, class Policy, class T>
+  static void prefill(path_cache<T>& c, const attention_args<T>& a, const attention_problem& p,
+                      const std::vector<index_t>& slots, const serial_test::serial&) {
+    cpu::template prefill<Kind, Policy>(c, a, p, slots, backend::cpu{1});
+  }
+  template <class Kind, class Policy, class T>
+  static void decode(path_cache<T>& c, const attention_args<T>& a, const attention_problem& p,
+                     const std::vector<index_t>& slots, const serial_test::serial&) {
+    cpu::template decode<Kind, Policy>(c, a, p, slots, backend::cpu{1});
+  }
+};
+}  // namespace detail
+
+namespace layers {
+template <>
+struct ops<serial_test::serial> {
+  using cpu = ops<backend::cpu>;
+  struct handles {};
+  template <class T>
+  static constexpr bool computes = cpu::computes<T>;
+  static const backend::cpu& one_thread() {
+    static const backend::cpu be{1};
+    return be;
+  }
+  struct on_cpu {  // a serial call's context as a one-thread CPU one
+    explicit on_cpu(const context<serial_test::serial>& c)
+        : ctx{one_thread(), c.layout, c.positions, h} {}
+    cpu::handles h;
+    context<backend::cpu> ctx;
+  };
+  struct scratch : cpu::scratch {
+    scratch(const serial_test::serial&, std::size_t bytes) : cpu::scratch(one_thread(), bytes) {}
+  };
+  struct timer : cpu::timer {
+    timer(const serial_test::serial&, bool on) : cpu::timer(one_thread(), on) {}
+  };
+
+  template <class C, class... A>
+  static void gemm(const C& c, A... a) {
+    cpu::gemm(on_cpu(c).ctx, a...);
+  }
+  template <class C, class... A>
+  static void norm(const C& c, A... a) {
+    cpu::norm(on_cpu(c).ctx, a...);
+  }
+  template <class C, class... A>
+  static void short_conv(const C& c, A... a) {
+    cpu::short_conv(on_cpu(c).ctx, a...);
+  }
+  template <class C, class... A>
+  static void rope(const C& c, A... a) {
+    cpu::rope(on_cpu(c).ctx, a...);
+  }
+  template <class Fn, class C, class... A>
+  static void map(const C& c, A... a) {
+    cpu::map<Fn>(on_cpu(c).ctx, a...);
+  }
+  template <class C, class... A>
+  static void move_rows(const C& c, A... a) {
+    cpu::move_rows(on_cpu(c).ctx, a...);
+  }
+  template <class... A>
+  static void positions(const serial_test::serial&, A&&... a) {
+    cpu::positions(one_thread(), a...);
+  }
+  template <class S>
+  static void upload(const serial_test::serial&, S* dst, const S* src, index_t n) {
+    cpu::upload(one_thread(), dst, src, n);
+  }
+  template <class S>
+  static void zero(const serial_test::serial&, S* p, index_t n) {
+    cpu::zero(one_thread(), p, n);
+  }
+  template <class V>
+  static void check_memory(const std::string&, const char*, const V&) {}
+  template <class Body>
+  static void for_each(const serial_test::serial&, index_t n, Body&& body) {
+    for (index_t i = 0; i < n; ++i) body(i);
+  }
+};
+}  // namespace layers
+}  // namespace attnmix
 
 namespace {
 
@@ -182,6 +304,109 @@ TEST_CASE("stack arguments are checked", "[stack][errors]") {
   ATTNMIX_CHECK_ERROR(s.forward(x.view(), y.view(), {bad_mask.view(), {}}), "argument 'mask'");
   std::vector<std::int32_t> cu{0, 3, 4};
   ATTNMIX_CHECK_ERROR(s.forward(x.view(), y.view(), {{}, {cu.data(), {3}}}), "B = 1");
+}
+
+TEST_CASE("stacks reject a cache of another layout before any layer writes",
+          "[stack][errors][cache]") {
+  using lm = attnmix::stack<double, layer::path_fox, layer::fox, layer::causal_sa, layer::path,
+                            layer::linear_causal>;
+  L::config a = stack_config(), b = stack_config();
+  a.num_kv_heads = 1;
+  b.num_kv_heads = 4;
+  lm sa(a), sb(b);
+  const index_t D = a.hidden_size;
+  host_tensor<double, 3> x({2, 5, D}, 0.5), y({2, 5, D}), x1({2, 1, D}, 0.5), y1({2, 1, D});
+  auto cb = sb.make_cache(2, 8);
+  ATTNMIX_CHECK_ERROR(sa.prefill(x.view(), y.view(), cb),
+                      "argument 'cache' of layer 0 (path_fox) was made for kv_heads = 4 but the "
+                      "layer has kv_heads = 1");
+  ATTNMIX_CHECK_ERROR(sa.decode(x1.view(), y1.view(), cb), "kv_heads = 4");
+  // Only the last layer's cache is foreign: the earlier layers' caches stay untouched.
+  for (bool decode : {false, true}) {
+    INFO((decode ? "decode" : "prefill"));
+    auto ca = sa.make_cache(2, 8);
+    if (decode) sa.prefill(x.view(), y.view(), ca);
+    std::get<4>(ca) = std::get<4>(sb.make_cache(2, 8));
+    poison(y1);
+    if (decode)
+      ATTNMIX_CHECK_ERROR(sa.decode(x1.view(), y1.view(), ca), "layer 4 (linear_causal)");
+    else
+      ATTNMIX_CHECK_ERROR(sa.prefill(x.view(), y.view(), ca), "layer 4 (linear_causal)");
+    const index_t want = decode ? 5 : 0;
+    CHECK(std::get<0>(ca).length(1) == want);
+    CHECK(std::get<1>(ca).length(1) == want);
+    CHECK(std::get<2>(ca).length(1) == want);
+    CHECK(std::get<3>(ca).length(1) == want);
+  }
+  // A layer's cache of another capacity is foreign too.
+  auto mixed = sa.make_cache(2, 8);
+  std::get<2>(mixed) = std::get<2>(sa.make_cache(2, 4));
+  ATTNMIX_CHECK_ERROR(sa.prefill(x.view(), y.view(), mixed), "layer 2 (causal_sa)");
+  // Absurd sizes are attnmix::error, not a signed overflow.
+  ATTNMIX_CHECK_ERROR((void)sa.make_cache(-1, 4), "argument 'sequences' must be >= 0");
+  ATTNMIX_CHECK_ERROR((void)sa.make_cache(2, index_t{1} << 62), "argument 'capacity'");
+}
+
+TEST_CASE("a host stack rejects a mask tagged as device memory", "[stack][errors]") {
+  const L::config c = stack_config();
+  attnmix::stack<float, layer::sa, layer::gbla> s(c);
+  host_tensor<float, 3> x({2, 5, 32}), y({2, 5, 32});
+  host_tensor<std::uint8_t, 2> mask({2, 5}, 1);
+  const attnmix::tensor_view<const std::uint8_t, 2> dm(mask.data(), {2, 5},
+                                                       attnmix::memory_space::device);
+  poison(y);
+  ATTNMIX_CHECK_ERROR(s.forward(x.view(), y.view(), {dm, {}}),
+                      "argument 'mask' is in device memory");
+  CHECK(std::isnan(y.data()[0]));
+}
+
+// The same stack (including the test-only layer) on the serial backend: bit for bit the CPU's.
+template <class Stack>
+void check_on_serial(const attnmix::stack_inputs& in, index_t B, index_t T, std::uint64_t salt) {
+  rng r(salt);
+  INFO("seed " << test_seed() << " salt " << salt);
+  const L::config c = stack_config();
+  Stack s(c);
+  L::randomize_parameters(s, test_seed() ^ salt, 0.15, 0.3);
+  const attnmix::stack_on<Stack, serial_test::serial> ss(s);
+  auto x = random_activations<double>(r, B, T, c.hidden_size);
+  host_tensor<double, 3> want(x.shape()), got(x.shape());
+  poison(got);
+  s.forward(x.view(), want.view(), in);
+  ss.forward(x.view(), got.view(), in, serial_test::serial{});
+  CHECK(got.storage() == want.storage());
+}
+
+TEST_CASE("a third host backend runs stacks by specialising only the operations",
+          "[stack][backend]") {
+  using hybrid = attnmix::stack<double, layer::sa, layer::gbla, attnmix_test::gated_softmax,
+                                layer::path_fox, layer::fox, layer::bla>;
+  check_on_serial<hybrid>({}, 2, 13, 51);
+  std::vector<std::int32_t> cu{0, 4, 4, 17};
+  check_on_serial<hybrid>({{}, {cu.data(), {4}}}, 1, 17, 52);
+  host_tensor<std::uint8_t, 2> mask({2, 9}, 1);
+  mask(1, 0) = mask(1, 8) = 0;
+  check_on_serial<hybrid>({mask.view(), {}}, 2, 9, 53);
+  // And a causal stack's prefill and decoding there.
+  using lm =
+      attnmix::stack<double, layer::path_fox, layer::fox, layer::causal_sa, layer::linear_causal>;
+  const L::config c = stack_config();
+  lm s(c);
+  L::randomize_parameters(s, test_seed() ^ 54, 0.15, 0.3);
+  const attnmix::stack_on<lm, serial_test::serial> ss(s);
+  rng r(54);
+  auto x = random_activations<double>(r, 2, 6, c.hidden_size);
+  host_tensor<double, 3> y0(x.shape()), y1(x.shape());
+  auto c0 = s.make_cache(2, 8);
+  auto c1 = ss.make_cache(2, 8);
+  s.prefill(x.view(), y0.view(), c0);
+  ss.prefill(x.view(), y1.view(), c1, {}, serial_test::serial{});
+  CHECK(y1.storage() == y0.storage());
+  host_tensor<double, 3> t({2, 1, c.hidden_size}, 0.25), o0({2, 1, c.hidden_size}),
+      o1({2, 1, c.hidden_size});
+  s.decode(t.view(), o0.view(), c0);
+  ss.decode(t.view(), o1.view(), c1, serial_test::serial{});
+  CHECK(o1.storage() == o0.storage());
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 //   y = o_proj o
 // SA is causal or bidirectional (Policy::mask); FoX is causal. config.window > 0 restricts
 // attention to a sliding window (attention_params::window), in the forward and in decoding.
+// The forward is written once over ops<Backend>; prefill and decoding run on host backends.
 
 #include <algorithm>
 #include <cmath>
@@ -22,12 +23,14 @@
 #include "attnmix/attention/attention.hpp"
 #include "attnmix/core/policy.hpp"
 #include "attnmix/cpu/fox.hpp"
+#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/cpu/softmax.hpp"
+#include "attnmix/layers/cache_layout.hpp"
 #include "attnmix/layers/common.hpp"
-#include "attnmix/layers/detail/cpu_ops.hpp"
 #include "attnmix/layers/linear.hpp"
 #include "attnmix/layers/mixer.hpp"
 #include "attnmix/layers/norm.hpp"
+#include "attnmix/layers/ops.hpp"
 
 namespace attnmix {
 namespace layers {
@@ -55,8 +58,12 @@ struct fox_layer_policy : sa_layer_policy {
 // KV cache of N slots, one sequence each: keys after qk-norm and RoPE, raw values and, for
 // FoX, the inclusive cumsum G of the log forget gate (double, as in path_cache). Under a
 // sliding window every token is still kept; decoding reads only the last `window` of them.
+// Host memory (Space = host_space) for now.
+template <class T, class Space = host_space>
+class kv_cache;
+
 template <class T>
-class kv_cache {
+class kv_cache<T, host_space> {
  public:
   kv_cache() = default;
   kv_cache(index_t sequences, index_t capacity, index_t q_heads, index_t kv_heads, index_t d)
@@ -74,6 +81,8 @@ class kv_cache {
   index_t capacity() const { return cap_; }
   index_t length(index_t n) const { return lengths_[static_cast<std::size_t>(n)]; }
   void clear() { lengths_.assign(lengths_.size(), 0); }
+  // The sizes it was made for, checked against the layer before a call writes anything.
+  cache_layout layout() const { return {{"q_heads", hq_}, {"kv_heads", h_}, {"head_dim", d_}}; }
 
   T* key(index_t n, index_t t) { return keys_.data() + (n * cap_ + t) * h_ * d_; }
   T* value(index_t n, index_t t) { return values_.data() + (n * cap_ + t) * h_ * d_; }
@@ -87,8 +96,8 @@ class kv_cache {
   std::vector<index_t> lengths_;
 };
 
-template <class T, class Policy = sa_layer_policy>
-class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
+template <class T, class Policy = sa_layer_policy, class Backend = backend::cpu>
+class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T, Backend> {
   using K = typename Policy::kind;
   static constexpr bool fox = std::is_same_v<K, attnmix::kind::fox>;
   static_assert(
@@ -96,14 +105,21 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
       "attnmix::layers::attention_layer: Policy::kind must be kind::softmax or kind::fox");
   static_assert(!fox || Policy::mask == mask_type::causal,
                 "attnmix::layers::attention_layer: FoX is causal only");
+  using A = accum_t<T>;
+  using O = ops<Backend>;
+  using space = typename Backend::memory_space;
+  template <class, class, class>
+  friend class attention_layer;
 
  public:
   static constexpr const char* name = Policy::name;
   static constexpr bool causal = Policy::mask == mask_type::causal;
   using policy = Policy;
   using kind = K;
+  using backend_type = Backend;
   using attention_policy = with_mask<default_policy_t<K>, Policy::mask>;
-  using cache_type = kv_cache<T>;
+  using cache_type = kv_cache<T, space>;
+  using saved_type = no_saved;  // what the backward will read (nothing yet)
 
   attention_layer() = default;
   explicit attention_layer(const config& c)
@@ -119,13 +135,31 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
         v_proj(D_, H_ * d_, Policy::qkv_bias),
         o_proj(HQ_ * d_, D_) {
     validate_config(std::string("attnmix::layers::") + name, c);
-    if constexpr (fox) f_proj = linear<T>(D_, HQ_, true);
-    if constexpr (Policy::output_gate) g_proj = linear<T>(D_, HQ_ * d_);
+    if constexpr (fox) f_proj = linear<T, Backend>(D_, HQ_, true);
+    if constexpr (Policy::output_gate) g_proj = linear<T, Backend>(D_, HQ_ * d_);
     if constexpr (Policy::qk_norm) {
-      q_norm = head_rms_norm<T>(HQ_, d_, fox, c.head_norm_eps);
-      k_norm = head_rms_norm<T>(H_, d_, fox, c.head_norm_eps);
+      q_norm = head_rms_norm<T, Backend>(HQ_, d_, fox, c.head_norm_eps);
+      k_norm = head_rms_norm<T, Backend>(H_, d_, fox, c.head_norm_eps);
     }
   }
+  // The same layer with every weight copied once to Backend's memory, projections in T.
+  template <class U, class B>
+  explicit attention_layer(const attention_layer<U, Policy, B>& o)
+      : D_(o.D_),
+        HQ_(o.HQ_),
+        H_(o.H_),
+        d_(o.d_),
+        theta_(o.theta_),
+        scale_(o.scale_),
+        window_(o.window_),
+        q_proj(o.q_proj),
+        k_proj(o.k_proj),
+        v_proj(o.v_proj),
+        o_proj(o.o_proj),
+        f_proj(o.f_proj),
+        g_proj(o.g_proj),
+        q_norm(o.q_norm),
+        k_norm(o.k_norm) {}
 
   index_t hidden_size() const { return D_; }
   // Sliding window (config.window); 0: none.
@@ -133,58 +167,80 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
 
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers have a cache");
+    static_assert(on_host_v<Backend>,
+                  "attnmix::layers::attention_layer: caches live on the host "
+                  "for now (prefill and decode on a host backend)");
+    detail::check_cache_size(std::string("attnmix::layers::") + name + "::make_cache", sequences,
+                             capacity,
+                             (2 * H_ * d_) * index_t(sizeof(T)) + HQ_ * index_t(sizeof(double)));
     return cache_type(sequences, capacity, HQ_, H_, d_);
   }
+  // Throws attnmix::error naming `what` unless `cache` was made by a layer of this layout.
+  void check_cache(const std::string& fn, const char* arg, const std::string& what,
+                   const cache_type& cache) const {
+    detail::check_cache_layout(fn, arg, what, cache.layout(),
+                               {{"q_heads", HQ_}, {"kv_heads", H_}, {"head_dim", d_}});
+  }
 
-  void forward_rows(const T* x, T* y, const token_layout& L, const backend::cpu& be) const {
-    run(x, y, L, nullptr, nullptr, be);
+  // y = mixer(x) on c.layout's rows (x, y: [rows, D], distinct).
+  void forward_rows(const context<Backend>& c, const T* x, T* y, saved_type* = nullptr) const {
+    run(c, x, y, nullptr, nullptr);
   }
   // slots[n]: the cache slot of sequence n.
-  void prefill_rows(const T* x, T* y, const token_layout& L, cache_type& cache,
-                    const std::vector<index_t>& slots, const backend::cpu& be) const {
+  void prefill_rows(const context<Backend>& c, const T* x, T* y, cache_type& cache,
+                    const std::vector<index_t>& slots) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers have a cache");
-    run(x, y, L, &cache, &slots, be);
+    static_assert(on_host_v<Backend>, "attnmix::layers::attention_layer: prefill runs on the host");
+    run(c, x, y, &cache, &slots);
   }
 
   // x, y: [N, D]; row n appends one token to slot slots[n], at position cache.length(slots[n]),
   // and attends to that slot's last `window` tokens (all of them without a window).
   void decode_rows(const T* x, T* y, index_t N, cache_type& cache,
-                   const std::vector<index_t>& slots, const backend::cpu& be) const {
+                   const std::vector<index_t>& slots, const Backend& be) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers decode");
-    using A = accum_t<T>;
-    token_layout L{N, 1, {}};
+    static_assert(on_host_v<Backend>,
+                  "attnmix::layers::attention_layer: decoding runs on the host");
+    const token_layout L{N, 1, {}};
     const auto slot = [&](index_t n) {
       return slots[static_cast<std::size_t>(n)];
     };
-    std::vector<index_t> pos(static_cast<std::size_t>(N));
-    for (index_t n = 0; n < N; ++n) pos[static_cast<std::size_t>(n)] = cache.length(slot(n));
-    projections p = project(x, L, pos, be);
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(N));
+    for (index_t n = 0; n < N; ++n)
+      pos[static_cast<std::size_t>(n)] = static_cast<std::int32_t>(cache.length(slot(n)));
+    const typename O::handles handles{};
+    const context<Backend> c{be, L, pos.data(), handles};
+    const index_t nq = N * HQ_ * d_, nk = N * H_ * d_;
+    typename O::scratch sc(
+        be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 2 + scratch_bytes<A>(N * HQ_));
+    T *q = sc.template take<T>(nq), *k = sc.template take<T>(nk), *v = sc.template take<T>(nk),
+      *o = sc.template take<T>(nq);
+    A* g = sc.template take<A>(N * HQ_);
+    project(c, x, q, k, v, g);
     for (index_t n = 0; n < N; ++n) {
       const index_t s = slot(n), t = cache.length(s);
-      std::copy_n(p.k.data() + n * H_ * d_, H_ * d_, cache.key(s, t));
-      std::copy_n(p.v.data() + n * H_ * d_, H_ * d_, cache.value(s, t));
+      std::copy_n(k + n * H_ * d_, H_ * d_, cache.key(s, t));
+      std::copy_n(v + n * H_ * d_, H_ * d_, cache.value(s, t));
       for (index_t hq = 0; hq < HQ_; ++hq)
-        cache.gate(s, t)[hq] = (t > 0 ? cache.gate(s, t - 1)[hq] : 0.0) +
-                               (fox ? double(p.g[static_cast<std::size_t>(n * HQ_ + hq)]) : 0.0);
+        cache.gate(s, t)[hq] =
+            (t > 0 ? cache.gate(s, t - 1)[hq] : 0.0) + (fox ? double(g[n * HQ_ + hq]) : 0.0);
       cache.set_length(s, t + 1);
     }
     const double s = scale_ ? *scale_ : 1.0 / std::sqrt(double(d_));
-    std::vector<T> o(static_cast<std::size_t>(N * HQ_ * d_));
     const index_t group = HQ_ / H_;
-    const int workers = attnmix::detail::cpu::worker_count(be, N * HQ_);
-    attnmix::detail::cpu::parallel_for(N * HQ_, workers, [&](index_t task, int) {
+    O::for_each(be, N * HQ_, [&](index_t task) {
       const index_t n = task / HQ_, hq = task % HQ_, h = hq / group, sl = slot(n);
       const index_t len = cache.length(sl);
       // The new token sits at position len - 1 and sees keys len-1-window < j <= len-1.
       const index_t j0 = window_ > 0 ? std::max<index_t>(0, len - window_) : 0;
-      const T* q = p.q.data() + (n * HQ_ + hq) * d_;
+      const T* qh = q + (n * HQ_ + hq) * d_;
       const double Gt = cache.gate(sl, len - 1)[hq];
       std::vector<A> z(static_cast<std::size_t>(len - j0));
       A zmax = -std::numeric_limits<A>::infinity();
       for (index_t j = j0; j < len; ++j) {
         const T* kj = cache.key(sl, j) + h * d_;
         A dot = 0;
-        for (index_t c = 0; c < d_; ++c) dot += A(q[c]) * A(kj[c]);
+        for (index_t e = 0; e < d_; ++e) dot += A(qh[e]) * A(kj[e]);
         A zj = A(s) * dot;
         if constexpr (fox) zj += A(Gt - cache.gate(sl, j)[hq]);
         z[static_cast<std::size_t>(j - j0)] = zj;
@@ -196,13 +252,13 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
         const A e = std::exp(z[static_cast<std::size_t>(j - j0)] - zmax);
         den += e;
         const T* vj = cache.value(sl, j) + h * d_;
-        for (index_t c = 0; c < d_; ++c) acc[static_cast<std::size_t>(c)] += e * A(vj[c]);
+        for (index_t i = 0; i < d_; ++i) acc[static_cast<std::size_t>(i)] += e * A(vj[i]);
       }
-      T* out = o.data() + (n * HQ_ + hq) * d_;
-      for (index_t c = 0; c < d_; ++c)
-        out[c] = static_cast<T>(acc[static_cast<std::size_t>(c)] / den);
+      T* out = o + (n * HQ_ + hq) * d_;
+      for (index_t i = 0; i < d_; ++i)
+        out[i] = static_cast<T>(acc[static_cast<std::size_t>(i)] / den);
     });
-    finish(x, o.data(), N, y, be);
+    finish(c, x, q, o, y);
   }
 
   template <class F>
@@ -221,15 +277,10 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
   index_t window_ = 0;
 
  public:
-  linear<T> q_proj, k_proj, v_proj, o_proj, f_proj, g_proj;
-  head_rms_norm<T> q_norm, k_norm;
+  linear<T, Backend> q_proj, k_proj, v_proj, o_proj, f_proj, g_proj;
+  head_rms_norm<T, Backend> q_norm, k_norm;
 
  private:
-  struct projections {
-    std::vector<T> q, k, v;
-    std::vector<accum_t<T>> g;  // FoX: log forget gate [rows, HQ]
-  };
-
   template <class Self, class F>
   static void visit(Self& s, F& f, const std::string& prefix) {
     s.q_proj.visit_parameters(f, prefix + "q_proj.");
@@ -244,78 +295,78 @@ class attention_layer : public mixer_api<attention_layer<T, Policy>, T> {
     s.o_proj.visit_parameters(f, prefix + "o_proj.");
   }
 
-  // q, k, v (normed, rotated) and g of every row; pos: position of each row in its sequence.
-  projections project(const T* x, const token_layout& L, const std::vector<index_t>& pos,
-                      const backend::cpu& be) const {
-    const index_t rows = L.rows();
-    projections p;
-    p.q.resize(static_cast<std::size_t>(rows * HQ_ * d_));
-    p.k.resize(static_cast<std::size_t>(rows * H_ * d_));
-    p.v.resize(p.k.size());
-    q_proj.apply(x, rows, p.q.data(), be);
-    k_proj.apply(x, rows, p.k.data(), be);
-    v_proj.apply(x, rows, p.v.data(), be);
+  // q, k, v (normed, rotated at c.positions) and, for FoX, the log forget gate g [rows, HQ].
+  void project(const context<Backend>& c, const T* x, T* q, T* k, T* v, A* g) const {
+    const index_t rows = c.rows();
+    q_proj.apply(c, x, rows, q);
+    k_proj.apply(c, x, rows, k);
+    v_proj.apply(c, x, rows, v);
     if constexpr (Policy::qk_norm) {
-      q_norm.apply(p.q.data(), rows, p.q.data(), be);
-      k_norm.apply(p.k.data(), rows, p.k.data(), be);
+      q_norm.apply(c, q, rows, q);
+      k_norm.apply(c, k, rows, k);
     }
     if constexpr (Policy::rope) {
-      detail::rope_rows(p.q.data(), rows, HQ_, d_, pos.data(), theta_);
-      detail::rope_rows(p.k.data(), rows, H_, d_, pos.data(), theta_);
+      O::rope(c, q, rows, HQ_, d_, theta_);
+      O::rope(c, k, rows, H_, d_, theta_);
     }
     if constexpr (fox) {
-      std::vector<T> f(static_cast<std::size_t>(rows * HQ_));
-      f_proj.apply(x, rows, f.data(), be);
-      p.g.resize(f.size());
-      for (std::size_t i = 0; i < f.size(); ++i) p.g[i] = detail::log_sigmoid(accum_t<T>(f[i]));
+      f_proj.apply(c, x, rows, g);
+      O::template map<fn::log_sigmoid>(c, g, g, static_cast<const A*>(nullptr), rows * HQ_);
     }
-    (void)pos;
-    return p;
+    (void)g;
   }
 
-  // Output gate and o_proj: o [rows, HQ*d] -> y [rows, D].
-  void finish(const T* x, T* o, index_t rows, T* y, const backend::cpu& be) const {
+  // Output gate (its logits into q, free again) and o_proj: o [rows, HQ*d] -> y [rows, D].
+  void finish(const context<Backend>& c, const T* x, T* q, T* o, T* y) const {
+    const index_t rows = c.rows();
     if constexpr (Policy::output_gate) {
-      std::vector<T> g(static_cast<std::size_t>(rows * HQ_ * d_));
-      g_proj.apply(x, rows, g.data(), be);
-      for (std::size_t i = 0; i < g.size(); ++i)
-        o[i] = static_cast<T>(accum_t<T>(o[i]) * detail::sigmoid(accum_t<T>(g[i])));
+      g_proj.apply(c, x, rows, q);
+      O::template map<fn::times_sigmoid>(c, o, o, q, rows * HQ_ * d_);
     }
-    o_proj.apply(o, rows, y, be);
+    (void)q;
+    o_proj.apply(c, o, rows, y);
   }
 
   // cache, slots: prefill (sequence n -> slot (*slots)[n]); both null: forward only.
-  void run(const T* x, T* y, const token_layout& L, cache_type* cache,
-           const std::vector<index_t>* slots, const backend::cpu& be) const {
-    const index_t rows = L.rows();
-    projections p = project(x, L, detail::positions(L), be);
-    std::vector<T> o(static_cast<std::size_t>(rows * HQ_ * d_));
+  // One scratch allocation: q, k, v, o and the gate.
+  void run(const context<Backend>& c, const T* x, T* y, cache_type* cache,
+           const std::vector<index_t>* slots) const {
+    const token_layout& L = c.layout;
+    const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
+    typename O::scratch sc(
+        c.be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 2 + scratch_bytes<A>(rows * HQ_));
+    T *q = sc.template take<T>(nq), *k = sc.template take<T>(nk), *v = sc.template take<T>(nk),
+      *o = sc.template take<T>(nq);
+    A* g = sc.template take<A>(rows * HQ_);
+    project(c, x, q, k, v, g);
     attention_args<T> a;
-    a.q = view4<const T>(p.q.data(), {L.batch, L.tokens, HQ_, d_});
-    a.k = view4<const T>(p.k.data(), {L.batch, L.tokens, H_, d_});
-    a.v = view4<const T>(p.v.data(), {L.batch, L.tokens, H_, d_});
-    a.out = view4<T>(o.data(), {L.batch, L.tokens, HQ_, d_});
-    if constexpr (fox) a.g = view3<const accum_t<T>>(p.g.data(), {L.batch, L.tokens, HQ_});
-    attnmix::attention<K, attention_policy>(a, L.attention(scale_, window_), be);
-    if (cache != nullptr) {
-      for (index_t n = 0; n < L.num_sequences(); ++n) {
-        const index_t r0 = L.first_row(n), len = L.seq(n).length,
-                      sl = (*slots)[static_cast<std::size_t>(n)];
-        std::vector<double> G(static_cast<std::size_t>(HQ_), 0.0);
-        for (index_t t = 0; t < len; ++t) {
-          std::copy_n(p.k.data() + (r0 + t) * H_ * d_, H_ * d_, cache->key(sl, t));
-          std::copy_n(p.v.data() + (r0 + t) * H_ * d_, H_ * d_, cache->value(sl, t));
-          for (index_t hq = 0; hq < HQ_; ++hq) {
-            if constexpr (fox)
-              G[static_cast<std::size_t>(hq)] +=
-                  double(p.g[static_cast<std::size_t>((r0 + t) * HQ_ + hq)]);
-            cache->gate(sl, t)[hq] = G[static_cast<std::size_t>(hq)];
+    a.q = as_heads<Backend, const T>(q, L, HQ_, d_);
+    a.k = as_heads<Backend, const T>(k, L, H_, d_);
+    a.v = as_heads<Backend, const T>(v, L, H_, d_);
+    a.out = as_heads<Backend, T>(o, L, HQ_, d_);
+    if constexpr (fox) a.g = as_rows<Backend, const A>(g, L, HQ_);
+    attnmix::attention<K, attention_policy>(a, L.attention(scale_, window_), c.be);
+    if constexpr (on_host_v<Backend>) {
+      if (cache != nullptr) {
+        for (index_t n = 0; n < L.num_sequences(); ++n) {
+          const index_t r0 = L.first_row(n), len = L.seq(n).length,
+                        sl = (*slots)[static_cast<std::size_t>(n)];
+          std::vector<double> G(static_cast<std::size_t>(HQ_), 0.0);
+          for (index_t t = 0; t < len; ++t) {
+            std::copy_n(k + (r0 + t) * H_ * d_, H_ * d_, cache->key(sl, t));
+            std::copy_n(v + (r0 + t) * H_ * d_, H_ * d_, cache->value(sl, t));
+            for (index_t hq = 0; hq < HQ_; ++hq) {
+              if constexpr (fox) G[static_cast<std::size_t>(hq)] += double(g[(r0 + t) * HQ_ + hq]);
+              cache->gate(sl, t)[hq] = G[static_cast<std::size_t>(hq)];
+            }
           }
+          cache->set_length(sl, len);
         }
-        cache->set_length(sl, len);
       }
     }
-    finish(x, o.data(), rows, y, be);
+    (void)cache;
+    (void)slots;
+    finish(c, x, q, o, y);
   }
 };
 

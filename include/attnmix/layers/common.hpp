@@ -18,6 +18,7 @@
 
 #include "attnmix/attention/args.hpp"
 #include "attnmix/core/error.hpp"
+#include "attnmix/core/memory_space.hpp"
 #include "attnmix/core/tags.hpp"
 #include "attnmix/core/tensor_view.hpp"
 #include "attnmix/core/validate.hpp"
@@ -61,9 +62,14 @@ inline void validate_config(const std::string& fn, const config& c) {
                   c.window);
 }
 
-// One named tensor of a layer, owned, row-major, with a dynamic shape (rank 1-3).
+// One named tensor of a layer, owned, row-major, with a dynamic shape (rank 1-3), in the memory
+// of Space. The host one (here) is what io::save / io::load and randomize_parameters read and
+// write; the device one (attnmix/cuda/layer_ops.cuh) is made from it by copying it once.
+template <class T, class Space = host_space>
+struct parameter;
+
 template <class T>
-struct parameter {
+struct parameter<T, host_space> {
   std::vector<index_t> shape;
   std::vector<T> data;
 
@@ -143,10 +149,10 @@ namespace detail {
 // the backend that runs them.
 template <class T>
 void check_activation(const std::string& fn, const char* arg, const view3<T>& v, index_t D,
-                      memory_space space = memory_space::host) {
+                      memory_space space, const char* backend) {
   attnmix::detail::check_given(fn, arg, v);
   attnmix::detail::check_layout(fn, arg, v);
-  attnmix::detail::check_space(fn, arg, v, space, space == memory_space::host ? "cpu" : "cuda");
+  attnmix::detail::check_space(fn, arg, v, space, backend);
   attnmix::detail::require(v.extent(2) == D, fn, arg, "has shape ", attnmix::detail::shape_of(v),
                            " but its last dimension must be hidden_size = ", D);
   attnmix::detail::require(
@@ -179,10 +185,16 @@ token_layout make_layout(const std::string& fn, const view3<T>& x,
   return L;
 }
 
-// For static_asserts: the host layers and stacks run on the CPU backend (attnmix::device_stack,
-// in attnmix/cuda.cuh, runs a stack's weights on the GPU).
-template <class Backend>
-inline constexpr bool layers_run_on = std::is_same_v<Backend, backend::cpu>;
+// Position of every row within its sequence (plus an offset per sequence).
+inline std::vector<index_t> positions(const token_layout& L,
+                                      const std::vector<index_t>& offset = {}) {
+  std::vector<index_t> pos(static_cast<std::size_t>(L.rows()), 0);
+  for (index_t n = 0; n < L.num_sequences(); ++n) {
+    const index_t r0 = L.first_row(n), o = offset.empty() ? 0 : offset[static_cast<std::size_t>(n)];
+    for (index_t t = 0; t < L.seq(n).length; ++t) pos[static_cast<std::size_t>(r0 + t)] = o + t;
+  }
+  return pos;
+}
 
 }  // namespace detail
 

@@ -1,36 +1,61 @@
 #pragma once
 // layers::linear: a dense projection y = x W^T (+ b), PyTorch's nn.Linear layout.
-//   weight [out, in], optional bias [out]; x: [rows, in] -> y: [rows, out].
-// On the CPU it runs Eigen's GEMM per block of 256 rows, the blocks spread over the backend's
-// threads. (A CUDA backend would call cuBLAS here; the layer API takes the backend object.)
+//   weight [out, in] in T, optional bias [out] in accum_t<T>; x: [rows, in] -> y: [rows, out].
+// Runs on ops<Backend>::gemm (Eigen per block of rows on the CPU, cuBLAS on the GPU). A linear
+// on another backend or in another type is made from a host one by copying its weights once.
 
 #include <string>
 
+#include "attnmix/core/scalar.hpp"
+#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/layers/common.hpp"
-#include "attnmix/layers/detail/cpu_ops.hpp"
+#include "attnmix/layers/ops.hpp"
 
 namespace attnmix {
 namespace layers {
 
-template <class T>
+template <class T, class Backend = backend::cpu>
 class linear {
+  using space = typename Backend::memory_space;
+
  public:
+  using bias_type = accum_t<T>;
+
   linear() = default;
   linear(index_t in, index_t out, bool bias = false)
-      : weight({out, in}), in_(in), out_(out), bias_(bias ? parameter<T>({out}) : parameter<T>()) {}
+      : weight({out, in}),
+        in_(in),
+        out_(out),
+        bias_(bias ? parameter<bias_type, space>({out}) : parameter<bias_type, space>()) {}
+  // The same projection with the weights copied (and rounded) to T in Backend's memory.
+  template <class U, class B>
+  explicit linear(const linear<U, B>& other)
+      : weight(other.weight),
+        in_(other.in_features()),
+        out_(other.out_features()),
+        bias_(other.bias()) {}
 
   index_t in_features() const { return in_; }
   index_t out_features() const { return out_; }
   bool has_bias() const { return !bias_.empty(); }
 
-  // y[r, :] = x[r, :] W^T + b for r < rows; strides are row strides in elements.
-  void apply(const T* x, index_t rows, T* y, const backend::cpu& be) const {
-    apply(x, in_, rows, y, out_, be);
+  // y[r, :] = x[r, :] W^T + b for r < rows; ldx, ldy: row strides in elements. Y is T, or the
+  // float of gate logits where the backend writes them so.
+  template <class Y>
+  void apply(const context<Backend>& c, const T* x, index_t rows, Y* y) const {
+    apply(c, x, in_, rows, y, out_);
   }
-  void apply(const T* x, index_t x_stride, index_t rows, T* y, index_t y_stride,
-             const backend::cpu& be) const {
-    detail::linear_rows(x, x_stride, rows, weight.ptr(), in_, out_,
-                        has_bias() ? bias_.ptr() : nullptr, y, y_stride, be);
+  template <class Y>
+  void apply(const context<Backend>& c, const T* x, index_t ldx, index_t rows, Y* y,
+             index_t ldy) const {
+    ops<Backend>::gemm(c, x, ldx, rows, weight.ptr(), in_, out_,
+                       has_bias() ? bias_.ptr() : static_cast<const bias_type*>(nullptr), y, ldy);
+  }
+  // The same as one call of its own.
+  void apply(const T* x, index_t rows, T* y, const Backend& be) const {
+    const typename ops<Backend>::handles h{};
+    const token_layout L{1, rows, {}};
+    apply(context<Backend>{be, L, nullptr, h}, x, rows, y);
   }
 
   // Visits "<prefix>weight" and "<prefix>bias" (when present).
@@ -45,14 +70,14 @@ class linear {
     if (has_bias()) f(prefix + "bias", bias_);
   }
 
-  parameter<T>& bias() { return bias_; }
-  const parameter<T>& bias() const { return bias_; }
+  parameter<bias_type, space>& bias() { return bias_; }
+  const parameter<bias_type, space>& bias() const { return bias_; }
 
-  parameter<T> weight;
+  parameter<T, space> weight;
 
  private:
   index_t in_ = 0, out_ = 0;
-  parameter<T> bias_;
+  parameter<bias_type, space> bias_;
 };
 
 }  // namespace layers

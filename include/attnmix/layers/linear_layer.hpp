@@ -22,11 +22,13 @@
 #include "attnmix/core/linear_policy.hpp"
 #include "attnmix/cpu/bla.hpp"
 #include "attnmix/cpu/gbla.hpp"
+#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/cpu/linear_causal.hpp"
+#include "attnmix/layers/cache_layout.hpp"
 #include "attnmix/layers/common.hpp"
-#include "attnmix/layers/detail/cpu_ops.hpp"
 #include "attnmix/layers/linear.hpp"
 #include "attnmix/layers/mixer.hpp"
+#include "attnmix/layers/ops.hpp"
 #include "attnmix/layers/short_conv.hpp"
 
 namespace attnmix {
@@ -53,9 +55,13 @@ struct linear_causal_layer_policy : gbla_layer_policy {
   static constexpr const char* name = "linear_causal";
 };
 
-// Decoding state of a causal linear-attention layer: N slots of one sequence each.
+// Decoding state of a causal linear-attention layer: N slots of one sequence each (host memory
+// for now).
+template <class T, class Space = host_space>
+class linear_layer_cache;
+
 template <class T>
-class linear_layer_cache {
+class linear_layer_cache<T, host_space> {
   using A = accum_t<T>;
 
  public:
@@ -75,6 +81,13 @@ class linear_layer_cache {
   index_t capacity() const { return cap_; }
   index_t length(index_t n) const { return lengths_[static_cast<std::size_t>(n)]; }
   void set_length(index_t n, index_t len) { lengths_[static_cast<std::size_t>(n)] = len; }
+  cache_layout layout() const {
+    return {{"kv_heads", h_},
+            {"head_dim", d_},
+            {"conv sequences", conv.sequences},
+            {"conv taps", conv.taps},
+            {"conv channels", conv.channels}};
+  }
 
   linear_state<A> state() {
     return {view4<A>(S.data(), {n_, h_, d_, d_}), view3<A>(z.data(), {n_, h_, d_}),
@@ -116,20 +129,26 @@ class linear_layer_cache {
   std::vector<index_t> lengths_;
 };
 
-template <class T, class Policy = gbla_layer_policy>
-class linear_layer : public mixer_api<linear_layer<T, Policy>, T> {
+template <class T, class Policy = gbla_layer_policy, class Backend = backend::cpu>
+class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backend> {
   using K = typename Policy::kind;
   using Core = typename Policy::core;
   using A = accum_t<T>;
+  using O = ops<Backend>;
+  using space = typename Backend::memory_space;
   static constexpr bool gated = Core::gate != key_gate::off;
   static constexpr bool normed = Core::norm != gated_norm::off;
+  template <class, class, class>
+  friend class linear_layer;
 
  public:
   static constexpr const char* name = Policy::name;
   static constexpr bool causal = linear_kind_traits<K>::causal;
   using policy = Policy;
   using kind = K;
-  using cache_type = linear_layer_cache<T>;
+  using backend_type = Backend;
+  using cache_type = linear_layer_cache<T, space>;
+  using saved_type = no_saved;  // what the backward will read (nothing yet)
 
   linear_layer() = default;
   explicit linear_layer(const config& c)
@@ -144,52 +163,92 @@ class linear_layer : public mixer_api<linear_layer<T, Policy>, T> {
         o_proj(HQ_ * d_, D_) {
     validate_config(std::string("attnmix::layers::") + name, c);
     if constexpr (Policy::use_conv)
-      conv1d = short_conv<T>(D_, Policy::conv_size, Policy::conv_silu);
-    if constexpr (gated) a_proj = linear<T>(D_, Core::gate == key_gate::shared ? 1 : H_);
+      conv1d = short_conv<T, Backend>(D_, Policy::conv_size, Policy::conv_silu);
+    if constexpr (gated) a_proj = linear<T, Backend>(D_, Core::gate == key_gate::shared ? 1 : H_);
     if constexpr (normed) {
-      g_proj = linear<T>(D_, HQ_ * d_);
-      o_norm_weight = parameter<A>({Core::weight == norm_weight::shared ? d_ : HQ_ * d_}, A(1));
+      g_proj = linear<T, Backend>(D_, HQ_ * d_);
+      o_norm_weight =
+          parameter<A, space>({Core::weight == norm_weight::shared ? d_ : HQ_ * d_}, A(1));
     }
   }
+  // The same layer with every weight copied once to Backend's memory, projections in T.
+  template <class U, class B>
+  explicit linear_layer(const linear_layer<U, Policy, B>& o)
+      : D_(o.D_),
+        HQ_(o.HQ_),
+        H_(o.H_),
+        d_(o.d_),
+        norm_eps_(o.norm_eps_),
+        conv1d(o.conv1d),
+        q_proj(o.q_proj),
+        k_proj(o.k_proj),
+        v_proj(o.v_proj),
+        o_proj(o.o_proj),
+        a_proj(o.a_proj),
+        g_proj(o.g_proj),
+        o_norm_weight(o.o_norm_weight) {}
 
   index_t hidden_size() const { return D_; }
 
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers have a cache");
+    static_assert(on_host_v<Backend>,
+                  "attnmix::layers::linear_layer: caches live on the host for "
+                  "now (prefill and decode on a host backend)");
+    detail::check_cache_size(
+        std::string("attnmix::layers::") + name + "::make_cache", sequences, capacity, 0,
+        (H_ * d_ * d_ + H_ * d_ + H_) * index_t(sizeof(A)) +
+            (Policy::use_conv ? Policy::conv_size : 1) * D_ * index_t(sizeof(T)));
     return cache_type(sequences, capacity, H_, d_,
                       conv_state<T>(sequences, Policy::use_conv ? Policy::conv_size : 1, D_));
   }
+  void check_cache(const std::string& fn, const char* arg, const std::string& what,
+                   const cache_type& cache) const {
+    detail::check_cache_layout(fn, arg, what, cache.layout(),
+                               {{"kv_heads", H_},
+                                {"head_dim", d_},
+                                {"conv sequences", cache.sequences()},
+                                {"conv taps", Policy::use_conv ? Policy::conv_size - 1 : 0},
+                                {"conv channels", D_}});
+  }
 
-  void forward_rows(const T* x, T* y, const token_layout& L, const backend::cpu& be) const {
-    run(x, y, L, nullptr, false, be);
+  // y = mixer(x) on c.layout's rows (x, y: [rows, D], distinct).
+  void forward_rows(const context<Backend>& c, const T* x, T* y, saved_type* = nullptr) const {
+    run(c, x, y, nullptr, false);
   }
   // slots[n]: the cache slot of sequence n. A mapped call runs on a compact copy of the mapped
   // slots (a state is O(H d^2), what one step reads anyway) and writes it back.
-  void prefill_rows(const T* x, T* y, const token_layout& L, cache_type& cache,
-                    const std::vector<index_t>& slots, const backend::cpu& be) const {
+  void prefill_rows(const context<Backend>& c, const T* x, T* y, cache_type& cache,
+                    const std::vector<index_t>& slots) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers have a cache");
+    static_assert(on_host_v<Backend>, "attnmix::layers::linear_layer: prefill runs on the host");
+    const token_layout& L = c.layout;
     if (!detail::identity_slots(slots)) {
       cache_type tmp = make_cache(L.num_sequences(), cache.capacity());
-      run(x, y, L, &tmp, false, be);
+      run(c, x, y, &tmp, false);
       for (index_t n = 0; n < L.num_sequences(); ++n) tmp.set_length(n, L.seq(n).length);
       cache.scatter(tmp, slots);
       return;
     }
-    run(x, y, L, &cache, false, be);
+    run(c, x, y, &cache, false);
     for (index_t n = 0; n < L.num_sequences(); ++n) cache.set_length(n, L.seq(n).length);
   }
   // x, y: [N, D]; row n is the next token of the sequence in slot slots[n].
   void decode_rows(const T* x, T* y, index_t N, cache_type& cache,
-                   const std::vector<index_t>& slots, const backend::cpu& be) const {
+                   const std::vector<index_t>& slots, const Backend& be) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers decode");
+    static_assert(on_host_v<Backend>, "attnmix::layers::linear_layer: decoding runs on the host");
+    const token_layout L{N, 1, {}};
+    const typename O::handles handles{};
+    const context<Backend> c{be, L, nullptr, handles};
     if (!detail::identity_slots(slots) || N != cache.sequences()) {
       cache_type tmp = cache.gather(slots);
-      run(x, y, token_layout{N, 1, {}}, &tmp, true, be);
+      run(c, x, y, &tmp, true);
       for (index_t n = 0; n < N; ++n) tmp.set_length(n, tmp.length(n) + 1);
       cache.scatter(tmp, slots);
       return;
     }
-    run(x, y, token_layout{N, 1, {}}, &cache, true, be);
+    run(c, x, y, &cache, true);
     for (index_t n = 0; n < N; ++n) cache.set_length(n, cache.length(n) + 1);
   }
 
@@ -207,9 +266,9 @@ class linear_layer : public mixer_api<linear_layer<T, Policy>, T> {
   double norm_eps_ = 1e-5;
 
  public:
-  short_conv<T> conv1d;
-  linear<T> q_proj, k_proj, v_proj, o_proj, a_proj, g_proj;
-  parameter<A> o_norm_weight;  // "o_norm.weight"
+  short_conv<T, Backend> conv1d;
+  linear<T, Backend> q_proj, k_proj, v_proj, o_proj, a_proj, g_proj;
+  parameter<A, space> o_norm_weight;  // "o_norm.weight"
 
  private:
   template <class Self, class F>
@@ -226,46 +285,52 @@ class linear_layer : public mixer_api<linear_layer<T, Policy>, T> {
     s.o_proj.visit_parameters(f, prefix + "o_proj.");
   }
 
-  // cache: with step, continue from its state and conv state (one token per sequence);
-  // without, start fresh and leave the final states there.
-  void run(const T* u, T* y, const token_layout& L, cache_type* cache, bool step,
-           const backend::cpu& be) const {
-    const index_t rows = L.rows();
-    const T* c = u;
-    std::vector<T> conv_out;
+  // cache (host backends): with step, continue from its state and conv state (one token per
+  // sequence); without, start fresh and leave the final states there.
+  // One scratch allocation: the conv output, q, k, v, o, the output gate and the key-gate logits.
+  void run(const context<Backend>& c, const T* u, T* y, cache_type* cache, bool step) const {
+    const token_layout& L = c.layout;
+    const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
+    const index_t Hg = gated ? a_proj.out_features() : 0;
+    typename O::scratch sc(c.be, scratch_bytes<T>(Policy::use_conv ? rows * D_ : 0) +
+                                     scratch_bytes<T>(nq) * (normed ? 3 : 2) +
+                                     scratch_bytes<T>(nk) * 2 + scratch_bytes<A>(rows * Hg));
+    const T* cin = u;
     if constexpr (Policy::use_conv) {
-      conv_out.resize(static_cast<std::size_t>(rows * D_));
-      if (step)
-        conv1d.step(u, conv_out.data(), rows, cache->conv, be);
-      else
-        conv1d.apply(u, conv_out.data(), L, be, cache ? &cache->conv : nullptr);
-      c = conv_out.data();
+      T* conv = sc.template take<T>(rows * D_);
+      if constexpr (on_host_v<Backend>) {
+        if (step)
+          conv1d.step(u, conv, rows, cache->conv, c.be);
+        else
+          conv1d.apply(c, u, conv, cache ? &cache->conv : nullptr);
+      } else {
+        conv1d.apply(c, u, conv);
+      }
+      cin = conv;
     }
-    std::vector<T> q(static_cast<std::size_t>(rows * HQ_ * d_)),
-        k(static_cast<std::size_t>(rows * H_ * d_)), v(k.size()), o(q.size()), g;
-    std::vector<A> a;
-    q_proj.apply(c, rows, q.data(), be);
-    k_proj.apply(c, rows, k.data(), be);
-    v_proj.apply(c, rows, v.data(), be);
+    T *q = sc.template take<T>(nq), *k = sc.template take<T>(nk), *v = sc.template take<T>(nk),
+      *o = sc.template take<T>(nq);
+    q_proj.apply(c, cin, rows, q);
+    k_proj.apply(c, cin, rows, k);
+    v_proj.apply(c, cin, rows, v);
     linear_attention_args<T> args;
-    args.q = view4<const T>(q.data(), {L.batch, L.tokens, HQ_, d_});
-    args.k = view4<const T>(k.data(), {L.batch, L.tokens, H_, d_});
-    args.v = view4<const T>(v.data(), {L.batch, L.tokens, H_, d_});
-    args.out = view4<T>(o.data(), {L.batch, L.tokens, HQ_, d_});
+    args.q = as_heads<Backend, const T>(q, L, HQ_, d_);
+    args.k = as_heads<Backend, const T>(k, L, H_, d_);
+    args.v = as_heads<Backend, const T>(v, L, H_, d_);
+    args.out = as_heads<Backend, T>(o, L, HQ_, d_);
     if constexpr (gated) {
-      const index_t Hg = a_proj.out_features();
-      std::vector<T> logits(static_cast<std::size_t>(rows * Hg));
-      a_proj.apply(u, rows, logits.data(), be);
-      a.assign(logits.begin(), logits.end());
-      args.a = view3<const A>(a.data(), {L.batch, L.tokens, Hg});
+      A* logits = sc.template take<A>(rows * Hg);
+      a_proj.apply(c, u, rows, logits);
+      args.a = as_rows<Backend, const A>(logits, L, Hg);
     }
     if constexpr (normed) {
-      g.resize(q.size());
-      g_proj.apply(u, rows, g.data(), be);
-      args.gate = view4<const T>(g.data(), {L.batch, L.tokens, HQ_, d_});
-      args.gamma = view1<const A>(o_norm_weight.ptr(), {o_norm_weight.numel()});
+      T* g = sc.template take<T>(nq);
+      g_proj.apply(c, u, rows, g);
+      args.gate = as_heads<Backend, const T>(g, L, HQ_, d_);
+      args.gamma =
+          view1<const A>(o_norm_weight.ptr(), {o_norm_weight.numel()}, space_of_v<Backend>);
     }
-    if constexpr (causal) {
+    if constexpr (causal && on_host_v<Backend>) {
       if (cache != nullptr) {
         linear_state<A> st = cache->state();
         if (step) {
@@ -282,11 +347,13 @@ class linear_layer : public mixer_api<linear_layer<T, Policy>, T> {
         }
       }
     }
+    (void)cache;
+    (void)step;
     linear_attention_params p;
     p.norm_eps = norm_eps_;
     p.cu_seqlens = L.cu_view();
-    attnmix::linear_attention<K, Core>(args, p, be);
-    o_proj.apply(o.data(), rows, y, be);
+    attnmix::linear_attention<K, Core>(args, p, c.be);
+    o_proj.apply(c, o, rows, y);
   }
 };
 

@@ -1,11 +1,12 @@
 #pragma once
 // The public entry points every mixer layer shares, on [B, T, D] views. A mixer implements the
 // row-buffer operations
-//   forward_rows(x, y, layout, be)                  the whole batch, no cache
-//   prefill_rows(x, y, layout, cache, slots, be)    causal mixers: also fills the cache
-//   decode_rows(x, y, N, cache, slots, be)          causal mixers: one token per sequence
-// (slots: std::vector<index_t>, the checked cache slot of each sequence) and mixer_api turns
-// them into checked calls on views.
+//   forward_rows(ctx, x, y)                        the whole batch (ctx.layout), no cache
+//   prefill_rows(ctx, x, y, cache, slots)          causal mixers: also fills the cache (host)
+//   decode_rows(x, y, N, cache, slots, be)         causal mixers: one token per sequence (host)
+//   check_cache(fn, arg, what, cache)              causal mixers: the cache fits the layer
+// (ctx: layers::context<Backend>; slots: std::vector<index_t>, the checked cache slot of each
+// sequence) and mixer_api turns them into checked calls on views in the backend's memory.
 
 #include <cstdint>
 #include <string>
@@ -13,6 +14,7 @@
 
 #include "attnmix/attention/path_cache.hpp"
 #include "attnmix/layers/common.hpp"
+#include "attnmix/layers/ops.hpp"
 
 namespace attnmix {
 namespace layers {
@@ -78,17 +80,24 @@ inline bool identity_slots(const std::vector<index_t>& slots) {
 
 }  // namespace detail
 
-template <class Derived, class T>
+template <class Derived, class T, class Backend = backend::cpu>
 class mixer_api {
+  using O = ops<Backend>;
+
  public:
-  // out[b, t, :] = mixer(x)[b, t, :]. x, out: [B, T, D] contiguous, distinct; cu_seqlens: packed
-  // batch (B == 1), sequences never see each other. Throws attnmix::error on bad arguments.
+  // out[b, t, :] = mixer(x)[b, t, :]. x, out: [B, T, D] contiguous, distinct, in the backend's
+  // memory; cu_seqlens (host): packed batch (B == 1), sequences never see each other. Throws
+  // attnmix::error on bad arguments.
   void forward(const view3<const T>& x, const view3<T>& out,
                const view1<const std::int32_t>& cu_seqlens = {},
-               const backend::cpu& be = backend::cpu{}) const {
+               const Backend& be = Backend{}) const {
     const std::string fn = std::string("attnmix::layers::") + Derived::name + "::forward";
     const token_layout L = check(fn, x, out, cu_seqlens);
-    self().forward_rows(x.data(), out.data(), L, be);
+    const typename O::handles handles{};
+    typename O::scratch s(be, scratch_bytes<std::int32_t>(L.rows()));
+    std::int32_t* pos = s.template take<std::int32_t>(L.rows());
+    O::positions(be, pos, L);
+    self().forward_rows(context<Backend>{be, L, pos, handles}, x.data(), out.data());
   }
 
   // Causal mixers: the forward over a batch of prompts that also (re)fills `cache` (sequence n
@@ -97,13 +106,13 @@ class mixer_api {
   template <class Cache>
   void prefill(const view3<const T>& x, const view3<T>& out, Cache& cache,
                const view1<const std::int32_t>& cu_seqlens = {},
-               const backend::cpu& be = backend::cpu{}) const {
+               const Backend& be = Backend{}) const {
     prefill_impl(x, out, cache, {}, cu_seqlens, be);
   }
   template <class Cache>
   void prefill(const view3<const T>& x, const view3<T>& out, Cache& cache, const cache_slots& slots,
                const view1<const std::int32_t>& cu_seqlens = {},
-               const backend::cpu& be = backend::cpu{}) const {
+               const Backend& be = Backend{}) const {
     prefill_impl(x, out, cache, slots.slots, cu_seqlens, be);
   }
 
@@ -111,12 +120,12 @@ class mixer_api {
   // or, with a mapping, for the sequences in slots slots[0..N) (row n -> slot slots[n]).
   template <class Cache>
   void decode(const view3<const T>& x, const view3<T>& out, Cache& cache,
-              const backend::cpu& be = backend::cpu{}) const {
+              const Backend& be = Backend{}) const {
     decode_impl(x, out, cache, {}, be);
   }
   template <class Cache>
   void decode(const view3<const T>& x, const view3<T>& out, Cache& cache, const cache_slots& slots,
-              const backend::cpu& be = backend::cpu{}) const {
+              const Backend& be = Backend{}) const {
     decode_impl(x, out, cache, slots.slots, be);
   }
 
@@ -126,23 +135,33 @@ class mixer_api {
   template <class Cache>
   void prefill_impl(const view3<const T>& x, const view3<T>& out, Cache& cache,
                     const view1<const std::int32_t>& slots,
-                    const view1<const std::int32_t>& cu_seqlens, const backend::cpu& be) const {
+                    const view1<const std::int32_t>& cu_seqlens, const Backend& be) const {
+    static_assert(on_host_v<Backend>,
+                  "attnmix::layers: prefill runs on a host backend (caches live on the host)");
     const std::string fn = std::string("attnmix::layers::") + Derived::name + "::prefill";
     const token_layout L = check(fn, x, out, cu_seqlens);
+    self().check_cache(fn, "cache", "the cache", cache);
     const std::vector<index_t> where =
         detail::prefill_slots(fn, slots, L.num_sequences(), cache.sequences());
     for (index_t n = 0; n < L.num_sequences(); ++n)
       attnmix::detail::require(L.seq(n).length <= cache.capacity(), fn, "cache", "has capacity ",
                                cache.capacity(), " but sequence ", n, " has ", L.seq(n).length,
                                " tokens");
-    self().prefill_rows(x.data(), out.data(), L, cache, where, be);
+    const typename O::handles handles{};
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(L.rows()));
+    O::positions(be, pos.data(), L);
+    self().prefill_rows(context<Backend>{be, L, pos.data(), handles}, x.data(), out.data(), cache,
+                        where);
   }
 
   template <class Cache>
   void decode_impl(const view3<const T>& x, const view3<T>& out, Cache& cache,
-                   const view1<const std::int32_t>& slots, const backend::cpu& be) const {
+                   const view1<const std::int32_t>& slots, const Backend& be) const {
+    static_assert(on_host_v<Backend>,
+                  "attnmix::layers: decoding runs on a host backend (caches live on the host)");
     const std::string fn = std::string("attnmix::layers::") + Derived::name + "::decode";
     check(fn, x, out, {});
+    self().check_cache(fn, "cache", "the cache", cache);
     const std::vector<index_t> where = detail::decode_slots(fn, slots, x, cache);
     self().decode_rows(x.data(), out.data(), x.extent(0), cache, where, be);
   }
@@ -150,10 +169,12 @@ class mixer_api {
   token_layout check(const std::string& fn, const view3<const T>& x, const view3<T>& out,
                      const view1<const std::int32_t>& cu) const {
     const index_t D = self().hidden_size();
-    detail::check_activation(fn, "x", x, D);
-    detail::check_activation(fn, "out", out, D);
+    detail::check_activation(fn, "x", x, D, space_of_v<Backend>, Backend::name);
+    detail::check_activation(fn, "out", out, D, space_of_v<Backend>, Backend::name);
     detail::check_same_shape(fn, out, x);
     attnmix::detail::check_no_alias(fn, "out", out, "x", x);
+    O::check_memory(fn, "x", x);
+    O::check_memory(fn, "out", out);
     return detail::make_layout(fn, x, cu);
   }
 };

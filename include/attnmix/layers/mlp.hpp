@@ -8,9 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/layers/common.hpp"
-#include "attnmix/layers/detail/cpu_ops.hpp"
 #include "attnmix/layers/linear.hpp"
+#include "attnmix/layers/ops.hpp"
 
 namespace attnmix {
 namespace layers {
@@ -30,7 +31,7 @@ inline index_t mlp_width(const config& c, mlp_kind k) {
   return 256 * ((x + 255) / 256);
 }
 
-template <class T, mlp_kind Kind = mlp_kind::swiglu>
+template <class T, mlp_kind Kind = mlp_kind::swiglu, class Backend = backend::cpu>
 class mlp {
  public:
   static constexpr mlp_kind kind = Kind;
@@ -39,28 +40,41 @@ class mlp {
   explicit mlp(const config& c)
       : D_(c.hidden_size),
         I_(mlp_width(c, Kind)),
-        gate_proj(Kind == mlp_kind::swiglu ? linear<T>(D_, I_) : linear<T>()),
+        gate_proj(Kind == mlp_kind::swiglu ? linear<T, Backend>(D_, I_) : linear<T, Backend>()),
         up_proj(D_, I_),
         down_proj(I_, D_) {}
+  template <class U, class B>
+  explicit mlp(const mlp<U, Kind, B>& other)
+      : D_(other.up_proj.in_features()),
+        I_(other.width()),
+        gate_proj(other.gate_proj),
+        up_proj(other.up_proj),
+        down_proj(other.down_proj) {}
 
   index_t width() const { return I_; }
 
-  // x, y: [rows, D] (distinct buffers).
-  void apply(const T* x, index_t rows, T* y, const backend::cpu& be) const {
-    using A = accum_t<T>;
-    std::vector<T> h(static_cast<std::size_t>(rows * I_));
-    up_proj.apply(x, rows, h.data(), be);
-    if constexpr (Kind == mlp_kind::swiglu) {
-      std::vector<T> g(h.size());
-      gate_proj.apply(x, rows, g.data(), be);
-      for (std::size_t i = 0; i < h.size(); ++i)
-        h[i] = static_cast<T>(detail::silu(A(g[i])) * A(h[i]));
+  // x, y: [rows, D] (distinct buffers). One scratch allocation for the hidden rows.
+  void apply(const context<Backend>& c, const T* x, index_t rows, T* y) const {
+    using O = ops<Backend>;
+    constexpr bool gated = Kind == mlp_kind::swiglu;
+    typename O::scratch s(c.be, scratch_bytes<T>(rows * I_) * (gated ? 2 : 1));
+    T* h = s.template take<T>(rows * I_);
+    up_proj.apply(c, x, rows, h);
+    if constexpr (gated) {
+      T* g = s.template take<T>(rows * I_);
+      gate_proj.apply(c, x, rows, g);
+      O::template map<fn::silu_times>(c, h, g, h, rows * I_);
     } else if constexpr (Kind == mlp_kind::gelu) {
-      for (auto& v : h) v = static_cast<T>(detail::gelu(A(v)));
+      O::template map<fn::gelu>(c, h, h, static_cast<const float*>(nullptr), rows * I_);
     } else {
-      for (auto& v : h) v = v > T(0) ? v : T(0);
+      O::template map<fn::relu>(c, h, h, static_cast<const float*>(nullptr), rows * I_);
     }
-    down_proj.apply(h.data(), rows, y, be);
+    down_proj.apply(c, h, rows, y);
+  }
+  void apply(const T* x, index_t rows, T* y, const Backend& be) const {
+    const typename ops<Backend>::handles hd{};
+    const token_layout L{1, rows, {}};
+    apply(context<Backend>{be, L, nullptr, hd}, x, rows, y);
   }
 
   template <class F>
@@ -83,7 +97,7 @@ class mlp {
   index_t D_ = 0, I_ = 0;
 
  public:
-  linear<T> gate_proj, up_proj, down_proj;
+  linear<T, Backend> gate_proj, up_proj, down_proj;
 };
 
 }  // namespace layers

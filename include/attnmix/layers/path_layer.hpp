@@ -21,12 +21,14 @@
 #include "attnmix/attention/attention.hpp"
 #include "attnmix/attention/path_cache.hpp"
 #include "attnmix/core/policy.hpp"
+#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/cpu/path.hpp"
+#include "attnmix/layers/cache_layout.hpp"
 #include "attnmix/layers/common.hpp"
-#include "attnmix/layers/detail/cpu_ops.hpp"
 #include "attnmix/layers/linear.hpp"
 #include "attnmix/layers/mixer.hpp"
 #include "attnmix/layers/norm.hpp"
+#include "attnmix/layers/ops.hpp"
 #include "attnmix/layers/short_conv.hpp"
 
 namespace attnmix {
@@ -48,30 +50,45 @@ struct path_fox_layer_policy : path_layer_policy {
   static constexpr const char* name = "path_fox";
 };
 
-// Decoding state of a PaTH layer: N slots of one sequence each.
+// Decoding state of a PaTH layer: N slots of one sequence each (host memory for now).
+template <class T, class Space = host_space>
+struct path_layer_cache;
+
 template <class T>
-struct path_layer_cache {
+struct path_layer_cache<T, host_space> {
   path_cache<T> attn;
   conv_state<T> conv;
   index_t sequences() const { return attn.slots(); }
   index_t capacity() const { return attn.capacity(); }
   index_t length(index_t n) const { return attn.length(n); }
+  cache_layout layout() const {
+    return {{"q_heads", attn.q_heads()},        {"kv_heads", attn.kv_heads()},
+            {"head_dim", attn.head_dim()},      {"value_dim", attn.value_dim()},
+            {"conv sequences", conv.sequences}, {"conv taps", conv.taps},
+            {"conv channels", conv.channels}};
+  }
 };
 
-template <class T, class Policy = path_layer_policy>
-class path_layer : public mixer_api<path_layer<T, Policy>, T> {
+template <class T, class Policy = path_layer_policy, class Backend = backend::cpu>
+class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> {
   using K = typename Policy::kind;
   static constexpr bool gated = kind_traits<K>::uses_forget_gate;
   static_assert(kind_traits<K>::uses_householder,
                 "attnmix::layers::path_layer: Policy::kind must be kind::path or kind::path_fox");
   using A = accum_t<T>;
+  using O = ops<Backend>;
+  using space = typename Backend::memory_space;
+  template <class, class, class>
+  friend class path_layer;
 
  public:
   static constexpr const char* name = Policy::name;
   static constexpr bool causal = true;
   using policy = Policy;
   using kind = K;
-  using cache_type = path_layer_cache<T>;
+  using backend_type = Backend;
+  using cache_type = path_layer_cache<T, space>;
+  using saved_type = no_saved;  // what the backward will read (nothing yet)
 
   path_layer() = default;
   explicit path_layer(const config& c)
@@ -88,51 +105,95 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
         bt_proj(D_, H_, true) {
     validate_config(std::string("attnmix::layers::") + name, c);
     if (low_rank_) {
-      w_proj_down = linear<T>(D_, c.w_rank);
-      w_proj = linear<T>(c.w_rank, H_ * d_);
+      w_proj_down = linear<T, Backend>(D_, c.w_rank);
+      w_proj = linear<T, Backend>(c.w_rank, H_ * d_);
     } else {
-      w_proj = linear<T>(D_, H_ * d_);
+      w_proj = linear<T, Backend>(D_, H_ * d_);
     }
-    if constexpr (Policy::w_shortconv) w_conv1d = short_conv<T>(H_ * d_, Policy::conv_size, true);
-    if constexpr (gated) g_proj = linear<T>(D_, HQ_, true);
+    if constexpr (Policy::w_shortconv)
+      w_conv1d = short_conv<T, Backend>(H_ * d_, Policy::conv_size, true);
+    if constexpr (gated) g_proj = linear<T, Backend>(D_, HQ_, true);
     if constexpr (Policy::qk_norm) {
-      maybe_q_norm = rms_norm<T>(HQ_ * d_, c.head_norm_eps);
-      maybe_k_norm = rms_norm<T>(H_ * d_, c.head_norm_eps);
+      maybe_q_norm = rms_norm<T, Backend>(HQ_ * d_, c.head_norm_eps);
+      maybe_k_norm = rms_norm<T, Backend>(H_ * d_, c.head_norm_eps);
     }
   }
+  // The same layer with every weight copied once to Backend's memory, projections in T.
+  template <class U, class B>
+  explicit path_layer(const path_layer<U, Policy, B>& o)
+      : D_(o.D_),
+        HQ_(o.HQ_),
+        H_(o.H_),
+        d_(o.d_),
+        scale_(o.scale_),
+        low_rank_(o.low_rank_),
+        q_proj(o.q_proj),
+        k_proj(o.k_proj),
+        v_proj(o.v_proj),
+        o_proj(o.o_proj),
+        bt_proj(o.bt_proj),
+        g_proj(o.g_proj),
+        w_proj_down(o.w_proj_down),
+        w_proj(o.w_proj),
+        w_conv1d(o.w_conv1d),
+        maybe_q_norm(o.maybe_q_norm),
+        maybe_k_norm(o.maybe_k_norm) {}
 
   index_t hidden_size() const { return D_; }
 
   cache_type make_cache(index_t sequences, index_t capacity) const {
+    static_assert(on_host_v<Backend>,
+                  "attnmix::layers::path_layer: caches live on the host for "
+                  "now (prefill and decode on a host backend)");
+    detail::check_cache_size(std::string("attnmix::layers::") + name + "::make_cache", sequences,
+                             capacity, (4 * H_ * d_ + 2 * HQ_ + 2 * H_) * index_t(sizeof(double)),
+                             Policy::conv_size * H_ * d_ * index_t(sizeof(T)));
     return {path_cache<T>(sequences, capacity, HQ_, H_, d_, d_),
             conv_state<T>(sequences, Policy::conv_size, H_ * d_)};
   }
+  void check_cache(const std::string& fn, const char* arg, const std::string& what,
+                   const cache_type& cache) const {
+    detail::check_cache_layout(fn, arg, what, cache.layout(),
+                               {{"q_heads", HQ_},
+                                {"kv_heads", H_},
+                                {"head_dim", d_},
+                                {"value_dim", d_},
+                                {"conv sequences", cache.sequences()},
+                                {"conv taps", Policy::conv_size - 1},
+                                {"conv channels", H_ * d_}});
+  }
 
-  void forward_rows(const T* x, T* y, const token_layout& L, const backend::cpu& be) const {
-    run(x, y, L, nullptr, nullptr, be);
+  // y = mixer(x) on c.layout's rows (x, y: [rows, D], distinct).
+  void forward_rows(const context<Backend>& c, const T* x, T* y, saved_type* = nullptr) const {
+    run(c, x, y, nullptr, nullptr);
   }
   // slots[n]: the cache slot of sequence n.
-  void prefill_rows(const T* x, T* y, const token_layout& L, cache_type& cache,
-                    const std::vector<index_t>& slots, const backend::cpu& be) const {
-    run(x, y, L, &cache, &slots, be);
+  void prefill_rows(const context<Backend>& c, const T* x, T* y, cache_type& cache,
+                    const std::vector<index_t>& slots) const {
+    static_assert(on_host_v<Backend>, "attnmix::layers::path_layer: prefill runs on the host");
+    run(c, x, y, &cache, &slots);
   }
   // x, y: [N, D]; row n is the next token of the sequence in slot slots[n].
   void decode_rows(const T* x, T* y, index_t N, cache_type& cache,
-                   const std::vector<index_t>& slots, const backend::cpu& be) const {
+                   const std::vector<index_t>& slots, const Backend& be) const {
+    static_assert(on_host_v<Backend>, "attnmix::layers::path_layer: decoding runs on the host");
     const token_layout L{N, 1, {}};
+    const typename O::handles handles{};
+    const context<Backend> c{be, L, nullptr, handles};
+    typename O::scratch sc(be, scratch_size(N));
+    const buffers b = take(sc, N);
     // The conv state is small: a mapped step runs on a gathered copy.
     const bool in_place = detail::identity_slots(slots) && N == cache.conv.sequences;
     conv_state<T> conv = in_place ? conv_state<T>() : cache.conv.gather(slots);
-    inputs in = project(x, L, in_place ? &cache.conv : &conv, true, be);
+    project(c, x, b, in_place ? &cache.conv : &conv, true);
     if (!in_place) cache.conv.scatter(conv, slots);
-    std::vector<T> o(static_cast<std::size_t>(N * HQ_ * d_));
-    attention_args<T> a = args(in, N, 1, o.data());
+    attention_args<T> a = args(b, L);
     attention_params p;
     p.scale = scale_;
     const std::vector<std::int32_t> where = int32_slots(slots);
     path_decode_step<K, typename Policy::attention_policy>(
         cache.attn, a, view1<const std::int32_t>(where.data(), {N}), p, be);
-    o_proj.apply(o.data(), N, y, be);
+    o_proj.apply(c, b.o, N, y);
   }
 
   template <class F>
@@ -150,17 +211,40 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
   bool low_rank_ = true;
 
  public:
-  linear<T> q_proj, k_proj, v_proj, o_proj, bt_proj, g_proj;
-  linear<T> w_proj_down;  // "w_proj.0" (low rank only)
-  linear<T> w_proj;       // "w_proj.1" (low rank) or "w_proj"
-  short_conv<T> w_conv1d;
-  rms_norm<T> maybe_q_norm, maybe_k_norm;  // Policy::qk_norm only
+  linear<T, Backend> q_proj, k_proj, v_proj, o_proj, bt_proj, g_proj;
+  linear<T, Backend> w_proj_down;  // "w_proj.0" (low rank only)
+  linear<T, Backend> w_proj;       // "w_proj.1" (low rank) or "w_proj"
+  short_conv<T, Backend> w_conv1d;
+  rms_norm<T, Backend> maybe_q_norm, maybe_k_norm;  // Policy::qk_norm only
 
  private:
-  struct inputs {
-    std::vector<T> q, k, v;
-    std::vector<A> w, beta, g;
+  // The rows of one call, carved from one scratch allocation: q, k, v, the attention output o,
+  // w before the conv (wd) and the low-rank middle r in T; w, beta and g in accum_t<T>.
+  struct buffers {
+    T *q, *k, *v, *o, *wd, *r;
+    A *w, *beta, *g;
   };
+  std::size_t scratch_size(index_t rows) const {
+    const index_t nq = rows * HQ_ * d_, nk = rows * H_ * d_;
+    return scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 3 +
+           scratch_bytes<T>(rows * w_proj_down.out_features()) + scratch_bytes<A>(nk) +
+           scratch_bytes<A>(rows * (H_ + HQ_));
+  }
+  template <class Scratch>
+  buffers take(Scratch& s, index_t rows) const {
+    const index_t nq = rows * HQ_ * d_, nk = rows * H_ * d_;
+    buffers b{};
+    b.q = s.template take<T>(nq);
+    b.k = s.template take<T>(nk);
+    b.v = s.template take<T>(nk);
+    b.o = s.template take<T>(nq);
+    b.wd = s.template take<T>(nk);
+    b.r = low_rank_ ? s.template take<T>(rows * w_proj_down.out_features()) : nullptr;
+    b.w = s.template take<A>(nk);
+    b.beta = s.template take<A>(rows * (H_ + HQ_));
+    b.g = b.beta + rows * H_;
+    return b;
+  }
 
   template <class Self, class F>
   static void visit(Self& s, F& f, const std::string& prefix) {
@@ -183,62 +267,59 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
     s.o_proj.visit_parameters(f, prefix + "o_proj.");
   }
 
-  // step: conv state given and advanced by one token (decoding); else the conv runs over L and
-  // writes its final state to `conv` when given.
-  inputs project(const T* x, const token_layout& L, conv_state<T>* conv, bool step,
-                 const backend::cpu& be) const {
-    const index_t rows = L.rows(), kv = H_ * d_;
-    inputs in;
-    in.q.resize(static_cast<std::size_t>(rows * HQ_ * d_));
-    in.k.resize(static_cast<std::size_t>(rows * kv));
-    in.v.resize(in.k.size());
-    q_proj.apply(x, rows, in.q.data(), be);
-    k_proj.apply(x, rows, in.k.data(), be);
-    v_proj.apply(x, rows, in.v.data(), be);
+  // q, k, v, then w: low-rank (or full) projection, short conv with SiLU, per-head L2 norm (in
+  // accum_t); beta = 2 sigmoid(bt_proj x); PaTH-FoX: g = logsigmoid(g_proj x).
+  // conv (host backends): with step, the rolling state, advanced by one token (decoding); else
+  // it receives the conv's final state.
+  void project(const context<Backend>& c, const T* x, const buffers& b, conv_state<T, space>* conv,
+               bool step) const {
+    const index_t rows = c.rows(), nk = rows * H_ * d_;
+    q_proj.apply(c, x, rows, b.q);
+    k_proj.apply(c, x, rows, b.k);
+    v_proj.apply(c, x, rows, b.v);
     if constexpr (Policy::qk_norm) {
-      maybe_q_norm.apply(in.q.data(), rows, in.q.data(), be);
-      maybe_k_norm.apply(in.k.data(), rows, in.k.data(), be);
+      maybe_q_norm.apply(c, b.q, rows, b.q);
+      maybe_k_norm.apply(c, b.k, rows, b.k);
     }
-    std::vector<T> w(static_cast<std::size_t>(rows * kv));
     if (low_rank_) {
-      std::vector<T> r(static_cast<std::size_t>(rows * w_proj_down.out_features()));
-      w_proj_down.apply(x, rows, r.data(), be);
-      w_proj.apply(r.data(), rows, w.data(), be);
+      w_proj_down.apply(c, x, rows, b.r);
+      w_proj.apply(c, b.r, rows, b.wd);
     } else {
-      w_proj.apply(x, rows, w.data(), be);
+      w_proj.apply(c, x, rows, b.wd);
     }
     if constexpr (Policy::w_shortconv) {
-      std::vector<T> c(w.size());
-      if (step)
-        w_conv1d.step(w.data(), c.data(), rows, *conv, be);
-      else
-        w_conv1d.apply(w.data(), c.data(), L, be, conv);
-      w.swap(c);
+      if constexpr (on_host_v<Backend>) {
+        if (step)
+          w_conv1d.step(b.wd, b.w, rows, *conv, c.be);
+        else
+          w_conv1d.apply(c, b.wd, b.w, conv);
+      } else {
+        w_conv1d.apply(c, b.wd, b.w);
+      }
+    } else {
+      O::move_rows(c, b.wd, b.w, nullptr, nullptr, rows, H_ * d_);
     }
-    in.w.assign(w.begin(), w.end());
-    detail::l2_norm_groups(in.w.data(), rows * H_, d_, 1e-6);
-    std::vector<T> b(static_cast<std::size_t>(rows * H_));
-    bt_proj.apply(x, rows, b.data(), be);
-    in.beta.resize(b.size());
-    for (std::size_t i = 0; i < b.size(); ++i) in.beta[i] = A(2) * detail::sigmoid(A(b[i]));
+    (void)conv;
+    (void)step;
+    O::norm(c, b.w, b.w, rows * H_, d_, static_cast<const A*>(nullptr), false, 1, false, 1e-6);
+    bt_proj.apply(c, x, rows, b.beta);
+    O::template map<fn::two_sigmoid>(c, b.beta, b.beta, static_cast<const A*>(nullptr), rows * H_);
     if constexpr (gated) {
-      std::vector<T> g(static_cast<std::size_t>(rows * HQ_));
-      g_proj.apply(x, rows, g.data(), be);
-      in.g.resize(g.size());
-      for (std::size_t i = 0; i < g.size(); ++i) in.g[i] = detail::log_sigmoid(A(g[i]));
+      g_proj.apply(c, x, rows, b.g);
+      O::template map<fn::log_sigmoid>(c, b.g, b.g, static_cast<const A*>(nullptr), rows * HQ_);
     }
-    return in;
+    (void)nk;
   }
 
-  attention_args<T> args(const inputs& in, index_t B, index_t Tn, T* o) const {
+  attention_args<T> args(const buffers& b, const token_layout& L) const {
     attention_args<T> a;
-    a.q = view4<const T>(in.q.data(), {B, Tn, HQ_, d_});
-    a.k = view4<const T>(in.k.data(), {B, Tn, H_, d_});
-    a.v = view4<const T>(in.v.data(), {B, Tn, H_, d_});
-    a.w = view4<const A>(in.w.data(), {B, Tn, H_, d_});
-    a.beta = view3<const A>(in.beta.data(), {B, Tn, H_});
-    if constexpr (gated) a.g = view3<const A>(in.g.data(), {B, Tn, HQ_});
-    a.out = view4<T>(o, {B, Tn, HQ_, d_});
+    a.q = as_heads<Backend, const T>(b.q, L, HQ_, d_);
+    a.k = as_heads<Backend, const T>(b.k, L, H_, d_);
+    a.v = as_heads<Backend, const T>(b.v, L, H_, d_);
+    a.w = as_heads<Backend, const A>(b.w, L, H_, d_);
+    a.beta = as_rows<Backend, const A>(b.beta, L, H_);
+    if constexpr (gated) a.g = as_rows<Backend, const A>(b.g, L, HQ_);
+    a.out = as_heads<Backend, T>(b.o, L, HQ_, d_);
     return a;
   }
 
@@ -247,26 +328,36 @@ class path_layer : public mixer_api<path_layer<T, Policy>, T> {
   }
 
   // cache, slots: prefill (sequence n -> slot (*slots)[n]); both null: forward only.
-  void run(const T* x, T* y, const token_layout& L, cache_type* cache,
-           const std::vector<index_t>* slots, const backend::cpu& be) const {
+  void run(const context<Backend>& c, const T* x, T* y, cache_type* cache,
+           const std::vector<index_t>* slots) const {
+    const token_layout& L = c.layout;
     const index_t rows = L.rows();
-    const bool in_place = cache == nullptr || detail::identity_slots(*slots);
-    conv_state<T> conv =
-        in_place ? conv_state<T>() : conv_state<T>(L.num_sequences(), Policy::conv_size, H_ * d_);
-    conv_state<T>* conv_out = cache == nullptr ? nullptr : in_place ? &cache->conv : &conv;
-    inputs in = project(x, L, conv_out, false, be);
-    if (!in_place) cache->conv.scatter(conv, *slots);
-    std::vector<T> o(static_cast<std::size_t>(rows * HQ_ * d_));
-    const attention_args<T> a = args(in, L.batch, L.tokens, o.data());
-    if (cache != nullptr) {
-      const std::vector<std::int32_t> where = int32_slots(*slots);
-      path_prefill<K, typename Policy::attention_policy>(
-          cache->attn, a, view1<const std::int32_t>(where.data(), {L.num_sequences()}),
-          L.attention(scale_), be);
+    typename O::scratch sc(c.be, scratch_size(rows));
+    const buffers b = take(sc, rows);
+    if constexpr (on_host_v<Backend>) {
+      const bool in_place = cache == nullptr || detail::identity_slots(*slots);
+      conv_state<T> conv =
+          in_place ? conv_state<T>() : conv_state<T>(L.num_sequences(), Policy::conv_size, H_ * d_);
+      conv_state<T>* conv_out = cache == nullptr ? nullptr : in_place ? &cache->conv : &conv;
+      project(c, x, b, conv_out, false);
+      if (!in_place) cache->conv.scatter(conv, *slots);
     } else {
-      attnmix::attention<K, typename Policy::attention_policy>(a, L.attention(scale_), be);
+      project(c, x, b, nullptr, false);
     }
-    o_proj.apply(o.data(), rows, y, be);
+    const attention_args<T> a = args(b, L);
+    if constexpr (on_host_v<Backend>) {
+      if (cache != nullptr) {
+        const std::vector<std::int32_t> where = int32_slots(*slots);
+        path_prefill<K, typename Policy::attention_policy>(
+            cache->attn, a, view1<const std::int32_t>(where.data(), {L.num_sequences()}),
+            L.attention(scale_), c.be);
+        o_proj.apply(c, b.o, rows, y);
+        return;
+      }
+    }
+    (void)slots;
+    attnmix::attention<K, typename Policy::attention_policy>(a, L.attention(scale_), c.be);
+    o_proj.apply(c, b.o, rows, y);
   }
 };
 

@@ -4,21 +4,27 @@
 //   y[t, c] = act( sum_{r<K} weight[c, 0, r] x[t-(K-1)+r, c] ),   weight [C, 1, K]
 // Tap K-1 multiplies the current token. Inputs before a sequence's start are zero, so the
 // convolution restarts at every sequence (and cu_seqlens segment) boundary. For decoding it
-// keeps a rolling state of each sequence's last K-1 inputs.
+// keeps a rolling state of each sequence's last K-1 inputs (host memory: decoding runs on host
+// backends for now). The taps are in accum_t<T>.
 
 #include <algorithm>
 #include <string>
 #include <vector>
 
+#include "attnmix/core/scalar.hpp"
+#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/layers/common.hpp"
-#include "attnmix/layers/detail/cpu_ops.hpp"
+#include "attnmix/layers/ops.hpp"
 
 namespace attnmix {
 namespace layers {
 
-// Rolling state of N sequences: their last K-1 inputs, [N, K-1, C], oldest first.
+// Rolling state of N sequences: their last K-1 inputs, [N, K-1, C], oldest first, in Space.
+template <class T, class Space = host_space>
+struct conv_state;
+
 template <class T>
-struct conv_state {
+struct conv_state<T, host_space> {
   index_t sequences = 0, taps = 0, channels = 0;  // taps = K-1
   std::vector<T> data;
   conv_state() = default;
@@ -45,35 +51,61 @@ struct conv_state {
   }
 };
 
-template <class T>
+template <class T, class Backend = backend::cpu>
 class short_conv {
+  using space = typename Backend::memory_space;
+
  public:
   short_conv() = default;
   short_conv(index_t channels, index_t kernel, bool silu = true)
       : weight({channels, 1, kernel}), channels_(channels), kernel_(kernel), silu_(silu) {}
+  template <class U, class B>
+  explicit short_conv(const short_conv<U, B>& other)
+      : weight(other.weight),
+        channels_(other.channels()),
+        kernel_(other.kernel_size()),
+        silu_(other.silu()) {}
 
   index_t channels() const { return channels_; }
   index_t kernel_size() const { return kernel_; }
+  bool silu() const { return silu_; }
 
-  // x, y: [rows, C] split into sequences by L (distinct buffers). If `final` is given it
-  // receives each sequence's rolling state (sized for L.num_sequences()).
-  void apply(const T* x, T* y, const token_layout& L, const backend::cpu& be,
-             conv_state<T>* final = nullptr) const {
-    detail::short_conv_rows<T>(x, y, L, channels_, weight.ptr(), kernel_, silu_, nullptr,
-                               final ? final->data.data() : nullptr, be);
+  // x: [rows, C] split into sequences by c.layout, y: [rows, C] in T or accum_t<T> (distinct
+  // buffers). If `final` is given (host backends) it receives each sequence's rolling state
+  // (sized for c.layout.num_sequences()).
+  template <class Y>
+  void apply(const context<Backend>& c, const T* x, Y* y,
+             conv_state<T, space>* final = nullptr) const {
+    if constexpr (on_host_v<Backend>) {
+      if (final != nullptr) {
+        ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_,
+                                 static_cast<const T*>(nullptr), final->data.data());
+        return;
+      }
+    }
+    (void) final;  // states live on the host: a device call has none
+    ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_);
+  }
+  // The same as one call of its own, on the CPU-style host signature.
+  void apply(const T* x, T* y, const token_layout& L, const Backend& be,
+             conv_state<T, space>* final = nullptr) const {
+    const typename ops<Backend>::handles h{};
+    apply(context<Backend>{be, L, nullptr, h}, x, y, final);
   }
 
-  // One decoding step for N sequences: x, y [N, C]; `state` moves on by one token.
-  void step(const T* x, T* y, index_t N, conv_state<T>& state, const backend::cpu& be) const {
-    token_layout L{N, 1, {}};
+  // One decoding step for N sequences: x, y [N, C]; `state` moves on by one token (host).
+  void step(const T* x, T* y, index_t N, conv_state<T, space>& state, const Backend& be) const {
+    static_assert(on_host_v<Backend>, "attnmix::layers::short_conv: decoding runs on the host");
+    const token_layout L{N, 1, {}};
+    const typename ops<Backend>::handles h{};
     std::vector<T> next(state.data.size());
-    detail::short_conv_rows(x, y, L, channels_, weight.ptr(), kernel_, silu_, state.data.data(),
-                            next.data(), be);
+    ops<Backend>::short_conv(context<Backend>{be, L, nullptr, h}, x, y, channels_, weight.ptr(),
+                             kernel_, silu_, static_cast<const T*>(state.data.data()), next.data());
     state.data.swap(next);
   }
 
-  conv_state<T> make_state(index_t sequences) const {
-    return conv_state<T>(sequences, kernel_, channels_);
+  conv_state<T, space> make_state(index_t sequences) const {
+    return conv_state<T, space>(sequences, kernel_, channels_);
   }
 
   template <class F>
@@ -85,7 +117,7 @@ class short_conv {
     f(prefix + "weight", weight);
   }
 
-  parameter<T> weight;
+  parameter<accum_t<T>, space> weight;
 
  private:
   index_t channels_ = 0, kernel_ = 0;

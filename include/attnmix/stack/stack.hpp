@@ -17,6 +17,11 @@
 // slot mapping (layers::cache_slots) lets the rows of a call use any slots of the cache.
 // A layer whose kind has no implementation on the stack's backend is a compile-time error that
 // names the layer.
+//
+// The same stack runs on any backend with layers::ops<Backend> and the attention front doors:
+// stack_on<Stack, Backend, T> is that stack there, made from a host stack by copying every weight
+// once (attnmix::device_stack<Stack, D> = stack_on<Stack, backend::cuda, D>, attnmix/cuda.cuh).
+// The residual stream is accum_t<T>. Prefill and decoding run on host backends for now.
 
 #include <chrono>
 #include <cstdint>
@@ -33,6 +38,7 @@
 #include "attnmix/layers/linear_layer.hpp"
 #include "attnmix/layers/mlp.hpp"
 #include "attnmix/layers/norm.hpp"
+#include "attnmix/layers/ops.hpp"
 #include "attnmix/layers/path_layer.hpp"
 
 namespace attnmix {
@@ -41,12 +47,12 @@ namespace attnmix {
 // at compile time, that it runs on a backend.
 namespace layer {
 
-#define ATTNMIX_DEFINE_LAYER(tag, kind_, ...)                                                 \
+#define ATTNMIX_DEFINE_LAYER(tag, kind_, mixer_, policy_)                                     \
   struct tag {                                                                                \
     static constexpr const char* name = #tag;                                                 \
     using kind = kind_;                                                                       \
-    template <class T>                                                                        \
-    using type = __VA_ARGS__;                                                                 \
+    template <class T, class Backend = backend::cpu>                                          \
+    using type = mixer_<T, policy_, Backend>;                                                 \
     template <class Backend>                                                                  \
     static constexpr bool check_backend() {                                                   \
       static_assert(is_implemented_v<kind_, Backend>,                                         \
@@ -57,30 +63,32 @@ namespace layer {
     }                                                                                         \
   }
 
-ATTNMIX_DEFINE_LAYER(sa, attnmix::kind::softmax,
-                     layers::attention_layer<T, layers::sa_layer_policy>);
-ATTNMIX_DEFINE_LAYER(causal_sa, attnmix::kind::softmax,
-                     layers::attention_layer<T, layers::causal_sa_layer_policy>);
-ATTNMIX_DEFINE_LAYER(fox, attnmix::kind::fox, layers::attention_layer<T, layers::fox_layer_policy>);
-ATTNMIX_DEFINE_LAYER(path, attnmix::kind::path, layers::path_layer<T, layers::path_layer_policy>);
-ATTNMIX_DEFINE_LAYER(path_fox, attnmix::kind::path_fox,
-                     layers::path_layer<T, layers::path_fox_layer_policy>);
-ATTNMIX_DEFINE_LAYER(bla, attnmix::kind::bla, layers::linear_layer<T, layers::bla_layer_policy>);
-ATTNMIX_DEFINE_LAYER(gbla, attnmix::kind::gbla, layers::linear_layer<T, layers::gbla_layer_policy>);
-ATTNMIX_DEFINE_LAYER(linear_causal, attnmix::kind::linear_causal,
-                     layers::linear_layer<T, layers::linear_causal_layer_policy>);
+ATTNMIX_DEFINE_LAYER(sa, attnmix::kind::softmax, layers::attention_layer, layers::sa_layer_policy);
+ATTNMIX_DEFINE_LAYER(causal_sa, attnmix::kind::softmax, layers::attention_layer,
+                     layers::causal_sa_layer_policy);
+ATTNMIX_DEFINE_LAYER(fox, attnmix::kind::fox, layers::attention_layer, layers::fox_layer_policy);
+ATTNMIX_DEFINE_LAYER(path, attnmix::kind::path, layers::path_layer, layers::path_layer_policy);
+ATTNMIX_DEFINE_LAYER(path_fox, attnmix::kind::path_fox, layers::path_layer,
+                     layers::path_fox_layer_policy);
+ATTNMIX_DEFINE_LAYER(bla, attnmix::kind::bla, layers::linear_layer, layers::bla_layer_policy);
+ATTNMIX_DEFINE_LAYER(gbla, attnmix::kind::gbla, layers::linear_layer, layers::gbla_layer_policy);
+ATTNMIX_DEFINE_LAYER(linear_causal, attnmix::kind::linear_causal, layers::linear_layer,
+                     layers::linear_causal_layer_policy);
 
 #undef ATTNMIX_DEFINE_LAYER
 
-// A user-defined layer from any mixer template and kind, e.g.
+// A user-defined layer from any mixer template over (scalar, backend) and a kind, e.g.
+//   template <class T, class Backend = attnmix::backend::cpu>
+//   using my_gbla_mixer = attnmix::layers::linear_layer<T, my_policy, Backend>;
 //   using my_gbla = attnmix::layer::custom<attnmix::kind::gbla, my_gbla_mixer>;
-// (Its compile-time backend check names the kind instead of the tag.)
-template <class Kind, template <class> class Mixer>
+// A mixer written on layers::ops<Backend> and the front doors runs on every backend. (Its
+// compile-time backend check names the kind instead of the tag.)
+template <class Kind, template <class, class> class Mixer>
 struct custom {
   static constexpr const char* name = Kind::name;
   using kind = Kind;
-  template <class T>
-  using type = Mixer<T>;
+  template <class T, class Backend = backend::cpu>
+  using type = Mixer<T, Backend>;
   template <class Backend>
   static constexpr bool check_backend() {
     static_assert(is_implemented_v<Kind, Backend>,
@@ -159,91 +167,124 @@ class basic_stack_impl;
 template <class T, class Policy, class Backend, class... Layers>
 class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   static_assert(sizeof...(Layers) >= 1, "attnmix::stack: a stack needs at least one layer");
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "attnmix::stack: the CPU layers compute in float or double");
-  static_assert(is_backend_v<Backend>, "attnmix::stack: Backend must be a backend tag (a name and a memory_space)");
-  static_assert(layers::detail::layers_run_on<Backend>,
-                "attnmix::stack: a stack runs on backend::cpu; for the GPU, build an "
-                "attnmix::device_stack from it (attnmix/cuda.cuh)");
+  static_assert(is_backend_v<Backend>,
+                "attnmix::stack: Backend must be a backend tag (a name and a memory_space)");
+  static_assert(layers::ops<Backend>::template computes<T>,
+                "attnmix::stack: the layers do not compute in this type on this backend (the CPU "
+                "layers compute in float or double; the CUDA ones in float, half or bfloat16)");
   static_assert((Layers::template check_backend<Backend>() && ...),
                 "attnmix::stack: a layer has no implementation on this backend");
 
+  using O = layers::ops<Backend>;
+  using R = accum_t<T>;  // the residual stream
+  template <class, class, class, class>
+  friend class basic_stack_impl;
+
   template <class Layer>
   struct block {
-    using mixer_type = typename Layer::template type<T>;
-    layers::rms_norm<T> attn_norm;
+    using mixer_type = typename Layer::template type<T, Backend>;
+    layers::rms_norm<T, Backend> attn_norm;
     mixer_type attn;
-    layers::rms_norm<T> mlp_norm;
-    layers::mlp<T, Policy::mlp> mlp;
+    layers::rms_norm<T, Backend> mlp_norm;
+    layers::mlp<T, Policy::mlp, Backend> mlp;
     explicit block(const layers::config& c)
         : attn_norm(c.hidden_size, c.norm_eps),
           attn(c),
           mlp_norm(c.hidden_size, c.norm_eps),
           mlp(c) {}
+    template <class Other>
+    explicit block(const Other& b, int)
+        : attn_norm(b.attn_norm), attn(b.attn), mlp_norm(b.mlp_norm), mlp(b.mlp) {}
   };
 
  public:
   using scalar = T;
   using backend_type = Backend;
   static constexpr std::size_t num_layers = sizeof...(Layers);
-  static constexpr bool causal = (Layers::template type<T>::causal && ...);
-  using cache_type =
-      std::conditional_t<causal, std::tuple<typename Layers::template type<T>::cache_type...>,
-                         std::tuple<>>;
+  static constexpr bool causal = (Layers::template type<T, Backend>::causal && ...);
+  using cache_type = std::conditional_t<
+      causal, std::tuple<typename Layers::template type<T, Backend>::cache_type...>, std::tuple<>>;
 
   explicit basic_stack_impl(const layers::config& c)
       : cfg_(c), blocks_(block<Layers>(c)...), norm(c.hidden_size, c.norm_eps) {
     layers::validate_config("attnmix::stack", c);
   }
+  // The same stack on Backend in T: every weight of `other` copied (and rounded) once, the
+  // projections in T, norm weights, conv taps and biases in accum_t<T>. Later changes to
+  // `other`'s parameters need a new copy.
+  template <class U, class B>
+  explicit basic_stack_impl(const basic_stack_impl<U, Policy, B, layer_list<Layers...>>& other)
+      : basic_stack_impl(other, std::index_sequence_for<Layers...>{}) {}
 
   const layers::config& config() const { return cfg_; }
   index_t hidden_size() const { return cfg_.hidden_size; }
   // Layer names in order, e.g. {"sa", "gbla", "gbla", ...}.
   static std::vector<const char*> layer_names() { return {Layers::name...}; }
 
-  // Encoder / full-sequence forward. x, out: [B, T, D] contiguous, distinct; see stack_inputs.
+  // Encoder / full-sequence forward. x, out: [B, T, D] contiguous, distinct, in the backend's
+  // memory; see stack_inputs (mask and cu_seqlens in host memory). Pad rows of out are zeros.
+  // With in.on_layer each block is timed (on the GPU with events, waiting for each block).
   // Throws attnmix::error on bad arguments.
   void forward(const view3<const T>& x, const view3<T>& out, const stack_inputs& in = {},
                const Backend& be = Backend{}) const {
     const std::string fn = "attnmix::stack::forward";
     const index_t D = cfg_.hidden_size;
-    layers::detail::check_activation(fn, "x", x, D);
-    layers::detail::check_activation(fn, "out", out, D);
-    layers::detail::check_same_shape(fn, out, x);
-    attnmix::detail::check_no_alias(fn, "out", out, "x", x);
-    if (!in.mask.has_value()) {
-      const layers::token_layout L = layers::detail::make_layout(fn, x, in.cu_seqlens);
-      std::vector<T> h(x.data(), x.data() + L.rows() * D);
-      run_blocks(h, L, nullptr, nullptr, in.on_layer, be);
-      norm.apply(h.data(), L.rows(), out.data(), be);
-      return;
+    check_rows(fn, x, out);
+
+    // The rows the blocks run on: the batch as it is, or its valid tokens packed (mask).
+    layers::token_layout L;
+    std::vector<std::int64_t> src;  // mask: packed row -> row of x
+    if (in.mask.has_value()) {
+      attnmix::detail::check_not_given(fn, "cu_seqlens", in.cu_seqlens, "'mask' was given too");
+      attnmix::detail::check_layout(fn, "mask", in.mask);
+      attnmix::detail::check_space(fn, "mask", in.mask, memory_space::host, "packing");
+      attnmix::detail::check_shape(fn, "mask", in.mask, {x.extent(0), x.extent(1)}, "[B, T]");
+      L = layers::token_layout{1, 0, {0}};
+      for (index_t b = 0; b < x.extent(0); ++b) {
+        for (index_t t = 0; t < x.extent(1); ++t)
+          if (in.mask(b, t) != 0) src.push_back(b * x.extent(1) + t);
+        L.cu_seqlens.push_back(static_cast<std::int32_t>(src.size()));
+      }
+      L.tokens = static_cast<index_t>(src.size());
+    } else {
+      L = layers::detail::make_layout(fn, x, in.cu_seqlens);
     }
-    attnmix::detail::check_not_given(fn, "cu_seqlens", in.cu_seqlens, "'mask' was given too");
-    attnmix::detail::check_layout(fn, "mask", in.mask);
-    attnmix::detail::check_shape(fn, "mask", in.mask, {x.extent(0), x.extent(1)}, "[B, T]");
-    // Pack the valid tokens of each row into one varlen batch, run, scatter back.
-    const index_t B = x.extent(0), Tn = x.extent(1);
-    layers::token_layout L{1, 0, {0}};
-    std::vector<index_t> src;
-    for (index_t b = 0; b < B; ++b) {
-      for (index_t t = 0; t < Tn; ++t)
-        if (in.mask(b, t) != 0) src.push_back(b * Tn + t);
-      L.cu_seqlens.push_back(static_cast<std::int32_t>(src.size()));
+    const index_t rows = L.rows();
+    if (in.mask.has_value()) O::zero(be, out.data(), out.size());
+    if (rows == 0) return;
+
+    // One allocation: the residual stream h, the blocks' input t and output m, the positions and
+    // the packed rows' sources.
+    using layers::scratch_bytes;
+    typename O::scratch s(be, scratch_bytes<R>(rows * D) + scratch_bytes<T>(rows * D) * 2 +
+                                  scratch_bytes<std::int32_t>(rows) +
+                                  scratch_bytes<std::int64_t>(index_t(src.size())));
+    R* h = s.template take<R>(rows * D);
+    T *t = s.template take<T>(rows * D), *m = s.template take<T>(rows * D);
+    std::int32_t* pos = s.template take<std::int32_t>(rows);
+    std::int64_t* dsrc = s.template take<std::int64_t>(index_t(src.size()));
+    O::positions(be, pos, L);
+    if (!src.empty())
+      O::upload(be, dsrc, src.data(), index_t(src.size()));
+    else
+      dsrc = nullptr;  // every row of x, in order
+    const layers::context<Backend> c{be, L, pos, handles_};
+    O::move_rows(c, x.data(), h, dsrc, static_cast<const std::int64_t*>(nullptr), rows, D);
+    run_blocks(c, h, t, m, nullptr, nullptr, in.on_layer);
+    if (dsrc != nullptr) {
+      norm.apply(c, h, rows, t);
+      O::move_rows(c, t, out.data(), static_cast<const std::int64_t*>(nullptr), dsrc, rows, D);
+    } else {
+      norm.apply(c, h, rows, out.data());
     }
-    L.tokens = static_cast<index_t>(src.size());
-    std::vector<T> h(static_cast<std::size_t>(L.tokens * D));
-    for (std::size_t r = 0; r < src.size(); ++r)
-      std::copy_n(x.data() + src[r] * D, D, h.data() + static_cast<index_t>(r) * D);
-    run_blocks(h, L, nullptr, nullptr, in.on_layer, be);
-    norm.apply(h.data(), L.tokens, h.data(), be);
-    std::fill(out.data(), out.data() + B * Tn * D, T(0));
-    for (std::size_t r = 0; r < src.size(); ++r)
-      std::copy_n(h.data() + static_cast<index_t>(r) * D, D, out.data() + src[r] * D);
   }
 
-  // Causal stacks: a cache for `sequences` sequences of up to `capacity` tokens.
+  // Causal stacks on host backends: a cache for `sequences` sequences of up to `capacity` tokens.
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::stack: only stacks of causal layers have a decoding cache");
+    static_assert(layers::on_host_v<Backend>,
+                  "attnmix::stack: decoding caches live on the host for now: prefill and decode "
+                  "with the host stack");
     return make_cache_impl(sequences, capacity, std::index_sequence_for<Layers...>{});
   }
 
@@ -306,11 +347,18 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   using policy_type = Policy;
 
  private:
+  template <class Other, std::size_t... I>
+  basic_stack_impl(const Other& other, std::index_sequence<I...>)
+      : cfg_(other.config()),
+        blocks_(block<Layers>(other.template block_at<I>(), 0)...),
+        norm(other.norm) {}
+
   layers::config cfg_;
+  typename O::handles handles_{};
   std::tuple<block<Layers>...> blocks_;
 
  public:
-  layers::rms_norm<T> norm;
+  layers::rms_norm<T, Backend> norm;
 
  private:
   template <class Self, class F>
@@ -340,10 +388,30 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
 
   void check_rows(const std::string& fn, const view3<const T>& x, const view3<T>& out) const {
     const index_t D = cfg_.hidden_size;
-    layers::detail::check_activation(fn, "x", x, D);
-    layers::detail::check_activation(fn, "out", out, D);
+    layers::detail::check_activation(fn, "x", x, D, space_of_v<Backend>, Backend::name);
+    layers::detail::check_activation(fn, "out", out, D, space_of_v<Backend>, Backend::name);
     layers::detail::check_same_shape(fn, out, x);
     attnmix::detail::check_no_alias(fn, "out", out, "x", x);
+    O::check_memory(fn, "x", x);
+    O::check_memory(fn, "out", out);
+  }
+
+  // Every layer's cache fits its layer (heads, dims, conv widths, slots and capacity of the
+  // first), checked before any of them is written.
+  template <std::size_t... I>
+  void check_caches(const std::string& fn, const cache_type& cache,
+                    std::index_sequence<I...>) const {
+    const char* names[] = {Layers::name...};
+    const auto& c0 = std::get<0>(cache);
+    const auto one = [&](const auto& b, const auto& lc, std::size_t i) {
+      const std::string what = "of layer " + std::to_string(i) + " (" + names[i] + ")";
+      b.attn.check_cache(fn, "cache", what, lc);
+      attnmix::detail::require(lc.sequences() == c0.sequences() && lc.capacity() == c0.capacity(),
+                               fn, "cache", what, " holds ", lc.sequences(), " sequences of ",
+                               lc.capacity(), " tokens but layer 0's holds ", c0.sequences(),
+                               " of ", c0.capacity());
+    };
+    (one(std::get<I>(blocks_), std::get<I>(cache), I), ...);
   }
 
   // Everything is checked before any layer runs, so a rejected call writes nothing.
@@ -351,10 +419,14 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
                     const view1<const std::int32_t>& slots,
                     const view1<const std::int32_t>& cu_seqlens, const Backend& be) const {
     static_assert(causal, "attnmix::stack: only stacks of causal layers prefill a cache");
+    static_assert(layers::on_host_v<Backend>,
+                  "attnmix::stack: prefill runs on a host backend for now (decoding caches live "
+                  "on the host)");
     const std::string fn = "attnmix::stack::prefill";
     const index_t D = cfg_.hidden_size;
     check_rows(fn, x, out);
     const layers::token_layout L = layers::detail::make_layout(fn, x, cu_seqlens);
+    check_caches(fn, cache, std::index_sequence_for<Layers...>{});
     const auto& c0 = std::get<0>(cache);
     const std::vector<index_t> where =
         layers::detail::prefill_slots(fn, slots, L.num_sequences(), c0.sequences());
@@ -362,30 +434,47 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
       attnmix::detail::require(L.seq(n).length <= c0.capacity(), fn, "cache", "has capacity ",
                                c0.capacity(), " but sequence ", n, " has ", L.seq(n).length,
                                " tokens");
-    std::vector<T> h(x.data(), x.data() + L.rows() * D);
-    run_blocks(h, L, &cache, &where, {}, be);
-    norm.apply(h.data(), L.rows(), out.data(), be);
+    const index_t rows = L.rows();
+    std::vector<R> h(static_cast<std::size_t>(rows * D));
+    std::vector<T> t(h.size()), m(h.size());
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(rows));
+    O::positions(be, pos.data(), L);
+    const layers::context<Backend> c{be, L, pos.data(), handles_};
+    O::move_rows(c, x.data(), h.data(), nullptr, nullptr, rows, D);
+    run_blocks(c, h.data(), t.data(), m.data(), &cache, &where, {});
+    norm.apply(c, h.data(), rows, out.data());
   }
 
   void decode_impl(const view3<const T>& x, const view3<T>& out, cache_type& cache,
                    const view1<const std::int32_t>& slots, const Backend& be) const {
     static_assert(causal, "attnmix::stack: only stacks of causal layers decode");
+    static_assert(layers::on_host_v<Backend>,
+                  "attnmix::stack: decoding runs on a host backend for now (decoding caches live "
+                  "on the host)");
     const std::string fn = "attnmix::stack::decode";
     const index_t D = cfg_.hidden_size;
     check_rows(fn, x, out);
+    check_caches(fn, cache, std::index_sequence_for<Layers...>{});
     const std::vector<index_t> where =
         layers::detail::decode_slots(fn, slots, x, std::get<0>(cache));
+    // Every layer's slots have room for the token (their lengths may differ from layer 0's).
+    std::apply([&](const auto&... lc) { (layers::detail::decode_slots(fn, slots, x, lc), ...); },
+               cache);
     const index_t N = x.extent(0);
-    std::vector<T> h(x.data(), x.data() + N * D), t(h.size()), m(h.size());
+    const layers::token_layout L{N, 1, {}};
+    const layers::context<Backend> c{be, L, nullptr, handles_};
+    std::vector<R> h(static_cast<std::size_t>(N * D));
+    std::vector<T> t(h.size()), m(h.size());
+    O::move_rows(c, x.data(), h.data(), nullptr, nullptr, N, D);
     for_each_block([&](auto& b, auto I) {
-      b.attn_norm.apply(h.data(), N, t.data(), be);
+      b.attn_norm.apply(c, h.data(), N, t.data());
       b.attn.decode_rows(t.data(), m.data(), N, std::get<decltype(I)::value>(cache), where, be);
-      add(h, m);
-      b.mlp_norm.apply(h.data(), N, t.data(), be);
-      b.mlp.apply(t.data(), N, m.data(), be);
-      add(h, m);
+      O::template map<layers::fn::plus>(c, h.data(), h.data(), m.data(), N * D);
+      b.mlp_norm.apply(c, h.data(), N, t.data());
+      b.mlp.apply(c, t.data(), N, m.data());
+      O::template map<layers::fn::plus>(c, h.data(), h.data(), m.data(), N * D);
     });
-    norm.apply(h.data(), N, out.data(), be);
+    norm.apply(c, h.data(), N, out.data());
   }
 
   template <std::size_t... I>
@@ -393,39 +482,32 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     return cache_type(std::get<I>(blocks_).attn.make_cache(n, cap)...);
   }
 
-  static void add(std::vector<T>& h, const std::vector<T>& m) {
-    for (std::size_t i = 0; i < h.size(); ++i) h[i] += m[i];
-  }
-
-  // h: [rows, D] residual stream, updated in place through every block.
+  // h: [rows, D] residual stream, updated in place through every block; t, m: [rows, D].
   // cache, slots: prefill (sequence n -> slot (*slots)[n]); both null: forward only.
-  void run_blocks(std::vector<T>& h, const layers::token_layout& L, cache_type* cache,
+  void run_blocks(const layers::context<Backend>& c, R* h, T* t, T* m, cache_type* cache,
                   const std::vector<index_t>* slots,
-                  const std::function<void(index_t, const char*, double)>& on_layer,
-                  const Backend& be) const {
-    const index_t rows = L.rows();
-    std::vector<T> t(h.size()), m(h.size());
+                  const std::function<void(index_t, const char*, double)>& on_layer) const {
+    const index_t rows = c.rows(), n = rows * cfg_.hidden_size;
     const char* names[] = {Layers::name...};
+    typename O::timer timer(c.be, static_cast<bool>(on_layer));
     for_each_block([&](auto& b, auto I) {
-      const auto t0 = std::chrono::steady_clock::now();
-      b.attn_norm.apply(h.data(), rows, t.data(), be);
-      if constexpr (causal) {
+      timer.start();
+      b.attn_norm.apply(c, h, rows, t);
+      if constexpr (causal && layers::on_host_v<Backend>) {
         if (cache != nullptr)
-          b.attn.prefill_rows(t.data(), m.data(), L, std::get<decltype(I)::value>(*cache), *slots,
-                              be);
+          b.attn.prefill_rows(c, t, m, std::get<decltype(I)::value>(*cache), *slots);
         else
-          b.attn.forward_rows(t.data(), m.data(), L, be);
+          b.attn.forward_rows(c, t, m);
       } else {
-        b.attn.forward_rows(t.data(), m.data(), L, be);
+        b.attn.forward_rows(c, t, m);
       }
-      add(h, m);
-      b.mlp_norm.apply(h.data(), rows, t.data(), be);
-      b.mlp.apply(t.data(), rows, m.data(), be);
-      add(h, m);
+      O::template map<layers::fn::plus>(c, h, h, m, n);
+      b.mlp_norm.apply(c, h, rows, t);
+      b.mlp.apply(c, t, rows, m);
+      O::template map<layers::fn::plus>(c, h, h, m, n);
       if (on_layer) {
-        const double s =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        on_layer(static_cast<index_t>(decltype(I)::value), names[decltype(I)::value], s);
+        constexpr std::size_t i = decltype(I)::value;
+        on_layer(static_cast<index_t>(i), names[i], timer.seconds());
       }
     });
     (void)cache;
@@ -442,5 +524,20 @@ using basic_stack = basic_stack_impl<T, Policy, Backend, typename detail::flatte
 // layer::gbla>>.
 template <class T, class... Layers>
 using stack = basic_stack<T, stack_policy, backend::cpu, Layers...>;
+
+namespace detail {
+template <class Stack, class Backend, class T>
+struct stack_on;
+template <class S, class P, class B, class List, class Backend, class T>
+struct stack_on<basic_stack_impl<S, P, B, List>, Backend, T> {
+  using type = basic_stack_impl<T, P, Backend, List>;
+};
+}  // namespace detail
+
+// Stack (the same layers and policy) on Backend in T, e.g.
+//   attnmix::stack_on<encoder, attnmix::backend::cuda, attnmix::bfloat16> gpu(enc);
+// whose constructor copies enc's weights once.
+template <class Stack, class Backend, class T = typename Stack::scalar>
+using stack_on = typename detail::stack_on<Stack, Backend, T>::type;
 
 }  // namespace attnmix

@@ -1,0 +1,341 @@
+#pragma once
+// layers::ops<backend::cpu>: the layers' row operations on the host, on contiguous
+// [rows, features] buffers (Eigen's GEMM for the projections, plain loops for the rest), the
+// reference every other backend is checked against. Statistics in accum_t<T>.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attnmix/core/scalar.hpp"
+#include "attnmix/core/tags.hpp"
+#include "attnmix/cpu/detail/eigen.hpp"
+#include "attnmix/cpu/detail/parallel.hpp"
+#include "attnmix/layers/common.hpp"
+#include "attnmix/layers/ops.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cpu {
+
+// Rows per task of the row-parallel loops: large enough that Eigen's GEMM runs at speed.
+inline constexpr index_t row_block = 256;
+
+template <class Body>
+void for_row_blocks(index_t rows, const backend::cpu& be, Body&& body) {
+  const index_t blocks = (rows + row_block - 1) / row_block;
+  const int workers = worker_count(be, blocks);
+  parallel_for(blocks, workers, [&](index_t b, int) {
+    const index_t r0 = b * row_block;
+    body(r0, std::min(rows, r0 + row_block));
+  });
+}
+
+// y[r, :] = x[r, :] W^T (+ bias); x: [rows, in] (row stride x_stride), W: [out, in], y: [rows,
+// out] (row stride y_stride). Eigen's GEMM per block of rows, blocks across the workers.
+template <class T>
+void linear_rows(const T* x, index_t x_stride, index_t rows, const T* W, index_t in, index_t out,
+                 const T* bias, T* y, index_t y_stride, const backend::cpu& be) {
+  const auto Wm = rows_of(W, out, in, in);
+  for_row_blocks(rows, be, [&](index_t r0, index_t r1) {
+    auto Y = rows_of(y + r0 * y_stride, r1 - r0, out, y_stride);
+    Y.noalias() = rows_of(x + r0 * x_stride, r1 - r0, in, x_stride) * Wm.transpose();
+    if (bias != nullptr) {
+      const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> b(bias, out);
+      Y.rowwise() += b;
+    }
+  });
+}
+
+// RMSNorm over groups of `width` contiguous values: y = x / sqrt(mean(x^2) + eps) * w, with
+// w of `width` values (shared by the groups) or of groups * width (per_group). Statistics in
+// accum_t<T>. x and y may be the same buffer.
+template <class T>
+void rms_norm_groups(const T* x, T* y, index_t count, index_t width, const T* w, bool per_group,
+                     index_t groups_per_row, double eps, const backend::cpu& be) {
+  using A = accum_t<T>;
+  const index_t rows = count / groups_per_row;
+  for_row_blocks(rows, be, [&](index_t r0, index_t r1) {
+    for (index_t g = r0 * groups_per_row; g < r1 * groups_per_row; ++g) {
+      const T* xi = x + g * width;
+      T* yi = y + g * width;
+      A ss = 0;
+      for (index_t c = 0; c < width; ++c) ss += A(xi[c]) * A(xi[c]);
+      const A r = A(1) / std::sqrt(ss / A(width) + A(eps));
+      const T* wi = w == nullptr ? nullptr : per_group ? w + (g % groups_per_row) * width : w;
+      for (index_t c = 0; c < width; ++c)
+        yi[c] = static_cast<T>(A(xi[c]) * r * (wi ? A(wi[c]) : A(1)));
+    }
+  });
+}
+
+template <class A>
+inline A sigmoid(A x) {
+  return A(1) / (A(1) + std::exp(-x));
+}
+template <class A>
+inline A silu(A x) {
+  return x * sigmoid(x);
+}
+// log(sigmoid(x)) without overflow: min(x, 0) - log1p(exp(-|x|)).
+template <class A>
+inline A log_sigmoid(A x) {
+  return std::min(x, A(0)) - std::log1p(std::exp(-std::abs(x)));
+}
+template <class A>
+inline A gelu(A x) {  // exact (erf) GELU, PyTorch's default
+  return A(0.5) * x * (A(1) + std::erf(x / std::sqrt(A(2))));
+}
+
+// Causal depthwise convolution over the rows of each sequence, restarting at sequence starts:
+//   y[t, c] = act( sum_{r<K} W[c, r] x[t - (K-1) + r, c] ),  x before the sequence start = 0
+// (or the rolling state of the sequence when `state` is given: its K-1 previous inputs,
+// [N, K-1, C], oldest first). W: [C, 1, K] (PyTorch Conv1d, groups = C).
+// If final_state != nullptr it receives each sequence's last K-1 inputs (zero-filled).
+template <class T>
+void short_conv_rows(const T* x, T* y, const layers::token_layout& L, index_t C, const T* W,
+                     index_t K, bool silu_act, const T* state, T* final_state,
+                     const backend::cpu& be) {
+  using A = accum_t<T>;
+  const index_t N = L.num_sequences();
+  // Taps transposed to [K, C] so that the inner loop runs over contiguous channels.
+  std::vector<A> wt(static_cast<std::size_t>(K * C));
+  for (index_t c = 0; c < C; ++c)
+    for (index_t r = 0; r < K; ++r) wt[static_cast<std::size_t>(r * C + c)] = A(W[c * K + r]);
+  const int workers = worker_count(be, N);
+  parallel_for(N, workers, [&](index_t n, int) {
+    const index_t len = L.seq(n).length, r0 = L.first_row(n);
+    const T* st = state ? state + n * (K - 1) * C : nullptr;
+    // Row of inputs at sequence position p (p < 0: the state's row, or nullptr for zeros).
+    auto row = [&](index_t p) -> const T* {
+      if (p >= 0) return x + (r0 + p) * C;
+      const index_t s = (K - 1) + p;
+      return (st != nullptr && s >= 0) ? st + s * C : nullptr;
+    };
+    std::vector<A> acc(static_cast<std::size_t>(C));
+    for (index_t t = 0; t < len; ++t) {
+      std::fill(acc.begin(), acc.end(), A(0));
+      for (index_t r = 0; r < K; ++r) {
+        const T* in = row(t - (K - 1) + r);
+        if (in == nullptr) continue;
+        const A* w = wt.data() + r * C;
+        for (index_t c = 0; c < C; ++c) acc[static_cast<std::size_t>(c)] += w[c] * A(in[c]);
+      }
+      T* yt = y + (r0 + t) * C;
+      for (index_t c = 0; c < C; ++c) {
+        const A v = acc[static_cast<std::size_t>(c)];
+        yt[c] = static_cast<T>(silu_act ? silu(v) : v);
+      }
+    }
+    if (final_state != nullptr) {
+      T* fs = final_state + n * (K - 1) * C;
+      for (index_t s = 0; s < K - 1; ++s) {
+        const T* in = row(len - (K - 1) + s);
+        for (index_t c = 0; c < C; ++c) fs[s * C + c] = in ? in[c] : T(0);
+      }
+    }
+  });
+}
+
+// Per-head L2 normalisation: v / sqrt(sum v^2 + eps) (eps inside the sqrt, as fla's l2norm).
+template <class T>
+void l2_norm_groups(T* x, index_t groups, index_t width, double eps) {
+  using A = accum_t<T>;
+  for (index_t g = 0; g < groups; ++g) {
+    T* v = x + g * width;
+    A ss = 0;
+    for (index_t c = 0; c < width; ++c) ss += A(v[c]) * A(v[c]);
+    const A r = A(1) / std::sqrt(ss + A(eps));
+    for (index_t c = 0; c < width; ++c) v[c] = static_cast<T>(A(v[c]) * r);
+  }
+}
+
+// Rotary position embedding, rotate-half form (fla's RotaryEmbedding default): for i < d/2 the
+// pair (x_i, x_{i+d/2}) turns by pos * theta^(-2i/d). x: [rows, heads, d], pos[row].
+template <class T>
+void rope_rows(T* x, index_t rows, index_t heads, index_t d, const std::int32_t* pos,
+               double theta) {
+  const index_t half = d / 2;
+  std::vector<double> inv(static_cast<std::size_t>(half));
+  for (index_t i = 0; i < half; ++i)
+    inv[static_cast<std::size_t>(i)] = std::pow(theta, -2.0 * double(i) / double(d));
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t i = 0; i < half; ++i) {
+      const double a = double(pos[r]) * inv[static_cast<std::size_t>(i)];
+      const double cs = std::cos(a), sn = std::sin(a);
+      for (index_t h = 0; h < heads; ++h) {
+        T* v = x + (r * heads + h) * d;
+        const double x0 = double(v[i]), x1 = double(v[i + half]);
+        v[i] = static_cast<T>(x0 * cs - x1 * sn);
+        v[i + half] = static_cast<T>(x1 * cs + x0 * sn);
+      }
+    }
+}
+
+}  // namespace cpu
+}  // namespace detail
+
+namespace layers {
+
+template <>
+struct ops<backend::cpu> {
+  // Nothing outlives a call on the CPU.
+  struct handles {};
+
+  template <class T>
+  static constexpr bool computes = std::is_same_v<T, float> || std::is_same_v<T, double>;
+  static constexpr const char* computes_message = "float or double";
+
+  // One host allocation per call, carved in order (uninitialised, as the vectors it replaces
+  // were about to be overwritten).
+  class scratch {
+   public:
+    scratch(const backend::cpu&, std::size_t bytes)
+        : buf_(bytes > 0 ? new unsigned char[bytes] : nullptr) {}
+    template <class S>
+    S* take(index_t n) {
+      S* p = reinterpret_cast<S*>(buf_.get() + used_);
+      used_ += scratch_bytes<S>(n);
+      return p;
+    }
+
+   private:
+    std::unique_ptr<unsigned char[]> buf_;
+    std::size_t used_ = 0;
+  };
+
+  // y = x W^T (+ bias): x [rows, in] (row stride ldx), W [out, in], y [rows, out] (stride ldy).
+  template <class C, class T, class B>
+  static void gemm(const C& c, const T* x, index_t ldx, index_t rows, const T* W, index_t in,
+                   index_t out, const B* bias, T* y, index_t ldy) {
+    static_assert(std::is_same_v<B, T>, "attnmix::layers::ops<cpu>::gemm: bias in the rows' type");
+    attnmix::detail::cpu::linear_rows(x, ldx, rows, W, in, out, bias, y, ldy, c.be);
+  }
+
+  // mean: RMSNorm y = x / sqrt(mean(x^2) + eps) * w; else the L2 norm x / sqrt(sum(x^2) + eps)
+  // (w unused). Groups of `width` values; w shared or per group of a row.
+  template <class C, class T, class W>
+  static void norm(const C& c, const T* x, T* y, index_t groups, index_t width, const W* w,
+                   bool per_group, index_t groups_per_row, bool mean, double eps) {
+    if (mean) {
+      attnmix::detail::cpu::rms_norm_groups(x, y, groups, width, w, per_group, groups_per_row, eps,
+                                            c.be);
+    } else {
+      if (y != x) std::copy_n(x, groups * width, y);
+      attnmix::detail::cpu::l2_norm_groups(y, groups, width, eps);
+    }
+  }
+
+  // Causal depthwise conv over the rows of each sequence of c.layout; state_in: each sequence's
+  // K-1 previous inputs (decoding); state_out receives its last K-1 inputs.
+  template <class C, class T, class W>
+  static void short_conv(const C& c, const T* x, T* y, index_t channels, const W* w, index_t K,
+                         bool silu, const T* state_in = nullptr, T* state_out = nullptr) {
+    attnmix::detail::cpu::short_conv_rows(x, y, c.layout, channels, w, K, silu, state_in, state_out,
+                                          c.be);
+  }
+
+  template <class C, class T>
+  static void rope(const C& c, T* x, index_t rows, index_t heads, index_t d, double theta) {
+    attnmix::detail::cpu::rope_rows(x, rows, heads, d, c.positions, theta);
+  }
+
+  // y[i] = Fn(a[i], b[i]) in accum_t; b may be null (Fn sees 0). y may be a or b.
+  template <class Fn, class C, class Y, class X, class Z = Y>
+  static void map(const C&, Y* y, const X* a, const Z* b, index_t n) {
+    using A = accum_t<Y>;
+    for (index_t i = 0; i < n; ++i)
+      y[i] = static_cast<Y>(apply(Fn{}, A(a[i]), b != nullptr ? A(b[i]) : A(0)));
+  }
+
+  // y[dst[r], :] = x[src[r], :] for r < rows; a null src or dst is the identity.
+  template <class C, class X, class Y>
+  static void move_rows(const C&, const X* x, Y* y, const std::int64_t* src,
+                        const std::int64_t* dst, index_t rows, index_t width) {
+    for (index_t r = 0; r < rows; ++r) {
+      const X* in = x + (src ? src[r] : r) * width;
+      Y* o = y + (dst ? dst[r] : r) * width;
+      for (index_t e = 0; e < width; ++e) o[e] = static_cast<Y>(in[e]);
+    }
+  }
+
+  // pos[r]: row r's position in its sequence of L (plus offset[n] for sequence n).
+  static void positions(const backend::cpu&, std::int32_t* pos, const token_layout& L,
+                        const std::vector<index_t>& offset = {}) {
+    for (index_t n = 0; n < L.num_sequences(); ++n) {
+      const index_t r0 = L.first_row(n), o = offset.empty() ? 0 : offset[std::size_t(n)];
+      for (index_t t = 0; t < L.seq(n).length; ++t) pos[r0 + t] = std::int32_t(o + t);
+    }
+  }
+  template <class S>
+  static void upload(const backend::cpu&, S* dst, const S* src, index_t n) {
+    if (n > 0) std::memcpy(dst, src, std::size_t(n) * sizeof(S));
+  }
+  template <class S>
+  static void zero(const backend::cpu&, S* p, index_t n) {
+    std::fill(p, p + n, S(0));
+  }
+
+  // Host memory needs no check beyond the views' space tags.
+  template <class V>
+  static void check_memory(const std::string&, const char*, const V&) {}
+
+  // Wall-clock time of a block, for stack_inputs::on_layer.
+  class timer {
+   public:
+    timer(const backend::cpu&, bool) {}
+    void start() { t0_ = std::chrono::steady_clock::now(); }
+    double seconds() const {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    }
+
+   private:
+    std::chrono::steady_clock::time_point t0_{};
+  };
+
+  // Host loops of the decoding paths, spread over the backend's threads.
+  template <class Body>
+  static void for_each(const backend::cpu& be, index_t n, Body&& body) {
+    const int workers = attnmix::detail::cpu::worker_count(be, n);
+    attnmix::detail::cpu::parallel_for(n, workers, [&](index_t i, int) { body(i); });
+  }
+
+ private:
+  template <class A>
+  static A apply(fn::silu_times, A g, A u) {
+    return attnmix::detail::cpu::silu(g) * u;
+  }
+  template <class A>
+  static A apply(fn::times_sigmoid, A o, A g) {
+    return o * attnmix::detail::cpu::sigmoid(g);
+  }
+  template <class A>
+  static A apply(fn::gelu, A x, A) {
+    return attnmix::detail::cpu::gelu(x);
+  }
+  template <class A>
+  static A apply(fn::relu, A x, A) {
+    return x > A(0) ? x : A(0);
+  }
+  template <class A>
+  static A apply(fn::log_sigmoid, A x, A) {
+    return attnmix::detail::cpu::log_sigmoid(x);
+  }
+  template <class A>
+  static A apply(fn::two_sigmoid, A x, A) {
+    return A(2) * attnmix::detail::cpu::sigmoid(x);
+  }
+  template <class A>
+  static A apply(fn::plus, A a, A b) {
+    return a + b;
+  }
+};
+
+}  // namespace layers
+}  // namespace attnmix

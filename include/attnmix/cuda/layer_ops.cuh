@@ -1,0 +1,237 @@
+#pragma once
+// layers::ops<backend::cuda>: the layers' row operations on the GPU, on contiguous device
+// [rows, features] buffers: projections on cuBLAS, the row-wise steps on the kernels of
+// cuda/detail/layer_kernels.cuh, scratch from the stream-ordered pool; and parameter<T,
+// device_space>, a host parameter's values copied once to the device. Statistics and
+// activations are computed in float whatever the storage type.
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attnmix/core/scalar.hpp"
+#include "attnmix/core/tags.hpp"
+#include "attnmix/cuda/detail/attention_launch.cuh"
+#include "attnmix/cuda/detail/cublas.cuh"
+#include "attnmix/cuda/detail/layer_kernels.cuh"
+#include "attnmix/cuda/runtime.cuh"
+#include "attnmix/layers/common.hpp"
+#include "attnmix/layers/ops.hpp"
+
+namespace attnmix {
+namespace layers {
+
+// One parameter's values on the device, converted (through float) to T when it is made from a
+// host one; nothing is allocated for an empty one.
+template <class T>
+struct parameter<T, device_space> {
+  std::vector<index_t> shape;
+
+  parameter() = default;
+  template <class U>
+  explicit parameter(const parameter<U, host_space>& host) : shape(host.shape) {
+    if (host.empty() || host.numel() == 0) return;
+    std::vector<T> staged(host.data.size());
+    for (std::size_t i = 0; i < staged.size(); ++i)
+      staged[i] = static_cast<T>(static_cast<float>(host.data[i]));
+    mem_ = attnmix::detail::cuda::device_memory(staged.size() * sizeof(T), "cudaMalloc(weights)");
+    attnmix::detail::cuda::check(
+        cudaMemcpy(mem_.get(), staged.data(), staged.size() * sizeof(T), cudaMemcpyHostToDevice),
+        "cudaMemcpy");
+  }
+
+  index_t numel() const {
+    index_t n = 1;
+    for (index_t e : shape) n *= e;
+    return n;
+  }
+  bool empty() const { return shape.empty(); }
+  const T* ptr() const { return static_cast<const T*>(mem_.get()); }
+  T* ptr() { return static_cast<T*>(mem_.get()); }
+
+ private:
+  attnmix::detail::cuda::device_memory mem_;
+};
+
+namespace detail {
+// The device functor of each element-wise function tag.
+template <class Fn>
+struct device_fn;
+template <>
+struct device_fn<fn::silu_times> {
+  using type = attnmix::detail::cuda::silu_times;
+};
+template <>
+struct device_fn<fn::times_sigmoid> {
+  using type = attnmix::detail::cuda::times_sigmoid;
+};
+template <>
+struct device_fn<fn::gelu> {
+  using type = attnmix::detail::cuda::gelu_of;
+};
+template <>
+struct device_fn<fn::relu> {
+  using type = attnmix::detail::cuda::relu_of;
+};
+template <>
+struct device_fn<fn::log_sigmoid> {
+  using type = attnmix::detail::cuda::log_sigmoid_of;
+};
+template <>
+struct device_fn<fn::two_sigmoid> {
+  using type = attnmix::detail::cuda::two_sigmoid_of;
+};
+template <>
+struct device_fn<fn::plus> {
+  using type = attnmix::detail::cuda::plus;
+};
+}  // namespace detail
+
+template <>
+struct ops<backend::cuda> {
+  static cudaStream_t stream(const backend::cuda& be) {
+    return static_cast<cudaStream_t>(be.stream);
+  }
+
+  // A cuBLAS handle (creating one costs milliseconds: a stack makes it once).
+  struct handles {
+    attnmix::detail::cuda::blas_handle blas;
+  };
+
+  template <class T>
+  static constexpr bool computes = std::is_same_v<T, float> || std::is_same_v<T, attnmix::half> ||
+                                   std::is_same_v<T, attnmix::bfloat16>;
+
+  // Stream-ordered scratch of several typed arrays, carved from one allocation.
+  class scratch {
+   public:
+    scratch(const backend::cuda& be, std::size_t bytes) : buf_(bytes, stream(be)) {}
+    template <class S>
+    S* take(index_t n) {
+      S* p = reinterpret_cast<S*>(buf_.get() + used_);
+      used_ += scratch_bytes<S>(n);
+      return p;
+    }
+
+   private:
+    attnmix::detail::cuda::stream_buffer buf_;
+    std::size_t used_ = 0;
+  };
+
+  // y = x W^T (+ bias): W in x's type, bias in float, y in x's type or float.
+  template <class C, class X, class B, class Y>
+  static void gemm(const C& c, const X* x, index_t ldx, index_t rows, const X* W, index_t in,
+                   index_t out, const B* bias, Y* y, index_t ldy) {
+    attnmix::detail::cuda::gemm_rows(c.handles.blas.get(), stream(c.be), x, ldx, rows, W, in, out,
+                                     y, ldy);
+    if (bias != nullptr) attnmix::detail::cuda::add_bias(y, bias, rows, out, ldy, stream(c.be));
+  }
+
+  template <class C, class In, class Out>
+  static void norm(const C& c, const In* x, Out* y, index_t groups, index_t width, const float* w,
+                   bool per_group, index_t groups_per_row, bool mean, double eps) {
+    attnmix::detail::cuda::norm_groups(x, y, groups, width, w, per_group, groups_per_row, mean, eps,
+                                       stream(c.be));
+  }
+
+  // Restarts at every sequence start (c.positions); no rolling states on the device yet.
+  template <class C, class In, class Out>
+  static void short_conv(const C& c, const In* x, Out* y, index_t channels, const float* w,
+                         index_t K, bool silu, const In* state_in = nullptr,
+                         In* state_out = nullptr) {
+    attnmix::detail::require(state_in == nullptr && state_out == nullptr,
+                             "attnmix::layers::ops<cuda>::short_conv", "state",
+                             "is not supported on the device yet (decoding runs on the host)");
+    attnmix::detail::cuda::short_conv(x, y, c.rows(), channels, w, K, silu, c.positions,
+                                      stream(c.be));
+  }
+
+  template <class C, class T>
+  static void rope(const C& c, T* x, index_t rows, index_t heads, index_t d, double theta) {
+    attnmix::detail::cuda::rope(x, rows, heads, d, c.positions, theta, stream(c.be));
+  }
+
+  template <class Fn, class C, class Y, class X, class Z = float>
+  static void map(const C& c, Y* y, const X* a, const Z* b, index_t n) {
+    attnmix::detail::cuda::map<typename detail::device_fn<Fn>::type>(y, a, b, n, stream(c.be));
+  }
+
+  template <class C, class X, class Y>
+  static void move_rows(const C& c, const X* x, Y* y, const std::int64_t* src,
+                        const std::int64_t* dst, index_t rows, index_t width) {
+    attnmix::detail::cuda::move_rows(x, y, src, dst, rows, width, stream(c.be));
+  }
+
+  // Each row's position in its sequence: computed on the device for a dense batch; a packed one
+  // uploads them (a copy from pageable memory, which waits for the stream).
+  static void positions(const backend::cuda& be, std::int32_t* pos, const token_layout& L) {
+    namespace k = attnmix::detail::cuda;
+    if (L.packed()) {
+      std::vector<std::int32_t> p;
+      for (const index_t v : layers::detail::positions(L)) p.push_back(std::int32_t(v));
+      k::check(cudaMemcpyAsync(pos, p.data(), p.size() * sizeof(std::int32_t),
+                               cudaMemcpyHostToDevice, stream(be)),
+               "cudaMemcpyAsync");
+    } else {
+      k::dense_positions(pos, L.rows(), L.tokens, stream(be));
+    }
+  }
+  template <class S>
+  static void upload(const backend::cuda& be, S* dst, const S* src, index_t n) {
+    attnmix::detail::cuda::check(
+        cudaMemcpyAsync(dst, src, std::size_t(n) * sizeof(S), cudaMemcpyHostToDevice, stream(be)),
+        "cudaMemcpyAsync");
+  }
+  template <class S>
+  static void zero(const backend::cuda& be, S* p, index_t n) {
+    attnmix::detail::cuda::check(cudaMemsetAsync(p, 0, std::size_t(n) * sizeof(S), stream(be)),
+                                 "cudaMemsetAsync");
+  }
+
+  // A view marked as device memory must really point to it.
+  template <class V>
+  static void check_memory(const std::string& fn, const char* arg, const V& v) {
+    attnmix::detail::cuda::check_device_pointer(fn, arg, v);
+  }
+
+  // A block's time with CUDA events, for stack_inputs::on_layer (waits for the block); inert
+  // when not asked for.
+  class timer {
+   public:
+    timer(const backend::cuda& be, bool on) : on_(on), stream_(stream(be)) {
+      if (!on_) return;
+      attnmix::detail::cuda::check(cudaEventCreate(&a_), "cudaEventCreate");
+      attnmix::detail::cuda::check(cudaEventCreate(&b_), "cudaEventCreate");
+    }
+    ~timer() {
+      if (!on_) return;
+      (void)cudaEventDestroy(a_);
+      (void)cudaEventDestroy(b_);
+    }
+    timer(const timer&) = delete;
+    timer& operator=(const timer&) = delete;
+    void start() {
+      if (on_) attnmix::detail::cuda::check(cudaEventRecord(a_, stream_), "cudaEventRecord");
+    }
+    double seconds() {
+      namespace k = attnmix::detail::cuda;
+      k::check(cudaEventRecord(b_, stream_), "cudaEventRecord");
+      k::check(cudaEventSynchronize(b_), "cudaEventSynchronize");
+      float ms = 0.f;
+      k::check(cudaEventElapsedTime(&ms, a_, b_), "cudaEventElapsedTime");
+      return ms * 1e-3;
+    }
+
+   private:
+    bool on_;
+    cudaStream_t stream_;
+    cudaEvent_t a_ = nullptr, b_ = nullptr;
+  };
+};
+
+}  // namespace layers
+}  // namespace attnmix

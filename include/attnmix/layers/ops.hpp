@@ -1,0 +1,96 @@
+#pragma once
+// The per-backend operations the layers are written on, and what one layer call carries.
+//
+// Every layer's forward is one function template over a Backend; it reaches the backend only
+// through the attention front doors and layers::ops<Backend>:
+//   gemm(c, x, ldx, rows, W, in, out, bias, y, ldy)    y = x W^T (+ bias), row-major rows
+//   norm(c, x, y, groups, width, w, per_group, groups_per_row, mean, eps)
+//                                                      RMSNorm (mean) or L2 norm over groups
+//   short_conv(c, x, y, channels, w, K, silu[, state_in, state_out])
+//   rope(c, x, rows, heads, d, theta)                  rotate-half RoPE at c.positions
+//   map<Fn>(c, y, a, b, n)                             y = Fn(a, b) element-wise (fn:: tags)
+//   move_rows(c, x, y, src, dst, rows, width)          row gather / scatter
+//   positions(be, pos, layout), upload(be, dst, src, n), zero(be, p, n)
+//   check_memory(fn, arg, view)                        the pointer is in the backend's memory
+//   scratch(be, bytes) with take<S>(n)                 one allocation, carved in order
+//   timer(be, on) with start(), seconds()              a block's time for stack_inputs::on_layer
+//   handles                                            long-lived library state (cuBLAS)
+//   computes<T>                                        the compute types of the backend
+//   for_each(be, n, body)                              host backends: the decoding loops
+// The CPU specialisation is in attnmix/cpu/layer_ops.hpp, the CUDA one in
+// attnmix/cuda/layer_ops.cuh; a new backend specialises ops<> (and the attention front doors'
+// implementations) and runs every layer and stack.
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "attnmix/core/memory_space.hpp"
+#include "attnmix/core/scalar.hpp"
+#include "attnmix/core/tags.hpp"
+#include "attnmix/core/traits.hpp"
+#include "attnmix/layers/common.hpp"
+
+namespace attnmix {
+namespace layers {
+
+template <class Backend, class Enable = void>
+struct ops {
+  static_assert(attnmix::detail::dependent_false<Backend>,
+                "attnmix::layers::ops: no layer operations for this backend. For backend::cpu "
+                "include <attnmix/cpu/layer_ops.hpp> (or attnmix/attnmix.hpp); for backend::cuda "
+                "include <attnmix/cuda/layer_ops.cuh> (or attnmix/cuda.cuh) under nvcc.");
+};
+
+// Element-wise functions of ops::map, as tags each backend implements (statistics in float or
+// wider): y = f(a, b); a unary function ignores b.
+namespace fn {
+struct silu_times {};     // SwiGLU: SiLU(a) * b
+struct times_sigmoid {};  // output gate: a * sigmoid(b)
+struct gelu {};           // exact (erf) GELU of a
+struct relu {};           // max(a, 0)
+struct log_sigmoid {};    // log(sigmoid(a)) without overflow
+struct two_sigmoid {};    // PaTH's beta = 2 sigmoid(a)
+struct plus {};           // the residual update a + b
+}  // namespace fn
+
+// Whether a backend's kernels read host memory: prefill and decoding caches live there (for now).
+template <class Backend>
+inline constexpr bool on_host_v =
+    std::is_same_v<typename Backend::memory_space, attnmix::host_space>;
+
+// Bytes that scratch::take<S>(n) uses: rounded to 256 so that every array starts aligned.
+template <class S>
+constexpr std::size_t scratch_bytes(index_t n) {
+  return (static_cast<std::size_t>(n) * sizeof(S) + 255) / 256 * 256;
+}
+
+// What one layer call needs besides its rows: the backend, how the rows split into sequences,
+// each row's position in its sequence ([rows], in the backend's memory; null where no step of
+// the call needs it), and the backend's long-lived handles.
+template <class Backend>
+struct context {
+  const Backend& be;
+  const token_layout& layout;
+  const std::int32_t* positions;
+  const typename ops<Backend>::handles& handles;
+
+  index_t rows() const { return layout.rows(); }
+};
+
+// Row buffer p ([rows, heads * d]) as the [B, T, heads, d] view the attention front doors take.
+template <class Backend, class S>
+view4<S> as_heads(S* p, const token_layout& L, index_t heads, index_t d) {
+  return view4<S>(p, {L.batch, L.tokens, heads, d}, space_of_v<Backend>);
+}
+template <class Backend, class S>
+view3<S> as_rows(S* p, const token_layout& L, index_t width) {
+  return view3<S>(p, {L.batch, L.tokens, width}, space_of_v<Backend>);
+}
+
+// Where a layer's forward leaves what its backward will need (the training issue fills these
+// in); forwards take `saved* = nullptr` and write nothing to it yet.
+struct no_saved {};
+
+}  // namespace layers
+}  // namespace attnmix
