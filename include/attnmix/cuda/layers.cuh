@@ -21,9 +21,9 @@
 
 #include "attnmix/attention/attention.hpp"
 #include "attnmix/attention/linear_attention.hpp"
-#include "attnmix/cuda/detail/attention_launch.cuh"
-#include "attnmix/cuda/detail/cublas.cuh"
-#include "attnmix/cuda/detail/layer_kernels.cuh"
+#include "attnmix/cuda/launch/attention.cuh"
+#include "attnmix/cuda/runtime/cublas.cuh"
+#include "attnmix/cuda/launch/rows.cuh"
 #include "attnmix/layers/attention_layer.hpp"
 #include "attnmix/layers/linear_layer.hpp"
 #include "attnmix/layers/mlp.hpp"

@@ -21,7 +21,7 @@
 
 #include "attnmix/attention/attention.hpp"
 #include "attnmix/attention/path_cache.hpp"
-#include "attnmix/cuda/detail/path_launch.cuh"
+#include "attnmix/cuda/launch/path.cuh"
 #include "attnmix/cuda/runtime.cuh"
 
 namespace attnmix {

@@ -22,9 +22,9 @@
 #include <utility>
 #include <vector>
 
-#include "attnmix/cuda/detail/attention_launch.cuh"
-#include "attnmix/cuda/detail/cublas.cuh"
-#include "attnmix/cuda/detail/layer_kernels.cuh"
+#include "attnmix/cuda/launch/attention.cuh"
+#include "attnmix/cuda/runtime/cublas.cuh"
+#include "attnmix/cuda/launch/rows.cuh"
 #include "attnmix/cuda/layers.cuh"
 #include "attnmix/cuda/runtime.cuh"
 #include "attnmix/stack/stack.hpp"
