@@ -6,7 +6,7 @@
 
 #include <cstddef>
 
-#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/arch/types.cuh"
 
 #include "attnmix/core/scalar.hpp"
 #include "attnmix/cuda/runtime.cuh"

@@ -4,6 +4,12 @@
 // is_implemented_v<Kind, backend::cuda>; call them through the same front doors as the CPU
 // path, with device-memory views and attnmix::backend::cuda{stream}. attnmix::device_stack
 // runs a host stack's weights on the GPU.
+//
+// The backend by level (include/attnmix/cuda/): the front doors' specialisations (softmax.cuh,
+// fox.cuh, path.cuh, bla.cuh, gbla.cuh, linear_causal.cuh) call launch/ (host launchers), which
+// ask plan/ (pure host functions of the problem and the device's properties) which kernels/ to
+// run; kernels are built from arch/ (PTX primitives); runtime/ holds errors, the device query,
+// memory and scratch; dispatch.cuh turns run-time choices into template arguments.
 
 #if !defined(__CUDACC__)
 #error \

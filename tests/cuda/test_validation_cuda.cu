@@ -152,7 +152,7 @@ TEST_CASE("CUDA: GBLA and gated causal LA with every key-gate logit -inf give 0"
   }
 }
 
-// Not fixed on the device yet: the CUDA gate cumsum (cuda/detail/gate.cuh) sums -inf like any
+// Not fixed on the device yet: the CUDA gate cumsum (cuda/kernels/gate_cumsum.cuh) sums -inf like any
 // gate, so rows after a hard reset get -inf - -inf. Hidden ("[.]") until the kernels cut the
 // scores at each row's last reset as the CPU backend does; run it with its name or tag.
 TEST_CASE("CUDA: FoX with a log gate of -inf (a hard reset) matches the CPU",

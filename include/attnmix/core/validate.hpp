@@ -313,7 +313,7 @@ inline void check_outputs(const std::string& fn, const arg_list& args) {
 }
 
 // What a memory space's runtime can verify of the pointers themselves, beyond what the views
-// claim. The host has nothing to ask; attention/device_pointers.cuh specialises device_space
+// claim. The host has nothing to ask; cuda/runtime/pointer_check.cuh specialises device_space
 // (cudaPointerGetAttributes), and a new memory space specialises it too.
 template <class Space>
 struct pointer_check {

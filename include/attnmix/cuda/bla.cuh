@@ -1,11 +1,11 @@
 #pragma once
 // kind::bla on CUDA: float, half and bfloat16 inputs, float states
-// (cuda/detail/linear_kernels.cuh).
+// (cuda/kernels/linear_simt.cuh).
 
 #include <type_traits>
 
 #include "attnmix/attention/linear_attention.hpp"
-#include "attnmix/cuda/detail/linear_launch.cuh"
+#include "attnmix/cuda/launch/linear.cuh"
 
 namespace attnmix {
 

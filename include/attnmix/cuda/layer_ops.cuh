@@ -1,7 +1,7 @@
 #pragma once
 // layers::ops<backend::cuda>: the layers' row operations on the GPU, on contiguous device
 // [rows, features] buffers: projections on cuBLAS, the row-wise steps on the kernels of
-// cuda/detail/layer_kernels.cuh, scratch from the stream-ordered pool; and parameter<T,
+// cuda/launch/rows.cuh, scratch from the stream-ordered pool; and parameter<T,
 // device_space>, a host parameter's values copied once to the device. Statistics and
 // activations are computed in float whatever the storage type.
 
@@ -15,9 +15,8 @@
 
 #include "attnmix/core/scalar.hpp"
 #include "attnmix/core/tags.hpp"
-#include "attnmix/cuda/detail/attention_launch.cuh"
-#include "attnmix/cuda/detail/cublas.cuh"
-#include "attnmix/cuda/detail/layer_kernels.cuh"
+#include "attnmix/cuda/launch/rows.cuh"
+#include "attnmix/cuda/runtime/cublas.cuh"
 #include "attnmix/cuda/runtime.cuh"
 #include "attnmix/layers/common.hpp"
 #include "attnmix/layers/ops.hpp"

@@ -1,11 +1,11 @@
 #pragma once
 // kind::linear_causal on CUDA: float, half and bfloat16 inputs, float states
-// (cuda/detail/linear_causal_kernels.cuh).
+// (cuda/kernels/linear_causal.cuh).
 
 #include <type_traits>
 
 #include "attnmix/attention/linear_attention.hpp"
-#include "attnmix/cuda/detail/linear_launch.cuh"
+#include "attnmix/cuda/launch/linear.cuh"
 
 namespace attnmix {
 

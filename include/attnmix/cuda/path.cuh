@@ -22,7 +22,7 @@
 
 #include "attnmix/attention/attention.hpp"
 #include "attnmix/attention/path_cache.hpp"
-#include "attnmix/cuda/detail/path_launch.cuh"
+#include "attnmix/cuda/launch/path.cuh"
 #include "attnmix/cuda/runtime.cuh"
 
 namespace attnmix {
@@ -128,7 +128,7 @@ struct path_cache_impl<backend::cuda> {
       path_cache_access::set_length(cache, where[static_cast<std::size_t>(n)], prob.seq(n).length);
   }
 
-  // One decoding step from a device cache, fused (see cuda/detail/path_decode.cuh).
+  // One decoding step from a device cache, fused (see cuda/kernels/path_decode.cuh).
   template <class Kind, class Policy, class Store, class T>
   static void decode(device_path_cache<Store>& cache, const attention_args<T>& args,
                      const attention_problem& prob, const std::vector<index_t>& where,

@@ -5,7 +5,7 @@
 #include <type_traits>
 
 #include "attnmix/attention/attention.hpp"
-#include "attnmix/cuda/detail/attention_launch.cuh"
+#include "attnmix/cuda/launch/attention.cuh"
 
 namespace attnmix {
 

@@ -1,7 +1,8 @@
 #pragma once
 // Host side of the CUDA PaTH kernels: argument checks that only the CUDA backend needs, the
-// stream-ordered chunk data, and the choice of forward: wgmma on Hopper (D = Dv = 64), mma.sync
-// elsewhere or when asked (backend::cuda::portable), CUDA cores for float and other dims.
+// stream-ordered chunk data, and the launches of what plan/path.hpp chose: wgmma on Hopper
+// (D = Dv = 64), mma.sync elsewhere or when asked (backend::cuda::portable), CUDA cores for
+// float and other dims.
 
 #include <cuda_runtime.h>
 
@@ -14,13 +15,15 @@
 
 #include "attnmix/attention/args.hpp"
 #include "attnmix/attention/path_cache.hpp"
-#include "attnmix/cuda/detail/attention_launch.cuh"
-#include "attnmix/cuda/detail/path_decode.cuh"
-#include "attnmix/cuda/detail/path_kernels.cuh"
-#include "attnmix/cuda/detail/path_mma.cuh"
-#include "attnmix/cuda/detail/path_prepare_mma.cuh"
-#include "attnmix/cuda/detail/path_wgmma.cuh"
-#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/dispatch.cuh"
+#include "attnmix/cuda/kernels/path_decode.cuh"
+#include "attnmix/cuda/kernels/path_simt.cuh"
+#include "attnmix/cuda/kernels/sm80_path.cuh"
+#include "attnmix/cuda/kernels/sm80_path_prepare.cuh"
+#include "attnmix/cuda/kernels/sm90_path.cuh"
+#include "attnmix/cuda/launch/attention.cuh"
+#include "attnmix/cuda/plan/path.hpp"
 #include "attnmix/cuda/runtime.cuh"
 
 namespace attnmix {
@@ -34,65 +37,47 @@ void set_householder(path_kernel_params& kp, const W& w, const B& beta, index_t 
   kp.kv_heads = static_cast<int>(kv_heads);
 }
 
-// The per-chunk data of one call: K~ in KT, U and M in TU, optionally W in half (half_w) and the
-// dense transitions E in half (dense, D = C only).
-template <class KT, class TU>
+// The per-chunk data of one call (plan/path.hpp lays it out): K~ in KT, U and M in TU,
+// optionally W in half and the dense transitions E in half.
 class path_chunk_data {
  public:
-  path_chunk_data(const attention_problem& p, bool half_w, bool dense, cudaStream_t stream)
-      : rows_(static_cast<std::size_t>(p.batch * p.kv_heads * p.tokens)),
-        buffer_(bytes(rows_, p.head_dim, half_w, dense), stream) {
-    const auto D = static_cast<std::size_t>(p.head_dim);
-    unsigned char* at = buffer_.get();
-    kt_ = at, at += align(rows_ * D * sizeof(KT));
-    u_ = at, at += align(rows_ * D * sizeof(TU));
-    m_ = at, at += align(rows_ * path_chunk * sizeof(TU));
-    if (half_w) wh_ = at, at += align(rows_ * D * sizeof(__half));
-    if (dense) e_ = at;
-  }
+  path_chunk_data(const path_chunk_layout& layout, cudaStream_t stream)
+      : layout_(layout), buffer_(layout.bytes, stream) {}
   void attach(path_kernel_params& kp) const {
-    kp.kt = kt_, kp.u = u_, kp.m = m_, kp.wh = wh_, kp.e = e_;
+    unsigned char* at = buffer_.get();
+    kp.kt = at + layout_.kt, kp.u = at + layout_.u, kp.m = at + layout_.m;
+    kp.wh = layout_.half_w ? at + layout_.wh : nullptr;
+    kp.e = layout_.dense ? at + layout_.e : nullptr;
   }
 
  private:
-  static std::size_t align(std::size_t n) { return (n + 255) / 256 * 256; }
-  static std::size_t bytes(std::size_t rows, index_t D, bool half_w, bool dense) {
-    const auto d = static_cast<std::size_t>(D);
-    return align(rows * d * sizeof(KT)) + align(rows * d * sizeof(TU)) +
-           align(rows * path_chunk * sizeof(TU)) + (half_w ? align(rows * d * sizeof(__half)) : 0) +
-           (dense ? align(rows * d * sizeof(__half)) : 0);
-  }
-  std::size_t rows_;
+  path_chunk_layout layout_;
   stream_buffer buffer_;
-  void *kt_ = nullptr, *u_ = nullptr, *m_ = nullptr, *wh_ = nullptr, *e_ = nullptr;
 };
 
 template <class T, class KT, class TU>
-void launch_path_prepare(const path_kernel_params& kp, index_t max_len, index_t sequences,
-                         cudaStream_t stream) {
+void launch_path_prepare(const path_kernel_params& kp, const path_plan& plan, cudaStream_t stream) {
   const int smem = path_prepare_smem_bytes(kp.a.head_dim);
-  auto kernel = kp.a.head_dim <= 64 ? path_prepare_kernel<T, KT, TU, 64>
-                                    : path_prepare_kernel<T, KT, TU, 128>;
+  auto kernel = plan.prepare_dim == 64 ? path_prepare_kernel<T, KT, TU, 64>
+                                       : path_prepare_kernel<T, KT, TU, 128>;
   allow_dynamic_smem(kernel, smem);
-  const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
-                  static_cast<unsigned>(kp.kv_heads), static_cast<unsigned>(sequences));
-  kernel<<<grid, 256, smem, stream>>>(kp);
+  const dim3 grid(plan.prepare_grid.x, plan.prepare_grid.y, plan.prepare_grid.z);
+  kernel<<<grid, path_prepare_threads, smem, stream>>>(kp);
   check(cudaGetLastError(), "path_prepare_kernel launch");
 }
 
 // The tensor-core preparation (16-bit keys, D = 64 or 128): U, M, W in half, K~ in T.
 template <class T>
-void launch_path_prepare_mma(const path_kernel_params& kp, index_t max_len, index_t sequences,
+void launch_path_prepare_mma(const path_kernel_params& kp, const path_plan& plan,
                              cudaStream_t stream) {
-  const bool narrow = kp.a.head_dim == 64;
+  const bool narrow = plan.prepare_dim == 64;
   const int smem =
       narrow ? path_prepare_mma_layout<64>::smem_bytes : path_prepare_mma_layout<128>::smem_bytes;
   auto kernel = narrow ? path_prepare_mma_kernel<T, 64> : path_prepare_mma_kernel<T, 128>;
   allow_dynamic_smem(kernel, smem);
   prefer_shared_memory(kernel);  // occupancy is bound by it (four CTAs at D = 64)
-  const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
-                  static_cast<unsigned>(kp.kv_heads), static_cast<unsigned>(sequences));
-  kernel<<<grid, 256, smem, stream>>>(kp);
+  const dim3 grid(plan.prepare_grid.x, plan.prepare_grid.y, plan.prepare_grid.z);
+  kernel<<<grid, path_prepare_threads, smem, stream>>>(kp);
   check(cudaGetLastError(), "path_prepare_mma_kernel launch");
 }
 
@@ -127,41 +112,33 @@ void launch_path_key_cache(const path_kernel_params& kp, index_t sequences,
 }
 
 template <class Dev, int D, int Dv>
-void launch_path_mma(const path_kernel_params& kp, index_t max_len, index_t sequences,
-                     cudaStream_t stream) {
+void launch_path_mma(const path_kernel_params& kp, const path_plan& plan, cudaStream_t stream) {
   using tile = path_mma_tile<D, Dv>;
   auto kernel = path_forward_mma_kernel<Dev, D, Dv>;
   allow_dynamic_smem(kernel, tile::smem_bytes);
-  const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
-                  static_cast<unsigned>(kp.a.q_heads), static_cast<unsigned>(sequences));
+  const dim3 grid(plan.grid.x, plan.grid.y, plan.grid.z);
   kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp);
 }
 
 // Hopper, D = Dv = 64: persistent, a CTA an SM over the items (pairs of query chunks, heads,
 // sequences), a ring of four stages.
 template <class Dev>
-void launch_path_wgmma(const path_kernel_params& kp, index_t max_len, index_t sequences,
-                       cudaStream_t stream) {
+void launch_path_wgmma(const path_kernel_params& kp, const path_plan& plan, cudaStream_t stream) {
   using tile = path_wgmma_tile<64, 64, 4>;
   auto kernel = path_wgmma_kernel<Dev, 64, 64, 4>;
   allow_dynamic_smem(kernel, tile::smem_bytes);
-  const index_t pairs = (max_len + 2 * path_chunk - 1) / (2 * path_chunk);
-  const index_t items = pairs * kp.a.q_heads * sequences;
-  const dim3 grid(static_cast<unsigned>(std::min<index_t>(items, current_device().sms)));
+  const dim3 grid(plan.grid.x, plan.grid.y, plan.grid.z);
   check(cudaMemsetAsync(kp.a.work_counter, 0, sizeof(int), stream), "cudaMemsetAsync");
-  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp, static_cast<int>(pairs),
-                                                            static_cast<int>(items));
+  kernel<<<grid, tile::threads, tile::smem_bytes, stream>>>(kp, static_cast<int>(plan.pairs),
+                                                            static_cast<int>(plan.items));
 }
 
 template <class Dev>
-void launch_path_simt(const path_kernel_params& kp, index_t max_len, index_t sequences,
-                      cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((max_len + path_chunk - 1) / path_chunk),
-                  static_cast<unsigned>(kp.a.q_heads), static_cast<unsigned>(sequences));
-  if (std::max(kp.a.head_dim, kp.a.value_dim) <= 64)
-    path_forward_simt_kernel<Dev, 64><<<grid, 256, 0, stream>>>(kp);
-  else
-    path_forward_simt_kernel<Dev, 128><<<grid, 256, 0, stream>>>(kp);
+void launch_path_simt(const path_kernel_params& kp, const path_plan& plan, cudaStream_t stream) {
+  const dim3 grid(plan.grid.x, plan.grid.y, plan.grid.z);
+  with_value<64, 128>(plan.simt_dim, [&](auto dim) {
+    path_forward_simt_kernel<Dev, decltype(dim)::value><<<grid, path_simt_threads, 0, stream>>>(kp);
+  });
 }
 
 // The PaTH / PaTH-FoX forward (and, when `cache.keys` is set, the prefill key cache from the same
@@ -180,43 +157,44 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
   set_householder(kp, a.w, a.beta, p.kv_heads);
 
   constexpr bool tensor_cores = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
-  const index_t D = p.head_dim, Dv = p.value_dim;
-  const bool mma =
-      tensor_cores && (D == 64 || D == 128) && (Dv == 64 || Dv == 128) &&
+  path_shape shape;
+  shape.batch = p.batch, shape.tokens = p.tokens;
+  shape.head_dim = p.head_dim, shape.value_dim = p.value_dim;
+  shape.max_len = setup.max_len, shape.q_heads = p.q_heads, shape.kv_heads = p.kv_heads;
+  shape.sequences = p.num_sequences;
+  shape.sixteen_bit = tensor_cores;
+  shape.aligned =
       aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 2) &&
       aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8) &&
       aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2), 8) &&
       aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1), a.out.stride(2), 2);
+  // The Hopper kernel also stages the queries with 16-byte copies, and takes each chunk's
+  // transition as E (D = C).
+  shape.q_vectors = aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 8);
+  shape.positive_scale = p.scale > 0;
+  shape.portable = be.portable;
+  const path_plan plan = plan_path(shape, current_properties());
   if constexpr (tensor_cores) {
-    if (mma) {
-      // The Hopper kernel also stages the queries with 16-byte copies, and takes each chunk's
-      // transition as E (D = C).
-      const bool hopper =
-          D == 64 && Dv == 64 && hopper_kernels_apply(p, be) &&
-          aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 8);
-      path_chunk_data<Dev, __half> chunks(p, true, hopper, stream);
+    if (plan.variant != path_variant::simt) {
+      path_chunk_data chunks(plan.chunks, stream);
       chunks.attach(kp);
-      launch_path_prepare_mma<Dev>(kp, setup.max_len, p.num_sequences, stream);
-      if (hopper)
-        launch_path_wgmma<Dev>(kp, setup.max_len, p.num_sequences, stream);
-      else if (D == 64 && Dv == 64)
-        launch_path_mma<Dev, 64, 64>(kp, setup.max_len, p.num_sequences, stream);
-      else if (D == 128 && Dv == 128)
-        launch_path_mma<Dev, 128, 128>(kp, setup.max_len, p.num_sequences, stream);
-      else if (D == 64)
-        launch_path_mma<Dev, 64, 128>(kp, setup.max_len, p.num_sequences, stream);
+      launch_path_prepare_mma<Dev>(kp, plan, stream);
+      if (plan.variant == path_variant::sm90_wgmma)
+        launch_path_wgmma<Dev>(kp, plan, stream);
       else
-        launch_path_mma<Dev, 128, 64>(kp, setup.max_len, p.num_sequences, stream);
+        with_head_dims<64, 128>(plan.head_dim, plan.value_dim, [&](auto d, auto dv) {
+          launch_path_mma<Dev, decltype(d)::value, decltype(dv)::value>(kp, plan, stream);
+        });
       check(cudaGetLastError(), "PaTH tensor-core forward launch");
       if (cache.keys != nullptr)
         launch_path_key_cache<Dev, Dev, __half>(kp, p.num_sequences, cache, stream);
       return;
     }
   }
-  path_chunk_data<float, float> chunks(p, false, false, stream);
+  path_chunk_data chunks(plan.chunks, stream);
   chunks.attach(kp);
-  launch_path_prepare<Dev, float, float>(kp, setup.max_len, p.num_sequences, stream);
-  launch_path_simt<Dev>(kp, setup.max_len, p.num_sequences, stream);
+  launch_path_prepare<Dev, float, float>(kp, plan, stream);
+  launch_path_simt<Dev>(kp, plan, stream);
   check(cudaGetLastError(), "path_forward_simt_kernel launch");
   if (cache.keys != nullptr)
     launch_path_key_cache<Dev, float, float>(kp, p.num_sequences, cache, stream);
@@ -240,9 +218,15 @@ void run_path_key_cache(const std::string& fn, const path_key_cache_args<T>& a,
   kp.a.head_dim = static_cast<int>(p.head_dim);
   kp.a.cu_seqlens = upload_offsets(offsets.get(), p, stream);
   set_householder(kp, a.w, a.beta, p.kv_heads);
-  path_chunk_data<float, float> chunks(p, false, false, stream);
+  path_shape shape;  // the float chunk data of the portable forward
+  shape.batch = p.batch, shape.tokens = p.tokens;
+  shape.head_dim = p.head_dim, shape.value_dim = p.value_dim;
+  shape.max_len = max_len, shape.q_heads = p.q_heads, shape.kv_heads = p.kv_heads;
+  shape.sequences = p.num_sequences;
+  const path_plan plan = plan_path(shape, current_properties());
+  path_chunk_data chunks(plan.chunks, stream);
   chunks.attach(kp);
-  launch_path_prepare<Dev, float, float>(kp, max_len, p.num_sequences, stream);
+  launch_path_prepare<Dev, float, float>(kp, plan, stream);
   key_cache_target<Dev> target;
   target.keys = reinterpret_cast<Dev*>(a.key_cache.data());
   for (int i = 0; i < 3; ++i) target.stride[i] = a.key_cache.stride(i);
@@ -258,7 +242,7 @@ struct decode_cache {
   std::vector<std::array<std::int32_t, 2>> rows;
 };
 
-// One fused decoding step (cuda/detail/path_decode.cuh) over the cache's rows; DevStore is the
+// One fused decoding step (cuda/kernels/path_decode.cuh) over the cache's rows; DevStore is the
 // cache's element type. gate_coef: factor of (G_t - G_j), ignored without a.g.
 template <class DevStore, class T>
 void run_path_decode(const std::string& fn, const attention_args<T>& a,
@@ -266,25 +250,30 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
                      const backend::cuda& be) {
   using Dev = device_t<T>;
   const bool gated = a.g.has_value();
-  require(prob.batch <= 65535, fn, "q", "holds ", prob.batch,
-          " sequences but a CUDA decoding step takes at most 65535");
+  const device_properties& props = current_properties();
+  require(prob.batch <= props.max_grid_z, fn, "q", "holds ", prob.batch,
+          " sequences but a CUDA decoding step takes at most ", props.max_grid_z);
   require(!gated || prob.group() <= 32, fn, "q", "has ", prob.group(),
           " query heads per key/value head; decoding with a forget gate supports <= 32");
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
 
   index_t longest = 0;
   for (const auto& r : cache.rows) longest = std::max<index_t>(longest, r[1] + 1);
+  path_decode_shape shape;
+  shape.longest = longest, shape.batch = prob.batch;
+  shape.q_heads = prob.q_heads, shape.kv_heads = prob.kv_heads;
+  shape.head_dim = prob.head_dim, shape.value_dim = prob.value_dim;
+  shape.row_bytes = cache.rows.size() * sizeof(cache.rows[0]);
+  const path_decode_plan plan = plan_path_decode(shape, props);
   path_decode_params p{};
-  p.block_keys = 256;
-  p.splits = static_cast<int>((longest + p.block_keys - 1) / p.block_keys);
+  p.block_keys = plan.block_keys;
+  p.splits = plan.splits;
   const index_t HQ = prob.q_heads, Dv = prob.value_dim;
-  const std::size_t ml_bytes = static_cast<std::size_t>(prob.batch * HQ * p.splits * 2) * 4;
-  const std::size_t o_bytes = static_cast<std::size_t>(prob.batch * HQ * p.splits * Dv) * 4;
-  const std::size_t rows_bytes = cache.rows.size() * sizeof(cache.rows[0]);
-  stream_buffer work(ml_bytes + o_bytes + rows_bytes, stream);
+  const std::size_t rows_bytes = shape.row_bytes;
+  stream_buffer work(plan.bytes, stream);
   p.part_ml = reinterpret_cast<float*>(work.get());
-  p.part_o = reinterpret_cast<float*>(work.get() + ml_bytes);
-  auto* rows_dev = reinterpret_cast<std::int32_t*>(work.get() + ml_bytes + o_bytes);
+  p.part_o = reinterpret_cast<float*>(work.get() + plan.ml_bytes);
+  auto* rows_dev = reinterpret_cast<std::int32_t*>(work.get() + plan.ml_bytes + plan.o_bytes);
   check(cudaMemcpyAsync(rows_dev, cache.rows.data(), rows_bytes, cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync(rows)");
   p.rows = rows_dev;
@@ -311,19 +300,17 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
   p.scale_log2 = static_cast<float>(prob.scale * log2e);
   p.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
 
-  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(prob.kv_heads),
-                  static_cast<unsigned>(prob.batch));
-  const bool narrow = std::max(prob.head_dim, Dv) <= 64;
-  const int dmax = narrow ? 64 : 128;
-  const int smem = (p.group * dmax + p.group * p.block_keys + 4 * dmax) * 4;
-  auto kernel =
-      narrow ? path_decode_kernel<Dev, DevStore, 64> : path_decode_kernel<Dev, DevStore, 128>;
-  if (smem > 48 * 1024)  // the default limit; only wide GQA groups need more (not per step)
+  const dim3 grid(plan.grid.x, plan.grid.y, plan.grid.z);
+  const int smem = plan.smem;
+  auto kernel = plan.dmax == 64 ? path_decode_kernel<Dev, DevStore, 64>
+                                : path_decode_kernel<Dev, DevStore, 128>;
+  if (plan.raise_smem_limit)  // above the default limit: only wide GQA groups (not per step)
     allow_dynamic_smem(kernel, smem);
-  kernel<<<grid, 128, smem, stream>>>(p);
+  kernel<<<grid, path_decode_threads, smem, stream>>>(p);
   check(cudaGetLastError(), "path_decode_kernel launch");
   path_decode_combine_kernel<Dev>
-      <<<dim3(static_cast<unsigned>(HQ), static_cast<unsigned>(prob.batch)), 128, 0, stream>>>(p);
+      <<<dim3(plan.combine_grid.x, plan.combine_grid.y), path_decode_combine_threads, 0, stream>>>(
+          p);
   check(cudaGetLastError(), "path_decode_combine_kernel launch");
 }
 

@@ -13,45 +13,25 @@
 //           RMSNorm run on the accumulator fragments (a row lives in one quad of lanes).
 //           D = Dv = 64 has its own kernel (linear_read_fast_kernel: warps load their query and
 //           gate rows straight into registers against a permuted staged state, no barrier).
-//   one kernel: D = Dv = 64 on compute capability 9.0 and later (linear_cluster_fast_kernel):
-//           a cluster of CTAs a head reduces, merges the partials over distributed shared
-//           memory, and reads, in one launch.
+//   one kernel: D = Dv = 64 on compute capability 9.0 and later: sm90_linear_cluster.cuh.
 // phi (elu+1) and the gate activation (SiLU, sigmoid) run on packed pairs of the input type.
 // Needs 16-byte aligned k, v, q rows, 4-byte aligned out and gate rows (16-byte for the D = 64
 // read kernel) and the dims that linear_mma_dims accepts; other cases take the kernels of
 // linear_kernels.cuh.
 
-#include <cooperative_groups.h>
-
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
-#include "attnmix/cuda/detail/launch_attributes.cuh"
-#include "attnmix/cuda/detail/linear_kernels.cuh"
-#include "attnmix/cuda/detail/mma.cuh"
+#include "attnmix/cuda/arch/dependent_launch.cuh"
+#include "attnmix/cuda/kernels/linear_simt.cuh"
+#include "attnmix/cuda/kernels/shapes.hpp"
+#include "attnmix/cuda/arch/mma.cuh"
 
 namespace attnmix {
 namespace detail {
 namespace cuda {
 
-constexpr int linear_mma_tokens = 64;  // reduce: tokens staged per tile
-constexpr int linear_mma_reduce_threads = 256;
-constexpr int linear_mma_reduce_ctas = 3;  // CTAs an SM of the narrow reduce kernel
-constexpr int linear_mma_rows = 64;        // read: query rows per tile, 16 a warp
-constexpr int linear_mma_read_threads = 128;
-
-// The reduce kernel's 8 warps split S_p (D x Dv) into D / 16 row tiles times 8 / (D / 16)
-// column ranges of an even number of 8-wide column tiles.
-inline bool linear_mma_dims(index_t D, index_t Dv) {
-  if (D % 16 != 0 || Dv % 16 != 0 || D < 16 || D > 128 || Dv > 128) return false;
-  const index_t warps_n = 8 / (D / 16);
-  return 8 % (D / 16) == 0 && Dv % (16 * warps_n) == 0;
-}
-// The kernels' register arrays: sized for D, Dv <= 64 or for <= 128.
-inline bool linear_mma_wide(index_t D, index_t Dv) {
-  return D > 64 || Dv > 64;
-}
 
 // The feature map and the gate activation of math/feature_map.hpp with the hardware exp and
 // reciprocal: the 16-bit kernels are bound by these per-element instructions, and their error
@@ -203,13 +183,6 @@ __device__ __forceinline__ uint4 convert_keys8(uint4 raw, float w) {
 // the grid, so that CTAs running together read whole [H, D] rows. Wide: D or Dv above 64 (a warp
 // owns up to 16 column tiles of S_p). The tiles of K and V stream through a ring of Stages
 // shared-memory buffers by cp.async, Stages - 1 tiles in flight while one is multiplied.
-template <bool Wide>
-constexpr int linear_mma_stages = 3;
-
-inline int linear_mma_reduce_smem(index_t D, index_t Dv) {
-  const int stages = D > 64 || Dv > 64 ? linear_mma_stages<true> : linear_mma_stages<false>;
-  return int(stages * linear_mma_tokens * (D + 8 + Dv + 8) * 2);
-}
 
 // The read kernel's staged state, permuted so that a lane's A fragments are whole 16-byte
 // pieces of its query row and its accumulator columns whole pieces of its output row: lane
@@ -229,9 +202,6 @@ __host__ __device__ inline int state_col(int e, int Dv) {
 // The staged state of one head in the input type: [D][Dv + 24] (scale * S permuted, then
 // scale * z repeated in columns Dv .. Dv + 15, then padding that keeps ldmatrix free of bank
 // conflicts), then one float that undoes half's power-of-two scaling.
-constexpr __host__ __device__ int staged_stride(int Dv) {
-  return Dv + 24;
-}
 // z[d] of a 16-byte aligned staged state st (16-bit T), given as `pair` (the element twice): the 16
 // columns from Dv of row state_row(d), two 16-byte stores (Dv and the stride are multiples of 8).
 template <class T>
@@ -273,12 +243,6 @@ __device__ __forceinline__ void stage_state4(T* st, unsigned i, float4 x, float 
   for (int k = 0; k < 4; ++k)
     stage_state_z(st, D, Dv, int(4 * i - D * Dv + k), pack2<T>(z[k] * mul, z[k] * mul));
 }
-inline __host__ __device__ index_t staged_state_bytes(int D, int Dv) {
-  return (index_t(D) * staged_stride(Dv) * 2 + 16 + 127) / 128 * 128;
-}
-// The reduce kernel merges the partial states itself (the last CTA of a head to finish does it)
-// when a head has at most this many blocks; more go through linear_combine_kernel.
-constexpr index_t linear_fused_partials = 32;
 
 // Token t's logit, or 1 / 0 for a valid / pad token without a gate; 0 past t1.
 template <bool Gated>
@@ -561,9 +525,6 @@ __global__ void __launch_bounds__(linear_mma_reduce_threads, Wide ? 1 : linear_m
 // barrier. The two token halves are added in shared memory at the end. Same grid, ring of
 // tiles, partial layout and fused combine as linear_reduce_mma_kernel. Its loop
 // (reduce_fast_tiles) is also the first phase of linear_cluster_fast_kernel.
-inline bool linear_reduce_fast_dims(index_t D, index_t Dv) {
-  return D == 64 && Dv == 64;
-}
 
 // The partial state [S_p | z_p] of tokens [t0, t1) of KV head h (a sequence at batch, start)
 // with the CTA's 256 threads: the tiles stream through a ring of Stages stages at `smem`, which
@@ -752,13 +713,6 @@ __device__ __forceinline__ void state_kstep(float (&acc)[NT][4], float (&zacc)[4
 // owns rows 16w .. 16w + 15 of a tile. Wide: D or Dv above 64. The query rows (and the gate rows
 // with the gated norm) stream through a ring of 3 shared-memory stages by cp.async, two tiles
 // in flight while one is multiplied and written.
-constexpr int linear_mma_read_stages = 3;
-
-inline int linear_mma_read_smem(index_t D, index_t Dv, bool gate) {
-  return int(
-      (D * (Dv + 24) + linear_mma_read_stages * linear_mma_rows * (D + 8 + (gate ? Dv + 8 : 0))) *
-      2);
-}
 
 template <class T, class Policy, bool Wide>
 __global__ void __launch_bounds__(linear_mma_read_threads)
@@ -947,11 +901,6 @@ __global__ void __launch_bounds__(linear_mma_read_threads)
 // that its accumulators are elements [c Dv/4, (c + 1) Dv/4) of output rows g and g + 8: the
 // gate is read and the output written with 16-byte accesses too. Only the state (and the norm
 // weight) sits in shared memory; no barrier after it is staged.
-constexpr int linear_fast_threads = 256;
-
-inline bool linear_fast_dims(index_t D, index_t Dv) {
-  return D == 64 && Dv == 64;
-}
 
 // One CTA's share of the read: `rows` query rows from token `first` of batch row `batch`, for
 // query heads first_head .. first_head + heads - 1. Its items are (head, 16-row group), head-major;
@@ -1227,149 +1176,6 @@ __global__ void __launch_bounds__(linear_fast_threads, 2)
   }
   __syncthreads();
   reader.run(warp, sS, sgamma, unmul);
-}
-
-// ---- one cluster a head: reduce, merge, read (D = Dv = 64, compute capability 9.0) -------------
-// When the KV heads times a few CTAs fill the GPU about once, one kernel does the whole call: a
-// cluster of n CTAs per (KV head, sequence), grid (n, H, N). CTA r reduces tokens [r b, (r + 1)
-// b) into its partial state in shared memory (reduce_fast_tiles); after a cluster barrier every
-// CTA merges the n partials over distributed shared memory, with combine_head's log-sum-exp
-// weights, straight into its staged state, then reads the query rows of its own tokens for every
-// query head of the group (fast_read). One launch: no scratch memory, no memset, and no state
-// round trip through global memory.
-constexpr int linear_cluster_ctas = 2;        // CTAs an SM: the read needs about 128 registers
-constexpr int linear_cluster_max = 8;         // the portable cluster size
-constexpr int linear_cluster_max_group = 64;  // query heads a KV head, for the norm weights
-constexpr int linear_cluster_ring =
-    linear_mma_stages<false> * linear_mma_tokens * (64 + 8 + 64 + 8) * 2;
-
-// Dynamic shared memory: the ring of tiles (later the partial state), then the group's norm
-// weights.
-inline int linear_cluster_smem(index_t group) {
-  return linear_cluster_ring + int(group) * 64 * int(sizeof(float));
-}
-
-__device__ __forceinline__ void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
-#endif
-}
-
-template <class T, class Policy>
-__global__ void __launch_bounds__(linear_fast_threads, linear_cluster_ctas)
-    linear_cluster_fast_kernel(const linear_kernel_params p, index_t block_tokens) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int D = 64, Dv = 64, vecs = (D * Dv + D) / 4, per_thread = (vecs + 255) / 256;
-  constexpr bool gated = Policy::gate != key_gate::off;
-  using reader_t = fast_read<T, Policy, D, Dv>;
-  constexpr int ss = reader_t::ss;
-  static_assert(linear_fast_threads == linear_mma_reduce_threads, "one block shape");
-  extern __shared__ __align__(16) unsigned char linear_smem[];
-  __shared__ __align__(16) T sS[D * ss];
-  __shared__ float scratch[8];
-  __shared__ float stats[2];  // this CTA's gate statistics M, ell
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int tid = threadIdx.x, warp = tid / 32;
-  const int rank = int(cluster.block_rank()), ranks = int(cluster.num_blocks());
-  const int h = blockIdx.y, n = blockIdx.z;
-  index_t batch, start, length;
-  p.sequence(n, batch, start, length);
-  const index_t t0 = rank * block_tokens, t1 = min(t0 + block_tokens, length);
-  float* red = reinterpret_cast<float*>(linear_smem);  // the partial state, once the ring is done
-  float* sgamma = reinterpret_cast<float*>(linear_smem + linear_cluster_ring);
-
-  float M = 0.f, ell = 0.f;
-  reduce_fast_tiles<T, Policy, linear_mma_stages<false>>(
-      p, batch, start, h, t0, t1, linear_smem, scratch, M, ell,
-      [&](int i, float4 x) { reinterpret_cast<float4*>(red)[i] = x; });
-  if (tid == 0) stats[0] = M, stats[1] = ell;
-  stage_gamma<Policy>(p, h * p.group, p.group, Dv, sgamma);
-  cluster.sync();  // every partial and its statistics sit in its CTA's shared memory
-
-  // Rank r's weight: exp(M_r - M) over the merged mass, M the largest block max (1 without a
-  // gate). Remote loads are issued in batches (a rank's loads together), since each one takes
-  // a round trip to the peer's SM.
-  float Mg = -INFINITY, ellg = 0.f;
-  {
-    float Mr[linear_cluster_max], lr[linear_cluster_max];
-#pragma unroll
-    for (int r = 0; r < linear_cluster_max; ++r) {
-      const float* st = cluster.map_shared_rank(stats, r < ranks ? r : 0);
-      Mr[r] = st[0], lr[r] = st[1];
-    }
-#pragma unroll
-    for (int r = 0; r < linear_cluster_max; ++r)
-      if (r < ranks && lr[r] > 0.f) Mg = fmaxf(Mg, Mr[r]);
-#pragma unroll
-    for (int r = 0; r < linear_cluster_max; ++r)
-      if (r < ranks) ellg += (gated ? shifted_exp(Mr[r], Mg) : 1.f) * lr[r];
-  }
-  float4 merged[per_thread];
-#pragma unroll
-  for (int u = 0; u < per_thread; ++u) merged[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int r = 0; r < ranks; ++r) {
-    const float* st = cluster.map_shared_rank(stats, r);
-    const float4* part = reinterpret_cast<const float4*>(cluster.map_shared_rank(red, r));
-    float4 x[per_thread];
-#pragma unroll
-    for (int u = 0; u < per_thread; ++u) x[u] = part[min(tid + u * linear_fast_threads, vecs - 1)];
-    const float alpha = gated ? (st[1] > 0.f ? __expf(st[0] - Mg) : 0.f) : 1.f;
-#pragma unroll
-    for (int u = 0; u < per_thread; ++u)
-      merged[u].x += alpha * x[u].x, merged[u].y += alpha * x[u].y, merged[u].z += alpha * x[u].z,
-          merged[u].w += alpha * x[u].w;
-  }
-  const float inv = gated ? (ellg > 0.f ? 1.f / ellg : 0.f) : 1.f;
-  float vmax = 0.f;
-#pragma unroll
-  for (int u = 0; u < per_thread; ++u) {
-    float4& s = merged[u];
-    s.x *= inv, s.y *= inv, s.z *= inv, s.w *= inv;
-    if (tid + u * linear_fast_threads < vecs)
-      vmax = fmaxf(vmax, fmaxf(fmaxf(fabsf(s.x), fabsf(s.y)), fmaxf(fabsf(s.z), fabsf(s.w))));
-  }
-  cluster_arrive();  // done with the peers' shared memory
-  // The first query rows are in flight while the state is staged (primed only now: their
-  // registers held through the merge cost more than the overlap gains).
-  reader_t reader(p, batch, start + t0, max(index_t(0), t1 - t0), h * p.group, p.group);
-  reader.prime(warp);
-
-  // The caller's state, from rank 0.
-  auto each = [&](auto&& f) {
-#pragma unroll
-    for (int u = 0; u < per_thread; ++u) {
-      const int i = tid + u * linear_fast_threads;
-      if (i < vecs) {
-        const float x[4] = {merged[u].x, merged[u].y, merged[u].z, merged[u].w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) f(4 * i + k, x[k]);
-      }
-    }
-  };
-  if (rank == 0 && (p.S_out != nullptr || p.z_out != nullptr))
-    each([&](int idx, float x) { store_state_out(p, n, h, idx, x); });
-  if (gated && rank == 0 && tid == 0) store_lse_out(p, n, h, Mg, ellg);
-
-  // The staged state, as combine_head writes it (half keeps it under 1 by a power of two).
-  float unmul;
-  const float mul = staged_scale<T>(vmax, p.scale, scratch, unmul);
-#pragma unroll
-  for (int u = 0; u < per_thread; ++u) {
-    const int i = tid + u * linear_fast_threads;
-    if (i < vecs) stage_state4<T, D, Dv>(sS, unsigned(i), merged[u], mul);
-  }
-  __syncthreads();  // the staged state and the norm weights are complete
-  reader.run(warp, sS, sgamma, unmul);
-  cluster_wait();  // this CTA's partial stays until every peer has read it
-#else
-  __trap();  // launched only on devices of compute capability 9.0 and later
-#endif
 }
 
 }  // namespace cuda

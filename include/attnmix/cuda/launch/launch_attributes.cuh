@@ -1,5 +1,6 @@
 #pragma once
-// Launches with the attributes of compute capability 9.0 and later.
+// Host launches with the attributes of compute capability 9.0 and later (the device side of the
+// dependent launch is arch/dependent_launch.cuh).
 //
 // Programmatic dependent launch: a kernel started with launch_dependent() may begin on the SMs
 // that the kernel before it in the stream frees, before that kernel has ended. It does the work
@@ -11,29 +12,19 @@
 //
 // Thread-block clusters: launch_clustered() runs the grid in clusters of CTAs that the hardware
 // schedules together and that may read each other's shared memory (only on 9.0 and later; the
-// caller checks device_info::clusters).
+// caller checks device_properties::clusters).
 
 #include <cuda_runtime.h>
 
 #include <utility>
 
-#include "attnmix/cuda/runtime.cuh"
+#include "attnmix/cuda/arch/dependent_launch.cuh"
+#include "attnmix/cuda/runtime/device.cuh"
+#include "attnmix/cuda/runtime/error.cuh"
 
 namespace attnmix {
 namespace detail {
 namespace cuda {
-
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void allow_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
 
 // kernel<<<grid, block, smem, stream>>>(args...) with `count` launch attributes.
 template <class... Params, class... Args>
@@ -56,7 +47,7 @@ void launch_dependent(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream
   cudaLaunchAttribute overlap;
   overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   overlap.val.programmaticStreamSerializationAllowed = 1;
-  launch_with(&overlap, current_device().dependent_launch ? 1 : 0, kernel, grid, block, smem,
+  launch_with(&overlap, current_properties().dependent_launch() ? 1 : 0, kernel, grid, block, smem,
               stream, what, std::forward<Args>(args)...);
 }
 

@@ -17,23 +17,14 @@
 #include <cstdint>
 
 #include "attnmix/core/linear_policy.hpp"
-#include "attnmix/cuda/detail/linear_kernels.cuh"
-#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/kernels/linear_simt.cuh"
+#include "attnmix/cuda/kernels/shapes.hpp"
+#include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/math/feature_map.hpp"
 
 namespace attnmix {
 namespace detail {
 namespace cuda {
-
-constexpr int causal_chunk = 64;
-constexpr int causal_threads = 256;
-
-// Shared memory of linear_causal_kernel, in floats (16-byte aligned sections for D, Dv
-// multiples of 4).
-inline __host__ __device__ int causal_smem_floats(int D, int Dv) {
-  constexpr int C = causal_chunk;
-  return D * Dv + D + 2 * D * C + 2 * C * Dv + C * C + 8 * C;
-}
 
 // Element idx of the state carried in from state_in: S (idx < D * Dv, row-major) then z; 0
 // where no state is given.

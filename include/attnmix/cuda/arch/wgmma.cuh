@@ -18,7 +18,7 @@
 #include <type_traits>
 
 #include "attnmix/config.hpp"
-#include "attnmix/cuda/detail/mma.cuh"
+#include "attnmix/cuda/arch/mma.cuh"
 
 // wgmma exists only in sm_90a code; elsewhere the wrappers trap, and the launcher never picks the
 // kernels that use them.
@@ -111,12 +111,19 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// The register file of an sm_90 multiprocessor. setmaxnreg takes its counts as immediates, so
+// the split below is fixed when the kernel is compiled: this is a fact of the architecture the
+// sm90_ kernels are built for (device_properties::registers_per_sm reports the same number at run
+// time), not a runtime property.
+constexpr int sm90_registers_per_sm = 65536;
+
 // The registers a consumer warpgroup may claim when `producers` warpgroups keep `kept` each: what
-// the launch gave the CTA's `threads` (65536 / threads, rounded down to 8) less the producers'
-// share, split among the consumers. setmaxnreg.inc waits until the registers are free, so the
-// total must not exceed the launch's allocation.
+// the launch gave the CTA's `threads` (sm90_registers_per_sm / threads, rounded down to 8) less
+// the producers' share, split among the consumers. setmaxnreg.inc waits until the registers are
+// free, so the total must not exceed the launch's allocation.
 constexpr int claimable_registers(int threads, int consumers, int kept, int producers = 1) {
-  return (65536 / threads / 8 * 8 * threads - 128 * producers * kept) / (128 * consumers) / 8 * 8;
+  return (sm90_registers_per_sm / threads / 8 * 8 * threads - 128 * producers * kept) /
+         (128 * consumers) / 8 * 8;
 }
 
 // Moves registers between the warpgroups of a CTA (sm_90a): a producer gives its surplus back,

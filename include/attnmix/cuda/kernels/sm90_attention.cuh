@@ -14,11 +14,11 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/detail/attention_mma.cuh"
-#include "attnmix/cuda/detail/attention_params.cuh"
-#include "attnmix/cuda/detail/mbarrier.cuh"
-#include "attnmix/cuda/detail/types.cuh"
-#include "attnmix/cuda/detail/wgmma.cuh"
+#include "attnmix/cuda/kernels/sm80_attention.cuh"
+#include "attnmix/cuda/kernels/attention_params.cuh"
+#include "attnmix/cuda/arch/mbarrier.cuh"
+#include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/arch/wgmma.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -22,12 +22,12 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "attnmix/cuda/detail/attention_mma.cuh"
-#include "attnmix/cuda/detail/attention_wgmma.cuh"
-#include "attnmix/cuda/detail/mbarrier.cuh"
-#include "attnmix/cuda/detail/path_kernels.cuh"
-#include "attnmix/cuda/detail/types.cuh"
-#include "attnmix/cuda/detail/wgmma.cuh"
+#include "attnmix/cuda/kernels/sm80_attention.cuh"
+#include "attnmix/cuda/kernels/sm90_attention.cuh"
+#include "attnmix/cuda/arch/mbarrier.cuh"
+#include "attnmix/cuda/kernels/path_simt.cuh"
+#include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/arch/wgmma.cuh"
 
 namespace attnmix {
 namespace detail {

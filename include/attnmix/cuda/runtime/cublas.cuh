@@ -8,7 +8,7 @@
 
 #include "attnmix/core/error.hpp"
 #include "attnmix/core/scalar.hpp"
-#include "attnmix/cuda/runtime.cuh"
+#include "attnmix/cuda/runtime/error.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -9,9 +9,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/detail/attention_params.cuh"
-#include "attnmix/cuda/detail/mma.cuh"
-#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/kernels/attention_params.cuh"
+#include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/arch/types.cuh"
 
 namespace attnmix {
 namespace detail {

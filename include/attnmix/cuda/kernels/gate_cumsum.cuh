@@ -2,7 +2,8 @@
 // The forget-gate cumsum G (inclusive, restarting at each sequence), in double: the kernels take
 // differences G_i - G_j of nearby tokens, which a float cumsum of a long sequence would lose.
 
-#include "attnmix/cuda/detail/attention_params.cuh"
+#include "attnmix/cuda/kernels/attention_params.cuh"
+#include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {
 namespace detail {
@@ -13,7 +14,6 @@ namespace cuda {
 // of the parts before its own and scans it. A warp takes 32 tokens with the heads across its lanes,
 // so that each read takes a token's neighbouring heads at once (g is [B, T, HQ], heads
 // innermost), and a thread holds its 32 gates in registers. part_sums: [sequence][part][HQ].
-constexpr int gate_part = 256, gate_warps = gate_part / 32;
 
 // The gates of this thread's head over its warp's 32 tokens of the part (0 past the sequence or
 // past the heads), and their sum; the sequence's batch row, start and length, and the first token.

@@ -17,9 +17,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "attnmix/cuda/detail/mma.cuh"
-#include "attnmix/cuda/detail/path_kernels.cuh"
-#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/kernels/path_simt.cuh"
+#include "attnmix/cuda/arch/types.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -7,7 +7,7 @@
 
 #include "attnmix/core/memory_space.hpp"
 #include "attnmix/core/validate.hpp"
-#include "attnmix/cuda/runtime.cuh"
+#include "attnmix/cuda/runtime/error.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -12,8 +12,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/detail/attention_mma.cuh"
-#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/kernels/sm80_attention.cuh"
+#include "attnmix/cuda/arch/types.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -6,8 +6,8 @@
 
 #include <cmath>
 
-#include "attnmix/cuda/detail/attention_params.cuh"
-#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/kernels/attention_params.cuh"
+#include "attnmix/cuda/arch/types.cuh"
 
 namespace attnmix {
 namespace detail {

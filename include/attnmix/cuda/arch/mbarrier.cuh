@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "attnmix/cuda/detail/mma.cuh"
+#include "attnmix/cuda/arch/mma.cuh"
 
 namespace attnmix {
 namespace detail {

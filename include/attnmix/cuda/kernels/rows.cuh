@@ -1,15 +1,14 @@
 #pragma once
-// Row-wise CUDA kernels of the layers (the device twins of layers/detail/cpu_ops.hpp), on
-// contiguous [rows, features] buffers, and their launches. Statistics and activations are
-// computed in float whatever the storage type. Internal.
+// Row-wise CUDA kernels of the layers (the device twins of cpu/layer_ops.hpp), on
+// contiguous [rows, features] buffers; their launches are launch/rows.cuh. Statistics and
+// activations are computed in float whatever the storage type. Internal.
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "attnmix/core/tensor_view.hpp"
-#include "attnmix/cuda/detail/types.cuh"
-#include "attnmix/cuda/runtime.cuh"
+#include "attnmix/cuda/arch/types.cuh"
 
 namespace attnmix {
 namespace detail {
@@ -51,21 +50,6 @@ __global__ void map_kernel(Out* __restrict__ y, const InA* a, const InB* b, inde
     y[i] = from_float<Out>(op(to_float(a[i]), b != nullptr ? to_float(b[i]) : 0.f));
 }
 
-inline unsigned grid_for(index_t n, int threads) {
-  const index_t blocks = (n + threads - 1) / threads;
-  return unsigned(blocks < 132 * 32 ? (blocks > 0 ? blocks : 1) : 132 * 32);
-}
-
-// y = Op(a, b) elementwise (b may be null: Op sees 0). y may be a or b.
-template <class Op, class Out, class InA, class InB = float>
-void map(Out* y, const InA* a, const InB* b, index_t n, cudaStream_t stream, Op op = Op{}) {
-  if (n == 0) return;
-  map_kernel<Op, device_t<Out>, device_t<InA>, device_t<InB>><<<grid_for(n, 256), 256, 0, stream>>>(
-      reinterpret_cast<device_t<Out>*>(y), reinterpret_cast<const device_t<InA>*>(a),
-      reinterpret_cast<const device_t<InB>*>(b), n, op);
-  check(cudaGetLastError(), "attnmix layer map kernel launch");
-}
-
 // ---- bias ----------------------------------------------------------------------------------
 template <class Y, class B>
 __global__ void add_bias_kernel(Y* y, const B* bias, index_t rows, index_t width, index_t ld) {
@@ -75,16 +59,6 @@ __global__ void add_bias_kernel(Y* y, const B* bias, index_t rows, index_t width
     const index_t r = i / width, c = i % width;
     y[r * ld + c] = from_float<Y>(to_float(y[r * ld + c]) + to_float(bias[c]));
   }
-}
-
-// y[r, c] += bias[c] for r < rows, c < width; y's row stride ld.
-template <class Y, class B>
-void add_bias(Y* y, const B* bias, index_t rows, index_t width, index_t ld, cudaStream_t stream) {
-  if (rows * width == 0) return;
-  add_bias_kernel<<<grid_for(rows * width, 256), 256, 0, stream>>>(
-      reinterpret_cast<device_t<Y>*>(y), reinterpret_cast<const device_t<B>*>(bias), rows, width,
-      ld);
-  check(cudaGetLastError(), "attnmix bias kernel launch");
 }
 
 // ---- RMSNorm / L2 norm over groups ---------------------------------------------------------
@@ -113,17 +87,6 @@ __global__ void norm_kernel(const In* x, Out* y, index_t groups, int width, cons
     yi[c] = from_float<Out>(to_float(xi[c]) * r * (wi != nullptr ? wi[c] : 1.f));
 }
 
-template <class In, class Out>
-void norm_groups(const In* x, Out* y, index_t groups, index_t width, const float* w, bool per_group,
-                 index_t groups_per_row, bool mean, double eps, cudaStream_t stream) {
-  if (groups == 0) return;
-  constexpr int warps = 8;
-  norm_kernel<<<unsigned((groups + warps - 1) / warps), 32 * warps, 0, stream>>>(
-      reinterpret_cast<const device_t<In>*>(x), reinterpret_cast<device_t<Out>*>(y), groups,
-      int(width), w, per_group, int(groups_per_row), mean, float(eps));
-  check(cudaGetLastError(), "attnmix norm kernel launch");
-}
-
 // ---- causal depthwise short convolution ----------------------------------------------------
 // y[r, c] = act( sum_{j<K} w[c, j] x[r - (K-1) + j, c] ), taps before the row's sequence start
 // (pos[r] < K-1-j) read zero. pos[r]: the row's position in its sequence.
@@ -142,16 +105,6 @@ __global__ void short_conv_kernel(const In* x, Out* y, index_t rows, int channel
     }
     y[i] = from_float<Out>(silu ? acc / (1.f + __expf(-acc)) : acc);
   }
-}
-
-template <class In, class Out>
-void short_conv(const In* x, Out* y, index_t rows, index_t channels, const float* w, index_t K,
-                bool silu, const std::int32_t* pos, cudaStream_t stream) {
-  if (rows * channels == 0) return;
-  short_conv_kernel<<<grid_for(rows * channels, 256), 256, 0, stream>>>(
-      reinterpret_cast<const device_t<In>*>(x), reinterpret_cast<device_t<Out>*>(y), rows,
-      int(channels), w, int(K), silu, pos);
-  check(cudaGetLastError(), "attnmix short conv kernel launch");
 }
 
 // ---- rotary position embedding (rotate-half) -----------------------------------------------
@@ -174,28 +127,12 @@ __global__ void rope_kernel(T* x, index_t rows, int heads, int d, const std::int
   }
 }
 
-template <class T>
-void rope(T* x, index_t rows, index_t heads, index_t d, const std::int32_t* pos, double theta,
-          cudaStream_t stream) {
-  if (rows * heads * (d / 2) == 0) return;
-  rope_kernel<<<grid_for(rows * heads * (d / 2), 256), 256, 0, stream>>>(
-      reinterpret_cast<device_t<T>*>(x), rows, int(heads), int(d), pos, theta);
-  check(cudaGetLastError(), "attnmix rope kernel launch");
-}
-
 // ---- positions of a dense batch ------------------------------------------------------------
 template <class I>  // a template, so that the header defines no non-inline kernel
 __global__ void dense_positions_kernel(I* pos, index_t rows, index_t tokens) {
   for (index_t r = blockIdx.x * index_t(blockDim.x) + threadIdx.x; r < rows;
        r += index_t(gridDim.x) * blockDim.x)
     pos[r] = I(r % tokens);
-}
-
-// pos[r] = r mod tokens: row r's position in its sequence of a dense [B, tokens] batch.
-inline void dense_positions(std::int32_t* pos, index_t rows, index_t tokens, cudaStream_t stream) {
-  if (rows == 0) return;
-  dense_positions_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(pos, rows, tokens);
-  check(cudaGetLastError(), "attnmix positions kernel launch");
 }
 
 // ---- row gather / scatter (packing the valid tokens of a masked batch) ---------------------
@@ -210,16 +147,6 @@ __global__ void move_rows_kernel(const In* x, Out* y, const std::int64_t* src,
     y[(dst ? dst[r] : r) * width + c] =
         from_float<Out>(to_float(x[(src ? src[r] : r) * width + c]));
   }
-}
-
-template <class In, class Out>
-void move_rows(const In* x, Out* y, const std::int64_t* src, const std::int64_t* dst, index_t rows,
-               index_t width, cudaStream_t stream) {
-  if (rows * width == 0) return;
-  move_rows_kernel<<<grid_for(rows * width, 256), 256, 0, stream>>>(
-      reinterpret_cast<const device_t<In>*>(x), reinterpret_cast<device_t<Out>*>(y), src, dst, rows,
-      width);
-  check(cudaGetLastError(), "attnmix row copy kernel launch");
 }
 
 }  // namespace cuda

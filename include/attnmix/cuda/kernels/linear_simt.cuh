@@ -9,7 +9,8 @@
 #include <cstdint>
 
 #include "attnmix/core/linear_policy.hpp"
-#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/kernels/shapes.hpp"
+#include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/math/feature_map.hpp"
 
 namespace attnmix {
@@ -137,13 +138,6 @@ __device__ __forceinline__ float block_logit_max(const linear_kernel_params& p, 
 }
 
 // ---- bidirectional: reduce ---------------------------------------------------------------
-// The state of a block of tokens: S_p (D x Dv), z_p (D), and for the key gate the block max
-// M_p and mass ell_p = sum exp(a_j - M_p). Workspace layout per (n, h, p):
-// [S_p: D*Dv][z_p: D][M_p][ell_p].
-inline __host__ __device__ index_t partial_floats(int D, int Dv) {
-  return index_t(D) * Dv + D + 2;
-}
-
 // Stages a 32-row tile of k (with the weight and the feature map) or v into shared memory as
 // floats, 16 bytes per load, every load of a thread issued before the first use so that their
 // latencies overlap. Needs rows 16-byte aligned and `cols` a multiple of 16 / sizeof(T).
@@ -294,8 +288,6 @@ __global__ void __launch_bounds__(256)
 // CTA (KV head h, sequence n, slice of linear_combine_slice elements): merges the partial
 // states with a log-sum-exp over the block maxima; writes the final, softmax-normalised S and z
 // (`state`: [N, H, D*Dv + D]) and any state_out the caller asked for.
-constexpr int linear_combine_slice = 1024;
-
 template <class Policy>
 __global__ void __launch_bounds__(256)
     linear_combine_kernel(const linear_kernel_params p, const float* partial, index_t partials,
@@ -374,12 +366,6 @@ __device__ void write_row(const linear_kernel_params& p, index_t batch, index_t 
 // transposed feature-mapped queries sit in shared memory; each thread owns Blocks 4x4 tiles of
 // Num = Phi(Q) S, so that two 16-byte shared loads feed 16 FMAs. The rows then go through the
 // per-row epilogue, one warp per row.
-constexpr int linear_read_rows = 64;
-
-inline __host__ __device__ int linear_read_smem_floats(int D, int Dv) {
-  return D * Dv + D + D * linear_read_rows + linear_read_rows * Dv + 2 * linear_read_rows;
-}
-
 template <class T, class Policy, int VC, int Blocks>
 __global__ void __launch_bounds__(128)
     linear_read_kernel(const linear_kernel_params p, const float* state) {

@@ -14,14 +14,13 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/detail/attention_params.cuh"
-#include "attnmix/cuda/detail/types.cuh"
+#include "attnmix/cuda/kernels/attention_params.cuh"
+#include "attnmix/cuda/kernels/shapes.hpp"
+#include "attnmix/cuda/arch/types.cuh"
 
 namespace attnmix {
 namespace detail {
 namespace cuda {
-
-constexpr int path_chunk = 64;
 
 struct path_kernel_params {
   attention_kernel_params a;  // q, k, v, out, lse, sequences, scale, gate

@@ -1,0 +1,119 @@
+#pragma once
+// The compile-time shapes of the kernels (chunk and tile sizes, threads, shared-memory formulas)
+// that the host plans size grids and scratch with. Pure C++ (no CUDA header), so that
+// cuda/plan/ compiles with a host compiler and is unit-tested without a GPU; the kernels include
+// it too, so that both sides read one definition.
+
+#include "attnmix/config.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+// ---- softmax family ------------------------------------------------------------------------
+// The gate cumsum (gate_cumsum.cuh) runs in parts of gate_part tokens, a warp 32 of them.
+constexpr int gate_part = 256, gate_warps = gate_part / 32;
+
+// ---- PaTH ----------------------------------------------------------------------------------
+constexpr int path_chunk = 64;  // positions of a chunk (the UT transform's C)
+
+// ---- linear attention, CUDA cores (linear_simt.cuh, linear_causal.cuh) ---------------------
+// The state of a block of tokens: S_p (D x Dv), z_p (D), and for the key gate the block max
+// M_p and mass ell_p = sum exp(a_j - M_p). Workspace layout per (n, h, p):
+// [S_p: D*Dv][z_p: D][M_p][ell_p].
+inline ATTNMIX_HOST_DEVICE index_t partial_floats(int D, int Dv) {
+  return index_t(D) * Dv + D + 2;
+}
+
+// linear_combine_kernel: elements of [S | z] a CTA merges.
+constexpr int linear_combine_slice = 1024;
+
+// linear_read_kernel: query rows a CTA, and its shared memory in floats.
+constexpr int linear_read_rows = 64;
+inline ATTNMIX_HOST_DEVICE int linear_read_smem_floats(int D, int Dv) {
+  return D * Dv + D + D * linear_read_rows + linear_read_rows * Dv + 2 * linear_read_rows;
+}
+
+// linear_causal_kernel: chunk, threads, and shared memory in floats (16-byte aligned sections for
+// D, Dv multiples of 4).
+constexpr int causal_chunk = 64;
+constexpr int causal_threads = 256;
+inline ATTNMIX_HOST_DEVICE int causal_smem_floats(int D, int Dv) {
+  constexpr int C = causal_chunk;
+  return D * Dv + D + 2 * D * C + 2 * C * Dv + C * C + 8 * C;
+}
+
+// ---- linear attention, tensor cores (sm80_linear.cuh, sm90_linear_cluster.cuh) --------------
+constexpr int linear_mma_tokens = 64;  // reduce: tokens staged per tile
+constexpr int linear_mma_reduce_threads = 256;
+constexpr int linear_mma_reduce_ctas = 3;  // CTAs an SM of the narrow reduce kernel
+constexpr int linear_mma_rows = 64;        // read: query rows per tile, 16 a warp
+constexpr int linear_mma_read_threads = 128;
+
+// The reduce kernel's 8 warps split S_p (D x Dv) into D / 16 row tiles times 8 / (D / 16)
+// column ranges of an even number of 8-wide column tiles.
+inline bool linear_mma_dims(index_t D, index_t Dv) {
+  if (D % 16 != 0 || Dv % 16 != 0 || D < 16 || D > 128 || Dv > 128) return false;
+  const index_t warps_n = 8 / (D / 16);
+  return 8 % (D / 16) == 0 && Dv % (16 * warps_n) == 0;
+}
+// The kernels' register arrays: sized for D, Dv <= 64 or for <= 128.
+inline bool linear_mma_wide(index_t D, index_t Dv) {
+  return D > 64 || Dv > 64;
+}
+
+// The reduce kernel's ring of tile stages.
+template <bool Wide>
+constexpr int linear_mma_stages = 3;
+
+inline int linear_mma_reduce_smem(index_t D, index_t Dv) {
+  const int stages = D > 64 || Dv > 64 ? linear_mma_stages<true> : linear_mma_stages<false>;
+  return int(stages * linear_mma_tokens * (D + 8 + Dv + 8) * 2);
+}
+
+// Row stride of the read kernel's staged state (sm80_linear.cuh explains the layout).
+constexpr ATTNMIX_HOST_DEVICE int staged_stride(int Dv) {
+  return Dv + 24;
+}
+inline ATTNMIX_HOST_DEVICE index_t staged_state_bytes(int D, int Dv) {
+  return (index_t(D) * staged_stride(Dv) * 2 + 16 + 127) / 128 * 128;
+}
+// The reduce kernel merges the partial states itself (the last CTA of a head to finish does it)
+// when a head has at most this many blocks; more go through linear_combine_kernel.
+constexpr index_t linear_fused_partials = 32;
+
+// D = Dv = 64 has its own reduce kernel (linear_reduce_fast_kernel).
+inline bool linear_reduce_fast_dims(index_t D, index_t Dv) {
+  return D == 64 && Dv == 64;
+}
+
+// The read kernel's ring of query stages, and its shared memory.
+constexpr int linear_mma_read_stages = 3;
+inline int linear_mma_read_smem(index_t D, index_t Dv, bool gate) {
+  return int(
+      (D * (Dv + 24) + linear_mma_read_stages * linear_mma_rows * (D + 8 + (gate ? Dv + 8 : 0))) *
+      2);
+}
+
+// The read kernel of one head dim (linear_read_fast_kernel), D = Dv = 64.
+constexpr int linear_fast_threads = 256;
+inline bool linear_fast_dims(index_t D, index_t Dv) {
+  return D == 64 && Dv == 64;
+}
+
+// One cluster a head (linear_cluster_fast_kernel, compute capability 9.0).
+constexpr int linear_cluster_ctas = 2;        // CTAs an SM: the read needs about 128 registers
+constexpr int linear_cluster_max = 8;         // the portable cluster size (CUDA guarantees it)
+constexpr int linear_cluster_max_group = 64;  // query heads a KV head, for the norm weights
+constexpr int linear_cluster_ring =
+    linear_mma_stages<false> * linear_mma_tokens * (64 + 8 + 64 + 8) * 2;
+
+// Dynamic shared memory: the ring of tiles (later the partial state), then the group's norm
+// weights.
+inline int linear_cluster_smem(index_t group) {
+  return linear_cluster_ring + int(group) * 64 * int(sizeof(float));
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

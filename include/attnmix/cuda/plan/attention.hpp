@@ -1,0 +1,134 @@
+#pragma once
+// The plan of a softmax-family forward (softmax, FoX): which kernel, its tiles and its grid, and
+// the scratch of the call. Pure C++: unit-tested without a GPU (tests/plan/).
+//
+//   sm90_wgmma: Hopper, 16-bit inputs, aligned rows, D, Dv in {64, 128}, positive scale, not
+//               backend::cuda::portable; persistent, one CTA an SM over the row tiles.
+//   sm80_mma:   the same inputs elsewhere (or when portable is asked): a CTA a 64-row tile.
+//   simt:       float, other head dims or unaligned views: a warp a query row.
+
+#include <algorithm>
+#include <cstddef>
+
+#include "attnmix/attention/args.hpp"
+#include "attnmix/config.hpp"
+#include "attnmix/cuda/kernels/shapes.hpp"
+#include "attnmix/cuda/plan/device_properties.hpp"
+#include "attnmix/cuda/plan/grid.hpp"
+#include "attnmix/cuda/plan/scratch.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+// The tile knobs of the tensor-core kernels, read by the launchers as template arguments.
+// mma.sync: one 16-row tile per warp (two, m_tiles = 2, measured the same on an H200 at D = 64
+// and need 255 registers).
+constexpr int attention_mma_warps = 4, attention_mma_m_tiles = 1, attention_mma_key_tile = 64;
+constexpr int attention_mma_rows = 16 * attention_mma_m_tiles * attention_mma_warps;
+constexpr int attention_mma_threads = 32 * attention_mma_warps;
+// wgmma: 128-key tiles, 3 stages. At D = Dv = 64 three consumer warpgroups hide more latency
+// than two (measured 1-12 % faster on an H200); larger dims need the registers of two.
+constexpr int attention_wgmma_key_tile = 128, attention_wgmma_stages = 3;
+constexpr int attention_wgmma_consumers(int D, int Dv) {
+  return D == 64 && Dv == 64 ? 3 : 2;
+}
+// CUDA cores: a warp a query row, 4 rows a CTA.
+constexpr int attention_simt_rows = 4, attention_simt_threads = 128;
+
+enum class attention_variant { sm90_wgmma, sm80_mma, simt };
+
+// What the plan reads of a call (the launcher fills it from the validated problem and views).
+struct attention_shape {
+  index_t head_dim = 0, value_dim = 0;
+  index_t max_len = 0;  // longest sequence
+  index_t q_heads = 0;
+  index_t sequences = 0;
+  bool sixteen_bit = false;    // half or bfloat16 inputs
+  bool aligned = false;        // q, k, v rows 16-byte aligned, out rows 4-byte aligned
+  bool positive_scale = true;  // the wgmma kernels fold the scale into the exponent
+  bool portable = false;       // backend::cuda::portable
+};
+
+struct attention_plan {
+  attention_variant variant = attention_variant::simt;
+  int head_dim = 0, value_dim = 0;   // the tensor-core kernel's compile-time dims
+  int consumers = 0;                 // wgmma: consumer warpgroups
+  int rows = 0;                      // query rows of a work item
+  int simt_chunks = 0;               // simt: 32-wide chunks of the widest head dim (2, 4 or 8)
+  index_t row_tiles = 0, items = 0;  // tensor cores: row tiles a sequence, and work items
+  launch_grid grid;
+  bool reset_work_counter = false;  // the persistent kernel takes items from a counter
+};
+
+// Whether a call may take the Hopper (wgmma) softmax-family and PaTH kernels: on Hopper, unless
+// the portable kernels were asked for, and with a positive scale (those kernels take a row's
+// maximum over the raw scores and fold the scale into the exponent; PaTH's gate bias is the gate
+// over the scale).
+inline bool hopper_kernels_apply(bool portable, bool positive_scale, const device_properties& d) {
+  return !portable && d.hopper() && positive_scale;
+}
+
+inline bool tensor_core_dims(index_t D, index_t Dv) {
+  return (D == 64 || D == 128) && (Dv == 64 || Dv == 128);
+}
+
+inline attention_plan plan_attention(const attention_shape& s, const device_properties& d) {
+  attention_plan p;
+  if (s.sixteen_bit && s.aligned && tensor_core_dims(s.head_dim, s.value_dim)) {
+    p.head_dim = int(s.head_dim), p.value_dim = int(s.value_dim);
+    if (hopper_kernels_apply(s.portable, s.positive_scale, d)) {
+      p.variant = attention_variant::sm90_wgmma;
+      p.consumers = attention_wgmma_consumers(p.head_dim, p.value_dim);
+      p.rows = 64 * p.consumers;
+      p.row_tiles = (s.max_len + p.rows - 1) / p.rows;
+      p.items = p.row_tiles * s.q_heads * s.sequences;
+      p.grid.x = unsigned(std::min<index_t>(p.items, d.sms));  // persistent: a CTA an SM
+      p.reset_work_counter = true;
+    } else {
+      p.variant = attention_variant::sm80_mma;
+      p.rows = attention_mma_rows;
+      p.row_tiles = (s.max_len + p.rows - 1) / p.rows;
+      p.items = p.row_tiles * s.q_heads * s.sequences;
+      p.grid.x = unsigned(p.items);  // a 1-D grid of work items, row tiles first
+    }
+    return p;
+  }
+  p.variant = attention_variant::simt;
+  const index_t widest = std::max(s.head_dim, s.value_dim);
+  p.simt_chunks = widest <= 64 ? 2 : widest <= 128 ? 4 : 8;
+  p.rows = attention_simt_rows;
+  p.grid = {unsigned((s.max_len + attention_simt_rows - 1) / attention_simt_rows),
+            unsigned(s.q_heads), unsigned(s.sequences)};
+  return p;
+}
+
+// Scratch of a softmax-family call: the cu_seqlens copy, with a gate its cumsum G and G's part
+// sums, then the work counter of the persistent kernels; each part padded to 256 bytes.
+struct attention_scratch_layout {
+  std::size_t gate = 0, part_sums = 0, counter = 0, bytes = 0;  // offsets, then the total
+  index_t gate_parts = 1;  // parts of gate_part tokens of the longest sequence
+  attention_scratch_layout(const attention_problem& p, bool gated, index_t max_len) {
+    gate_parts = std::max<index_t>(1, (max_len + gate_part - 1) / gate_part);
+    gate = p.cu_seqlens == nullptr ? 0 : cu_seqlens_scratch_bytes(p.num_sequences);
+    part_sums =
+        gate + (gated ? padded_bytes(static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) *
+                                     sizeof(double))
+                      : 0);
+    counter =
+        part_sums +
+        (gated ? padded_bytes(static_cast<std::size_t>(p.num_sequences * gate_parts * p.q_heads) *
+                              sizeof(double))
+               : 0);
+    bytes = counter + scratch_alignment;
+  }
+};
+
+// The two gate-cumsum kernels' grid: (part, 32 query heads, sequence).
+inline launch_grid gate_cumsum_grid(const attention_problem& p, index_t gate_parts) {
+  return {unsigned(gate_parts), unsigned((p.q_heads + 31) / 32), unsigned(p.num_sequences)};
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
