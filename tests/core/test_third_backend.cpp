@@ -1,7 +1,6 @@
-// A third backend, defined in this test only: a serial CPU backend. Adding it takes its tag and
-// the specialisations below (attention_impl, linear_attention_impl, path_cache_impl and
-// is_implemented); the front doors, their checks and the host path_cache need no change. Its
-// results equal the cpu backend's.
+// The test-only serial backend (support/serial_backend.hpp) through the front doors: attention,
+// linear attention, the PaTH key cache, prefill and decoding give the cpu backend's bits, and the
+// memory-space checks name it.
 
 #include <cstdint>
 #include <string>
@@ -10,66 +9,8 @@
 
 #include "attnmix/attnmix.hpp"
 #include "support/catch.hpp"
+#include "support/serial_backend.hpp"
 #include "support/testing.hpp"
-
-namespace test_backend {
-
-// The tag: a name and the memory space its kernels read.
-struct serial {
-  using memory_space = attnmix::host_space;
-  static constexpr const char* name = "serial";
-};
-
-}  // namespace test_backend
-
-namespace attnmix {
-
-template <class Kind>
-struct is_implemented<Kind, test_backend::serial> : is_implemented<Kind, backend::cpu> {};
-
-namespace detail {
-
-// The specialisations: the cpu implementations on one thread.
-template <class Kind, class Policy>
-struct attention_impl<Kind, test_backend::serial, Policy> {
-  template <class T>
-  static void run(const attention_args<T>& a, const attention_problem& p,
-                  const test_backend::serial&) {
-    attention_impl<Kind, backend::cpu, Policy>::run(a, p, backend::cpu{1});
-  }
-};
-
-template <class Kind, class Policy>
-struct linear_attention_impl<Kind, test_backend::serial, Policy> {
-  template <class T>
-  static void run(const linear_attention_args<T>& a, const linear_attention_problem& p,
-                  const test_backend::serial&) {
-    linear_attention_impl<Kind, backend::cpu, Policy>::run(a, p, backend::cpu{1});
-  }
-};
-
-template <>
-struct path_cache_impl<test_backend::serial> {
-  using cpu_impl = path_cache_impl<backend::cpu>;
-  template <class Policy, class T>
-  static void key_cache(const path_key_cache_args<T>& a, const attention_problem& p,
-                        const test_backend::serial&) {
-    cpu_impl::key_cache<Policy>(a, p, backend::cpu{1});
-  }
-  template <class Kind, class Policy, class T>
-  static void prefill(path_cache<T>& c, const attention_args<T>& a, const attention_problem& p,
-                      const std::vector<index_t>& slots, const test_backend::serial&) {
-    cpu_impl::prefill<Kind, Policy>(c, a, p, slots, backend::cpu{1});
-  }
-  template <class Kind, class Policy, class T>
-  static void decode(path_cache<T>& c, const attention_args<T>& a, const attention_problem& p,
-                     const std::vector<index_t>& slots, const test_backend::serial&) {
-    cpu_impl::decode<Kind, Policy>(c, a, p, slots, backend::cpu{1});
-  }
-};
-
-}  // namespace detail
-}  // namespace attnmix
 
 using namespace attnmix_test;
 using attnmix::host_tensor;

@@ -11,125 +11,7 @@
 #include "layers/gated_softmax_layer.hpp"
 #include "layers/layer_harness.hpp"
 
-// A third host backend: its tag, the attention front doors' implementations and layers::ops,
-// each forwarding to the CPU backend on one thread. Nothing else of attnmix knows it.
-namespace serial_test {
-struct serial {
-  using memory_space = attnmix::host_space;
-  static constexpr const char* name = "serial";
-};
-}  // namespace serial_test
-
-namespace attnmix {
-template <class Kind>
-struct is_implemented<Kind, serial_test::serial> : is_implemented<Kind, backend::cpu> {};
-namespace detail {
-template <class Kind, class Policy>
-struct attention_impl<Kind, serial_test::serial, Policy> {
-  template <class T>
-  static void run(const attention_args<T>& a, const attention_problem& p,
-                  const serial_test::serial&) {
-    attention_impl<Kind, backend::cpu, Policy>::run(a, p, backend::cpu{1});
-  }
-};
-template <class Kind, class Policy>
-struct linear_attention_impl<Kind, serial_test::serial, Policy> {
-  template <class T>
-  static void run(const linear_attention_args<T>& a, const linear_attention_problem& p,
-                  const serial_test::serial&) {
-    linear_attention_impl<Kind, backend::cpu, Policy>::run(a, p, backend::cpu{1});
-  }
-};
-template <>
-struct path_cache_impl<serial_test::serial> {
-  using cpu = path_cache_impl<backend::cpu>;
-  template <class Policy, class T>
-  static void key_cache(const path_key_cache_args<T>& a, const attention_problem& p,
-                        const serial_test::serial&) {
-    cpu::template key_cache<Policy>(a, p, backend::cpu{1});
-  }
-  template <class Kind, class Policy, class T>
-  static void prefill(path_cache<T>& c, const attention_args<T>& a, const attention_problem& p,
-                      const std::vector<index_t>& slots, const serial_test::serial&) {
-    cpu::template prefill<Kind, Policy>(c, a, p, slots, backend::cpu{1});
-  }
-  template <class Kind, class Policy, class T>
-  static void decode(path_cache<T>& c, const attention_args<T>& a, const attention_problem& p,
-                     const std::vector<index_t>& slots, const serial_test::serial&) {
-    cpu::template decode<Kind, Policy>(c, a, p, slots, backend::cpu{1});
-  }
-};
-}  // namespace detail
-
-namespace layers {
-template <>
-struct ops<serial_test::serial> {
-  using cpu = ops<backend::cpu>;
-  struct handles {};
-  template <class T>
-  static constexpr bool computes = cpu::computes<T>;
-  static const backend::cpu& one_thread() {
-    static const backend::cpu be{1};
-    return be;
-  }
-  struct on_cpu {  // a serial call's context as a one-thread CPU one
-    explicit on_cpu(const context<serial_test::serial>& c)
-        : ctx{one_thread(), c.layout, c.positions, h} {}
-    cpu::handles h;
-    context<backend::cpu> ctx;
-  };
-  struct scratch : cpu::scratch {
-    scratch(const serial_test::serial&, std::size_t bytes) : cpu::scratch(one_thread(), bytes) {}
-  };
-  struct timer : cpu::timer {
-    timer(const serial_test::serial&, bool on) : cpu::timer(one_thread(), on) {}
-  };
-
-  template <class C, class... A>
-  static void gemm(const C& c, A... a) {
-    cpu::gemm(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void norm(const C& c, A... a) {
-    cpu::norm(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void short_conv(const C& c, A... a) {
-    cpu::short_conv(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void rope(const C& c, A... a) {
-    cpu::rope(on_cpu(c).ctx, a...);
-  }
-  template <class Fn, class C, class... A>
-  static void map(const C& c, A... a) {
-    cpu::map<Fn>(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void move_rows(const C& c, A... a) {
-    cpu::move_rows(on_cpu(c).ctx, a...);
-  }
-  template <class... A>
-  static void positions(const serial_test::serial&, A&&... a) {
-    cpu::positions(one_thread(), a...);
-  }
-  template <class S>
-  static void upload(const serial_test::serial&, S* dst, const S* src, index_t n) {
-    cpu::upload(one_thread(), dst, src, n);
-  }
-  template <class S>
-  static void zero(const serial_test::serial&, S* p, index_t n) {
-    cpu::zero(one_thread(), p, n);
-  }
-  template <class V>
-  static void check_memory(const std::string&, const char*, const V&) {}
-  template <class Body>
-  static void for_each(const serial_test::serial&, index_t n, Body&& body) {
-    for (index_t i = 0; i < n; ++i) body(i);
-  }
-};
-}  // namespace layers
-}  // namespace attnmix
+#include "support/serial_backend.hpp"
 
 namespace {
 
@@ -368,12 +250,12 @@ void check_on_serial(const attnmix::stack_inputs& in, index_t B, index_t T, std:
   const L::config c = stack_config();
   Stack s(c);
   L::randomize_parameters(s, test_seed() ^ salt, 0.15, 0.3);
-  const attnmix::stack_on<Stack, serial_test::serial> ss(s);
+  const attnmix::stack_on<Stack, test_backend::serial> ss(s);
   auto x = random_activations<double>(r, B, T, c.hidden_size);
   host_tensor<double, 3> want(x.shape()), got(x.shape());
   poison(got);
   s.forward(x.view(), want.view(), in);
-  ss.forward(x.view(), got.view(), in, serial_test::serial{});
+  ss.forward(x.view(), got.view(), in, test_backend::serial{});
   CHECK(got.storage() == want.storage());
 }
 
@@ -393,19 +275,19 @@ TEST_CASE("a third host backend runs stacks by specialising only the operations"
   const L::config c = stack_config();
   lm s(c);
   L::randomize_parameters(s, test_seed() ^ 54, 0.15, 0.3);
-  const attnmix::stack_on<lm, serial_test::serial> ss(s);
+  const attnmix::stack_on<lm, test_backend::serial> ss(s);
   rng r(54);
   auto x = random_activations<double>(r, 2, 6, c.hidden_size);
   host_tensor<double, 3> y0(x.shape()), y1(x.shape());
   auto c0 = s.make_cache(2, 8);
   auto c1 = ss.make_cache(2, 8);
   s.prefill(x.view(), y0.view(), c0);
-  ss.prefill(x.view(), y1.view(), c1, {}, serial_test::serial{});
+  ss.prefill(x.view(), y1.view(), c1, {}, test_backend::serial{});
   CHECK(y1.storage() == y0.storage());
   host_tensor<double, 3> t({2, 1, c.hidden_size}, 0.25), o0({2, 1, c.hidden_size}),
       o1({2, 1, c.hidden_size});
   s.decode(t.view(), o0.view(), c0);
-  ss.decode(t.view(), o1.view(), c1, serial_test::serial{});
+  ss.decode(t.view(), o1.view(), c1, test_backend::serial{});
   CHECK(o1.storage() == o0.storage());
 }
 
