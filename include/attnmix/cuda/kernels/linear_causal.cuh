@@ -363,8 +363,11 @@ __global__ void __launch_bounds__(causal_threads)
 
       // Epilogue, one warp per row.
       for (int row = warp; row < rows; row += warps) {
+        // Every key-gate logit so far -inf: the row sees no key and is 0, as on the CPU.
         float inv = 1.f;
-        if (Policy::normalize)
+        if (gated && mass[row] == 0.f)
+          inv = 0.f;
+        else if (Policy::normalize)
           inv = 1.f / den[row];
         else if (gated)
           inv = 1.f / mass[row];
