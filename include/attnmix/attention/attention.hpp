@@ -38,8 +38,13 @@ struct qkv_sizes {
 template <class T>
 arg_list qkv_out_args(const view4<const T>& q, const view4<const T>& k, const view4<const T>& v,
                       const view4<T>& out) {
-  return {input("q", q, arg_presence::required), input("k", k, arg_presence::required),
-          input("v", v, arg_presence::required), output("out", out, arg_presence::required)};
+  arg_list args;
+  args.reserve(16);  // room for every family's list: one allocation a call
+  args.push_back(input("q", q, arg_presence::required));
+  args.push_back(input("k", k, arg_presence::required));
+  args.push_back(input("v", v, arg_presence::required));
+  args.push_back(output("out", out, arg_presence::required));
+  return args;
 }
 
 // The sizes of q, k, v (whose placement is checked), their consistency (HQ % H == 0), and the
@@ -48,14 +53,14 @@ inline qkv_sizes resolve_qkv(const std::string& fn, arg_list& args) {
   const tensor_arg &q = args[0], &k = args[1], &v = args[2];
   const qkv_sizes s{q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]};
   require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
-          shape_string(q.shape.data(), 4));
+          shape_of(q));
   require(s.H >= 1, fn, "k", "must have at least one head but has shape ",
-          shape_string(k.shape.data(), 4));
+          shape_of(k));
   require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H, " heads, which does not divide the HQ = ",
           s.HQ, " heads of 'q'");
   args[1].expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
   check_shapes(fn, {args[1]});
-  require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_string(v.shape.data(), 4));
+  require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_of(v));
   args[2].expect("[B, T, H, Dv]", s.B, s.T, s.H, s.Dv);
   args[3].expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
   return s;

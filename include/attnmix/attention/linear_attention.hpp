@@ -5,6 +5,7 @@
 // (attnmix/attnmix.hpp, attnmix/cuda.cuh) to use it.
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -50,7 +51,7 @@ arg_list linear_arg_list(const linear_attention_args<T>& a, const linear_attenti
   args.push_back(output("state_out.z", a.state_out.z));
   args.push_back(output("state_out.lse", a.state_out.lse, gated ? opt : no, no_gate));
   for (auto& x : args)
-    if (std::string(x.name).rfind("state_", 0) == 0) x.in_place = true;
+    if (std::strncmp(x.name, "state_", 6) == 0) x.in_place = true;
   return args;
 }
 

@@ -7,6 +7,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
@@ -211,9 +212,20 @@ inline std::string shape_string(const index_t* extents, int rank) {
   return s + "]";
 }
 
+// An entry's shape for an error message, formatted only when the message is built (as
+// shape_of for views: require's arguments are evaluated on every call).
+struct lazy_extents {
+  const index_t* extents;
+  int rank;
+};
+inline std::ostream& operator<<(std::ostream& os, const lazy_extents& s) {
+  return os << shape_string(s.extents, s.rank);
+}
+inline lazy_extents shape_of(const tensor_arg& a) { return {a.shape.data(), a.rank}; }
+
 inline tensor_arg* find_arg(arg_list& args, const char* name) {
   for (auto& a : args)
-    if (std::string(a.name) == name) return &a;
+    if (std::strcmp(a.name, name) == 0) return &a;
   return nullptr;
 }
 
@@ -235,15 +247,14 @@ inline void check_placement(const std::string& fn, arg_list& args, memory_space 
   for (auto& a : args) {
     if (*a.space_user == '\0') a.required_space = space, a.space_user = backend;
     if (!a.given) continue;
-    const auto shape = [&] { return shape_string(a.shape.data(), a.rank); };
     for (int i = 0; i < a.rank; ++i)
       require(a.shape[static_cast<std::size_t>(i)] >= 0, fn, a.name,
-              "has a negative extent in dimension ", i, ": shape ", shape());
+              "has a negative extent in dimension ", i, ": shape ", shape_of(a));
     for (int i = 0; i < a.rank; ++i)
       require(a.stride[static_cast<std::size_t>(i)] >= 0, fn, a.name, "has a negative stride ",
               a.stride[static_cast<std::size_t>(i)], " in dimension ", i);
     if (a.size() > 0) {
-      require(a.data != nullptr, fn, a.name, "has shape ", shape(), " but a null pointer");
+      require(a.data != nullptr, fn, a.name, "has shape ", shape_of(a), " but a null pointer");
       const auto last = static_cast<std::size_t>(a.rank - 1);
       require(a.shape[last] == 1 || a.stride[last] == 1, fn, a.name,
               "must be contiguous in its last dimension but has stride ", a.stride[last]);
@@ -288,15 +299,18 @@ inline void check_outputs(const std::string& fn, const arg_list& args) {
   for (std::size_t i = 0; i < args.size(); ++i) {
     const tensor_arg& o = args[i];
     if (o.role != arg_role::output || !o.given || o.size() == 0) continue;
-    std::vector<std::pair<index_t, index_t>> dims;  // (stride, extent) of dims with extent > 1
+    // (stride, extent) of the dims with extent > 1, by stride
+    std::array<std::pair<index_t, index_t>, tensor_arg::max_rank> dims{};
+    std::size_t n = 0;
     for (int d = 0; d < o.rank; ++d)
       if (o.shape[static_cast<std::size_t>(d)] > 1)
-        dims.emplace_back(o.stride[static_cast<std::size_t>(d)], o.shape[static_cast<std::size_t>(d)]);
-    std::sort(dims.begin(), dims.end());
+        dims[n++] = {o.stride[static_cast<std::size_t>(d)], o.shape[static_cast<std::size_t>(d)]};
+    std::sort(dims.begin(), dims.begin() + static_cast<std::ptrdiff_t>(n));
     index_t span = 1;
-    for (auto [stride, extent] : dims) {
+    for (std::size_t d = 0; d < n; ++d) {
+      const auto [stride, extent] = dims[d];
       require(stride >= span, fn, o.name, "has strides that make elements overlap (shape ",
-              shape_string(o.shape.data(), o.rank), ")");
+              shape_of(o), ")");
       span = stride * (extent - 1) + span;
     }
     const auto r = byte_range(o);
