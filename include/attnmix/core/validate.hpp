@@ -305,7 +305,8 @@ inline void check_outputs(const std::string& fn, const arg_list& args) {
     for (int d = 0; d < o.rank; ++d)
       if (o.shape[static_cast<std::size_t>(d)] > 1)
         dims[n++] = {o.stride[static_cast<std::size_t>(d)], o.shape[static_cast<std::size_t>(d)]};
-    std::sort(dims.begin(), dims.begin() + static_cast<std::ptrdiff_t>(n));
+    for (std::size_t i = 1; i < n; ++i)  // insertion sort of at most four
+      for (std::size_t j = i; j > 0 && dims[j] < dims[j - 1]; --j) std::swap(dims[j], dims[j - 1]);
     index_t span = 1;
     for (std::size_t d = 0; d < n; ++d) {
       const auto [stride, extent] = dims[d];
