@@ -17,8 +17,10 @@
 
 #include "attnmix/attention/args.hpp"
 #include "attnmix/attention/attention.hpp"
+#include "attnmix/attention/attention_backward.hpp"
 #include "attnmix/attention/linear_args.hpp"
 #include "attnmix/attention/linear_attention.hpp"
+#include "attnmix/attention/linear_attention_backward.hpp"
 #include "attnmix/attention/path_cache.hpp"
 
 #include "attnmix/cpu/bla.hpp"

@@ -112,9 +112,9 @@ TEST_CASE("missing and unexpected tensors", "[linear][errors][cpu]") {
   expect_rejected<gbla, attnmix::gbla_policy>(
       "state_in.S", "only causal kinds",
       [](fixture& f, auto& a, auto&) { a.state_in.S = f.S_in.view(); });
-  expect_rejected("state_in.z", "is required with state_in.S when the normaliser is on",
+  expect_rejected("state_in.z", "is required with 'state_in.S' when the normaliser is on",
                   [](fixture&, auto& a, auto&) { a.state_in.z = {}; });
-  expect_rejected("state_in.lse", "is required with state_in.S under a key gate",
+  expect_rejected("state_in.lse", "is required with 'state_in.S' under a key gate",
                   [](fixture&, auto& a, auto&) { a.state_in.lse = {}; });
   expect_rejected("state_in.z", "'state_in.S' was not",
                   [](fixture&, auto& a, auto&) { a.state_in.S = {}; });

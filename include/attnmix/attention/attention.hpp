@@ -123,6 +123,35 @@ arg_list attention_arg_list(const attention_args<T>& a, const attention_params& 
   return args;
 }
 
+// The runtime values of a softmax-family call (scale, window, packed-batch offsets) checked
+// against the resolved sizes, and the problem every backend gets.
+template <class Kind, class T>
+attention_problem resolve_attention_problem(const std::string& fn, const qkv_sizes& s,
+                                            const attention_params& p) {
+  const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(s.D));
+  check_finite_in<accum_t<T>>(fn, "scale", scale);
+  require(p.window >= 0, fn, "window", "must be >= 0 (0: no window) but is ", p.window);
+  if constexpr (kind_traits<Kind>::uses_householder)
+    require(p.window == 0, fn, "window", "must be 0: PaTH has no sliding window, but is ",
+            p.window);
+  const packed_batch packed = check_packed_batch(fn, p.cu_seqlens, s);
+
+  attention_problem prob{};
+  prob.batch = s.B;
+  prob.tokens = s.T;
+  prob.q_heads = s.HQ;
+  prob.kv_heads = s.H;
+  prob.head_dim = s.D;
+  prob.value_dim = s.Dv;
+  prob.scale = scale;
+  // A window of T or more sees every key of every sequence: no window. This also keeps the
+  // kernels' index arithmetic (i + window) far from overflow.
+  prob.window = p.window >= s.T ? 0 : p.window;
+  prob.cu_seqlens = packed.cu_seqlens;
+  prob.num_sequences = packed.sequences;
+  return prob;
+}
+
 // Checks everything attention() needs and returns the resolved sizes. Throws attnmix::error.
 template <class Kind, class T, class Backend>
 attention_problem validate_attention(const std::string& fn, const attention_args<T>& a,
@@ -139,28 +168,8 @@ attention_problem validate_attention(const std::string& fn, const attention_args
   check_shapes(fn, args);
   check_outputs(fn, args);
 
-  const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(s.D));
-  check_finite_in<accum_t<T>>(fn, "scale", scale);
-  require(p.window >= 0, fn, "window", "must be >= 0 (0: no window) but is ", p.window);
-  if constexpr (kind_traits<Kind>::uses_householder)
-    require(p.window == 0, fn, "window", "must be 0: PaTH has no sliding window, but is ",
-            p.window);
-  const packed_batch packed = check_packed_batch(fn, p.cu_seqlens, s);
+  const attention_problem prob = resolve_attention_problem<Kind, T>(fn, s, p);
   pointer_check<space>::run(fn, args);
-
-  attention_problem prob{};
-  prob.batch = s.B;
-  prob.tokens = s.T;
-  prob.q_heads = s.HQ;
-  prob.kv_heads = s.H;
-  prob.head_dim = s.D;
-  prob.value_dim = s.Dv;
-  prob.scale = scale;
-  // A window of T or more sees every key of every sequence: no window. This also keeps the
-  // kernels' index arithmetic (i + window) far from overflow.
-  prob.window = p.window >= s.T ? 0 : p.window;
-  prob.cu_seqlens = packed.cu_seqlens;
-  prob.num_sequences = packed.sequences;
   return prob;
 }
 

@@ -43,6 +43,38 @@ struct linear_attention_args {
   linear_state<accum> state_out{};       // the state after the last token (any subset of S, z, lse)
 };
 
+// Tensors of the linear-attention backward (linear_attention_backward). The forward's inputs
+// and the gradient of its output in; the gradient of every differentiable input out. The
+// backward recomputes what it needs of the forward (it is O(T D Dv)); a bidirectional kind may
+// be handed the forward's state_out as `saved` (S, z, and lse under a key gate) to skip that.
+// A causal kind takes the gradient of the forward's final state (dstate_out, any subset; absent
+// parts are 0) and writes that of its initial state (dstate_in, any subset of what state_in gave).
+// Gradients have the shape of what they differentiate; those of k, v and a sum over the query
+// heads of a group, dgamma over every token (and head, with norm_weight::shared). Pad tokens
+// (mask 0) get zero gradients.
+template <class T>
+struct linear_attention_grad_args {
+  using accum = accum_t<T>;
+  view4<const T> q{};                           // [B, T, HQ, D]
+  view4<const T> k{};                           // [B, T, H, D]
+  view4<const T> v{};                           // [B, T, H, Dv]
+  tensor_view<const std::uint8_t, 2> mask{};    // [B, T]
+  view3<const accum> a{};                       // [B, T, Hg]
+  view4<const T> gate{};                        // [B, T, HQ, Dv]
+  view1<const accum> gamma{};                   // [Dv] or [HQ * Dv]
+  linear_state<const accum> state_in{};         // linear_causal only
+  linear_state<const accum> saved{};            // bidirectional kinds: the forward's state_out
+  view4<const T> dout{};                        // d loss / d out [B, T, HQ, Dv]
+  linear_state<const accum> dstate_out{};       // linear_causal only
+  view4<T> dq{};                                // [B, T, HQ, D]
+  view4<T> dk{};                                // [B, T, H, D]
+  view4<T> dv{};                                // [B, T, H, Dv]
+  view3<accum> da{};                            // key gate [B, T, Hg]
+  view4<T> dgate{};                             // gated norm [B, T, HQ, Dv]
+  view1<accum> dgamma{};                        // gated norm, when gamma is given
+  linear_state<accum> dstate_in{};              // linear_causal, when state_in is given
+};
+
 // Runtime values.
 struct linear_attention_params {
   // Multiplies phi(q) (after the feature map). Default: 1 with the normaliser on (where it

@@ -55,6 +55,68 @@ arg_list linear_arg_list(const linear_attention_args<T>& a, const linear_attenti
   return args;
 }
 
+// The runtime values of a linear-attention call checked in the type they are computed in;
+// returns the scale.
+template <class Policy, class A>
+double check_linear_scalars(const std::string& fn, const linear_attention_params& p,
+                            const qkv_sizes& s) {
+  const auto finite = [](double x) { return std::isfinite(x) && std::isfinite(static_cast<A>(x)); };
+  if constexpr (Policy::norm != gated_norm::off)
+    require(finite(p.norm_eps) && p.norm_eps > 0, fn, "norm_eps",
+            "must be finite and > 0 (in the type it is computed in) but is ", p.norm_eps);
+  const double scale =
+      p.scale ? *p.scale : (Policy::normalize ? 1.0 : 1.0 / std::sqrt(static_cast<double>(s.D)));
+  check_finite_in<A>(fn, "scale", scale);
+  require(finite(p.eps) && p.eps >= 0, fn, "eps",
+          "must be finite and >= 0 (in the type it is computed in) but is ", p.eps);
+  // phi(q).z is 0 for a query or key set whose features vanish (relu): eps keeps 0 / eps = 0.
+  require(!Policy::normalize || p.eps > 0, fn, "eps",
+          "must be > 0 with the normaliser on (phi(q).z can be 0) but is ", p.eps);
+  return scale;
+}
+
+inline linear_attention_problem make_linear_problem(const qkv_sizes& s, index_t gate_heads,
+                                                    double scale, const linear_attention_params& p,
+                                                    const packed_batch& packed) {
+  linear_attention_problem prob{};
+  prob.batch = s.B;
+  prob.tokens = s.T;
+  prob.q_heads = s.HQ;
+  prob.kv_heads = s.H;
+  prob.gate_heads = gate_heads;
+  prob.head_dim = s.D;
+  prob.value_dim = s.Dv;
+  prob.scale = scale;
+  prob.eps = p.eps;
+  prob.norm_eps = p.norm_eps;
+  prob.cu_seqlens = packed.cu_seqlens;
+  prob.num_sequences = packed.sequences;
+  return prob;
+}
+
+// The names of a state's parts in messages.
+struct state_names {
+  const char *S, *z, *lse;
+};
+inline constexpr state_names state_in_names{"state_in.S", "state_in.z", "state_in.lse"};
+
+// A state read as a whole: S, then z with the normaliser on and lse under a key gate; no z or
+// lse without S.
+template <class Policy, class A>
+void check_state_parts(const std::string& fn, const state_names& n, const linear_state<A>& st) {
+  if (st.S.has_value()) {
+    if (Policy::normalize)
+      require(st.z.has_value(), fn, n.z, "is required with '", n.S,
+              "' when the normaliser is on but was not given");
+    if constexpr (Policy::gate != key_gate::off)
+      require(st.lse.has_value(), fn, n.lse, "is required with '", n.S,
+              "' under a key gate but was not given");
+  } else {
+    require(!st.z.has_value(), fn, n.z, "was given but '", n.S, "' was not");
+    require(!st.lse.has_value(), fn, n.lse, "was given but '", n.S, "' was not");
+  }
+}
+
 // Checks everything linear_attention() needs and returns the resolved sizes. Throws
 // attnmix::error and reads no tensor data but cu_seqlens.
 template <class Kind, class Policy, class T, class Backend>
@@ -64,20 +126,10 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
   using space = typename Backend::memory_space;
   using A = accum_t<T>;
   constexpr bool gated = Policy::gate != key_gate::off;
-  constexpr bool normed = Policy::norm != gated_norm::off;
 
   arg_list args = linear_arg_list<Kind, Policy>(a, p);
   check_presence(fn, args);
-  const auto& si = a.state_in;
-  if (si.S.has_value()) {
-    if (Policy::normalize)
-      check_given(fn, "state_in.z", si.z, "is required with state_in.S when the normaliser is on");
-    if constexpr (gated)
-      check_given(fn, "state_in.lse", si.lse, "is required with state_in.S under a key gate");
-  } else {
-    check_not_given(fn, "state_in.z", si.z, "'state_in.S' was not");
-    check_not_given(fn, "state_in.lse", si.lse, "'state_in.S' was not");
-  }
+  check_state_parts<Policy>(fn, state_in_names, a.state_in);
   check_placement(fn, args, space::value, Backend::name);
   const qkv_sizes s = resolve_qkv(fn, args);
   const index_t Hg = !gated ? 0 : Policy::gate == key_gate::shared ? 1 : s.H;
@@ -92,19 +144,7 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
     find_arg(args, "gamma")->expect("[HQ * Dv] (norm_weight::per_head)", s.HQ * s.Dv);
   check_shapes(fn, args);
 
-  const auto finite = [](double x) { return std::isfinite(x) && std::isfinite(static_cast<A>(x)); };
-  if constexpr (normed)
-    require(finite(p.norm_eps) && p.norm_eps > 0, fn, "norm_eps",
-            "must be finite and > 0 (in the type it is computed in) but is ", p.norm_eps);
-  const double scale =
-      p.scale ? *p.scale : (Policy::normalize ? 1.0 : 1.0 / std::sqrt(static_cast<double>(s.D)));
-  check_finite_in<A>(fn, "scale", scale);
-  require(finite(p.eps) && p.eps >= 0, fn, "eps",
-          "must be finite and >= 0 (in the type it is computed in) but is ", p.eps);
-  // phi(q).z is 0 for a query or key set whose features vanish (relu): eps keeps 0 / eps = 0.
-  require(!Policy::normalize || p.eps > 0, fn, "eps",
-          "must be > 0 with the normaliser on (phi(q).z can be 0) but is ", p.eps);
-
+  const double scale = check_linear_scalars<Policy, A>(fn, p, s);
   const packed_batch packed = check_packed_batch(fn, p.cu_seqlens, s);
   const index_t N = packed.sequences;
   for (const char* S : {"state_in.S", "state_out.S"})
@@ -115,20 +155,27 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
   check_outputs(fn, args);
   pointer_check<space>::run(fn, args);
 
-  linear_attention_problem prob{};
-  prob.batch = s.B;
-  prob.tokens = s.T;
-  prob.q_heads = s.HQ;
-  prob.kv_heads = s.H;
-  prob.gate_heads = Hg;
-  prob.head_dim = s.D;
-  prob.value_dim = s.Dv;
-  prob.scale = scale;
-  prob.eps = p.eps;
-  prob.norm_eps = p.norm_eps;
-  prob.cu_seqlens = packed.cu_seqlens;
-  prob.num_sequences = N;
-  return prob;
+  return make_linear_problem(s, Hg, scale, p, packed);
+}
+
+// The compile-time checks of both linear-attention front doors.
+template <class Kind, class Policy, class T, class Backend>
+constexpr void check_linear_types() {
+  static_assert(linear_kind_traits<Kind>::linear_family,
+                "attnmix::linear_attention: Kind must be kind::bla, gbla or linear_causal");
+  static_assert(is_scalar_v<T>,
+                "attnmix::linear_attention: T must be float, double, half or bfloat16");
+  static_assert(is_backend_v<Backend>,
+                "attnmix::linear_attention: Backend must be a backend tag (a name and a memory_space)");
+  static_assert(!Policy::normalize || feature_map_traits<Policy::phi>::nonnegative,
+                "attnmix::linear_attention: this feature map can go negative, which can make the "
+                "normaliser phi(q).z + eps zero; use it only with Policy::normalize = false");
+  static_assert(!std::is_same_v<Kind, kind::bla> ||
+                    (Policy::gate == key_gate::off && Policy::norm == gated_norm::off),
+                "attnmix::linear_attention: kind::bla has no key gate and no gated norm; use "
+                "kind::gbla for them");
+  static_assert(Policy::chunk >= 1 && Policy::block >= 1,
+                "attnmix::linear_attention: Policy::chunk and Policy::block must be positive");
 }
 
 }  // namespace detail
@@ -147,21 +194,7 @@ template <class Kind, class Policy = default_policy_t<Kind>, class T, class Back
 void linear_attention(const linear_attention_args<T>& args,
                       const linear_attention_params& params = {},
                       const Backend& backend = Backend{}) {
-  static_assert(linear_kind_traits<Kind>::linear_family,
-                "attnmix::linear_attention: Kind must be kind::bla, gbla or linear_causal");
-  static_assert(is_scalar_v<T>,
-                "attnmix::linear_attention: T must be float, double, half or bfloat16");
-  static_assert(is_backend_v<Backend>,
-                "attnmix::linear_attention: Backend must be a backend tag (a name and a memory_space)");
-  static_assert(!Policy::normalize || feature_map_traits<Policy::phi>::nonnegative,
-                "attnmix::linear_attention: this feature map can go negative, which can make the "
-                "normaliser phi(q).z + eps zero; use it only with Policy::normalize = false");
-  static_assert(!std::is_same_v<Kind, kind::bla> ||
-                    (Policy::gate == key_gate::off && Policy::norm == gated_norm::off),
-                "attnmix::linear_attention: kind::bla has no key gate and no gated norm; use "
-                "kind::gbla for them");
-  static_assert(Policy::chunk >= 1 && Policy::block >= 1,
-                "attnmix::linear_attention: Policy::chunk and Policy::block must be positive");
+  detail::check_linear_types<Kind, Policy, T, Backend>();
   const std::string fn = std::string("attnmix::linear_attention<") + Kind::name + ">";
   const linear_attention_problem prob =
       detail::validate_linear_attention<Kind, Policy, T, Backend>(fn, args, params);

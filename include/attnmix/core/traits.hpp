@@ -14,6 +14,12 @@ struct is_implemented : std::false_type {};
 template <class Kind, class Backend>
 inline constexpr bool is_implemented_v = is_implemented<Kind, Backend>::value;
 
+// true once the backward of (Kind, Backend) is implemented (the same headers specialise it).
+template <class Kind, class Backend>
+struct is_backward_implemented : std::false_type {};
+template <class Kind, class Backend>
+inline constexpr bool is_backward_implemented_v = is_backward_implemented<Kind, Backend>::value;
+
 // Which extra inputs a softmax-family kind reads.
 template <class Kind>
 struct kind_traits {

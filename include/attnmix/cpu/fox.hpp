@@ -58,6 +58,30 @@ gate_prefix gate_cumsum(const view3<const T>& g, const attention_problem& p) {
   return out;
 }
 
+// The backward of gate_cumsum: dg_t = sum of dG_i over the tokens i >= t of t's reset segment
+// (a reverse cumsum per sequence and query head); 0 at a hard reset (-inf gate), whose keys'
+// weights do not depend on it. dG is laid out like g ([B, T, HQ], contiguous).
+template <class T>
+void gate_cumsum_backward(const std::vector<double>& dG, const view3<const T>& g,
+                          const view3<T>& dg, const attention_problem& p) {
+  for (index_t n = 0; n < p.num_sequences; ++n) {
+    const sequence s = p.seq(n);
+    for (index_t hq = 0; hq < p.q_heads; ++hq) {
+      double sum = 0;
+      for (index_t t = s.start + s.length - 1; t >= s.start; --t) {
+        const auto at = static_cast<std::size_t>((s.batch * p.tokens + t) * p.q_heads + hq);
+        if (static_cast<double>(g(s.batch, t, hq)) == -std::numeric_limits<double>::infinity()) {
+          dg(s.batch, t, hq) = T(0);
+          sum = 0;
+        } else {
+          sum += dG[at];
+          dg(s.batch, t, hq) = static_cast<T>(sum);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace cpu
 
 template <class Policy>
