@@ -51,7 +51,8 @@ std::vector<float> run_attention(inputs& in, const Backend& be) {
   poison(out);
   auto x = in.args(out);
   if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate) x.g = in.g.view();
-  if constexpr (attnmix::kind_traits<Kind>::uses_householder) x.w = in.w.view(), x.beta = in.beta.view();
+  if constexpr (attnmix::kind_traits<Kind>::uses_householder)
+    x.w = in.w.view(), x.beta = in.beta.view();
   attnmix::attention<Kind>(x, {}, be);
   return out.storage();
 }
@@ -61,7 +62,8 @@ std::vector<float> run_linear(inputs& in, const Backend& be) {
   host_tensor<float, 4> out({B, T, HQ, Dv});
   poison(out);
   attnmix::linear_attention_args<float> x{in.q.view(), in.k.view(), in.v.view(), out.view()};
-  if constexpr (std::is_same_v<Kind, attnmix::kind::gbla>) x.a = in.a.view(), x.gate = in.gate.view();
+  if constexpr (std::is_same_v<Kind, attnmix::kind::gbla>)
+    x.a = in.a.view(), x.gate = in.gate.view();
   attnmix::linear_attention<Kind>(x, {}, be);
   return out.storage();
 }

@@ -60,7 +60,8 @@ void check_offsets_inside_output(bool in_lse) {
   std::memcpy(host + 3, offsets, sizeof offsets);
   const std::vector<float> out_before = out_store, lse_before = lse_store;
 
-  attention_args<float> a{q.view(), k.view(), v.view(), view4<float>(out_store.data(), {1, T, HQ, Dv})};
+  attention_args<float> a{q.view(), k.view(), v.view(),
+                          view4<float>(out_store.data(), {1, T, HQ, Dv})};
   a.lse = view3<float>(lse_store.data(), {1, T, HQ});
   if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate) a.g = g.view();
   if constexpr (attnmix::kind_traits<Kind>::uses_householder) a.w = w.view(), a.beta = beta.view();
@@ -95,7 +96,8 @@ TEST_CASE("key_cache may not overlap cu_seqlens", "[holes][errors][cpu]") {
   attnmix::path_key_cache_args<float> a{k.view(), w.view(), beta.view(),
                                         view4<float>(cache.data(), {1, T, H, D})};
   attention_params p;
-  p.cu_seqlens = view1<const std::int32_t>(reinterpret_cast<const std::int32_t*>(cache.data() + 1), {3});
+  p.cu_seqlens =
+      view1<const std::int32_t>(reinterpret_cast<const std::int32_t*>(cache.data() + 1), {3});
   const std::string msg = message_of([&] { attnmix::path_prefill_key_cache(a, p); });
   INFO(msg);
   CHECK(contains(msg, "argument 'key_cache' overlaps the memory of 'cu_seqlens'"));
@@ -167,8 +169,10 @@ TEST_CASE("a negative extent is reported as a negative extent", "[holes][errors]
 
 TEST_CASE("a path_cache too large to address is an attnmix::error", "[holes][errors][cpu]") {
   const index_t huge = index_t{1} << 62;
-  for (auto sizes : {std::vector<index_t>{1, huge, 1, 1, 1, 1}, {4, huge / 2, 8, 8, 64, 64},
-                     {huge, 4, 1, 1, 1, 1}, {2, 1 << 20, huge, 1, 8, 8}}) {
+  for (auto sizes : {std::vector<index_t>{1, huge, 1, 1, 1, 1},
+                     {4, huge / 2, 8, 8, 64, 64},
+                     {huge, 4, 1, 1, 1, 1},
+                     {2, 1 << 20, huge, 1, 8, 8}}) {
     const std::string msg = message_of([&] {
       attnmix::path_cache<float> c(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]);
     });
@@ -233,8 +237,8 @@ void check_hard_reset() {
     attnmix_ref::softmax_problem p{1, L, HQ, H, D, Dv, scale, true, 0, cut};
     p.gate = before ? attnmix_ref::softmax_problem::gate_before_scale
                     : attnmix_ref::softmax_problem::gate_after_scale;
-    const auto ref = attnmix_ref::softmax_attention(p, to_double(q.storage()),
-                                                    to_double(k.storage()), to_double(v.storage()), gd);
+    const auto ref = attnmix_ref::softmax_attention(
+        p, to_double(q.storage()), to_double(k.storage()), to_double(v.storage()), gd);
     ref_out = ref.out, ref_lse = ref.lse;
   }
   CHECK(rel_error(out.storage(), ref_out) <= tolerance<T>());
@@ -305,7 +309,8 @@ TEST_CASE("GBLA: key-gate logits of -inf give the all-masked result", "[holes][g
   host_tensor<float, 4> q({B, T, HQ, D}), k({B, T, H, D}), v({B, T, H, Dv}), gate({B, T, HQ, Dv});
   host_tensor<float, 3> a({B, T, 1});
   r.fill_normal(q), r.fill_normal(k), r.fill_normal(v), r.fill_normal(gate), r.fill_normal(a);
-  for (index_t t = 0; t < T; ++t) a(1, t, 0) = static_cast<float>(ninf);  // row 1: every key gated off
+  for (index_t t = 0; t < T; ++t)
+    a(1, t, 0) = static_cast<float>(ninf);  // row 1: every key gated off
   host_tensor<float, 4> out({B, T, HQ, Dv});
   poison(out);
   attnmix::linear_attention_args<float> la{q.view(), k.view(), v.view(), out.view()};
@@ -372,7 +377,8 @@ namespace {
 std::vector<unsigned char> safetensors_bytes(const std::string& header, std::size_t data_bytes) {
   std::vector<unsigned char> b(8 + header.size() + data_bytes, 0);
   const std::uint64_t n = header.size();
-  for (int i = 0; i < 8; ++i) b[static_cast<std::size_t>(i)] = static_cast<unsigned char>(n >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    b[static_cast<std::size_t>(i)] = static_cast<unsigned char>(n >> (8 * i));
   std::memcpy(b.data() + 8, header.data(), header.size());
   return b;
 }
@@ -382,31 +388,31 @@ std::vector<unsigned char> safetensors_bytes(const std::string& header, std::siz
 TEST_CASE("safetensors: overlaps are found past neighbours and empty tensors", "[holes][io]") {
   using attnmix::io::safetensors_file;
   // 'b' is empty and sorts between 'a' and 'c', which overlap.
-  const std::string h1 =
-      R"({"a":{"dtype":"F32","shape":[25],"data_offsets":[0,100]},)"
-      R"("b":{"dtype":"F32","shape":[0],"data_offsets":[10,10]},)"
-      R"("c":{"dtype":"F32","shape":[2],"data_offsets":[50,58]}})";
-  const std::string m1 = message_of([&] { safetensors_file::parse(safetensors_bytes(h1, 100), "x"); });
+  const std::string h1 = R"({"a":{"dtype":"F32","shape":[25],"data_offsets":[0,100]},)"
+                         R"("b":{"dtype":"F32","shape":[0],"data_offsets":[10,10]},)"
+                         R"("c":{"dtype":"F32","shape":[2],"data_offsets":[50,58]}})";
+  const std::string m1 =
+      message_of([&] { safetensors_file::parse(safetensors_bytes(h1, 100), "x"); });
   INFO(m1);
   CHECK(contains(m1, "overlap"));
   CHECK(contains(m1, "'a'"));
   // An empty tensor placed inside another one's bytes.
-  const std::string h2 =
-      R"({"a":{"dtype":"F32","shape":[25],"data_offsets":[0,100]},)"
-      R"("b":{"dtype":"F32","shape":[0],"data_offsets":[40,40]}})";
-  const std::string m2 = message_of([&] { safetensors_file::parse(safetensors_bytes(h2, 100), "x"); });
+  const std::string h2 = R"({"a":{"dtype":"F32","shape":[25],"data_offsets":[0,100]},)"
+                         R"("b":{"dtype":"F32","shape":[0],"data_offsets":[40,40]}})";
+  const std::string m2 =
+      message_of([&] { safetensors_file::parse(safetensors_bytes(h2, 100), "x"); });
   INFO(m2);
   CHECK(contains(m2, "overlap"));
   // Empty tensors at the edges of others are fine.
-  const std::string h3 =
-      R"({"a":{"dtype":"F32","shape":[25],"data_offsets":[0,100]},)"
-      R"("b":{"dtype":"F32","shape":[0],"data_offsets":[100,100]},)"
-      R"("c":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}})";
+  const std::string h3 = R"({"a":{"dtype":"F32","shape":[25],"data_offsets":[0,100]},)"
+                         R"("b":{"dtype":"F32","shape":[0],"data_offsets":[100,100]},)"
+                         R"("c":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}})";
   CHECK_NOTHROW(safetensors_file::parse(safetensors_bytes(h3, 100), "x"));
 }
 
 TEST_CASE("safetensors: reading a directory is an attnmix::error", "[holes][io]") {
-  const std::string msg = message_of([] { attnmix::io::safetensors_file::read(ATTNMIX_IO_CORPUS); });
+  const std::string msg =
+      message_of([] { attnmix::io::safetensors_file::read(ATTNMIX_IO_CORPUS); });
   INFO(msg);
   CHECK(msg.rfind("attnmix::io::safetensors_file::read: file '", 0) == 0);
 }

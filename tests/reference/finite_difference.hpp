@@ -11,8 +11,9 @@
 namespace attnmix_ref {
 
 // The gradient of the scalar `loss` at x, one central difference per element of x.
-inline std::vector<double> finite_difference(const std::function<double(const std::vector<double>&)>& loss,
-                                             std::vector<double> x, double h = 1e-5) {
+inline std::vector<double> finite_difference(
+    const std::function<double(const std::vector<double>&)>& loss, std::vector<double> x,
+    double h = 1e-5) {
   std::vector<double> grad(x.size());
   for (std::size_t n = 0; n < x.size(); ++n) {
     const double x0 = x[n];
@@ -36,7 +37,8 @@ inline double dot(const std::vector<double>& a, const std::vector<double>& b) {
 // ||a - b|| / ||b||, and ||a|| when b is 0 (a gradient that must vanish).
 inline double relative_error(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
+  for (std::size_t i = 0; i < a.size(); ++i)
+    num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 

@@ -30,21 +30,21 @@ struct attention_args {
 // the query heads of a group. g, w and beta (and dg, dw, dbeta) as the kind needs them.
 template <class T>
 struct attention_grad_args {
-  view4<const T> q{};                     // [B, T, HQ, D]
-  view4<const T> k{};                     // [B, T, H, D]
-  view4<const T> v{};                     // [B, T, H, Dv]
-  view3<const accum_t<T>> g{};            // fox, path_fox [B, T, HQ]
-  view4<const accum_t<T>> w{};            // path, path_fox [B, T, H, D]
-  view3<const accum_t<T>> beta{};         // path, path_fox [B, T, H]
-  view4<const T> out{};                   // the forward's output [B, T, HQ, Dv]
-  view3<const accum_t<T>> lse{};          // the forward's lse [B, T, HQ]
-  view4<const T> dout{};                  // d loss / d out [B, T, HQ, Dv]
-  view4<T> dq{};                          // [B, T, HQ, D]
-  view4<T> dk{};                          // [B, T, H, D]
-  view4<T> dv{};                          // [B, T, H, Dv]
-  view3<accum_t<T>> dg{};                 // fox, path_fox [B, T, HQ]
-  view4<accum_t<T>> dw{};                 // path, path_fox [B, T, H, D]
-  view3<accum_t<T>> dbeta{};              // path, path_fox [B, T, H]
+  view4<const T> q{};              // [B, T, HQ, D]
+  view4<const T> k{};              // [B, T, H, D]
+  view4<const T> v{};              // [B, T, H, Dv]
+  view3<const accum_t<T>> g{};     // fox, path_fox [B, T, HQ]
+  view4<const accum_t<T>> w{};     // path, path_fox [B, T, H, D]
+  view3<const accum_t<T>> beta{};  // path, path_fox [B, T, H]
+  view4<const T> out{};            // the forward's output [B, T, HQ, Dv]
+  view3<const accum_t<T>> lse{};   // the forward's lse [B, T, HQ]
+  view4<const T> dout{};           // d loss / d out [B, T, HQ, Dv]
+  view4<T> dq{};                   // [B, T, HQ, D]
+  view4<T> dk{};                   // [B, T, H, D]
+  view4<T> dv{};                   // [B, T, H, Dv]
+  view3<accum_t<T>> dg{};          // fox, path_fox [B, T, HQ]
+  view4<accum_t<T>> dw{};          // path, path_fox [B, T, H, D]
+  view3<accum_t<T>> dbeta{};       // path, path_fox [B, T, H]
 };
 
 // Runtime values.

@@ -54,10 +54,9 @@ inline qkv_sizes resolve_qkv(const std::string& fn, arg_list& args) {
   const qkv_sizes s{q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]};
   require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
           shape_of(q));
-  require(s.H >= 1, fn, "k", "must have at least one head but has shape ",
-          shape_of(k));
-  require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H, " heads, which does not divide the HQ = ",
-          s.HQ, " heads of 'q'");
+  require(s.H >= 1, fn, "k", "must have at least one head but has shape ", shape_of(k));
+  require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H,
+          " heads, which does not divide the HQ = ", s.HQ, " heads of 'q'");
   args[1].expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
   check_shapes(fn, {args[1]});
   require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_of(v));
@@ -107,11 +106,13 @@ template <class Kind, class T>
 arg_list attention_arg_list(const attention_args<T>& a, const attention_params& p) {
   constexpr bool gated = kind_traits<Kind>::uses_forget_gate;
   constexpr bool householder = kind_traits<Kind>::uses_householder;
-  const auto needs = [](bool used) { return used ? arg_presence::required : arg_presence::forbidden; };
+  const auto needs = [](bool used) {
+    return used ? arg_presence::required : arg_presence::forbidden;
+  };
   arg_list args = qkv_out_args(a.q, a.k, a.v, a.out);
-  args.push_back(input("g", a.g, needs(gated),
-                       gated ? "(the log forget gate) is required by this kind"
-                             : "this kind has no forget gate"));
+  args.push_back(input(
+      "g", a.g, needs(gated),
+      gated ? "(the log forget gate) is required by this kind" : "this kind has no forget gate"));
   args.push_back(input("w", a.w, needs(householder),
                        householder ? "(the Householder directions) is required by this kind"
                                    : "this kind has no Householder transforms"));
@@ -187,7 +188,8 @@ void attention(const attention_args<T>& args, const attention_params& params = {
   static_assert(kind_traits<Kind>::softmax_family,
                 "attnmix::attention: Kind must be kind::softmax, fox, path or path_fox");
   static_assert(is_scalar_v<T>, "attnmix::attention: T must be float, double, half or bfloat16");
-  static_assert(is_backend_v<Backend>, "attnmix::attention: Backend must be a backend tag (a name and a memory_space)");
+  static_assert(is_backend_v<Backend>,
+                "attnmix::attention: Backend must be a backend tag (a name and a memory_space)");
   static_assert(std::is_same_v<Kind, kind::softmax> || Policy::mask == mask_type::causal,
                 "attnmix::attention: fox, path and path_fox are causal only; only kind::softmax "
                 "takes mask_type::bidirectional");

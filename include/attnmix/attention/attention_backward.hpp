@@ -24,7 +24,9 @@ template <class Kind, class T>
 arg_list attention_backward_arg_list(const attention_grad_args<T>& a, const attention_params& p) {
   constexpr bool gated = kind_traits<Kind>::uses_forget_gate;
   constexpr bool householder = kind_traits<Kind>::uses_householder;
-  const auto needs = [](bool used) { return used ? arg_presence::required : arg_presence::forbidden; };
+  const auto needs = [](bool used) {
+    return used ? arg_presence::required : arg_presence::forbidden;
+  };
   const char* no_gate = "this kind has no forget gate";
   const char* no_hh = "this kind has no Householder transforms";
   arg_list args;
@@ -33,11 +35,14 @@ arg_list attention_backward_arg_list(const attention_grad_args<T>& a, const atte
   args.push_back(input("k", a.k, arg_presence::required));
   args.push_back(input("v", a.v, arg_presence::required));
   args.push_back(input("out", a.out, arg_presence::required, "(the forward's output) is required"));
-  args.push_back(input("g", a.g, needs(gated), gated ? "(the log forget gate) is required by this kind" : no_gate));
-  args.push_back(input("w", a.w, needs(householder),
-                       householder ? "(the Householder directions) is required by this kind" : no_hh));
-  args.push_back(input("beta", a.beta, needs(householder),
-                       householder ? "(the Householder strengths) is required by this kind" : no_hh));
+  args.push_back(input("g", a.g, needs(gated),
+                       gated ? "(the log forget gate) is required by this kind" : no_gate));
+  args.push_back(
+      input("w", a.w, needs(householder),
+            householder ? "(the Householder directions) is required by this kind" : no_hh));
+  args.push_back(
+      input("beta", a.beta, needs(householder),
+            householder ? "(the Householder strengths) is required by this kind" : no_hh));
   args.push_back(host_input("cu_seqlens", p.cu_seqlens, "offset validation"));
   args.push_back(input("lse", a.lse, arg_presence::required,
                        "(the forward's log-sum-exp: pass args.lse to attention()) is required"));
@@ -46,7 +51,8 @@ arg_list attention_backward_arg_list(const attention_grad_args<T>& a, const atte
   args.push_back(output("dk", a.dk, arg_presence::required));
   args.push_back(output("dv", a.dv, arg_presence::required));
   args.push_back(output("dg", a.dg, needs(gated), gated ? "is required by this kind" : no_gate));
-  args.push_back(output("dw", a.dw, needs(householder), householder ? "is required by this kind" : no_hh));
+  args.push_back(
+      output("dw", a.dw, needs(householder), householder ? "is required by this kind" : no_hh));
   args.push_back(output("dbeta", a.dbeta, needs(householder),
                         householder ? "is required by this kind" : no_hh));
   return args;
@@ -55,7 +61,8 @@ arg_list attention_backward_arg_list(const attention_grad_args<T>& a, const atte
 // Checks everything attention_backward() needs and returns the resolved sizes (those of the
 // forward). Throws attnmix::error.
 template <class Kind, class T, class Backend>
-attention_problem validate_attention_backward(const std::string& fn, const attention_grad_args<T>& a,
+attention_problem validate_attention_backward(const std::string& fn,
+                                              const attention_grad_args<T>& a,
                                               const attention_params& p) {
   using space = typename Backend::memory_space;
   arg_list args = attention_backward_arg_list<Kind>(a, p);
@@ -92,13 +99,16 @@ void attention_backward(const attention_grad_args<T>& args, const attention_para
                         const Backend& backend = Backend{}) {
   static_assert(kind_traits<Kind>::softmax_family,
                 "attnmix::attention_backward: Kind must be kind::softmax, fox, path or path_fox");
-  static_assert(is_scalar_v<T>, "attnmix::attention_backward: T must be float, double, half or bfloat16");
-  static_assert(is_backend_v<Backend>,
-                "attnmix::attention_backward: Backend must be a backend tag (a name and a memory_space)");
+  static_assert(is_scalar_v<T>,
+                "attnmix::attention_backward: T must be float, double, half or bfloat16");
+  static_assert(
+      is_backend_v<Backend>,
+      "attnmix::attention_backward: Backend must be a backend tag (a name and a memory_space)");
   static_assert(std::is_same_v<Kind, kind::softmax> || Policy::mask == mask_type::causal,
                 "attnmix::attention_backward: fox, path and path_fox are causal only");
   const std::string fn = std::string("attnmix::attention_backward<") + Kind::name + ">";
-  const attention_problem prob = detail::validate_attention_backward<Kind, T, Backend>(fn, args, params);
+  const attention_problem prob =
+      detail::validate_attention_backward<Kind, T, Backend>(fn, args, params);
   detail::attention_backward_impl<Kind, Backend, Policy>::run(args, prob, backend);
 }
 

@@ -55,24 +55,24 @@ struct linear_attention_args {
 template <class T>
 struct linear_attention_grad_args {
   using accum = accum_t<T>;
-  view4<const T> q{};                           // [B, T, HQ, D]
-  view4<const T> k{};                           // [B, T, H, D]
-  view4<const T> v{};                           // [B, T, H, Dv]
-  tensor_view<const std::uint8_t, 2> mask{};    // [B, T]
-  view3<const accum> a{};                       // [B, T, Hg]
-  view4<const T> gate{};                        // [B, T, HQ, Dv]
-  view1<const accum> gamma{};                   // [Dv] or [HQ * Dv]
-  linear_state<const accum> state_in{};         // linear_causal only
-  linear_state<const accum> saved{};            // bidirectional kinds: the forward's state_out
-  view4<const T> dout{};                        // d loss / d out [B, T, HQ, Dv]
-  linear_state<const accum> dstate_out{};       // linear_causal only
-  view4<T> dq{};                                // [B, T, HQ, D]
-  view4<T> dk{};                                // [B, T, H, D]
-  view4<T> dv{};                                // [B, T, H, Dv]
-  view3<accum> da{};                            // key gate [B, T, Hg]
-  view4<T> dgate{};                             // gated norm [B, T, HQ, Dv]
-  view1<accum> dgamma{};                        // gated norm, when gamma is given
-  linear_state<accum> dstate_in{};              // linear_causal, when state_in is given
+  view4<const T> q{};                         // [B, T, HQ, D]
+  view4<const T> k{};                         // [B, T, H, D]
+  view4<const T> v{};                         // [B, T, H, Dv]
+  tensor_view<const std::uint8_t, 2> mask{};  // [B, T]
+  view3<const accum> a{};                     // [B, T, Hg]
+  view4<const T> gate{};                      // [B, T, HQ, Dv]
+  view1<const accum> gamma{};                 // [Dv] or [HQ * Dv]
+  linear_state<const accum> state_in{};       // linear_causal only
+  linear_state<const accum> saved{};          // bidirectional kinds: the forward's state_out
+  view4<const T> dout{};                      // d loss / d out [B, T, HQ, Dv]
+  linear_state<const accum> dstate_out{};     // linear_causal only
+  view4<T> dq{};                              // [B, T, HQ, D]
+  view4<T> dk{};                              // [B, T, H, D]
+  view4<T> dv{};                              // [B, T, H, Dv]
+  view3<accum> da{};                          // key gate [B, T, Hg]
+  view4<T> dgate{};                           // gated norm [B, T, HQ, Dv]
+  view1<accum> dgamma{};                      // gated norm, when gamma is given
+  linear_state<accum> dstate_in{};            // linear_causal, when state_in is given
 };
 
 // Runtime values.

@@ -38,13 +38,16 @@ arg_list linear_arg_list(const linear_attention_args<T>& a, const linear_attenti
   args.push_back(input("mask", a.mask));
   args.push_back(input("a", a.a, gated ? req : no,
                        gated ? "(the key-gate logits) is required by this policy" : no_gate));
-  args.push_back(input("gate", a.gate, normed ? req : no,
-                       normed ? "(the output gate of the gated RMSNorm) is required by this policy"
-                              : no_norm));
+  args.push_back(input(
+      "gate", a.gate, normed ? req : no,
+      normed ? "(the output gate of the gated RMSNorm) is required by this policy" : no_norm));
   args.push_back(input("gamma", a.gamma, normed ? opt : no, no_norm));
   args.push_back(input("state_in.S", a.state_in.S, causal ? opt : no, no_state));
   args.push_back(input("state_in.z", a.state_in.z, causal ? opt : no, no_state));
-  args.push_back(input("state_in.lse", a.state_in.lse, !causal ? no : gated ? opt : no,
+  args.push_back(input("state_in.lse", a.state_in.lse,
+                       !causal ? no
+                       : gated ? opt
+                               : no,
                        causal ? no_gate : no_state));
   args.push_back(host_input("cu_seqlens", p.cu_seqlens, "offset validation"));
   args.push_back(output("state_out.S", a.state_out.S));
@@ -60,7 +63,9 @@ arg_list linear_arg_list(const linear_attention_args<T>& a, const linear_attenti
 template <class Policy, class A>
 double check_linear_scalars(const std::string& fn, const linear_attention_params& p,
                             const qkv_sizes& s) {
-  const auto finite = [](double x) { return std::isfinite(x) && std::isfinite(static_cast<A>(x)); };
+  const auto finite = [](double x) {
+    return std::isfinite(x) && std::isfinite(static_cast<A>(x));
+  };
   if constexpr (Policy::norm != gated_norm::off)
     require(finite(p.norm_eps) && p.norm_eps > 0, fn, "norm_eps",
             "must be finite and > 0 (in the type it is computed in) but is ", p.norm_eps);
@@ -149,8 +154,10 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
   const index_t N = packed.sequences;
   for (const char* S : {"state_in.S", "state_out.S"})
     find_arg(args, S)->expect("[N, H, D, Dv]", N, s.H, s.D, s.Dv);
-  for (const char* z : {"state_in.z", "state_out.z"}) find_arg(args, z)->expect("[N, H, D]", N, s.H, s.D);
-  for (const char* l : {"state_in.lse", "state_out.lse"}) find_arg(args, l)->expect("[N, H]", N, s.H);
+  for (const char* z : {"state_in.z", "state_out.z"})
+    find_arg(args, z)->expect("[N, H, D]", N, s.H, s.D);
+  for (const char* l : {"state_in.lse", "state_out.lse"})
+    find_arg(args, l)->expect("[N, H]", N, s.H);
   check_shapes(fn, args);
   check_outputs(fn, args);
   pointer_check<space>::run(fn, args);
@@ -165,8 +172,9 @@ constexpr void check_linear_types() {
                 "attnmix::linear_attention: Kind must be kind::bla, gbla or linear_causal");
   static_assert(is_scalar_v<T>,
                 "attnmix::linear_attention: T must be float, double, half or bfloat16");
-  static_assert(is_backend_v<Backend>,
-                "attnmix::linear_attention: Backend must be a backend tag (a name and a memory_space)");
+  static_assert(
+      is_backend_v<Backend>,
+      "attnmix::linear_attention: Backend must be a backend tag (a name and a memory_space)");
   static_assert(!Policy::normalize || feature_map_traits<Policy::phi>::nonnegative,
                 "attnmix::linear_attention: this feature map can go negative, which can make the "
                 "normaliser phi(q).z + eps zero; use it only with Policy::normalize = false");

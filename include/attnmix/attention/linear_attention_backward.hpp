@@ -28,12 +28,15 @@ arg_list linear_backward_arg_list(const linear_attention_grad_args<T>& a,
   constexpr bool normed = Policy::norm != gated_norm::off;
   constexpr auto opt = arg_presence::optional, req = arg_presence::required,
                  no = arg_presence::forbidden;
-  const auto when = [](bool given, arg_presence p) { return given ? p : arg_presence::forbidden; };
+  const auto when = [](bool given, arg_presence p) {
+    return given ? p : arg_presence::forbidden;
+  };
   const char* no_gate = "this policy has no key gate (key_gate::off)";
   const char* no_norm = "this policy has no gated norm (gated_norm::off)";
   const char* no_state = "only causal kinds (kind::linear_causal) continue from a state";
-  const char* bidir_only = "only bidirectional kinds take the forward's state (causal kinds "
-                           "recompute theirs)";
+  const char* bidir_only =
+      "only bidirectional kinds take the forward's state (causal kinds "
+      "recompute theirs)";
   arg_list args;
   args.reserve(28);
   args.push_back(input("q", a.q, req));
@@ -43,31 +46,42 @@ arg_list linear_backward_arg_list(const linear_attention_grad_args<T>& a,
   args.push_back(input("mask", a.mask));
   args.push_back(input("a", a.a, gated ? req : no,
                        gated ? "(the key-gate logits) is required by this policy" : no_gate));
-  args.push_back(input("gate", a.gate, normed ? req : no,
-                       normed ? "(the output gate of the gated RMSNorm) is required by this policy"
-                              : no_norm));
+  args.push_back(input(
+      "gate", a.gate, normed ? req : no,
+      normed ? "(the output gate of the gated RMSNorm) is required by this policy" : no_norm));
   args.push_back(input("gamma", a.gamma, normed ? opt : no, no_norm));
   args.push_back(input("state_in.S", a.state_in.S, causal ? opt : no, no_state));
   args.push_back(input("state_in.z", a.state_in.z, causal ? opt : no, no_state));
-  args.push_back(input("state_in.lse", a.state_in.lse, !causal ? no : gated ? opt : no,
+  args.push_back(input("state_in.lse", a.state_in.lse,
+                       !causal ? no
+                       : gated ? opt
+                               : no,
                        causal ? no_gate : no_state));
   args.push_back(input("saved.S", a.saved.S, causal ? no : opt, bidir_only));
   args.push_back(input("saved.z", a.saved.z, causal ? no : opt, bidir_only));
-  args.push_back(input("saved.lse", a.saved.lse, !gated ? no : causal ? no : opt,
+  args.push_back(input("saved.lse", a.saved.lse,
+                       !gated   ? no
+                       : causal ? no
+                                : opt,
                        causal ? bidir_only : no_gate));
   args.push_back(host_input("cu_seqlens", p.cu_seqlens, "offset validation"));
   args.push_back(input("dstate_out.S", a.dstate_out.S, causal ? opt : no, no_state));
   args.push_back(input("dstate_out.z", a.dstate_out.z, causal ? opt : no, no_state));
-  args.push_back(input("dstate_out.lse", a.dstate_out.lse, !causal ? no : gated ? opt : no,
+  args.push_back(input("dstate_out.lse", a.dstate_out.lse,
+                       !causal ? no
+                       : gated ? opt
+                               : no,
                        causal ? no_gate : no_state));
   args.push_back(output("dq", a.dq, req));
   args.push_back(output("dk", a.dk, req));
   args.push_back(output("dv", a.dv, req));
-  args.push_back(output("da", a.da, gated ? req : no, gated ? "is required by this policy" : no_gate));
-  args.push_back(output("dgate", a.dgate, normed ? req : no,
-                        normed ? "is required by this policy" : no_norm));
-  args.push_back(output("dgamma", a.dgamma, when(a.gamma.has_value(), req),
-                        a.gamma.has_value() ? "is required when gamma is given" : "'gamma' was not"));
+  args.push_back(
+      output("da", a.da, gated ? req : no, gated ? "is required by this policy" : no_gate));
+  args.push_back(
+      output("dgate", a.dgate, normed ? req : no, normed ? "is required by this policy" : no_norm));
+  args.push_back(
+      output("dgamma", a.dgamma, when(a.gamma.has_value(), req),
+             a.gamma.has_value() ? "is required when gamma is given" : "'gamma' was not"));
   args.push_back(output("dstate_in.S", a.dstate_in.S, when(a.state_in.S.has_value(), opt),
                         "'state_in.S' was not"));
   args.push_back(output("dstate_in.z", a.dstate_in.z, when(a.state_in.z.has_value(), opt),
@@ -80,9 +94,9 @@ arg_list linear_backward_arg_list(const linear_attention_grad_args<T>& a,
 // Checks everything linear_attention_backward() needs and returns the resolved sizes (those of
 // the forward). Throws attnmix::error.
 template <class Kind, class Policy, class T, class Backend>
-linear_attention_problem validate_linear_attention_backward(
-    const std::string& fn, const linear_attention_grad_args<T>& a,
-    const linear_attention_params& p) {
+linear_attention_problem validate_linear_attention_backward(const std::string& fn,
+                                                            const linear_attention_grad_args<T>& a,
+                                                            const linear_attention_params& p) {
   using space = typename Backend::memory_space;
   using A = accum_t<T>;
   constexpr bool gated = Policy::gate != key_gate::off;

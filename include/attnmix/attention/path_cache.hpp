@@ -165,8 +165,8 @@ class path_cache_base {
                       checked_mul(rows, row, n, max_elements) &&
                       checked_mul(rows, q_heads, n, max_elements);
     require(fits, fn, "capacity", "makes the cache too large to address: ", slots, " slots x ",
-            capacity, " tokens x ", kv_heads, " heads x ", std::max(head_dim, value_dim),
-            " (or ", q_heads, " query heads) elements");
+            capacity, " tokens x ", kv_heads, " heads x ", std::max(head_dim, value_dim), " (or ",
+            q_heads, " query heads) elements");
     lengths_.assign(static_cast<std::size_t>(slots), 0);
   }
   void set_length(index_t slot, index_t length) {
@@ -208,9 +208,10 @@ class path_cache_base {
 template <class T, class Space>
 class path_cache : public detail::path_cache_base {
   using space_traits = detail::path_cache_space<Space>;
-  static_assert(space_traits::template holds<T>, "attnmix::path_cache: this memory space's cache "
-                                                 "does not hold this element type (host: float, "
-                                                 "double; device: float, bfloat16)");
+  static_assert(space_traits::template holds<T>,
+                "attnmix::path_cache: this memory space's cache "
+                "does not hold this element type (host: float, "
+                "double; device: float, bfloat16)");
   using buffer = typename space_traits::buffer;
 
  public:
@@ -242,11 +243,13 @@ class path_cache : public detail::path_cache_base {
   }
 
   view4<const T> keys() const {
-    return {static_cast<const T*>(keys_.get()), {slots_, capacity_, kv_heads_, head_dim_},
+    return {static_cast<const T*>(keys_.get()),
+            {slots_, capacity_, kv_heads_, head_dim_},
             Space::value};
   }
   view4<const T> values() const {
-    return {static_cast<const T*>(values_.get()), {slots_, capacity_, kv_heads_, value_dim_},
+    return {static_cast<const T*>(values_.get()),
+            {slots_, capacity_, kv_heads_, value_dim_},
             Space::value};
   }
   view3<const double> gate_cumsum() const {
@@ -385,8 +388,7 @@ void path_prefill_key_cache(const path_key_cache_args<T>& a, const attention_par
   namespace d = detail;
   const std::string fn = "attnmix::path_prefill_key_cache";
   const auto req = d::arg_presence::required;
-  d::arg_list args{d::input("k", a.k, req), d::input("w", a.w, req),
-                   d::input("beta", a.beta, req),
+  d::arg_list args{d::input("k", a.k, req), d::input("w", a.w, req), d::input("beta", a.beta, req),
                    d::host_input("cu_seqlens", params.cu_seqlens, "offset validation"),
                    d::output("key_cache", a.key_cache, req)};
   d::check_presence(fn, args);

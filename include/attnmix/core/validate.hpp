@@ -221,7 +221,9 @@ struct lazy_extents {
 inline std::ostream& operator<<(std::ostream& os, const lazy_extents& s) {
   return os << shape_string(s.extents, s.rank);
 }
-inline lazy_extents shape_of(const tensor_arg& a) { return {a.shape.data(), a.rank}; }
+inline lazy_extents shape_of(const tensor_arg& a) {
+  return {a.shape.data(), a.rank};
+}
 
 inline tensor_arg* find_arg(arg_list& args, const char* name) {
   for (auto& a : args)
@@ -271,7 +273,8 @@ inline void check_shapes(const std::string& fn, const arg_list& args) {
     if (!a.given || !a.has_expected) continue;
     bool same = true;
     for (int i = 0; i < a.rank; ++i)
-      same = same && a.shape[static_cast<std::size_t>(i)] == a.expected[static_cast<std::size_t>(i)];
+      same =
+          same && a.shape[static_cast<std::size_t>(i)] == a.expected[static_cast<std::size_t>(i)];
     if (!same)
       fail(fn, a.name, "has shape ", shape_string(a.shape.data(), a.rank), " but must be ", a.dims,
            " = ", shape_string(a.expected.data(), a.rank));
@@ -355,8 +358,8 @@ inline packed_batch resolve_packed_batch(const std::string& fn,
                                          index_t batch, index_t tokens, const char* batch_arg) {
   if (!cu_seqlens.has_value()) return {nullptr, batch};
   check_space(fn, "cu_seqlens", cu_seqlens, memory_space::host, "offset validation");
-  require(batch == 1, fn, batch_arg, "must have B = 1 when cu_seqlens is given but has B = ",
-          batch);
+  require(batch == 1, fn, batch_arg,
+          "must have B = 1 when cu_seqlens is given but has B = ", batch);
   check_offsets(fn, "cu_seqlens", cu_seqlens, tokens);
   return {cu_seqlens.data(), cu_seqlens.extent(0) - 1};
 }
