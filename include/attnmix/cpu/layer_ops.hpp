@@ -158,9 +158,10 @@ void l2_norm_groups(T* x, index_t groups, index_t width, double eps) {
 
 // Rotary position embedding, rotate-half form (fla's RotaryEmbedding default): for i < d/2 the
 // pair (x_i, x_{i+d/2}) turns by pos * theta^(-2i/d). x: [rows, heads, d], pos[row].
+// inverse: turn the other way (the backward of the rotation is its transpose).
 template <class T>
-void rope_rows(T* x, index_t rows, index_t heads, index_t d, const std::int32_t* pos,
-               double theta) {
+void rope_rows(T* x, index_t rows, index_t heads, index_t d, const std::int32_t* pos, double theta,
+               bool inverse = false) {
   const index_t half = d / 2;
   std::vector<double> inv(static_cast<std::size_t>(half));
   for (index_t i = 0; i < half; ++i)
@@ -168,7 +169,7 @@ void rope_rows(T* x, index_t rows, index_t heads, index_t d, const std::int32_t*
   for (index_t r = 0; r < rows; ++r)
     for (index_t i = 0; i < half; ++i) {
       const double a = double(pos[r]) * inv[static_cast<std::size_t>(i)];
-      const double cs = std::cos(a), sn = std::sin(a);
+      const double cs = std::cos(a), sn = inverse ? -std::sin(a) : std::sin(a);
       for (index_t h = 0; h < heads; ++h) {
         T* v = x + (r * heads + h) * d;
         const double x0 = double(v[i]), x1 = double(v[i + half]);
@@ -176,6 +177,144 @@ void rope_rows(T* x, index_t rows, index_t heads, index_t d, const std::int32_t*
         v[i + half] = static_cast<T>(x1 * cs + x0 * sn);
       }
     }
+}
+
+// ---- Backward ---------------------------------------------------------------------------------
+// Parameter gradients are added to (so that a weight used twice, or several micro-batches, sum;
+// the optimiser zeroes them); activation gradients are written, or added when `accumulate`.
+// Reductions over rows go through fixed blocks (of rows, or of output features), summed in
+// order, so the bits do not depend on the thread count.
+
+// dx = dy W (+ dx): dy [rows, out] (row stride lddy), W [out, in], dx [rows, in] (stride lddx).
+template <class T>
+void linear_rows_dx(const T* dy, index_t lddy, index_t rows, const T* W, index_t in, index_t out,
+                    T* dx, index_t lddx, bool accumulate, const backend::cpu& be) {
+  const auto Wm = rows_of(W, out, in, in);
+  for_row_blocks(rows, be, [&](index_t r0, index_t r1) {
+    auto X = rows_of(dx + r0 * lddx, r1 - r0, in, lddx);
+    const auto Y = rows_of(dy + r0 * lddy, r1 - r0, out, lddy);
+    if (accumulate)
+      X.noalias() += Y * Wm;
+    else
+      X.noalias() = Y * Wm;
+  });
+}
+
+// dW += dy^T x and dbias += colsum(dy): x [rows, in] (stride ldx), dy [rows, out] (stride lddy),
+// dW [out, in], dbias [out] or null. Blocks of output features across the workers: each
+// element of dW is one task's, summed over the rows in order.
+template <class T>
+void linear_rows_dw(const T* x, index_t ldx, index_t rows, const T* dy, index_t lddy, index_t in,
+                    index_t out, T* dW, T* dbias, const backend::cpu& be) {
+  constexpr index_t cols = 64;  // output features per task
+  const index_t tasks = (out + cols - 1) / cols;
+  const auto X = rows_of(x, rows, in, ldx);
+  parallel_for(tasks, worker_count(be, tasks), [&](index_t t, int) {
+    const index_t o0 = t * cols, n = std::min(out, o0 + cols) - o0;
+    const auto Y = rows_of(dy + o0, rows, n, lddy);
+    rows_of(dW + o0 * in, n, in, in).noalias() += Y.transpose() * X;
+    if (dbias != nullptr)
+      for (index_t o = 0; o < n; ++o) {
+        T sum = 0;
+        for (index_t r = 0; r < rows; ++r) sum += dy[r * lddy + o0 + o];
+        dbias[o0 + o] += sum;
+      }
+  });
+}
+
+// Backward of rms_norm_groups (mean) and l2_norm_groups: dx (written, or added) and, for the
+// RMSNorm with a weight, dw (added). With r = 1/sqrt(m + eps), m = mean(x^2) (RMSNorm) or
+// sum(x^2) (L2), and u = w * dy:  dx = r u - r^3 x (u.x) / n,  n = width (RMSNorm) or 1 (L2);
+// dw += dy x r. dx may be dy.
+template <class T>
+void norm_groups_backward(const T* x, const T* dy, T* dx, index_t count, index_t width, const T* w,
+                          bool per_group, index_t groups_per_row, bool mean, double eps, T* dw,
+                          bool accumulate, const backend::cpu& be) {
+  using A = accum_t<T>;
+  const index_t rows = count / groups_per_row;
+  const index_t blocks = (rows + row_block - 1) / row_block;
+  const index_t wn = w == nullptr ? 0 : per_group ? groups_per_row * width : width;
+  // Per block of rows, its part of dw; summed in block order below.
+  std::vector<A> part(static_cast<std::size_t>(dw != nullptr ? blocks * wn : 0), A(0));
+  parallel_for(blocks, worker_count(be, blocks), [&](index_t b, int) {
+    const index_t r0 = b * row_block, r1 = std::min(rows, r0 + row_block);
+    A* pb = part.empty() ? nullptr : part.data() + b * wn;
+    for (index_t g = r0 * groups_per_row; g < r1 * groups_per_row; ++g) {
+      const T *xi = x + g * width, *dyi = dy + g * width;
+      T* dxi = dx + g * width;
+      const index_t woff = per_group ? (g % groups_per_row) * width : 0;
+      const T* wi = w == nullptr ? nullptr : w + woff;
+      A ss = 0, ux = 0;
+      for (index_t c = 0; c < width; ++c) {
+        const A u = A(dyi[c]) * (wi ? A(wi[c]) : A(1));
+        ss += A(xi[c]) * A(xi[c]);
+        ux += u * A(xi[c]);
+      }
+      const A n = mean ? A(width) : A(1);
+      const A r = A(1) / std::sqrt(ss / n + A(eps));
+      const A k = r * r * r * ux / n;
+      for (index_t c = 0; c < width; ++c) {
+        const A xc = A(xi[c]), dyc = A(dyi[c]);
+        if (pb != nullptr) pb[woff + c] += dyc * xc * r;
+        const A d = r * dyc * (wi ? A(wi[c]) : A(1)) - k * xc;
+        dxi[c] = static_cast<T>(accumulate ? A(dxi[c]) + d : d);
+      }
+    }
+  });
+  if (dw != nullptr)
+    for (index_t b = 0; b < blocks; ++b)
+      for (index_t e = 0; e < wn; ++e)
+        dw[e] += static_cast<T>(part[static_cast<std::size_t>(b * wn + e)]);
+}
+
+// Backward of short_conv_rows (no states): dx (written, or added) and dW (added), from the
+// forward's input x. With u the pre-activation (recomputed) and du = dy act'(u):
+//   dx[t, c] = sum_r W[c, r] du[t + (K-1) - r, c],  dW[c, r] += sum_t du[t, c] x[t-(K-1)+r, c]
+// within each sequence. Blocks of channels across the workers, so that each dW element is one
+// task's. dx may not be dy.
+template <class T>
+void short_conv_rows_backward(const T* x, const T* dy, T* dx, const layers::token_layout& L,
+                              index_t C, const T* W, index_t K, bool silu_act, T* dW,
+                              bool accumulate, const backend::cpu& be) {
+  using A = accum_t<T>;
+  constexpr index_t block = 64;  // channels per task
+  const index_t tasks = (C + block - 1) / block, N = L.num_sequences();
+  parallel_for(tasks, worker_count(be, tasks), [&](index_t task, int) {
+    const index_t c0 = task * block, nc = std::min(C, c0 + block) - c0;
+    std::vector<A> du, wsum(static_cast<std::size_t>(nc * K), A(0));
+    for (index_t n = 0; n < N; ++n) {
+      const index_t len = L.seq(n).length, r0 = L.first_row(n);
+      du.assign(static_cast<std::size_t>(len * nc), A(0));
+      for (index_t t = 0; t < len; ++t)
+        for (index_t c = 0; c < nc; ++c) {
+          A u = 0;
+          for (index_t r = 0; r < K; ++r) {
+            const index_t p = t - (K - 1) + r;
+            if (p >= 0) u += A(W[(c0 + c) * K + r]) * A(x[(r0 + p) * C + c0 + c]);
+          }
+          const A g = A(dy[(r0 + t) * C + c0 + c]);
+          const A s = sigmoid(u);
+          du[static_cast<std::size_t>(t * nc + c)] = silu_act ? g * s * (A(1) + u * (A(1) - s)) : g;
+        }
+      for (index_t t = 0; t < len; ++t)
+        for (index_t c = 0; c < nc; ++c) {
+          A d = 0;
+          for (index_t r = 0; r < K; ++r) {
+            const index_t q = t + (K - 1) - r;  // the output that reads x[t] through tap r
+            if (q < len) d += A(W[(c0 + c) * K + r]) * du[static_cast<std::size_t>(q * nc + c)];
+            const index_t p = t - (K - 1) + r;
+            if (p >= 0)
+              wsum[static_cast<std::size_t>(c * K + r)] +=
+                  du[static_cast<std::size_t>(t * nc + c)] * A(x[(r0 + p) * C + c0 + c]);
+          }
+          T& out = dx[(r0 + t) * C + c0 + c];
+          out = static_cast<T>(accumulate ? A(out) + d : d);
+        }
+    }
+    for (index_t c = 0; c < nc; ++c)
+      for (index_t r = 0; r < K; ++r)
+        dW[(c0 + c) * K + r] += static_cast<T>(wsum[static_cast<std::size_t>(c * K + r)]);
+  });
 }
 
 }  // namespace cpu
@@ -306,6 +445,55 @@ struct ops<backend::cpu> {
     attnmix::detail::cpu::parallel_for(n, workers, [&](index_t i, int) { body(i); });
   }
 
+  // ---- Backward (see layers/ops.hpp) ----
+  template <class C, class T>
+  static void gemm_dx(const C& c, const T* dy, index_t lddy, index_t rows, const T* W, index_t in,
+                      index_t out, T* dx, index_t lddx, bool accumulate = false) {
+    attnmix::detail::cpu::linear_rows_dx(dy, lddy, rows, W, in, out, dx, lddx, accumulate, c.be);
+  }
+  template <class C, class T, class G, class GB>
+  static void gemm_dw(const C& c, const T* x, index_t ldx, index_t rows, const T* dy, index_t lddy,
+                      index_t in, index_t out, G* dW, GB* dbias) {
+    static_assert(std::is_same_v<G, T> && std::is_same_v<GB, T>,
+                  "attnmix::layers::ops<cpu>::gemm_dw: gradients in the rows' type");
+    attnmix::detail::cpu::linear_rows_dw(x, ldx, rows, dy, lddy, in, out, dW, dbias, c.be);
+  }
+  template <class C, class T, class W>
+  static void norm_backward(const C& c, const T* x, const T* dy, T* dx, index_t groups,
+                            index_t width, const W* w, bool per_group, index_t groups_per_row,
+                            bool mean, double eps, W* dw, bool accumulate = false) {
+    static_assert(std::is_same_v<W, T>, "attnmix::layers::ops<cpu>::norm_backward: weights in T");
+    attnmix::detail::cpu::norm_groups_backward(x, dy, dx, groups, width, w, per_group,
+                                               groups_per_row, mean, eps, dw, accumulate, c.be);
+  }
+  template <class C, class T, class W>
+  static void short_conv_backward(const C& c, const T* x, const T* dy, T* dx, index_t channels,
+                                  const W* w, index_t K, bool silu, W* dw,
+                                  bool accumulate = false) {
+    static_assert(std::is_same_v<W, T>,
+                  "attnmix::layers::ops<cpu>::short_conv_backward: taps in T");
+    attnmix::detail::cpu::short_conv_rows_backward(x, dy, dx, c.layout, channels, w, K, silu, dw,
+                                                   accumulate, c.be);
+  }
+  template <class C, class T>
+  static void rope_backward(const C& c, T* dx, index_t rows, index_t heads, index_t d,
+                            double theta) {
+    attnmix::detail::cpu::rope_rows(dx, rows, heads, d, c.positions, theta, true);
+  }
+  // da = dy dFn/da, db = dy dFn/db (written, or added when accumulate); db may be null (and is
+  // for unary functions); da or db may be dy.
+  template <class Fn, class C, class Y, class X, class Z = Y>
+  static void map_backward(const C&, const Y* dy, const X* a, const Z* b, X* da, Z* db, index_t n,
+                           bool accumulate = false) {
+    using A = accum_t<Y>;
+    for (index_t i = 0; i < n; ++i) {
+      const auto [ga, gb] = slope(Fn{}, A(a[i]), b != nullptr ? A(b[i]) : A(0));
+      const A g = A(dy[i]);
+      if (da != nullptr) da[i] = static_cast<X>(accumulate ? A(da[i]) + g * ga : g * ga);
+      if (db != nullptr) db[i] = static_cast<Z>(accumulate ? A(db[i]) + g * gb : g * gb);
+    }
+  }
+
  private:
   template <class A>
   static A apply(fn::silu_times, A g, A u) {
@@ -334,6 +522,44 @@ struct ops<backend::cpu> {
   template <class A>
   static A apply(fn::plus, A a, A b) {
     return a + b;
+  }
+
+  // (dFn/da, dFn/db) at (a, b).
+  template <class A>
+  struct pair {
+    A a, b;
+  };
+  template <class A>
+  static pair<A> slope(fn::silu_times, A g, A u) {
+    const A s = attnmix::detail::cpu::sigmoid(g);
+    return {u * s * (A(1) + g * (A(1) - s)), g * s};
+  }
+  template <class A>
+  static pair<A> slope(fn::times_sigmoid, A o, A g) {
+    const A s = attnmix::detail::cpu::sigmoid(g);
+    return {s, o * s * (A(1) - s)};
+  }
+  template <class A>
+  static pair<A> slope(fn::gelu, A x, A) {
+    const A pdf = std::exp(-x * x / A(2)) / std::sqrt(A(2) * A(3.14159265358979323846));
+    return {A(0.5) * (A(1) + std::erf(x / std::sqrt(A(2)))) + x * pdf, A(0)};
+  }
+  template <class A>
+  static pair<A> slope(fn::relu, A x, A) {
+    return {x > A(0) ? A(1) : A(0), A(0)};
+  }
+  template <class A>
+  static pair<A> slope(fn::log_sigmoid, A x, A) {
+    return {attnmix::detail::cpu::sigmoid(-x), A(0)};
+  }
+  template <class A>
+  static pair<A> slope(fn::two_sigmoid, A x, A) {
+    const A s = attnmix::detail::cpu::sigmoid(x);
+    return {A(2) * s * (A(1) - s), A(0)};
+  }
+  template <class A>
+  static pair<A> slope(fn::plus, A, A) {
+    return {A(1), A(1)};
   }
 };
 

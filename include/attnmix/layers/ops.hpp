@@ -17,6 +17,14 @@
 //   handles                                            long-lived library state (cuBLAS)
 //   computes<T>                                        the compute types of the backend
 //   for_each(be, n, body)                              host backends: the decoding loops
+// and their backwards (training): activation gradients written, or added with `accumulate`;
+// parameter gradients added to; sums over rows in an order that does not depend on threads:
+//   gemm_dx(c, dy, lddy, rows, W, in, out, dx, lddx, acc)    dx = dy W
+//   gemm_dw(c, x, ldx, rows, dy, lddy, in, out, dW, dbias)   dW += dy^T x, dbias += colsum dy
+//   norm_backward(c, x, dy, dx, groups, width, w, per_group, groups_per_row, mean, eps, dw, acc)
+//   short_conv_backward(c, x, dy, dx, channels, w, K, silu, dw, acc)
+//   rope_backward(c, dx, rows, heads, d, theta)               the inverse rotation, in place
+//   map_backward<Fn>(c, dy, a, b, da, db, n, acc)             da = dy dFn/da, db = dy dFn/db
 // The CPU specialisation is in attnmix/cpu/layer_ops.hpp, the CUDA one in
 // attnmix/cuda/layer_ops.cuh; a new backend specialises ops<> (and the attention front doors'
 // implementations) and runs every layer and stack.
