@@ -317,6 +317,47 @@ void short_conv_rows_backward(const T* x, const T* dy, T* dx, const layers::toke
   });
 }
 
+// ---- Training -----------------------------------------------------------------------------------
+
+// Softmax cross-entropy of rows of logits [rows, V] (row stride ld) against labels[r] (a class
+// in [0, V), or `ignore`). Returns the sum of -log softmax(logits_r)[label_r] over the rows not
+// ignored; if dlogits != nullptr it receives (softmax(logits_r) - onehot(label_r)) * scale,
+// and 0 on ignored rows. Blocks of rows summed in order; in accum_t<T>.
+template <class T>
+double cross_entropy_rows(const T* logits, index_t ld, index_t rows, index_t V,
+                          const std::int32_t* labels, std::int32_t ignore, T* dlogits, index_t ldd,
+                          double scale, const backend::cpu& be) {
+  using A = accum_t<T>;
+  const index_t blocks = (rows + row_block - 1) / row_block;
+  std::vector<double> part(static_cast<std::size_t>(blocks), 0.0);
+  parallel_for(blocks, worker_count(be, blocks), [&](index_t b, int) {
+    double sum = 0;
+    for (index_t r = b * row_block; r < std::min(rows, (b + 1) * row_block); ++r) {
+      const T* z = logits + r * ld;
+      const std::int32_t y = labels[r];
+      if (y == ignore) {
+        if (dlogits != nullptr) std::fill_n(dlogits + r * ldd, V, T(0));
+        continue;
+      }
+      A m = A(z[0]);
+      for (index_t c = 1; c < V; ++c) m = std::max(m, A(z[c]));
+      A l = 0;
+      for (index_t c = 0; c < V; ++c) l += std::exp(A(z[c]) - m);
+      const A lse = m + std::log(l);
+      sum += double(lse - A(z[y]));
+      if (dlogits != nullptr) {
+        T* d = dlogits + r * ldd;
+        for (index_t c = 0; c < V; ++c)
+          d[c] = static_cast<T>((std::exp(A(z[c]) - lse) - (c == y ? A(1) : A(0))) * A(scale));
+      }
+    }
+    part[static_cast<std::size_t>(b)] = sum;
+  });
+  double total = 0;
+  for (double x : part) total += x;
+  return total;
+}
+
 }  // namespace cpu
 }  // namespace detail
 
@@ -492,6 +533,43 @@ struct ops<backend::cpu> {
       if (da != nullptr) da[i] = static_cast<X>(accumulate ? A(da[i]) + g * ga : g * ga);
       if (db != nullptr) db[i] = static_cast<Z>(accumulate ? A(db[i]) + g * gb : g * gb);
     }
+  }
+
+  // ---- Training (see layers/ops.hpp) ----
+  template <class C, class T>
+  static double cross_entropy(const C& c, const T* logits, index_t ld, index_t rows, index_t V,
+                              const std::int32_t* labels, std::int32_t ignore, T* dlogits,
+                              index_t ldd, double scale) {
+    return attnmix::detail::cpu::cross_entropy_rows(logits, ld, rows, V, labels, ignore, dlogits,
+                                                    ldd, scale, c.be);
+  }
+  // One AdamW step on n values (PyTorch's torch.optim.AdamW): p *= 1 - lr wd; m, v the moving
+  // moments of g; p -= lr m^ / (sqrt(v^) + eps) with the bias corrections of step `step` (>= 1).
+  template <class P, class G, class S>
+  static void adamw(const backend::cpu&, P* p, const G* g, S* m, S* v, index_t n, double lr,
+                    double beta1, double beta2, double eps, double wd, index_t step) {
+    const double c1 = 1 - std::pow(beta1, double(step)), c2 = 1 - std::pow(beta2, double(step));
+    for (index_t i = 0; i < n; ++i) {
+      const double gi = double(g[i]);
+      const double mi = beta1 * double(m[i]) + (1 - beta1) * gi;
+      const double vi = beta2 * double(v[i]) + (1 - beta2) * gi * gi;
+      m[i] = static_cast<S>(mi);
+      v[i] = static_cast<S>(vi);
+      const double pi = double(p[i]) * (1 - lr * wd);
+      p[i] = static_cast<P>(pi - lr * (mi / c1) / (std::sqrt(vi / c2) + eps));
+    }
+  }
+  // sum of g[i]^2 in double (gradient clipping).
+  template <class G>
+  static double sum_squares(const backend::cpu&, const G* g, index_t n) {
+    double s = 0;
+    for (index_t i = 0; i < n; ++i) s += double(g[i]) * double(g[i]);
+    return s;
+  }
+  // g *= factor.
+  template <class G>
+  static void scale(const backend::cpu&, G* g, index_t n, double factor) {
+    for (index_t i = 0; i < n; ++i) g[i] = static_cast<G>(double(g[i]) * factor);
   }
 
  private:

@@ -19,6 +19,7 @@
 #include "attnmix/attention/args.hpp"
 #include "attnmix/core/error.hpp"
 #include "attnmix/core/memory_space.hpp"
+#include "attnmix/core/scalar.hpp"
 #include "attnmix/core/tags.hpp"
 #include "attnmix/core/tensor_view.hpp"
 #include "attnmix/core/validate.hpp"
@@ -72,6 +73,9 @@ template <class T>
 struct parameter<T, host_space> {
   std::vector<index_t> shape;
   std::vector<T> data;
+  // d loss / d data, added to by the backward passes; empty until first used (grad_ptr()) or
+  // zero_grad(). In accum_t<T> (float for half and bfloat16 weights).
+  std::vector<accum_t<T>> grad;
 
   parameter() = default;
   explicit parameter(std::vector<index_t> s, T fill = T(0)) : shape(std::move(s)) {
@@ -84,6 +88,12 @@ struct parameter<T, host_space> {
   bool empty() const { return shape.empty(); }
   const T* ptr() const { return data.data(); }
   T* ptr() { return data.data(); }
+  // The gradient buffer, allocated (zero) on first use.
+  accum_t<T>* grad_ptr() {
+    if (grad.size() != data.size()) grad.assign(data.size(), accum_t<T>(0));
+    return grad.data();
+  }
+  void zero_grad() { grad.assign(data.size(), accum_t<T>(0)); }
 };
 
 inline std::string shape_string(const std::vector<index_t>& s) {

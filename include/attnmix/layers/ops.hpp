@@ -25,6 +25,10 @@
 //   short_conv_backward(c, x, dy, dx, channels, w, K, silu, dw, acc)
 //   rope_backward(c, dx, rows, heads, d, theta)               the inverse rotation, in place
 //   map_backward<Fn>(c, dy, a, b, da, db, n, acc)             da = dy dFn/da, db = dy dFn/db
+// and the training steps:
+//   cross_entropy(c, logits, ld, rows, V, labels, ignore, dlogits, ldd, scale) -> summed loss
+//   adamw(be, p, g, m, v, n, lr, beta1, beta2, eps, wd, step)   one AdamW step in place
+//   sum_squares(be, g, n) -> double, scale(be, g, n, factor)    gradient clipping
 // The CPU specialisation is in attnmix/cpu/layer_ops.hpp, the CUDA one in
 // attnmix/cuda/layer_ops.cuh; a new backend specialises ops<> (and the attention front doors'
 // implementations) and runs every layer and stack.

@@ -1,0 +1,123 @@
+#pragma once
+// train::adamw: AdamW (Loshchilov and Hutter; PyTorch's torch.optim.AdamW) over every
+// parameter of a model (anything with visit_parameters whose parameters carry .grad), with
+// optional clipping of the global gradient norm. Its state (the two moments of every parameter
+// and the step count) is itself a model for io::save / io::load, so that a checkpoint of the
+// optimiser sits beside the weights and a resumed run continues bit for bit.
+//
+// Weight decay applies to parameters of rank >= 2 (projection and embedding matrices), not to
+// biases, norm weights or convolution taps of rank 1 (the GPT-2 / nanoGPT convention).
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "attnmix/core/error.hpp"
+#include "attnmix/core/scalar.hpp"
+#include "attnmix/core/tags.hpp"
+#include "attnmix/cpu/layer_ops.hpp"
+#include "attnmix/layers/common.hpp"
+#include "attnmix/layers/ops.hpp"
+
+namespace attnmix {
+namespace train {
+
+struct adamw_config {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double weight_decay = 0.01;
+  // > 0: before the step, scale every gradient so that their global L2 norm is at most this.
+  double clip_norm = 0.0;
+};
+
+// State in double on the host (the CPU backend computes in float or double; the moments of
+// float weights are kept in double so that they round once, into the weight).
+template <class Backend = backend::cpu>
+class adamw {
+  static_assert(layers::on_host_v<Backend>, "attnmix::train::adamw: host backends for now");
+  using O = layers::ops<Backend>;
+
+ public:
+  explicit adamw(adamw_config cfg = {}) : cfg_(cfg), step_({1}, 0.0) {}
+
+  const adamw_config& config() const { return cfg_; }
+  // Steps taken so far.
+  index_t steps() const { return static_cast<index_t>(step_.data[0]); }
+
+  // Sizes the state for `model` (zero moments, step 0). step() does it on first use; call it
+  // before io::load of a checkpoint.
+  template <class Model>
+  void init(Model& model) {
+    moments_.clear();
+    model.visit_parameters([&](const std::string& name, auto& p) {
+      moments_.push_back(
+          {name, layers::parameter<double>(p.shape), layers::parameter<double>(p.shape)});
+    });
+    step_.data[0] = 0;
+  }
+
+  // Zeroes every gradient of `model`.
+  template <class Model>
+  static void zero_grad(Model& model) {
+    model.visit_parameters([](const std::string&, auto& p) { p.zero_grad(); });
+  }
+
+  // One step at learning rate `lr` over every parameter of `model` from its .grad. Returns the
+  // global gradient norm before clipping. Throws attnmix::error if the state was sized for
+  // another model.
+  template <class Model>
+  double step(Model& model, double lr, const Backend& be = Backend{}) {
+    const std::string fn = "attnmix::train::adamw::step";
+    if (moments_.empty()) init(model);
+    double ss = 0;
+    std::size_t i = 0;
+    model.visit_parameters([&](const std::string& name, auto& p) {
+      detail::require(i < moments_.size() && moments_[i].name == name &&
+                          moments_[i].m.data.size() == p.data.size(),
+                      fn, "model", "has parameter '", name,
+                      "', which the optimiser state was not made for (call init)");
+      ss += O::sum_squares(be, p.grad_ptr(), static_cast<index_t>(p.data.size()));
+      ++i;
+    });
+    detail::require(i == moments_.size(), fn, "model", "has ", i,
+                    " parameters but the optimiser state holds ", moments_.size());
+    const double norm = std::sqrt(ss);
+    const double factor =
+        cfg_.clip_norm > 0 && norm > cfg_.clip_norm ? cfg_.clip_norm / (norm + 1e-6) : 1.0;
+    const auto t = static_cast<index_t>(step_.data[0]) + 1;
+    i = 0;
+    model.visit_parameters([&](const std::string&, auto& p) {
+      auto& s = moments_[i++];
+      const auto n = static_cast<index_t>(p.data.size());
+      if (factor != 1.0) O::scale(be, p.grad_ptr(), n, factor);
+      const double wd = p.shape.size() >= 2 ? cfg_.weight_decay : 0.0;
+      O::adamw(be, p.ptr(), p.grad_ptr(), s.m.ptr(), s.v.ptr(), n, lr, cfg_.beta1, cfg_.beta2,
+               cfg_.eps, wd, t);
+    });
+    step_.data[0] = double(t);
+    return norm;
+  }
+
+  // The state as named tensors: "<parameter>.exp_avg", "<parameter>.exp_avg_sq" and "step".
+  template <class F>
+  void visit_parameters(F&& f) {
+    for (auto& s : moments_) f(s.name + ".exp_avg", s.m), f(s.name + ".exp_avg_sq", s.v);
+    f("step", step_);
+  }
+  template <class F>
+  void visit_parameters(F&& f) const {
+    for (const auto& s : moments_) f(s.name + ".exp_avg", s.m), f(s.name + ".exp_avg_sq", s.v);
+    f("step", step_);
+  }
+
+ private:
+  struct moment {
+    std::string name;
+    layers::parameter<double> m, v;
+  };
+  adamw_config cfg_;
+  std::vector<moment> moments_;
+  layers::parameter<double> step_;
+};
+
+}  // namespace train
+}  // namespace attnmix

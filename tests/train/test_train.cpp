@@ -1,0 +1,188 @@
+// The training pieces: softmax cross-entropy against finite differences, AdamW against the
+// formula written out, gradient clipping, the schedules, and a checkpoint of the optimiser
+// that resumes bit for bit.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "attnmix/attnmix.hpp"
+#include "attnmix/io/safetensors.hpp"
+#include "attnmix/train/optimizer.hpp"
+#include "attnmix/train/schedule.hpp"
+#include "reference/finite_difference.hpp"
+#include "support/catch.hpp"
+#include "support/testing.hpp"
+
+using attnmix::index_t;
+using vec = std::vector<double>;
+
+namespace {
+
+using O = attnmix::layers::ops<attnmix::backend::cpu>;
+
+struct call {
+  attnmix::backend::cpu be{2};
+  attnmix::layers::token_layout L;
+  O::handles h{};
+  attnmix::layers::context<attnmix::backend::cpu> c() const { return {be, L, nullptr, h}; }
+};
+
+// A model of two parameters: a [3, 4] weight and a [3] bias.
+struct toy {
+  attnmix::layers::parameter<double> w{{3, 4}}, b{{3}};
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("w", w), f("b", b);
+  }
+  template <class F>
+  void visit_parameters(F&& f) const {
+    f("w", w), f("b", b);
+  }
+};
+
+// Deterministic gradients of step t.
+void set_grads(toy& m, int t) {
+  m.w.zero_grad(), m.b.zero_grad();
+  for (std::size_t i = 0; i < m.w.grad.size(); ++i) m.w.grad[i] = std::sin(0.7 * double(i) + t);
+  for (std::size_t i = 0; i < m.b.grad.size(); ++i) m.b.grad[i] = 3 * std::cos(1.3 * double(i) * t);
+}
+
+// Another model: one [3, 5] weight.
+struct other {
+  attnmix::layers::parameter<double> w{{3, 5}};
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("w", w);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("cross_entropy: loss and gradient of the logits", "[train]") {
+  attnmix_test::rng r(11);
+  INFO("seed " << attnmix_test::test_seed());
+  const index_t rows = 300, V = 7;  // more rows than one block
+  call k{{2}, {1, rows, {}}};
+  vec z(rows * V);
+  for (auto& x : z) x = 4 * r.normal();
+  std::vector<std::int32_t> y(rows);
+  for (index_t i = 0; i < rows; ++i) y[i] = i % 5 == 0 ? -100 : std::int32_t(r.integer(0, V - 1));
+  vec dz(rows * V, 7.0);
+  const double loss =
+      O::cross_entropy(k.c(), z.data(), V, rows, V, y.data(), -100, dz.data(), V, 0.5);
+  double expect = 0;
+  for (index_t i = 0; i < rows; ++i) {
+    if (y[i] < 0) continue;
+    double l = 0;
+    for (index_t c = 0; c < V; ++c) l += std::exp(z[i * V + c]);
+    expect += std::log(l) - z[i * V + y[i]];
+  }
+  CHECK(loss == Approx(expect).epsilon(1e-13));
+  const vec fd = attnmix_ref::finite_difference(
+      [&](const vec& x) {
+        return 0.5 * O::cross_entropy(k.c(), x.data(), V, rows, V, y.data(), -100,
+                                      static_cast<double*>(nullptr), V, 1.0);
+      },
+      z);
+  CHECK(attnmix_ref::relative_error(dz, fd) < 1e-7);  // FD rounding: |loss| ~ 1e3
+  for (index_t c = 0; c < V; ++c) CHECK(dz[c] == 0.0);  // row 0 is ignored
+  call one{{1}, {1, rows, {}}};
+  CHECK(O::cross_entropy(one.c(), z.data(), V, rows, V, y.data(), -100,
+                         static_cast<double*>(nullptr), V, 1.0) == loss);
+}
+
+TEST_CASE("adamw: the formula, decay of matrices only, and clipping", "[train]") {
+  toy m;
+  for (std::size_t i = 0; i < m.w.data.size(); ++i) m.w.data[i] = 0.1 * double(i) - 0.5;
+  for (std::size_t i = 0; i < m.b.data.size(); ++i) m.b.data[i] = 0.3 * double(i);
+  toy ref = m;
+  attnmix::train::adamw_config cfg;
+  cfg.beta1 = 0.8, cfg.beta2 = 0.95, cfg.eps = 1e-6, cfg.weight_decay = 0.1, cfg.clip_norm = 2.0;
+  attnmix::train::adamw<> opt(cfg);
+  vec mw(12, 0), vw(12, 0), mb(3, 0), vb(3, 0);
+  for (int t = 1; t <= 4; ++t) {
+    const double lr = 0.01 * t;
+    set_grads(m, t);
+    set_grads(ref, t);
+    const double norm = opt.step(m, lr);
+    double ss = 0;
+    for (double g : ref.w.grad) ss += g * g;
+    for (double g : ref.b.grad) ss += g * g;
+    CHECK(norm == Approx(std::sqrt(ss)).epsilon(1e-14));
+    const double f = std::sqrt(ss) > 2.0 ? 2.0 / (std::sqrt(ss) + 1e-6) : 1.0;
+    auto update = [&](std::vector<double>& p, const std::vector<double>& g, vec& mm, vec& vv,
+                      double wd) {
+      for (std::size_t i = 0; i < p.size(); ++i) {
+        const double gi = g[i] * f;
+        mm[i] = 0.8 * mm[i] + 0.2 * gi;
+        vv[i] = 0.95 * vv[i] + 0.05 * gi * gi;
+        p[i] *= 1 - lr * wd;
+        p[i] -= lr * (mm[i] / (1 - std::pow(0.8, t))) /
+                (std::sqrt(vv[i] / (1 - std::pow(0.95, t))) + 1e-6);
+      }
+    };
+    update(ref.w.data, ref.w.grad, mw, vw, 0.1);
+    update(ref.b.data, ref.b.grad, mb, vb, 0.0);
+    for (std::size_t i = 0; i < 12; ++i) CHECK(m.w.data[i] == Approx(ref.w.data[i]).epsilon(1e-14));
+    for (std::size_t i = 0; i < 3; ++i) CHECK(m.b.data[i] == Approx(ref.b.data[i]).epsilon(1e-14));
+  }
+  CHECK(opt.steps() == 4);
+}
+
+TEST_CASE("adamw: a checkpoint of weights and state resumes bit for bit", "[train]") {
+  toy a;
+  for (std::size_t i = 0; i < a.w.data.size(); ++i) a.w.data[i] = std::cos(double(i));
+  toy b = a;
+  attnmix::train::adamw<> full, first;
+  for (int t = 1; t <= 6; ++t) set_grads(a, t), full.step(a, 1e-2);
+  for (int t = 1; t <= 3; ++t) set_grads(b, t), first.step(b, 1e-2);
+  const auto tmp = std::filesystem::temp_directory_path();
+  const std::string stem = "attnmix_test_" + std::to_string(attnmix_test::test_seed());
+  const std::string model_path = (tmp / (stem + "_model.safetensors")).string();
+  const std::string state_path = (tmp / (stem + "_adamw.safetensors")).string();
+  attnmix::io::save(b, model_path);
+  attnmix::io::save(first, state_path);
+
+  toy c;
+  attnmix::train::adamw<> resumed;
+  resumed.init(c);
+  attnmix::io::load(c, model_path);
+  attnmix::io::load(resumed, state_path);
+  std::filesystem::remove(model_path);
+  std::filesystem::remove(state_path);
+  CHECK(resumed.steps() == 3);
+  for (int t = 4; t <= 6; ++t) set_grads(c, t), resumed.step(c, 1e-2);
+  CHECK(attnmix_test::bitwise_equal(c.w.data, a.w.data));
+  CHECK(attnmix_test::bitwise_equal(c.b.data, a.b.data));
+}
+
+TEST_CASE("adamw: a state made for another model is rejected before any change", "[train]") {
+  toy a;
+  attnmix::train::adamw<> opt;
+  set_grads(a, 1);
+  opt.step(a, 1e-2);
+  other o;
+  o.w.zero_grad();
+  const auto before = o.w.data;
+  CHECK_THROWS_AS(opt.step(o, 1e-2), attnmix::error);
+  CHECK(attnmix_test::bitwise_equal(o.w.data, before));
+  CHECK(opt.steps() == 1);
+}
+
+TEST_CASE("schedules: warm-up and cosine", "[train]") {
+  const attnmix::train::warmup_cosine s{10, 110, 1.0, 0.1};
+  CHECK(s(0) == 0.0);
+  CHECK(s(5) == Approx(0.5));
+  CHECK(s(10) == Approx(1.0));
+  CHECK(s(60) == Approx(0.55));
+  CHECK(s(110) == Approx(0.1));
+  CHECK(s(500) == Approx(0.1));
+  for (index_t t = 11; t < 110; ++t) CHECK(s(t) <= s(t - 1));
+  const attnmix::train::constant_rate c{0.2, 4};
+  CHECK(c(2) == Approx(0.1));
+  CHECK(c(9) == Approx(0.2));
+}
