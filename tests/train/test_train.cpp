@@ -88,7 +88,7 @@ TEST_CASE("cross_entropy: loss and gradient of the logits", "[train]") {
                                       static_cast<double*>(nullptr), V, 1.0);
       },
       z);
-  CHECK(attnmix_ref::relative_error(dz, fd) < 1e-7);  // FD rounding: |loss| ~ 1e3
+  CHECK(attnmix_ref::relative_error(dz, fd) < 1e-7);    // FD rounding: |loss| ~ 1e3
   for (index_t c = 0; c < V; ++c) CHECK(dz[c] == 0.0);  // row 0 is ignored
   call one{{1}, {1, rows, {}}};
   CHECK(O::cross_entropy(one.c(), z.data(), V, rows, V, y.data(), -100,

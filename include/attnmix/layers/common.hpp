@@ -96,6 +96,23 @@ struct parameter<T, host_space> {
   void zero_grad() { grad.assign(data.size(), accum_t<T>(0)); }
 };
 
+// An owned array of values in Space's memory: the activations a layer's forward saves for its
+// backward. Sized by resize(); its contents are unspecified until written.
+template <class S, class Space = host_space>
+class buffer;
+
+template <class S>
+class buffer<S, host_space> {
+ public:
+  void resize(index_t n) { data_.resize(static_cast<std::size_t>(n)); }
+  index_t size() const { return static_cast<index_t>(data_.size()); }
+  S* data() { return data_.data(); }
+  const S* data() const { return data_.data(); }
+
+ private:
+  std::vector<S> data_;
+};
+
 inline std::string shape_string(const std::vector<index_t>& s) {
   std::string out = "[";
   for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);

@@ -58,6 +58,20 @@ class linear {
     apply(context<Backend>{be, L, nullptr, h}, x, rows, y);
   }
 
+  // Backward of apply, from the forward's input x: weight.grad += dy^T x, bias.grad +=
+  // colsum(dy), and dx = dy W (written, or added with `accumulate`; skipped when dx is null).
+  void backward(const context<Backend>& c, const T* x, index_t rows, const T* dy, T* dx,
+                bool accumulate = false) {
+    backward(c, x, in_, rows, dy, out_, dx, in_, accumulate);
+  }
+  void backward(const context<Backend>& c, const T* x, index_t ldx, index_t rows, const T* dy,
+                index_t lddy, T* dx, index_t lddx, bool accumulate = false) {
+    ops<Backend>::gemm_dw(c, x, ldx, rows, dy, lddy, in_, out_, weight.grad_ptr(),
+                          has_bias() ? bias_.grad_ptr() : static_cast<bias_type*>(nullptr));
+    if (dx != nullptr)
+      ops<Backend>::gemm_dx(c, dy, lddy, rows, weight.ptr(), in_, out_, dx, lddx, accumulate);
+  }
+
   // Visits "<prefix>weight" and "<prefix>bias" (when present).
   template <class F>
   void visit_parameters(F&& f, const std::string& prefix = "") {

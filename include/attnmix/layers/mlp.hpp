@@ -53,23 +53,62 @@ class mlp {
 
   index_t width() const { return I_; }
 
-  // x, y: [rows, D] (distinct buffers). One scratch allocation for the hidden rows.
-  void apply(const context<Backend>& c, const T* x, index_t rows, T* y) const {
+  // What the backward reads: the hidden rows before the activation.
+  struct saved_type {
+    buffer<T, typename Backend::memory_space> up, gate;  // [rows, I]; gate: SwiGLU only
+  };
+
+  // x, y: [rows, D] (distinct buffers). One scratch allocation for the hidden rows; with
+  // `saved`, they go there instead, for backward().
+  void apply(const context<Backend>& c, const T* x, index_t rows, T* y,
+             saved_type* saved = nullptr) const {
     using O = ops<Backend>;
     constexpr bool gated = Kind == mlp_kind::swiglu;
-    typename O::scratch s(c.be, scratch_bytes<T>(rows * I_) * (gated ? 2 : 1));
-    T* h = s.template take<T>(rows * I_);
-    up_proj.apply(c, x, rows, h);
+    const index_t n = rows * I_;
+    typename O::scratch s(c.be, scratch_bytes<T>(n) * (saved ? 1 : gated ? 2 : 1));
+    T* h = s.template take<T>(n);
+    T* u = h;
+    if (saved != nullptr) saved->up.resize(n), u = saved->up.data();
+    up_proj.apply(c, x, rows, u);
     if constexpr (gated) {
-      T* g = s.template take<T>(rows * I_);
+      T* g = saved != nullptr ? (saved->gate.resize(n), saved->gate.data()) : s.template take<T>(n);
       gate_proj.apply(c, x, rows, g);
-      O::template map<fn::silu_times>(c, h, g, h, rows * I_);
-    } else if constexpr (Kind == mlp_kind::gelu) {
-      O::template map<fn::gelu>(c, h, h, static_cast<const float*>(nullptr), rows * I_);
+      O::template map<fn::silu_times>(c, h, g, u, n);
     } else {
-      O::template map<fn::relu>(c, h, h, static_cast<const float*>(nullptr), rows * I_);
+      activate(c, h, u, n);
     }
     down_proj.apply(c, h, rows, y);
+  }
+
+  // Backward of apply(c, x, rows, y, &saved): every weight's .grad added to, dx written (or added
+  // with `accumulate`). x: the forward's input; dy, dx: [rows, D].
+  void backward(const context<Backend>& c, const T* x, index_t rows, const T* dy, T* dx,
+                const saved_type& saved, bool accumulate = false) {
+    using O = ops<Backend>;
+    constexpr bool gated = Kind == mlp_kind::swiglu;
+    const index_t n = rows * I_;
+    typename O::scratch s(c.be, scratch_bytes<T>(n) * 2);
+    T *h = s.template take<T>(n), *dh = s.template take<T>(n);
+    const T* u = saved.up.data();
+    if constexpr (gated)
+      O::template map<fn::silu_times>(c, h, saved.gate.data(), u, n);
+    else
+      activate(c, h, u, n);
+    down_proj.backward(c, h, rows, dy, dh);
+    if constexpr (gated) {
+      // d(gate) into h (free again), d(up) in place of dh.
+      O::template map_backward<fn::silu_times>(c, dh, saved.gate.data(), u, h, dh, n);
+      up_proj.backward(c, x, rows, dh, dx, accumulate);
+      gate_proj.backward(c, x, rows, h, dx, true);
+    } else {
+      if constexpr (Kind == mlp_kind::gelu)
+        O::template map_backward<fn::gelu>(c, dh, u, static_cast<const T*>(nullptr), dh,
+                                           static_cast<T*>(nullptr), n);
+      else
+        O::template map_backward<fn::relu>(c, dh, u, static_cast<const T*>(nullptr), dh,
+                                           static_cast<T*>(nullptr), n);
+      up_proj.backward(c, x, rows, dh, dx, accumulate);
+    }
   }
   void apply(const T* x, index_t rows, T* y, const Backend& be) const {
     const typename ops<Backend>::handles hd{};
@@ -92,6 +131,15 @@ class mlp {
     if constexpr (Kind == mlp_kind::swiglu) s.gate_proj.visit_parameters(f, prefix + "gate_proj.");
     s.up_proj.visit_parameters(f, prefix + "up_proj.");
     s.down_proj.visit_parameters(f, prefix + "down_proj.");
+  }
+
+  // h = GELU(u) or ReLU(u).
+  static void activate(const context<Backend>& c, T* h, const T* u, index_t n) {
+    using O = ops<Backend>;
+    if constexpr (Kind == mlp_kind::gelu)
+      O::template map<fn::gelu>(c, h, u, static_cast<const float*>(nullptr), n);
+    else
+      O::template map<fn::relu>(c, h, u, static_cast<const float*>(nullptr), n);
   }
 
   index_t D_ = 0, I_ = 0;

@@ -41,6 +41,13 @@ class rms_norm {
     const token_layout L{1, rows, {}};
     apply(context<Backend>{be, L, nullptr, h}, x, rows, y);
   }
+  // Backward of apply, from the forward's input x: weight.grad += (dy x / rms) summed over the
+  // rows, dx written (or added with `accumulate`); dx may be dy.
+  void backward(const context<Backend>& c, const T* x, index_t rows, const T* dy, T* dx,
+                bool accumulate = false) {
+    ops<Backend>::norm_backward(c, x, dy, dx, rows, width_, weight.ptr(), false, 1, true, eps_,
+                                weight.grad_ptr(), accumulate);
+  }
 
   template <class F>
   void visit_parameters(F&& f, const std::string& prefix = "") {
@@ -88,6 +95,12 @@ class head_rms_norm {
   template <class In, class Out>
   void apply(const context<Backend>& c, const In* x, index_t rows, Out* y) const {
     ops<Backend>::norm(c, x, y, rows * heads_, d_, weight.ptr(), per_head_, heads_, true, eps_);
+  }
+  // Backward of apply, as rms_norm's.
+  void backward(const context<Backend>& c, const T* x, index_t rows, const T* dy, T* dx,
+                bool accumulate = false) {
+    ops<Backend>::norm_backward(c, x, dy, dx, rows * heads_, d_, weight.ptr(), per_head_, heads_,
+                                true, eps_, weight.grad_ptr(), accumulate);
   }
 
   template <class F>

@@ -93,6 +93,14 @@ class short_conv {
     apply(context<Backend>{be, L, nullptr, h}, x, y, final);
   }
 
+  // Backward of apply (without states), from the forward's input x: the taps' gradient added
+  // to weight.grad, dx written (or added with `accumulate`); dx and dy distinct.
+  void backward(const context<Backend>& c, const T* x, const T* dy, T* dx,
+                bool accumulate = false) {
+    ops<Backend>::short_conv_backward(c, x, dy, dx, channels_, weight.ptr(), kernel_, silu_,
+                                      weight.grad_ptr(), accumulate);
+  }
+
   // One decoding step for N sequences: x, y [N, C]; `state` moves on by one token (host).
   void step(const T* x, T* y, index_t N, conv_state<T, space>& state, const Backend& be) const {
     static_assert(on_host_v<Backend>, "attnmix::layers::short_conv: decoding runs on the host");
