@@ -2,6 +2,7 @@
 // (itself checked against central finite differences of the forward oracle), with exact zeros
 // where gradients must vanish, and the same bits for every thread count.
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -434,4 +435,54 @@ TEST_CASE("FoX backward keeps float accuracy over a long sequence", "[fox][backw
   CHECK(rel_error(f.dk.storage(), d.dk.storage()) <= 1e-5);
   CHECK(rel_error(f.dv.storage(), d.dv.storage()) <= 1e-5);
   CHECK(rel_error(f.dg.storage(), d.dg.storage()) <= 1e-5);
+}
+
+TEST_CASE("softmax backward reads and writes strided views", "[softmax][backward][cpu]") {
+  // q, k, v interleaved in one [B, T, 3, H, D] buffer, as a fused QKV projection writes them, and
+  // dq, dk, dv into padded rows ([B, T, H, D + 5] buffers): the same bits as dense tensors.
+  // (One interleaved buffer for the gradients is rejected by the front door as overlapping.)
+  const index_t B = 2, T = 77, H = 3, D = 16, P = D + 5;
+  rng r(805);
+  host_tensor<double, 5> qkv({B, T, 3, H, D});
+  host_tensor<double, 4> dq_buf({B, T, H, P}), dk_buf({B, T, H, P}), dv_buf({B, T, H, P});
+  r.fill_normal(qkv);
+  poison(dq_buf), poison(dk_buf), poison(dv_buf);
+  const std::array<index_t, 4> shape{B, T, H, D}, stride{T * 3 * H * D, 3 * H * D, D, 1},
+      padded{T * H * P, H * P, P, 1};
+  attnmix::view4<const double> q(qkv.data(), shape, stride), k(qkv.data() + H * D, shape, stride),
+      v(qkv.data() + 2 * H * D, shape, stride);
+  attnmix::view4<double> dq(dq_buf.data(), shape, padded), dk(dk_buf.data(), shape, padded),
+      dv(dv_buf.data(), shape, padded);
+
+  host_tensor<double, 4> qd({B, T, H, D}), kd({B, T, H, D}), vd({B, T, H, D}), dout({B, T, H, D});
+  for (index_t b = 0; b < B; ++b)
+    for (index_t t = 0; t < T; ++t)
+      for (index_t h = 0; h < H; ++h)
+        for (index_t d = 0; d < D; ++d)
+          qd(b, t, h, d) = q(b, t, h, d), kd(b, t, h, d) = k(b, t, h, d),
+                      vd(b, t, h, d) = v(b, t, h, d);
+  r.fill_normal(dout);
+  host_tensor<double, 4> out({B, T, H, D});
+  host_tensor<double, 3> lse({B, T, H});
+  attnmix::attention_args<double> fa{qd.view(), kd.view(), vd.view(), out.view()};
+  fa.lse = lse.view();
+  attnmix::attention<attnmix::kind::softmax>(fa);
+
+  attnmix::attention_grad_args<double> ga{};
+  ga.q = q, ga.k = k, ga.v = v, ga.out = out.view(), ga.lse = lse.view(), ga.dout = dout.view();
+  ga.dq = dq, ga.dk = dk, ga.dv = dv;
+  attnmix::attention_backward<attnmix::kind::softmax>(ga);
+
+  host_tensor<double, 4> dqd({B, T, H, D}), dkd({B, T, H, D}), dvd({B, T, H, D});
+  ga.q = qd.view(), ga.k = kd.view(), ga.v = vd.view();
+  ga.dq = dqd.view(), ga.dk = dkd.view(), ga.dv = dvd.view();
+  attnmix::attention_backward<attnmix::kind::softmax>(ga);
+  bool same = true;
+  for (index_t b = 0; b < B; ++b)
+    for (index_t t = 0; t < T; ++t)
+      for (index_t h = 0; h < H; ++h)
+        for (index_t d = 0; d < D; ++d)
+          same = same && dq(b, t, h, d) == dqd(b, t, h, d) && dk(b, t, h, d) == dkd(b, t, h, d) &&
+                 dv(b, t, h, d) == dvd(b, t, h, d);
+  CHECK(same);
 }
