@@ -7,12 +7,16 @@
 #include <vector>
 
 #include "attnmix/attention/attention.hpp"
+#include "attnmix/attention/attention_backward.hpp"
 #include "attnmix/cpu/detail/flash.hpp"
+#include "attnmix/cpu/detail/flash_backward.hpp"
 
 namespace attnmix {
 
 template <>
 struct is_implemented<kind::fox, backend::cpu> : std::true_type {};
+template <>
+struct is_backward_implemented<kind::fox, backend::cpu> : std::true_type {};
 
 namespace detail {
 namespace cpu {
@@ -91,6 +95,23 @@ struct attention_impl<kind::fox, backend::cpu, Policy> {
     cpu::require_cpu_scalar<T>();
     const cpu::gate_prefix G = cpu::gate_cumsum(a.g, p);
     cpu::flash_forward<Policy>(a, p, be, G.cumsum(), gate_coefficient<Policy>(p), G.resets());
+  }
+};
+
+// dq: [B,T,HQ,D], dk: [B,T,H,D], dv: [B,T,H,Dv] and dg: [B,T,HQ] from the forward's inputs, its
+// out and lse, and dout: [B,T,HQ,Dv]. The gradient of the gate cumsum G comes from the row and
+// column sums of dS; dg is its reverse cumsum per sequence, 0 at a hard reset.
+template <class Policy>
+struct attention_backward_impl<kind::fox, backend::cpu, Policy> {
+  template <class T>
+  static void run(const attention_grad_args<T>& a, const attention_problem& p,
+                  const backend::cpu& be) {
+    cpu::require_cpu_scalar<T>();
+    const cpu::gate_prefix G = cpu::gate_cumsum(a.g, p);
+    std::vector<double> dG(G.G.size());
+    cpu::flash_backward<Policy>(a, p, be, G.cumsum(), gate_coefficient<Policy>(p), G.resets(),
+                                dG.data());
+    cpu::gate_cumsum_backward(dG, a.g, a.dg, p);
   }
 };
 
