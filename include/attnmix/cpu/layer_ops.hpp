@@ -572,6 +572,32 @@ struct ops<backend::cpu> {
     for (index_t i = 0; i < n; ++i) g[i] = static_cast<G>(double(g[i]) * factor);
   }
 
+  // y[r, :] = W[ids[r], :] for r < rows (W: [V, width]); ids already checked to be in [0, V).
+  template <class C, class W, class Y>
+  static void gather_rows(const C&, const W* w, const std::int32_t* ids, index_t rows,
+                          index_t width, Y* y) {
+    for (index_t r = 0; r < rows; ++r) {
+      const W* src = w + index_t(ids[r]) * width;
+      for (index_t e = 0; e < width; ++e) y[r * width + e] = static_cast<Y>(src[e]);
+    }
+  }
+  // dW[ids[r], :] += dy[r, :] for r < rows, in row order (blocks of columns across the workers,
+  // so that repeated ids sum in the same order whatever the thread count).
+  template <class C, class Y, class G>
+  static void scatter_add_rows(const C& c, const Y* dy, const std::int32_t* ids, index_t rows,
+                               index_t width, G* dw) {
+    constexpr index_t cols = 64;
+    const index_t tasks = (width + cols - 1) / cols;
+    attnmix::detail::cpu::parallel_for(
+        tasks, attnmix::detail::cpu::worker_count(c.be, tasks), [&](index_t t, int) {
+          const index_t e0 = t * cols, e1 = std::min(width, e0 + cols);
+          for (index_t r = 0; r < rows; ++r) {
+            G* dst = dw + index_t(ids[r]) * width;
+            for (index_t e = e0; e < e1; ++e) dst[e] += static_cast<G>(dy[r * width + e]);
+          }
+        });
+  }
+
  private:
   template <class A>
   static A apply(fn::silu_times, A g, A u) {

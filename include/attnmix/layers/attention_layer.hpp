@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "attnmix/attention/attention.hpp"
+#include "attnmix/attention/attention_backward.hpp"
 #include "attnmix/core/policy.hpp"
 #include "attnmix/cpu/fox.hpp"
 #include "attnmix/cpu/layer_ops.hpp"
@@ -119,7 +120,12 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
   using backend_type = Backend;
   using attention_policy = with_mask<default_policy_t<K>, Policy::mask>;
   using cache_type = kv_cache<T, space>;
-  using saved_type = no_saved;  // what the backward will read (nothing yet)
+  // What backward_rows reads: the projections before the qk-norm, the attention's inputs and
+  // output and its log-sum-exp, the forget gate's logits, the output gate's logits.
+  struct saved_type {
+    buffer<T, space> q_in, k_in, q, k, v, o, gate;  // [rows, heads * d]
+    buffer<A, space> f, lse;                        // [rows, HQ]
+  };
 
   attention_layer() = default;
   explicit attention_layer(const config& c)
@@ -182,9 +188,73 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
                                {{"q_heads", HQ_}, {"kv_heads", H_}, {"head_dim", d_}});
   }
 
-  // y = mixer(x) on c.layout's rows (x, y: [rows, D], distinct).
-  void forward_rows(const context<Backend>& c, const T* x, T* y, saved_type* = nullptr) const {
-    run(c, x, y, nullptr, nullptr);
+  // y = mixer(x) on c.layout's rows (x, y: [rows, D], distinct); with `saved`, also what
+  // backward_rows needs.
+  void forward_rows(const context<Backend>& c, const T* x, T* y,
+                    saved_type* saved = nullptr) const {
+    run(c, x, y, nullptr, nullptr, saved);
+  }
+
+  // Backward of forward_rows(c, x, y, &saved): every parameter's .grad added to, dx written (or
+  // added with `accumulate`). dy, dx: [rows, D].
+  void backward_rows(const context<Backend>& c, const T* x, const T* dy, T* dx,
+                     const saved_type& sv, bool accumulate = false) {
+    const token_layout& L = c.layout;
+    const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
+    typename O::scratch sc(c.be, scratch_bytes<T>(nq) * 3 + scratch_bytes<T>(nk) * 2 +
+                                     scratch_bytes<A>(rows * HQ_) * 2);
+    T *t = sc.template take<T>(nq), *dout = sc.template take<T>(nq), *dq = sc.template take<T>(nq);
+    T *dk = sc.template take<T>(nk), *dv = sc.template take<T>(nk);
+    A *g = sc.template take<A>(rows * HQ_), *dg = sc.template take<A>(rows * HQ_);
+    // o_proj: its input is the gated output (recomputed into t).
+    const T* gated = sv.o.data();
+    if constexpr (Policy::output_gate) {
+      O::template map<fn::times_sigmoid>(c, t, sv.o.data(), sv.gate.data(), nq);
+      gated = t;
+    }
+    o_proj.backward(c, gated, rows, dy, dout);
+    bool first = !accumulate;  // the first contribution to dx writes it
+    if constexpr (Policy::output_gate) {
+      // d(gate logits) into t, d(o) in place of dout.
+      O::template map_backward<fn::times_sigmoid>(c, dout, sv.o.data(), sv.gate.data(), dout, t,
+                                                  nq);
+      g_proj.backward(c, x, rows, t, dx, !first);
+      first = false;
+    }
+    attention_grad_args<T> a;
+    a.q = as_heads<Backend, const T>(sv.q.data(), L, HQ_, d_);
+    a.k = as_heads<Backend, const T>(sv.k.data(), L, H_, d_);
+    a.v = as_heads<Backend, const T>(sv.v.data(), L, H_, d_);
+    a.out = as_heads<Backend, const T>(sv.o.data(), L, HQ_, d_);
+    a.lse = as_rows<Backend, const A>(sv.lse.data(), L, HQ_);
+    a.dout = as_heads<Backend, const T>(dout, L, HQ_, d_);
+    a.dq = as_heads<Backend, T>(dq, L, HQ_, d_);
+    a.dk = as_heads<Backend, T>(dk, L, H_, d_);
+    a.dv = as_heads<Backend, T>(dv, L, H_, d_);
+    if constexpr (fox) {  // the log forget gate, recomputed from its logits
+      O::template map<fn::log_sigmoid>(c, g, sv.f.data(), static_cast<const A*>(nullptr),
+                                       rows * HQ_);
+      a.g = as_rows<Backend, const A>(g, L, HQ_);
+      a.dg = as_rows<Backend, A>(dg, L, HQ_);
+    }
+    attnmix::attention_backward<K, attention_policy>(a, L.attention(scale_, window_), c.be);
+    if constexpr (fox) {
+      O::template map_backward<fn::log_sigmoid>(c, dg, sv.f.data(), static_cast<const A*>(nullptr),
+                                                dg, static_cast<A*>(nullptr), rows * HQ_);
+      f_proj.backward(c, x, rows, dg, dx, !first);
+      first = false;
+    }
+    if constexpr (Policy::rope) {
+      O::rope_backward(c, dq, rows, HQ_, d_, theta_);
+      O::rope_backward(c, dk, rows, H_, d_, theta_);
+    }
+    if constexpr (Policy::qk_norm) {
+      q_norm.backward(c, sv.q_in.data(), rows, dq, dq);
+      k_norm.backward(c, sv.k_in.data(), rows, dk, dk);
+    }
+    q_proj.backward(c, x, rows, dq, dx, !first);
+    k_proj.backward(c, x, rows, dk, dx, true);
+    v_proj.backward(c, x, rows, dv, dx, true);
   }
   // slots[n]: the cache slot of sequence n.
   void prefill_rows(const context<Backend>& c, const T* x, T* y, cache_type& cache,
@@ -258,7 +328,7 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
       for (index_t i = 0; i < d_; ++i)
         out[i] = static_cast<T>(acc[static_cast<std::size_t>(i)] / den);
     });
-    finish(c, x, q, o, y);
+    finish(c, x, q, o, o, y);
   }
 
   template <class F>
@@ -296,12 +366,19 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
   }
 
   // q, k, v (normed, rotated at c.positions) and, for FoX, the log forget gate g [rows, HQ].
-  void project(const context<Backend>& c, const T* x, T* q, T* k, T* v, A* g) const {
-    const index_t rows = c.rows();
+  // With `sv`, also the projections before the qk-norm and the gate's logits.
+  void project(const context<Backend>& c, const T* x, T* q, T* k, T* v, A* g,
+               saved_type* sv = nullptr) const {
+    const index_t rows = c.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
     q_proj.apply(c, x, rows, q);
     k_proj.apply(c, x, rows, k);
     v_proj.apply(c, x, rows, v);
     if constexpr (Policy::qk_norm) {
+      if (sv != nullptr) {
+        sv->q_in.resize(nq), sv->k_in.resize(nk);
+        O::upload(c.be, sv->q_in.data(), q, nq);
+        O::upload(c.be, sv->k_in.data(), k, nk);
+      }
       q_norm.apply(c, q, rows, q);
       k_norm.apply(c, k, rows, k);
     }
@@ -311,39 +388,54 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     }
     if constexpr (fox) {
       f_proj.apply(c, x, rows, g);
+      if (sv != nullptr) sv->f.resize(rows * HQ_), O::upload(c.be, sv->f.data(), g, rows * HQ_);
       O::template map<fn::log_sigmoid>(c, g, g, static_cast<const A*>(nullptr), rows * HQ_);
     }
-    (void)g;
+    (void)g, (void)nq, (void)nk, (void)sv;
   }
 
-  // Output gate (its logits into q, free again) and o_proj: o [rows, HQ*d] -> y [rows, D].
-  void finish(const context<Backend>& c, const T* x, T* q, T* o, T* y) const {
+  // Output gate and o_proj: o [rows, HQ*d] -> y [rows, D]. The gate's logits go to `logits`,
+  // the gated output to `gated` (either may be o's buffer when o is not needed again).
+  void finish(const context<Backend>& c, const T* x, T* logits, T* o, T* gated, T* y) const {
     const index_t rows = c.rows();
     if constexpr (Policy::output_gate) {
-      g_proj.apply(c, x, rows, q);
-      O::template map<fn::times_sigmoid>(c, o, o, q, rows * HQ_ * d_);
+      g_proj.apply(c, x, rows, logits);
+      O::template map<fn::times_sigmoid>(c, gated, o, logits, rows * HQ_ * d_);
+      o = gated;
     }
-    (void)q;
+    (void)logits, (void)gated;
     o_proj.apply(c, o, rows, y);
   }
 
-  // cache, slots: prefill (sequence n -> slot (*slots)[n]); both null: forward only.
-  // One scratch allocation: q, k, v, o and the gate.
+  // cache, slots: prefill (sequence n -> slot (*slots)[n]); both null: forward only. sv: the
+  // forward of training, which keeps q, k, v, o, lse and the gates' logits in *sv. One scratch
+  // allocation for the rest.
   void run(const context<Backend>& c, const T* x, T* y, cache_type* cache,
-           const std::vector<index_t>* slots) const {
+           const std::vector<index_t>* slots, saved_type* sv = nullptr) const {
     const token_layout& L = c.layout;
     const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
-    typename O::scratch sc(
-        c.be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 2 + scratch_bytes<A>(rows * HQ_));
-    T *q = sc.template take<T>(nq), *k = sc.template take<T>(nk), *v = sc.template take<T>(nk),
-      *o = sc.template take<T>(nq);
+    const bool keep = sv != nullptr;
+    typename O::scratch sc(c.be, (keep ? scratch_bytes<T>(nq) * (Policy::output_gate ? 1 : 0)
+                                       : scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 2) +
+                                     scratch_bytes<A>(rows * HQ_));
+    if (keep) {
+      for (auto* b : {&sv->q, &sv->o}) b->resize(nq);
+      for (auto* b : {&sv->k, &sv->v}) b->resize(nk);
+      sv->lse.resize(rows * HQ_);
+      if constexpr (Policy::output_gate) sv->gate.resize(nq);
+    }
+    T* q = keep ? sv->q.data() : sc.template take<T>(nq);
+    T* k = keep ? sv->k.data() : sc.template take<T>(nk);
+    T* v = keep ? sv->v.data() : sc.template take<T>(nk);
+    T* o = keep ? sv->o.data() : sc.template take<T>(nq);
     A* g = sc.template take<A>(rows * HQ_);
-    project(c, x, q, k, v, g);
+    project(c, x, q, k, v, g, sv);
     attention_args<T> a;
     a.q = as_heads<Backend, const T>(q, L, HQ_, d_);
     a.k = as_heads<Backend, const T>(k, L, H_, d_);
     a.v = as_heads<Backend, const T>(v, L, H_, d_);
     a.out = as_heads<Backend, T>(o, L, HQ_, d_);
+    if (keep) a.lse = as_rows<Backend, A>(sv->lse.data(), L, HQ_);
     if constexpr (fox) a.g = as_rows<Backend, const A>(g, L, HQ_);
     attnmix::attention<K, attention_policy>(a, L.attention(scale_, window_), c.be);
     if constexpr (on_host_v<Backend>) {
@@ -366,7 +458,12 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     }
     (void)cache;
     (void)slots;
-    finish(c, x, q, o, y);
+    if (keep) {
+      T* gated = Policy::output_gate ? sc.template take<T>(nq) : o;
+      finish(c, x, Policy::output_gate ? sv->gate.data() : q, o, gated, y);
+    } else {
+      finish(c, x, q, o, o, y);  // q and o are free again
+    }
   }
 };
 

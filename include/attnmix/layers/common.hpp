@@ -188,10 +188,11 @@ void check_activation(const std::string& fn, const char* arg, const view3<T>& v,
       v.stride(1), ", ", v.stride(2), "]");
 }
 
-// out must have the shape of x.
-template <class T>
-void check_same_shape(const std::string& fn, const view3<T>& out, const view3<const T>& x) {
-  attnmix::detail::require(out.shape() == x.shape(), fn, "out", "has shape ",
+// out (named `arg`) must have the shape of x.
+template <class T, class U>
+void check_same_shape(const std::string& fn, const view3<T>& out, const view3<U>& x,
+                      const char* arg = "out") {
+  attnmix::detail::require(out.shape() == x.shape(), fn, arg, "has shape ",
                            attnmix::detail::shape_of(out), " but must have the shape of 'x', ",
                            attnmix::detail::shape_of(x));
 }

@@ -93,11 +93,45 @@ class mixer_api {
                const Backend& be = Backend{}) const {
     const std::string fn = std::string("attnmix::layers::") + Derived::name + "::forward";
     const token_layout L = check(fn, x, out, cu_seqlens);
-    const typename O::handles handles{};
-    typename O::scratch s(be, scratch_bytes<std::int32_t>(L.rows()));
-    std::int32_t* pos = s.template take<std::int32_t>(L.rows());
-    O::positions(be, pos, L);
-    self().forward_rows(context<Backend>{be, L, pos, handles}, x.data(), out.data());
+    with_context(L, be,
+                 [&](const context<Backend>& c) { self().forward_rows(c, x.data(), out.data()); });
+  }
+
+  // Training: the same forward, also keeping in `saved` what backward() reads.
+  template <class Saved>
+  void forward(const view3<const T>& x, const view3<T>& out, Saved& saved,
+               const view1<const std::int32_t>& cu_seqlens = {},
+               const Backend& be = Backend{}) const {
+    const std::string fn = std::string("attnmix::layers::") + Derived::name + "::forward";
+    const token_layout L = check(fn, x, out, cu_seqlens);
+    with_context(L, be, [&](const context<Backend>& c) {
+      self().forward_rows(c, x.data(), out.data(), &saved);
+    });
+  }
+
+  // Training: from the forward's input x and `saved` (forward(x, out, saved, ...) with the same
+  // cu_seqlens) and dout = dL/d(out), writes dL/dx into dx and adds every parameter's gradient
+  // to its .grad. Throws attnmix::error on bad arguments.
+  template <class Saved>
+  void backward(const view3<const T>& x, const view3<const T>& dout, const view3<T>& dx,
+                const Saved& saved, const view1<const std::int32_t>& cu_seqlens = {},
+                const Backend& be = Backend{}) {
+    const std::string fn = std::string("attnmix::layers::") + Derived::name + "::backward";
+    const index_t D = self().hidden_size();
+    detail::check_activation(fn, "x", x, D, space_of_v<Backend>, Backend::name);
+    detail::check_activation(fn, "dout", dout, D, space_of_v<Backend>, Backend::name);
+    detail::check_activation(fn, "dx", dx, D, space_of_v<Backend>, Backend::name);
+    detail::check_same_shape(fn, dout, x, "dout");
+    detail::check_same_shape(fn, dx, x, "dx");
+    attnmix::detail::check_no_alias(fn, "dx", dx, "x", x);
+    attnmix::detail::check_no_alias(fn, "dx", dx, "dout", dout);
+    O::check_memory(fn, "x", x);
+    O::check_memory(fn, "dout", dout);
+    O::check_memory(fn, "dx", dx);
+    const token_layout L = detail::make_layout(fn, x, cu_seqlens);
+    with_context(L, be, [&](const context<Backend>& c) {
+      derived().backward_rows(c, x.data(), dout.data(), dx.data(), saved);
+    });
   }
 
   // Causal mixers: the forward over a batch of prompts that also (re)fills `cache` (sequence n
@@ -131,6 +165,17 @@ class mixer_api {
 
  private:
   const Derived& self() const { return static_cast<const Derived&>(*this); }
+  Derived& derived() { return static_cast<Derived&>(*this); }
+
+  // Calls f with the context of one call on L: the rows' positions in the backend's memory.
+  template <class F>
+  static void with_context(const token_layout& L, const Backend& be, F&& f) {
+    const typename O::handles handles{};
+    typename O::scratch s(be, scratch_bytes<std::int32_t>(L.rows()));
+    std::int32_t* pos = s.template take<std::int32_t>(L.rows());
+    O::positions(be, pos, L);
+    f(context<Backend>{be, L, pos, handles});
+  }
 
   template <class Cache>
   void prefill_impl(const view3<const T>& x, const view3<T>& out, Cache& cache,

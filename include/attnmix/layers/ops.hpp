@@ -25,6 +25,8 @@
 //   short_conv_backward(c, x, dy, dx, channels, w, K, silu, dw, acc)
 //   rope_backward(c, dx, rows, heads, d, theta)               the inverse rotation, in place
 //   map_backward<Fn>(c, dy, a, b, da, db, n, acc)             da = dy dFn/da, db = dy dFn/db
+//   gather_rows(c, W, ids, rows, width, y), scatter_add_rows(c, dy, ids, rows, width, dW)
+//                                                             embeddings and their backward
 // and the training steps:
 //   cross_entropy(c, logits, ld, rows, V, labels, ignore, dlogits, ldd, scale) -> summed loss
 //   adamw(be, p, g, m, v, n, lr, beta1, beta2, eps, wd, step)   one AdamW step in place

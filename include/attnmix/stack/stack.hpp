@@ -23,6 +23,7 @@
 // once (attnmix::device_stack<Stack, D> = stack_on<Stack, backend::cuda, D>, attnmix/cuda.cuh).
 // The residual stream is accum_t<T>. Prefill and decoding run on host backends for now.
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -176,6 +177,7 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
                 "attnmix::stack: a layer has no implementation on this backend");
 
   using O = layers::ops<Backend>;
+  using space = typename Backend::memory_space;
   using R = accum_t<T>;  // the residual stream
   template <class, class, class, class>
   friend class basic_stack_impl;
@@ -231,24 +233,8 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     const index_t D = cfg_.hidden_size;
     check_rows(fn, x, out);
 
-    // The rows the blocks run on: the batch as it is, or its valid tokens packed (mask).
-    layers::token_layout L;
     std::vector<std::int64_t> src;  // mask: packed row -> row of x
-    if (in.mask.has_value()) {
-      attnmix::detail::check_not_given(fn, "cu_seqlens", in.cu_seqlens, "'mask' was given too");
-      attnmix::detail::check_layout(fn, "mask", in.mask);
-      attnmix::detail::check_space(fn, "mask", in.mask, memory_space::host, "packing");
-      attnmix::detail::check_shape(fn, "mask", in.mask, {x.extent(0), x.extent(1)}, "[B, T]");
-      L = layers::token_layout{1, 0, {0}};
-      for (index_t b = 0; b < x.extent(0); ++b) {
-        for (index_t t = 0; t < x.extent(1); ++t)
-          if (in.mask(b, t) != 0) src.push_back(b * x.extent(1) + t);
-        L.cu_seqlens.push_back(static_cast<std::int32_t>(src.size()));
-      }
-      L.tokens = static_cast<index_t>(src.size());
-    } else {
-      L = layers::detail::make_layout(fn, x, in.cu_seqlens);
-    }
+    const layers::token_layout L = rows_layout(fn, x, in, src);
     const index_t rows = L.rows();
     if (in.mask.has_value()) O::zero(be, out.data(), out.size());
     if (rows == 0) return;
@@ -277,6 +263,113 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     } else {
       norm.apply(c, h, rows, out.data());
     }
+  }
+
+  // ---- Training ---------------------------------------------------------------------------
+  // What backward() reads of one forward: the rows' layout, the residual stream before every
+  // block and after its mixer, every block's normed inputs and what its mixer and MLP saved.
+  template <class Layer>
+  struct block_saved {
+    layers::buffer<R, space> mid;              // the residual after the mixer [rows, D]
+    layers::buffer<T, space> attn_in, mlp_in;  // the normed inputs of the mixer and the MLP
+    typename block<Layer>::mixer_type::saved_type attn;
+    typename layers::mlp<T, Policy::mlp, Backend>::saved_type mlp;
+  };
+  struct saved_type {
+    std::array<index_t, 3> shape{};  // x's [B, T, D]
+    layers::token_layout layout;
+    std::vector<std::int64_t> src;                  // mask: packed row -> row of x
+    layers::buffer<std::int64_t, space> src_rows;   // the same in the backend's memory
+    layers::buffer<std::int32_t, space> positions;  // [rows]
+    std::vector<layers::buffer<R, space>> h;        // h[i]: block i's input; h[L]: the norm's
+    std::tuple<block_saved<Layers>...> blocks;
+  };
+
+  // The forward of training: the same as forward(x, out, in, be), also keeping in `saved` what
+  // backward() reads. (on_layer is not called.)
+  void forward(const view3<const T>& x, const view3<T>& out, saved_type& sv,
+               const stack_inputs& in = {}, const Backend& be = Backend{}) const {
+    static_assert(std::is_same_v<R, T>,
+                  "attnmix::stack: training runs with the residual stream in the compute type");
+    const std::string fn = "attnmix::stack::forward";
+    const index_t D = cfg_.hidden_size;
+    check_rows(fn, x, out);
+    sv.shape = {x.extent(0), x.extent(1), x.extent(2)};
+    sv.layout = rows_layout(fn, x, in, sv.src);
+    const layers::token_layout& L = sv.layout;
+    const index_t rows = L.rows(), n = rows * D;
+    if (in.mask.has_value()) O::zero(be, out.data(), out.size());
+    sv.positions.resize(rows);
+    sv.src_rows.resize(index_t(sv.src.size()));
+    sv.h.resize(num_layers + 1);
+    for (auto& b : sv.h) b.resize(n);
+    if (rows == 0) return;
+    O::positions(be, sv.positions.data(), L);
+    O::upload(be, sv.src_rows.data(), sv.src.data(), index_t(sv.src.size()));
+    const std::int64_t* src = sv.src.empty() ? nullptr : sv.src_rows.data();
+    const layers::context<Backend> c{be, L, sv.positions.data(), handles_};
+    O::move_rows(c, x.data(), sv.h[0].data(), src, static_cast<const std::int64_t*>(nullptr), rows,
+                 D);
+    for_each_block_and_saved(sv, [&](const auto& b, auto& bs, std::size_t i) {
+      for (auto* buf : {&bs.attn_in, &bs.mlp_in}) buf->resize(n);
+      bs.mid.resize(n);
+      typename O::scratch s(be, layers::scratch_bytes<T>(n));
+      T* m = s.template take<T>(n);
+      b.attn_norm.apply(c, sv.h[i].data(), rows, bs.attn_in.data());
+      b.attn.forward_rows(c, bs.attn_in.data(), m, &bs.attn);
+      O::template map<layers::fn::plus>(c, bs.mid.data(), sv.h[i].data(), m, n);
+      b.mlp_norm.apply(c, bs.mid.data(), rows, bs.mlp_in.data());
+      b.mlp.apply(c, bs.mlp_in.data(), rows, m, &bs.mlp);
+      O::template map<layers::fn::plus>(c, sv.h[i + 1].data(), bs.mid.data(), m, n);
+    });
+    if (src != nullptr) {
+      typename O::scratch s(be, layers::scratch_bytes<T>(n));
+      T* t = s.template take<T>(n);
+      norm.apply(c, sv.h[num_layers].data(), rows, t);
+      O::move_rows(c, t, out.data(), static_cast<const std::int64_t*>(nullptr), src, rows, D);
+    } else {
+      norm.apply(c, sv.h[num_layers].data(), rows, out.data());
+    }
+  }
+
+  // Training: from `saved` (the training forward) and dout = dL/d(out) [B, T, D], writes dL/dx
+  // into dx (pad rows 0 under a mask) and adds every parameter's gradient to its .grad.
+  // Throws attnmix::error on bad arguments.
+  void backward(const view3<const T>& dout, const view3<T>& dx, const saved_type& sv,
+                const Backend& be = Backend{}) {
+    const std::string fn = "attnmix::stack::backward";
+    const index_t D = cfg_.hidden_size;
+    for (const auto& [name, v] : {std::pair<const char*, view3<const T>>{"dout", dout},
+                                  std::pair<const char*, view3<const T>>{"dx", dx}}) {
+      layers::detail::check_activation(fn, name, v, D, space_of_v<Backend>, Backend::name);
+      attnmix::detail::require(v.shape() == sv.shape, fn, name, "has shape ",
+                               attnmix::detail::shape_of(v), " but the forward's x had ",
+                               attnmix::detail::shape_string(sv.shape.data(), 3));
+      O::check_memory(fn, name, v);
+    }
+    attnmix::detail::check_no_alias(fn, "dx", dx, "dout", dout);
+    const layers::token_layout& L = sv.layout;
+    const index_t rows = L.rows(), n = rows * D;
+    const std::int64_t* src = sv.src.empty() ? nullptr : sv.src_rows.data();
+    if (src != nullptr) O::zero(be, dx.data(), dx.size());
+    if (rows == 0) return;
+    const layers::context<Backend> c{be, L, sv.positions.data(), handles_};
+    typename O::scratch s(be, layers::scratch_bytes<R>(n) + layers::scratch_bytes<T>(n) * 2);
+    R* dh = s.template take<R>(n);
+    T *dt = s.template take<T>(n), *dm = s.template take<T>(n);
+    const T* dy = dout.data();
+    if (src != nullptr) {
+      O::move_rows(c, dout.data(), dm, src, static_cast<const std::int64_t*>(nullptr), rows, D);
+      dy = dm;
+    }
+    norm.backward(c, sv.h[num_layers].data(), rows, dy, dh);
+    for_each_block_and_saved_reversed(sv, [&](auto& b, const auto& bs, std::size_t i) {
+      b.mlp.backward(c, bs.mlp_in.data(), rows, dh, dt, bs.mlp);
+      b.mlp_norm.backward(c, bs.mid.data(), rows, dt, dh, true);
+      b.attn.backward_rows(c, bs.attn_in.data(), dh, dt, bs.attn);
+      b.attn_norm.backward(c, sv.h[i].data(), rows, dt, dh, true);
+    });
+    O::move_rows(c, dh, dx.data(), static_cast<const std::int64_t*>(nullptr), src, rows, D);
   }
 
   // Causal stacks on host backends: a cache for `sequences` sequences of up to `capacity` tokens.
@@ -384,6 +477,44 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   template <class F>
   void for_each_block(F&& f) const {
     for_each_block_of(*this, f);
+  }
+  // f(block i, its saved state, i) in order, and in reverse order.
+  template <class F, std::size_t... I>
+  void for_each_saved_impl(saved_type& sv, F& f, std::index_sequence<I...>) const {
+    (f(std::get<I>(blocks_), std::get<I>(sv.blocks), I), ...);
+  }
+  template <class F>
+  void for_each_block_and_saved(saved_type& sv, F&& f) const {
+    for_each_saved_impl(sv, f, std::index_sequence_for<Layers...>{});
+  }
+  template <class F, std::size_t... I>
+  void for_each_saved_reversed_impl(const saved_type& sv, F& f, std::index_sequence<I...>) {
+    constexpr std::size_t last = sizeof...(Layers) - 1;
+    (f(std::get<last - I>(blocks_), std::get<last - I>(sv.blocks), last - I), ...);
+  }
+  template <class F>
+  void for_each_block_and_saved_reversed(const saved_type& sv, F&& f) {
+    for_each_saved_reversed_impl(sv, f, std::index_sequence_for<Layers...>{});
+  }
+
+  // The rows the blocks run on: the batch as it is, or its valid tokens packed (mask), with
+  // src[r] the row of x that packed row r comes from.
+  static layers::token_layout rows_layout(const std::string& fn, const view3<const T>& x,
+                                          const stack_inputs& in, std::vector<std::int64_t>& src) {
+    src.clear();
+    if (!in.mask.has_value()) return layers::detail::make_layout(fn, x, in.cu_seqlens);
+    attnmix::detail::check_not_given(fn, "cu_seqlens", in.cu_seqlens, "'mask' was given too");
+    attnmix::detail::check_layout(fn, "mask", in.mask);
+    attnmix::detail::check_space(fn, "mask", in.mask, memory_space::host, "packing");
+    attnmix::detail::check_shape(fn, "mask", in.mask, {x.extent(0), x.extent(1)}, "[B, T]");
+    layers::token_layout L{1, 0, {0}};
+    for (index_t b = 0; b < x.extent(0); ++b) {
+      for (index_t t = 0; t < x.extent(1); ++t)
+        if (in.mask(b, t) != 0) src.push_back(b * x.extent(1) + t);
+      L.cu_seqlens.push_back(static_cast<std::int32_t>(src.size()));
+    }
+    L.tokens = static_cast<index_t>(src.size());
+    return L;
   }
 
   void check_rows(const std::string& fn, const view3<const T>& x, const view3<T>& out) const {
