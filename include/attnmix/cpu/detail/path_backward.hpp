@@ -4,7 +4,8 @@
 //
 // One task per (sequence, KV head), so that the gradients of the keys, values and transitions,
 // which every later query of the group's heads adds to, are summed in a fixed order without
-// races. Per (query head, query chunk):
+// races (a few long heads are split into slices of query chunks, see path_backward). Per
+// (query head, query chunk):
 //   1. the diagonal tile is recomputed from the saved log-sum-exp, giving dZ = p (dO V^T - delta)
 //      there and the queries carried through their own chunk, R = Q~;
 //   2. right to left over the earlier key chunks, as the forward walks: score against K~, form
@@ -14,8 +15,9 @@
 //      what reaches the query chunk is dQ~;
 //   4. back through the diagonal tile and the query's own-chunk transform to dq.
 // Then per chunk, back through its UT transform (U, M, K~, P) to dk, dw and dbeta.
-// Memory per task: O(L (3D + Dv + C)) for a sequence of L tokens plus D^2 per chunk when the
-// chunk products are dense; never an L x L matrix and never a copy of the queries per chunk.
+// Memory per task (and per slice): O(L (7D + Dv + C)) for a sequence of L tokens plus D^2 per
+// chunk when the chunk products are dense; never an L x L matrix and never a copy of the
+// queries per chunk.
 
 #include <algorithm>
 #include <cmath>
@@ -62,19 +64,20 @@ struct path_backward_scratch {
   column<T> lse, delta, gi, gj, beta;
 };
 
-// Steps 1-4 for one query chunk of one (sequence, query head); adds to ws.grads and writes dq.
-// G, coef, reset as in path_query_chunk; dG: d loss / d G laid out like G (nullptr: no gate).
+// Steps 1-4 for one query chunk of one (sequence, query head); adds to g and writes dq.
+// G, coef, reset as in path_query_chunk; dG: d loss / d G at token 0 of the sequence, token
+// stride dGs (nullptr: no gate).
 template <class T>
 void path_query_chunk_backward(const attention_grad_args<T>& a, const attention_problem& p,
                                path_chunks<T>& c, index_t seq, index_t hq, index_t ci,
                                const double* G, index_t Gs, double coef, const index_t* reset,
-                               double* dG, path_backward_scratch<T>& ws) {
+                               double* dG, index_t dGs, path_chunk_grads<T>& g,
+                               path_backward_scratch<T>& ws) {
   constexpr T ninf = -std::numeric_limits<T>::infinity();
   const sequence s = p.seq(seq);
   const index_t b = s.batch, h = hq / p.group(), C = c.chunk, D = p.head_dim, Dv = p.value_dim;
   const index_t c0 = ci * C, n = std::min(C, s.length - c0), t0 = s.start + c0;
   const T scale = static_cast<T>(p.scale);
-  path_chunk_grads<T>& g = ws.grads;
 
   const auto W = rows_of(&a.w(b, t0, h, 0), n, D, a.w.stride(1));
   const auto U = rows_of(c.u_at(b, h, t0), n, D, D);
@@ -110,9 +113,9 @@ void path_query_chunk_backward(const attention_grad_args<T>& a, const attention_
     g.dv.middleRows(j0, cols).noalias() += ws.s.transpose() * dO;
     if (dG == nullptr) return;
     for (index_t r = 0; r < n; ++r)
-      dG[(c0 + r) * Gs] += coef * static_cast<double>(ws.dz.row(r).sum());
+      dG[(c0 + r) * dGs] += coef * static_cast<double>(ws.dz.row(r).sum());
     for (index_t j = 0; j < cols; ++j)
-      dG[(j0 + j) * Gs] -= coef * static_cast<double>(ws.dz.col(j).sum());
+      dG[(j0 + j) * dGs] -= coef * static_cast<double>(ws.dz.col(j).sum());
   };
 
   // Step 1: the diagonal tile, z = s tril(Q K^T - tril(Q W^T) M) (+ gate).
@@ -195,11 +198,10 @@ void path_query_chunk_backward(const attention_grad_args<T>& a, const attention_
 template <class T>
 void path_chunk_backward(const attention_grad_args<T>& a, const attention_problem& p,
                          path_chunks<T>& c, index_t seq, index_t h, index_t ci,
-                         path_backward_scratch<T>& ws) {
+                         path_chunk_grads<T>& g, path_backward_scratch<T>& ws) {
   const sequence s = p.seq(seq);
   const index_t b = s.batch, C = c.chunk, D = p.head_dim, Dv = p.value_dim;
   const index_t c0 = ci * C, n = std::min(C, s.length - c0), t0 = s.start + c0;
-  path_chunk_grads<T>& g = ws.grads;
   const auto W = rows_of(&a.w(b, t0, h, 0), n, D, a.w.stride(1));
   const auto K = rows_of(&a.k(b, t0, h, 0), n, D, a.k.stride(1));
   const auto U = rows_of(c.u_at(b, h, t0), n, D, D);
@@ -257,43 +259,142 @@ void path_chunk_backward(const attention_grad_args<T>& a, const attention_proble
   rows_of(&a.dv(b, t0, h, 0), n, Dv, a.dv.stride(1)) = g.dv.middleRows(c0, n);
 }
 
+// The query chunks of one (sequence, KV head) are split into `slices` contiguous ranges of
+// about equal work. With one slice the task is done by one worker, which sums into its own
+// scratch and finishes the chunks at once. A few long heads (fewer than slice_target tasks)
+// are split further, each slice summing into its own buffers, which are then added in slice
+// order: the same bits for every thread count, at the cost of one set of sums per slice.
+inline constexpr index_t path_backward_slice_target = 8;
+inline constexpr index_t path_backward_max_slices = 4;
+
 // The blocked backward. G: the forward's gate cumsum laid out like g ([B, T, HQ], contiguous)
-// or nullptr; reset: its hard resets or nullptr; dG: zeroed, laid out like G, receives
-// d loss / d G (nullptr when G is).
+// or nullptr; reset: its hard resets or nullptr; dG: laid out like G, receives d loss / d G
+// (nullptr when G is).
 template <class T>
 void path_backward(const attention_grad_args<T>& a, const attention_problem& p,
                    const backend::cpu& be, index_t chunk, const double* G, double coef,
                    const index_t* reset, double* dG) {
   require_cpu_scalar<T>();
   path_chunks<T> c = path_prepare<T>(a.k, a.w, a.beta, p, chunk, be);
+  const index_t D = p.head_dim, Dv = p.value_dim, HQ = p.q_heads, group = p.group();
 
   struct task {
-    index_t seq, head, length;
+    index_t seq, head, chunks, first, slices;  // first: its first unit
+  };
+  struct unit {
+    index_t task, lo, hi;  // query chunks [lo, hi)
   };
   std::vector<task> tasks;
   for (index_t n = 0; n < p.num_sequences; ++n)
     if (p.seq(n).length > 0)
-      for (index_t h = 0; h < p.kv_heads; ++h) tasks.push_back({n, h, p.seq(n).length});
-  // Longest first: the cost grows with the square of the length.
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const task& x, const task& y) { return x.length > y.length; });
+      for (index_t h = 0; h < p.kv_heads; ++h)
+        tasks.push_back({n, h, math::chunk_count(p.seq(n).length, chunk), 0, 1});
+  const auto count = static_cast<index_t>(tasks.size());
+  std::vector<unit> units;
+  for (index_t i = 0; i < count; ++i) {
+    task& tk = tasks[static_cast<std::size_t>(i)];
+    if (count < path_backward_slice_target)
+      tk.slices = std::clamp<index_t>(
+          std::min((path_backward_slice_target + count - 1) / count, path_backward_max_slices), 1,
+          std::max<index_t>(1, tk.chunks / 4));
+    tk.first = static_cast<index_t>(units.size());
+    // Query chunk ci costs ci + 1 tiles: cut where the running sum crosses k / slices.
+    const double total = 0.5 * double(tk.chunks) * double(tk.chunks + 1);
+    index_t lo = 0;
+    for (index_t k = 1; k <= tk.slices; ++k) {
+      index_t hi = lo;
+      while (hi < tk.chunks && (k == tk.slices || 0.5 * double(hi) * double(hi + 1) <
+                                                      total * double(k) / double(tk.slices)))
+        ++hi;
+      if (hi > lo) units.push_back({i, lo, hi});
+      lo = hi;
+    }
+    tk.slices = static_cast<index_t>(units.size()) - tk.first;
+  }
+  const auto work = [&](const unit& u) {
+    return (u.hi * (u.hi + 1) - u.lo * (u.lo + 1)) *
+           p.seq(tasks[static_cast<std::size_t>(u.task)].seq).length;
+  };
+  std::vector<index_t> order(units.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<index_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](index_t x, index_t y) {
+    return work(units[static_cast<std::size_t>(x)]) > work(units[static_cast<std::size_t>(y)]);
+  });
 
-  const int workers = worker_count(be, static_cast<index_t>(tasks.size()));
+  // The sums of a sliced task's units ([group, rows] gate sums beside them).
+  std::vector<path_chunk_grads<T>> sums(units.size());
+  std::vector<std::vector<double>> gate_sums(units.size());
+  const int workers = worker_count(be, static_cast<index_t>(units.size()));
   std::vector<path_backward_scratch<T>> scratch(static_cast<std::size_t>(workers));
-  parallel_for(static_cast<index_t>(tasks.size()), workers, [&](index_t i, int worker) {
-    const task& tk = tasks[static_cast<std::size_t>(i)];
+  parallel_for(static_cast<index_t>(units.size()), workers, [&](index_t i, int worker) {
+    const index_t ui = order[static_cast<std::size_t>(i)];
+    const unit& u = units[static_cast<std::size_t>(ui)];
+    const task& tk = tasks[static_cast<std::size_t>(u.task)];
     path_backward_scratch<T>& ws = scratch[static_cast<std::size_t>(worker)];
     const sequence s = p.seq(tk.seq);
-    const index_t chunks = math::chunk_count(s.length, chunk);
-    ws.grads.reset(s.length, chunks, p.head_dim, p.value_dim, chunk, c.dense);
-    for (index_t hq = tk.head * p.group(); hq < (tk.head + 1) * p.group(); ++hq) {
-      const index_t at = (s.batch * p.tokens + s.start) * p.q_heads + hq;
-      for (index_t ci = 0; ci < chunks; ++ci)
-        path_query_chunk_backward(a, p, c, tk.seq, hq, ci, G != nullptr ? G + at : nullptr,
-                                  p.q_heads, coef, reset != nullptr ? reset + at : nullptr,
-                                  dG != nullptr ? dG + at : nullptr, ws);
+    const bool alone = tk.slices == 1;
+    const index_t rows = std::min(u.hi * chunk, s.length);
+    path_chunk_grads<T>& g = alone ? ws.grads : sums[static_cast<std::size_t>(ui)];
+    g.reset(rows, u.hi, D, Dv, chunk, c.dense);
+    std::vector<double>& gs = gate_sums[static_cast<std::size_t>(ui)];
+    if (!alone && dG != nullptr) gs.assign(static_cast<std::size_t>(group * rows), 0.0);
+    for (index_t hq = tk.head * group; hq < (tk.head + 1) * group; ++hq) {
+      const index_t at = (s.batch * p.tokens + s.start) * HQ + hq;
+      double* dg = dG == nullptr ? nullptr : alone ? dG + at : gs.data() + (hq % group) * rows;
+      for (index_t ci = u.lo; ci < u.hi; ++ci)
+        path_query_chunk_backward(a, p, c, tk.seq, hq, ci, G != nullptr ? G + at : nullptr, HQ,
+                                  coef, reset != nullptr ? reset + at : nullptr, dg, alone ? HQ : 1,
+                                  g, ws);
     }
-    for (index_t ci = 0; ci < chunks; ++ci) path_chunk_backward(a, p, c, tk.seq, tk.head, ci, ws);
+    if (alone)
+      for (index_t ci = 0; ci < tk.chunks; ++ci)
+        path_chunk_backward(a, p, c, tk.seq, tk.head, ci, g, ws);
+  });
+
+  // Sliced tasks: per chunk, add the slices' sums in slice order into the last slice's (which
+  // covers every chunk), then finish the chunk.
+  struct part {
+    index_t task, chunk;
+  };
+  std::vector<part> parts;
+  for (index_t i = 0; i < count; ++i)
+    if (tasks[static_cast<std::size_t>(i)].slices > 1)
+      for (index_t ci = 0; ci < tasks[static_cast<std::size_t>(i)].chunks; ++ci)
+        parts.push_back({i, ci});
+  const int part_workers = worker_count(be, static_cast<index_t>(parts.size()));
+  if (part_workers > workers) scratch.resize(static_cast<std::size_t>(part_workers));
+  parallel_for(static_cast<index_t>(parts.size()), part_workers, [&](index_t i, int worker) {
+    const part& pt = parts[static_cast<std::size_t>(i)];
+    const task& tk = tasks[static_cast<std::size_t>(pt.task)];
+    const sequence s = p.seq(tk.seq);
+    const index_t last = tk.first + tk.slices - 1, c0 = pt.chunk * chunk;
+    const index_t n = std::min(chunk, s.length - c0);
+    path_chunk_grads<T>& g = sums[static_cast<std::size_t>(last)];
+    for (index_t k = tk.first; k < last; ++k) {
+      if (units[static_cast<std::size_t>(k)].hi <= pt.chunk) continue;
+      const path_chunk_grads<T>& o = sums[static_cast<std::size_t>(k)];
+      g.dk.middleRows(c0, n) += o.dk.middleRows(c0, n);
+      g.dkt.middleRows(c0, n) += o.dkt.middleRows(c0, n);
+      g.dv.middleRows(c0, n) += o.dv.middleRows(c0, n);
+      g.dw.middleRows(c0, n) += o.dw.middleRows(c0, n);
+      g.du.middleRows(c0, n) += o.du.middleRows(c0, n);
+      g.dm.middleRows(c0, n) += o.dm.middleRows(c0, n);
+      if (c.dense) g.dp.middleRows(pt.chunk * D, D) += o.dp.middleRows(pt.chunk * D, D);
+    }
+    path_chunk_backward(a, p, c, tk.seq, tk.head, pt.chunk, g,
+                        scratch[static_cast<std::size_t>(worker)]);
+    if (dG == nullptr) return;
+    for (index_t hq = tk.head * group; hq < (tk.head + 1) * group; ++hq)
+      for (index_t t = c0; t < c0 + n; ++t) {
+        double sum = 0;
+        for (index_t k = tk.first; k <= last; ++k) {
+          const index_t rows = std::min(units[static_cast<std::size_t>(k)].hi * chunk, s.length);
+          if (t < rows)
+            sum += gate_sums[static_cast<std::size_t>(k)]
+                            [static_cast<std::size_t>((hq % group) * rows + t)];
+        }
+        dG[(s.batch * p.tokens + s.start + t) * HQ + hq] = sum;
+      }
   });
 }
 
