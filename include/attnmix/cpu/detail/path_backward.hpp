@@ -15,9 +15,9 @@
 //      what reaches the query chunk is dQ~;
 //   4. back through the diagonal tile and the query's own-chunk transform to dq.
 // Then per chunk, back through its UT transform (U, M, K~, P) to dk, dw and dbeta.
-// Memory per task (and per slice): O(L (7D + Dv + C)) for a sequence of L tokens plus D^2 per
-// chunk when the chunk products are dense; never an L x L matrix and never a copy of the
-// queries per chunk.
+// Memory, for a sequence of L tokens: the sums, O(L (4D + Dv + C)) per task (and per slice) plus
+// D^2 per chunk when the chunk products are dense; the scan states, O(L D) per worker; the chunk
+// data, as the forward's. Never an L x L matrix and never a copy of the queries per chunk.
 
 #include <algorithm>
 #include <cmath>
@@ -36,28 +36,48 @@ namespace attnmix {
 namespace detail {
 namespace cpu {
 
-// What the query chunks of one (sequence, KV head) add to the gradients of the per-chunk data,
-// rows indexed by the position in the sequence: dk (direct), dK~, dv, dw and dU (direct and,
-// for the rank-C transition form, through the transitions), dM ([L, C]) and, for the dense
-// form, dP ([chunks * D, D]).
+// What query chunks of one (sequence, KV head) add to the gradients of the per-chunk data, by
+// position in the sequence: dK~ and dv for every earlier key; dk (direct) and dM ([., C]) only
+// for the rows of the query chunks themselves (from `own` on), and dw, dU likewise for the dense
+// form (from `uw` on; every row for the rank-C form, whose transitions add to them); dP per
+// chunk ([chunks * D, D], dense form).
 template <class T>
 struct path_chunk_grads {
   matrix<T> dk, dkt, dv, dw, du, dm, dp;
+  index_t own = 0, uw = 0;
 
-  void reset(index_t L, index_t chunks, index_t D, index_t Dv, index_t C, bool dense) {
-    dk.setZero(L, D);
-    dkt.setZero(L, D);
-    dv.setZero(L, Dv);
-    dw.setZero(L, D);
-    du.setZero(L, D);
-    dm.setZero(L, C);
+  // Rows [0, rows) of a task whose query chunks start at row `first`.
+  void reset(index_t rows, index_t first, index_t chunks, index_t D, index_t Dv, index_t C,
+             bool dense) {
+    own = first, uw = dense ? first : 0;
+    dk.setZero(rows - own, D);
+    dkt.setZero(rows, D);
+    dv.setZero(rows, Dv);
+    dw.setZero(rows - uw, D);
+    du.setZero(rows - uw, D);
+    dm.setZero(rows - own, C);
     if (dense) dp.setZero(chunks * D, D);
+  }
+
+  // Adds rows [r0, r0 + n) of `from`, which holds them (dP: chunk ci), to rows [0, n) of this.
+  void add_chunk(const path_chunk_grads& from, index_t r0, index_t n, index_t ci, index_t D) {
+    dkt += from.dkt.middleRows(r0, n);
+    dv += from.dv.middleRows(r0, n);
+    if (r0 >= from.own) {
+      dk += from.dk.middleRows(r0 - from.own, n);
+      dm += from.dm.middleRows(r0 - from.own, n);
+    }
+    if (r0 >= from.uw) {
+      dw += from.dw.middleRows(r0 - from.uw, n);
+      du += from.du.middleRows(r0 - from.uw, n);
+    }
+    if (dp.size() > 0) dp += from.dp.middleRows(ci * D, D);
   }
 };
 
 template <class T>
 struct path_backward_scratch {
-  path_chunk_grads<T> grads;
+  path_chunk_grads<T> grads, part;  // a whole task's sums; one chunk's
   matrix<T> states, e;  // earlier chunk cj at rows [cj C, cj C + n): its scan state r, dZ K~
   matrix<T> qs, x, s, dz, r, rbar, tmp, y, dqs, dx;
   matrix<T> ww, l, rbu, rbm, lbar, xk;
@@ -128,8 +148,8 @@ void path_query_chunk_backward(const attention_grad_args<T>& a, const attention_
   add_gate(c0, n);
   ws.s.template triangularView<Eigen::StrictlyUpper>().setConstant(ninf);
   backprop_softmax(c0, n, rows_of(&a.v(b, t0, h, 0), n, Dv, a.v.stride(1)));
-  g.dk.middleRows(c0, n).noalias() += ws.dz.transpose() * ws.qs;
-  g.dm.block(c0, 0, n, n).noalias() -= ws.x.transpose() * ws.dz;
+  g.dk.middleRows(c0 - g.own, n).noalias() += ws.dz.transpose() * ws.qs;
+  g.dm.block(c0 - g.own, 0, n, n).noalias() -= ws.x.transpose() * ws.dz;
   ws.dqs.noalias() = ws.dz * K;
   ws.dx.setZero(n, n);
   ws.dx.noalias() -= ws.dz * M.transpose();
@@ -173,8 +193,8 @@ void path_query_chunk_backward(const attention_grad_args<T>& a, const attention_
         const auto Uj = rows_of(c.u_at(b, h, tj), C, D, D);
         ws.y.noalias() = R * Wj.transpose();
         ws.tmp.noalias() = ws.rbar * Uj.transpose();
-        g.du.middleRows(j0, C).noalias() -= ws.y.transpose() * ws.rbar;
-        g.dw.middleRows(j0, C).noalias() -= ws.tmp.transpose() * R;
+        g.du.middleRows(j0 - g.uw, C).noalias() -= ws.y.transpose() * ws.rbar;
+        g.dw.middleRows(j0 - g.uw, C).noalias() -= ws.tmp.transpose() * R;
         ws.rbar.noalias() -= ws.tmp * Wj;
         ws.rbar += ws.e.middleRows(j0, n);
       }
@@ -182,19 +202,20 @@ void path_query_chunk_backward(const attention_grad_args<T>& a, const attention_
     // Q~ = Qs - tril(Qs W^T) U.
     ws.dqs += ws.rbar;
     ws.dx.noalias() -= ws.rbar * U.transpose();
-    g.du.middleRows(c0, n).noalias() -= ws.x.transpose() * ws.rbar;
+    g.du.middleRows(c0 - g.uw, n).noalias() -= ws.x.transpose() * ws.rbar;
   }
 
   // Step 4: X = tril(Qs W^T).
   ws.dx.template triangularView<Eigen::StrictlyUpper>().setZero();
   ws.dqs.noalias() += ws.dx * W;
-  g.dw.middleRows(c0, n).noalias() += ws.dx.transpose() * ws.qs;
+  g.dw.middleRows(c0 - g.uw, n).noalias() += ws.dx.transpose() * ws.qs;
   rows_of(&a.dq(b, t0, hq, 0), n, D, a.dq.stride(1)) = scale * ws.dqs;
 }
 
 // Chunk ci of one (sequence, KV head): from the summed gradients of K~, M, U (and P) back
 // through K~ = K - M^T W, P = I - W^T U and the UT transform [U, M] = (I + L)^-1 diag(beta)
-// [W, stril(W K^T)], L = stril(diag(beta) W W^T); writes dk, dv, dw and dbeta.
+// [W, stril(W K^T)], L = stril(diag(beta) W W^T); writes dk, dv, dw and dbeta. g: the chunk's
+// sums, its rows from 0 (dP: the first D rows).
 template <class T>
 void path_chunk_backward(const attention_grad_args<T>& a, const attention_problem& p,
                          path_chunks<T>& c, index_t seq, index_t h, index_t ci,
@@ -206,14 +227,14 @@ void path_chunk_backward(const attention_grad_args<T>& a, const attention_proble
   const auto K = rows_of(&a.k(b, t0, h, 0), n, D, a.k.stride(1));
   const auto U = rows_of(c.u_at(b, h, t0), n, D, D);
   const auto M = rows_of(c.m_at(b, h, t0), n, n, C);
-  auto dK = g.dk.middleRows(c0, n);
-  auto dKt = g.dkt.middleRows(c0, n);
-  auto dW = g.dw.middleRows(c0, n);
-  auto dU = g.du.middleRows(c0, n);
-  auto dM = g.dm.block(c0, 0, n, n);
+  auto dK = g.dk.topRows(n);
+  auto dKt = g.dkt.topRows(n);
+  auto dW = g.dw.topRows(n);
+  auto dU = g.du.topRows(n);
+  auto dM = g.dm.block(0, 0, n, n);
 
   if (c.dense && ci > 0) {  // chunk 0's product is never applied: its dP is 0
-    const auto dP = g.dp.middleRows(ci * D, D);
+    const auto dP = g.dp.topRows(D);
     dU.noalias() -= W * dP;
     dW.noalias() -= U * dP.transpose();
   }
@@ -256,7 +277,7 @@ void path_chunk_backward(const attention_grad_args<T>& a, const attention_proble
 
   rows_of(&a.dk(b, t0, h, 0), n, D, a.dk.stride(1)) = dK;
   rows_of(&a.dw(b, t0, h, 0), n, D, a.dw.stride(1)) = dW;
-  rows_of(&a.dv(b, t0, h, 0), n, Dv, a.dv.stride(1)) = g.dv.middleRows(c0, n);
+  rows_of(&a.dv(b, t0, h, 0), n, Dv, a.dv.stride(1)) = g.dv.topRows(n);
 }
 
 // The query chunks of one (sequence, KV head) are split into `slices` contiguous ranges of
@@ -335,7 +356,7 @@ void path_backward(const attention_grad_args<T>& a, const attention_problem& p,
     const bool alone = tk.slices == 1;
     const index_t rows = std::min(u.hi * chunk, s.length);
     path_chunk_grads<T>& g = alone ? ws.grads : sums[static_cast<std::size_t>(ui)];
-    g.reset(rows, u.hi, D, Dv, chunk, c.dense);
+    g.reset(rows, u.lo * chunk, u.hi, D, Dv, chunk, c.dense);
     std::vector<double>& gs = gate_sums[static_cast<std::size_t>(ui)];
     if (!alone && dG != nullptr) gs.assign(static_cast<std::size_t>(group * rows), 0.0);
     for (index_t hq = tk.head * group; hq < (tk.head + 1) * group; ++hq) {
@@ -347,12 +368,15 @@ void path_backward(const attention_grad_args<T>& a, const attention_problem& p,
                                   g, ws);
     }
     if (alone)
-      for (index_t ci = 0; ci < tk.chunks; ++ci)
-        path_chunk_backward(a, p, c, tk.seq, tk.head, ci, g, ws);
+      for (index_t ci = 0; ci < tk.chunks; ++ci) {
+        const index_t c0 = ci * chunk, n = std::min(chunk, s.length - c0);
+        ws.part.reset(n, 0, c.dense ? 1 : 0, D, Dv, chunk, c.dense);
+        ws.part.add_chunk(g, c0, n, ci, D);
+        path_chunk_backward(a, p, c, tk.seq, tk.head, ci, ws.part, ws);
+      }
   });
 
-  // Sliced tasks: per chunk, add the slices' sums in slice order into the last slice's (which
-  // covers every chunk), then finish the chunk.
+  // Sliced tasks: per chunk, add the slices' sums in slice order, then finish the chunk.
   struct part {
     index_t task, chunk;
   };
@@ -369,20 +393,12 @@ void path_backward(const attention_grad_args<T>& a, const attention_problem& p,
     const sequence s = p.seq(tk.seq);
     const index_t last = tk.first + tk.slices - 1, c0 = pt.chunk * chunk;
     const index_t n = std::min(chunk, s.length - c0);
-    path_chunk_grads<T>& g = sums[static_cast<std::size_t>(last)];
-    for (index_t k = tk.first; k < last; ++k) {
-      if (units[static_cast<std::size_t>(k)].hi <= pt.chunk) continue;
-      const path_chunk_grads<T>& o = sums[static_cast<std::size_t>(k)];
-      g.dk.middleRows(c0, n) += o.dk.middleRows(c0, n);
-      g.dkt.middleRows(c0, n) += o.dkt.middleRows(c0, n);
-      g.dv.middleRows(c0, n) += o.dv.middleRows(c0, n);
-      g.dw.middleRows(c0, n) += o.dw.middleRows(c0, n);
-      g.du.middleRows(c0, n) += o.du.middleRows(c0, n);
-      g.dm.middleRows(c0, n) += o.dm.middleRows(c0, n);
-      if (c.dense) g.dp.middleRows(pt.chunk * D, D) += o.dp.middleRows(pt.chunk * D, D);
-    }
-    path_chunk_backward(a, p, c, tk.seq, tk.head, pt.chunk, g,
-                        scratch[static_cast<std::size_t>(worker)]);
+    path_backward_scratch<T>& ws = scratch[static_cast<std::size_t>(worker)];
+    ws.part.reset(n, 0, c.dense ? 1 : 0, D, Dv, chunk, c.dense);
+    for (index_t k = tk.first; k <= last; ++k)
+      if (units[static_cast<std::size_t>(k)].hi > pt.chunk)
+        ws.part.add_chunk(sums[static_cast<std::size_t>(k)], c0, n, pt.chunk, D);
+    path_chunk_backward(a, p, c, tk.seq, tk.head, pt.chunk, ws.part, ws);
     if (dG == nullptr) return;
     for (index_t hq = tk.head * group; hq < (tk.head + 1) * group; ++hq)
       for (index_t t = c0; t < c0 + n; ++t) {
