@@ -105,10 +105,10 @@ bool zero_at_starts(const path_case& c, const gradients& g) {
 // The largest error per gradient (dq, dk, dv, dw, dbeta, dg) and type, reported by each sweep.
 std::array<std::array<double, 6>, 2> worst{};
 
-std::string describe_worst() {
+std::string describe_worst(int types = 2) {
   std::ostringstream os;
   const char* names[] = {"dq", "dk", "dv", "dw", "dbeta", "dg"};
-  for (int t = 0; t < 2; ++t) {
+  for (int t = 0; t < types; ++t) {
     os << (t == 0 ? "double:" : " float:");
     for (int i = 0; i < 6; ++i) os << " " << names[i] << " " << worst[t][i];
   }
@@ -138,6 +138,10 @@ void check_case(const path_case& c, const path_inputs& in, const std::vector<dou
   const gradients g = run_path_backward<Kind, Policy, T>(c, in, dout);
   check_gradients<T>(g, ref, gated);
   CHECK(zero_at_starts(c, g));
+  if constexpr (gated && sizeof(T) == 8)  // dg_0 = sum of dG over the sequence: 0 analytically
+    for (index_t row : sequence_starts(c))
+      for (index_t hq = 0; hq < c.HQ; ++hq)
+        CHECK(std::abs(g.dg[static_cast<std::size_t>(row * c.HQ + hq)]) <= 1e-12);
 }
 
 // Chunks of 8 and 16 make D > 2C here and there: the rank-C form of the chunk products.
@@ -261,7 +265,7 @@ TEST_CASE("the PaTH gradient oracle matches finite differences", "[path][cpu][or
       gradients g{ref.dq, ref.dk, ref.dv, ref.dw, ref.dbeta, ref.dg};
       CHECK(zero_at_starts(c, g));
     }
-  WARN("worst errors against finite differences " << describe_worst());
+  WARN("worst errors against finite differences " << describe_worst(1));
 }
 
 TEST_CASE("PaTH backward matches the gradient oracle", "[path][cpu]") {
