@@ -81,7 +81,8 @@ struct path_backward_scratch {
   matrix<T> states, e;  // earlier chunk cj at rows [cj C, cj C + n): its scan state r, dZ K~
   matrix<T> qs, x, s, dz, r, rbar, tmp, y, dqs, dx;
   matrix<T> ww, l, rbu, rbm, lbar, xk;
-  column<T> lse, delta, gi, gj, beta;
+  column<T> lse, delta, gi, gj, beta, rows;
+  Eigen::Array<T, 1, Eigen::Dynamic> cols;
 };
 
 // Steps 1-4 for one query chunk of one (sequence, query head); adds to g and writes dq.
@@ -132,10 +133,10 @@ void path_query_chunk_backward(const attention_grad_args<T>& a, const attention_
     ws.dz.array() *= ws.s.array();
     g.dv.middleRows(j0, cols).noalias() += ws.s.transpose() * dO;
     if (dG == nullptr) return;
-    for (index_t r = 0; r < n; ++r)
-      dG[(c0 + r) * dGs] += coef * static_cast<double>(ws.dz.row(r).sum());
-    for (index_t j = 0; j < cols; ++j)
-      dG[(j0 + j) * dGs] -= coef * static_cast<double>(ws.dz.col(j).sum());
+    ws.rows = ws.dz.rowwise().sum().array();
+    ws.cols = ws.dz.colwise().sum().array();
+    for (index_t r = 0; r < n; ++r) dG[(c0 + r) * dGs] += coef * static_cast<double>(ws.rows(r));
+    for (index_t j = 0; j < cols; ++j) dG[(j0 + j) * dGs] -= coef * static_cast<double>(ws.cols(j));
   };
 
   // Step 1: the diagonal tile, z = s tril(Q K^T - tril(Q W^T) M) (+ gate).
