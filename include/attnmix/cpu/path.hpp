@@ -300,8 +300,8 @@ struct attention_backward_impl<kind::path_fox, backend::cpu, Policy> {
     cpu::require_cpu_scalar<T>();
     const cpu::gate_prefix G = cpu::gate_cumsum(a.g, p);
     std::vector<double> dG(G.G.size(), 0.0);
-    cpu::path_backward(a, p, be, Policy::chunk, G.cumsum(), gate_coefficient<Policy>(p),
-                       G.resets(), dG.data());
+    cpu::path_backward(a, p, be, Policy::chunk, G.cumsum(), gate_coefficient<Policy>(p), G.resets(),
+                       dG.data());
     cpu::gate_cumsum_backward(dG, a.g, a.dg, p);
   }
 };
