@@ -99,16 +99,16 @@ void gated_norm_backward_block(const matrix<T>& o, const matrix<T>& gate, matrix
                                row_array<T>& dgamma_row, index_t width, T norm_eps, matrix<T>& act,
                                matrix<T>& dact) {
   const index_t rows = o.rows(), W = o.cols();
-  // act(g) and act'(g).
+  // act(g) and act'(g), one exp per element.
   {
     const auto g = gate.array();
-    const auto sg = (T(1) + (-g).exp()).inverse();
+    dact.array() = (T(1) + (-g).exp()).inverse();  // sigma(g)
     if constexpr (Policy::activation == gate_activation::silu) {
-      act.array() = g * sg;
-      dact.array() = sg * (T(1) + g * (T(1) - sg));
+      act.array() = g * dact.array();
+      dact.array() = dact.array() + act.array() * (T(1) - dact.array());
     } else {
-      act.array() = sg;
-      dact.array() = sg * (T(1) - sg);
+      act = dact;
+      dact.array() = act.array() * (T(1) - act.array());
     }
   }
   const bool with_gamma = gamma_row.size() > 0;
@@ -340,14 +340,16 @@ void bidirectional_backward(const linear_attention_grad_args<T>& g,
       zero_invalid_rows(ws.num, all_valid, ws);
       if constexpr (normed) {
         ws.o.resize(rows, HQ * Dv);
+        if constexpr (Policy::normalize) ws.u.resize(rows * HQ);  // 1 / den per (row, head)
         for (index_t hq = 0; hq < HQ; ++hq) {
           const index_t h = hq / G;
           auto oh = ws.o.middleCols(hq * Dv, Dv);
           oh.noalias() = (scale * ws.r.middleCols(hq * D, D)) * S_of(n, h);
           if constexpr (Policy::normalize) {
-            ws.den.noalias() = (scale * ws.r.middleCols(hq * D, D)) * z_of(n, h);
-            ws.den = (ws.den.array() + eps).inverse().matrix();
-            oh = ws.den.asDiagonal() * oh;
+            auto inv = ws.u.segment(hq * rows, rows);
+            inv.noalias() = (scale * ws.r.middleCols(hq * D, D)) * z_of(n, h);
+            inv = (inv.array() + eps).inverse().matrix();
+            oh = inv.asDiagonal() * oh;
           }
         }
         ws.act = token_block(a.gate, s.batch, s.start + i0, rows, ws.v);
@@ -366,8 +368,12 @@ void bidirectional_backward(const linear_attention_grad_args<T>& g,
         const auto rh = ws.r.middleCols(hq * D, D);
         auto gh = ws.num.middleCols(hq * Dv, Dv);  // do, then g = do / den
         if constexpr (Policy::normalize) {
-          inv_den.noalias() = (scale * rh) * z;
-          inv_den = (inv_den.array() + eps).inverse().matrix();
+          if constexpr (normed) {
+            inv_den = ws.u.segment(hq * rows, rows);  // computed with o
+          } else {
+            inv_den.noalias() = (scale * rh) * z;
+            inv_den = (inv_den.array() + eps).inverse().matrix();
+          }
           gh = inv_den.asDiagonal() * gh;
         }
         x.noalias() = gh * S.transpose();  // S g_i per row
