@@ -287,9 +287,9 @@ void bidirectional_backward(const linear_attention_grad_args<T>& g,
         const bool all_valid = load_validity(a, s, j0, rows, ws);
         ws.p.resize(rows, H * D);
         apply_phi<Policy::phi>(ws.p, token_block(a.k, s.batch, s.start + j0, rows, ws.k));
-        ws.v = token_block(a.v, s.batch, s.start + j0, rows, ws.scores);
+        const auto vb = token_block(a.v, s.batch, s.start + j0, rows, ws.scores);
         zero_invalid_rows(ws.p, all_valid, ws);
-        zero_invalid_rows(ws.v, all_valid, ws);
+        if (!all_valid) ws.v = vb, zero_invalid_rows(ws.v, all_valid, ws);
         for (index_t h = 0; h < H; ++h) {
           auto ph = ws.p.middleCols(h * D, D);
           if constexpr (gated) {
@@ -300,7 +300,10 @@ void bidirectional_backward(const linear_attention_grad_args<T>& g,
           T* st = slot(n, part, h);
           Eigen::Map<matrix<T>> S(st, D, Dv);
           Eigen::Map<vec<T>> z(st + D * Dv, D);
-          S.noalias() += ph.transpose() * ws.v.middleCols(h * Dv, Dv);
+          if (all_valid)
+            S.noalias() += ph.transpose() * vb.middleCols(h * Dv, Dv);
+          else
+            S.noalias() += ph.transpose() * ws.v.middleCols(h * Dv, Dv);
           z.noalias() += ph.transpose() * ws.ones.head(rows);
         }
       }
@@ -326,7 +329,7 @@ void bidirectional_backward(const linear_attention_grad_args<T>& g,
     std::fill(slot(n, part, 0), slot(n, part, 0) + H * state_size, T(0));
     row_array<T>& dgamma_row = dgamma_parts[static_cast<std::size_t>(task)];
     if (normed && gamma_row.size() > 0) dgamma_row.setZero(HQ * Dv);
-    matrix<T> dgate, act, dact, x, dr;
+    matrix<T> dgate, act, dact, x;
     vec<T> inv_den, delta;
     for (index_t i0 = i_begin; i0 < i_end; i0 += block) {
       const index_t rows = std::min(block, i_end - i0);
@@ -387,9 +390,10 @@ void bidirectional_backward(const linear_attention_grad_args<T>& g,
           dz.noalias() += (scale * rh).transpose() * delta;
           x.noalias() += delta * z.transpose();
         }
-        dr = scale * x;
-        times_phi_derivative<Policy::phi>(dr, qb.middleCols(hq * D, D), rh);
-        store_grad_rows(g.dq, s, hq, i0, dr, all_valid, ws);
+        auto dq = rows_of(&g.dq(s.batch, s.start + i0, hq, 0), rows, D, g.dq.stride(1));
+        dq.noalias() = scale * x;
+        times_phi_derivative<Policy::phi>(dq, qb.middleCols(hq * D, D), rh);
+        zero_invalid_rows(dq, all_valid, ws);
       }
     }
   });
@@ -413,7 +417,7 @@ void bidirectional_backward(const linear_attention_grad_args<T>& g,
     const sequence s = p.seq(n);
     index_t j_begin, j_end;
     part_range(s, part, j_begin, j_end);
-    matrix<T> e, dv;
+    matrix<T> e;
     vec<T> dw, da_shared;
     for (index_t j0 = j_begin; j0 < j_end; j0 += block) {
       const index_t rows = std::min(block, j_end - j0);
@@ -422,16 +426,21 @@ void bidirectional_backward(const linear_attention_grad_args<T>& g,
       ws.p.resize(rows, H * D);
       apply_phi<Policy::phi>(ws.p, kb);
       zero_invalid_rows(ws.p, all_valid, ws);
-      ws.v = token_block(a.v, s.batch, s.start + j0, rows, ws.scores);
-      zero_invalid_rows(ws.v, all_valid, ws);
+      const auto vb = token_block(a.v, s.batch, s.start + j0, rows, ws.scores);
+      if (!all_valid) ws.v = vb, zero_invalid_rows(ws.v, all_valid, ws);
       if (gated && Hg == 1) da_shared.setZero(rows);
       for (index_t h = 0; h < H; ++h) {
         const T* dst = dstate.data() + (n * H + h) * state_size;
         const Eigen::Map<const matrix<T>> dS(dst, D, Dv);
         const Eigen::Map<const vec<T>> dz(dst + D * Dv, D);
         const auto ph = ws.p.middleCols(h * D, D);
-        e.noalias() = ws.v.middleCols(h * Dv, Dv) * dS.transpose();
+        if (all_valid)
+          e.noalias() = vb.middleCols(h * Dv, Dv) * dS.transpose();
+        else
+          e.noalias() = ws.v.middleCols(h * Dv, Dv) * dS.transpose();
         if constexpr (Policy::normalize) e.rowwise() += dz.transpose();
+        auto dk = rows_of(&g.dk(s.batch, s.start + j0, h, 0), rows, D, g.dk.stride(1));
+        auto dv = rows_of(&g.dv(s.batch, s.start + j0, h, 0), rows, Dv, g.dv.stride(1));
         dv.noalias() = ph * dS;
         if constexpr (gated) {
           if (Hg != 1 || h == 0) gate_weights(s, n, Hg == 1 ? 0 : h, j0, rows, all_valid, ws, ws.w);
@@ -446,11 +455,13 @@ void bidirectional_backward(const linear_attention_grad_args<T>& g,
                   all_valid || ws.valid[static_cast<std::size_t>(r)] ? dw(r) : T(0);
           }
           dv = ws.w.asDiagonal() * dv;
-          e = ws.w.asDiagonal() * e;
+          dk.noalias() = ws.w.asDiagonal() * e;
+        } else {
+          dk = e;
         }
-        times_phi_derivative<Policy::phi>(e, kb.middleCols(h * D, D), ph);
-        store_grad_rows(g.dk, s, h, j0, e, all_valid, ws);
-        store_grad_rows(g.dv, s, h, j0, dv, all_valid, ws);
+        times_phi_derivative<Policy::phi>(dk, kb.middleCols(h * D, D), ph);
+        zero_invalid_rows(dk, all_valid, ws);
+        zero_invalid_rows(dv, all_valid, ws);
       }
       if (gated && Hg == 1)
         for (index_t r = 0; r < rows; ++r)
