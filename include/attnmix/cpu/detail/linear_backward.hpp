@@ -111,46 +111,48 @@ void gated_norm_backward_block(const matrix<T>& o, const matrix<T>& gate, matrix
       dact.array() = act.array() * (T(1) - act.array());
     }
   }
-  const bool with_gamma = gamma_row.size() > 0;
-  matrix<T> x, n, dn;
-  column<T> rstd, proj;
-  for (index_t e0 = 0; e0 < W; e0 += width) {
-    const auto ab = act.middleCols(e0, width).array();
-    const auto db = dact.middleCols(e0, width).array();
-    const auto ob = o.middleCols(e0, width).array();
-    auto dyb = dy.middleCols(e0, width);
-    auto dgb = dgate.middleCols(e0, width);
-    if constexpr (Policy::order == norm_gate_order::gate_then_norm)
-      x = (ob * ab).matrix();
-    else
-      x = ob.matrix();
-    rstd = (x.rowwise().squaredNorm().array() / T(width) + norm_eps).rsqrt();
-    n = rstd.matrix().asDiagonal() * x;
-    // dn = dy * gamma (* act for norm_then_gate); dgamma += dy * n (* act).
-    dn = dyb;
-    if constexpr (Policy::order == norm_gate_order::norm_then_gate) {
-      dgb = (dyb.array() * n.array() * db).matrix();  // times gamma below
-      dn.array() *= ab;
+  // Row by row, group by group, on L1-resident segments: with n = x rstd,
+  //   norm_then_gate: dn = dy act gamma, dgate = dy n gamma act', dgamma += dy n act
+  //   gate_then_norm: dn = dy gamma, dgamma += dy n; then dx = rstd (dn - n mean(dn n)), and
+  //                   do = dx act, dgate = dx o act'.
+  const bool with_gamma = gamma_row.size() > 0, with_dgamma = dgamma_row.size() > 0;
+  row_array<T> xg(width), dn(width);
+  using crow = Eigen::Map<const row_array<T>>;
+  using mrow = Eigen::Map<row_array<T>>;
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t e0 = 0; e0 < W; e0 += width) {
+      const index_t at = r * W + e0;
+      const crow ob(o.data() + at, width), ab(act.data() + at, width), db(dact.data() + at, width);
+      mrow dyb(dy.data() + at, width), dgb(dgate.data() + at, width);
+      if constexpr (Policy::order == norm_gate_order::gate_then_norm)
+        xg = ob * ab;
+      else
+        xg = ob;
+      const T rstd = T(1) / std::sqrt(xg.square().sum() / T(width) + norm_eps);
+      if constexpr (Policy::order == norm_gate_order::norm_then_gate) {
+        dn = dyb * ab;
+        if (with_gamma) {
+          const auto gr = gamma_row.segment(e0, width);
+          if (with_dgamma) dgamma_row.segment(e0, width) += rstd * dn * xg;
+          dn *= gr;
+          dgb = (rstd * dyb) * xg * db * gr;
+        } else {
+          dgb = (rstd * dyb) * xg * db;
+        }
+        const T proj = rstd * rstd * (dn * xg).sum() / T(width);
+        dyb = rstd * (dn - proj * xg);
+      } else {
+        dn = dyb;
+        if (with_gamma) {
+          if (with_dgamma) dgamma_row.segment(e0, width) += rstd * dn * xg;
+          dn *= gamma_row.segment(e0, width);
+        }
+        const T proj = rstd * rstd * (dn * xg).sum() / T(width);
+        dn = rstd * (dn - proj * xg);
+        dgb = dn * ob * db;
+        dyb = dn * ab;
+      }
     }
-    if (with_gamma) {
-      const auto gr = gamma_row.segment(e0, width);
-      if (dgamma_row.size() > 0)
-        dgamma_row.segment(e0, width) += (dn.array() * n.array()).colwise().sum();
-      dn.array().rowwise() *= gr;
-      if constexpr (Policy::order == norm_gate_order::norm_then_gate) dgb.array().rowwise() *= gr;
-    }
-    // dx = rstd * (dn - n * mean(dn * n)).
-    proj = (dn.array() * n.array()).rowwise().sum() / T(width);
-    dn -= proj.matrix().asDiagonal() * n;
-    dn = rstd.matrix().asDiagonal() * dn;
-    if constexpr (Policy::order == norm_gate_order::gate_then_norm) {
-      dgb = (dn.array() * ob * db).matrix();
-      dyb = (dn.array() * ab).matrix();
-    } else {
-      dyb = dn;
-    }
-  }
-  (void)rows;
 }
 
 // gamma as a row of HQ * Dv columns (tiled per head for norm_weight::shared); empty when absent.
@@ -404,10 +406,13 @@ void bidirectional_backward(const linear_attention_grad_args<T>& g,
   // <dS, S> + <dz, z> per (sequence, KV head): the softmax Jacobian's term of da.
   std::vector<T> jac(static_cast<std::size_t>(N * H), T(0));
   if constexpr (gated) {
+    // In double: da_j = w_j (dw_j - jac) is the small difference of two large terms.
     for (index_t nh = 0; nh < N * H; ++nh)
-      jac[static_cast<std::size_t>(nh)] =
+      jac[static_cast<std::size_t>(nh)] = static_cast<T>(
           Eigen::Map<const vec<T>>(state.data() + nh * state_size, state_size)
-              .dot(Eigen::Map<const vec<T>>(dstate.data() + nh * state_size, state_size));
+              .template cast<double>()
+              .dot(Eigen::Map<const vec<T>>(dstate.data() + nh * state_size, state_size)
+                       .template cast<double>()));
   }
 
   // Pass B: over keys. dk, dv, da.
