@@ -9,7 +9,8 @@
 // so that time(backward) / time(forward) compares runs of one machine state (<name>_backward_saved:
 // handed the forward's final state instead of recomputing it); its GFLOP/s counts
 // the forward's FLOPs (a rate of "forward equivalents"). linear_causal_long: one causal head of
-// T = 65536, forward then backward, with the growth of the peak RSS over the inputs.
+// T = 65536, forward then backward, with the growth of the peak RSS over the inputs (the peak is
+// the process's: run it alone, --benchmark_filter=linear_causal_long).
 
 #include <benchmark/benchmark.h>
 #include <sys/resource.h>

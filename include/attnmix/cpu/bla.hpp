@@ -1,6 +1,8 @@
 #pragma once
 // Bidirectional linear attention (BLA) on the CPU: the two-pass reduce-then-read algorithm of
 // cpu/detail/linear.hpp.
+// The backward (linear_attention_backward) recomputes the state, or takes the forward's, and
+// walks queries then keys (cpu/detail/linear_backward.hpp).
 
 #include <type_traits>
 

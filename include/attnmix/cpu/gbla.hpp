@@ -1,6 +1,8 @@
 #pragma once
 // GBLA core on the CPU: BLA with the key gate applied on load in the reduce pass and the gated
 // RMSNorm fused into the read pass (cpu/detail/linear.hpp).
+// The backward fuses the gated norm's backward into its pass over the queries
+// (cpu/detail/linear_backward.hpp).
 
 #include <type_traits>
 

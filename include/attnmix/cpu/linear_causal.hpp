@@ -1,6 +1,8 @@
 #pragma once
 // Causal linear attention on the CPU: the chunked and recurrent forms of
 // cpu/detail/linear.hpp.
+// The backward walks the chunks backwards from checkpointed states, for either form
+// (cpu/detail/linear_backward.hpp).
 
 #include <type_traits>
 
