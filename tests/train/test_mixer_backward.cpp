@@ -28,6 +28,12 @@ struct bidirectional_sa_gated : L::sa_layer_policy {
 struct fox_every_option : L::fox_layer_policy {
   static constexpr bool qk_norm = true, output_gate = true, qkv_bias = true;
 };
+struct path_fox_qk_norm : L::path_fox_layer_policy {
+  static constexpr bool qk_norm = true;
+};
+struct path_without_conv : L::path_layer_policy {
+  static constexpr bool w_shortconv = false;
+};
 
 L::config small_config(index_t window = 0) {
   L::config c;
@@ -86,4 +92,19 @@ TEST_CASE("softmax and FoX mixers: backward matches finite differences",
   check_mixer(fox, 33);
   L::attention_layer<double, L::fox_layer_policy> fox_window(small_config(2));
   check_mixer(fox_window, 34);
+}
+
+TEST_CASE("PaTH and PaTH-FoX mixers: backward matches finite differences",
+          "[train][layers][backward]") {
+  L::config mha = small_config();
+  mha.num_kv_heads = 4;
+  mha.w_rank = 3;  // MHA: the low-rank w projection
+  L::path_layer<double, L::path_layer_policy> path(mha);
+  check_mixer(path, 35);
+  L::path_layer<double, L::path_fox_layer_policy> path_fox(mha);
+  check_mixer(path_fox, 36);
+  L::path_layer<double, path_fox_qk_norm> gqa(small_config());  // GQA: the full w projection
+  check_mixer(gqa, 37);
+  L::path_layer<double, path_without_conv> plain(small_config());
+  check_mixer(plain, 38);
 }

@@ -65,9 +65,10 @@ void check_stack(Stack& stack, index_t B, index_t T, const attnmix::stack_inputs
 
 }  // namespace
 
-TEST_CASE("a causal hybrid stack: backward matches finite differences",
+TEST_CASE("a causal SA, FoX and PaTH-FoX stack: backward matches finite differences",
           "[train][stack][backward]") {
-  attnmix::stack<double, attnmix::layer::causal_sa, attnmix::layer::fox> s(small_config());
+  attnmix::stack<double, attnmix::layer::causal_sa, attnmix::layer::fox, attnmix::layer::path_fox>
+      s(small_config());
   const std::vector<std::int32_t> cu{0, 4, 5, 5, 11};
   attnmix::stack_inputs in;
   in.cu_seqlens = attnmix::view1<const std::int32_t>(cu.data(), {5});
