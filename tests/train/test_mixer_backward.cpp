@@ -34,6 +34,21 @@ struct path_fox_qk_norm : L::path_fox_layer_policy {
 struct path_without_conv : L::path_layer_policy {
   static constexpr bool w_shortconv = false;
 };
+// GBLA with a per-head key gate, per-head norm weights and the sigmoid-gated norm.
+struct gbla_variant_core : attnmix::gbla_policy {
+  static constexpr auto gate = attnmix::key_gate::per_head;
+  static constexpr auto weight = attnmix::norm_weight::per_head;
+  static constexpr auto activation = attnmix::gate_activation::sigmoid;
+};
+struct gbla_variant : L::gbla_layer_policy {
+  using core = gbla_variant_core;
+  static constexpr const char* name = "gbla_variant";
+};
+struct causal_gated : L::linear_causal_layer_policy {
+  using core = attnmix::with_key_gate<attnmix::linear_causal_policy, attnmix::key_gate::shared>;
+  static constexpr bool use_conv = true;
+  static constexpr const char* name = "causal_gated";
+};
 
 L::config small_config(index_t window = 0) {
   L::config c;
@@ -107,4 +122,18 @@ TEST_CASE("PaTH and PaTH-FoX mixers: backward matches finite differences",
   check_mixer(gqa, 37);
   L::path_layer<double, path_without_conv> plain(small_config());
   check_mixer(plain, 38);
+}
+
+TEST_CASE("BLA, GBLA and causal linear-attention mixers: backward matches finite differences",
+          "[train][layers][backward]") {
+  L::linear_layer<double, L::gbla_layer_policy> gbla(small_config());
+  check_mixer(gbla, 39);
+  L::linear_layer<double, L::bla_layer_policy> bla(small_config());
+  check_mixer(bla, 40);
+  L::linear_layer<double, gbla_variant> variant(small_config());
+  check_mixer(variant, 41);
+  L::linear_layer<double, L::linear_causal_layer_policy> causal(small_config());
+  check_mixer(causal, 42);
+  L::linear_layer<double, causal_gated> gated(small_config());
+  check_mixer(gated, 43);
 }

@@ -75,10 +75,10 @@ TEST_CASE("a causal SA, FoX and PaTH-FoX stack: backward matches finite differen
   check_stack(s, 1, 11, in, 41);
 }
 
-TEST_CASE("a masked encoder stack: backward matches finite differences, pad rows get 0",
+TEST_CASE("a masked SA + GBLA encoder: backward matches finite differences, pad rows get 0",
           "[train][stack][backward]") {
   attnmix::basic_stack<double, attnmix::with_mlp<attnmix::layers::mlp_kind::gelu>,
-                       attnmix::backend::cpu, attnmix::layer::sa, attnmix::layer::sa>
+                       attnmix::backend::cpu, attnmix::layer::sa, attnmix::layer::gbla>
       s(small_config());
   const std::vector<std::uint8_t> mask{1, 1, 1, 0, 0, 0, 1, 1, 1, 1};
   attnmix::stack_inputs in;
