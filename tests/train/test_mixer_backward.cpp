@@ -28,6 +28,27 @@ struct bidirectional_sa_gated : L::sa_layer_policy {
 struct fox_every_option : L::fox_layer_policy {
   static constexpr bool qk_norm = true, output_gate = true, qkv_bias = true;
 };
+struct path_fox_qk_norm : L::path_fox_layer_policy {
+  static constexpr bool qk_norm = true;
+};
+struct path_without_conv : L::path_layer_policy {
+  static constexpr bool w_shortconv = false;
+};
+// GBLA with a per-head key gate, per-head norm weights and the sigmoid-gated norm.
+struct gbla_variant_core : attnmix::gbla_policy {
+  static constexpr auto gate = attnmix::key_gate::per_head;
+  static constexpr auto weight = attnmix::norm_weight::per_head;
+  static constexpr auto activation = attnmix::gate_activation::sigmoid;
+};
+struct gbla_variant : L::gbla_layer_policy {
+  using core = gbla_variant_core;
+  static constexpr const char* name = "gbla_variant";
+};
+struct causal_gated : L::linear_causal_layer_policy {
+  using core = attnmix::with_key_gate<attnmix::linear_causal_policy, attnmix::key_gate::shared>;
+  static constexpr bool use_conv = true;
+  static constexpr const char* name = "causal_gated";
+};
 
 L::config small_config(index_t window = 0) {
   L::config c;
@@ -86,4 +107,33 @@ TEST_CASE("softmax and FoX mixers: backward matches finite differences",
   check_mixer(fox, 33);
   L::attention_layer<double, L::fox_layer_policy> fox_window(small_config(2));
   check_mixer(fox_window, 34);
+}
+
+TEST_CASE("PaTH and PaTH-FoX mixers: backward matches finite differences",
+          "[train][layers][backward]") {
+  L::config mha = small_config();
+  mha.num_kv_heads = 4;
+  mha.w_rank = 3;  // MHA: the low-rank w projection
+  L::path_layer<double, L::path_layer_policy> path(mha);
+  check_mixer(path, 35);
+  L::path_layer<double, L::path_fox_layer_policy> path_fox(mha);
+  check_mixer(path_fox, 36);
+  L::path_layer<double, path_fox_qk_norm> gqa(small_config());  // GQA: the full w projection
+  check_mixer(gqa, 37);
+  L::path_layer<double, path_without_conv> plain(small_config());
+  check_mixer(plain, 38);
+}
+
+TEST_CASE("BLA, GBLA and causal linear-attention mixers: backward matches finite differences",
+          "[train][layers][backward]") {
+  L::linear_layer<double, L::gbla_layer_policy> gbla(small_config());
+  check_mixer(gbla, 39);
+  L::linear_layer<double, L::bla_layer_policy> bla(small_config());
+  check_mixer(bla, 40);
+  L::linear_layer<double, gbla_variant> variant(small_config());
+  check_mixer(variant, 41);
+  L::linear_layer<double, L::linear_causal_layer_policy> causal(small_config());
+  check_mixer(causal, 42);
+  L::linear_layer<double, causal_gated> gated(small_config());
+  check_mixer(gated, 43);
 }

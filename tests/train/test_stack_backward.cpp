@@ -65,19 +65,20 @@ void check_stack(Stack& stack, index_t B, index_t T, const attnmix::stack_inputs
 
 }  // namespace
 
-TEST_CASE("a causal hybrid stack: backward matches finite differences",
+TEST_CASE("a causal SA, FoX and PaTH-FoX stack: backward matches finite differences",
           "[train][stack][backward]") {
-  attnmix::stack<double, attnmix::layer::causal_sa, attnmix::layer::fox> s(small_config());
+  attnmix::stack<double, attnmix::layer::causal_sa, attnmix::layer::fox, attnmix::layer::path_fox>
+      s(small_config());
   const std::vector<std::int32_t> cu{0, 4, 5, 5, 11};
   attnmix::stack_inputs in;
   in.cu_seqlens = attnmix::view1<const std::int32_t>(cu.data(), {5});
   check_stack(s, 1, 11, in, 41);
 }
 
-TEST_CASE("a masked encoder stack: backward matches finite differences, pad rows get 0",
+TEST_CASE("a masked SA + GBLA encoder: backward matches finite differences, pad rows get 0",
           "[train][stack][backward]") {
   attnmix::basic_stack<double, attnmix::with_mlp<attnmix::layers::mlp_kind::gelu>,
-                       attnmix::backend::cpu, attnmix::layer::sa, attnmix::layer::sa>
+                       attnmix::backend::cpu, attnmix::layer::sa, attnmix::layer::gbla>
       s(small_config());
   const std::vector<std::uint8_t> mask{1, 1, 1, 0, 0, 0, 1, 1, 1, 1};
   attnmix::stack_inputs in;

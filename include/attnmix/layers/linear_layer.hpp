@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "attnmix/attention/linear_attention.hpp"
+#include "attnmix/attention/linear_attention_backward.hpp"
 #include "attnmix/core/linear_policy.hpp"
 #include "attnmix/cpu/bla.hpp"
 #include "attnmix/cpu/gbla.hpp"
@@ -148,7 +149,12 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
   using kind = K;
   using backend_type = Backend;
   using cache_type = linear_layer_cache<T, space>;
-  using saved_type = no_saved;  // what the backward will read (nothing yet)
+  // What backward_rows reads: the conv's output, q, k, v, the gates' inputs, the core's output
+  // and, for the bidirectional kinds, the state (S, z, lse) that the backward would recompute.
+  struct saved_type {
+    buffer<T, space> conv, q, k, v, g, o;
+    buffer<A, space> a, S, z, lse;
+  };
 
   linear_layer() = default;
   explicit linear_layer(const config& c)
@@ -212,9 +218,74 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
                                 {"conv channels", D_}});
   }
 
-  // y = mixer(x) on c.layout's rows (x, y: [rows, D], distinct).
-  void forward_rows(const context<Backend>& c, const T* x, T* y, saved_type* = nullptr) const {
-    run(c, x, y, nullptr, false);
+  // y = mixer(x) on c.layout's rows (x, y: [rows, D], distinct); with `saved`, also what
+  // backward_rows needs.
+  void forward_rows(const context<Backend>& c, const T* x, T* y,
+                    saved_type* saved = nullptr) const {
+    run(c, x, y, nullptr, false, saved);
+  }
+
+  // Backward of forward_rows(c, x, y, &saved): every parameter's .grad added to, dx written (or
+  // added with `accumulate`). dy, dx: [rows, D].
+  void backward_rows(const context<Backend>& c, const T* u, const T* dy, T* du,
+                     const saved_type& sv, bool accumulate = false) {
+    const token_layout& L = c.layout;
+    const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
+    const index_t Hg = gated ? a_proj.out_features() : 0;
+    const index_t ngamma = normed ? o_norm_weight.numel() : 0;
+    typename O::scratch sc(c.be, scratch_bytes<T>(Policy::use_conv ? rows * D_ : 0) +
+                                     scratch_bytes<T>(nq) * (normed ? 3 : 2) +
+                                     scratch_bytes<T>(nk) * 2 + scratch_bytes<A>(rows * Hg) +
+                                     scratch_bytes<A>(ngamma));
+    T* dconv = Policy::use_conv ? sc.template take<T>(rows * D_) : nullptr;
+    T *dout = sc.template take<T>(nq), *dq = sc.template take<T>(nq);
+    T *dk = sc.template take<T>(nk), *dv = sc.template take<T>(nk);
+    o_proj.backward(c, sv.o.data(), rows, dy, dout);
+    linear_attention_grad_args<T> a;
+    a.q = as_heads<Backend, const T>(sv.q.data(), L, HQ_, d_);
+    a.k = as_heads<Backend, const T>(sv.k.data(), L, H_, d_);
+    a.v = as_heads<Backend, const T>(sv.v.data(), L, H_, d_);
+    a.dout = as_heads<Backend, const T>(dout, L, HQ_, d_);
+    a.dq = as_heads<Backend, T>(dq, L, HQ_, d_);
+    a.dk = as_heads<Backend, T>(dk, L, H_, d_);
+    a.dv = as_heads<Backend, T>(dv, L, H_, d_);
+    A* da = gated ? sc.template take<A>(rows * Hg) : nullptr;
+    T* dg = normed ? sc.template take<T>(nq) : nullptr;
+    A* dgamma = normed ? sc.template take<A>(ngamma) : nullptr;
+    if constexpr (gated) {
+      a.a = as_rows<Backend, const A>(sv.a.data(), L, Hg);
+      a.da = as_rows<Backend, A>(da, L, Hg);
+    }
+    if constexpr (normed) {
+      a.gate = as_heads<Backend, const T>(sv.g.data(), L, HQ_, d_);
+      a.dgate = as_heads<Backend, T>(dg, L, HQ_, d_);
+      a.gamma = view1<const A>(o_norm_weight.ptr(), {ngamma}, space_of_v<Backend>);
+      a.dgamma = view1<A>(dgamma, {ngamma}, space_of_v<Backend>);
+    }
+    if constexpr (!causal) a.saved = saved_state(sv, L.num_sequences());
+    linear_attention_params p;
+    p.norm_eps = norm_eps_;
+    p.cu_seqlens = L.cu_view();
+    attnmix::linear_attention_backward<K, Core>(a, p, c.be);
+    bool first = !accumulate;  // the first contribution to du writes it
+    if constexpr (normed) {
+      A* grad = o_norm_weight.grad_ptr();
+      O::template map<fn::plus>(c, grad, grad, dgamma, ngamma);
+      g_proj.backward(c, u, rows, dg, du, !first);
+      first = false;
+    }
+    if constexpr (gated) {
+      a_proj.backward(c, u, rows, da, du, !first);
+      first = false;
+    }
+    // q, k, v read the conv's output (or u itself).
+    const T* cin = Policy::use_conv ? sv.conv.data() : u;
+    T* dcin = Policy::use_conv ? dconv : du;
+    const bool acc = Policy::use_conv ? false : !first;
+    q_proj.backward(c, cin, rows, dq, dcin, acc);
+    k_proj.backward(c, cin, rows, dk, dcin, true);
+    v_proj.backward(c, cin, rows, dv, dcin, true);
+    if constexpr (Policy::use_conv) conv1d.backward(c, u, dconv, du, !first);
   }
   // slots[n]: the cache slot of sequence n. A mapped call runs on a compact copy of the mapped
   // slots (a state is O(H d^2), what one step reads anyway) and writes it back.
@@ -285,19 +356,43 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
     s.o_proj.visit_parameters(f, prefix + "o_proj.");
   }
 
+  // The bidirectional state a training forward kept, as the backward's `saved`.
+  linear_state<const A> saved_state(const saved_type& sv, index_t N) const {
+    linear_state<const A> st;
+    st.S = view4<const A>(sv.S.data(), {N, H_, d_, d_}, space_of_v<Backend>);
+    if (Core::normalize) st.z = view3<const A>(sv.z.data(), {N, H_, d_}, space_of_v<Backend>);
+    if (gated) st.lse = tensor_view<const A, 2>(sv.lse.data(), {N, H_}, space_of_v<Backend>);
+    return st;
+  }
+
   // cache (host backends): with step, continue from its state and conv state (one token per
-  // sequence); without, start fresh and leave the final states there.
+  // sequence); without, start fresh and leave the final states there. sv: a training forward,
+  // which keeps its intermediate tensors there.
   // One scratch allocation: the conv output, q, k, v, o, the output gate and the key-gate logits.
-  void run(const context<Backend>& c, const T* u, T* y, cache_type* cache, bool step) const {
+  void run(const context<Backend>& c, const T* u, T* y, cache_type* cache, bool step,
+           saved_type* sv = nullptr) const {
     const token_layout& L = c.layout;
     const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
     const index_t Hg = gated ? a_proj.out_features() : 0;
-    typename O::scratch sc(c.be, scratch_bytes<T>(Policy::use_conv ? rows * D_ : 0) +
-                                     scratch_bytes<T>(nq) * (normed ? 3 : 2) +
-                                     scratch_bytes<T>(nk) * 2 + scratch_bytes<A>(rows * Hg));
+    const bool keep = sv != nullptr;
+    typename O::scratch sc(c.be, keep ? 0
+                                      : scratch_bytes<T>(Policy::use_conv ? rows * D_ : 0) +
+                                            scratch_bytes<T>(nq) * (normed ? 3 : 2) +
+                                            scratch_bytes<T>(nk) * 2 + scratch_bytes<A>(rows * Hg));
+    if (keep) {
+      if (Policy::use_conv) sv->conv.resize(rows * D_);
+      for (auto* b : {&sv->q, &sv->o}) b->resize(nq);
+      for (auto* b : {&sv->k, &sv->v}) b->resize(nk);
+      if (normed) sv->g.resize(nq);
+      if (gated) sv->a.resize(rows * Hg);
+      if (!causal) {
+        const index_t N = L.num_sequences();
+        sv->S.resize(N * H_ * d_ * d_), sv->z.resize(N * H_ * d_), sv->lse.resize(N * H_);
+      }
+    }
     const T* cin = u;
     if constexpr (Policy::use_conv) {
-      T* conv = sc.template take<T>(rows * D_);
+      T* conv = keep ? sv->conv.data() : sc.template take<T>(rows * D_);
       if constexpr (on_host_v<Backend>) {
         if (step)
           conv1d.step(u, conv, rows, cache->conv, c.be);
@@ -308,8 +403,10 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
       }
       cin = conv;
     }
-    T *q = sc.template take<T>(nq), *k = sc.template take<T>(nk), *v = sc.template take<T>(nk),
-      *o = sc.template take<T>(nq);
+    T* q = keep ? sv->q.data() : sc.template take<T>(nq);
+    T* k = keep ? sv->k.data() : sc.template take<T>(nk);
+    T* v = keep ? sv->v.data() : sc.template take<T>(nk);
+    T* o = keep ? sv->o.data() : sc.template take<T>(nq);
     q_proj.apply(c, cin, rows, q);
     k_proj.apply(c, cin, rows, k);
     v_proj.apply(c, cin, rows, v);
@@ -319,12 +416,12 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
     args.v = as_heads<Backend, const T>(v, L, H_, d_);
     args.out = as_heads<Backend, T>(o, L, HQ_, d_);
     if constexpr (gated) {
-      A* logits = sc.template take<A>(rows * Hg);
+      A* logits = keep ? sv->a.data() : sc.template take<A>(rows * Hg);
       a_proj.apply(c, u, rows, logits);
       args.a = as_rows<Backend, const A>(logits, L, Hg);
     }
     if constexpr (normed) {
-      T* g = sc.template take<T>(nq);
+      T* g = keep ? sv->g.data() : sc.template take<T>(nq);
       g_proj.apply(c, u, rows, g);
       args.gate = as_heads<Backend, const T>(g, L, HQ_, d_);
       args.gamma =
@@ -345,6 +442,16 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
           args.state_out.z = view3<A>(cache->z.data(), {N, H_, d_});
           if (gated) args.state_out.lse = tensor_view<A, 2>(cache->lse.data(), {N, H_});
         }
+      }
+    }
+    if constexpr (!causal) {
+      if (keep) {
+        const index_t N = L.num_sequences();
+        args.state_out.S = view4<A>(sv->S.data(), {N, H_, d_, d_}, space_of_v<Backend>);
+        if (Core::normalize)
+          args.state_out.z = view3<A>(sv->z.data(), {N, H_, d_}, space_of_v<Backend>);
+        if (gated)
+          args.state_out.lse = tensor_view<A, 2>(sv->lse.data(), {N, H_}, space_of_v<Backend>);
       }
     }
     (void)cache;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "attnmix/attention/attention.hpp"
+#include "attnmix/attention/attention_backward.hpp"
 #include "attnmix/attention/path_cache.hpp"
 #include "attnmix/core/policy.hpp"
 #include "attnmix/cpu/layer_ops.hpp"
@@ -88,7 +89,12 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
   using kind = K;
   using backend_type = Backend;
   using cache_type = path_layer_cache<T, space>;
-  using saved_type = no_saved;  // what the backward will read (nothing yet)
+  // What backward_rows reads: the projections before their norms, activations and the conv,
+  // the attention's inputs, output and log-sum-exp.
+  struct saved_type {
+    buffer<T, space> q_in, k_in, q, k, v, o, wd, r;  // r: the low-rank w projection's middle
+    buffer<A, space> w_in, w, beta_in, beta, g_in, g, lse;
+  };
 
   path_layer() = default;
   explicit path_layer(const config& c)
@@ -164,8 +170,87 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
   }
 
   // y = mixer(x) on c.layout's rows (x, y: [rows, D], distinct).
-  void forward_rows(const context<Backend>& c, const T* x, T* y, saved_type* = nullptr) const {
-    run(c, x, y, nullptr, nullptr);
+  // y = mixer(x) on c.layout's rows; with `saved`, also what backward_rows needs.
+  void forward_rows(const context<Backend>& c, const T* x, T* y,
+                    saved_type* saved = nullptr) const {
+    if (saved == nullptr) return run(c, x, y, nullptr, nullptr);
+    const token_layout& L = c.layout;
+    const index_t rows = L.rows();
+    const buffers b = take(*saved, rows);
+    project(c, x, b, nullptr, false, saved);
+    attention_args<T> a = args(b, L);
+    a.lse = as_rows<Backend, A>(saved->lse.data(), L, HQ_);
+    attnmix::attention<K, typename Policy::attention_policy>(a, L.attention(scale_), c.be);
+    o_proj.apply(c, b.o, rows, y);
+  }
+
+  // Backward of forward_rows(c, x, y, &saved): every parameter's .grad added to, dx written (or
+  // added with `accumulate`). dy, dx: [rows, D].
+  void backward_rows(const context<Backend>& c, const T* x, const T* dy, T* dx,
+                     const saved_type& sv, bool accumulate = false) {
+    const token_layout& L = c.layout;
+    const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
+    const index_t nr = low_rank_ ? rows * w_proj_down.out_features() : 0;
+    typename O::scratch sc(c.be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 3 +
+                                     scratch_bytes<T>(nr) + scratch_bytes<A>(nk) * 2 +
+                                     scratch_bytes<A>(rows * (H_ + HQ_)));
+    T *dout = sc.template take<T>(nq), *dq = sc.template take<T>(nq);
+    T *dk = sc.template take<T>(nk), *dv = sc.template take<T>(nk), *dwd = sc.template take<T>(nk);
+    T* dr = sc.template take<T>(nr);
+    A *dw = sc.template take<A>(nk), *dw_in = sc.template take<A>(nk);
+    A *dbeta = sc.template take<A>(rows * H_), *dg = sc.template take<A>(rows * HQ_);
+    o_proj.backward(c, sv.o.data(), rows, dy, dout);
+    attention_grad_args<T> a;
+    a.q = as_heads<Backend, const T>(sv.q.data(), L, HQ_, d_);
+    a.k = as_heads<Backend, const T>(sv.k.data(), L, H_, d_);
+    a.v = as_heads<Backend, const T>(sv.v.data(), L, H_, d_);
+    a.w = as_heads<Backend, const A>(sv.w.data(), L, H_, d_);
+    a.beta = as_rows<Backend, const A>(sv.beta.data(), L, H_);
+    a.out = as_heads<Backend, const T>(sv.o.data(), L, HQ_, d_);
+    a.lse = as_rows<Backend, const A>(sv.lse.data(), L, HQ_);
+    a.dout = as_heads<Backend, const T>(dout, L, HQ_, d_);
+    a.dq = as_heads<Backend, T>(dq, L, HQ_, d_);
+    a.dk = as_heads<Backend, T>(dk, L, H_, d_);
+    a.dv = as_heads<Backend, T>(dv, L, H_, d_);
+    a.dw = as_heads<Backend, A>(dw, L, H_, d_);
+    a.dbeta = as_rows<Backend, A>(dbeta, L, H_);
+    if constexpr (gated) {
+      a.g = as_rows<Backend, const A>(sv.g.data(), L, HQ_);
+      a.dg = as_rows<Backend, A>(dg, L, HQ_);
+    }
+    attnmix::attention_backward<K, typename Policy::attention_policy>(a, L.attention(scale_), c.be);
+    bool first = !accumulate;  // the first contribution to dx writes it
+    if constexpr (gated) {
+      O::template map_backward<fn::log_sigmoid>(c, dg, sv.g_in.data(),
+                                                static_cast<const A*>(nullptr), dg,
+                                                static_cast<A*>(nullptr), rows * HQ_);
+      g_proj.backward(c, x, rows, dg, dx, !first);
+      first = false;
+    }
+    O::template map_backward<fn::two_sigmoid>(c, dbeta, sv.beta_in.data(),
+                                              static_cast<const A*>(nullptr), dbeta,
+                                              static_cast<A*>(nullptr), rows * H_);
+    bt_proj.backward(c, x, rows, dbeta, dx, !first);
+    // w = l2norm(conv(wd)): back through the norm, the conv, the projection(s).
+    O::norm_backward(c, sv.w_in.data(), dw, dw_in, rows * H_, d_, static_cast<const A*>(nullptr),
+                     false, 1, false, 1e-6, static_cast<A*>(nullptr));
+    if constexpr (Policy::w_shortconv)
+      w_conv1d.backward(c, sv.wd.data(), dw_in, dwd);
+    else
+      O::move_rows(c, dw_in, dwd, nullptr, nullptr, rows, H_ * d_);
+    if (low_rank_) {
+      w_proj.backward(c, sv.r.data(), rows, dwd, dr);
+      w_proj_down.backward(c, x, rows, dr, dx, true);
+    } else {
+      w_proj.backward(c, x, rows, dwd, dx, true);
+    }
+    if constexpr (Policy::qk_norm) {
+      maybe_q_norm.backward(c, sv.q_in.data(), rows, dq, dq);
+      maybe_k_norm.backward(c, sv.k_in.data(), rows, dk, dk);
+    }
+    q_proj.backward(c, x, rows, dq, dx, true);
+    k_proj.backward(c, x, rows, dk, dx, true);
+    v_proj.backward(c, x, rows, dv, dx, true);
   }
   // slots[n]: the cache slot of sequence n.
   void prefill_rows(const context<Backend>& c, const T* x, T* y, cache_type& cache,
@@ -246,6 +331,23 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
     return b;
   }
 
+  // The buffers of a training forward, in `sv` (the same roles as take's).
+  buffers take(saved_type& sv, index_t rows) const {
+    const index_t nq = rows * HQ_ * d_, nk = rows * H_ * d_;
+    for (auto* x : {&sv.q, &sv.o}) x->resize(nq);
+    for (auto* x : {&sv.k, &sv.v, &sv.wd}) x->resize(nk);
+    for (auto* x : {&sv.w, &sv.w_in}) x->resize(nk);
+    sv.beta.resize(rows * H_), sv.beta_in.resize(rows * H_);
+    sv.g.resize(rows * HQ_), sv.g_in.resize(rows * HQ_), sv.lse.resize(rows * HQ_);
+    if (low_rank_) sv.r.resize(rows * w_proj_down.out_features());
+    if constexpr (Policy::qk_norm) sv.q_in.resize(nq), sv.k_in.resize(nk);
+    buffers b{};
+    b.q = sv.q.data(), b.k = sv.k.data(), b.v = sv.v.data(), b.o = sv.o.data();
+    b.wd = sv.wd.data(), b.r = low_rank_ ? sv.r.data() : nullptr;
+    b.w = sv.w.data(), b.beta = sv.beta.data(), b.g = sv.g.data();
+    return b;
+  }
+
   template <class Self, class F>
   static void visit(Self& s, F& f, const std::string& prefix) {
     s.q_proj.visit_parameters(f, prefix + "q_proj.");
@@ -271,13 +373,18 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
   // accum_t); beta = 2 sigmoid(bt_proj x); PaTH-FoX: g = logsigmoid(g_proj x).
   // conv (host backends): with step, the rolling state, advanced by one token (decoding); else
   // it receives the conv's final state.
+  // sv: a training forward, which also keeps the inputs of the norms and activations.
   void project(const context<Backend>& c, const T* x, const buffers& b, conv_state<T, space>* conv,
-               bool step) const {
-    const index_t rows = c.rows(), nk = rows * H_ * d_;
+               bool step, saved_type* sv = nullptr) const {
+    const index_t rows = c.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
     q_proj.apply(c, x, rows, b.q);
     k_proj.apply(c, x, rows, b.k);
     v_proj.apply(c, x, rows, b.v);
     if constexpr (Policy::qk_norm) {
+      if (sv != nullptr) {
+        O::upload(c.be, sv->q_in.data(), b.q, nq);
+        O::upload(c.be, sv->k_in.data(), b.k, nk);
+      }
       maybe_q_norm.apply(c, b.q, rows, b.q);
       maybe_k_norm.apply(c, b.k, rows, b.k);
     }
@@ -301,14 +408,17 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
     }
     (void)conv;
     (void)step;
+    if (sv != nullptr) O::upload(c.be, sv->w_in.data(), b.w, nk);
     O::norm(c, b.w, b.w, rows * H_, d_, static_cast<const A*>(nullptr), false, 1, false, 1e-6);
     bt_proj.apply(c, x, rows, b.beta);
+    if (sv != nullptr) O::upload(c.be, sv->beta_in.data(), b.beta, rows * H_);
     O::template map<fn::two_sigmoid>(c, b.beta, b.beta, static_cast<const A*>(nullptr), rows * H_);
     if constexpr (gated) {
       g_proj.apply(c, x, rows, b.g);
+      if (sv != nullptr) O::upload(c.be, sv->g_in.data(), b.g, rows * HQ_);
       O::template map<fn::log_sigmoid>(c, b.g, b.g, static_cast<const A*>(nullptr), rows * HQ_);
     }
-    (void)nk;
+    (void)nq, (void)nk, (void)sv;
   }
 
   attention_args<T> args(const buffers& b, const token_layout& L) const {
