@@ -98,8 +98,8 @@ class mixer_api {
   }
 
   // Training: the same forward, also keeping in `saved` what backward() reads.
-  template <class Saved>
-  void forward(const view3<const T>& x, const view3<T>& out, Saved& saved,
+  template <class Self = Derived>
+  void forward(const view3<const T>& x, const view3<T>& out, typename Self::saved_type& saved,
                const view1<const std::int32_t>& cu_seqlens = {},
                const Backend& be = Backend{}) const {
     const std::string fn = std::string("attnmix::layers::") + Derived::name + "::forward";
@@ -112,10 +112,10 @@ class mixer_api {
   // Training: from the forward's input x and `saved` (forward(x, out, saved, ...) with the same
   // cu_seqlens) and dout = dL/d(out), writes dL/dx into dx and adds every parameter's gradient
   // to its .grad. Throws attnmix::error on bad arguments.
-  template <class Saved>
+  template <class Self = Derived>
   void backward(const view3<const T>& x, const view3<const T>& dout, const view3<T>& dx,
-                const Saved& saved, const view1<const std::int32_t>& cu_seqlens = {},
-                const Backend& be = Backend{}) {
+                const typename Self::saved_type& saved,
+                const view1<const std::int32_t>& cu_seqlens = {}, const Backend& be = Backend{}) {
     const std::string fn = std::string("attnmix::layers::") + Derived::name + "::backward";
     const index_t D = self().hidden_size();
     detail::check_activation(fn, "x", x, D, space_of_v<Backend>, Backend::name);
