@@ -16,8 +16,8 @@
 #include "attnmix/core/scalar.hpp"
 #include "attnmix/core/tags.hpp"
 #include "attnmix/cuda/launch/rows.cuh"
-#include "attnmix/cuda/runtime/cublas.cuh"
 #include "attnmix/cuda/runtime.cuh"
+#include "attnmix/cuda/runtime/cublas.cuh"
 #include "attnmix/layers/common.hpp"
 #include "attnmix/layers/ops.hpp"
 
@@ -54,6 +54,28 @@ struct parameter<T, device_space> {
 
  private:
   attnmix::detail::cuda::device_memory mem_;
+};
+
+// An owned array in device memory: the activations a layer's training forward saves. Grows
+// on resize (contents then unspecified), never shrinks.
+template <class S>
+class buffer<S, device_space> {
+ public:
+  void resize(index_t n) {
+    if (n > capacity_) {
+      mem_ = attnmix::detail::cuda::device_memory(static_cast<std::size_t>(n) * sizeof(S),
+                                                  "cudaMalloc(saved activations)");
+      capacity_ = n;
+    }
+    size_ = n;
+  }
+  index_t size() const { return size_; }
+  S* data() { return static_cast<S*>(mem_.get()); }
+  const S* data() const { return static_cast<const S*>(mem_.get()); }
+
+ private:
+  attnmix::detail::cuda::device_memory mem_;
+  index_t size_ = 0, capacity_ = 0;
 };
 
 namespace detail {

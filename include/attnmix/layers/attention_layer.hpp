@@ -376,8 +376,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     if constexpr (Policy::qk_norm) {
       if (sv != nullptr) {
         sv->q_in.resize(nq), sv->k_in.resize(nk);
-        O::upload(c.be, sv->q_in.data(), q, nq);
-        O::upload(c.be, sv->k_in.data(), k, nk);
+        O::move_rows(c, q, sv->q_in.data(), nullptr, nullptr, rows, HQ_ * d_);
+        O::move_rows(c, k, sv->k_in.data(), nullptr, nullptr, rows, H_ * d_);
       }
       q_norm.apply(c, q, rows, q);
       k_norm.apply(c, k, rows, k);
@@ -388,7 +388,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     }
     if constexpr (fox) {
       f_proj.apply(c, x, rows, g);
-      if (sv != nullptr) sv->f.resize(rows * HQ_), O::upload(c.be, sv->f.data(), g, rows * HQ_);
+      if (sv != nullptr)
+        sv->f.resize(rows * HQ_), O::move_rows(c, g, sv->f.data(), nullptr, nullptr, rows, HQ_);
       O::template map<fn::log_sigmoid>(c, g, g, static_cast<const A*>(nullptr), rows * HQ_);
     }
     (void)g, (void)nq, (void)nk, (void)sv;

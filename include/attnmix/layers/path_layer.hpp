@@ -382,8 +382,8 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
     v_proj.apply(c, x, rows, b.v);
     if constexpr (Policy::qk_norm) {
       if (sv != nullptr) {
-        O::upload(c.be, sv->q_in.data(), b.q, nq);
-        O::upload(c.be, sv->k_in.data(), b.k, nk);
+        O::move_rows(c, b.q, sv->q_in.data(), nullptr, nullptr, rows, HQ_ * d_);
+        O::move_rows(c, b.k, sv->k_in.data(), nullptr, nullptr, rows, H_ * d_);
       }
       maybe_q_norm.apply(c, b.q, rows, b.q);
       maybe_k_norm.apply(c, b.k, rows, b.k);
@@ -408,14 +408,14 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
     }
     (void)conv;
     (void)step;
-    if (sv != nullptr) O::upload(c.be, sv->w_in.data(), b.w, nk);
+    if (sv != nullptr) O::move_rows(c, b.w, sv->w_in.data(), nullptr, nullptr, rows, H_ * d_);
     O::norm(c, b.w, b.w, rows * H_, d_, static_cast<const A*>(nullptr), false, 1, false, 1e-6);
     bt_proj.apply(c, x, rows, b.beta);
-    if (sv != nullptr) O::upload(c.be, sv->beta_in.data(), b.beta, rows * H_);
+    if (sv != nullptr) O::move_rows(c, b.beta, sv->beta_in.data(), nullptr, nullptr, rows, H_);
     O::template map<fn::two_sigmoid>(c, b.beta, b.beta, static_cast<const A*>(nullptr), rows * H_);
     if constexpr (gated) {
       g_proj.apply(c, x, rows, b.g);
-      if (sv != nullptr) O::upload(c.be, sv->g_in.data(), b.g, rows * HQ_);
+      if (sv != nullptr) O::move_rows(c, b.g, sv->g_in.data(), nullptr, nullptr, rows, HQ_);
       O::template map<fn::log_sigmoid>(c, b.g, b.g, static_cast<const A*>(nullptr), rows * HQ_);
     }
     (void)nq, (void)nk, (void)sv;
