@@ -174,6 +174,19 @@ attention_problem validate_attention(const std::string& fn, const attention_args
   return prob;
 }
 
+// The compile-time checks of both softmax-family front doors.
+template <class Kind, class Policy, class T, class Backend>
+constexpr void check_attention_types() {
+  static_assert(kind_traits<Kind>::softmax_family,
+                "attnmix::attention: Kind must be kind::softmax, fox, path or path_fox");
+  static_assert(is_scalar_v<T>, "attnmix::attention: T must be float, double, half or bfloat16");
+  static_assert(is_backend_v<Backend>,
+                "attnmix::attention: Backend must be a backend tag (a name and a memory_space)");
+  static_assert(std::is_same_v<Kind, kind::softmax> || Policy::mask == mask_type::causal,
+                "attnmix::attention: fox, path and path_fox are causal only; only kind::softmax "
+                "takes mask_type::bidirectional");
+}
+
 }  // namespace detail
 
 // Softmax-family attention forward.
@@ -185,14 +198,7 @@ attention_problem validate_attention(const std::string& fn, const attention_args
 template <class Kind, class Policy = default_policy_t<Kind>, class T, class Backend = backend::cpu>
 void attention(const attention_args<T>& args, const attention_params& params = {},
                const Backend& backend = Backend{}) {
-  static_assert(kind_traits<Kind>::softmax_family,
-                "attnmix::attention: Kind must be kind::softmax, fox, path or path_fox");
-  static_assert(is_scalar_v<T>, "attnmix::attention: T must be float, double, half or bfloat16");
-  static_assert(is_backend_v<Backend>,
-                "attnmix::attention: Backend must be a backend tag (a name and a memory_space)");
-  static_assert(std::is_same_v<Kind, kind::softmax> || Policy::mask == mask_type::causal,
-                "attnmix::attention: fox, path and path_fox are causal only; only kind::softmax "
-                "takes mask_type::bidirectional");
+  detail::check_attention_types<Kind, Policy, T, Backend>();
   const std::string fn = std::string("attnmix::attention<") + Kind::name + ">";
   const attention_problem prob = detail::validate_attention<Kind, T, Backend>(fn, args, params);
   detail::attention_impl<Kind, Backend, Policy>::run(args, prob, backend);

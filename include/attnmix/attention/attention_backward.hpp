@@ -97,15 +97,7 @@ attention_problem validate_attention_backward(const std::string& fn,
 template <class Kind, class Policy = default_policy_t<Kind>, class T, class Backend = backend::cpu>
 void attention_backward(const attention_grad_args<T>& args, const attention_params& params = {},
                         const Backend& backend = Backend{}) {
-  static_assert(kind_traits<Kind>::softmax_family,
-                "attnmix::attention_backward: Kind must be kind::softmax, fox, path or path_fox");
-  static_assert(is_scalar_v<T>,
-                "attnmix::attention_backward: T must be float, double, half or bfloat16");
-  static_assert(
-      is_backend_v<Backend>,
-      "attnmix::attention_backward: Backend must be a backend tag (a name and a memory_space)");
-  static_assert(std::is_same_v<Kind, kind::softmax> || Policy::mask == mask_type::causal,
-                "attnmix::attention_backward: fox, path and path_fox are causal only");
+  detail::check_attention_types<Kind, Policy, T, Backend>();
   const std::string fn = std::string("attnmix::attention_backward<") + Kind::name + ">";
   const attention_problem prob =
       detail::validate_attention_backward<Kind, T, Backend>(fn, args, params);

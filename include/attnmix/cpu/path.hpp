@@ -135,8 +135,7 @@ void path_query_chunk(const attention_args<T>& a, const attention_problem& p, pa
 // contiguous) or nullptr; reset: its hard resets, or nullptr.
 template <class T>
 void path_forward(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be,
-                  path_chunks<T>& c, const double* G, double coef,
-                  const index_t* reset = nullptr) {
+                  path_chunks<T>& c, const double* G, double coef, const index_t* reset = nullptr) {
   require_cpu_scalar<T>();
   const index_t chunk = c.chunk;
 
@@ -157,8 +156,8 @@ void path_forward(const attention_args<T>& a, const attention_problem& p, const 
     const task& tk = tasks[static_cast<std::size_t>(i)];
     const sequence s = p.seq(tk.seq);
     const index_t at = (s.batch * p.tokens + s.start) * p.q_heads + tk.head;
-    path_query_chunk(a, p, c, tk.seq, tk.head, tk.chunk, G != nullptr ? G + at : nullptr,
-                     p.q_heads, coef, reset != nullptr ? reset + at : nullptr,
+    path_query_chunk(a, p, c, tk.seq, tk.head, tk.chunk, G != nullptr ? G + at : nullptr, p.q_heads,
+                     coef, reset != nullptr ? reset + at : nullptr,
                      scratch[static_cast<std::size_t>(worker)]);
   });
 }
@@ -225,7 +224,8 @@ void path_decode_head(const attention_args<T>& a, const attention_problem& p, T*
     if (x == -std::numeric_limits<double>::infinity()) {
       // A hard reset: the cached keys get weight 0 from now on (G_t - (+inf) = -inf), and the
       // cumsum restarts at this token.
-      for (index_t j = 0; j < length; ++j) gates[j * HQ + hq] = std::numeric_limits<double>::infinity();
+      for (index_t j = 0; j < length; ++j)
+        gates[j * HQ + hq] = std::numeric_limits<double>::infinity();
       gates[length * HQ + hq] = 0.0;
     } else {
       const double prev = length > 0 ? gates[(length - 1) * HQ + hq] : 0.0;
@@ -362,10 +362,9 @@ struct path_cache_impl<backend::cpu> {
         };
         const index_t cut = G.resets() != nullptr && s.length > 0 ? G.reset[at(s.length - 1)] : 0;
         for (index_t t = 0; t < s.length; ++t)
-          gates[(slot * cap + t) * HQ + hq] =
-              !kind_traits<Kind>::uses_forget_gate ? 0.0
-              : t < cut                            ? std::numeric_limits<double>::infinity()
-                                                   : G.G[at(t)];
+          gates[(slot * cap + t) * HQ + hq] = !kind_traits<Kind>::uses_forget_gate ? 0.0
+                                              : t < cut ? std::numeric_limits<double>::infinity()
+                                                        : G.G[at(t)];
       }
       path_cache_access::set_length(cache, slot, s.length);
     }
