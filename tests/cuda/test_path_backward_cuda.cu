@@ -190,8 +190,9 @@ void check_grads(const grads& got, const grads& ref, bool gated) {
 
 template <class Kind, class Policy, class T>
 void backward_case(const path_case& c, std::uint64_t salt, const std::vector<index_t>& g_inf = {}) {
-  INFO("seed " << salt << " " << c.describe() << " dtype " << attnmix::scalar_traits<T>::name
-               << " kind " << Kind::name << " hard resets " << g_inf.size());
+  INFO("seed " << test_seed() << " salt " << salt << " " << c.describe() << " dtype "
+               << attnmix::scalar_traits<T>::name << " kind " << Kind::name << " hard resets "
+               << g_inf.size());
   const bwd_inputs b = make_inputs<Kind, Policy, T>(c, salt, g_inf);
   const grads ref = cpu_backward<Kind, Policy>(c, b);
   device_case<T> d(c, b);
@@ -259,7 +260,7 @@ TEMPLATE_TEST_CASE("CUDA PaTH backward with 16-bit inputs", "[cuda][path][backwa
 TEST_CASE("CUDA PaTH-FoX backward gives the same bits twice", "[cuda][path_fox][backward]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   const path_case c{1, 1100, 4, 2, 64, 64, {0, 3, 500, 1100}};
-  INFO(c.describe());
+  INFO("seed " << test_seed() << " " << c.describe());
   const bwd_inputs b = make_inputs<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(c, 35001);
   device_case<attnmix::bfloat16> d(c, b);
   const grads one = d.run<path_fox, attnmix::path_fox_policy>();
@@ -277,7 +278,8 @@ TEMPLATE_TEST_CASE("CUDA PaTH-FoX forward then backward with the CUDA lse",
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   using T = TestType;
   const path_case c{2, 300, 4, 2, 64, 64};
-  INFO(c.describe() << " dtype " << attnmix::scalar_traits<T>::name);
+  INFO("seed " << test_seed() << " " << c.describe() << " dtype "
+               << attnmix::scalar_traits<T>::name);
   bwd_inputs b = make_inputs<path_fox, attnmix::path_fox_policy, T>(c, 36001);
   device_case<T> d(c, b);
   // The CUDA forward writes out and lse; the CPU reference takes them as they came out.
