@@ -7,6 +7,7 @@
 // lse as the backward's input.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -299,6 +300,123 @@ TEMPLATE_TEST_CASE("CUDA PaTH-FoX forward then backward with the CUDA lse",
   const grads ref = cpu_backward<path_fox, attnmix::path_fox_policy>(c, b);
   const grads got = d.template run<path_fox, attnmix::path_fox_policy>();
   check_grads<T>(got, ref, true);
+}
+
+namespace {
+
+// A [B, T, H, D] tensor (D == 0: [B, T, H]) inside a padded device buffer: heads, tokens and
+// batch rows further apart than dense, the padding holding `fill`.
+template <class S>
+struct padded_tensor {
+  index_t B, T, H, D;
+  std::array<index_t, 4> stride;
+  std::vector<S> host;
+  device_buffer<S> dev_buf;
+
+  static std::vector<S> layout(index_t B, index_t T, index_t H, index_t D,
+                               const std::array<index_t, 4>& st, const std::vector<double>& dense,
+                               double fill) {
+    std::vector<S> h(static_cast<std::size_t>(B * st[0]), attnmix::convert<S>(fill));
+    const index_t Dd = std::max<index_t>(D, 1);
+    if (!dense.empty())
+      for (index_t b = 0; b < B; ++b)
+        for (index_t t = 0; t < T; ++t)
+          for (index_t x = 0; x < H; ++x)
+            for (index_t d = 0; d < Dd; ++d)
+              h[static_cast<std::size_t>(b * st[0] + t * st[1] + x * st[2] + d)] =
+                  attnmix::convert<S>(
+                      dense[static_cast<std::size_t>(((b * T + t) * H + x) * Dd + d)]);
+    return h;
+  }
+  static std::array<index_t, 4> strides(index_t T, index_t H, index_t D) {
+    const index_t s2 = D > 0 ? D + 4 : 1, s1 = H * s2 + 5;
+    return {T * s1 + 7, s1, s2, 1};
+  }
+  padded_tensor(index_t b, index_t t, index_t h, index_t d, const std::vector<double>& dense,
+                double fill)
+      : B(b),
+        T(t),
+        H(h),
+        D(d),
+        stride(strides(t, h, d)),
+        host(layout(b, t, h, d, stride, dense, fill)),
+        dev_buf(host) {}
+
+  template <class V>
+  attnmix::view4<V> v4() const {
+    return attnmix::view4<V>(dev_buf.get(), {B, T, H, D}, {stride[0], stride[1], stride[2], 1},
+                             dev);
+  }
+  template <class V>
+  attnmix::view3<V> v3() const {
+    return attnmix::view3<V>(dev_buf.get(), {B, T, H}, {stride[0], stride[1], 1}, dev);
+  }
+  // The dense contents, and whether the padding still holds `fill`.
+  std::vector<double> dense() const {
+    const std::vector<S> h = dev_buf.to_host();
+    const index_t Dd = std::max<index_t>(D, 1);
+    std::vector<double> out;
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < T; ++t)
+        for (index_t x = 0; x < H; ++x)
+          for (index_t d = 0; d < Dd; ++d)
+            out.push_back(attnmix::convert<double>(
+                h[static_cast<std::size_t>(b * stride[0] + t * stride[1] + x * stride[2] + d)]));
+    return out;
+  }
+  bool padding_kept(double fill) const {
+    const std::vector<S> h = dev_buf.to_host();
+    std::vector<bool> inside(h.size(), false);
+    const index_t Dd = std::max<index_t>(D, 1);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < T; ++t)
+        for (index_t x = 0; x < H; ++x)
+          for (index_t d = 0; d < Dd; ++d)
+            inside[static_cast<std::size_t>(b * stride[0] + t * stride[1] + x * stride[2] + d)] =
+                true;
+    for (std::size_t i = 0; i < h.size(); ++i)
+      if (!inside[i] && attnmix::convert<double>(h[i]) != fill) return false;
+    return true;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("CUDA PaTH-FoX backward reads and writes strided views, the same bits as dense",
+          "[cuda][path_fox][backward]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using T = attnmix::bfloat16;
+  using P = attnmix::path_fox_policy;
+  const path_case c{2, 150, 4, 2, 64, 64};
+  INFO("seed " << test_seed() << " " << c.describe());
+  const bwd_inputs b = make_inputs<path_fox, P, T>(c, 38001);
+  device_case<T> d(c, b);
+  const grads dense = d.run<path_fox, P>();
+  const double fill = 3.0;
+  padded_tensor<T> q(c.B, c.T, c.HQ, c.D, b.in.q, fill), k(c.B, c.T, c.H, c.D, b.in.k, fill),
+      v(c.B, c.T, c.H, c.Dv, b.in.v, fill), out(c.B, c.T, c.HQ, c.Dv, b.out, fill),
+      dO(c.B, c.T, c.HQ, c.Dv, b.dout, fill), dq(c.B, c.T, c.HQ, c.D, {}, fill),
+      dk(c.B, c.T, c.H, c.D, {}, fill), dv(c.B, c.T, c.H, c.Dv, {}, fill);
+  padded_tensor<float> w(c.B, c.T, c.H, c.D, b.in.w, fill), beta(c.B, c.T, c.H, 0, b.in.beta, fill),
+      g(c.B, c.T, c.HQ, 0, b.in.g, fill), lse(c.B, c.T, c.HQ, 0, b.lse, fill),
+      dw(c.B, c.T, c.H, c.D, {}, fill), dbeta(c.B, c.T, c.H, 0, {}, fill),
+      dg(c.B, c.T, c.HQ, 0, {}, fill);
+  attnmix::attention_grad_args<T> a;
+  a.q = q.v4<const T>(), a.k = k.v4<const T>(), a.v = v.v4<const T>();
+  a.w = w.v4<const float>(), a.beta = beta.v3<const float>(), a.g = g.v3<const float>();
+  a.out = out.v4<const T>(), a.lse = lse.v3<const float>(), a.dout = dO.v4<const T>();
+  a.dq = dq.v4<T>(), a.dk = dk.v4<T>(), a.dv = dv.v4<T>();
+  a.dw = dw.v4<float>(), a.dbeta = dbeta.v3<float>(), a.dg = dg.v3<float>();
+  attnmix::attention_backward<path_fox, P>(a, path_params(c), attnmix::backend::cuda{});
+  attnmix::detail::cuda::check(cudaDeviceSynchronize(), "PaTH backward kernels");
+  CHECK(bitwise_equal(dq.dense(), dense.dq));
+  CHECK(bitwise_equal(dk.dense(), dense.dk));
+  CHECK(bitwise_equal(dv.dense(), dense.dv));
+  CHECK(bitwise_equal(dw.dense(), dense.dw));
+  CHECK(bitwise_equal(dbeta.dense(), dense.dbeta));
+  CHECK(bitwise_equal(dg.dense(), dense.dg));
+  for (const auto* t : {&dq, &dk, &dv}) CHECK(t->padding_kept(fill));
+  for (const auto* t : {&dw, &dbeta, &dg}) CHECK(t->padding_kept(fill));
 }
 
 TEST_CASE("CUDA PaTH backward rejects head dims its tiles cannot take", "[cuda][path][backward]") {
