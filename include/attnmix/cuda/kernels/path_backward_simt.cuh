@@ -23,7 +23,11 @@
 // when B * H fills the GPU); never T x T, never a copy of the queries per chunk.
 //
 // Matrix products are written as plain loops over shared memory and global (L2-resident) rows:
-// correct first; the tensor-core version is future work. Indices are 64-bit (index_t) wherever
+// correct first; the tensor-core version is future work. The C x C passes that take dot products
+// of a query-side row (shared) with a key-side row (global) put consecutive threads on
+// consecutive query rows, so that a warp reads one key row (a broadcast) and shared rows of
+// stride D + 1 or C + 1 (no bank conflicts). Which thread computes an element never changes its
+// value: every element is one fixed-order sum. Indices are 64-bit (index_t) wherever
 // they address [B, T, H, .] data.
 
 #include <cmath>
@@ -237,7 +241,7 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
       // p and dZ of the key chunk starting at j0 (sequence position) with `cols` keys, scores
       // in s; diag: the causal mask of the diagonal tile. Adds p^T dO to dv and the gate sums.
       const auto backprop_softmax = [&](index_t j0, int cols, bool diag) {
-        for_tile(C, C, [&](int a, int j) {
+        for_tile(C, C, [&](int j, int a) {
           float pv = 0.f, dzv = 0.f;
           if (a < n && j < cols && (!diag || j <= a) && (R == nullptr || j0 + j >= reset_i[a])) {
             float z = s[a * lc + j];
@@ -274,14 +278,14 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
       };
 
       // Step 1: the diagonal tile, z = tril(Qs K^T - tril(Qs W^T) M) (+ gate).
-      for_tile(C, C, [&](int a, int b) {
+      for_tile(C, C, [&](int b, int a) {
         float acc = 0.f;
         if (a < n && b <= a)
           for (int d = 0; d < D; ++d) acc += qs[a * ld + d] * W[(c0 + b) * ws1 + d];
         x[a * lc + b] = acc;
       });
       __syncthreads();
-      for_tile(C, C, [&](int a, int b) {
+      for_tile(C, C, [&](int b, int a) {
         float acc = 0.f;
         if (a < n && b < n) {
           for (int d = 0; d < D; ++d) acc += qs[a * ld + d] * to_float(K[(c0 + b) * ks1 + d]);
@@ -308,7 +312,7 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
           for (int b = 0; b < n; ++b) acc += dz[a * lc + b] * to_float(K[(c0 + b) * ks1 + d]);
         dqs[a * ld + d] = acc;
       });
-      for_tile(C, C, [&](int a, int c) {
+      for_tile(C, C, [&](int c, int a) {
         float acc = 0.f;
         if (a < n && c < n)
           for (int b = 0; b < n; ++b) acc += dz[a * lc + b] * MM[(c0 + c) * C + b];
@@ -330,7 +334,7 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
         for (index_t cj = ci - 1; cj >= 0; --cj) {
           const index_t j0 = cj * C;  // earlier chunks are full
           for_tile(n, D, [&](int a, int d) { states[(j0 + a) * D + d] = r[a * ld + d]; });
-          for_tile(C, C, [&](int a, int j) {
+          for_tile(C, C, [&](int j, int a) {
             float acc = 0.f;
             if (a < n)
               for (int d = 0; d < D; ++d) acc += r[a * ld + d] * KT[(j0 + j) * D + d];
@@ -349,7 +353,7 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
             es[(j0 + a) * D + d] = acc;
           });
           if (cj == 0) break;  // chunk 0's product is never applied
-          for_tile(C, C, [&](int a, int c) {
+          for_tile(C, C, [&](int c, int a) {
             float acc = 0.f;
             if (a < n)
               for (int d = 0; d < D; ++d) acc += r[a * ld + d] * W[(j0 + c) * ws1 + d];
@@ -371,7 +375,7 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
         for (index_t cj = 1; cj < ci; ++cj) {
           const index_t j0 = cj * C;
           const float* St = states + j0 * D;
-          for_tile(C, C, [&](int a, int c) {
+          for_tile(C, C, [&](int c, int a) {
             float y = 0.f, t = 0.f;
             if (a < n)
               for (int d = 0; d < D; ++d) {
@@ -401,7 +405,7 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
         }
         // Q~ = Qs - tril(Qs W^T) U.
         for_tile(C, D, [&](int a, int d) { dqs[a * ld + d] += rbar[a * ld + d]; });
-        for_tile(C, C, [&](int a, int c) {
+        for_tile(C, C, [&](int c, int a) {
           float acc = 0.f;
           if (a < n && c < n)
             for (int d = 0; d < D; ++d) acc += rbar[a * ld + d] * UU[(c0 + c) * D + d];
