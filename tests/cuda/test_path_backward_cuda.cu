@@ -236,6 +236,17 @@ TEST_CASE("CUDA PaTH-FoX backward matches the CPU, float, both gate conventions"
   }
 }
 
+// Small enough for compute-sanitizer (memcheck, racecheck, synccheck):
+//   compute-sanitizer --tool racecheck build/cuda/tests/test_path_backward_cuda "[small]"
+TEST_CASE("CUDA PaTH-FoX backward, a small case for compute-sanitizer",
+          "[cuda][path_fox][backward][small]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  backward_case<path_fox, attnmix::path_fox_policy, float>({1, 330, 4, 2, 64, 64, {0, 1, 70, 330}},
+                                                           39001, {100});
+  backward_case<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>({1, 140, 2, 1, 128, 128},
+                                                                       39002);
+}
+
 TEST_CASE("CUDA PaTH-FoX backward through hard resets", "[cuda][path_fox][backward]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   const path_case c{1, 200, 2, 1, 64, 64, {}, beta_range::near_two};
