@@ -1,5 +1,6 @@
 // CUDA PaTH and PaTH-FoX, bf16: the forward at the causal SA shapes of bench/sdpa_peer.py
-// (which times cuDNN causal SDPA beside it), and one decoding step against its memory floor.
+// (which times cuDNN causal SDPA beside it), one decoding step against its memory floor, the
+// forward + backward (attention_backward) and the backward's extra device memory.
 // FLOPs of the forward: 4*B*H*T^2*D (spec/path_fox.md §6: twice causal attention's).
 
 #include <benchmark/benchmark.h>
