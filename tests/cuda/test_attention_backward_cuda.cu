@@ -60,8 +60,9 @@ double max_rel(const std::vector<X>& x, const std::vector<double>& ref) {
 
 template <class T>
 constexpr double unit_roundoff() {
-  return std::is_same_v<T, attnmix::bfloat16> ? 0x1p-8 : std::is_same_v<T, attnmix::half> ? 0x1p-11
-                                                                                           : 0x1p-24;
+  return std::is_same_v<T, attnmix::bfloat16> ? 0x1p-8
+         : std::is_same_v<T, attnmix::half>   ? 0x1p-11
+                                              : 0x1p-24;
 }
 
 // The tensors of a backward call, as flat vectors of one element type (E) and accumulator (A).
@@ -184,20 +185,28 @@ case_result run_case(const bwd_case& c, std::uint64_t salt, attnmix::backend::cu
   }
 
   // The reference (double) and the plain computation (float, gradients rounded to T).
-  grad_buffers<double, double> ind{convert_all<double>(in.q),    convert_all<double>(in.k),
-                                   convert_all<double>(in.v),    convert_all<double>(in.out),
-                                   convert_all<double>(in.dout), {},
+  grad_buffers<double, double> ind{convert_all<double>(in.q),
+                                   convert_all<double>(in.k),
+                                   convert_all<double>(in.v),
+                                   convert_all<double>(in.out),
+                                   convert_all<double>(in.dout),
                                    {},
                                    {},
-                                   convert_all<double>(in.lse),  convert_all<double>(in.g),
+                                   {},
+                                   convert_all<double>(in.lse),
+                                   convert_all<double>(in.g),
                                    {}};
   const auto ref = cpu_backward<Kind, Policy>(c, ind);
-  grad_buffers<float, float> inf{convert_all<float>(in.q),    convert_all<float>(in.k),
-                                 convert_all<float>(in.v),    convert_all<float>(in.out),
-                                 convert_all<float>(in.dout), {},
+  grad_buffers<float, float> inf{convert_all<float>(in.q),
+                                 convert_all<float>(in.k),
+                                 convert_all<float>(in.v),
+                                 convert_all<float>(in.out),
+                                 convert_all<float>(in.dout),
                                  {},
                                  {},
-                                 in.lse,                      in.g,
+                                 {},
+                                 in.lse,
+                                 in.g,
                                  {}};
   const auto plain = cpu_backward<Kind, Policy>(c, inf);
 
@@ -208,8 +217,7 @@ case_result run_case(const bwd_case& c, std::uint64_t salt, attnmix::backend::cu
   res.error = {max_rel(gpu.dq, ref.dq), max_rel(gpu.dk, ref.dk), max_rel(gpu.dv, ref.dv),
                gated ? max_rel(gpu.dg, ref.dg) : 0.0};
   res.plain = {max_rel(convert_all<T>(plain.dq), ref.dq), max_rel(convert_all<T>(plain.dk), ref.dk),
-               max_rel(convert_all<T>(plain.dv), ref.dv),
-               gated ? max_rel(plain.dg, ref.dg) : 0.0};
+               max_rel(convert_all<T>(plain.dv), ref.dv), gated ? max_rel(plain.dg, ref.dg) : 0.0};
   res.same_bits = bitwise_equal(gpu.dq, again.dq) && bitwise_equal(gpu.dk, again.dk) &&
                   bitwise_equal(gpu.dv, again.dv) && (!gated || bitwise_equal(gpu.dg, again.dg));
   if constexpr (gated)
@@ -262,10 +270,10 @@ std::vector<bwd_case> cases() {
       {1, 300, 2, 1, 128, 128},
       {1, 200, 4, 2, 64, 64, 17},
       {1, 300, 2, 2, 128, 128, 64},
-      {2, 140, 2, 1, 128, 64, 33},                              // D != Dv
-      {1, 200, 4, 2, 64, 64, 0, {0, 0, 1, 64, 64, 130, 200}},   // varlen, empty and length-1
-      {1, 150, 2, 1, 128, 128, 20, {0, 70, 71, 150}},           // varlen and a window
-      {2, 63, 4, 2, 32, 32},                                    // head dims off the tiles
+      {2, 140, 2, 1, 128, 64, 33},                             // D != Dv
+      {1, 200, 4, 2, 64, 64, 0, {0, 0, 1, 64, 64, 130, 200}},  // varlen, empty and length-1
+      {1, 150, 2, 1, 128, 128, 20, {0, 70, 71, 150}},          // varlen and a window
+      {2, 63, 4, 2, 32, 32},                                   // head dims off the tiles
       {1, 100, 2, 2, 48, 40},
       {1, 70, 2, 1, 200, 160},                                  // the widest chunks (tile 16)
       {1, 0, 2, 1, 64, 64, 0, {0, 0}},                          // no token at all
@@ -304,8 +312,8 @@ TEMPLATE_TEST_CASE("CUDA softmax backward matches the CPU backward", "[cuda][bac
                    float, attnmix::half, attnmix::bfloat16) {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(cases(), 1000, "causal");
-  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, TestType>(
-      cases(), 2000, "bidirectional");
+  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, TestType>(cases(), 2000,
+                                                                                 "bidirectional");
 }
 
 TEMPLATE_TEST_CASE("CUDA FoX backward matches the CPU backward in both gate conventions",
@@ -327,7 +335,7 @@ TEST_CASE("CUDA backward with the portable knob", "[cuda][backward]") {
   attnmix::backend::cuda portable{};
   portable.portable = true;
   sweep<attnmix::kind::softmax, attnmix::softmax_policy, attnmix::bfloat16>(small_cases(), 6000,
-                                                                           "portable", portable);
+                                                                            "portable", portable);
 }
 
 // The CUDA forward's out and lse feed the CUDA backward through the front doors; the CPU backward
@@ -371,20 +379,28 @@ void round_trip(const bwd_case& c, std::uint64_t salt) {
       params_of(c), attnmix::backend::cuda{});
   attnmix::detail::cuda::check(cudaDeviceSynchronize(), "backward");
 
-  grad_buffers<double, double> ind{convert_all<double>(in.q),    convert_all<double>(in.k),
-                                   convert_all<double>(in.v),    convert_all<double>(in.out),
-                                   convert_all<double>(in.dout), {},
+  grad_buffers<double, double> ind{convert_all<double>(in.q),
+                                   convert_all<double>(in.k),
+                                   convert_all<double>(in.v),
+                                   convert_all<double>(in.out),
+                                   convert_all<double>(in.dout),
                                    {},
                                    {},
-                                   convert_all<double>(in.lse),  convert_all<double>(in.g),
+                                   {},
+                                   convert_all<double>(in.lse),
+                                   convert_all<double>(in.g),
                                    {}};
   const auto ref = cpu_backward<Kind, Policy>(c, ind);
-  grad_buffers<float, float> inf{convert_all<float>(in.q),    convert_all<float>(in.k),
-                                 convert_all<float>(in.v),    convert_all<float>(in.out),
-                                 convert_all<float>(in.dout), {},
+  grad_buffers<float, float> inf{convert_all<float>(in.q),
+                                 convert_all<float>(in.k),
+                                 convert_all<float>(in.v),
+                                 convert_all<float>(in.out),
+                                 convert_all<float>(in.dout),
                                  {},
                                  {},
-                                 in.lse,                      in.g,
+                                 {},
+                                 in.lse,
+                                 in.g,
                                  {}};
   const auto plain = cpu_backward<Kind, Policy>(c, inf);
   check_gradient<T>("dq", max_rel(dq.to_host(), ref.dq), max_rel(convert_all<T>(plain.dq), ref.dq));

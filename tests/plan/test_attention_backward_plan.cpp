@@ -28,8 +28,7 @@ device_properties small_smem() {
   return d;
 }
 
-attention_backward_shape shape(index_t B, index_t T, index_t HQ, index_t H, index_t D,
-                               index_t Dv) {
+attention_backward_shape shape(index_t B, index_t T, index_t HQ, index_t H, index_t D, index_t Dv) {
   attention_backward_shape s;
   s.head_dim = D, s.value_dim = Dv, s.max_len = T;
   s.q_heads = HQ, s.kv_heads = H, s.sequences = B;
@@ -40,7 +39,8 @@ attention_backward_shape shape(index_t B, index_t T, index_t HQ, index_t H, inde
 
 TEST_CASE("softmax backward plans: tiles, grids and shared memory", "[plan]") {
   SECTION("bench shapes") {
-    const attention_backward_plan p = plan_attention_backward(shape(32, 2048, 32, 32, 64, 64), h200());
+    const attention_backward_plan p =
+        plan_attention_backward(shape(32, 2048, 32, 32, 64, 64), h200());
     CHECK(p.variant == attention_backward_variant::simt);
     CHECK(p.chunks == 2);
     CHECK(p.tile == 32);
@@ -49,7 +49,8 @@ TEST_CASE("softmax backward plans: tiles, grids and shared memory", "[plan]") {
     CHECK(p.preprocess == launch_grid{256, 32, 32});
     CHECK(p.gate == launch_grid{1, 32, 1});
     CHECK(p.fits);
-    const attention_backward_plan w = plan_attention_backward(shape(8, 4096, 16, 16, 128, 128), h200());
+    const attention_backward_plan w =
+        plan_attention_backward(shape(8, 4096, 16, 16, 128, 128), h200());
     CHECK(w.chunks == 4);
     CHECK(w.tile == 32);
     CHECK(w.dkdv == launch_grid{128, 16, 8});

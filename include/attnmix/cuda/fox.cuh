@@ -28,8 +28,8 @@ struct attention_impl<kind::fox, backend::cuda, Policy> {
   }
 };
 
-// dq: [B,T,HQ,D], dk: [B,T,H,D], dv: [B,T,H,Dv] and dg: [B,T,HQ] from the forward's inputs, its out and
-// lse, and dout: [B,T,HQ,Dv] (launch/attention_backward.cuh); the same bits on every run.
+// dq: [B,T,HQ,D], dk: [B,T,H,D], dv: [B,T,H,Dv] and dg: [B,T,HQ] from the forward's inputs, its out
+// and lse, and dout: [B,T,HQ,Dv] (launch/attention_backward.cuh); the same bits on every run.
 template <class Policy>
 struct attention_backward_impl<kind::fox, backend::cuda, Policy> {
   template <class T>

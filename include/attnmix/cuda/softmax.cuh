@@ -37,8 +37,7 @@ struct attention_backward_impl<kind::softmax, backend::cuda, Policy> {
                   const backend::cuda& be) {
     static_assert(!std::is_same_v<T, double>,
                   "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
-    cuda::run_attention_backward<Policy>("attnmix::attention_backward<softmax>", a, p, be,
-                                         0.0);
+    cuda::run_attention_backward<Policy>("attnmix::attention_backward<softmax>", a, p, be, 0.0);
   }
 };
 

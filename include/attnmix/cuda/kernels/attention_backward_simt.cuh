@@ -191,8 +191,8 @@ __device__ void scores_to_ds(const attention_backward_params& p, const backward_
         const float* vc = t.v + c * t.vs;
         float dp = 0.f;
         for (int d = 0; d < Dv; ++d) dp += dr[d] * vc[d];
-        const float z = gated ? s * p.scale + static_cast<float>(t.gi[r] - t.gj[c])
-                              : s * p.scale - t.lse[r];
+        const float z =
+            gated ? s * p.scale + static_cast<float>(t.gi[r] - t.gj[c]) : s * p.scale - t.lse[r];
         P = expf(z);
         ds = P * (dp - t.delta[r]);
       }
@@ -355,9 +355,12 @@ __global__ void __launch_bounds__(attention_backward_threads)
 // A log gate of -inf is a hard reset: the sum restarts there (as on the CPU, cpu/fox.hpp).
 
 // G (inclusive cumsum of g, 0 at a reset) and the position of the last reset at or before t.
-__global__ void __launch_bounds__(attention_backward_threads)
+// (Threads: attention_backward_threads; a template so that the header defines no kernel symbol
+// of its own in every translation unit.)
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
     attention_backward_gate_cumsum_kernel(const attention_backward_params p) {
-  constexpr int warps = attention_backward_threads / 32;
+  constexpr int warps = Threads / 32;
   __shared__ double part_sum[warps][32];
   __shared__ int part_reset[warps][32];  // last reset of the warp's tokens, -1 when none
   __shared__ double carry_sum[32];
@@ -367,9 +370,9 @@ __global__ void __launch_bounds__(attention_backward_threads)
   index_t batch, start, length;
   p.f.sequence(blockIdx.y, batch, start, length);
   if (warp == 0) carry_sum[lane] = 0.0, carry_reset[lane] = 0;
-  const float* g = p.g + batch * p.g_stride[0] + start * p.g_stride[1] +
-                   (head ? hq : 0) * p.g_stride[2];
-  for (index_t part = 0; part < length; part += attention_backward_threads) {
+  const float* g =
+      p.g + batch * p.g_stride[0] + start * p.g_stride[1] + (head ? hq : 0) * p.g_stride[2];
+  for (index_t part = 0; part < length; part += Threads) {
     const index_t t0 = part + warp * 32;
     float x[32];
     double sum = 0;
@@ -415,9 +418,10 @@ __global__ void __launch_bounds__(attention_backward_threads)
 
 // dg_t = sum of dG_i over the tokens i >= t of t's reset segment, dG_i = coef (rowsum_i -
 // colsum_i); 0 at a reset, whose keys' weights do not depend on it. Parts from the last.
-__global__ void __launch_bounds__(attention_backward_threads)
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
     attention_backward_gate_grad_kernel(const attention_backward_params p) {
-  constexpr int warps = attention_backward_threads / 32;
+  constexpr int warps = Threads / 32;
   __shared__ double part_sum[warps][32];  // sum of the warp's tokens before its first reset
   __shared__ bool part_reset[warps][32];
   __shared__ double carry[32];
@@ -426,13 +430,13 @@ __global__ void __launch_bounds__(attention_backward_threads)
   index_t batch, start, length;
   p.f.sequence(blockIdx.y, batch, start, length);
   if (warp == 0) carry[lane] = 0.0;
-  const float* g = p.g + batch * p.g_stride[0] + start * p.g_stride[1] +
-                   (head ? hq : 0) * p.g_stride[2];
-  float* dg = p.dg + batch * p.dg_stride[0] + start * p.dg_stride[1] +
-              (head ? hq : 0) * p.dg_stride[2];
-  const index_t parts = (length + attention_backward_threads - 1) / attention_backward_threads;
+  const float* g =
+      p.g + batch * p.g_stride[0] + start * p.g_stride[1] + (head ? hq : 0) * p.g_stride[2];
+  float* dg =
+      p.dg + batch * p.dg_stride[0] + start * p.dg_stride[1] + (head ? hq : 0) * p.dg_stride[2];
+  const index_t parts = (length + Threads - 1) / Threads;
   for (index_t part = parts - 1; part >= 0; --part) {
-    const index_t t0 = part * attention_backward_threads + warp * 32;
+    const index_t t0 = part * Threads + warp * 32;
     double dG[32];
     bool cut[32];
     double sum = 0;
@@ -444,8 +448,7 @@ __global__ void __launch_bounds__(attention_backward_threads)
       cut[u] = in && g[tok * p.g_stride[1]] == -INFINITY;
       if (in) {
         const index_t a = p.at(batch, start, tok, hq);
-        dG[u] = p.gate_coef *
-                (static_cast<double>(p.rowsum[a]) - static_cast<double>(p.colsum[a]));
+        dG[u] = p.gate_coef * (static_cast<double>(p.rowsum[a]) - static_cast<double>(p.colsum[a]));
       } else {
         dG[u] = 0.0;
       }

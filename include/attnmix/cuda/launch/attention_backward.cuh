@@ -39,8 +39,7 @@ void launch_attention_backward_tiles(const attention_backward_params& kp,
 // Runs one softmax-family backward. gate_coef: factor of (G_i - G_j), ignored without a.g.
 template <class Policy, class T>
 void run_attention_backward(const std::string& fn, const attention_grad_args<T>& a,
-                            const attention_problem& p, const backend::cuda& be,
-                            double gate_coef) {
+                            const attention_problem& p, const backend::cuda& be, double gate_coef) {
   using Dev = device_t<T>;
   check_launch_sizes(fn, p, 256, "softmax backward kernels");
   const index_t max_len = longest_sequence(p);
@@ -96,7 +95,8 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
   check(cudaGetLastError(), "attention_backward_delta_kernel launch");
   const dim3 gate(plan.gate.x, plan.gate.y, plan.gate.z);
   if (gated) {
-    attention_backward_gate_cumsum_kernel<<<gate, attention_backward_threads, 0, stream>>>(kp);
+    attention_backward_gate_cumsum_kernel<attention_backward_threads>
+        <<<gate, attention_backward_threads, 0, stream>>>(kp);
     check(cudaGetLastError(), "attention_backward_gate_cumsum_kernel launch");
   }
   const bool launched = with_value<2, 4, 8>(plan.chunks, [&](auto chunks) {
@@ -104,7 +104,8 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
   });
   require(launched, fn, "q", "has head dims the CUDA backward does not take");
   if (gated) {
-    attention_backward_gate_grad_kernel<<<gate, attention_backward_threads, 0, stream>>>(kp);
+    attention_backward_gate_grad_kernel<attention_backward_threads>
+        <<<gate, attention_backward_threads, 0, stream>>>(kp);
     check(cudaGetLastError(), "attention_backward_gate_grad_kernel launch");
   }
 }
