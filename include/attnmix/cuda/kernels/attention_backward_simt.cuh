@@ -169,33 +169,51 @@ __device__ void load_key_gates(const attention_backward_params& p, const backwar
 }
 
 // P and dS of the staged rows [i0, i0 + rows) and keys [j0, j0 + cols) into t.p and t.ds; 0
-// outside the tile and where a key is masked (window, causal, a hard reset before the row).
+// outside the tile and where a key is masked (window, causal, a hard reset before the row). A
+// thread takes key c = tid % B of rows tid / B + (256 / B) m, so that it reads each of its key's
+// elements once for all its rows.
 template <int B>
 __device__ void scores_to_ds(const attention_backward_params& p, const backward_tiles<B>& t,
                              index_t length, index_t i0, int rows, index_t j0, int cols) {
+  constexpr int NT = attention_backward_threads, per = B * B / NT, step = NT / B;
+  static_assert(per * NT == B * B && step * B == NT, "a whole tile of scores a pass");
   const int D = p.f.head_dim, Dv = p.f.value_dim;
   const bool gated = p.gated();
-  for (int e = threadIdx.x; e < B * B; e += attention_backward_threads) {
-    const int r = e / B, c = e % B;
-    float P = 0.f, ds = 0.f;
+  const int c = threadIdx.x % B, r0 = threadIdx.x / B;
+  bool seen[per];
+  float s[per], dp[per];
+#pragma unroll
+  for (int m = 0; m < per; ++m) {
+    const int r = r0 + step * m;
+    seen[m] = false, s[m] = 0.f, dp[m] = 0.f;
     if (r < rows && c < cols) {
-      const index_t i = i0 + r, j = j0 + c;
       index_t lo, hi;
-      p.f.key_range(i, length, lo, hi);
-      if (j >= lo && j <= hi && j >= t.reset[r]) {
-        const float* qr = t.q + r * t.qs;
-        const float* kc = t.k + c * t.qs;
-        float s = 0.f;
-        for (int d = 0; d < D; ++d) s += qr[d] * kc[d];
-        const float* dr = t.dout + r * t.vs;
-        const float* vc = t.v + c * t.vs;
-        float dp = 0.f;
-        for (int d = 0; d < Dv; ++d) dp += dr[d] * vc[d];
-        const float z =
-            gated ? s * p.scale + static_cast<float>(t.gi[r] - t.gj[c]) : s * p.scale - t.lse[r];
-        P = expf(z);
-        ds = P * (dp - t.delta[r]);
-      }
+      const index_t j = j0 + c;
+      p.f.key_range(i0 + r, length, lo, hi);
+      seen[m] = j >= lo && j <= hi && j >= t.reset[r];
+    }
+  }
+  const float* kc = t.k + c * t.qs;
+  for (int d = 0; d < D; ++d) {
+    const float x = kc[d];
+#pragma unroll
+    for (int m = 0; m < per; ++m) s[m] += t.q[(r0 + step * m) * t.qs + d] * x;
+  }
+  const float* vc = t.v + c * t.vs;
+  for (int d = 0; d < Dv; ++d) {
+    const float x = vc[d];
+#pragma unroll
+    for (int m = 0; m < per; ++m) dp[m] += t.dout[(r0 + step * m) * t.vs + d] * x;
+  }
+#pragma unroll
+  for (int m = 0; m < per; ++m) {
+    const int r = r0 + step * m;
+    float P = 0.f, ds = 0.f;
+    if (seen[m]) {
+      const float z = gated ? s[m] * p.scale + static_cast<float>(t.gi[r] - t.gj[c])
+                            : s[m] * p.scale - t.lse[r];
+      P = expf(z);
+      ds = P * (dp[m] - t.delta[r]);
     }
     t.p[r * t.ps + c] = P;
     t.ds[r * t.ps + c] = ds;
