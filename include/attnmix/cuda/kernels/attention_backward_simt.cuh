@@ -222,17 +222,19 @@ __device__ void scores_to_ds(const attention_backward_params& p, const backward_
 
 // ---- dk, dv --------------------------------------------------------------------------------
 
-// D, Dv <= 32 * Chunks. Each thread owns entries tid + 256 m of the row-major [tile, D] dk and
-// [tile, Dv] dv accumulators.
+// D, Dv <= 32 * Chunks. Warp w owns the keys w + 8 m of the tile, lane l their elements
+// l + 32 k, of dk and dv: per row it reads P and dS of its keys (broadcasts) and the row's q and
+// dout elements once each.
 template <class T, int Chunks>
 __global__ void __launch_bounds__(attention_backward_threads)
     attention_backward_dkdv_kernel(const attention_backward_params p) {
-  constexpr int B = attention_backward_tile(Chunks), NT = attention_backward_threads;
-  constexpr int acc = B * 32 * Chunks / NT;
+  constexpr int B = attention_backward_tile(Chunks), warps = attention_backward_threads / 32;
+  constexpr int RM = B / warps;
+  static_assert(RM * warps == B, "whole keys a warp");
   extern __shared__ __align__(16) unsigned char backward_smem[];
   const int D = p.f.head_dim, Dv = p.f.value_dim, group = p.f.group;
   const backward_tiles<B> t(backward_smem, D, Dv);
-  const int h = blockIdx.y, tid = threadIdx.x;
+  const int h = blockIdx.y, tid = threadIdx.x, lane = tid % 32, w = tid / 32;
   index_t batch, start, length;
   p.f.sequence(blockIdx.z, batch, start, length);
   const index_t j0 = static_cast<index_t>(blockIdx.x) * B;
@@ -245,9 +247,11 @@ __global__ void __launch_bounds__(attention_backward_threads)
   const index_t hi = W > 0 ? (j1 + W - 1 < length ? j1 + W - 1 : length) : length;
 
   load_keys<T>(p, t, batch, start, j0, cols, h);
-  float dk[acc], dv[acc];
+  float dk[RM][Chunks], dv[RM][Chunks];
 #pragma unroll
-  for (int m = 0; m < acc; ++m) dk[m] = 0.f, dv[m] = 0.f;
+  for (int m = 0; m < RM; ++m)
+#pragma unroll
+    for (int k = 0; k < Chunks; ++k) dk[m][k] = 0.f, dv[m][k] = 0.f;
 
   for (int g = 0; g < group; ++g) {
     const int hq = h * group + g;
@@ -259,24 +263,24 @@ __global__ void __launch_bounds__(attention_backward_threads)
       __syncthreads();
       scores_to_ds(p, t, length, i0, rows, j0, cols);
       __syncthreads();
+      for (int r = 0; r < rows; ++r) {
+        float pr[RM], dsr[RM];
 #pragma unroll
-      for (int m = 0; m < acc; ++m) {
-        const int e = tid + NT * m;
-        const int c = e / Dv, col = e % Dv;
-        if (c < B) {
-          float sum = dv[m];
-          for (int r = 0; r < rows; ++r) sum += t.p[r * t.ps + c] * t.dout[r * t.vs + col];
-          dv[m] = sum;
-        }
-      }
+        for (int m = 0; m < RM; ++m)
+          pr[m] = t.p[r * t.ps + w + warps * m], dsr[m] = t.ds[r * t.ps + w + warps * m];
 #pragma unroll
-      for (int m = 0; m < acc; ++m) {
-        const int e = tid + NT * m;
-        const int c = e / D, col = e % D;
-        if (c < B) {
-          float sum = dk[m];
-          for (int r = 0; r < rows; ++r) sum += t.ds[r * t.ps + c] * t.q[r * t.qs + col];
-          dk[m] = sum;
+        for (int k = 0; k < Chunks; ++k) {
+          const int col = lane + 32 * k;
+          if (col < Dv) {
+            const float x = t.dout[r * t.vs + col];
+#pragma unroll
+            for (int m = 0; m < RM; ++m) dv[m][k] += pr[m] * x;
+          }
+          if (col < D) {
+            const float x = t.q[r * t.qs + col];
+#pragma unroll
+            for (int m = 0; m < RM; ++m) dk[m][k] += dsr[m] * x;
+          }
         }
       }
       if (tid < B)
@@ -292,25 +296,31 @@ __global__ void __launch_bounds__(attention_backward_threads)
   T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_stride[0] + (start + j0) * p.dv_stride[1] +
               h * p.dv_stride[2];
 #pragma unroll
-  for (int m = 0; m < acc; ++m) {
-    const int e = tid + NT * m;
-    const int ck = e / D, cd = e % D, cv = e / Dv, vd = e % Dv;
-    if (ck < cols) dk_out[ck * p.dk_stride[1] + cd] = from_float<T>(dk[m] * p.scale);
-    if (cv < cols) dv_out[cv * p.dv_stride[1] + vd] = from_float<T>(dv[m]);
+  for (int m = 0; m < RM; ++m) {
+    const int c = w + warps * m;
+    if (c >= cols) continue;
+#pragma unroll
+    for (int k = 0; k < Chunks; ++k) {
+      const int col = lane + 32 * k;
+      if (col < D) dk_out[c * p.dk_stride[1] + col] = from_float<T>(dk[m][k] * p.scale);
+      if (col < Dv) dv_out[c * p.dv_stride[1] + col] = from_float<T>(dv[m][k]);
+    }
   }
 }
 
 // ---- dq ------------------------------------------------------------------------------------
 
+// Warp w owns the rows w + 8 m of the tile, lane l their elements l + 32 k, of dq.
 template <class T, int Chunks>
 __global__ void __launch_bounds__(attention_backward_threads)
     attention_backward_dq_kernel(const attention_backward_params p) {
-  constexpr int B = attention_backward_tile(Chunks), NT = attention_backward_threads;
-  constexpr int acc = B * 32 * Chunks / NT;
+  constexpr int B = attention_backward_tile(Chunks), warps = attention_backward_threads / 32;
+  constexpr int RM = B / warps;
+  static_assert(RM * warps == B, "whole rows a warp");
   extern __shared__ __align__(16) unsigned char backward_smem[];
   const int D = p.f.head_dim, Dv = p.f.value_dim;
   const backward_tiles<B> t(backward_smem, D, Dv);
-  const int hq = blockIdx.y, h = hq / p.f.group, tid = threadIdx.x;
+  const int hq = blockIdx.y, h = hq / p.f.group, tid = threadIdx.x, lane = tid % 32, w = tid / 32;
   index_t batch, start, length;
   p.f.sequence(blockIdx.z, batch, start, length);
   const index_t i0 = static_cast<index_t>(blockIdx.x) * B;
@@ -327,9 +337,11 @@ __global__ void __launch_bounds__(attention_backward_threads)
   }
 
   load_query_rows<T>(p, t, batch, start, i0, rows, hq);
-  float dq[acc];
+  float dq[RM][Chunks];
 #pragma unroll
-  for (int m = 0; m < acc; ++m) dq[m] = 0.f;
+  for (int m = 0; m < RM; ++m)
+#pragma unroll
+    for (int k = 0; k < Chunks; ++k) dq[m][k] = 0.f;
   float rowsum = 0.f;  // of row tid (tid < B)
 
   for (index_t j0 = j_lo; j0 <= j_hi; j0 += B) {
@@ -339,14 +351,18 @@ __global__ void __launch_bounds__(attention_backward_threads)
     __syncthreads();
     scores_to_ds(p, t, length, i0, rows, j0, cols);
     __syncthreads();
+    for (int c = 0; c < cols; ++c) {
+      float dsr[RM];
 #pragma unroll
-    for (int m = 0; m < acc; ++m) {
-      const int e = tid + NT * m;
-      const int r = e / D, col = e % D;
-      if (r < B) {
-        float sum = dq[m];
-        for (int c = 0; c < cols; ++c) sum += t.ds[r * t.ps + c] * t.k[c * t.qs + col];
-        dq[m] = sum;
+      for (int m = 0; m < RM; ++m) dsr[m] = t.ds[(w + warps * m) * t.ps + c];
+#pragma unroll
+      for (int k = 0; k < Chunks; ++k) {
+        const int col = lane + 32 * k;
+        if (col < D) {
+          const float x = t.k[c * t.qs + col];
+#pragma unroll
+          for (int m = 0; m < RM; ++m) dq[m][k] += dsr[m] * x;
+        }
       }
     }
     if (tid < B)
@@ -357,10 +373,14 @@ __global__ void __launch_bounds__(attention_backward_threads)
   T* dq_out = static_cast<T*>(p.dq) + batch * p.dq_stride[0] + (start + i0) * p.dq_stride[1] +
               hq * p.dq_stride[2];
 #pragma unroll
-  for (int m = 0; m < acc; ++m) {
-    const int e = tid + NT * m;
-    const int r = e / D, col = e % D;
-    if (r < rows) dq_out[r * p.dq_stride[1] + col] = from_float<T>(dq[m] * p.scale);
+  for (int m = 0; m < RM; ++m) {
+    const int r = w + warps * m;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int k = 0; k < Chunks; ++k) {
+      const int col = lane + 32 * k;
+      if (col < D) dq_out[r * p.dq_stride[1] + col] = from_float<T>(dq[m][k] * p.scale);
+    }
   }
   if (p.gated() && tid < rows) p.rowsum[p.at(batch, start, i0 + tid, hq)] = rowsum;
 }
