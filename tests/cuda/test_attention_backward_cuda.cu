@@ -72,25 +72,48 @@ struct grad_buffers {
   std::vector<A> lse, g, dg;
 };
 
+// Views of the tensors of a backward call; pad > 0 leaves pad elements after each head's row of
+// every [B, T, H, D] tensor (a stride other than the dims).
 template <class Kind, class E, class A>
 attnmix::attention_grad_args<E> grad_args(const bwd_case& c, const E* q, const E* k, const E* v,
                                           const E* out, const A* lse, const E* dout, const A* g,
-                                          E* dq, E* dk, E* dv, A* dg, attnmix::memory_space s) {
+                                          E* dq, E* dk, E* dv, A* dg, attnmix::memory_space s,
+                                          index_t pad = 0) {
+  const auto view = [&](auto* data, index_t H, index_t D) {
+    using X = std::remove_pointer_t<decltype(data)>;
+    const index_t Dp = D + pad;
+    return attnmix::view4<X>(data, {c.B, c.T, H, D}, {c.T * H * Dp, H * Dp, Dp, 1}, s);
+  };
   attnmix::attention_grad_args<E> a{};
-  a.q = attnmix::view4<const E>(q, {c.B, c.T, c.HQ, c.D}, s);
-  a.k = attnmix::view4<const E>(k, {c.B, c.T, c.H, c.D}, s);
-  a.v = attnmix::view4<const E>(v, {c.B, c.T, c.H, c.Dv}, s);
-  a.out = attnmix::view4<const E>(out, {c.B, c.T, c.HQ, c.Dv}, s);
+  a.q = view(q, c.HQ, c.D), a.k = view(k, c.H, c.D), a.v = view(v, c.H, c.Dv);
+  a.out = view(out, c.HQ, c.Dv), a.dout = view(dout, c.HQ, c.Dv);
   a.lse = attnmix::view3<const A>(lse, {c.B, c.T, c.HQ}, s);
-  a.dout = attnmix::view4<const E>(dout, {c.B, c.T, c.HQ, c.Dv}, s);
-  a.dq = attnmix::view4<E>(dq, {c.B, c.T, c.HQ, c.D}, s);
-  a.dk = attnmix::view4<E>(dk, {c.B, c.T, c.H, c.D}, s);
-  a.dv = attnmix::view4<E>(dv, {c.B, c.T, c.H, c.Dv}, s);
+  a.dq = view(dq, c.HQ, c.D), a.dk = view(dk, c.H, c.D), a.dv = view(dv, c.H, c.Dv);
   if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate) {
     a.g = attnmix::view3<const A>(g, {c.B, c.T, c.HQ}, s);
     a.dg = attnmix::view3<A>(dg, {c.B, c.T, c.HQ}, s);
   }
   return a;
+}
+
+// Rows of `width` elements with `pad` NaNs after each (so that a kernel reading the padding
+// fails), and back.
+template <class E>
+std::vector<E> padded(const std::vector<E>& x, index_t width, index_t pad) {
+  std::vector<E> y;
+  for (std::size_t i = 0; i < x.size(); i += static_cast<std::size_t>(width)) {
+    y.insert(y.end(), x.begin() + i, x.begin() + i + width);
+    y.insert(y.end(), static_cast<std::size_t>(pad),
+             attnmix::convert<E>(std::numeric_limits<float>::quiet_NaN()));
+  }
+  return y;
+}
+template <class E>
+std::vector<E> unpadded(const std::vector<E>& y, index_t width, index_t pad) {
+  std::vector<E> x;
+  for (std::size_t i = 0; i < y.size(); i += static_cast<std::size_t>(width + pad))
+    x.insert(x.end(), y.begin() + i, y.begin() + i + width);
+  return x;
 }
 
 attnmix::attention_params params_of(const bwd_case& c) {
@@ -135,22 +158,29 @@ struct device_grads {
 // The GPU backward from host copies of its inputs, into fresh NaN-filled buffers.
 template <class Kind, class Policy, class T>
 device_grads<T> gpu_backward(const bwd_case& c, const grad_buffers<T, float>& in,
-                             attnmix::backend::cuda be) {
-  device_buffer<T> q(in.q), k(in.k), v(in.v), out(in.out), dout(in.dout);
+                             attnmix::backend::cuda be, index_t pad) {
+  device_buffer<T> q(padded(in.q, c.D, pad)), k(padded(in.k, c.D, pad)), v(padded(in.v, c.Dv, pad)),
+      out(padded(in.out, c.Dv, pad)), dout(padded(in.dout, c.Dv, pad));
   device_buffer<float> lse(in.lse), g(in.g);
-  device_buffer<T> dq(in.q.size()), dk(in.k.size()), dv(in.v.size());
+  const auto rows = [&](index_t H) {
+    return static_cast<std::size_t>(c.B * c.T * H);
+  };
+  device_buffer<T> dq(rows(c.HQ) * (c.D + pad)), dk(rows(c.H) * (c.D + pad)),
+      dv(rows(c.H) * (c.Dv + pad));
   device_buffer<float> dg(in.lse.size());
   attnmix::attention_backward<Kind, Policy>(
       grad_args<Kind>(c, static_cast<const T*>(q.get()), k.get(), v.get(), out.get(), lse.get(),
                       dout.get(), g.get(), dq.get(), dk.get(), dv.get(), dg.get(),
-                      attnmix::memory_space::device),
+                      attnmix::memory_space::device, pad),
       params_of(c), be);
   attnmix::detail::cuda::check(cudaDeviceSynchronize(), "backward kernels");
-  return {dq.to_host(), dk.to_host(), dv.to_host(), dg.to_host()};
+  return {unpadded(dq.to_host(), c.D, pad), unpadded(dk.to_host(), c.D, pad),
+          unpadded(dv.to_host(), c.Dv, pad), dg.to_host()};
 }
 
 template <class Kind, class Policy, class T>
-case_result run_case(const bwd_case& c, std::uint64_t salt, attnmix::backend::cuda be = {}) {
+case_result run_case(const bwd_case& c, std::uint64_t salt, attnmix::backend::cuda be,
+                     index_t pad) {
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   rng r(salt);
   attnmix::host_tensor<float, 4> qf({c.B, c.T, c.HQ, c.D}), kf({c.B, c.T, c.H, c.D}),
@@ -210,8 +240,8 @@ case_result run_case(const bwd_case& c, std::uint64_t salt, attnmix::backend::cu
                                  {}};
   const auto plain = cpu_backward<Kind, Policy>(c, inf);
 
-  const device_grads<T> gpu = gpu_backward<Kind, Policy, T>(c, in, be);
-  const device_grads<T> again = gpu_backward<Kind, Policy, T>(c, in, be);
+  const device_grads<T> gpu = gpu_backward<Kind, Policy, T>(c, in, be, pad);
+  const device_grads<T> again = gpu_backward<Kind, Policy, T>(c, in, be, pad);
 
   case_result res;
   res.error = {max_rel(gpu.dq, ref.dq), max_rel(gpu.dk, ref.dk), max_rel(gpu.dv, ref.dv),
@@ -242,12 +272,13 @@ void check_gradient(const char* name, double error, double plain) {
 
 template <class Kind, class Policy, class T>
 void sweep(const std::vector<bwd_case>& cases, std::uint64_t salt, const char* what,
-           attnmix::backend::cuda be = {}) {
+           attnmix::backend::cuda be = {}, index_t pad = 0) {
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   for (const bwd_case& c : cases) {
     INFO(what << ": seed " << test_seed() << " " << c.describe() << " dtype "
-              << attnmix::scalar_traits<T>::name << " portable " << be.portable);
-    const case_result r = run_case<Kind, Policy, T>(c, ++salt, be);
+              << attnmix::scalar_traits<T>::name << " portable " << be.portable << " row pad "
+              << pad);
+    const case_result r = run_case<Kind, Policy, T>(c, ++salt, be, pad);
     check_gradient<T>("dq", r.error.dq, r.plain.dq);
     check_gradient<T>("dk", r.error.dk, r.plain.dk);
     check_gradient<T>("dv", r.error.dv, r.plain.dv);
@@ -336,6 +367,16 @@ TEST_CASE("CUDA backward with the portable knob", "[cuda][backward]") {
   portable.portable = true;
   sweep<attnmix::kind::softmax, attnmix::softmax_policy, attnmix::bfloat16>(small_cases(), 6000,
                                                                             "portable", portable);
+}
+
+// Every [B, T, H, D] tensor with 3 elements between heads (odd strides, NaN in the gaps): the
+// kernels must use each view's own strides and write only the view's elements.
+TEST_CASE("CUDA backward on strided views", "[cuda][backward]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const std::vector<bwd_case> strided{{1, 37, 4, 2, 64, 64}, {2, 100, 2, 1, 48, 40, 20}};
+  sweep<attnmix::kind::softmax, attnmix::softmax_policy, attnmix::half>(strided, 6500, "strided",
+                                                                        {}, 3);
+  sweep<attnmix::kind::fox, attnmix::fox_policy, float>(strided, 6600, "strided fox", {}, 3);
 }
 
 // The CUDA forward's out and lse feed the CUDA backward through the front doors; the CPU backward
