@@ -73,8 +73,9 @@ BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::softmax_p
 // ---- training: forward (with lse) then backward ----------------------------------------------
 // args: B, T, H, D. BackwardOnly: the backward alone, from one forward's out and lse. FLOPs: the
 // forward's, and 2.5 times that for the backward (its five matrix products against the forward's
-// two), FlashAttention's count. Named train.*, which bench/sdpa_peer.py (forward peers only)
-// leaves out.
+// two), FlashAttention's count. Names as bench/train_peer.py reads them
+// (<kind>_fwd_bwd[_causal]/B/T/H/D; run it with --benchmark_filter=fwd_bwd); sdpa_peer.py's
+// forward table wants a filter that leaves these out.
 namespace {
 
 template <class Kind, class Policy, bool BackwardOnly>
@@ -124,11 +125,11 @@ void train_shapes(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::softmax, attnmix::softmax_policy, false)
-    ->Name("train.sa_causal_fwd_bwd")
+    ->Name("softmax_fwd_bwd_causal")
     ->Apply(train_shapes);
 BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::softmax, attnmix::softmax_policy, true)
-    ->Name("train.sa_causal_bwd")
+    ->Name("softmax_bwd_causal")
     ->Apply(train_shapes);
 BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::fox, attnmix::fox_policy, false)
-    ->Name("train.fox_causal_fwd_bwd")
+    ->Name("fox_fwd_bwd")
     ->Apply(train_shapes);
