@@ -3,6 +3,8 @@
 // benchmarks run, on an H200 (sm_90, 132 SMs, 227 KiB of opt-in shared memory) and on a device
 // with 99 KiB. Pure host code: no CUDA header.
 
+#include <utility>
+
 #include "support/catch.hpp"
 
 #include "attnmix/cuda/plan/attention_backward.hpp"
@@ -79,6 +81,25 @@ TEST_CASE("softmax backward plans: tiles, grids and shared memory", "[plan]") {
     tiny.smem_per_block_optin = 64 * 1024;
     CHECK(plan_attention_backward(shape(1, 64, 1, 1, 64, 64), tiny).fits);
     CHECK_FALSE(plan_attention_backward(shape(1, 64, 1, 1, 128, 128), tiny).fits);
+  }
+}
+
+TEST_CASE("softmax backward plans: tensor cores for 16-bit inputs at dims of 32s up to 128",
+          "[plan]") {
+  attention_backward_shape s = shape(32, 2048, 32, 32, 64, 64);
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);  // float
+  s.sixteen_bit = true;
+  const attention_backward_plan p = plan_attention_backward(s, h200());
+  CHECK(p.variant == attention_backward_variant::sm80_mma);
+  CHECK(p.tile == 32);
+  CHECK(p.dkdv == launch_grid{64, 32, 32});
+  for (auto [D, Dv] : {std::pair<index_t, index_t>{128, 128}, {128, 64}, {32, 96}}) {
+    s.head_dim = D, s.value_dim = Dv;
+    CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma);
+  }
+  for (auto [D, Dv] : {std::pair<index_t, index_t>{48, 64}, {64, 40}, {256, 256}, {16, 16}}) {
+    s.head_dim = D, s.value_dim = Dv;
+    CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);
   }
 }
 

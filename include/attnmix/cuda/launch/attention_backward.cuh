@@ -15,6 +15,7 @@
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/dispatch.cuh"
 #include "attnmix/cuda/kernels/attention_backward_simt.cuh"
+#include "attnmix/cuda/kernels/sm80_attention_backward.cuh"
 #include "attnmix/cuda/plan/attention_backward.hpp"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -22,18 +23,28 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-template <class Dev, int Chunks>
-void launch_attention_backward_tiles(const attention_backward_params& kp,
-                                     const attention_backward_plan& plan, cudaStream_t stream) {
-  auto dkdv = attention_backward_dkdv_kernel<Dev, Chunks>;
-  auto dq = attention_backward_dq_kernel<Dev, Chunks>;
+template <class DkDv, class Dq>
+void launch_backward_kernels(DkDv dkdv, Dq dq, const attention_backward_params& kp,
+                             const attention_backward_plan& plan, cudaStream_t stream) {
   allow_dynamic_smem(dkdv, plan.smem_bytes);
   allow_dynamic_smem(dq, plan.smem_bytes);
   const dim3 g1(plan.dkdv.x, plan.dkdv.y, plan.dkdv.z), g2(plan.dq.x, plan.dq.y, plan.dq.z);
   dkdv<<<g1, attention_backward_threads, plan.smem_bytes, stream>>>(kp);
-  check(cudaGetLastError(), "attention_backward_dkdv_kernel launch");
+  check(cudaGetLastError(), "attention backward dk/dv kernel launch");
   dq<<<g2, attention_backward_threads, plan.smem_bytes, stream>>>(kp);
-  check(cudaGetLastError(), "attention_backward_dq_kernel launch");
+  check(cudaGetLastError(), "attention backward dq kernel launch");
+}
+
+// The dk/dv and dq kernels of the plan's variant (TensorCores: sm80_mma).
+template <class Dev, int Chunks, bool TensorCores>
+void launch_attention_backward_tiles(const attention_backward_params& kp,
+                                     const attention_backward_plan& plan, cudaStream_t stream) {
+  if constexpr (TensorCores)
+    launch_backward_kernels(sm80_attention_backward_dkdv_kernel<Dev, Chunks>,
+                            sm80_attention_backward_dq_kernel<Dev, Chunks>, kp, plan, stream);
+  else
+    launch_backward_kernels(attention_backward_dkdv_kernel<Dev, Chunks>,
+                            attention_backward_dq_kernel<Dev, Chunks>, kp, plan, stream);
 }
 
 // Runs one softmax-family backward. gate_coef: factor of (G_i - G_j), ignored without a.g.
@@ -50,6 +61,7 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
   attention_backward_shape shape;
   shape.head_dim = p.head_dim, shape.value_dim = p.value_dim, shape.max_len = max_len;
   shape.q_heads = p.q_heads, shape.kv_heads = p.kv_heads, shape.sequences = p.num_sequences;
+  shape.sixteen_bit = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
   shape.portable = be.portable;
   const attention_backward_plan plan = plan_attention_backward(shape, current_properties());
   require(plan.fits, fn, "q", "has head dims D = ", p.head_dim, ", Dv = ", p.value_dim,
@@ -99,9 +111,17 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
         <<<gate, attention_backward_threads, 0, stream>>>(kp);
     check(cudaGetLastError(), "attention_backward_gate_cumsum_kernel launch");
   }
-  const bool launched = with_value<2, 4, 8>(plan.chunks, [&](auto chunks) {
-    launch_attention_backward_tiles<Dev, decltype(chunks)::value>(kp, plan, stream);
-  });
+  bool launched = false;
+  if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
+    if (plan.variant == attention_backward_variant::sm80_mma)
+      launched = with_value<2, 4>(plan.chunks, [&](auto chunks) {
+        launch_attention_backward_tiles<Dev, decltype(chunks)::value, true>(kp, plan, stream);
+      });
+  }
+  if (plan.variant == attention_backward_variant::simt)
+    launched = with_value<2, 4, 8>(plan.chunks, [&](auto chunks) {
+      launch_attention_backward_tiles<Dev, decltype(chunks)::value, false>(kp, plan, stream);
+    });
   require(launched, fn, "q", "has head dims the CUDA backward does not take");
   if (gated) {
     attention_backward_gate_grad_kernel<attention_backward_threads>

@@ -8,8 +8,10 @@
 // Every output element is written by one thread in a fixed order of sums: the same bits on every
 // run.
 //
-//   simt: CUDA cores, float accumulation, any dtype and head dims up to 256; tiles of 32 (16 for
-//         head dims over 128) staged in shared memory as float.
+//   sm80_mma: half and bfloat16 with D and Dv multiples of 32 up to 128: the products of a tile
+//             pair on tensor cores (mma.sync), the rest as simt's.
+//   simt:     CUDA cores, float accumulation, any dtype and head dims up to 256; tiles of 32 (16
+//             for head dims over 128) staged in shared memory as float.
 
 #include <algorithm>
 #include <cstddef>
@@ -26,7 +28,7 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-enum class attention_backward_variant { simt };
+enum class attention_backward_variant { sm80_mma, simt };
 
 // What the plan reads of a call (the launcher fills it from the validated problem).
 struct attention_backward_shape {
@@ -34,8 +36,15 @@ struct attention_backward_shape {
   index_t max_len = 0;  // longest sequence
   index_t q_heads = 0, kv_heads = 0;
   index_t sequences = 0;
-  bool portable = false;  // backend::cuda::portable (every variant is portable today)
+  bool sixteen_bit = false;  // half or bfloat16 inputs
+  bool portable = false;     // backend::cuda::portable (every variant is portable today)
 };
+
+// Head dims the tensor-core backward tiles: multiples of 32 (its 8 warps take 8-column tiles
+// four at a time) up to 128 (32-row tiles).
+inline bool backward_tensor_core_dims(index_t D, index_t Dv) {
+  return D % 32 == 0 && Dv % 32 == 0 && D >= 32 && Dv >= 32 && D <= 128 && Dv <= 128;
+}
 
 struct attention_backward_plan {
   attention_backward_variant variant = attention_backward_variant::simt;
@@ -55,6 +64,8 @@ inline attention_backward_plan plan_attention_backward(const attention_backward_
   const index_t widest = std::max(s.head_dim, s.value_dim);
   p.chunks = widest <= 64 ? 2 : widest <= 128 ? 4 : 8;
   p.tile = attention_backward_tile(p.chunks);
+  if (s.sixteen_bit && backward_tensor_core_dims(s.head_dim, s.value_dim))
+    p.variant = attention_backward_variant::sm80_mma;
   p.smem_bytes = attention_backward_smem_bytes(p.tile, int(s.head_dim), int(s.value_dim));
   p.fits = std::size_t(p.smem_bytes) <= d.smem_per_block_optin;
   const auto tiles = unsigned((s.max_len + p.tile - 1) / p.tile);
