@@ -69,3 +69,67 @@ BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::bidirecti
 BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::softmax_policy, true)
     ->Name("portable_sa_causal")
     ->Apply(causal_shapes);
+
+// ---- training: forward (with lse) then backward ----------------------------------------------
+// args: B, T, H, D. BackwardOnly: the backward alone, from one forward's out and lse. FLOPs: the
+// forward's, and 2.5 times that for the backward (its five matrix products against the forward's
+// two), FlashAttention's count. Names as bench/train_peer.py reads them
+// (<kind>_fwd_bwd[_causal]/B/T/H/D; run it with --benchmark_filter=fwd_bwd); sdpa_peer.py's
+// forward table wants a filter that leaves these out.
+namespace {
+
+template <class Kind, class Policy, bool BackwardOnly>
+void BM_attention_train_cuda(benchmark::State& state) {
+  using T = attnmix::bfloat16;
+  constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+  const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = state.range(3);
+  const std::size_t n = static_cast<std::size_t>(B * Tn * H * D);
+  const std::size_t rows = static_cast<std::size_t>(B * Tn * H);
+  device_array<T> q(n, 1), k(n, 2), v(n, 3), out(n, 5), dout(n, 6), dq(n, 7), dk(n, 8), dv(n, 9);
+  device_array<float> g(rows, 4, -0.1f, -0.01f), lse(rows, 10), dg(rows, 11);
+  const auto dev = attnmix::memory_space::device;
+  const attnmix::view4<const T> qv(q.ptr, {B, Tn, H, D}, dev), kv(k.ptr, {B, Tn, H, D}, dev),
+      vv(v.ptr, {B, Tn, H, D}, dev);
+  attnmix::attention_args<T> a{qv, kv, vv, attnmix::view4<T>(out.ptr, {B, Tn, H, D}, dev)};
+  a.lse = attnmix::view3<float>(lse.ptr, {B, Tn, H}, dev);
+  attnmix::attention_grad_args<T> ga{};
+  ga.q = qv, ga.k = kv, ga.v = vv;
+  ga.out = attnmix::view4<const T>(out.ptr, {B, Tn, H, D}, dev);
+  ga.lse = attnmix::view3<const float>(lse.ptr, {B, Tn, H}, dev);
+  ga.dout = attnmix::view4<const T>(dout.ptr, {B, Tn, H, D}, dev);
+  ga.dq = attnmix::view4<T>(dq.ptr, {B, Tn, H, D}, dev);
+  ga.dk = attnmix::view4<T>(dk.ptr, {B, Tn, H, D}, dev);
+  ga.dv = attnmix::view4<T>(dv.ptr, {B, Tn, H, D}, dev);
+  if constexpr (gated) {
+    a.g = ga.g = attnmix::view3<const float>(g.ptr, {B, Tn, H}, dev);
+    ga.dg = attnmix::view3<float>(dg.ptr, {B, Tn, H}, dev);
+  }
+  const attnmix::backend::cuda be{};
+  if (BackwardOnly) attnmix::attention<Kind, Policy>(a, {}, be);
+  attnmix_bench::time_with_events(state, [&] {
+    if (!BackwardOnly) attnmix::attention<Kind, Policy>(a, {}, be);
+    attnmix::attention_backward<Kind, Policy>(ga, {}, be);
+  });
+  const bool causal = Policy::mask == attnmix::mask_type::causal;
+  const double forward = 4.0 * B * H * double(Tn) * double(Tn) * D * (causal ? 0.5 : 1.0);
+  const double flops = forward * (BackwardOnly ? 2.5 : 3.5);
+  state.counters["TFLOP/s"] =
+      benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void train_shapes(benchmark::internal::Benchmark* b) {
+  b->Args({32, 2048, 32, 64})->Args({8, 8192, 32, 64})->Args({8, 4096, 16, 128});
+  b->ArgNames({"B", "T", "H", "D"})->UseManualTime()->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace
+
+BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::softmax, attnmix::softmax_policy, false)
+    ->Name("softmax_fwd_bwd_causal")
+    ->Apply(train_shapes);
+BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::softmax, attnmix::softmax_policy, true)
+    ->Name("softmax_bwd_causal")
+    ->Apply(train_shapes);
+BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::fox, attnmix::fox_policy, false)
+    ->Name("fox_fwd_bwd")
+    ->Apply(train_shapes);

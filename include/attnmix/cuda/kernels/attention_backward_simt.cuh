@@ -1,0 +1,521 @@
+#pragma once
+// The softmax-family backward on CUDA cores (FlashAttention-2's split, deterministic):
+//   attention_backward_delta_kernel  delta_i = dout_i . out_i, a warp a (row, query head)
+//   attention_backward_dkdv_kernel   a CTA a (key tile, KV head, sequence): recomputes
+//                                    P = exp(z - lse) for the group's query heads and the rows
+//                                    that see its keys, dv = sum P^T dout, dk = scale sum dS^T q,
+//                                    and with a gate the column sums of dS per query head
+//   attention_backward_dq_kernel     a CTA a (query tile, query head, sequence): dq = scale dS k
+//                                    over the keys its rows see, and with a gate dS's row sums
+// with dS = P (dout . v - delta). Tiles of q, dout, k, v, P and dS are staged in shared memory
+// as float; each thread owns fixed entries of the accumulators and sums in a fixed order, so
+// the result has the same bits on every run. The gate kernels (FoX) are below.
+
+#include <cmath>
+#include <cstdint>
+
+#include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/kernels/attention_backward_shapes.hpp"
+#include "attnmix/cuda/kernels/attention_params.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+struct attention_backward_params {
+  // q, k, v, out (as the forward's, out read only), sequences, heads, dims, window, causal.
+  // Its lse, gate_cumsum and scale fields are unused.
+  attention_kernel_params f;
+  const float* lse;  // natural-log log-sum-exp of each row
+  index_t lse_stride[3];
+  const void* dout;
+  index_t dout_stride[3];
+  void *dq, *dk, *dv;
+  index_t dq_stride[3], dk_stride[3], dv_stride[3];
+  float scale;   // the softmax scale (natural log)
+  float* delta;  // [B*T*HQ] scratch, laid out like g
+  // FoX (gate_coef == 0 and pointers nullptr without a gate):
+  double gate_coef;     // factor of G_i - G_j in the logits
+  const float* g;       // the log forget gate [B, T, HQ]
+  index_t g_stride[3];  // batch, token, head
+  float* dg;
+  index_t dg_stride[3];
+  double* G;      // [B*T*HQ] scratch: cumsum of g per sequence, restarting at 0 at a hard reset
+  int* reset;     // [B*T*HQ] scratch: sequence-local position of the last reset at or before t
+  float* colsum;  // [B*T*HQ] scratch: sum_i dS_ij of key j (per query head)
+  float* rowsum;  // [B*T*HQ] scratch: sum_j dS_ij of query i
+
+  __host__ __device__ bool gated() const { return G != nullptr; }
+  // Index of (sequence token t, query head hq) in the [B*T*HQ] scratch arrays.
+  __device__ index_t at(index_t batch, index_t start, index_t t, int hq) const {
+    return (batch * f.tokens + start + t) * f.q_heads + hq;
+  }
+};
+
+// ---- delta ---------------------------------------------------------------------------------
+
+template <class T>
+__global__ void __launch_bounds__(attention_backward_threads)
+    attention_backward_delta_kernel(const attention_backward_params p) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int hq = blockIdx.y;
+  index_t batch, start, length;
+  p.f.sequence(blockIdx.z, batch, start, length);
+  const index_t i = static_cast<index_t>(blockIdx.x) * attention_backward_preprocess_rows + warp;
+  if (i >= length) return;
+  const T* o = static_cast<const T*>(p.f.out) + batch * p.f.out_stride[0] +
+               (start + i) * p.f.out_stride[1] + hq * p.f.out_stride[2];
+  const T* d = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
+               (start + i) * p.dout_stride[1] + hq * p.dout_stride[2];
+  float s = 0.f;
+  for (int c = lane; c < p.f.value_dim; c += 32) s += to_float(o[c]) * to_float(d[c]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (lane == 0) p.delta[p.at(batch, start, i, hq)] = s;
+}
+
+// ---- shared tiles --------------------------------------------------------------------------
+
+// The shared-memory layout of attention_backward_smem_bytes.
+template <int B>
+struct backward_tiles {
+  double *gi, *gj;  // rows: coef G_i - lse_i; keys: coef G_j (gate only)
+  float *q, *dout, *k, *v, *p, *ds, *lse, *delta;
+  int* reset;
+  int qs, vs;  // row strides of q and k (D + 1), of dout and v (Dv + 1)
+  static constexpr int ps = B + 1;
+
+  __device__ backward_tiles(unsigned char* smem, int D, int Dv) : qs(D + 1), vs(Dv + 1) {
+    gi = reinterpret_cast<double*>(smem);
+    gj = gi + B;
+    q = reinterpret_cast<float*>(gj + B);
+    dout = q + B * qs;
+    k = dout + B * vs;
+    v = k + B * qs;
+    p = v + B * vs;
+    ds = p + B * ps;
+    lse = ds + B * ps;
+    delta = lse + B;
+    reset = reinterpret_cast<int*>(delta + B);
+  }
+};
+
+// Rows [i0, i0 + rows) of query head hq into the tiles (q, dout, lse, delta, and with a gate gi
+// and the resets); rows past `rows` are zero.
+template <class T, int B>
+__device__ void load_query_rows(const attention_backward_params& p, const backward_tiles<B>& t,
+                                index_t batch, index_t start, index_t i0, int rows, int hq) {
+  const int D = p.f.head_dim, Dv = p.f.value_dim;
+  const T* q = static_cast<const T*>(p.f.q) + batch * p.f.q_stride[0] +
+               (start + i0) * p.f.q_stride[1] + hq * p.f.q_stride[2];
+  const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
+                  (start + i0) * p.dout_stride[1] + hq * p.dout_stride[2];
+  for (int e = threadIdx.x; e < B * D; e += attention_backward_threads) {
+    const int r = e / D, c = e % D;
+    t.q[r * t.qs + c] = r < rows ? to_float(q[r * p.f.q_stride[1] + c]) : 0.f;
+  }
+  for (int e = threadIdx.x; e < B * Dv; e += attention_backward_threads) {
+    const int r = e / Dv, c = e % Dv;
+    t.dout[r * t.vs + c] = r < rows ? to_float(dout[r * p.dout_stride[1] + c]) : 0.f;
+  }
+  if (threadIdx.x < B) {
+    const int r = threadIdx.x;
+    const bool in = r < rows;
+    const float lse = in ? p.lse[batch * p.lse_stride[0] + (start + i0 + r) * p.lse_stride[1] +
+                                 hq * p.lse_stride[2]]
+                         : 0.f;
+    t.lse[r] = lse;
+    t.delta[r] = in ? p.delta[p.at(batch, start, i0 + r, hq)] : 0.f;
+    if (p.gated()) {
+      const index_t a = p.at(batch, start, in ? i0 + r : i0, hq);
+      // coef G_i - lse_i in double, rounded once with the key's term: G drifts far from 0 over a
+      // long sequence while the differences that matter stay small.
+      t.gi[r] = p.gate_coef * p.G[a] - static_cast<double>(lse);
+      t.reset[r] = p.reset[a];
+    } else {
+      t.gi[r] = 0.0;
+      t.reset[r] = 0;
+    }
+  }
+}
+
+// Keys [j0, j0 + cols) of KV head h into the tiles (k, v, and with a gate gj of query head hq);
+// keys past `cols` are zero.
+template <class T, int B>
+__device__ void load_keys(const attention_backward_params& p, const backward_tiles<B>& t,
+                          index_t batch, index_t start, index_t j0, int cols, int h) {
+  const int D = p.f.head_dim, Dv = p.f.value_dim;
+  const T* k = static_cast<const T*>(p.f.k) + batch * p.f.k_stride[0] +
+               (start + j0) * p.f.k_stride[1] + h * p.f.k_stride[2];
+  const T* v = static_cast<const T*>(p.f.v) + batch * p.f.v_stride[0] +
+               (start + j0) * p.f.v_stride[1] + h * p.f.v_stride[2];
+  for (int e = threadIdx.x; e < B * D; e += attention_backward_threads) {
+    const int r = e / D, c = e % D;
+    t.k[r * t.qs + c] = r < cols ? to_float(k[r * p.f.k_stride[1] + c]) : 0.f;
+  }
+  for (int e = threadIdx.x; e < B * Dv; e += attention_backward_threads) {
+    const int r = e / Dv, c = e % Dv;
+    t.v[r * t.vs + c] = r < cols ? to_float(v[r * p.f.v_stride[1] + c]) : 0.f;
+  }
+}
+
+template <int B>
+__device__ void load_key_gates(const attention_backward_params& p, const backward_tiles<B>& t,
+                               index_t batch, index_t start, index_t j0, int cols, int hq) {
+  if (threadIdx.x < B)
+    t.gj[threadIdx.x] = p.gated() && static_cast<int>(threadIdx.x) < cols
+                            ? p.gate_coef * p.G[p.at(batch, start, j0 + threadIdx.x, hq)]
+                            : 0.0;
+}
+
+// P and dS of the staged rows [i0, i0 + rows) and keys [j0, j0 + cols) into t.p and t.ds; 0
+// outside the tile and where a key is masked (window, causal, a hard reset before the row). A
+// thread takes key c = tid % B of rows tid / B + (256 / B) m, so that it reads each of its key's
+// elements once for all its rows.
+template <int B>
+__device__ void scores_to_ds(const attention_backward_params& p, const backward_tiles<B>& t,
+                             index_t length, index_t i0, int rows, index_t j0, int cols) {
+  constexpr int NT = attention_backward_threads, per = B * B / NT, step = NT / B;
+  static_assert(per * NT == B * B && step * B == NT, "a whole tile of scores a pass");
+  const int D = p.f.head_dim, Dv = p.f.value_dim;
+  const bool gated = p.gated();
+  const int c = threadIdx.x % B, r0 = threadIdx.x / B;
+  bool seen[per];
+  float s[per], dp[per];
+#pragma unroll
+  for (int m = 0; m < per; ++m) {
+    const int r = r0 + step * m;
+    seen[m] = false, s[m] = 0.f, dp[m] = 0.f;
+    if (r < rows && c < cols) {
+      index_t lo, hi;
+      const index_t j = j0 + c;
+      p.f.key_range(i0 + r, length, lo, hi);
+      seen[m] = j >= lo && j <= hi && j >= t.reset[r];
+    }
+  }
+  const float* kc = t.k + c * t.qs;
+  for (int d = 0; d < D; ++d) {
+    const float x = kc[d];
+#pragma unroll
+    for (int m = 0; m < per; ++m) s[m] += t.q[(r0 + step * m) * t.qs + d] * x;
+  }
+  const float* vc = t.v + c * t.vs;
+  for (int d = 0; d < Dv; ++d) {
+    const float x = vc[d];
+#pragma unroll
+    for (int m = 0; m < per; ++m) dp[m] += t.dout[(r0 + step * m) * t.vs + d] * x;
+  }
+#pragma unroll
+  for (int m = 0; m < per; ++m) {
+    const int r = r0 + step * m;
+    float P = 0.f, ds = 0.f;
+    if (seen[m]) {
+      const float z = gated ? s[m] * p.scale + static_cast<float>(t.gi[r] - t.gj[c])
+                            : s[m] * p.scale - t.lse[r];
+      P = expf(z);
+      ds = P * (dp[m] - t.delta[r]);
+    }
+    t.p[r * t.ps + c] = P;
+    t.ds[r * t.ps + c] = ds;
+  }
+}
+
+// ---- dk, dv --------------------------------------------------------------------------------
+
+// D, Dv <= 32 * Chunks. Warp w owns the keys w + 8 m of the tile, lane l their elements
+// l + 32 k, of dk and dv: per row it reads P and dS of its keys (broadcasts) and the row's q and
+// dout elements once each.
+template <class T, int Chunks>
+__global__ void __launch_bounds__(attention_backward_threads)
+    attention_backward_dkdv_kernel(const attention_backward_params p) {
+  constexpr int B = attention_backward_tile(Chunks), warps = attention_backward_threads / 32;
+  constexpr int RM = B / warps;
+  static_assert(RM * warps == B, "whole keys a warp");
+  extern __shared__ __align__(16) unsigned char backward_smem[];
+  const int D = p.f.head_dim, Dv = p.f.value_dim, group = p.f.group;
+  const backward_tiles<B> t(backward_smem, D, Dv);
+  const int h = blockIdx.y, tid = threadIdx.x, lane = tid % 32, w = tid / 32;
+  index_t batch, start, length;
+  p.f.sequence(blockIdx.z, batch, start, length);
+  const index_t j0 = static_cast<index_t>(blockIdx.x) * B;
+  if (j0 >= length) return;
+  const int cols = length - j0 < B ? static_cast<int>(length - j0) : B;
+
+  // The query rows [lo, hi) that see some key of the tile.
+  const index_t W = p.f.window, j1 = j0 + cols;
+  const index_t lo = p.f.causal ? j0 : (W > 0 ? (j0 - W + 1 > 0 ? j0 - W + 1 : 0) : 0);
+  const index_t hi = W > 0 ? (j1 + W - 1 < length ? j1 + W - 1 : length) : length;
+
+  load_keys<T>(p, t, batch, start, j0, cols, h);
+  float dk[RM][Chunks], dv[RM][Chunks];
+#pragma unroll
+  for (int m = 0; m < RM; ++m)
+#pragma unroll
+    for (int k = 0; k < Chunks; ++k) dk[m][k] = 0.f, dv[m][k] = 0.f;
+
+  for (int g = 0; g < group; ++g) {
+    const int hq = h * group + g;
+    load_key_gates(p, t, batch, start, j0, cols, hq);
+    float colsum = 0.f;  // of key tid (tid < B)
+    for (index_t i0 = lo; i0 < hi; i0 += B) {
+      const int rows = hi - i0 < B ? static_cast<int>(hi - i0) : B;
+      load_query_rows<T>(p, t, batch, start, i0, rows, hq);
+      __syncthreads();
+      scores_to_ds(p, t, length, i0, rows, j0, cols);
+      __syncthreads();
+      for (int r = 0; r < rows; ++r) {
+        float pr[RM], dsr[RM];
+#pragma unroll
+        for (int m = 0; m < RM; ++m)
+          pr[m] = t.p[r * t.ps + w + warps * m], dsr[m] = t.ds[r * t.ps + w + warps * m];
+#pragma unroll
+        for (int k = 0; k < Chunks; ++k) {
+          const int col = lane + 32 * k;
+          if (col < Dv) {
+            const float x = t.dout[r * t.vs + col];
+#pragma unroll
+            for (int m = 0; m < RM; ++m) dv[m][k] += pr[m] * x;
+          }
+          if (col < D) {
+            const float x = t.q[r * t.qs + col];
+#pragma unroll
+            for (int m = 0; m < RM; ++m) dk[m][k] += dsr[m] * x;
+          }
+        }
+      }
+      if (tid < B)
+        for (int r = 0; r < rows; ++r) colsum += t.ds[r * t.ps + tid];
+      __syncthreads();  // before the next rows (and the next head's key gates) overwrite tiles
+    }
+    if (p.gated() && tid < cols) p.colsum[p.at(batch, start, j0 + tid, hq)] = colsum;
+    __syncthreads();
+  }
+
+  T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_stride[0] + (start + j0) * p.dk_stride[1] +
+              h * p.dk_stride[2];
+  T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_stride[0] + (start + j0) * p.dv_stride[1] +
+              h * p.dv_stride[2];
+#pragma unroll
+  for (int m = 0; m < RM; ++m) {
+    const int c = w + warps * m;
+    if (c >= cols) continue;
+#pragma unroll
+    for (int k = 0; k < Chunks; ++k) {
+      const int col = lane + 32 * k;
+      if (col < D) dk_out[c * p.dk_stride[1] + col] = from_float<T>(dk[m][k] * p.scale);
+      if (col < Dv) dv_out[c * p.dv_stride[1] + col] = from_float<T>(dv[m][k]);
+    }
+  }
+}
+
+// ---- dq ------------------------------------------------------------------------------------
+
+// Warp w owns the rows w + 8 m of the tile, lane l their elements l + 32 k, of dq.
+template <class T, int Chunks>
+__global__ void __launch_bounds__(attention_backward_threads)
+    attention_backward_dq_kernel(const attention_backward_params p) {
+  constexpr int B = attention_backward_tile(Chunks), warps = attention_backward_threads / 32;
+  constexpr int RM = B / warps;
+  static_assert(RM * warps == B, "whole rows a warp");
+  extern __shared__ __align__(16) unsigned char backward_smem[];
+  const int D = p.f.head_dim, Dv = p.f.value_dim;
+  const backward_tiles<B> t(backward_smem, D, Dv);
+  const int hq = blockIdx.y, h = hq / p.f.group, tid = threadIdx.x, lane = tid % 32, w = tid / 32;
+  index_t batch, start, length;
+  p.f.sequence(blockIdx.z, batch, start, length);
+  const index_t i0 = static_cast<index_t>(blockIdx.x) * B;
+  if (i0 >= length) return;
+  const int rows = length - i0 < B ? static_cast<int>(length - i0) : B;
+
+  // Keys [j_lo, j_hi] that some row of the tile sees; a row's last reset only moves forward.
+  index_t j_lo, j_hi, unused;
+  p.f.key_range(i0, length, j_lo, unused);
+  p.f.key_range(i0 + rows - 1, length, unused, j_hi);
+  if (p.gated()) {
+    const index_t r = p.reset[p.at(batch, start, i0, hq)];
+    j_lo = r > j_lo ? r : j_lo;
+  }
+
+  load_query_rows<T>(p, t, batch, start, i0, rows, hq);
+  float dq[RM][Chunks];
+#pragma unroll
+  for (int m = 0; m < RM; ++m)
+#pragma unroll
+    for (int k = 0; k < Chunks; ++k) dq[m][k] = 0.f;
+  float rowsum = 0.f;  // of row tid (tid < B)
+
+  for (index_t j0 = j_lo; j0 <= j_hi; j0 += B) {
+    const int cols = j_hi + 1 - j0 < B ? static_cast<int>(j_hi + 1 - j0) : B;
+    load_keys<T>(p, t, batch, start, j0, cols, h);
+    load_key_gates(p, t, batch, start, j0, cols, hq);
+    __syncthreads();
+    scores_to_ds(p, t, length, i0, rows, j0, cols);
+    __syncthreads();
+    for (int c = 0; c < cols; ++c) {
+      float dsr[RM];
+#pragma unroll
+      for (int m = 0; m < RM; ++m) dsr[m] = t.ds[(w + warps * m) * t.ps + c];
+#pragma unroll
+      for (int k = 0; k < Chunks; ++k) {
+        const int col = lane + 32 * k;
+        if (col < D) {
+          const float x = t.k[c * t.qs + col];
+#pragma unroll
+          for (int m = 0; m < RM; ++m) dq[m][k] += dsr[m] * x;
+        }
+      }
+    }
+    if (tid < B)
+      for (int c = 0; c < cols; ++c) rowsum += t.ds[tid * t.ps + c];
+    __syncthreads();  // before the next keys overwrite the tiles
+  }
+
+  T* dq_out = static_cast<T*>(p.dq) + batch * p.dq_stride[0] + (start + i0) * p.dq_stride[1] +
+              hq * p.dq_stride[2];
+#pragma unroll
+  for (int m = 0; m < RM; ++m) {
+    const int r = w + warps * m;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int k = 0; k < Chunks; ++k) {
+      const int col = lane + 32 * k;
+      if (col < D) dq_out[r * p.dq_stride[1] + col] = from_float<T>(dq[m][k] * p.scale);
+    }
+  }
+  if (p.gated() && tid < rows) p.rowsum[p.at(batch, start, i0 + tid, hq)] = rowsum;
+}
+
+// ---- the gate (FoX) ------------------------------------------------------------------------
+// Both gate kernels run a CTA per (32 query heads, sequence) over the sequence in parts of
+// attention_backward_threads tokens: a warp takes 32 tokens with the heads across its lanes (g
+// is [B, T, HQ], heads innermost), a thread scans its 32 tokens in double, and the warps' sums
+// are combined in a fixed order through shared memory, with the carry of the parts before.
+// A log gate of -inf is a hard reset: the sum restarts there (as on the CPU, cpu/fox.hpp).
+
+// G (inclusive cumsum of g, 0 at a reset) and the position of the last reset at or before t.
+// (Threads: attention_backward_threads; a template so that the header defines no kernel symbol
+// of its own in every translation unit.)
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    attention_backward_gate_cumsum_kernel(const attention_backward_params p) {
+  constexpr int warps = Threads / 32;
+  __shared__ double part_sum[warps][32];
+  __shared__ int part_reset[warps][32];  // last reset of the warp's tokens, -1 when none
+  __shared__ double carry_sum[32];
+  __shared__ int carry_reset[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, hq = blockIdx.x * 32 + lane;
+  const bool head = hq < p.f.q_heads;
+  index_t batch, start, length;
+  p.f.sequence(blockIdx.y, batch, start, length);
+  if (warp == 0) carry_sum[lane] = 0.0, carry_reset[lane] = 0;
+  const float* g =
+      p.g + batch * p.g_stride[0] + start * p.g_stride[1] + (head ? hq : 0) * p.g_stride[2];
+  for (index_t part = 0; part < length; part += Threads) {
+    const index_t t0 = part + warp * 32;
+    float x[32];
+    double sum = 0;
+    int last = -1;
+#pragma unroll
+    for (int u = 0; u < 32; ++u) {
+      x[u] = head && t0 + u < length ? g[(t0 + u) * p.g_stride[1]] : 0.f;
+      if (x[u] == -INFINITY) {
+        sum = 0, last = static_cast<int>(t0) + u;
+      } else {
+        sum += static_cast<double>(x[u]);
+      }
+    }
+    part_sum[warp][lane] = sum, part_reset[warp][lane] = last;
+    __syncthreads();
+    double running = carry_sum[lane];
+    int reset = carry_reset[lane];
+    for (int w = 0; w < warp; ++w) {
+      if (part_reset[w][lane] >= 0) {
+        running = part_sum[w][lane], reset = part_reset[w][lane];
+      } else {
+        running += part_sum[w][lane];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 32; ++u) {
+      const index_t tok = t0 + u;
+      if (x[u] == -INFINITY) {
+        running = 0, reset = static_cast<int>(tok);
+      } else {
+        running += static_cast<double>(x[u]);
+      }
+      if (head && tok < length) {
+        const index_t a = p.at(batch, start, tok, hq);
+        p.G[a] = running;
+        p.reset[a] = reset;
+      }
+    }
+    __syncthreads();  // every warp has read the carry and the part sums
+    if (warp == warps - 1) carry_sum[lane] = running, carry_reset[lane] = reset;
+  }
+}
+
+// dg_t = sum of dG_i over the tokens i >= t of t's reset segment, dG_i = coef (rowsum_i -
+// colsum_i); 0 at a reset, whose keys' weights do not depend on it. Parts from the last.
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    attention_backward_gate_grad_kernel(const attention_backward_params p) {
+  constexpr int warps = Threads / 32;
+  __shared__ double part_sum[warps][32];  // sum of the warp's tokens before its first reset
+  __shared__ bool part_reset[warps][32];
+  __shared__ double carry[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, hq = blockIdx.x * 32 + lane;
+  const bool head = hq < p.f.q_heads;
+  index_t batch, start, length;
+  p.f.sequence(blockIdx.y, batch, start, length);
+  if (warp == 0) carry[lane] = 0.0;
+  const float* g =
+      p.g + batch * p.g_stride[0] + start * p.g_stride[1] + (head ? hq : 0) * p.g_stride[2];
+  float* dg =
+      p.dg + batch * p.dg_stride[0] + start * p.dg_stride[1] + (head ? hq : 0) * p.dg_stride[2];
+  const index_t parts = (length + Threads - 1) / Threads;
+  for (index_t part = parts - 1; part >= 0; --part) {
+    const index_t t0 = part * Threads + warp * 32;
+    double dG[32];
+    bool cut[32];
+    double sum = 0;
+    bool any = false;
+#pragma unroll
+    for (int u = 31; u >= 0; --u) {
+      const index_t tok = t0 + u;
+      const bool in = head && tok < length;
+      cut[u] = in && g[tok * p.g_stride[1]] == -INFINITY;
+      if (in) {
+        const index_t a = p.at(batch, start, tok, hq);
+        dG[u] = p.gate_coef * (static_cast<double>(p.rowsum[a]) - static_cast<double>(p.colsum[a]));
+      } else {
+        dG[u] = 0.0;
+      }
+      if (cut[u]) {
+        sum = 0, any = true;
+      } else {
+        sum += dG[u];
+      }
+    }
+    part_sum[warp][lane] = sum, part_reset[warp][lane] = any;
+    __syncthreads();
+    double running = carry[lane];
+    for (int w = warps - 1; w > warp; --w)
+      running = part_reset[w][lane] ? part_sum[w][lane] : running + part_sum[w][lane];
+#pragma unroll
+    for (int u = 31; u >= 0; --u) {
+      const index_t tok = t0 + u;
+      if (cut[u]) {
+        running = 0;
+      } else {
+        running += dG[u];
+      }
+      if (head && tok < length) dg[tok * p.dg_stride[1]] = static_cast<float>(running);
+    }
+    __syncthreads();  // every warp has read the carry and the part sums
+    if (warp == 0) carry[lane] = running;
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

@@ -1,0 +1,100 @@
+#pragma once
+// The plan of a softmax-family backward (softmax, FoX): its kernels' tiles, grids, shared memory
+// and the scratch of the call. Pure C++: unit-tested without a GPU (tests/plan/).
+//
+// FlashAttention-2's split, without atomics: a preprocess kernel (delta_i = dout_i . out_i), a
+// kernel a key tile (dk, dv, and with a gate the column sums of dS) and a kernel a query tile
+// (dq, and with a gate the row sums of dS), then with a gate the reverse cumsum of dG into dg.
+// Every output element is written by one thread in a fixed order of sums: the same bits on every
+// run.
+//
+//   sm80_mma: half and bfloat16 with D and Dv multiples of 32 up to 128: the products of a tile
+//             pair on tensor cores (mma.sync), the rest as simt's.
+//   simt:     CUDA cores, float accumulation, any dtype and head dims up to 256; tiles of 32 (16
+//             for head dims over 128) staged in shared memory as float.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "attnmix/attention/args.hpp"
+#include "attnmix/config.hpp"
+#include "attnmix/cuda/kernels/attention_backward_shapes.hpp"
+#include "attnmix/cuda/plan/device_properties.hpp"
+#include "attnmix/cuda/plan/grid.hpp"
+#include "attnmix/cuda/plan/scratch.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+enum class attention_backward_variant { sm80_mma, simt };
+
+// What the plan reads of a call (the launcher fills it from the validated problem).
+struct attention_backward_shape {
+  index_t head_dim = 0, value_dim = 0;
+  index_t max_len = 0;  // longest sequence
+  index_t q_heads = 0, kv_heads = 0;
+  index_t sequences = 0;
+  bool sixteen_bit = false;  // half or bfloat16 inputs
+  bool portable = false;     // backend::cuda::portable (every variant is portable today)
+};
+
+// Head dims the tensor-core backward tiles: multiples of 32 (its 8 warps take 8-column tiles
+// four at a time) up to 128 (32-row tiles).
+inline bool backward_tensor_core_dims(index_t D, index_t Dv) {
+  return D % 32 == 0 && Dv % 32 == 0 && D >= 32 && Dv >= 32 && D <= 128 && Dv <= 128;
+}
+
+struct attention_backward_plan {
+  attention_backward_variant variant = attention_backward_variant::simt;
+  int chunks = 0;          // 32-wide chunks of the widest head dim (2, 4 or 8)
+  int tile = 0;            // query rows and keys of a tile (attention_backward_tile(chunks))
+  int smem_bytes = 0;      // dynamic shared memory of the dk/dv and dq kernels
+  bool fits = false;       // smem_bytes within what the device lets a block opt in to
+  launch_grid preprocess;  // a warp a (token, query head): (token groups, query heads, sequences)
+  launch_grid dkdv;        // (key tiles, KV heads, sequences)
+  launch_grid dq;          // (query tiles, query heads, sequences)
+  launch_grid gate;        // (32 query heads, sequences)
+};
+
+inline attention_backward_plan plan_attention_backward(const attention_backward_shape& s,
+                                                       const device_properties& d) {
+  attention_backward_plan p;
+  const index_t widest = std::max(s.head_dim, s.value_dim);
+  p.chunks = widest <= 64 ? 2 : widest <= 128 ? 4 : 8;
+  p.tile = attention_backward_tile(p.chunks);
+  if (s.sixteen_bit && backward_tensor_core_dims(s.head_dim, s.value_dim))
+    p.variant = attention_backward_variant::sm80_mma;
+  p.smem_bytes = attention_backward_smem_bytes(p.tile, int(s.head_dim), int(s.value_dim));
+  p.fits = std::size_t(p.smem_bytes) <= d.smem_per_block_optin;
+  const auto tiles = unsigned((s.max_len + p.tile - 1) / p.tile);
+  p.preprocess = {unsigned((s.max_len + attention_backward_preprocess_rows - 1) /
+                           attention_backward_preprocess_rows),
+                  unsigned(s.q_heads), unsigned(s.sequences)};
+  p.dkdv = {tiles, unsigned(s.kv_heads), unsigned(s.sequences)};
+  p.dq = {tiles, unsigned(s.q_heads), unsigned(s.sequences)};
+  p.gate = {unsigned((s.q_heads + 31) / 32), unsigned(s.sequences), 1};
+  return p;
+}
+
+// Scratch of a backward call: the cu_seqlens copy; delta [B*T*HQ] (float); with a gate the
+// column and row sums of dS [B*T*HQ] (float), the gate cumsum G [B*T*HQ] (double, restarting at
+// hard resets) and the position of the last reset [B*T*HQ] (int32). Each part padded to 256
+// bytes. Laid out like g ([B, T, HQ], heads innermost).
+struct attention_backward_scratch_layout {
+  std::size_t delta = 0, colsum = 0, rowsum = 0, gate = 0, reset = 0, bytes = 0;
+  attention_backward_scratch_layout(const attention_problem& p, bool gated) {
+    const auto n = static_cast<std::size_t>(p.batch * p.tokens * p.q_heads);
+    delta = p.cu_seqlens == nullptr ? 0 : cu_seqlens_scratch_bytes(p.num_sequences);
+    colsum = delta + padded_bytes(n * sizeof(float));
+    rowsum = colsum + (gated ? padded_bytes(n * sizeof(float)) : 0);
+    gate = rowsum + (gated ? padded_bytes(n * sizeof(float)) : 0);
+    reset = gate + (gated ? padded_bytes(n * sizeof(double)) : 0);
+    bytes = reset + (gated ? padded_bytes(n * sizeof(std::int32_t)) : 0) + scratch_alignment;
+  }
+};
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

@@ -1,0 +1,123 @@
+// The plan of the CUDA softmax-family backward (include/attnmix/cuda/plan/attention_backward.hpp)
+// on this CPU: tiles, grids, shared memory and scratch for the shapes the CUDA tests and
+// benchmarks run, on an H200 (sm_90, 132 SMs, 227 KiB of opt-in shared memory) and on a device
+// with 99 KiB. Pure host code: no CUDA header.
+
+#include <utility>
+
+#include "support/catch.hpp"
+
+#include "attnmix/cuda/plan/attention_backward.hpp"
+
+namespace {
+
+using namespace attnmix::detail::cuda;
+using attnmix::index_t;
+
+device_properties h200() {
+  device_properties d;
+  d.sms = 132, d.cc_major = 9, d.cc_minor = 0;
+  d.smem_per_block = 48 * 1024, d.smem_per_block_optin = 227 * 1024;
+  d.smem_per_sm = 228 * 1024, d.registers_per_sm = 65536;
+  d.max_grid_y = d.max_grid_z = 65535;
+  return d;
+}
+
+device_properties small_smem() {
+  device_properties d = h200();
+  d.cc_major = 8, d.cc_minor = 6, d.sms = 84;
+  d.smem_per_block_optin = 99 * 1024, d.smem_per_sm = 100 * 1024;
+  return d;
+}
+
+attention_backward_shape shape(index_t B, index_t T, index_t HQ, index_t H, index_t D, index_t Dv) {
+  attention_backward_shape s;
+  s.head_dim = D, s.value_dim = Dv, s.max_len = T;
+  s.q_heads = HQ, s.kv_heads = H, s.sequences = B;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("softmax backward plans: tiles, grids and shared memory", "[plan]") {
+  SECTION("bench shapes") {
+    const attention_backward_plan p =
+        plan_attention_backward(shape(32, 2048, 32, 32, 64, 64), h200());
+    CHECK(p.variant == attention_backward_variant::simt);
+    CHECK(p.chunks == 2);
+    CHECK(p.tile == 32);
+    CHECK(p.dkdv == launch_grid{64, 32, 32});
+    CHECK(p.dq == launch_grid{64, 32, 32});
+    CHECK(p.preprocess == launch_grid{256, 32, 32});
+    CHECK(p.gate == launch_grid{1, 32, 1});
+    CHECK(p.fits);
+    const attention_backward_plan w =
+        plan_attention_backward(shape(8, 4096, 16, 16, 128, 128), h200());
+    CHECK(w.chunks == 4);
+    CHECK(w.tile == 32);
+    CHECK(w.dkdv == launch_grid{128, 16, 8});
+  }
+  SECTION("GQA: a dk/dv CTA a KV head, a dq CTA a query head; tails round up") {
+    const attention_backward_plan p = plan_attention_backward(shape(2, 37, 4, 2, 64, 64), h200());
+    CHECK(p.dkdv == launch_grid{2, 2, 2});
+    CHECK(p.dq == launch_grid{2, 4, 2});
+    CHECK(p.preprocess == launch_grid{5, 4, 2});
+    CHECK(plan_attention_backward(shape(1, 1, 33, 1, 32, 32), h200()).gate == launch_grid{2, 1, 1});
+  }
+  SECTION("widest head dims take 16-row tiles") {
+    const attention_backward_plan p = plan_attention_backward(shape(1, 70, 2, 1, 200, 160), h200());
+    CHECK(p.chunks == 8);
+    CHECK(p.tile == 16);
+    CHECK(p.dkdv == launch_grid{5, 1, 1});
+    CHECK(p.fits);
+  }
+  SECTION("shared memory against what the device lets a block opt in to") {
+    CHECK(attention_backward_smem_bytes(32, 64, 64) ==
+          2 * 32 * 8 + 4 * (2 * 32 * 65 + 2 * 32 * 65 + 2 * 32 * 33 + 3 * 32));
+    CHECK(plan_attention_backward(shape(1, 64, 1, 1, 128, 128), small_smem()).fits);
+    CHECK(plan_attention_backward(shape(1, 64, 1, 1, 256, 256), h200()).fits);
+    CHECK(plan_attention_backward(shape(1, 64, 1, 1, 256, 256), small_smem()).fits);
+    device_properties tiny = small_smem();
+    tiny.smem_per_block_optin = 64 * 1024;
+    CHECK(plan_attention_backward(shape(1, 64, 1, 1, 64, 64), tiny).fits);
+    CHECK_FALSE(plan_attention_backward(shape(1, 64, 1, 1, 128, 128), tiny).fits);
+  }
+}
+
+TEST_CASE("softmax backward plans: tensor cores for 16-bit inputs at dims of 32s up to 128",
+          "[plan]") {
+  attention_backward_shape s = shape(32, 2048, 32, 32, 64, 64);
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);  // float
+  s.sixteen_bit = true;
+  const attention_backward_plan p = plan_attention_backward(s, h200());
+  CHECK(p.variant == attention_backward_variant::sm80_mma);
+  CHECK(p.tile == 32);
+  CHECK(p.dkdv == launch_grid{64, 32, 32});
+  for (auto [D, Dv] : {std::pair<index_t, index_t>{128, 128}, {128, 64}, {32, 96}}) {
+    s.head_dim = D, s.value_dim = Dv;
+    CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma);
+  }
+  for (auto [D, Dv] : {std::pair<index_t, index_t>{48, 64}, {64, 40}, {256, 256}, {16, 16}}) {
+    s.head_dim = D, s.value_dim = Dv;
+    CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);
+  }
+}
+
+TEST_CASE("softmax backward scratch: offsets, delta, gate sums, G and resets", "[plan]") {
+  attnmix::attention_problem p{};
+  p.batch = 2, p.tokens = 100, p.q_heads = 4, p.kv_heads = 2, p.head_dim = p.value_dim = 64;
+  p.num_sequences = 2;
+  const attention_backward_scratch_layout plain(p, false);
+  CHECK(plain.delta == 0);
+  CHECK(plain.colsum == 3328);  // 800 floats, padded to 256 bytes
+  CHECK(plain.bytes == plain.colsum + scratch_alignment);
+  const attention_backward_scratch_layout gated(p, true);
+  CHECK(gated.rowsum == gated.colsum + 3328);
+  CHECK(gated.gate == gated.rowsum + 3328);
+  CHECK(gated.reset == gated.gate + 6400);  // 800 doubles
+  CHECK(gated.bytes == gated.reset + 3328 + scratch_alignment);
+  const std::int32_t offsets[] = {0, 50, 200};
+  attnmix::attention_problem packed = p;
+  packed.batch = 1, packed.tokens = 200, packed.cu_seqlens = offsets;
+  CHECK(attention_backward_scratch_layout(packed, true).delta == 256);
+}
