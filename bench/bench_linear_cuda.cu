@@ -95,3 +95,74 @@ BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::linear_causal, attnmix::linear
 BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::linear_causal, gated_causal_policy)
     ->Name("linear_causal_gated")
     ->Apply(causal_shapes);
+
+// ---- backward ----
+// The linear-attention backward (linear_attention_backward), bf16, and the forward + backward
+// of a training step (FwdToo). Counter GB/s: the bytes a backward must move at least (q, k, v,
+// dout, and gate under the gated norm, read; dq, dk, dv, and dgate, written, in bf16; the gate
+// logits read and da written in float), plus the forward's bytes for FwdToo, over the time;
+// MB is that byte count, so that time / (MB / copy GB/s) is the distance from the memory floor.
+namespace {
+
+template <class Kind, class Policy, bool FwdToo>
+void BM_linear_backward_cuda(benchmark::State& state) {
+  using T = attnmix::bfloat16;
+  constexpr bool normed = Policy::norm != attnmix::gated_norm::off;
+  constexpr bool gated = Policy::gate != attnmix::key_gate::off;
+  const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
+  const std::size_t n = static_cast<std::size_t>(B * Tn * H * D);
+  device_array<T> q(n, 1), k(n, 2), v(n, 3), gate(n, 4), out(n, 5), dout(n, 6);
+  device_array<T> dq(n, 7), dk(n, 8), dv(n, 9), dgate(n, 10);
+  device_array<float> a(static_cast<std::size_t>(B * Tn), 11, -2.f, 2.f),
+      da(static_cast<std::size_t>(B * Tn), 12), gamma(static_cast<std::size_t>(D), 13, 0.5f, 1.5f),
+      dgamma(static_cast<std::size_t>(D), 14);
+  const auto dev = attnmix::memory_space::device;
+  const attnmix::view4<const T> qv(q.ptr, {B, Tn, H, D}, dev), kv(k.ptr, {B, Tn, H, D}, dev),
+      vv(v.ptr, {B, Tn, H, D}, dev), gv(gate.ptr, {B, Tn, H, D}, dev);
+  attnmix::linear_attention_args<T> fwd;
+  fwd.q = qv, fwd.k = kv, fwd.v = vv;
+  fwd.out = attnmix::view4<T>(out.ptr, {B, Tn, H, D}, dev);
+  attnmix::linear_attention_grad_args<T> g;
+  g.q = qv, g.k = kv, g.v = vv;
+  g.dout = attnmix::view4<const T>(dout.ptr, {B, Tn, H, D}, dev);
+  g.dq = attnmix::view4<T>(dq.ptr, {B, Tn, H, D}, dev);
+  g.dk = attnmix::view4<T>(dk.ptr, {B, Tn, H, D}, dev);
+  g.dv = attnmix::view4<T>(dv.ptr, {B, Tn, H, D}, dev);
+  if constexpr (gated) {
+    fwd.a = g.a = attnmix::view3<const float>(a.ptr, {B, Tn, 1}, dev);
+    g.da = attnmix::view3<float>(da.ptr, {B, Tn, 1}, dev);
+  }
+  if constexpr (normed) {
+    fwd.gate = g.gate = gv;
+    fwd.gamma = g.gamma = attnmix::view1<const float>(gamma.ptr, {D}, dev);
+    g.dgate = attnmix::view4<T>(dgate.ptr, {B, Tn, H, D}, dev);
+    g.dgamma = attnmix::view1<float>(dgamma.ptr, {D}, dev);
+  }
+  auto call = [&] {
+    if constexpr (FwdToo)
+      attnmix::linear_attention<Kind, Policy>(fwd, {}, attnmix::backend::cuda{});
+    attnmix::linear_attention_backward<Kind, Policy>(g, {}, attnmix::backend::cuda{});
+  };
+  attnmix_bench::time_with_events(state, call, 1);
+  const double act = double(B) * Tn * H * D * 2;
+  double bytes = act * (normed ? 9 : 7) + (gated ? double(B) * Tn * 8 : 0);
+  if (FwdToo) bytes += act * (normed ? 5 : 4) + (gated ? double(B) * Tn * 4 : 0);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["MB"] = bytes / 1e6;
+}
+
+}  // namespace
+
+BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::gbla, attnmix::gbla_policy, false)
+    ->Name("gbla_backward")
+    ->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::gbla, attnmix::gbla_policy, true)
+    ->Name("gbla_forward_backward")
+    ->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::bla, attnmix::bla_policy, false)
+    ->Name("bla_backward")
+    ->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::bla, attnmix::bla_policy, true)
+    ->Name("bla_forward_backward")
+    ->Apply(shapes);

@@ -29,3 +29,4 @@
 #include "attnmix/cuda/layers.cuh"
 #include "attnmix/cuda/stack.cuh"
 #include "attnmix/cuda/path_backward.cuh"
+#include "attnmix/cuda/linear_backward.cuh"

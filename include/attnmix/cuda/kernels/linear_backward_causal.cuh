@@ -1,0 +1,454 @@
+#pragma once
+// CUDA-core kernels of the causal linear-attention backward (kind::linear_causal, no key gate),
+// chunks of `chunk` tokens, in launch order (plan/linear_backward.hpp):
+//   linear_bwd_chunk_sums_kernel    each chunk's own P^T V, sum P (state_sums)
+//   linear_bwd_scan_kernel          in place: the state before each chunk (from state_in)
+//   linear_bwd_causal_query_kernel  dq, g = do / den, delta, and each chunk's R^T g, R^T delta
+//   linear_bwd_reverse_scan_kernel  in place: the gradient of the state after each chunk (from
+//                                   dstate_out); the total is dstate_in
+//   linear_bwd_causal_key_kernel    dk, dv
+//   linear_bwd_norm_kernel          (a gated norm) do and dgate from the recomputed output
+// Chunk c of sequence n is state slot chunk_offsets[n] + c. Sums run in a fixed order.
+
+#include "attnmix/cuda/kernels/linear_backward_simt.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+// CTA (chunk c, KV head h, sequence n).
+template <class Dev, class Policy>
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_chunk_sums_kernel(const linear_backward_params bp, index_t chunk,
+                                 const int* chunk_offsets, float* state) {
+  extern __shared__ __align__(16) float smem[];
+  const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
+  index_t batch, start, length;
+  bp.f.sequence(n, batch, start, length);
+  const index_t t0 = index_t(c) * chunk, t1 = min(length, t0 + chunk);
+  const index_t SS = index_t(bp.f.head_dim) * bp.f.value_dim + bp.f.head_dim;
+  float* out = state + (index_t(chunk_offsets[n] + c) * bp.f.kv_heads + h) * SS;
+  state_sums<Dev, Policy>(bp, n, batch, start, h, t0, t1, nullptr, smem, out);
+}
+
+// CTA (KV head h, sequence n): slot c <- state_in + sum of the slots before c.
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_scan_kernel(const linear_backward_params bp, const int* chunk_offsets,
+                           float* state) {
+  constexpr int R = linear_bwd_state_regs;
+  const linear_kernel_params& f = bp.f;
+  const int h = blockIdx.x, n = blockIdx.y, D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + r * linear_bwd_threads;
+    float x = 0.f;
+    if (idx < D * Dv) {
+      if (f.S_in != nullptr)
+        x = f.S_in[n * f.S_in_stride[0] + h * f.S_in_stride[1] + (idx / Dv) * f.S_in_stride[2] +
+                   (idx % Dv) * f.S_in_stride[3]];
+    } else if (idx < SS) {
+      if (f.z_in != nullptr)
+        x = f.z_in[n * f.z_in_stride[0] + h * f.z_in_stride[1] + (idx - D * Dv) * f.z_in_stride[2]];
+    }
+    acc[r] = x;
+  }
+  for (int c = chunk_offsets[n]; c < chunk_offsets[n + 1]; ++c) {
+    float* slot = state + (index_t(c) * f.kv_heads + h) * SS;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int idx = threadIdx.x + r * linear_bwd_threads;
+      if (idx < SS) {
+        const float own = slot[idx];
+        slot[idx] = acc[r];
+        acc[r] += own;
+      }
+    }
+  }
+}
+
+// CTA (chunk c, KV head h, sequence n): for every query head of h's group and every row i of
+// the chunk, with S_c, z_c the state before the chunk and A_ij = r_i . p_j (j <= i):
+//   num_i = S_c^T r_i + sum_j A_ij v_j, den_i = r_i . z_c + sum_j A_ij + eps,
+//   g_i = do_i / den_i, delta_i = -(do_i . num_i) / den_i^2   (den = 1, delta = 0 unnormalised)
+//   dq_i = scale phi'(q_i) (S_c g_i + delta_i z_c + sum_j (g_i . v_j + delta_i) p_j)
+// g and delta go to gbuf / delta_buf for the key pass; the chunk's sum R^T g, R^T delta over
+// the group's heads to dstate's slot.
+template <class Dev, class Policy>
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_causal_query_kernel(const linear_backward_params bp, index_t chunk,
+                                   const int* chunk_offsets, const float* state, float* dstate,
+                                   float* gbuf, float* delta_buf) {
+  constexpr int TT = int(linear_bwd_tile), R = linear_bwd_state_regs;
+  constexpr bool normalize = Policy::normalize;
+  extern __shared__ __align__(16) float smem[];
+  const linear_kernel_params& f = bp.f;
+  const int D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D, C = int(chunk);
+  const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
+  float* P = smem;           // [C][D]  phi(k), 0 at pads
+  float* V = P + C * D;      // [C][Dv]
+  float* Q = V + C * Dv;     // [TT][D]
+  float* Rr = Q + TT * D;    // [TT][D] scale phi(q), 0 at pads
+  float* G = Rr + TT * D;    // [TT][Dv] do, then g
+  float* NUM = G + TT * Dv;  // [TT][Dv]
+  float* A = NUM + TT * Dv;  // [TT][C]
+  float* DS = A + TT * C;    // [TT][C]
+  float* INV = DS + TT * C;  // [TT]
+  float* DEL = INV + TT;     // [TT]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t c0 = index_t(c) * C;
+  const int rows_c = int(min(index_t(C), length - c0));
+  const index_t slot = index_t(chunk_offsets[n] + c) * f.kv_heads + h;
+  const float* S = state + slot * SS;
+  const float* z = S + D * Dv;
+
+  for (int e = threadIdx.x; e < C * D; e += blockDim.x) {
+    const int j = e / D, d = e % D;
+    const bool ok = j < rows_c && f.valid(batch, start + c0 + j);
+    P[e] = ok ? apply_feature_map<Policy::phi>(
+                    load_act<Dev>(f.k, f.k_stride, batch, start + c0 + j, h, d))
+              : 0.f;
+  }
+  for (int e = threadIdx.x; e < C * Dv; e += blockDim.x) {
+    const int j = e / Dv, cc = e % Dv;
+    const bool ok = j < rows_c && f.valid(batch, start + c0 + j);
+    V[e] = ok ? load_act<Dev>(f.v, f.v_stride, batch, start + c0 + j, h, cc) : 0.f;
+  }
+
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int hq = h * f.group; hq < (h + 1) * f.group; ++hq) {
+    for (int i0 = 0; i0 < rows_c; i0 += TT) {
+      const int rows = min(TT, rows_c - i0);
+      const index_t tb = start + c0 + i0;  // absolute token of tile row 0
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
+        const int t = e / D, d = e % D;
+        const bool ok = t < rows && f.valid(batch, tb + t);
+        const float x = ok ? load_act<Dev>(f.q, f.q_stride, batch, tb + t, hq, d) : 0.f;
+        Q[e] = x;
+        Rr[e] = ok ? f.scale * apply_feature_map<Policy::phi>(x) : 0.f;
+      }
+      for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
+        const int t = e / Dv, cc = e % Dv;
+        const bool ok = t < rows && f.valid(batch, tb + t);
+        G[e] = ok ? load_act<Dev>(bp.dout, bp.dout_stride, batch, tb + t, hq, cc) : 0.f;
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * C; e += blockDim.x) {
+        const int t = e / C, j = e % C;
+        float s = 0.f;
+        if (t < rows && j <= i0 + t)
+          for (int d = 0; d < D; ++d) s += Rr[t * D + d] * P[j * D + d];
+        A[e] = s;
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
+        const int t = e / Dv, cc = e % Dv;
+        float s = 0.f;
+        for (int d = 0; d < D; ++d) s += Rr[t * D + d] * S[d * Dv + cc];
+        for (int j = 0; j <= min(i0 + t, C - 1); ++j) s += A[t * C + j] * V[j * Dv + cc];
+        NUM[e] = s;
+      }
+      {  // warp `warp` owns row `warp`
+        float s = 0.f;
+        if (normalize) {
+          for (int d = lane; d < D; d += 32) s += Rr[warp * D + d] * z[d];
+          for (int j = lane; j < C; j += 32) s += A[warp * C + j];
+        }
+        s = warp_sum(s);
+        if (lane == 0) INV[warp] = normalize ? 1.f / (s + f.eps) : 1.f;
+      }
+      __syncthreads();
+      {
+        float s = 0.f;
+        for (int cc = lane; cc < Dv; cc += 32) s += G[warp * Dv + cc] * NUM[warp * Dv + cc];
+        s = warp_sum(s);
+        const float inv = INV[warp];
+        const float del = normalize ? -s * inv * inv : 0.f;
+        for (int cc = lane; cc < Dv; cc += 32) G[warp * Dv + cc] *= inv;
+        if (lane == 0) DEL[warp] = del;
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
+        const int t = e / Dv, cc = e % Dv;
+        if (t < rows) gbuf[((batch * f.tokens + tb + t) * f.q_heads + hq) * Dv + cc] = G[e];
+      }
+      if (threadIdx.x < rows)
+        delta_buf[(batch * f.tokens + tb + threadIdx.x) * f.q_heads + hq] = DEL[threadIdx.x];
+      for (int e = threadIdx.x; e < TT * C; e += blockDim.x) {
+        const int t = e / C, j = e % C;
+        float s = 0.f;
+        if (t < rows && j <= i0 + t && j < rows_c) {
+          s = DEL[t];
+          for (int cc = 0; cc < Dv; ++cc) s += G[t * Dv + cc] * V[j * Dv + cc];
+        }
+        DS[e] = s;
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
+        const int t = e / D, d = e % D;
+        if (t >= rows) continue;
+        float y = 0.f;
+        if (f.valid(batch, tb + t)) {
+          float s = DEL[t] * z[d];
+          for (int cc = 0; cc < Dv; ++cc) s += S[d * Dv + cc] * G[t * Dv + cc];
+          for (int j = 0; j <= min(i0 + t, C - 1); ++j) s += DS[t * C + j] * P[j * D + d];
+          const float x = Q[e];
+          y = f.scale * s * phi_derivative<Policy::phi>(x, apply_feature_map<Policy::phi>(x));
+        }
+        store_act<Dev>(bp.dq, bp.dq_stride, batch, tb + t, hq, d, y);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int idx = threadIdx.x + r * linear_bwd_threads;
+        if (idx < D * Dv) {
+          const int d = idx / Dv, cc = idx % Dv;
+          float s = acc[r];
+          for (int t = 0; t < rows; ++t) s += Rr[t * D + d] * G[t * Dv + cc];
+          acc[r] = s;
+        } else if (idx < SS) {
+          const int d = idx - D * Dv;
+          float s = acc[r];
+          for (int t = 0; t < rows; ++t) s += Rr[t * D + d] * DEL[t];
+          acc[r] = s;
+        }
+      }
+    }
+  }
+  float* out = dstate + slot * SS;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + r * linear_bwd_threads;
+    if (idx < SS) out[idx] = acc[r];
+  }
+}
+
+// CTA (KV head h, sequence n): slot c <- dstate_out + sum of the slots after c; dstate_in gets
+// dstate_out + the sum of every slot.
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_reverse_scan_kernel(const linear_backward_params bp, const int* chunk_offsets,
+                                   float* dstate) {
+  constexpr int R = linear_bwd_state_regs;
+  const linear_kernel_params& f = bp.f;
+  const int h = blockIdx.x, n = blockIdx.y, D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + r * linear_bwd_threads;
+    float x = 0.f;
+    if (idx < D * Dv) {
+      if (bp.dS_out != nullptr)
+        x = bp.dS_out[n * bp.dS_out_stride[0] + h * bp.dS_out_stride[1] +
+                      (idx / Dv) * bp.dS_out_stride[2] + (idx % Dv) * bp.dS_out_stride[3]];
+    } else if (idx < SS) {
+      if (bp.dz_out != nullptr)
+        x = bp.dz_out[n * bp.dz_out_stride[0] + h * bp.dz_out_stride[1] +
+                      (idx - D * Dv) * bp.dz_out_stride[2]];
+    }
+    acc[r] = x;
+  }
+  for (int c = chunk_offsets[n + 1] - 1; c >= chunk_offsets[n]; --c) {
+    float* slot = dstate + (index_t(c) * f.kv_heads + h) * SS;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int idx = threadIdx.x + r * linear_bwd_threads;
+      if (idx < SS) {
+        const float own = slot[idx];
+        slot[idx] = acc[r];
+        acc[r] += own;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + r * linear_bwd_threads;
+    if (idx < D * Dv) {
+      if (bp.dS_in != nullptr)
+        bp.dS_in[n * bp.dS_in_stride[0] + h * bp.dS_in_stride[1] + (idx / Dv) * bp.dS_in_stride[2] +
+                 (idx % Dv) * bp.dS_in_stride[3]] = acc[r];
+    } else if (idx < SS) {
+      if (bp.dz_in != nullptr)
+        bp.dz_in[n * bp.dz_in_stride[0] + h * bp.dz_in_stride[1] +
+                 (idx - D * Dv) * bp.dz_in_stride[2]] = acc[r];
+    }
+  }
+}
+
+// CTA (chunk c, KV head h, sequence n): with dS_c, dz_c the gradient of the state after the
+// chunk, for every key j of the chunk:
+//   e_j = dS_c v_j + dz_c + sum_{hq, i >= j} (g_i . v_j + delta_i) r_i,
+//   dv_j = dS_c^T p_j + sum_{hq, i >= j} (r_i . p_j) g_i,   dk_j = e_j phi'(k_j).
+template <class Dev, class Policy>
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_causal_key_kernel(const linear_backward_params bp, index_t chunk,
+                                 const int* chunk_offsets, const float* dstate, const float* gbuf,
+                                 const float* delta_buf) {
+  constexpr int TT = int(linear_bwd_tile);
+  extern __shared__ __align__(16) float smem[];
+  const linear_kernel_params& f = bp.f;
+  const int D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D, C = int(chunk);
+  const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
+  float* P = smem;           // [C][D]
+  float* V = P + C * D;      // [C][Dv]
+  float* E = V + C * Dv;     // [C][D]
+  float* DVv = E + C * D;    // [C][Dv]
+  float* Rr = DVv + C * Dv;  // [TT][D]
+  float* G = Rr + TT * D;    // [TT][Dv]
+  float* A = G + TT * Dv;    // [TT][C]
+  float* DS = A + TT * C;    // [TT][C]
+  float* DEL = DS + TT * C;  // [TT]
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t c0 = index_t(c) * C;
+  const int rows_c = int(min(index_t(C), length - c0));
+  const float* dS = dstate + (index_t(chunk_offsets[n] + c) * f.kv_heads + h) * SS;
+  const float* dz = dS + D * Dv;
+
+  for (int e = threadIdx.x; e < C * D; e += blockDim.x) {
+    const int j = e / D, d = e % D;
+    const bool ok = j < rows_c && f.valid(batch, start + c0 + j);
+    P[e] = ok ? apply_feature_map<Policy::phi>(
+                    load_act<Dev>(f.k, f.k_stride, batch, start + c0 + j, h, d))
+              : 0.f;
+  }
+  for (int e = threadIdx.x; e < C * Dv; e += blockDim.x) {
+    const int j = e / Dv, cc = e % Dv;
+    const bool ok = j < rows_c && f.valid(batch, start + c0 + j);
+    V[e] = ok ? load_act<Dev>(f.v, f.v_stride, batch, start + c0 + j, h, cc) : 0.f;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < C * D; e += blockDim.x) {
+    const int j = e / D, d = e % D;
+    float s = dz[d];
+    for (int cc = 0; cc < Dv; ++cc) s += dS[d * Dv + cc] * V[j * Dv + cc];
+    E[e] = s;
+  }
+  for (int e = threadIdx.x; e < C * Dv; e += blockDim.x) {
+    const int j = e / Dv, cc = e % Dv;
+    float s = 0.f;
+    for (int d = 0; d < D; ++d) s += P[j * D + d] * dS[d * Dv + cc];
+    DVv[e] = s;
+  }
+  for (int hq = h * f.group; hq < (h + 1) * f.group; ++hq) {
+    for (int i0 = 0; i0 < rows_c; i0 += TT) {
+      const int rows = min(TT, rows_c - i0);
+      const index_t tb = start + c0 + i0;
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
+        const int t = e / D, d = e % D;
+        const bool ok = t < rows && f.valid(batch, tb + t);
+        Rr[e] = ok ? f.scale * apply_feature_map<Policy::phi>(
+                                   load_act<Dev>(f.q, f.q_stride, batch, tb + t, hq, d))
+                   : 0.f;
+      }
+      for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
+        const int t = e / Dv, cc = e % Dv;
+        G[e] = t < rows ? gbuf[((batch * f.tokens + tb + t) * f.q_heads + hq) * Dv + cc] : 0.f;
+      }
+      if (threadIdx.x < TT)
+        DEL[threadIdx.x] = int(threadIdx.x) < rows
+                               ? delta_buf[(batch * f.tokens + tb + threadIdx.x) * f.q_heads + hq]
+                               : 0.f;
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * C; e += blockDim.x) {
+        const int t = e / C, j = e % C;
+        float a = 0.f, ds = 0.f;
+        if (t < rows && j <= i0 + t && j < rows_c) {
+          for (int d = 0; d < D; ++d) a += Rr[t * D + d] * P[j * D + d];
+          ds = DEL[t];
+          for (int cc = 0; cc < Dv; ++cc) ds += G[t * Dv + cc] * V[j * Dv + cc];
+        }
+        A[e] = a;
+        DS[e] = ds;
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < C * D; e += blockDim.x) {
+        const int j = e / D, d = e % D;
+        float s = E[e];
+        for (int t = 0; t < TT; ++t) s += DS[t * C + j] * Rr[t * D + d];
+        E[e] = s;
+      }
+      for (int e = threadIdx.x; e < C * Dv; e += blockDim.x) {
+        const int j = e / Dv, cc = e % Dv;
+        float s = DVv[e];
+        for (int t = 0; t < TT; ++t) s += A[t * C + j] * G[t * Dv + cc];
+        DVv[e] = s;
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < C * D; e += blockDim.x) {
+    const int j = e / D, d = e % D;
+    if (j >= rows_c) continue;
+    const index_t ta = start + c0 + j;
+    float y = 0.f;
+    if (f.valid(batch, ta)) {
+      const float x = load_act<Dev>(f.k, f.k_stride, batch, ta, h, d);
+      y = E[e] * phi_derivative<Policy::phi>(x, P[e]);
+    }
+    store_act<Dev>(bp.dk, bp.dk_stride, batch, ta, h, d, y);
+  }
+  for (int e = threadIdx.x; e < C * Dv; e += blockDim.x) {
+    const int j = e / Dv, cc = e % Dv;
+    if (j >= rows_c) continue;
+    const index_t ta = start + c0 + j;
+    store_act<Dev>(bp.dv, bp.dv_stride, batch, ta, h, cc, f.valid(batch, ta) ? DVv[e] : 0.f);
+  }
+}
+
+// CTA (tile of linear_bwd_tile tokens, sequence n): for every query head, the gated norm's
+// backward of each row from the recomputed core output o ([B, T, HQ, Dv] contiguous): dgate to
+// its view, do to dO (same layout), the tile's dgamma sums to dgamma_part[n, tile, hq].
+template <class Dev, class Policy>
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_norm_kernel(const linear_backward_params bp, const Dev* o, Dev* dO, index_t tiles,
+                           float* dgamma_part) {
+  constexpr int TT = int(linear_bwd_tile);
+  extern __shared__ __align__(16) float smem[];
+  const linear_kernel_params& f = bp.f;
+  const int Dv = f.value_dim, HQ = f.q_heads;
+  float* Ob = smem;          // [TT][Dv]
+  float* DY = Ob + TT * Dv;  // [TT][Dv]
+  float* DG = DY + TT * Dv;  // [TT][Dv]
+  const int tile = blockIdx.x, n = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t base = index_t(tile) * TT;
+  const int rows = int(max(index_t(0), min(index_t(TT), length - base)));
+  const bool with_dgamma = dgamma_part != nullptr;
+  for (int hq = 0; hq < HQ; ++hq) {
+    __syncthreads();
+    const bool exists = warp < rows;
+    const index_t ta = start + base + min(warp, max(rows - 1, 0));
+    const bool ok = exists && f.valid(batch, ta);
+    const index_t row = ((batch * f.tokens + ta) * HQ + hq) * Dv;
+    for (int cc = lane; cc < Dv; cc += 32) {
+      Ob[warp * Dv + cc] = ok ? to_float(o[row + cc]) : 0.f;
+      DY[warp * Dv + cc] = ok ? load_act<Dev>(bp.dout, bp.dout_stride, batch, ta, hq, cc) : 0.f;
+    }
+    __syncwarp();
+    if (rows > 0)
+      norm_row_backward<Dev, Policy>(bp, batch, ta, hq, exists, ok, Ob + warp * Dv, DY + warp * Dv,
+                                     with_dgamma ? DG + warp * Dv : nullptr);
+    __syncwarp();
+    if (exists)
+      for (int cc = lane; cc < Dv; cc += 32) dO[row + cc] = from_float<Dev>(DY[warp * Dv + cc]);
+    __syncthreads();
+    if (with_dgamma && int(threadIdx.x) < Dv) {
+      float s = 0.f;
+      for (int t = 0; t < rows; ++t) s += DG[t * Dv + threadIdx.x];
+      dgamma_part[((index_t(n) * tiles + tile) * HQ + hq) * Dv + threadIdx.x] = s;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

@@ -1,0 +1,624 @@
+#pragma once
+// CUDA-core kernels of the linear-attention backward (spec gbla.md §3.4), float accumulation.
+// Bidirectional (bla, gbla), in launch order (plan/linear_backward.hpp):
+//   linear_bwd_stats_kernel     key-gate softmax statistics (max, 1 / sum) per (sequence, gate
+//   head) linear_bwd_reduce_kernel    partial S, z of a range of tokens (shared with the causal
+//   chunks) linear_bwd_combine_kernel   partials summed in part order (the state, then its
+//   gradient) linear_bwd_query_kernel     pass A: dq, the gated norm's backward, partial dS, dz
+//   linear_bwd_jac_kernel       <dS, S> + <dz, z> (the key gate's softmax Jacobian term)
+//   linear_bwd_key_kernel       pass B: dk, dv, da
+//   linear_bwd_fold_*           dgamma over parts and heads, a shared gate's da over heads
+// Every reduction has a fixed order (a thread owns each output element, or a fixed tree), so
+// the gradients are the same bits on every run. A kernel's CTA has linear_bwd_threads threads,
+// one warp per row of a linear_bwd_tile-row tile.
+
+#include <cmath>
+#include <cstdint>
+
+#include "attnmix/core/linear_policy.hpp"
+#include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/kernels/linear_simt.cuh"
+#include "attnmix/cuda/plan/linear_backward.hpp"
+#include "attnmix/math/feature_map.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+static_assert(linear_bwd_tile * 32 == linear_bwd_threads, "one warp a tile row");
+
+// What a backward kernel reads and writes beyond the forward's inputs (in `f`). Strides in
+// elements of (batch, token, head) for activations; the innermost stride is 1.
+struct linear_backward_params {
+  linear_kernel_params f;  // q, k, v, mask, a, gate, gamma, state_in, sizes, scale, eps
+  index_t batch;           // B of the views
+  const void* dout;
+  index_t dout_stride[3];
+  void* dq;
+  void* dk;
+  void* dv;
+  void* dgate;
+  index_t dq_stride[3], dk_stride[3], dv_stride[3], dgate_stride[3];
+  float* da;  // [B, T, Hg]
+  index_t da_stride[3];
+  float* dgamma;
+  index_t dgamma_stride;
+  // Bidirectional: the forward's state (saved_S null: recompute).
+  const float* saved_S;
+  const float* saved_z;
+  const float* saved_lse;
+  index_t saved_S_stride[4], saved_z_stride[3], saved_lse_stride[2];
+  // Causal: the gradient of the final state in, that of the initial state out (any may be null).
+  const float* dS_out;
+  const float* dz_out;
+  float* dS_in;
+  float* dz_in;
+  index_t dS_out_stride[4], dz_out_stride[3], dS_in_stride[4], dz_in_stride[3];
+};
+
+template <class Dev>
+__device__ __forceinline__ float load_act(const void* base, const index_t* st, index_t b, index_t t,
+                                          int h, int d) {
+  return to_float(static_cast<const Dev*>(base)[b * st[0] + t * st[1] + h * st[2] + d]);
+}
+template <class Dev>
+__device__ __forceinline__ void store_act(void* base, const index_t* st, index_t b, index_t t,
+                                          int h, int d, float x) {
+  static_cast<Dev*>(base)[b * st[0] + t * st[1] + h * st[2] + d] = from_float<Dev>(x);
+}
+
+// d phi / dx from x and phi(x) (the CPU backend's times_phi_derivative).
+template <feature_map F>
+__device__ __forceinline__ float phi_derivative(float x, float phi) {
+  if constexpr (F == feature_map::elu_plus_one) {
+    return fminf(phi, 1.f);  // 1 for x > 0, exp(x) = phi(x) below
+  } else if constexpr (F == feature_map::relu) {
+    return x > 0.f ? 1.f : 0.f;
+  } else if constexpr (F == feature_map::squared_relu) {
+    return 2.f * fmaxf(x, 0.f);
+  } else if constexpr (F == feature_map::sigmoid) {
+    const float e = expf(-fabsf(x));  // sigma(x) sigma(-x) without 1 - phi's rounding
+    return e / ((1.f + e) * (1.f + e));
+  } else {
+    return 1.f;
+  }
+}
+
+// The normalised key-gate weight of a valid token from its sequence's (max, 1 / sum); 0 at
+// pads and in sequences without mass.
+__device__ __forceinline__ float gate_weight(const linear_kernel_params& f, const float* stats,
+                                             int n, index_t batch, index_t t, int h) {
+  if (!f.valid(batch, t)) return 0.f;
+  const int gh = f.gate_heads == 1 ? 0 : h;
+  const float M = stats[(index_t(n) * f.gate_heads + gh) * 2],
+              inv = stats[(index_t(n) * f.gate_heads + gh) * 2 + 1];
+  if (!(inv > 0.f)) return 0.f;
+  return expf(f.logit(batch, t, h) - M) * inv;
+}
+
+// ---- gate statistics ----------------------------------------------------------------------
+
+// CTA (gate head gh, sequence n): stats[n, gh] = (max, 1 / sum exp(a - max)) over the valid
+// tokens, or from saved_lse (w = exp(a - lse)); (-inf, 0) for a sequence without mass.
+template <class Policy>
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_stats_kernel(const linear_backward_params bp, float* stats) {
+  __shared__ float scratch[8];
+  const linear_kernel_params& f = bp.f;
+  const int gh = blockIdx.x, n = blockIdx.y;
+  float* out = stats + (index_t(n) * f.gate_heads + gh) * 2;
+  if (bp.saved_S != nullptr && bp.saved_lse != nullptr) {
+    if (threadIdx.x == 0) {
+      const float lse = bp.saved_lse[n * bp.saved_lse_stride[0] + gh * bp.saved_lse_stride[1]];
+      out[0] = lse;
+      out[1] = lse == -INFINITY ? 0.f : 1.f;
+    }
+    return;
+  }
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const float M = block_logit_max(f, batch, start, gh, 0, length, scratch);
+  float sum = 0.f;
+  if (M != -INFINITY)
+    for (index_t t = threadIdx.x; t < length; t += blockDim.x) {
+      const float a = f.logit(batch, start + t, gh);
+      if (a != -INFINITY) sum += expf(a - M);
+    }
+  sum = block_reduce<false>(sum, scratch);
+  if (threadIdx.x == 0) {
+    out[0] = M;
+    out[1] = M == -INFINITY || !(sum > 0.f) ? 0.f : 1.f / sum;
+  }
+}
+
+// ---- state sums ---------------------------------------------------------------------------
+
+// The sums S = sum_t w_t phi(k_t) v_t^T, z = sum_t w_t phi(k_t) over tokens [t0, t1) of
+// sequence n, KV head h (w: the gate weight, 1 without `stats`; 0 at pads), written to
+// out[0, D * Dv + D) (S row-major, then z). smem: linear_bwd_reduce_floats.
+template <class Dev, class Policy>
+__device__ void state_sums(const linear_backward_params& bp, int n, index_t batch, index_t start,
+                           int h, index_t t0, index_t t1, const float* stats, float* smem,
+                           float* out) {
+  constexpr int TT = int(linear_bwd_tile), R = linear_bwd_state_regs;
+  const linear_kernel_params& f = bp.f;
+  const int D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
+  float* P = smem;         // [TT][D]
+  float* V = P + TT * D;   // [TT][Dv]
+  float* W = V + TT * Dv;  // [TT]
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (index_t base = t0; base < t1; base += TT) {
+    const int rows = int(min(index_t(TT), t1 - base));
+    __syncthreads();
+    if (threadIdx.x < TT) {
+      const int t = threadIdx.x;
+      float w = 0.f;
+      if (t < rows) {
+        const index_t ta = start + base + t;
+        w = stats != nullptr ? gate_weight(f, stats, n, batch, ta, h)
+                             : (f.valid(batch, ta) ? 1.f : 0.f);
+      }
+      W[t] = w;
+    }
+    __syncthreads();
+    // Pad tokens are selected away, not multiplied: their k and v may hold anything.
+    for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
+      const int t = e / D, d = e % D;
+      float y = 0.f;
+      if (W[t] != 0.f)
+        y = W[t] * apply_feature_map<Policy::phi>(
+                       load_act<Dev>(f.k, f.k_stride, batch, start + base + t, h, d));
+      P[e] = y;
+    }
+    for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
+      const int t = e / Dv, c = e % Dv;
+      V[e] = W[t] != 0.f ? load_act<Dev>(f.v, f.v_stride, batch, start + base + t, h, c) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int idx = threadIdx.x + r * linear_bwd_threads;
+      if (idx < D * Dv) {
+        const int d = idx / Dv, c = idx % Dv;
+        float s = acc[r];
+        for (int t = 0; t < rows; ++t) s += P[t * D + d] * V[t * Dv + c];
+        acc[r] = s;
+      } else if (idx < SS) {
+        const int d = idx - D * Dv;
+        float s = acc[r];
+        for (int t = 0; t < rows; ++t) s += P[t * D + d];
+        acc[r] = s;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + r * linear_bwd_threads;
+    if (idx < SS) out[idx] = acc[r];
+  }
+}
+
+// CTA (part, KV head h, sequence n): the partial state of tokens [part * part_tokens, ...).
+template <class Dev, class Policy>
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_reduce_kernel(const linear_backward_params bp, index_t part_tokens, index_t parts,
+                             const float* stats, float* partial) {
+  extern __shared__ __align__(16) float smem[];
+  const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  index_t batch, start, length;
+  bp.f.sequence(n, batch, start, length);
+  const index_t t0 = min(length, index_t(part) * part_tokens);
+  const index_t t1 = min(length, t0 + part_tokens);
+  const index_t SS = index_t(bp.f.head_dim) * bp.f.value_dim + bp.f.head_dim;
+  float* out = partial + ((index_t(n) * parts + part) * bp.f.kv_heads + h) * SS;
+  state_sums<Dev, Policy>(bp, n, batch, start, h, t0, t1,
+                          Policy::gate != key_gate::off ? stats : nullptr, smem, out);
+}
+
+// CTA (KV head h, sequence n): dst[n, h] = sum over q < parts of src[n, q, h], in q order.
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_combine_kernel(const float* src, index_t parts, int heads, index_t SS, float* dst) {
+  const int h = blockIdx.x, n = blockIdx.y;
+  for (index_t idx = threadIdx.x; idx < SS; idx += blockDim.x) {
+    float s = 0.f;
+    for (index_t q = 0; q < parts; ++q) s += src[((index_t(n) * parts + q) * heads + h) * SS + idx];
+    dst[(index_t(n) * heads + h) * SS + idx] = s;
+  }
+}
+
+// CTA (KV head h, sequence n): the forward's saved S, z (z = 0 when absent) into dst[n, h].
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_load_saved_kernel(const linear_backward_params bp, float* dst) {
+  const int h = blockIdx.x, n = blockIdx.y;
+  const int D = bp.f.head_dim, Dv = bp.f.value_dim;
+  const index_t SS = index_t(D) * Dv + D;
+  for (index_t idx = threadIdx.x; idx < SS; idx += blockDim.x) {
+    float x = 0.f;
+    if (idx < index_t(D) * Dv) {
+      const index_t d = idx / Dv, c = idx % Dv;
+      const index_t* s = bp.saved_S_stride;
+      x = bp.saved_S[n * s[0] + h * s[1] + d * s[2] + c * s[3]];
+    } else if (bp.saved_z != nullptr) {
+      const index_t* s = bp.saved_z_stride;
+      x = bp.saved_z[n * s[0] + h * s[1] + (idx - index_t(D) * Dv) * s[2]];
+    }
+    dst[(index_t(n) * bp.f.kv_heads + h) * SS + idx] = x;
+  }
+}
+
+// ---- the gated norm's backward ------------------------------------------------------------
+
+// One warp, one (token, query head) row of the per-head gated RMSNorm: o (the norm's input) and
+// dy (the gradient of its output) in shared memory; writes do into dy, dgate to its view, and
+// each column's dgamma term into dgm (when gamma is given). Pad rows give zeros; a row that does
+// not exist (past the end of a tile) writes nothing to the view.
+template <class Dev, class Policy>
+__device__ void norm_row_backward(const linear_backward_params& bp, index_t batch, index_t t,
+                                  int hq, bool exists, bool valid, const float* o, float* dy,
+                                  float* dgm) {
+  const linear_kernel_params& f = bp.f;
+  const int Dv = f.value_dim, lane = threadIdx.x % 32;
+  constexpr int K = int(linear_bwd_max_dim / 32);
+  constexpr bool gate_first = Policy::order == norm_gate_order::gate_then_norm;
+  float ov[K], dyv[K], act[K], dact[K], gam[K], xg[K];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int c = lane + 32 * k;
+    ov[k] = dyv[k] = act[k] = dact[k] = xg[k] = 0.f;
+    gam[k] = 1.f;
+    if (c < Dv && valid) {
+      ov[k] = o[c];
+      dyv[k] = dy[c];
+      const float g = load_act<Dev>(f.gate, f.gate_stride, batch, t, hq, c);
+      const float s = 1.f / (1.f + expf(-g));
+      if constexpr (Policy::activation == gate_activation::silu) {
+        act[k] = g * s;
+        dact[k] = s + act[k] * (1.f - s);
+      } else {
+        act[k] = s;
+        dact[k] = s * (1.f - s);
+      }
+      if (f.gamma != nullptr)
+        gam[k] =
+            f.gamma[(Policy::weight == norm_weight::per_head ? hq * Dv + c : c) * f.gamma_stride];
+      xg[k] = gate_first ? ov[k] * act[k] : ov[k];
+      ss += xg[k] * xg[k];
+    }
+  }
+  const float rstd = 1.f / sqrtf(warp_sum(ss) / float(Dv) + f.norm_eps);
+  float dn[K], dg[K], proj = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if constexpr (!gate_first) {
+      dn[k] = dyv[k] * act[k];
+      if (dgm != nullptr && lane + 32 * k < Dv)
+        dgm[lane + 32 * k] = valid ? rstd * dn[k] * xg[k] : 0.f;
+      dg[k] = rstd * dyv[k] * xg[k] * dact[k] * gam[k];
+      dn[k] *= gam[k];
+    } else {
+      dn[k] = dyv[k];
+      if (dgm != nullptr && lane + 32 * k < Dv)
+        dgm[lane + 32 * k] = valid ? rstd * dn[k] * xg[k] : 0.f;
+      dn[k] *= gam[k];
+    }
+    proj += dn[k] * xg[k];
+  }
+  proj = rstd * rstd * warp_sum(proj) / float(Dv);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int c = lane + 32 * k;
+    if (c >= Dv) continue;
+    float d_o;
+    if constexpr (!gate_first) {
+      d_o = rstd * (dn[k] - proj * xg[k]);
+    } else {
+      const float dx = rstd * (dn[k] - proj * xg[k]);
+      dg[k] = dx * ov[k] * dact[k];
+      d_o = dx * act[k];
+    }
+    dy[c] = valid ? d_o : 0.f;
+    if (exists) store_act<Dev>(bp.dgate, bp.dgate_stride, batch, t, hq, c, valid ? dg[k] : 0.f);
+  }
+}
+
+// ---- pass A: query rows -------------------------------------------------------------------
+
+// CTA (part, KV head h, sequence n): for every query head of h's group and every row of the
+// part: do through the gated norm, g = do / den, delta = -(do . o) / den, dq = scale (S g +
+// delta z) phi'(q); and this part's sums dS = sum r g^T, dz = sum delta r (r = scale phi(q)),
+// over the group's heads, into partial[n, part, h]; dgamma terms into dgamma_part[n, part, hq].
+template <class Dev, class Policy>
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_query_kernel(const linear_backward_params bp, index_t part_tokens, index_t parts,
+                            const float* state, float* partial, float* dgamma_part) {
+  constexpr int TT = int(linear_bwd_tile), R = linear_bwd_state_regs;
+  constexpr bool normed = Policy::norm != gated_norm::off;
+  constexpr bool normalize = Policy::normalize;
+  extern __shared__ __align__(16) float smem[];
+  const linear_kernel_params& f = bp.f;
+  const int D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
+  float* Q = smem;            // [TT][D] q
+  float* Rr = Q + TT * D;     // [TT][D] r = scale phi(q), 0 at pads
+  float* X = Rr + TT * D;     // [TT][D] S g
+  float* G = X + TT * D;      // [TT][Dv] do, then g
+  float* O = G + TT * Dv;     // [TT][Dv] o
+  float* DG = O + TT * Dv;    // [TT][Dv] dgamma terms
+  float* INV = DG + TT * Dv;  // [TT] 1 / den
+  float* DEL = INV + TT;      // [TT] delta
+
+  const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t t0 = min(length, index_t(part) * part_tokens);
+  const index_t t1 = min(length, t0 + part_tokens);
+  const float* S = state + (index_t(n) * f.kv_heads + h) * SS;
+  const float* z = S + D * Dv;
+  const bool with_dgamma = normed && dgamma_part != nullptr;
+
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int hq = h * f.group; hq < (h + 1) * f.group; ++hq) {
+    float dg_acc = 0.f;  // column threadIdx.x of dgamma
+    for (index_t base = t0; base < t1; base += TT) {
+      const int rows = int(min(index_t(TT), t1 - base));
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
+        const int t = e / D, d = e % D;
+        const bool ok = t < rows && f.valid(batch, start + base + t);
+        const float x = ok ? load_act<Dev>(f.q, f.q_stride, batch, start + base + t, hq, d) : 0.f;
+        Q[e] = x;
+        Rr[e] = ok ? f.scale * apply_feature_map<Policy::phi>(x) : 0.f;
+      }
+      for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
+        const int t = e / Dv, c = e % Dv;
+        const bool ok = t < rows && f.valid(batch, start + base + t);
+        G[e] = ok ? load_act<Dev>(bp.dout, bp.dout_stride, batch, start + base + t, hq, c) : 0.f;
+      }
+      __syncthreads();
+      {  // warp `warp` owns row `warp`: 1 / den
+        float s = 0.f;
+        if (normalize)
+          for (int d = lane; d < D; d += 32) s += Rr[warp * D + d] * z[d];
+        s = warp_sum(s);
+        if (lane == 0) INV[warp] = normalize ? 1.f / (s + f.eps) : 1.f;
+      }
+      if constexpr (normed) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
+          const int t = e / Dv, c = e % Dv;
+          float s = 0.f;
+          for (int d = 0; d < D; ++d) s += Rr[t * D + d] * S[d * Dv + c];
+          O[e] = s * INV[t];
+        }
+        __syncthreads();
+        {
+          const bool exists = warp < rows;
+          const bool ok = exists && f.valid(batch, start + base + warp);
+          norm_row_backward<Dev, Policy>(bp, batch, start + base + min(warp, rows - 1), hq, exists,
+                                         ok, O + warp * Dv, G + warp * Dv,
+                                         with_dgamma ? DG + warp * Dv : nullptr);
+        }
+        __syncthreads();
+        if (with_dgamma && threadIdx.x < Dv)
+          for (int t = 0; t < rows; ++t) dg_acc += DG[t * Dv + threadIdx.x];
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) G[e] *= INV[e / Dv];
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
+        const int t = e / D, d = e % D;
+        float s = 0.f;
+        for (int c = 0; c < Dv; ++c) s += S[d * Dv + c] * G[t * Dv + c];
+        X[e] = s;
+      }
+      __syncthreads();
+      {
+        float s = 0.f;
+        if (normalize)
+          for (int d = lane; d < D; d += 32) s += Rr[warp * D + d] * X[warp * D + d];
+        s = warp_sum(s);
+        if (lane == 0) DEL[warp] = normalize ? -s * INV[warp] : 0.f;
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
+        const int t = e / D, d = e % D;
+        if (t >= rows) continue;
+        const bool ok = f.valid(batch, start + base + t);
+        float y = 0.f;
+        if (ok) {
+          const float x = Q[e];
+          y = f.scale * (X[e] + DEL[t] * z[d]) *
+              phi_derivative<Policy::phi>(x, apply_feature_map<Policy::phi>(x));
+        }
+        store_act<Dev>(bp.dq, bp.dq_stride, batch, start + base + t, hq, d, y);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int idx = threadIdx.x + r * linear_bwd_threads;
+        if (idx < D * Dv) {
+          const int d = idx / Dv, c = idx % Dv;
+          float s = acc[r];
+          for (int t = 0; t < rows; ++t) s += Rr[t * D + d] * G[t * Dv + c];
+          acc[r] = s;
+        } else if (idx < SS) {
+          const int d = idx - D * Dv;
+          float s = acc[r];
+          for (int t = 0; t < rows; ++t) s += Rr[t * D + d] * DEL[t];
+          acc[r] = s;
+        }
+      }
+    }
+    if (with_dgamma && threadIdx.x < Dv)
+      dgamma_part[((index_t(n) * parts + part) * f.q_heads + hq) * Dv + threadIdx.x] = dg_acc;
+  }
+  float* out = partial + ((index_t(n) * parts + part) * f.kv_heads + h) * SS;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + r * linear_bwd_threads;
+    if (idx < SS) out[idx] = acc[r];
+  }
+}
+
+// CTA (KV head h, sequence n): jac[n, h] = <dS, S> + <dz, z>, in double over a fixed tree.
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_jac_kernel(const float* state, const float* dstate, int heads, index_t SS,
+                          float* jac) {
+  __shared__ double part[linear_bwd_threads];
+  const index_t at = (index_t(blockIdx.y) * heads + blockIdx.x) * SS;
+  double s = 0.0;
+  for (index_t idx = threadIdx.x; idx < SS; idx += blockDim.x)
+    s += double(state[at + idx]) * double(dstate[at + idx]);
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = linear_bwd_threads / 2; w > 0; w /= 2) {
+    if (int(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) jac[index_t(blockIdx.y) * heads + blockIdx.x] = float(part[0]);
+}
+
+// ---- pass B: keys -------------------------------------------------------------------------
+
+// CTA (part, KV head h, sequence n): with e_j = dS v_j + dz: dv_j = w_j dS^T phi(k_j),
+// dk_j = w_j e_j phi'(k_j), da_j = w_j (phi(k_j) . e_j - jac). A shared gate over several KV
+// heads writes its per-head da into da_heads[h, b, t] (summed by linear_bwd_fold_da_kernel).
+template <class Dev, class Policy>
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_key_kernel(const linear_backward_params bp, index_t part_tokens, const float* stats,
+                          const float* dstate, const float* jac, float* da_heads) {
+  constexpr int TT = int(linear_bwd_tile);
+  constexpr bool gated = Policy::gate != key_gate::off;
+  extern __shared__ __align__(16) float smem[];
+  const linear_kernel_params& f = bp.f;
+  const int D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
+  float* K = smem;         // [TT][D] k
+  float* P = K + TT * D;   // [TT][D] phi(k), 0 at pads
+  float* E = P + TT * D;   // [TT][D] e
+  float* V = E + TT * D;   // [TT][Dv]
+  float* W = V + TT * Dv;  // [TT] gate weight (1 without a gate), 0 at pads
+
+  const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t t0 = min(length, index_t(part) * part_tokens);
+  const index_t t1 = min(length, t0 + part_tokens);
+  const float* dS = dstate + (index_t(n) * f.kv_heads + h) * SS;
+  const float* dz = dS + D * Dv;
+  const float jh = gated ? jac[index_t(n) * f.kv_heads + h] : 0.f;
+
+  for (index_t base = t0; base < t1; base += TT) {
+    const int rows = int(min(index_t(TT), t1 - base));
+    __syncthreads();
+    if (threadIdx.x < TT) {
+      const int t = threadIdx.x;
+      float w = 0.f;
+      if (t < rows) {
+        const index_t ta = start + base + t;
+        if constexpr (gated)
+          w = gate_weight(f, stats, n, batch, ta, h);
+        else
+          w = f.valid(batch, ta) ? 1.f : 0.f;
+      }
+      W[t] = w;
+    }
+    for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
+      const int t = e / D, d = e % D;
+      const bool ok = t < rows && f.valid(batch, start + base + t);
+      const float x = ok ? load_act<Dev>(f.k, f.k_stride, batch, start + base + t, h, d) : 0.f;
+      K[e] = x;
+      P[e] = ok ? apply_feature_map<Policy::phi>(x) : 0.f;
+    }
+    for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
+      const int t = e / Dv, c = e % Dv;
+      const bool ok = t < rows && f.valid(batch, start + base + t);
+      V[e] = ok ? load_act<Dev>(f.v, f.v_stride, batch, start + base + t, h, c) : 0.f;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
+      const int t = e / D, d = e % D;
+      float s = Policy::normalize ? dz[d] : 0.f;
+      for (int c = 0; c < Dv; ++c) s += dS[d * Dv + c] * V[t * Dv + c];
+      E[e] = s;
+    }
+    for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
+      const int t = e / Dv, c = e % Dv;
+      if (t >= rows) continue;
+      const bool ok = f.valid(batch, start + base + t);
+      float s = 0.f;
+      for (int d = 0; d < D; ++d) s += P[t * D + d] * dS[d * Dv + c];
+      store_act<Dev>(bp.dv, bp.dv_stride, batch, start + base + t, h, c, ok ? W[t] * s : 0.f);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
+      const int t = e / D, d = e % D;
+      if (t >= rows) continue;
+      const bool ok = f.valid(batch, start + base + t);
+      const float y = ok ? W[t] * E[e] * phi_derivative<Policy::phi>(K[e], P[e]) : 0.f;
+      store_act<Dev>(bp.dk, bp.dk_stride, batch, start + base + t, h, d, y);
+    }
+    if constexpr (gated) {
+      float s = 0.f;
+      for (int d = lane; d < D; d += 32) s += P[warp * D + d] * E[warp * D + d];
+      s = warp_sum(s);
+      if (lane == 0 && warp < rows) {
+        const index_t ta = start + base + warp;
+        const float da = f.valid(batch, ta) ? W[warp] * (s - jh) : 0.f;
+        if (da_heads != nullptr)
+          da_heads[(index_t(h) * bp.batch + batch) * f.tokens + ta] = da;
+        else
+          bp.da[batch * bp.da_stride[0] + ta * bp.da_stride[1] +
+                (f.gate_heads == 1 ? 0 : h) * bp.da_stride[2]] = da;
+      }
+    }
+  }
+}
+
+// ---- folds --------------------------------------------------------------------------------
+
+// CTA (256 tokens, sequence n): da[b, t, 0] = sum over KV heads h (in order) of da_heads[h, b, t].
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_fold_da_kernel(const linear_backward_params bp, const float* da_heads) {
+  index_t batch, start, length;
+  bp.f.sequence(blockIdx.y, batch, start, length);
+  const index_t t = index_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= length) return;
+  const index_t ta = start + t;
+  float s = 0.f;
+  for (int h = 0; h < bp.f.kv_heads; ++h)
+    s += da_heads[(index_t(h) * bp.batch + batch) * bp.f.tokens + ta];
+  bp.da[batch * bp.da_stride[0] + ta * bp.da_stride[1]] = s;
+}
+
+// One CTA: dgamma from `groups` partial rows of [HQ][Dv], summed in group order (and over the
+// heads in head order for norm_weight::shared).
+template <class Policy>
+__global__ void __launch_bounds__(linear_bwd_threads)
+    linear_bwd_fold_dgamma_kernel(const linear_backward_params bp, const float* parts,
+                                  index_t groups) {
+  const int HQ = bp.f.q_heads, Dv = bp.f.value_dim;
+  constexpr bool per_head = Policy::weight == norm_weight::per_head;
+  const int count = per_head ? HQ * Dv : Dv;
+  for (int e = threadIdx.x; e < count; e += blockDim.x) {
+    float s = 0.f;
+    if (per_head) {
+      for (index_t g = 0; g < groups; ++g) s += parts[g * HQ * Dv + e];
+    } else {
+      for (int hq = 0; hq < HQ; ++hq) {
+        float sh = 0.f;
+        for (index_t g = 0; g < groups; ++g) sh += parts[(g * HQ + hq) * Dv + e];
+        s += sh;
+      }
+    }
+    bp.dgamma[e * bp.dgamma_stride] = s;
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

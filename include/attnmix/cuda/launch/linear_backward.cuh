@@ -1,0 +1,260 @@
+#pragma once
+// Host side of the CUDA linear-attention backward: the kernel parameters, the stream-ordered
+// scratch and the launches of what plan/linear_backward.hpp chose (kernels in
+// kernels/linear_backward_simt.cuh and kernels/linear_backward_causal.cuh).
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attnmix/attention/linear_args.hpp"
+#include "attnmix/core/linear_policy.hpp"
+#include "attnmix/core/tags.hpp"
+#include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/kernels/linear_backward_causal.cuh"
+#include "attnmix/cuda/kernels/linear_backward_simt.cuh"
+#include "attnmix/cuda/launch/linear.cuh"
+#include "attnmix/cuda/plan/linear_backward.hpp"
+#include "attnmix/cuda/runtime.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+// The policy of a causal gated norm's core (the forward that recomputes o).
+template <class Policy>
+struct backward_core_policy : Policy {
+  static constexpr gated_norm norm = gated_norm::off;
+};
+
+template <class Kind, class Policy, class T>
+void run_linear_backward(const std::string& fn, const linear_attention_grad_args<T>& a,
+                         const linear_attention_problem& p, const backend::cuda& be) {
+  static_assert(Policy::norm != gated_norm::full_width,
+                "attnmix: the CUDA backend has the per-head gated RMSNorm only; full_width runs on "
+                "the CPU backend");
+  using Dev = device_t<T>;
+  constexpr bool causal = linear_kind_traits<Kind>::causal;
+  constexpr bool gated = Policy::gate != key_gate::off;
+  constexpr bool normed = Policy::norm != gated_norm::off;
+  static_assert(!(causal && gated), "attnmix: checked by linear_backward.cuh");
+  check_launch_sizes(fn, p, linear_bwd_max_dim, "linear-attention backward kernels");
+  const index_t D = p.head_dim, Dv = p.value_dim, N = p.num_sequences, H = p.kv_heads,
+                HQ = p.q_heads, B = p.batch, Tn = p.tokens;
+  if (N == 0) return;
+  cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
+  const device_properties& props = current_properties();
+
+  linear_backward_shape shape;
+  shape.causal = causal, shape.gated = gated, shape.normed = normed;
+  shape.shared_gate_sum = gated && p.gate_heads == 1 && H > 1;
+  shape.saved = !causal && a.saved.S.has_value();
+  shape.batch = B, shape.tokens = Tn, shape.head_dim = D, shape.value_dim = Dv;
+  shape.max_len = longest_sequence(p);
+  shape.sequences = N, shape.kv_heads = H, shape.q_heads = HQ;
+  shape.gate_heads = gated ? p.gate_heads : 0;
+  shape.offsets_bytes = offsets_bytes(p);
+  std::vector<int> chunk_offsets;
+  if constexpr (causal) {
+    const index_t chunk = linear_bwd_causal_chunk(D, Dv, props);
+    chunk_offsets.resize(std::size_t(N + 1));
+    chunk_offsets[0] = 0;
+    for (index_t n = 0; n < N; ++n)
+      chunk_offsets[std::size_t(n + 1)] =
+          chunk_offsets[std::size_t(n)] + int((p.seq(n).length + chunk - 1) / chunk);
+    shape.total_chunks = chunk_offsets.back();
+  }
+  const linear_backward_plan plan = plan_linear_backward(shape, props);
+  const linear_backward_scratch& sc = plan.scratch;
+  stream_buffer scratch(sc.bytes, stream);
+  unsigned char* base = scratch.get();
+  auto at = [&](std::size_t off) {
+    return reinterpret_cast<float*>(base + off);
+  };
+
+  linear_backward_params bp{};
+  linear_kernel_params& kp = bp.f;
+  kp.q = a.q.data(), kp.k = a.k.data(), kp.v = a.v.data(), kp.out = nullptr;
+  kp.mask = a.mask.has_value() ? a.mask.data() : nullptr;
+  kp.a = a.a.has_value() ? a.a.data() : nullptr;
+  kp.gate = a.gate.has_value() ? a.gate.data() : nullptr;
+  kp.gamma = a.gamma.has_value() ? a.gamma.data() : nullptr;
+  copy_strides(kp.q_stride, a.q), copy_strides(kp.k_stride, a.k), copy_strides(kp.v_stride, a.v);
+  copy_strides(kp.gate_stride, a.gate);
+  copy_strides(kp.mask_stride, a.mask), copy_strides(kp.a_stride, a.a);
+  kp.gamma_stride = a.gamma.has_value() ? a.gamma.stride(0) : 0;
+  kp.tokens = Tn;
+  kp.q_heads = int(HQ), kp.kv_heads = int(H), kp.group = int(p.group());
+  kp.gate_heads = int(gated ? p.gate_heads : 1), kp.head_dim = int(D), kp.value_dim = int(Dv);
+  kp.scale = float(p.scale), kp.eps = float(p.eps), kp.norm_eps = float(p.norm_eps);
+  const auto& si = a.state_in;
+  kp.S_in = si.S.has_value() ? si.S.data() : nullptr;
+  kp.z_in = si.z.has_value() ? si.z.data() : nullptr;
+  copy_strides(kp.S_in_stride, si.S), copy_strides(kp.z_in_stride, si.z);
+  kp.cu_seqlens = upload_offsets(base + sc.offsets, p, stream);
+  bp.batch = B;
+  bp.dout = a.dout.data();
+  copy_strides(bp.dout_stride, a.dout);
+  bp.dq = a.dq.data(), bp.dk = a.dk.data(), bp.dv = a.dv.data();
+  bp.dgate = a.dgate.has_value() ? a.dgate.data() : nullptr;
+  copy_strides(bp.dq_stride, a.dq), copy_strides(bp.dk_stride, a.dk);
+  copy_strides(bp.dv_stride, a.dv), copy_strides(bp.dgate_stride, a.dgate);
+  bp.da = a.da.has_value() ? a.da.data() : nullptr;
+  copy_strides(bp.da_stride, a.da);
+  bp.dgamma = a.dgamma.has_value() ? a.dgamma.data() : nullptr;
+  bp.dgamma_stride = a.dgamma.has_value() ? a.dgamma.stride(0) : 0;
+  bp.saved_S = a.saved.S.has_value() ? a.saved.S.data() : nullptr;
+  bp.saved_z = a.saved.z.has_value() ? a.saved.z.data() : nullptr;
+  bp.saved_lse = a.saved.lse.has_value() ? a.saved.lse.data() : nullptr;
+  copy_strides(bp.saved_S_stride, a.saved.S), copy_strides(bp.saved_z_stride, a.saved.z);
+  copy_strides(bp.saved_lse_stride, a.saved.lse);
+  bp.dS_out = a.dstate_out.S.has_value() ? a.dstate_out.S.data() : nullptr;
+  bp.dz_out = a.dstate_out.z.has_value() ? a.dstate_out.z.data() : nullptr;
+  bp.dS_in = a.dstate_in.S.has_value() ? a.dstate_in.S.data() : nullptr;
+  bp.dz_in = a.dstate_in.z.has_value() ? a.dstate_in.z.data() : nullptr;
+  copy_strides(bp.dS_out_stride, a.dstate_out.S), copy_strides(bp.dz_out_stride, a.dstate_out.z);
+  copy_strides(bp.dS_in_stride, a.dstate_in.S), copy_strides(bp.dz_in_stride, a.dstate_in.z);
+
+  const dim3 threads(linear_bwd_threads);
+  const index_t SS = plan.state_size;
+  const unsigned n_grid = unsigned(N);
+
+  if constexpr (!causal) {
+    float* stats = at(sc.stats);
+    float* state = at(sc.state);
+    float* partial = at(sc.partial);
+    float* dstate = at(sc.dstate);
+    float* jac = at(sc.jac);
+    float* dgamma_part = normed && a.dgamma.has_value() ? at(sc.dgamma) : nullptr;
+    float* da_heads = shape.shared_gate_sum ? at(sc.da_heads) : nullptr;
+    if constexpr (gated) {
+      linear_bwd_stats_kernel<Policy><<<as_dim3(plan.stats_grid), threads, 0, stream>>>(bp, stats);
+      check(cudaGetLastError(), "linear_bwd_stats_kernel launch");
+    }
+    if (shape.saved) {
+      linear_bwd_load_saved_kernel<<<as_dim3(plan.combine_grid), threads, 0, stream>>>(bp, state);
+      check(cudaGetLastError(), "linear_bwd_load_saved_kernel launch");
+    } else {
+      auto reduce = linear_bwd_reduce_kernel<Dev, Policy>;
+      allow_dynamic_smem(reduce, plan.reduce_smem);
+      reduce<<<as_dim3(plan.reduce_grid), threads, plan.reduce_smem, stream>>>(
+          bp, plan.part_tokens, plan.parts, stats, partial);
+      check(cudaGetLastError(), "linear_bwd_reduce_kernel launch");
+      linear_bwd_combine_kernel<<<as_dim3(plan.combine_grid), threads, 0, stream>>>(
+          partial, plan.parts, int(H), SS, state);
+      check(cudaGetLastError(), "linear_bwd_combine_kernel launch");
+    }
+    auto query = linear_bwd_query_kernel<Dev, Policy>;
+    allow_dynamic_smem(query, plan.pass_a_smem);
+    query<<<as_dim3(plan.pass_grid), threads, plan.pass_a_smem, stream>>>(
+        bp, plan.part_tokens, plan.parts, state, partial, dgamma_part);
+    check(cudaGetLastError(), "linear_bwd_query_kernel launch");
+    linear_bwd_combine_kernel<<<as_dim3(plan.combine_grid), threads, 0, stream>>>(
+        partial, plan.parts, int(H), SS, dstate);
+    check(cudaGetLastError(), "linear_bwd_combine_kernel launch");
+    if constexpr (gated) {
+      linear_bwd_jac_kernel<<<as_dim3(plan.combine_grid), threads, 0, stream>>>(state, dstate,
+                                                                                int(H), SS, jac);
+      check(cudaGetLastError(), "linear_bwd_jac_kernel launch");
+    }
+    auto key = linear_bwd_key_kernel<Dev, Policy>;
+    allow_dynamic_smem(key, plan.pass_b_smem);
+    key<<<as_dim3(plan.pass_grid), threads, plan.pass_b_smem, stream>>>(bp, plan.part_tokens, stats,
+                                                                        dstate, jac, da_heads);
+    check(cudaGetLastError(), "linear_bwd_key_kernel launch");
+    if (da_heads != nullptr && shape.max_len > 0) {
+      const dim3 grid(unsigned((shape.max_len + linear_bwd_threads - 1) / linear_bwd_threads),
+                      n_grid);
+      linear_bwd_fold_da_kernel<<<grid, threads, 0, stream>>>(bp, da_heads);
+      check(cudaGetLastError(), "linear_bwd_fold_da_kernel launch");
+    }
+    if (dgamma_part != nullptr) {
+      linear_bwd_fold_dgamma_kernel<Policy>
+          <<<1, threads, 0, stream>>>(bp, dgamma_part, N * plan.parts);
+      check(cudaGetLastError(), "linear_bwd_fold_dgamma_kernel launch");
+    }
+  } else {
+    int* offsets = reinterpret_cast<int*>(base + sc.chunk_offsets);
+    check(cudaMemcpyAsync(offsets, chunk_offsets.data(), chunk_offsets.size() * sizeof(int),
+                          cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync(chunk offsets)");
+    float* state = at(sc.state);
+    float* dstate = at(sc.dstate);
+    float* gbuf = at(sc.g);
+    float* delta = at(sc.delta);
+
+    // A gated norm: recompute the core's output, then do (and dgate, dgamma) row by row; the
+    // core's backward then runs on do.
+    const std::size_t rows = std::size_t(B * Tn * HQ) * std::size_t(Dv);
+    stream_buffer norm_scratch(
+        normed ? padded_bytes(rows * sizeof(T)) * 2 +
+                     padded_bytes(
+                         std::size_t(N) *
+                         std::size_t((shape.max_len + linear_bwd_tile - 1) / linear_bwd_tile) *
+                         std::size_t(HQ * Dv) * sizeof(float))
+               : 0,
+        stream);
+    if constexpr (normed) {
+      T* o = reinterpret_cast<T*>(norm_scratch.get());
+      T* dO = reinterpret_cast<T*>(norm_scratch.get() + padded_bytes(rows * sizeof(T)));
+      float* dgamma_part =
+          a.dgamma.has_value()
+              ? reinterpret_cast<float*>(norm_scratch.get() + 2 * padded_bytes(rows * sizeof(T)))
+              : nullptr;
+      linear_attention_args<T> fa;
+      fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.mask = a.mask;
+      fa.state_in.S = a.state_in.S, fa.state_in.z = a.state_in.z;
+      fa.out = view4<T>(o, {B, Tn, HQ, Dv}, {Tn * HQ * Dv, HQ * Dv, Dv, 1}, memory_space::device);
+      run_linear<Kind, backward_core_policy<Policy>>(fn, fa, p, be);
+      const index_t tiles = (shape.max_len + linear_bwd_tile - 1) / linear_bwd_tile;
+      if (tiles > 0) {
+        const int smem = int(3 * linear_bwd_tile * Dv * sizeof(float));
+        auto norm = linear_bwd_norm_kernel<Dev, Policy>;
+        allow_dynamic_smem(norm, smem);
+        norm<<<dim3(unsigned(tiles), n_grid), threads, smem, stream>>>(
+            bp, reinterpret_cast<const Dev*>(o), reinterpret_cast<Dev*>(dO), tiles, dgamma_part);
+        check(cudaGetLastError(), "linear_bwd_norm_kernel launch");
+      }
+      if (dgamma_part != nullptr) {
+        linear_bwd_fold_dgamma_kernel<Policy>
+            <<<1, threads, 0, stream>>>(bp, dgamma_part, N * tiles);
+        check(cudaGetLastError(), "linear_bwd_fold_dgamma_kernel launch");
+      }
+      bp.dout = dO;
+      bp.dout_stride[0] = Tn * HQ * Dv, bp.dout_stride[1] = HQ * Dv, bp.dout_stride[2] = Dv;
+    }
+
+    const dim3 chunk_grid = as_dim3(plan.chunk_grid);
+    if (shape.total_chunks > 0) {
+      auto sums = linear_bwd_chunk_sums_kernel<Dev, Policy>;
+      allow_dynamic_smem(sums, plan.reduce_smem);
+      sums<<<chunk_grid, threads, plan.reduce_smem, stream>>>(bp, plan.chunk, offsets, state);
+      check(cudaGetLastError(), "linear_bwd_chunk_sums_kernel launch");
+    }
+    linear_bwd_scan_kernel<<<as_dim3(plan.scan_grid), threads, 0, stream>>>(bp, offsets, state);
+    check(cudaGetLastError(), "linear_bwd_scan_kernel launch");
+    if (shape.total_chunks > 0) {
+      auto query = linear_bwd_causal_query_kernel<Dev, Policy>;
+      allow_dynamic_smem(query, plan.causal_q_smem);
+      query<<<chunk_grid, threads, plan.causal_q_smem, stream>>>(bp, plan.chunk, offsets, state,
+                                                                 dstate, gbuf, delta);
+      check(cudaGetLastError(), "linear_bwd_causal_query_kernel launch");
+    }
+    linear_bwd_reverse_scan_kernel<<<as_dim3(plan.scan_grid), threads, 0, stream>>>(bp, offsets,
+                                                                                    dstate);
+    check(cudaGetLastError(), "linear_bwd_reverse_scan_kernel launch");
+    if (shape.total_chunks > 0) {
+      auto key = linear_bwd_causal_key_kernel<Dev, Policy>;
+      allow_dynamic_smem(key, plan.causal_k_smem);
+      key<<<chunk_grid, threads, plan.causal_k_smem, stream>>>(bp, plan.chunk, offsets, dstate,
+                                                               gbuf, delta);
+      check(cudaGetLastError(), "linear_bwd_causal_key_kernel launch");
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

@@ -1,0 +1,167 @@
+#pragma once
+// The plan of a linear-attention backward (bla, gbla, linear_causal) on CUDA cores: how the
+// tokens are split among CTAs, the tiles, every grid and the scratch layout. Pure C++:
+// unit-tested without a GPU (tests/plan/).
+//
+// Bidirectional: gate statistics -> reduce (partial states of `parts` token ranges a sequence)
+//   -> combine -> pass A over query rows (dq, the gated norm's backward, partial dS, dz) ->
+//   combine -> <dS, S> + <dz, z> -> pass B over keys (dk, dv, da) -> folds (dgamma, a shared
+//   gate's da over the heads). With `saved` the reduce and its combine are skipped.
+// Causal: per chunk of `chunk` tokens its own sum P^T V -> an exclusive scan over the chunks ->
+//   the query pass of each chunk (dq, g = do / den, delta, the chunk's sum R^T g) -> a reverse
+//   scan (the gradient of the state after each chunk) -> the key pass of each chunk (dk, dv).
+// Every sum over tokens, chunks or parts runs in an order fixed by the problem alone.
+
+#include <algorithm>
+#include <cstddef>
+
+#include "attnmix/config.hpp"
+#include "attnmix/cuda/plan/device_properties.hpp"
+#include "attnmix/cuda/plan/grid.hpp"
+#include "attnmix/cuda/plan/scratch.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+// Threads of every backward kernel, and the most state elements (D * Dv + D) a kernel holds in
+// registers: ceil((128 * 128 + 128) / 256) a thread.
+constexpr int linear_bwd_threads = 256;
+constexpr index_t linear_bwd_max_dim = 128;
+constexpr int linear_bwd_state_regs =
+    int((linear_bwd_max_dim * linear_bwd_max_dim + linear_bwd_max_dim + linear_bwd_threads - 1) /
+        linear_bwd_threads);
+// Bidirectional: at most this many token ranges a sequence, each at least this many tokens, and
+// CTAs a multiprocessor to aim for.
+constexpr index_t linear_bwd_max_parts = 64, linear_bwd_min_part = 256;
+constexpr int linear_bwd_ctas_per_sm = 4;
+// Rows of a tile (query or key rows staged in shared memory at once).
+constexpr index_t linear_bwd_tile = 8;
+
+// What the plan reads of a call.
+struct linear_backward_shape {
+  bool causal = false;
+  bool gated = false, normed = false;   // Policy: a key gate, a gated norm
+  bool shared_gate_sum = false;         // key_gate::shared with H > 1: da summed over heads
+  bool saved = false;                   // bidirectional: the forward's state is given
+  index_t batch = 0, tokens = 0;        // of the views
+  index_t head_dim = 0, value_dim = 0;  // D, Dv
+  index_t max_len = 0;                  // longest sequence
+  index_t sequences = 0, kv_heads = 0, q_heads = 0, gate_heads = 0;
+  index_t total_chunks = 0;       // causal: sum over sequences of ceil(len / chunk)
+  std::size_t offsets_bytes = 0;  // the cu_seqlens copy (0 for a dense batch)
+};
+
+// Byte offsets of the scratch parts (each 256-byte aligned) and the total.
+struct linear_backward_scratch {
+  std::size_t offsets = 0, chunk_offsets = 0, stats = 0, state = 0, partial = 0, dstate = 0,
+              jac = 0, dgamma = 0, da_heads = 0, g = 0, delta = 0, bytes = 0;
+};
+
+struct linear_backward_plan {
+  index_t state_size = 0;  // D * Dv + D
+  // Bidirectional.
+  index_t parts = 1, part_tokens = 1;
+  // Causal: tokens a chunk, and the largest chunk count of a sequence.
+  index_t chunk = 64, max_chunks = 0;
+  index_t tile = linear_bwd_tile;
+  int pass_a_smem = 0, pass_b_smem = 0, reduce_smem = 0, causal_q_smem = 0, causal_k_smem = 0;
+  launch_grid stats_grid, reduce_grid, combine_grid, pass_grid, chunk_grid, scan_grid;
+  linear_backward_scratch scratch;
+};
+
+// Shared-memory floats of each kernel (the launcher and the kernels use the same arithmetic).
+constexpr index_t linear_bwd_reduce_floats(index_t tile, index_t D, index_t Dv) {
+  return tile * (D + Dv + 1);
+}
+// Pass A: q, r, x (tile x D), do, o, dgamma terms (tile x Dv), den, delta (tile).
+constexpr index_t linear_bwd_pass_a_floats(index_t tile, index_t D, index_t Dv) {
+  return tile * (3 * D + 3 * Dv + 2);
+}
+// Pass B: k, p, e (tile x D), v (tile x Dv), w (tile).
+constexpr index_t linear_bwd_pass_b_floats(index_t tile, index_t D, index_t Dv) {
+  return tile * (3 * D + Dv + 1);
+}
+// Causal query pass: chunk keys P, V; a tile's q, r, dr (tile x D), do, g, num (tile x Dv),
+// scores A and dscore (tile x chunk), den and delta (tile).
+constexpr index_t linear_bwd_causal_q_floats(index_t chunk, index_t tile, index_t D, index_t Dv) {
+  return chunk * (D + Dv) + tile * (3 * D + 3 * Dv + 2 * chunk + 2);
+}
+// Causal key pass: chunk keys P, V and their gradients E, DV; a tile's r (tile x D), g (tile x
+// Dv), A and dscore (tile x chunk), delta (tile).
+constexpr index_t linear_bwd_causal_k_floats(index_t chunk, index_t tile, index_t D, index_t Dv) {
+  return chunk * (2 * D + 2 * Dv) + tile * (D + Dv + 2 * chunk + 1);
+}
+
+// The causal chunk for head dims D, Dv: the longest of 64, 32, 16, 8 whose passes fit the
+// shared memory a kernel may opt in to.
+inline index_t linear_bwd_causal_chunk(index_t D, index_t Dv, const device_properties& props) {
+  const std::size_t limit = std::max(props.smem_per_block_optin, props.smem_per_block);
+  for (index_t c : {index_t(64), index_t(32), index_t(16)}) {
+    const std::size_t q = std::size_t(linear_bwd_causal_q_floats(c, linear_bwd_tile, D, Dv)) * 4;
+    const std::size_t k = std::size_t(linear_bwd_causal_k_floats(c, linear_bwd_tile, D, Dv)) * 4;
+    if (std::max(q, k) <= limit) return c;
+  }
+  return 8;
+}
+
+inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
+                                                 const device_properties& props) {
+  linear_backward_plan p;
+  const index_t D = s.head_dim, Dv = s.value_dim, N = s.sequences, H = s.kv_heads;
+  p.state_size = D * Dv + D;
+  const unsigned n_grid = unsigned(std::max<index_t>(N, 1));
+  p.stats_grid = {unsigned(std::max<index_t>(s.gate_heads, 1)), n_grid, 1};
+  p.combine_grid = {unsigned(H), n_grid, 1};
+  p.scan_grid = {unsigned(H), n_grid, 1};
+  const index_t tile = p.tile;
+  p.reduce_smem = int(linear_bwd_reduce_floats(tile, D, Dv) * 4);
+  p.pass_a_smem = int(linear_bwd_pass_a_floats(tile, D, Dv) * 4);
+  p.pass_b_smem = int(linear_bwd_pass_b_floats(tile, D, Dv) * 4);
+
+  const std::size_t state_bytes = std::size_t(p.state_size) * sizeof(float);
+  linear_backward_scratch& sc = p.scratch;
+  std::size_t at = 0;
+  auto take = [&](std::size_t& off, std::size_t bytes) {
+    off = at;
+    at += padded_bytes(bytes);
+  };
+  take(sc.offsets, s.offsets_bytes);
+  if (!s.causal) {
+    // Enough token ranges a (sequence, head) to give every SM a few CTAs, each of at least
+    // linear_bwd_min_part tokens: the partial states stay O(T D) per head.
+    const index_t pairs = std::max<index_t>(N * H, 1);
+    const index_t want = (index_t(props.sms) * linear_bwd_ctas_per_sm + pairs - 1) / pairs;
+    const index_t most =
+        std::max<index_t>(1, (s.max_len + linear_bwd_min_part - 1) / linear_bwd_min_part);
+    p.parts = std::max<index_t>(1, std::min({want, most, linear_bwd_max_parts}));
+    p.part_tokens = std::max<index_t>(1, (s.max_len + p.parts - 1) / p.parts);
+    p.reduce_grid = {unsigned(p.parts), unsigned(H), n_grid};
+    p.pass_grid = p.reduce_grid;
+    take(sc.stats, std::size_t(N * std::max<index_t>(s.gate_heads, 1)) * 2 * sizeof(float));
+    take(sc.state, std::size_t(N * H) * state_bytes);
+    take(sc.partial, std::size_t(N * p.parts * H) * state_bytes);
+    take(sc.dstate, std::size_t(N * H) * state_bytes);
+    take(sc.jac, std::size_t(N * H) * sizeof(float));
+    if (s.normed) take(sc.dgamma, std::size_t(N * p.parts * s.q_heads * Dv) * sizeof(float));
+    if (s.shared_gate_sum) take(sc.da_heads, std::size_t(H * s.batch * s.tokens) * sizeof(float));
+  } else {
+    p.chunk = linear_bwd_causal_chunk(D, Dv, props);
+    p.max_chunks = (s.max_len + p.chunk - 1) / p.chunk;
+    p.causal_q_smem = int(linear_bwd_causal_q_floats(p.chunk, tile, D, Dv) * 4);
+    p.causal_k_smem = int(linear_bwd_causal_k_floats(p.chunk, tile, D, Dv) * 4);
+    p.chunk_grid = {unsigned(std::max<index_t>(p.max_chunks, 1)), unsigned(H), n_grid};
+    take(sc.chunk_offsets, std::size_t(N + 1) * sizeof(int));
+    take(sc.state, std::size_t(s.total_chunks * H) * state_bytes);
+    take(sc.dstate, std::size_t(s.total_chunks * H) * state_bytes);
+    const std::size_t rows = std::size_t(s.batch * s.tokens * s.q_heads);
+    take(sc.g, rows * std::size_t(Dv) * sizeof(float));
+    take(sc.delta, rows * sizeof(float));
+  }
+  sc.bytes = at;
+  return p;
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

@@ -1,0 +1,119 @@
+// The plan of the CUDA linear-attention backward (include/attnmix/cuda/plan/linear_backward.hpp)
+// on this CPU: token ranges, causal chunks, shared memory, grids and the scratch layout, on an
+// H200 (132 SMs) and on a device with only the default 48 KiB of shared memory a block.
+
+#include "support/catch.hpp"
+
+#include "attnmix/cuda/plan/linear_backward.hpp"
+
+namespace {
+
+using namespace attnmix::detail::cuda;
+using attnmix::index_t;
+
+device_properties h200() {
+  device_properties d;
+  d.sms = 132, d.cc_major = 9, d.cc_minor = 0;
+  d.smem_per_block = 48 * 1024, d.smem_per_block_optin = 227 * 1024;
+  d.smem_per_sm = 228 * 1024, d.registers_per_sm = 65536;
+  d.max_grid_y = d.max_grid_z = 65535;
+  return d;
+}
+
+device_properties small_smem() {
+  device_properties d = h200();
+  d.smem_per_block_optin = 48 * 1024;
+  return d;
+}
+
+linear_backward_shape bidirectional(index_t B, index_t T, index_t H, index_t D) {
+  linear_backward_shape s;
+  s.gated = s.normed = true;
+  s.shared_gate_sum = H > 1;
+  s.batch = B, s.tokens = T, s.head_dim = s.value_dim = D, s.max_len = T;
+  s.sequences = B, s.kv_heads = s.q_heads = H, s.gate_heads = 1;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("linear backward: register budget and tiles", "[plan][linear_backward]") {
+  CHECK(linear_bwd_state_regs * linear_bwd_threads >=
+        linear_bwd_max_dim * linear_bwd_max_dim + linear_bwd_max_dim);
+  CHECK(linear_bwd_tile * 32 == linear_bwd_threads);
+}
+
+TEST_CASE("linear backward: bidirectional token ranges", "[plan][linear_backward]") {
+  SECTION("the benchmark shape: B H = 128 pairs fill the GPU with 5 ranges of 1639 tokens") {
+    const linear_backward_plan p = plan_linear_backward(bidirectional(8, 8192, 16, 64), h200());
+    CHECK(p.parts == 5);
+    CHECK(p.part_tokens == 1639);
+    CHECK(p.parts * p.part_tokens >= 8192);
+    CHECK(p.reduce_grid == launch_grid{5, 16, 8});
+    CHECK(p.pass_grid == p.reduce_grid);
+    CHECK(p.combine_grid == launch_grid{16, 8, 1});
+    CHECK(p.stats_grid == launch_grid{1, 8, 1});
+  }
+  SECTION("one long sequence: at most linear_bwd_max_parts ranges") {
+    const linear_backward_plan p = plan_linear_backward(bidirectional(1, 100000, 1, 64), h200());
+    CHECK(p.parts == linear_bwd_max_parts);
+    CHECK(p.parts * p.part_tokens >= 100000);
+  }
+  SECTION("short sequences: one range, at least one token") {
+    CHECK(plan_linear_backward(bidirectional(1, 100, 1, 64), h200()).parts == 1);
+    const linear_backward_plan p = plan_linear_backward(bidirectional(1, 0, 1, 64), h200());
+    CHECK(p.parts == 1);
+    CHECK(p.part_tokens == 1);
+  }
+  SECTION("shared memory of the passes fits the default limit at D = Dv = 128") {
+    const linear_backward_plan p = plan_linear_backward(bidirectional(2, 300, 2, 128), h200());
+    CHECK(p.reduce_smem == 8 * (128 + 128 + 1) * 4);
+    CHECK(p.pass_a_smem == 8 * (6 * 128 + 2) * 4);
+    CHECK(p.pass_b_smem == 8 * (4 * 128 + 1) * 4);
+    CHECK(std::size_t(p.pass_a_smem) <= h200().smem_per_block);
+  }
+}
+
+TEST_CASE("linear backward: bidirectional scratch", "[plan][linear_backward]") {
+  linear_backward_shape s = bidirectional(2, 1000, 4, 64);
+  s.offsets_bytes = 256;
+  const linear_backward_plan p = plan_linear_backward(s, h200());
+  const linear_backward_scratch& sc = p.scratch;
+  const std::size_t state = std::size_t(64 * 64 + 64) * 4;
+  CHECK(p.state_size == 64 * 64 + 64);
+  CHECK(sc.offsets == 0);
+  CHECK(sc.stats == 256);
+  CHECK(sc.state == sc.stats + 256);
+  CHECK(sc.partial == sc.state + padded_bytes(2 * 4 * state));
+  CHECK(sc.dstate == sc.partial + padded_bytes(std::size_t(2 * p.parts * 4) * state));
+  CHECK(sc.jac == sc.dstate + padded_bytes(2 * 4 * state));
+  CHECK(sc.dgamma == sc.jac + 256);
+  CHECK(sc.da_heads == sc.dgamma + padded_bytes(std::size_t(2 * p.parts * 4 * 64) * 4));
+  CHECK(sc.bytes == sc.da_heads + padded_bytes(4 * 2 * 1000 * 4));
+  for (std::size_t off :
+       {sc.stats, sc.state, sc.partial, sc.dstate, sc.jac, sc.dgamma, sc.da_heads, sc.bytes})
+    CHECK(off % scratch_alignment == 0);
+}
+
+TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
+  linear_backward_shape s;
+  s.causal = true;
+  s.batch = 2, s.tokens = 1000, s.head_dim = s.value_dim = 64, s.max_len = 1000;
+  s.sequences = 2, s.kv_heads = 2, s.q_heads = 4;
+  s.total_chunks = 2 * 16;
+  SECTION("64-token chunks when the opt-in shared memory holds them") {
+    const linear_backward_plan p = plan_linear_backward(s, h200());
+    CHECK(p.chunk == 64);
+    CHECK(p.max_chunks == 16);
+    CHECK(p.chunk_grid == launch_grid{16, 2, 2});
+    CHECK(p.scan_grid == launch_grid{2, 2, 1});
+    CHECK(std::size_t(p.causal_k_smem) <= h200().smem_per_block_optin);
+    CHECK(p.scratch.g - p.scratch.dstate == padded_bytes(std::size_t(32 * 2) * (64 * 64 + 64) * 4));
+    CHECK(p.scratch.bytes == p.scratch.delta + padded_bytes(2 * 1000 * 4 * 4));
+  }
+  SECTION("shorter chunks where a block has 48 KiB") {
+    CHECK(linear_bwd_causal_chunk(64, 64, small_smem()) == 32);
+    CHECK(linear_bwd_causal_chunk(128, 128, small_smem()) == 16);
+    CHECK(linear_bwd_causal_chunk(128, 128, h200()) == 64);
+  }
+}
