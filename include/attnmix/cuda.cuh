@@ -22,11 +22,11 @@
 #include "attnmix/cuda/bla.cuh"
 #include "attnmix/cuda/fox.cuh"
 #include "attnmix/cuda/gbla.cuh"
+#include "attnmix/cuda/linear_backward.cuh"
 #include "attnmix/cuda/linear_causal.cuh"
 #include "attnmix/cuda/path.cuh"
+#include "attnmix/cuda/path_backward.cuh"
 #include "attnmix/cuda/softmax.cuh"
 
 #include "attnmix/cuda/layers.cuh"
 #include "attnmix/cuda/stack.cuh"
-#include "attnmix/cuda/path_backward.cuh"
-#include "attnmix/cuda/linear_backward.cuh"

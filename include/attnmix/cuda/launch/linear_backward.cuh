@@ -170,7 +170,7 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       linear_bwd_fold_da_kernel<<<grid, threads, 0, stream>>>(bp, da_heads);
       check(cudaGetLastError(), "linear_bwd_fold_da_kernel launch");
     }
-    if (dgamma_part != nullptr) {
+    if (normed && a.dgamma.has_value()) {  // with no tokens it writes zeros
       linear_bwd_fold_dgamma_kernel<Policy>
           <<<1, threads, 0, stream>>>(bp, dgamma_part, N * plan.parts);
       check(cudaGetLastError(), "linear_bwd_fold_dgamma_kernel launch");
@@ -217,7 +217,7 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
             bp, reinterpret_cast<const Dev*>(o), reinterpret_cast<Dev*>(dO), tiles, dgamma_part);
         check(cudaGetLastError(), "linear_bwd_norm_kernel launch");
       }
-      if (dgamma_part != nullptr) {
+      if (a.dgamma.has_value()) {  // with no tokens (tiles == 0) it writes zeros
         linear_bwd_fold_dgamma_kernel<Policy>
             <<<1, threads, 0, stream>>>(bp, dgamma_part, N * tiles);
         check(cudaGetLastError(), "linear_bwd_fold_dgamma_kernel launch");
