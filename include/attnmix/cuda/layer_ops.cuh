@@ -40,8 +40,7 @@ struct parameter<T, device_space> {
 
   parameter() = default;
   // `fill` in every value (zero by default).
-  explicit parameter(std::vector<index_t> s, T fill = static_cast<T>(0.f))
-      : shape(std::move(s)) {
+  explicit parameter(std::vector<index_t> s, T fill = static_cast<T>(0.f)) : shape(std::move(s)) {
     if (numel() == 0) return;
     const std::vector<T> staged(static_cast<std::size_t>(numel()), fill);
     upload(staged);
@@ -94,17 +93,17 @@ struct parameter<T, device_space> {
   }
   void set_values(const std::vector<double>& in) {
     attnmix::detail::require(static_cast<index_t>(in.size()) == numel(),
-                             "attnmix::layers::parameter::set_values", "values", "has ",
-                             in.size(), " values but the parameter holds ", numel());
+                             "attnmix::layers::parameter::set_values", "values", "has ", in.size(),
+                             " values but the parameter holds ", numel());
     if (in.empty()) return;
     std::vector<T> staged(in.size());
     for (std::size_t i = 0; i < in.size(); ++i) staged[i] = convert<T>(in[i]);
     if (mem_.get() == nullptr)
       upload(staged);
     else
-      attnmix::detail::cuda::check(cudaMemcpy(mem_.get(), staged.data(), staged.size() * sizeof(T),
-                                              cudaMemcpyHostToDevice),
-                                   "cudaMemcpy");
+      attnmix::detail::cuda::check(
+          cudaMemcpy(mem_.get(), staged.data(), staged.size() * sizeof(T), cudaMemcpyHostToDevice),
+          "cudaMemcpy");
   }
 
  private:
@@ -337,8 +336,8 @@ struct ops<backend::cuda> {
     attnmix::detail::cuda::rope(dx, rows, heads, d, c.positions, theta, stream(c.be), true);
   }
   template <class Fn, class C, class Y, class X, class Z = Y>
-  static void map_backward(const C& c, const Y* dy, const X* a, const Z* b, X* da, Z* db,
-                           index_t n, bool accumulate = false) {
+  static void map_backward(const C& c, const Y* dy, const X* a, const Z* b, X* da, Z* db, index_t n,
+                           bool accumulate = false) {
     attnmix::detail::cuda::map_backward<typename detail::device_fn<Fn>::type>(
         dy, a, b, da, db, n, accumulate, stream(c.be));
   }

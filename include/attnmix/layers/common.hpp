@@ -102,8 +102,8 @@ struct parameter<T, host_space> {
   }
   void set_values(const std::vector<double>& in) {
     attnmix::detail::require(in.size() == data.size(), "attnmix::layers::parameter::set_values",
-                             "values",
-                    "has ", in.size(), " values but the parameter holds ", data.size());
+                             "values", "has ", in.size(), " values but the parameter holds ",
+                             data.size());
     for (std::size_t i = 0; i < in.size(); ++i) data[i] = static_cast<T>(in[i]);
   }
 };
@@ -260,8 +260,8 @@ void transfer_parameters(const From& from, To& to) {
       for (std::size_t k = 0; k < values.size(); ++k)
         if (values[k].first == name) j = k;
     attnmix::detail::require(j < values.size(), fn, "from", "has no parameter '", name, "'");
-    attnmix::detail::require(static_cast<index_t>(values[j].second.size()) == p.numel(), fn,
-                             "from", "has ", values[j].second.size(), " values in '", name,
+    attnmix::detail::require(static_cast<index_t>(values[j].second.size()) == p.numel(), fn, "from",
+                             "has ", values[j].second.size(), " values in '", name,
                              "' but 'to' holds ", p.numel());
     p.set_values(values[j].second);
     i = j + 1;

@@ -72,10 +72,10 @@ class adamw {
     double ss = 0;
     std::size_t i = 0;
     model.visit_parameters([&](const std::string& name, auto& p) {
-      detail::require(i < moments_.size() && moments_[i].name == name &&
-                          moments_[i].m.numel() == p.numel(),
-                      fn, "model", "has parameter '", name,
-                      "', which the optimiser state was not made for (call init)");
+      detail::require(
+          i < moments_.size() && moments_[i].name == name && moments_[i].m.numel() == p.numel(), fn,
+          "model", "has parameter '", name,
+          "', which the optimiser state was not made for (call init)");
       ss += O::sum_squares(be, p.grad_ptr(), p.numel());
       ++i;
     });

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attnmix/core/tensor_view.hpp"
 #include "attnmix/cuda/arch/types.cuh"

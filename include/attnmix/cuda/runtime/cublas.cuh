@@ -88,8 +88,8 @@ void gemm_rows_dw(cublasHandle_t h, cudaStream_t stream, const X* x, index_t ldx
   check(cublasSetStream(h, stream), "cublasSetStream");
   const float alpha = 1.f, beta = 1.f;
   check(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, int(in), int(out), int(rows), &alpha, x,
-                     blas_type<X>(), int(ldx), dy, blas_type<Y>(), int(lddy), &beta, dw,
-                     CUDA_R_32F, int(in), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     blas_type<X>(), int(ldx), dy, blas_type<Y>(), int(lddy), &beta, dw, CUDA_R_32F,
+                     int(in), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
         "cublasGemmEx(dW)");
 }
 
