@@ -1,5 +1,6 @@
 // CUDA PaTH and PaTH-FoX, bf16: the forward at the causal SA shapes of bench/sdpa_peer.py
-// (which times cuDNN causal SDPA beside it), and one decoding step against its memory floor.
+// (which times cuDNN causal SDPA beside it), one decoding step against its memory floor, the
+// forward + backward (attention_backward) and the backward's extra device memory.
 // FLOPs of the forward: 4*B*H*T^2*D (spec/path_fox.md §6: twice causal attention's).
 
 #include <benchmark/benchmark.h>
@@ -126,6 +127,66 @@ void BM_copy_bandwidth(benchmark::State& state) {
   cudaFree(src), cudaFree(dst);
 }
 
+// Forward + backward (attention_backward, CUDA cores for now), bf16 q, k, v and float w, beta, g
+// as the authors' kernels take them, H = HQ = 32, D = Dv = 64. FLOPs counted as the forward's
+// 4 B H T^2 D plus 2.5 times that for the backward (the recomputed scan, dV, dK~, the adjoint
+// scan and its transition gradients).
+template <class Kind>
+void BM_path_backward_cuda(benchmark::State& state) {
+  using T = attnmix::bfloat16;
+  const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
+  const path_call call(B, Tn, H, D, 0);
+  device_array<float> lse(static_cast<std::size_t>(B * Tn * H), 11);
+  device_array<T> dout(call.size(), 12), dq(call.size(), 13), dk(call.size(), 14),
+      dv(call.size(), 15);
+  device_array<float> dw(call.size(), 16), dbeta(static_cast<std::size_t>(B * Tn * H), 17),
+      dg(static_cast<std::size_t>(B * Tn * H), 18);
+  auto fa = call.args<Kind>();
+  fa.lse = attnmix::view3<float>(lse.ptr, {B, Tn, H}, dev);
+  attnmix::attention_grad_args<T> a;
+  a.q = fa.q, a.k = fa.k, a.v = fa.v, a.w = fa.w, a.beta = fa.beta, a.g = fa.g;
+  a.out = attnmix::view4<const T>(call.out.ptr, {B, Tn, H, D}, dev);
+  a.lse = attnmix::view3<const float>(lse.ptr, {B, Tn, H}, dev);
+  a.dout = attnmix::view4<const T>(dout.ptr, {B, Tn, H, D}, dev);
+  a.dq = attnmix::view4<T>(dq.ptr, {B, Tn, H, D}, dev);
+  a.dk = attnmix::view4<T>(dk.ptr, {B, Tn, H, D}, dev);
+  a.dv = attnmix::view4<T>(dv.ptr, {B, Tn, H, D}, dev);
+  a.dw = attnmix::view4<float>(dw.ptr, {B, Tn, H, D}, dev);
+  a.dbeta = attnmix::view3<float>(dbeta.ptr, {B, Tn, H}, dev);
+  if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
+    a.dg = attnmix::view3<float>(dg.ptr, {B, Tn, H}, dev);
+  const attnmix::backend::cuda be{};
+  attnmix_bench::time_with_events(state, [&] {
+    attnmix::attention<Kind>(fa, {}, be);
+    attnmix::attention_backward<Kind>(a, {}, be);
+  });
+  const double flops = 3.5 * 4.0 * B * H * double(Tn) * double(Tn) * D;
+  state.counters["TFLOP/s"] =
+      benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void backward_shapes(benchmark::internal::Benchmark* b) {
+  for (auto [B, T] : {std::pair{32, 2048}, {8, 8192}, {4, 16384}}) b->Args({B, T, 32});
+  // A call takes seconds on CUDA cores: a few iterations are enough.
+  b->ArgNames({"B", "T", "H"})->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
+}
+
+// The backward's extra device memory (the plan's scratch: chunk data, per-slice sums, gate sums)
+// on this GPU, reported as counters without running anything; args: B, T, H (HQ = H, D = 64).
+void BM_path_backward_memory(benchmark::State& state) {
+  namespace cu = attnmix::detail::cuda;
+  const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
+  cu::path_shape s;
+  s.batch = B, s.tokens = Tn, s.head_dim = D, s.value_dim = D, s.max_len = Tn;
+  s.q_heads = H, s.kv_heads = H, s.sequences = B;
+  const cu::path_backward_plan plan = cu::plan_path_backward(s, true, cu::current_properties());
+  for (auto _ : state) benchmark::DoNotOptimize(plan.scratch_bytes);
+  const double inputs = double(B) * Tn * H * D * 2.0;  // one bf16 [B, T, H, D] tensor
+  state.counters["scratch_GiB"] = double(plan.scratch_bytes) / double(1ull << 30);
+  state.counters["x_qkv_tensor"] = double(plan.scratch_bytes) / inputs;
+  state.counters["slices"] = plan.slices;
+}
+
 }  // namespace
 
 BENCHMARK_TEMPLATE(BM_path_cuda, attnmix::kind::path)->Name("path_causal")->Apply(causal_shapes);
@@ -156,3 +217,15 @@ BENCHMARK_TEMPLATE(BM_path_decode, float)
     ->Iterations(200)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_copy_bandwidth)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path)
+    ->Name("path_fwd_bwd")
+    ->Apply(backward_shapes);
+BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox)
+    ->Name("path_fox_fwd_bwd")
+    ->Apply(backward_shapes);
+BENCHMARK(BM_path_backward_memory)
+    ->Name("path_backward_scratch")
+    ->Args({4, 16384, 32})
+    ->Args({1, 131072, 8})
+    ->ArgNames({"B", "T", "H"})
+    ->Iterations(1);

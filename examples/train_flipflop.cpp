@@ -161,10 +161,24 @@ errors run_kind(const std::string& kind, int seed, const options& o) {
   std::exit(2);
 }
 
+const char* usage =
+    "usage: train_flipflop [--kinds path,path_fox,fox,sa_rope] [--seeds 3] [--first-seed 0]\n"
+    "                      [--steps 1000] [--batch 16] [--length 512] [--eval 256] [--lr 3e-3]\n"
+    "                      [--threads 0] [--every 100]\n";
+
 options parse(int argc, char** argv) {
   options o;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
+  for (int i = 1; i < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--help" || k == "-h") {
+      std::fputs(usage, stdout);
+      std::exit(0);
+    }
+    if (i + 1 == argc) {
+      std::fprintf(stderr, "option %s needs a value\n%s", k.c_str(), usage);
+      std::exit(2);
+    }
+    const std::string v = argv[i + 1];
     if (k == "--kinds") {
       o.kinds.clear();
       std::stringstream ss(v);
@@ -188,7 +202,7 @@ options parse(int argc, char** argv) {
     } else if (k == "--every") {
       o.every = std::atol(v.c_str());
     } else {
-      std::fprintf(stderr, "unknown option %s\n", k.c_str());
+      std::fprintf(stderr, "unknown option %s\n%s", k.c_str(), usage);
       std::exit(2);
     }
   }

@@ -28,3 +28,4 @@
 
 #include "attnmix/cuda/layers.cuh"
 #include "attnmix/cuda/stack.cuh"
+#include "attnmix/cuda/path_backward.cuh"

@@ -1,0 +1,134 @@
+#pragma once
+// Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_simt.cuh): the scratch
+// that plan/path_backward.hpp lays out, the forward's float chunk preparation, then the query
+// kernel, the chunk kernel and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <type_traits>
+
+#include "attnmix/attention/args.hpp"
+#include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/kernels/path_backward_simt.cuh"
+#include "attnmix/cuda/launch/path.cuh"
+#include "attnmix/cuda/plan/path_backward.hpp"
+#include "attnmix/cuda/runtime.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+template <class V>
+void copy_strides(index_t (&to)[3], const V& v) {
+  for (int i = 0; i < 3; ++i) to[i] = v.stride(i);
+}
+
+// The PaTH / PaTH-FoX backward. gate_coef: factor of (G_i - G_j), ignored without a.g. Throws
+// attnmix::error for head dims whose tiles do not fit the device's shared memory.
+template <class T>
+void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
+                       const attention_problem& p, const backend::cuda& be, double gate_coef) {
+  using Dev = device_t<T>;
+  check_launch_sizes(fn, p, 128, "PaTH backward kernels");
+  const index_t max_len = longest_sequence(p);
+  if (max_len == 0) return;
+  cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
+  const bool gated = a.g.has_value();
+  const device_properties& props = current_properties();
+
+  path_shape shape;
+  shape.batch = p.batch, shape.tokens = p.tokens;
+  shape.head_dim = p.head_dim, shape.value_dim = p.value_dim;
+  shape.max_len = max_len, shape.q_heads = p.q_heads, shape.kv_heads = p.kv_heads;
+  shape.sequences = p.num_sequences;
+  const path_backward_plan plan = plan_path_backward(shape, gated, props);
+  require(plan.fits, fn, "q", "has head dim D = ", p.head_dim, " whose backward tiles need ",
+          std::max(plan.query_smem, plan.chunk_smem),
+          " bytes of shared memory a block, but the device allows ", props.smem_per_block_optin);
+
+  stream_buffer offsets(offsets_bytes(p), stream);
+  stream_buffer scratch(plan.scratch_bytes, stream);
+  unsigned char* base = scratch.get();
+  const path_backward_layout& l = plan.layout;
+
+  path_backward_params bp{};
+  path_kernel_params& kp = bp.kp;
+  kp.a.q = a.q.data(), kp.a.k = a.k.data(), kp.a.v = a.v.data();
+  copy_strides(kp.a.q_stride, a.q);
+  copy_strides(kp.a.k_stride, a.k);
+  copy_strides(kp.a.v_stride, a.v);
+  kp.a.cu_seqlens = upload_offsets(offsets.get(), p, stream);
+  kp.a.tokens = p.tokens;
+  kp.a.q_heads = static_cast<int>(p.q_heads), kp.a.group = static_cast<int>(p.group());
+  kp.a.head_dim = static_cast<int>(p.head_dim), kp.a.value_dim = static_cast<int>(p.value_dim);
+  kp.a.causal = true;
+  set_householder(kp, a.w, a.beta, p.kv_heads);
+  kp.kt = base + plan.forward.chunks.kt;
+  kp.u = base + plan.forward.chunks.u;
+  kp.m = base + plan.forward.chunks.m;
+
+  bp.out = a.out.data(), bp.dout = a.dout.data(), bp.lse = a.lse.data();
+  bp.dq = a.dq.data(), bp.dk = a.dk.data(), bp.dv = a.dv.data();
+  bp.dw = a.dw.data(), bp.dbeta = a.dbeta.data();
+  copy_strides(bp.out_stride, a.out);
+  copy_strides(bp.dout_stride, a.dout);
+  copy_strides(bp.lse_stride, a.lse);
+  copy_strides(bp.dq_stride, a.dq);
+  copy_strides(bp.dk_stride, a.dk);
+  copy_strides(bp.dv_stride, a.dv);
+  copy_strides(bp.dw_stride, a.dw);
+  copy_strides(bp.dbeta_stride, a.dbeta);
+  bp.scale = static_cast<float>(p.scale);
+  bp.slices = plan.slices;
+  const auto floats = [&](std::size_t at) {
+    return reinterpret_cast<float*>(base + at);
+  };
+  bp.dkt = floats(l.dkt), bp.dws = floats(l.dw), bp.dus = floats(l.du);
+  bp.states = floats(l.states), bp.e = floats(l.e), bp.dvs = floats(l.dv);
+  bp.dk_diag = floats(l.dk), bp.dm = floats(l.dm);
+  bp.slice_d = static_cast<index_t>(l.slice_d / sizeof(float));
+  bp.slice_dv = static_cast<index_t>(l.slice_dv / sizeof(float));
+  check(cudaMemsetAsync(base + l.zeroed, 0, l.zeroed_bytes, stream), "cudaMemsetAsync");
+
+  const dim3 gate_grid(plan.gate_grid.x, plan.gate_grid.y);
+  if (gated) {
+    auto* G = reinterpret_cast<double*>(base + l.gate);
+    auto* reset = reinterpret_cast<std::int32_t*>(base + l.reset);
+    path_backward_gate_kernel<<<gate_grid, 128, 0, stream>>>(
+        a.g.data(), a.g.stride(0), a.g.stride(1), a.g.stride(2), kp.a, G, reset);
+    check(cudaGetLastError(), "path_backward_gate_kernel launch");
+    bp.G = G, bp.reset = reset, bp.coef = gate_coef;
+    bp.dgate = reinterpret_cast<double*>(base + l.dgate);
+    bp.slice_gate = static_cast<index_t>(l.slice_gate / sizeof(double));
+  }
+
+  launch_path_prepare<Dev, float, float>(kp, plan.forward, stream);
+
+  {
+    auto kernel = path_backward_query_kernel<Dev>;
+    const int smem = static_cast<int>(plan.query_smem);
+    allow_dynamic_smem(kernel, smem);
+    const dim3 grid(plan.query_grid.x, plan.query_grid.y, plan.query_grid.z);
+    kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
+    check(cudaGetLastError(), "path_backward_query_kernel launch");
+  }
+  {
+    auto kernel = path_backward_chunk_kernel<Dev>;
+    const int smem = static_cast<int>(plan.chunk_smem);
+    allow_dynamic_smem(kernel, smem);
+    const dim3 grid(plan.chunk_grid.x, plan.chunk_grid.y, plan.chunk_grid.z);
+    kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
+    check(cudaGetLastError(), "path_backward_chunk_kernel launch");
+  }
+  if (gated) {
+    path_backward_dg_kernel<<<gate_grid, 128, 0, stream>>>(
+        a.g.data(), a.g.stride(0), a.g.stride(1), a.g.stride(2), kp.a, bp.dgate, bp.slice_gate,
+        bp.slices, a.dg.data(), a.dg.stride(0), a.dg.stride(1), a.dg.stride(2));
+    check(cudaGetLastError(), "path_backward_dg_kernel launch");
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

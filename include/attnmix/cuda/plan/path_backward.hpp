@@ -1,0 +1,117 @@
+#pragma once
+// The plan of the PaTH / PaTH-FoX backward (kernels/path_backward.cuh): how many slices each
+// (sequence, KV head) is cut into, the grids, the shared memory of the two big kernels, and the
+// scratch (chunk data, per-slice sums, gate sums) with its offsets. Pure C++: unit-tested without
+// a GPU (tests/plan/).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "attnmix/config.hpp"
+#include "attnmix/cuda/kernels/shapes.hpp"
+#include "attnmix/cuda/plan/device_properties.hpp"
+#include "attnmix/cuda/plan/grid.hpp"
+#include "attnmix/cuda/plan/path.hpp"
+#include "attnmix/cuda/plan/scratch.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+constexpr int path_backward_threads = 256;
+constexpr int path_backward_max_slices = 8;
+
+// Shared memory (floats) of the query kernel: Qs, dQs, R, Rbar (C x (D+1)); X, S, dZ, dX, Tmp
+// (C x (C+1)); lse, delta, gate, reset (C each). Of the chunk kernel: dK, dK~, dW, dU
+// (C x (D+1)); dM, WW, Lbar, XK (C x (C+1)); beta (C).
+inline std::size_t path_backward_query_smem(index_t D) {
+  constexpr std::size_t C = path_chunk;
+  return sizeof(float) * (4 * C * std::size_t(D + 1) + 5 * C * (C + 1) + 4 * C);
+}
+inline std::size_t path_backward_chunk_smem(index_t D) {
+  constexpr std::size_t C = path_chunk;
+  return sizeof(float) * (4 * C * std::size_t(D + 1) + 4 * C * (C + 1) + C);
+}
+
+// Scratch offsets (bytes, each part 256-byte aligned) beyond the forward's chunk data.
+// rows = B * H * tokens (rows of the [B, H, tokens, .] layout); per slice: dK~, dW, dU, the scan
+// states and their dZ K~ ([rows, D] each) and dv ([rows, Dv]); once: the diagonal tiles' dk
+// ([rows, D]) and dM ([rows, C]); the gate cumsum G (double), its resets (int32) and the
+// per-slice dG (double), each [B, tokens, HQ].
+struct path_backward_layout {
+  std::size_t dkt = 0, dw = 0, du = 0, states = 0, e = 0, dv = 0;  // slice 0; slices follow
+  std::size_t slice_d = 0, slice_dv = 0;  // bytes between slices of a [rows, D] / [rows, Dv] part
+  std::size_t dk = 0, dm = 0, gate = 0, reset = 0, dgate = 0, slice_gate = 0;
+  std::size_t zeroed = 0, zeroed_bytes = 0;  // the sums that start at 0: one contiguous range
+  std::size_t bytes = 0;
+};
+
+struct path_backward_plan {
+  int slices = 1;
+  launch_grid query_grid;  // (slice, KV head, sequence)
+  launch_grid chunk_grid;  // (chunk, KV head, sequence)
+  launch_grid gate_grid;   // (query-head blocks of 128, sequence)
+  std::size_t query_smem = 0, chunk_smem = 0;
+  bool fits = false;  // both kernels' shared memory fits the device
+  path_plan forward;  // its preparation kernel and chunk data (float)
+  path_backward_layout layout;
+  std::size_t scratch_bytes = 0;  // the chunk data plus the layout
+};
+
+// Slices: (sequence, KV head) pairs are few when B * H is small; cut each into up to
+// path_backward_max_slices ranges of query chunks so that the CTAs cover the SMs twice.
+inline path_backward_plan plan_path_backward(const path_shape& s, bool gated,
+                                             const device_properties& d) {
+  path_backward_plan p;
+  path_shape fs = s;
+  fs.sixteen_bit = false;  // the float chunk data of the portable forward
+  p.forward = plan_path(fs, d);
+  const index_t pairs = std::max<index_t>(1, s.sequences * s.kv_heads);
+  const index_t want = std::max<index_t>(1, 2 * index_t(d.sms));
+  p.slices = int(std::clamp<index_t>((want + pairs - 1) / pairs, 1, path_backward_max_slices));
+  const index_t chunks = (s.max_len + path_chunk - 1) / path_chunk;
+  p.slices = int(std::min<index_t>(p.slices, std::max<index_t>(1, chunks / 4)));
+  p.query_grid = {unsigned(p.slices), unsigned(s.kv_heads), unsigned(s.sequences)};
+  p.chunk_grid = {unsigned(std::max<index_t>(chunks, 1)), unsigned(s.kv_heads),
+                  unsigned(s.sequences)};
+  p.gate_grid = {unsigned((s.q_heads + 127) / 128), unsigned(s.sequences)};
+  p.query_smem = path_backward_query_smem(s.head_dim);
+  p.chunk_smem = path_backward_chunk_smem(s.head_dim);
+  p.fits = std::max(p.query_smem, p.chunk_smem) <= d.smem_per_block_optin;
+
+  const auto rows = static_cast<std::size_t>(s.batch * s.kv_heads * s.tokens);
+  const auto S = static_cast<std::size_t>(p.slices);
+  const auto D = static_cast<std::size_t>(s.head_dim), Dv = static_cast<std::size_t>(s.value_dim);
+  const auto gate_elems = static_cast<std::size_t>(s.batch * s.tokens * s.q_heads);
+  path_backward_layout& l = p.layout;
+  l.slice_d = padded_bytes(rows * D * sizeof(float));
+  l.slice_dv = padded_bytes(rows * Dv * sizeof(float));
+  std::size_t at = padded_bytes(p.forward.chunks.bytes);
+  // Zeroed: dK~, dW, dU, dv of every slice, dk, dM and the per-slice dG.
+  l.zeroed = at;
+  l.dkt = at, at += S * l.slice_d;
+  l.dw = at, at += S * l.slice_d;
+  l.du = at, at += S * l.slice_d;
+  l.dv = at, at += S * l.slice_dv;
+  l.dk = at, at += padded_bytes(rows * D * sizeof(float));
+  l.dm = at, at += padded_bytes(rows * std::size_t(path_chunk) * sizeof(float));
+  if (gated) {
+    l.slice_gate = padded_bytes(gate_elems * sizeof(double));
+    l.dgate = at, at += S * l.slice_gate;
+  }
+  l.zeroed_bytes = at - l.zeroed;
+  l.states = at, at += S * l.slice_d;
+  l.e = at, at += S * l.slice_d;
+  if (gated) {
+    l.gate = at, at += padded_bytes(gate_elems * sizeof(double));
+    l.reset = at, at += padded_bytes(gate_elems * sizeof(std::int32_t));
+  }
+  l.bytes = at;
+  p.scratch_bytes = at;
+  return p;
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix

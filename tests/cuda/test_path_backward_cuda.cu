@@ -1,0 +1,439 @@
+// The CUDA PaTH / PaTH-FoX backward against the CPU backward in float on the same inputs: q, k,
+// v, out and dout rounded to the input type on both sides, w, beta, g and lse in float. Every
+// gradient is compared on its own (max |gpu - cpu| / max |cpu|) and named when it fails. Cases
+// run smallest first (T = 1, 5, 64, 65, 200, D = 64 then 128, GQA, varlen with an empty and a
+// length-1 sequence, an odd head dim, several slices), then PaTH-FoX in both gate conventions and
+// with hard resets, 16-bit inputs, two runs giving identical bits, and the CUDA forward's out and
+// lse as the backward's input.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attnmix/cuda.cuh"
+#include "cpu/test_path_harness.hpp"
+#include "support/cuda_testing.cuh"
+
+using namespace attnmix_test;
+using attnmix::gate_scaling;
+using attnmix::index_t;
+using attnmix::kind::path;
+using attnmix::kind::path_fox;
+
+namespace {
+
+const auto dev = attnmix::memory_space::device;
+using after_scale = attnmix::with_gate_scaling<attnmix::path_fox_policy, gate_scaling::after_scale>;
+
+struct grads {
+  std::vector<double> dq, dk, dv, dw, dbeta, dg;
+};
+
+// Inputs of one case as both sides see them (q, k, v, out, dout on T's grid).
+struct bwd_inputs {
+  path_inputs in;
+  std::vector<double> out, lse, dout;
+};
+
+template <class T>
+std::vector<double> on_grid(const std::vector<double>& x) {
+  return convert_all<double>(convert_all<T>(x));
+}
+
+std::vector<double> random_dout(const path_case& c, std::uint64_t salt) {
+  rng r(salt);
+  std::vector<double> d(static_cast<std::size_t>(c.B * c.T * c.HQ * c.Dv));
+  for (auto& x : d) x = to_float_grid(r.normal());
+  return d;
+}
+
+// The CPU forward in float gives out and lse; `g_inf`: tokens whose log gate becomes -inf.
+template <class Kind, class Policy, class T>
+bwd_inputs make_inputs(const path_case& c, std::uint64_t salt,
+                       const std::vector<index_t>& g_inf = {}) {
+  bwd_inputs b;
+  b.in = make_path_inputs(c, salt);
+  for (index_t t : g_inf)
+    for (index_t hq = 0; hq < c.HQ; ++hq)
+      b.in.g[static_cast<std::size_t>(t * c.HQ + hq)] = -std::numeric_limits<double>::infinity();
+  b.in.q = on_grid<T>(b.in.q), b.in.k = on_grid<T>(b.in.k), b.in.v = on_grid<T>(b.in.v);
+  path_case cc = c;
+  cc.threads = 0;
+  const path_outputs f = run_path_forward<Kind, Policy, float>(cc, b.in);
+  b.out = on_grid<T>(f.out);
+  b.lse = f.lse;
+  b.dout = on_grid<T>(random_dout(c, salt + 7));
+  return b;
+}
+
+// The CPU backward in float.
+template <class Kind, class Policy>
+grads cpu_backward(const path_case& c, const bwd_inputs& b) {
+  path_tensors<float> t(c, b.in);
+  t.out.storage() = cast_to<float>(b.out);
+  t.lse.storage() = cast_to<float>(b.lse);
+  attnmix::host_tensor<float, 4> dO({c.B, c.T, c.HQ, c.Dv}), dq({c.B, c.T, c.HQ, c.D}),
+      dk({c.B, c.T, c.H, c.D}), dv({c.B, c.T, c.H, c.Dv}), dw({c.B, c.T, c.H, c.D});
+  attnmix::host_tensor<float, 3> dbeta({c.B, c.T, c.H}), dg({c.B, c.T, c.HQ});
+  dO.storage() = cast_to<float>(b.dout);
+  attnmix::attention_grad_args<float> a;
+  a.q = t.q.view(), a.k = t.k.view(), a.v = t.v.view();
+  a.w = t.w.view(), a.beta = t.beta.view();
+  a.out = t.out.view(), a.lse = t.lse.view(), a.dout = dO.view();
+  a.dq = dq.view(), a.dk = dk.view(), a.dv = dv.view(), a.dw = dw.view(), a.dbeta = dbeta.view();
+  constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+  if constexpr (gated) a.g = t.g.view(), a.dg = dg.view();
+  attnmix::attention_backward<Kind, Policy>(a, path_params(c), attnmix::backend::cpu{0});
+  return {to_double(dq.storage()),    to_double(dk.storage()),
+          to_double(dv.storage()),    to_double(dw.storage()),
+          to_double(dbeta.storage()), gated ? to_double(dg.storage()) : std::vector<double>{}};
+}
+
+// The case's tensors on the device; gradients start as NaN.
+template <class T>
+struct device_case {
+  path_case c;
+  device_buffer<T> q, k, v, out, dout, dq, dk, dv;
+  device_buffer<float> w, beta, g, lse, dw, dbeta, dg;
+
+  device_case(const path_case& cs, const bwd_inputs& b)
+      : c(cs),
+        q(convert_all<T>(b.in.q)),
+        k(convert_all<T>(b.in.k)),
+        v(convert_all<T>(b.in.v)),
+        out(convert_all<T>(b.out)),
+        dout(convert_all<T>(b.dout)),
+        dq(b.in.q.size()),
+        dk(b.in.k.size()),
+        dv(b.in.v.size()),
+        w(convert_all<float>(b.in.w)),
+        beta(convert_all<float>(b.in.beta)),
+        g(convert_all<float>(b.in.g)),
+        lse(convert_all<float>(b.lse)),
+        dw(b.in.w.size()),
+        dbeta(b.in.beta.size()),
+        dg(b.in.g.size()) {}
+
+  template <class Kind>
+  attnmix::attention_grad_args<T> args() const {
+    const index_t B = c.B, Tn = c.T, HQ = c.HQ, H = c.H, D = c.D, Dv = c.Dv;
+    attnmix::attention_grad_args<T> a;
+    a.q = attnmix::view4<const T>(q.get(), {B, Tn, HQ, D}, dev);
+    a.k = attnmix::view4<const T>(k.get(), {B, Tn, H, D}, dev);
+    a.v = attnmix::view4<const T>(v.get(), {B, Tn, H, Dv}, dev);
+    a.w = attnmix::view4<const float>(w.get(), {B, Tn, H, D}, dev);
+    a.beta = attnmix::view3<const float>(beta.get(), {B, Tn, H}, dev);
+    a.out = attnmix::view4<const T>(out.get(), {B, Tn, HQ, Dv}, dev);
+    a.lse = attnmix::view3<const float>(lse.get(), {B, Tn, HQ}, dev);
+    a.dout = attnmix::view4<const T>(dout.get(), {B, Tn, HQ, Dv}, dev);
+    a.dq = attnmix::view4<T>(dq.get(), {B, Tn, HQ, D}, dev);
+    a.dk = attnmix::view4<T>(dk.get(), {B, Tn, H, D}, dev);
+    a.dv = attnmix::view4<T>(dv.get(), {B, Tn, H, Dv}, dev);
+    a.dw = attnmix::view4<float>(dw.get(), {B, Tn, H, D}, dev);
+    a.dbeta = attnmix::view3<float>(dbeta.get(), {B, Tn, H}, dev);
+    if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate) {
+      a.g = attnmix::view3<const float>(g.get(), {B, Tn, HQ}, dev);
+      a.dg = attnmix::view3<float>(dg.get(), {B, Tn, HQ}, dev);
+    }
+    return a;
+  }
+
+  template <class Kind, class Policy>
+  grads run() {
+    attnmix::attention_backward<Kind, Policy>(args<Kind>(), path_params(c),
+                                              attnmix::backend::cuda{});
+    attnmix::detail::cuda::check(cudaDeviceSynchronize(), "PaTH backward kernels");
+    constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+    return {convert_all<double>(dq.to_host()),
+            convert_all<double>(dk.to_host()),
+            convert_all<double>(dv.to_host()),
+            convert_all<double>(dw.to_host()),
+            convert_all<double>(dbeta.to_host()),
+            gated ? to_double(dg.to_host()) : std::vector<double>{}};
+  }
+};
+
+// max |got - ref| / max |ref| (absolute when ref is 0); +inf for a NaN or an infinity in got.
+double max_rel(const std::vector<double>& got, const std::vector<double>& ref) {
+  if (got.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double diff = 0, mag = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    diff = std::max(diff, std::abs(got[i] - ref[i]));
+    mag = std::max(mag, std::abs(ref[i]));
+  }
+  return mag > 0 ? diff / mag : diff;
+}
+
+// Bounds: float gradients 1e-5; gradients stored in 16 bits (dq, dk, dv) also carry their
+// rounding, at most 2^-9 of max |ref| for bfloat16.
+template <class T>
+void check_grads(const grads& got, const grads& ref, bool gated) {
+  const double tol16 = sizeof(T) == 4 ? 1e-5 : 5e-3, tol32 = sizeof(T) == 4 ? 1e-5 : 2e-5;
+  const double e_dq = max_rel(got.dq, ref.dq), e_dk = max_rel(got.dk, ref.dk),
+               e_dv = max_rel(got.dv, ref.dv), e_dw = max_rel(got.dw, ref.dw),
+               e_dbeta = max_rel(got.dbeta, ref.dbeta);
+  const double e_dg = gated ? max_rel(got.dg, ref.dg) : 0.0;
+  INFO("max errors: dq " << e_dq << " dk " << e_dk << " dv " << e_dv << " dw " << e_dw << " dbeta "
+                         << e_dbeta << " dg " << e_dg);
+  CHECK(e_dv <= tol16);
+  CHECK(e_dq <= tol16);
+  CHECK(e_dk <= tol16);
+  CHECK(e_dw <= tol32);
+  CHECK(e_dbeta <= tol32);
+  if (gated) CHECK(e_dg <= tol32);
+}
+
+template <class Kind, class Policy, class T>
+void backward_case(const path_case& c, std::uint64_t salt, const std::vector<index_t>& g_inf = {}) {
+  INFO("seed " << test_seed() << " salt " << salt << " " << c.describe() << " dtype "
+               << attnmix::scalar_traits<T>::name << " kind " << Kind::name << " hard resets "
+               << g_inf.size());
+  const bwd_inputs b = make_inputs<Kind, Policy, T>(c, salt, g_inf);
+  const grads ref = cpu_backward<Kind, Policy>(c, b);
+  device_case<T> d(c, b);
+  const grads got = d.template run<Kind, Policy>();
+  check_grads<T>(got, ref, attnmix::kind_traits<Kind>::uses_forget_gate);
+}
+
+// Smallest first, so that the first failure points at the simplest shape.
+std::vector<path_case> sweep() {
+  return {
+      {1, 1, 1, 1, 64, 64},
+      {1, 5, 1, 1, 64, 64},
+      {1, 64, 1, 1, 64, 64},
+      {1, 65, 1, 1, 64, 64},
+      {1, 65, 4, 2, 64, 64},   // GQA
+      {2, 200, 4, 2, 64, 64},  // four chunks, the last partial
+      {1, 200, 2, 2, 64, 64, {}, beta_range::near_two},
+      {1, 200, 2, 1, 64, 64, {0, 0, 1, 64, 130, 200}},  // empty and length-1 sequences
+      {1, 130, 2, 1, 128, 128},
+      {1, 100, 2, 2, 40, 24},   // an odd head dim, D != Dv
+      {1, 1100, 2, 1, 64, 64},  // several slices
+  };
+}
+
+}  // namespace
+
+TEST_CASE("CUDA PaTH backward matches the CPU, float", "[cuda][path][backward]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  std::uint64_t salt = 31000;
+  for (const path_case& c : sweep()) backward_case<path, attnmix::path_policy, float>(c, ++salt);
+}
+
+TEST_CASE("CUDA PaTH-FoX backward matches the CPU, float, both gate conventions",
+          "[cuda][path_fox][backward]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  std::uint64_t salt = 32000;
+  for (const path_case& c : sweep()) {
+    backward_case<path_fox, attnmix::path_fox_policy, float>(c, ++salt);
+    backward_case<path_fox, after_scale, float>(c, ++salt);
+  }
+}
+
+// Small enough for compute-sanitizer (memcheck, racecheck, synccheck):
+//   compute-sanitizer --tool racecheck build/cuda/tests/test_path_backward_cuda "[small]"
+TEST_CASE("CUDA PaTH-FoX backward, a small case for compute-sanitizer",
+          "[cuda][path_fox][backward][small]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  backward_case<path_fox, attnmix::path_fox_policy, float>({1, 330, 4, 2, 64, 64, {0, 1, 70, 330}},
+                                                           39001, {100});
+  backward_case<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>({1, 140, 2, 1, 128, 128},
+                                                                       39002);
+}
+
+TEST_CASE("CUDA PaTH-FoX backward through hard resets", "[cuda][path_fox][backward]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const path_case c{1, 200, 2, 1, 64, 64, {}, beta_range::near_two};
+  backward_case<path_fox, attnmix::path_fox_policy, float>(c, 33001, {0, 17, 64, 65, 199});
+  const path_case v{1, 200, 2, 1, 64, 64, {0, 0, 1, 70, 200}};
+  backward_case<path_fox, attnmix::path_fox_policy, float>(v, 33002, {5, 100});
+}
+
+TEMPLATE_TEST_CASE("CUDA PaTH backward with 16-bit inputs", "[cuda][path][backward]", attnmix::half,
+                   attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  std::uint64_t salt = 34000;
+  const std::vector<path_case> cases = {{1, 5, 1, 1, 64, 64},
+                                        {1, 200, 4, 2, 64, 64},
+                                        {1, 130, 2, 1, 128, 128},
+                                        {1, 200, 2, 1, 64, 64, {0, 0, 1, 64, 130, 200}}};
+  for (const path_case& c : cases) {
+    backward_case<path, attnmix::path_policy, TestType>(c, ++salt);
+    backward_case<path_fox, attnmix::path_fox_policy, TestType>(c, ++salt);
+  }
+}
+
+TEST_CASE("CUDA PaTH-FoX backward gives the same bits twice", "[cuda][path_fox][backward]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const path_case c{1, 1100, 4, 2, 64, 64, {0, 3, 500, 1100}};
+  INFO("seed " << test_seed() << " " << c.describe());
+  const bwd_inputs b = make_inputs<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(c, 35001);
+  device_case<attnmix::bfloat16> d(c, b);
+  const grads one = d.run<path_fox, attnmix::path_fox_policy>();
+  const grads two = d.run<path_fox, attnmix::path_fox_policy>();
+  CHECK(bitwise_equal(one.dq, two.dq));
+  CHECK(bitwise_equal(one.dk, two.dk));
+  CHECK(bitwise_equal(one.dv, two.dv));
+  CHECK(bitwise_equal(one.dw, two.dw));
+  CHECK(bitwise_equal(one.dbeta, two.dbeta));
+  CHECK(bitwise_equal(one.dg, two.dg));
+}
+
+TEMPLATE_TEST_CASE("CUDA PaTH-FoX forward then backward with the CUDA lse",
+                   "[cuda][path_fox][backward]", float, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using T = TestType;
+  const path_case c{2, 300, 4, 2, 64, 64};
+  INFO("seed " << test_seed() << " " << c.describe() << " dtype "
+               << attnmix::scalar_traits<T>::name);
+  bwd_inputs b = make_inputs<path_fox, attnmix::path_fox_policy, T>(c, 36001);
+  device_case<T> d(c, b);
+  // The CUDA forward writes out and lse; the CPU reference takes them as they came out.
+  attnmix::attention_args<T> fa{attnmix::view4<const T>(d.q.get(), {c.B, c.T, c.HQ, c.D}, dev),
+                                attnmix::view4<const T>(d.k.get(), {c.B, c.T, c.H, c.D}, dev),
+                                attnmix::view4<const T>(d.v.get(), {c.B, c.T, c.H, c.Dv}, dev),
+                                attnmix::view4<T>(d.out.get(), {c.B, c.T, c.HQ, c.Dv}, dev)};
+  fa.w = attnmix::view4<const float>(d.w.get(), {c.B, c.T, c.H, c.D}, dev);
+  fa.beta = attnmix::view3<const float>(d.beta.get(), {c.B, c.T, c.H}, dev);
+  fa.g = attnmix::view3<const float>(d.g.get(), {c.B, c.T, c.HQ}, dev);
+  fa.lse = attnmix::view3<float>(d.lse.get(), {c.B, c.T, c.HQ}, dev);
+  attnmix::attention<path_fox, attnmix::path_fox_policy>(fa, path_params(c),
+                                                         attnmix::backend::cuda{});
+  attnmix::detail::cuda::check(cudaDeviceSynchronize(), "PaTH forward");
+  b.out = convert_all<double>(d.out.to_host());
+  b.lse = to_double(d.lse.to_host());
+  const grads ref = cpu_backward<path_fox, attnmix::path_fox_policy>(c, b);
+  const grads got = d.template run<path_fox, attnmix::path_fox_policy>();
+  check_grads<T>(got, ref, true);
+}
+
+namespace {
+
+// A [B, T, H, D] tensor (D == 0: [B, T, H]) inside a padded device buffer: heads, tokens and
+// batch rows further apart than dense, the padding holding `fill`.
+template <class S>
+struct padded_tensor {
+  index_t B, T, H, D;
+  std::array<index_t, 4> stride;
+  std::vector<S> host;
+  device_buffer<S> dev_buf;
+
+  static std::vector<S> layout(index_t B, index_t T, index_t H, index_t D,
+                               const std::array<index_t, 4>& st, const std::vector<double>& dense,
+                               double fill) {
+    std::vector<S> h(static_cast<std::size_t>(B * st[0]), attnmix::convert<S>(fill));
+    const index_t Dd = std::max<index_t>(D, 1);
+    if (!dense.empty())
+      for (index_t b = 0; b < B; ++b)
+        for (index_t t = 0; t < T; ++t)
+          for (index_t x = 0; x < H; ++x)
+            for (index_t d = 0; d < Dd; ++d)
+              h[static_cast<std::size_t>(b * st[0] + t * st[1] + x * st[2] + d)] =
+                  attnmix::convert<S>(
+                      dense[static_cast<std::size_t>(((b * T + t) * H + x) * Dd + d)]);
+    return h;
+  }
+  static std::array<index_t, 4> strides(index_t T, index_t H, index_t D) {
+    const index_t s2 = D > 0 ? D + 4 : 1, s1 = H * s2 + 5;
+    return {T * s1 + 7, s1, s2, 1};
+  }
+  padded_tensor(index_t b, index_t t, index_t h, index_t d, const std::vector<double>& dense,
+                double fill)
+      : B(b),
+        T(t),
+        H(h),
+        D(d),
+        stride(strides(t, h, d)),
+        host(layout(b, t, h, d, stride, dense, fill)),
+        dev_buf(host) {}
+
+  template <class V>
+  attnmix::view4<V> v4() const {
+    return attnmix::view4<V>(dev_buf.get(), {B, T, H, D}, {stride[0], stride[1], stride[2], 1},
+                             dev);
+  }
+  template <class V>
+  attnmix::view3<V> v3() const {
+    return attnmix::view3<V>(dev_buf.get(), {B, T, H}, {stride[0], stride[1], 1}, dev);
+  }
+  // The dense contents, and whether the padding still holds `fill`.
+  std::vector<double> dense() const {
+    const std::vector<S> h = dev_buf.to_host();
+    const index_t Dd = std::max<index_t>(D, 1);
+    std::vector<double> out;
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < T; ++t)
+        for (index_t x = 0; x < H; ++x)
+          for (index_t d = 0; d < Dd; ++d)
+            out.push_back(attnmix::convert<double>(
+                h[static_cast<std::size_t>(b * stride[0] + t * stride[1] + x * stride[2] + d)]));
+    return out;
+  }
+  bool padding_kept(double fill) const {
+    const std::vector<S> h = dev_buf.to_host();
+    std::vector<bool> inside(h.size(), false);
+    const index_t Dd = std::max<index_t>(D, 1);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < T; ++t)
+        for (index_t x = 0; x < H; ++x)
+          for (index_t d = 0; d < Dd; ++d)
+            inside[static_cast<std::size_t>(b * stride[0] + t * stride[1] + x * stride[2] + d)] =
+                true;
+    for (std::size_t i = 0; i < h.size(); ++i)
+      if (!inside[i] && attnmix::convert<double>(h[i]) != fill) return false;
+    return true;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("CUDA PaTH-FoX backward reads and writes strided views, the same bits as dense",
+          "[cuda][path_fox][backward]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using T = attnmix::bfloat16;
+  using P = attnmix::path_fox_policy;
+  const path_case c{2, 150, 4, 2, 64, 64};
+  INFO("seed " << test_seed() << " " << c.describe());
+  const bwd_inputs b = make_inputs<path_fox, P, T>(c, 38001);
+  device_case<T> d(c, b);
+  const grads dense = d.run<path_fox, P>();
+  const double fill = 3.0;
+  padded_tensor<T> q(c.B, c.T, c.HQ, c.D, b.in.q, fill), k(c.B, c.T, c.H, c.D, b.in.k, fill),
+      v(c.B, c.T, c.H, c.Dv, b.in.v, fill), out(c.B, c.T, c.HQ, c.Dv, b.out, fill),
+      dO(c.B, c.T, c.HQ, c.Dv, b.dout, fill), dq(c.B, c.T, c.HQ, c.D, {}, fill),
+      dk(c.B, c.T, c.H, c.D, {}, fill), dv(c.B, c.T, c.H, c.Dv, {}, fill);
+  padded_tensor<float> w(c.B, c.T, c.H, c.D, b.in.w, fill), beta(c.B, c.T, c.H, 0, b.in.beta, fill),
+      g(c.B, c.T, c.HQ, 0, b.in.g, fill), lse(c.B, c.T, c.HQ, 0, b.lse, fill),
+      dw(c.B, c.T, c.H, c.D, {}, fill), dbeta(c.B, c.T, c.H, 0, {}, fill),
+      dg(c.B, c.T, c.HQ, 0, {}, fill);
+  attnmix::attention_grad_args<T> a;
+  a.q = q.v4<const T>(), a.k = k.v4<const T>(), a.v = v.v4<const T>();
+  a.w = w.v4<const float>(), a.beta = beta.v3<const float>(), a.g = g.v3<const float>();
+  a.out = out.v4<const T>(), a.lse = lse.v3<const float>(), a.dout = dO.v4<const T>();
+  a.dq = dq.v4<T>(), a.dk = dk.v4<T>(), a.dv = dv.v4<T>();
+  a.dw = dw.v4<float>(), a.dbeta = dbeta.v3<float>(), a.dg = dg.v3<float>();
+  attnmix::attention_backward<path_fox, P>(a, path_params(c), attnmix::backend::cuda{});
+  attnmix::detail::cuda::check(cudaDeviceSynchronize(), "PaTH backward kernels");
+  CHECK(bitwise_equal(dq.dense(), dense.dq));
+  CHECK(bitwise_equal(dk.dense(), dense.dk));
+  CHECK(bitwise_equal(dv.dense(), dense.dv));
+  CHECK(bitwise_equal(dw.dense(), dense.dw));
+  CHECK(bitwise_equal(dbeta.dense(), dense.dbeta));
+  CHECK(bitwise_equal(dg.dense(), dense.dg));
+  for (const auto* t : {&dq, &dk, &dv}) CHECK(t->padding_kept(fill));
+  for (const auto* t : {&dw, &dbeta, &dg}) CHECK(t->padding_kept(fill));
+}
+
+TEST_CASE("CUDA PaTH backward rejects head dims its tiles cannot take", "[cuda][path][backward]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const path_case c{1, 8, 1, 1, 256, 64};
+  const bwd_inputs b = make_inputs<path, attnmix::path_policy, float>(c, 37001);
+  device_case<float> d(c, b);
+  CHECK_THROWS_AS((d.run<path, attnmix::path_policy>()), attnmix::error);
+}
