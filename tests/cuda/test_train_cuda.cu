@@ -628,14 +628,18 @@ TEST_CASE("device stack gradients match the host stack's: MLPs, norms and a row-
   }
 }
 
-// Stacks of one mixer kind between row-op mixers, once the kind's CUDA backward exists.
+// Stacks of one mixer kind after a row-op mixer, once the kind's CUDA backward exists: two heads
+// of D = 64 (the attention kernels' usual head size), or two query heads on one KV head (gqa).
 template <class Layer>
-void check_mixer_stack(index_t kv_heads, std::uint64_t salt) {
+void check_mixer_stack(bool gqa, std::uint64_t salt) {
   using kind = typename Layer::kind;
   if constexpr (attnmix::is_backward_implemented_v<kind, gpu_be>) {
+    L::config c = stack_config(gqa ? 1 : 0);
+    c.num_heads = 2;
+    c.head_dim = 64;
+    INFO(kind::name << (gqa ? ", GQA 2 / 1 heads" : ", 2 heads") << ", D = 64");
     for (const auto& b : stack_batches)
-      check_stack_grads<attnmix::stack_policy, conv_layer, Layer, Layer>(stack_config(kv_heads), b,
-                                                                         ++salt);
+      check_stack_grads<attnmix::stack_policy, conv_layer, Layer, Layer>(c, b, ++salt);
   } else {
     WARN("ATTNMIX_SKIP: the CUDA backward of " << kind::name << " is not implemented yet");
   }
@@ -644,33 +648,33 @@ void check_mixer_stack(index_t kv_heads, std::uint64_t salt) {
 namespace layer = attnmix::layer;
 TEST_CASE("device stack gradients: SA", "[cuda][train][stack][sa]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  check_mixer_stack<layer::sa>(2, 800);
-  check_mixer_stack<layer::causal_sa>(0, 810);
+  check_mixer_stack<layer::sa>(true, 800);
+  check_mixer_stack<layer::causal_sa>(false, 810);
 }
 TEST_CASE("device stack gradients: FoX", "[cuda][train][stack][fox]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  check_mixer_stack<layer::fox>(2, 820);
+  check_mixer_stack<layer::fox>(true, 820);
 }
 TEST_CASE("device stack gradients: PaTH", "[cuda][train][stack][path]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  check_mixer_stack<layer::path>(0, 830);
+  check_mixer_stack<layer::path>(false, 830);
 }
 TEST_CASE("device stack gradients: PaTH-FoX", "[cuda][train][stack][path_fox]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  check_mixer_stack<layer::path_fox>(0, 840);
+  check_mixer_stack<layer::path_fox>(false, 840);
 }
 TEST_CASE("device stack gradients: BLA", "[cuda][train][stack][bla]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  check_mixer_stack<layer::bla>(0, 850);
+  check_mixer_stack<layer::bla>(false, 850);
 }
 TEST_CASE("device stack gradients: GBLA", "[cuda][train][stack][gbla]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  check_mixer_stack<layer::gbla>(2, 860);
+  check_mixer_stack<layer::gbla>(true, 860);
 }
 TEST_CASE("device stack gradients: causal linear attention",
           "[cuda][train][stack][linear_causal]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  check_mixer_stack<layer::linear_causal>(0, 870);
+  check_mixer_stack<layer::linear_causal>(false, 870);
 }
 
 // ---- a tiny language model --------------------------------------------------------------------
