@@ -8,14 +8,17 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attnmix/core/scalar.hpp"
 #include "attnmix/core/tags.hpp"
 #include "attnmix/cuda/launch/rows.cuh"
+#include "attnmix/cuda/launch/rows_backward.cuh"
 #include "attnmix/cuda/runtime.cuh"
 #include "attnmix/cuda/runtime/cublas.cuh"
 #include "attnmix/layers/common.hpp"
@@ -24,23 +27,30 @@
 namespace attnmix {
 namespace layers {
 
-// One parameter's values on the device, converted (through float) to T when it is made from a
-// host one; nothing is allocated for an empty one.
+// One parameter's values on the device, converted (through float, or directly for double) to T
+// when it is made from a host one; nothing is allocated for an empty one. Its gradient `.grad`
+// (in accum_t<T>, as the host one's) is allocated, zero, on first use (grad_ptr() or
+// zero_grad()). Host copies: get_values / set_values (io::save and io::load of a device model
+// go through a host model, layers::transfer_parameters).
 template <class T>
 struct parameter<T, device_space> {
+  using value_type = T;
+  using grad_type = accum_t<T>;
   std::vector<index_t> shape;
 
   parameter() = default;
+  // `fill` in every value (zero by default).
+  explicit parameter(std::vector<index_t> s, T fill = static_cast<T>(0.f)) : shape(std::move(s)) {
+    if (numel() == 0) return;
+    const std::vector<T> staged(static_cast<std::size_t>(numel()), fill);
+    upload(staged);
+  }
   template <class U>
   explicit parameter(const parameter<U, host_space>& host) : shape(host.shape) {
     if (host.empty() || host.numel() == 0) return;
     std::vector<T> staged(host.data.size());
-    for (std::size_t i = 0; i < staged.size(); ++i)
-      staged[i] = static_cast<T>(static_cast<float>(host.data[i]));
-    mem_ = attnmix::detail::cuda::device_memory(staged.size() * sizeof(T), "cudaMalloc(weights)");
-    attnmix::detail::cuda::check(
-        cudaMemcpy(mem_.get(), staged.data(), staged.size() * sizeof(T), cudaMemcpyHostToDevice),
-        "cudaMemcpy");
+    for (std::size_t i = 0; i < staged.size(); ++i) staged[i] = convert<T>(host.data[i]);
+    upload(staged);
   }
 
   index_t numel() const {
@@ -52,8 +62,75 @@ struct parameter<T, device_space> {
   const T* ptr() const { return static_cast<const T*>(mem_.get()); }
   T* ptr() { return static_cast<T*>(mem_.get()); }
 
+  // The gradient buffer, allocated (zero) on first use. (The zeroing runs on the legacy default
+  // stream, which orders it before work on blocking streams.)
+  grad_type* grad_ptr() {
+    if (grad_mem_.get() == nullptr && numel() > 0) zero_grad();
+    return static_cast<grad_type*>(grad_mem_.get());
+  }
+  const grad_type* grad_ptr() const { return static_cast<const grad_type*>(grad_mem_.get()); }
+  bool has_grad() const { return grad_mem_.get() != nullptr; }
+  void zero_grad() {
+    const std::size_t bytes = static_cast<std::size_t>(numel()) * sizeof(grad_type);
+    if (bytes == 0) return;
+    if (grad_mem_.get() == nullptr)
+      grad_mem_ = attnmix::detail::cuda::device_memory(bytes, "cudaMalloc(gradients)");
+    attnmix::detail::cuda::check(cudaMemset(grad_mem_.get(), 0, bytes), "cudaMemset(gradients)");
+  }
+
+  // Host copies (wait for the device): the values, and the gradient (zeros if none yet).
+  std::vector<T> values() const { return download<T>(mem_.get(), numel()); }
+  std::vector<grad_type> grad_values() const {
+    if (grad_mem_.get() == nullptr)
+      return std::vector<grad_type>(static_cast<std::size_t>(numel()), grad_type(0));
+    return download<grad_type>(grad_mem_.get(), numel());
+  }
+  // As doubles (exact for every storage type), and back (rounded to T); sizes must match.
+  void get_values(std::vector<double>& out) const {
+    const std::vector<T> v = values();
+    out.resize(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) out[i] = convert<double>(v[i]);
+  }
+  void set_values(const std::vector<double>& in) {
+    attnmix::detail::require(static_cast<index_t>(in.size()) == numel(),
+                             "attnmix::layers::parameter::set_values", "values", "has ", in.size(),
+                             " values but the parameter holds ", numel());
+    if (in.empty()) return;
+    std::vector<T> staged(in.size());
+    for (std::size_t i = 0; i < in.size(); ++i) staged[i] = convert<T>(in[i]);
+    if (mem_.get() == nullptr)
+      upload(staged);
+    else
+      attnmix::detail::cuda::check(
+          cudaMemcpy(mem_.get(), staged.data(), staged.size() * sizeof(T), cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+  }
+
  private:
-  attnmix::detail::cuda::device_memory mem_;
+  // U -> V directly between built-in types, through float for half and bfloat16.
+  template <class V, class U>
+  static V convert(const U& u) {
+    if constexpr (std::is_arithmetic_v<U> && std::is_arithmetic_v<V>)
+      return static_cast<V>(u);
+    else
+      return static_cast<V>(static_cast<float>(u));
+  }
+  void upload(const std::vector<T>& staged) {
+    mem_ = attnmix::detail::cuda::device_memory(staged.size() * sizeof(T), "cudaMalloc(weights)");
+    attnmix::detail::cuda::check(
+        cudaMemcpy(mem_.get(), staged.data(), staged.size() * sizeof(T), cudaMemcpyHostToDevice),
+        "cudaMemcpy");
+  }
+  template <class S>
+  static std::vector<S> download(const void* p, index_t n) {
+    std::vector<S> h(static_cast<std::size_t>(n));
+    if (n > 0 && p != nullptr)
+      attnmix::detail::cuda::check(
+          cudaMemcpy(h.data(), p, h.size() * sizeof(S), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    return h;
+  }
+
+  attnmix::detail::cuda::device_memory mem_, grad_mem_;
 };
 
 // An owned array in device memory: the activations a layer's training forward saves. Grows
@@ -203,12 +280,14 @@ struct ops<backend::cuda> {
   }
   template <class S>
   static void upload(const backend::cuda& be, S* dst, const S* src, index_t n) {
+    if (n == 0) return;  // dst and src may be null then
     attnmix::detail::cuda::check(
         cudaMemcpyAsync(dst, src, std::size_t(n) * sizeof(S), cudaMemcpyHostToDevice, stream(be)),
         "cudaMemcpyAsync");
   }
   template <class S>
   static void zero(const backend::cuda& be, S* p, index_t n) {
+    if (n == 0) return;
     attnmix::detail::cuda::check(cudaMemsetAsync(p, 0, std::size_t(n) * sizeof(S), stream(be)),
                                  "cudaMemsetAsync");
   }
@@ -217,6 +296,86 @@ struct ops<backend::cuda> {
   template <class V>
   static void check_memory(const std::string& fn, const char* arg, const V& v) {
     attnmix::detail::cuda::check_device_pointer(fn, arg, v);
+  }
+
+  // ---- Backward (see layers/ops.hpp; the semantics of ops<cpu>) ----
+  // dx = dy W (+ dx with accumulate): cuBLAS.
+  template <class C, class Y, class W, class X>
+  static void gemm_dx(const C& c, const Y* dy, index_t lddy, index_t rows, const W* w, index_t in,
+                      index_t out, X* dx, index_t lddx, bool accumulate = false) {
+    attnmix::detail::cuda::gemm_rows_dx(c.handles.blas.get(), stream(c.be), dy, lddy, rows, w, in,
+                                        out, dx, lddx, accumulate);
+  }
+  // dW += dy^T x (cuBLAS, into the float gradient), dbias += colsum(dy) (one thread a column).
+  template <class C, class X, class Y>
+  static void gemm_dw(const C& c, const X* x, index_t ldx, index_t rows, const Y* dy, index_t lddy,
+                      index_t in, index_t out, float* dW, float* dbias) {
+    attnmix::detail::cuda::gemm_rows_dw(c.handles.blas.get(), stream(c.be), x, ldx, rows, dy, lddy,
+                                        in, out, dW);
+    if (dbias != nullptr)
+      attnmix::detail::cuda::bias_backward(dy, lddy, rows, out, dbias, stream(c.be));
+  }
+  template <class C, class X, class Y>
+  static void norm_backward(const C& c, const X* x, const Y* dy, Y* dx, index_t groups,
+                            index_t width, const float* w, bool per_group, index_t groups_per_row,
+                            bool mean, double eps, float* dw, bool accumulate = false) {
+    attnmix::detail::cuda::norm_groups_backward(x, dy, dx, groups, width, w, per_group,
+                                                groups_per_row, mean, eps, dw, accumulate,
+                                                stream(c.be));
+  }
+  template <class C, class X, class Y>
+  static void short_conv_backward(const C& c, const X* x, const Y* dy, Y* dx, index_t channels,
+                                  const float* w, index_t K, bool silu, float* dw,
+                                  bool accumulate = false) {
+    attnmix::detail::cuda::short_conv_backward(x, dy, dx, c.rows(), channels, w, K, silu,
+                                               c.positions, dw, accumulate, stream(c.be));
+  }
+  template <class C, class T>
+  static void rope_backward(const C& c, T* dx, index_t rows, index_t heads, index_t d,
+                            double theta) {
+    attnmix::detail::cuda::rope(dx, rows, heads, d, c.positions, theta, stream(c.be), true);
+  }
+  template <class Fn, class C, class Y, class X, class Z = Y>
+  static void map_backward(const C& c, const Y* dy, const X* a, const Z* b, X* da, Z* db, index_t n,
+                           bool accumulate = false) {
+    attnmix::detail::cuda::map_backward<typename detail::device_fn<Fn>::type>(
+        dy, a, b, da, db, n, accumulate, stream(c.be));
+  }
+
+  // ---- Training (see layers/ops.hpp) ----
+  // The summed loss (double, fixed order); waits for the stream.
+  template <class C, class T>
+  static double cross_entropy(const C& c, const T* logits, index_t ld, index_t rows, index_t V,
+                              const std::int32_t* labels, std::int32_t ignore, T* dlogits,
+                              index_t ldd, double scale) {
+    return attnmix::detail::cuda::cross_entropy(logits, ld, rows, V, labels, ignore, dlogits, ldd,
+                                                scale, stream(c.be));
+  }
+  template <class P, class G, class S>
+  static void adamw(const backend::cuda& be, P* p, const G* g, S* m, S* v, index_t n, double lr,
+                    double beta1, double beta2, double eps, double wd, index_t step) {
+    const double c1 = 1 - std::pow(beta1, double(step)), c2 = 1 - std::pow(beta2, double(step));
+    attnmix::detail::cuda::adamw(p, g, m, v, n, lr, beta1, beta2, eps, wd, c1, c2, stream(be));
+  }
+  // Waits for the stream.
+  template <class G>
+  static double sum_squares(const backend::cuda& be, const G* g, index_t n) {
+    return attnmix::detail::cuda::sum_values<true>(g, n, stream(be));
+  }
+  template <class G>
+  static void scale(const backend::cuda& be, G* g, index_t n, double factor) {
+    attnmix::detail::cuda::scale(g, n, factor, stream(be));
+  }
+  template <class C, class W, class Y>
+  static void gather_rows(const C& c, const W* w, const std::int32_t* ids, index_t rows,
+                          index_t width, Y* y) {
+    attnmix::detail::cuda::gather_rows(w, ids, rows, width, y, stream(c.be));
+  }
+  // In row order for every element (one thread per column): deterministic.
+  template <class C, class Y>
+  static void scatter_add_rows(const C& c, const Y* dy, const std::int32_t* ids, index_t rows,
+                               index_t width, float* dw) {
+    attnmix::detail::cuda::scatter_add_rows(dy, ids, rows, width, dw, stream(c.be));
   }
 
   // A block's time with CUDA events, for stack_inputs::on_layer (waits for the block); inert

@@ -94,6 +94,18 @@ struct parameter<T, host_space> {
     return grad.data();
   }
   void zero_grad() { grad.assign(data.size(), accum_t<T>(0)); }
+  // The values as doubles (exact for every storage type), and back (rounded to T): what
+  // transfer_parameters moves between a host and a device model.
+  void get_values(std::vector<double>& out) const {
+    out.resize(data.size());
+    for (std::size_t i = 0; i < data.size(); ++i) out[i] = static_cast<double>(data[i]);
+  }
+  void set_values(const std::vector<double>& in) {
+    attnmix::detail::require(in.size() == data.size(), "attnmix::layers::parameter::set_values",
+                             "values", "has ", in.size(), " values but the parameter holds ",
+                             data.size());
+    for (std::size_t i = 0; i < in.size(); ++i) data[i] = static_cast<T>(in[i]);
+  }
 };
 
 // An owned array of values in Space's memory: the activations a layer's forward saves for its
@@ -225,6 +237,36 @@ inline std::vector<index_t> positions(const token_layout& L,
 }
 
 }  // namespace detail
+
+// Copies the values of every parameter of `from` into the parameter of the same name and size of
+// `to` (both anything with visit_parameters whose parameters have get_values / set_values: host
+// and device parameters, in any storage types), e.g. a device model into a host one for
+// io::save, or a host model just loaded into a device one. Throws attnmix::error naming the
+// parameter when `to` has one that `from` lacks, or of another size.
+template <class From, class To>
+void transfer_parameters(const From& from, To& to) {
+  const std::string fn = "attnmix::layers::transfer_parameters";
+  std::vector<std::pair<std::string, std::vector<double>>> values;
+  from.visit_parameters([&](const std::string& name, const auto& p) {
+    values.emplace_back(name, std::vector<double>());
+    p.get_values(values.back().second);
+  });
+  std::size_t i = 0;
+  to.visit_parameters([&](const std::string& name, auto& p) {
+    // Parameters come in the same order when both models have the same layout: look further
+    // only when they do not.
+    std::size_t j = i < values.size() && values[i].first == name ? i : values.size();
+    if (j == values.size())
+      for (std::size_t k = 0; k < values.size(); ++k)
+        if (values[k].first == name) j = k;
+    attnmix::detail::require(j < values.size(), fn, "from", "has no parameter '", name, "'");
+    attnmix::detail::require(static_cast<index_t>(values[j].second.size()) == p.numel(), fn, "from",
+                             "has ", values[j].second.size(), " values in '", name,
+                             "' but 'to' holds ", p.numel());
+    p.set_values(values[j].second);
+    i = j + 1;
+  });
+}
 
 // Fills every parameter of `model` (anything with visit_parameters) as fla initialises a
 // fresh model: weights N(0, stddev), biases 0, norm weights 1. `jitter` > 0 perturbs the

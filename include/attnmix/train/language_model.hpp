@@ -37,6 +37,12 @@ class language_model {
                     vocab);
   }
 
+  // The same model on another backend or in another type (a device model from a host one): every
+  // weight copied (and rounded) once, as the stack's converting constructor does.
+  template <class Other>
+  explicit language_model(const language_model<Other>& other)
+      : stack(other.stack), embeddings(other.embeddings), lm_head(other.lm_head) {}
+
   index_t vocab() const { return embeddings.vocab(); }
   index_t hidden_size() const { return stack.hidden_size(); }
 
@@ -54,8 +60,7 @@ class language_model {
     std::int32_t* ids = s.template take<std::int32_t>(rows);
     T *x = s.template take<T>(rows * D), *h = s.template take<T>(rows * D);
     const layers::token_layout L{1, rows, {}};
-    const typename O::handles handles{};
-    const layers::context<Backend> c{be, L, nullptr, handles};
+    const layers::context<Backend> c{be, L, nullptr, handles_};
     O::upload(be, ids, tokens.data(), rows);
     embeddings.apply(c, ids, rows, x);
     stack.forward(view3<const T>(x, {tokens.extent(0), tokens.extent(1), D}, space_of_v<Backend>),
@@ -91,8 +96,7 @@ class language_model {
     T *x = s.template take<T>(rows * D), *h = s.template take<T>(rows * D);
     T *logits = s.template take<T>(rows * V), *dlogits = s.template take<T>(rows * V);
     const layers::token_layout L{1, rows, {}};
-    const typename O::handles handles{};
-    const layers::context<Backend> c{be, L, nullptr, handles};
+    const layers::context<Backend> c{be, L, nullptr, handles_};
     O::upload(be, ids, tokens.data(), rows);
     O::upload(be, ys, labels.data(), rows);
     const view3<const T> xv(x, {B, Tn, D}, space_of_v<Backend>);
@@ -128,6 +132,8 @@ class language_model {
   layers::linear<T, Backend> lm_head;
 
  private:
+  typename O::handles handles_{};  // the embedding's and the head's (cuBLAS on the GPU)
+
   template <class Self, class F>
   static void visit(Self& s, F& f, const std::string& prefix) {
     s.embeddings.visit_parameters(f, prefix + "model.embeddings.");

@@ -29,12 +29,14 @@ struct adamw_config {
   double clip_norm = 0.0;
 };
 
-// State in double on the host (the CPU backend computes in float or double; the moments of
-// float weights are kept in double so that they round once, into the weight).
+// The moments in double (those of float weights are kept in double so that they round once,
+// into the weight), in the backend's memory beside the parameters (the step count on the host).
+// On a device the state is saved through a host optimiser: layers::transfer_parameters(gpu_opt,
+// host_opt) after host_opt.init(host_model), then io::save(host_opt, ...); and back.
 template <class Backend = backend::cpu>
 class adamw {
-  static_assert(layers::on_host_v<Backend>, "attnmix::train::adamw: host backends for now");
   using O = layers::ops<Backend>;
+  using state = layers::parameter<double, typename Backend::memory_space>;
 
  public:
   explicit adamw(adamw_config cfg = {}) : cfg_(cfg), step_({1}, 0.0) {}
@@ -49,8 +51,7 @@ class adamw {
   void init(Model& model) {
     moments_.clear();
     model.visit_parameters([&](const std::string& name, auto& p) {
-      moments_.push_back(
-          {name, layers::parameter<double>(p.shape), layers::parameter<double>(p.shape)});
+      moments_.push_back({name, state(p.shape), state(p.shape)});
     });
     step_.data[0] = 0;
   }
@@ -71,11 +72,11 @@ class adamw {
     double ss = 0;
     std::size_t i = 0;
     model.visit_parameters([&](const std::string& name, auto& p) {
-      detail::require(i < moments_.size() && moments_[i].name == name &&
-                          moments_[i].m.data.size() == p.data.size(),
-                      fn, "model", "has parameter '", name,
-                      "', which the optimiser state was not made for (call init)");
-      ss += O::sum_squares(be, p.grad_ptr(), static_cast<index_t>(p.data.size()));
+      detail::require(
+          i < moments_.size() && moments_[i].name == name && moments_[i].m.numel() == p.numel(), fn,
+          "model", "has parameter '", name,
+          "', which the optimiser state was not made for (call init)");
+      ss += O::sum_squares(be, p.grad_ptr(), p.numel());
       ++i;
     });
     detail::require(i == moments_.size(), fn, "model", "has ", i,
@@ -87,7 +88,7 @@ class adamw {
     i = 0;
     model.visit_parameters([&](const std::string&, auto& p) {
       auto& s = moments_[i++];
-      const auto n = static_cast<index_t>(p.data.size());
+      const index_t n = p.numel();
       if (factor != 1.0) O::scale(be, p.grad_ptr(), n, factor);
       const double wd = p.shape.size() >= 2 ? cfg_.weight_decay : 0.0;
       O::adamw(be, p.ptr(), p.grad_ptr(), s.m.ptr(), s.v.ptr(), n, lr, cfg_.beta1, cfg_.beta2,
@@ -112,7 +113,7 @@ class adamw {
  private:
   struct moment {
     std::string name;
-    layers::parameter<double> m, v;
+    state m, v;
   };
   adamw_config cfg_;
   std::vector<moment> moments_;

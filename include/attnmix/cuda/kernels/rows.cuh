@@ -109,9 +109,10 @@ __global__ void short_conv_kernel(const In* x, Out* y, index_t rows, int channel
 
 // ---- rotary position embedding (rotate-half) -----------------------------------------------
 // The angle pos * theta^(-2i/d) in double, as the CPU path: float loses ~1e-3 rad at 16k.
+// inverse: turn the other way (the backward: the rotation's transpose).
 template <class T>
 __global__ void rope_kernel(T* x, index_t rows, int heads, int d, const std::int32_t* pos,
-                            double theta) {
+                            double theta, bool inverse) {
   const int half = d / 2;
   const index_t n = rows * heads * half;
   for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
@@ -120,6 +121,7 @@ __global__ void rope_kernel(T* x, index_t rows, int heads, int d, const std::int
     const index_t rh = i / half, r = rh / heads;
     double sn, cs;
     sincos(double(pos[r]) * pow(theta, -2.0 * k / d), &sn, &cs);
+    if (inverse) sn = -sn;
     T* v = x + rh * d;
     const float x0 = to_float(v[k]), x1 = to_float(v[k + half]);
     v[k] = from_float<T>(float(x0 * cs - x1 * sn));

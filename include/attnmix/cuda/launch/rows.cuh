@@ -63,12 +63,13 @@ void short_conv(const In* x, Out* y, index_t rows, index_t channels, const float
   check(cudaGetLastError(), "attnmix short conv kernel launch");
 }
 
+// inverse: the backward (the opposite rotation).
 template <class T>
 void rope(T* x, index_t rows, index_t heads, index_t d, const std::int32_t* pos, double theta,
-          cudaStream_t stream) {
+          cudaStream_t stream, bool inverse = false) {
   if (rows * heads * (d / 2) == 0) return;
   rope_kernel<<<grid_for(rows * heads * (d / 2), 256), 256, 0, stream>>>(
-      reinterpret_cast<device_t<T>*>(x), rows, int(heads), int(d), pos, theta);
+      reinterpret_cast<device_t<T>*>(x), rows, int(heads), int(d), pos, theta, inverse);
   check(cudaGetLastError(), "attnmix rope kernel launch");
 }
 

@@ -63,6 +63,36 @@ void gemm_rows(cublasHandle_t h, cudaStream_t stream, const X* x, index_t ldx, i
         "cublasGemmEx");
 }
 
+// The backward of gemm_rows. dx[r, :] = dy[r, :] W (+ dx with accumulate): dy [rows, out]
+// (row stride lddy), W [out, in], dx [rows, in] (row stride lddx). Row-major DX = DY W is
+// column-major DX^T = W^T DY^T: GEMM(op(W) = N, op(DY) = N), m = in, n = rows, k = out.
+template <class Y, class W, class X>
+void gemm_rows_dx(cublasHandle_t h, cudaStream_t stream, const Y* dy, index_t lddy, index_t rows,
+                  const W* w, index_t in, index_t out, X* dx, index_t lddx, bool accumulate) {
+  if (rows == 0 || in == 0) return;
+  check(cublasSetStream(h, stream), "cublasSetStream");
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
+  check(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(in), int(rows), int(out), &alpha, w,
+                     blas_type<W>(), int(in), dy, blas_type<Y>(), int(lddy), &beta, dx,
+                     blas_type<X>(), int(lddx), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx(dx)");
+}
+
+// dW += dy^T x: x [rows, in] (row stride ldx), dy [rows, out] (row stride lddy), dW [out, in]
+// row-major in float. Column-major dW^T = X^T DY: GEMM(op(X^T) = N, op(DY^T) = T), m = in,
+// n = out, k = rows, beta = 1. (cuBLAS's GEMM is deterministic for one configuration.)
+template <class X, class Y>
+void gemm_rows_dw(cublasHandle_t h, cudaStream_t stream, const X* x, index_t ldx, index_t rows,
+                  const Y* dy, index_t lddy, index_t in, index_t out, float* dw) {
+  if (rows == 0 || in == 0 || out == 0) return;
+  check(cublasSetStream(h, stream), "cublasSetStream");
+  const float alpha = 1.f, beta = 1.f;
+  check(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, int(in), int(out), int(rows), &alpha, x,
+                     blas_type<X>(), int(ldx), dy, blas_type<Y>(), int(lddy), &beta, dw, CUDA_R_32F,
+                     int(in), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx(dW)");
+}
+
 }  // namespace cuda
 }  // namespace detail
 }  // namespace attnmix
