@@ -58,13 +58,15 @@ TEST_CASE("language_model: gradients of the loss match finite differences", "[tr
       attnmix::stack<double, attnmix::layer::causal_sa, attnmix::layer::fox>>
       lm(tiny_config(8, 2), 5);
   randomize(lm, 51, 0.4);
+  // The weights change with the test seed; central differences of a loss through two blocks
+  // and a softmax over the vocabulary reach ~2e-7 on some seeds, a wrong gradient O(1).
   const std::vector<std::int32_t> tok{0, 3, 1, 4, 2, 2, 1, 0, 4, 3},
       lab{3, 1, -100, 2, 2, 1, 0, 4, -100, 0};
   const ids t(tok.data(), {2, 5}), l(lab.data(), {2, 5});
   const double loss = lm.loss(t, l);
   CHECK(std::isfinite(loss));
   attnmix_test::check_parameter_grads(
-      lm, [&] { return std::vector<double>{lm.loss(t, l, false)}; }, {1.0}, 1e-7);
+      lm, [&] { return std::vector<double>{lm.loss(t, l, false)}; }, {1.0}, 1e-6);
 }
 
 TEST_CASE("language_model: ids outside the vocabulary are rejected, nothing changes",
