@@ -6,9 +6,11 @@
 //
 //   train_flipflop [--kinds path,path_fox,fox,sa_rope] [--seeds 3] [--first-seed 0]
 //                  [--steps 1000] [--batch 16] [--length 512] [--eval 256] [--lr 3e-3]
-//                  [--threads 0] [--every 100]
+//                  [--threads 0] [--every 100] [--device cpu|cuda]
 //
-// Prints a progress line per run and the table beside the paper's figures.
+// --device cuda (when built by nvcc: train_flipflop_cuda) trains the same model, from the same
+// initial weights, on the GPU in float. Prints a progress line per run and the table beside the
+// paper's figures.
 
 #include <algorithm>
 #include <cstdint>
@@ -21,6 +23,9 @@
 #include <vector>
 
 #include "attnmix/attnmix.hpp"
+#ifdef __CUDACC__
+#include "attnmix/cuda.cuh"
+#endif
 #include "attnmix/train/language_model.hpp"
 #include "attnmix/train/optimizer.hpp"
 #include "attnmix/train/progress.hpp"
@@ -88,29 +93,53 @@ struct options {
   index_t steps = 1000, batch = 16, length = 512, eval = 256, every = 100;
   double lr = 3e-3;
   int threads = 0;
+  std::string device = "cpu";
 };
 
 struct errors {
   double in_dist, sparse, dense;
 };
 
+// The logits of a batch in host memory: written there on host backends, copied back from the
+// device otherwise.
+template <class Backend>
+struct logits_buffer {
+  std::vector<float> host;
+  attnmix::layers::buffer<float, typename Backend::memory_space> mem;
+  attnmix::view3<float> view(index_t B, index_t T) {
+    host.resize(static_cast<std::size_t>(B * T * vocab));
+    if constexpr (attnmix::layers::on_host_v<Backend>) return {host.data(), {B, T, vocab}};
+    mem.resize(B * T * vocab);
+    return {mem.data(), {B, T, vocab}, attnmix::memory_space::device};
+  }
+  const float* read() {
+#ifdef __CUDACC__
+    if constexpr (!attnmix::layers::on_host_v<Backend>)
+      attnmix::detail::cuda::check(
+          cudaMemcpy(host.data(), mem.data(), host.size() * sizeof(float), cudaMemcpyDeviceToHost),
+          "cudaMemcpy(logits)");
+#endif
+    return host.data();
+  }
+};
+
 // Read-bit error of `model` on `n` fresh sequences of ignore probability p.
-template <class Model>
+template <class Model, class Backend>
 double read_error(const Model& model, std::uint64_t seed, const options& o, double p,
-                  const attnmix::backend::cpu& be) {
+                  const Backend& be) {
   std::mt19937_64 gen(seed);
   index_t wrong = 0, total = 0;
   const index_t chunk = std::min<index_t>(o.eval, 32);
-  std::vector<float> logits;
+  logits_buffer<Backend> logits;
   for (index_t done = 0; done < o.eval; done += chunk) {
     const index_t B = std::min(chunk, o.eval - done);
     const batch b = flip_flop(gen, B, o.length, p);
-    logits.resize(static_cast<std::size_t>(B * o.length * vocab));
     model.forward(attnmix::tensor_view<const std::int32_t, 2>(b.tokens.data(), {B, o.length}),
-                  attnmix::view3<float>(logits.data(), {B, o.length, vocab}), be);
+                  logits.view(B, o.length), be);
+    const float* all = logits.read();
     for (index_t r = 0; r < B * o.length; ++r) {
       if (!b.reads[r]) continue;
-      const float* z = logits.data() + r * vocab;
+      const float* z = all + r * vocab;
       const std::int32_t guess = static_cast<std::int32_t>(std::max_element(z, z + vocab) - z);
       wrong += guess != b.labels[r];
       ++total;
@@ -119,26 +148,20 @@ double read_error(const Model& model, std::uint64_t seed, const options& o, doub
   return total > 0 ? double(wrong) / double(total) : 0.0;
 }
 
-template <class Layer>
-errors run(const std::string& name, int seed, const options& o) {
-  using model_type = attnmix::train::language_model<attnmix::stack<float, Layer>>;
-  attnmix::layers::config c;
-  c.hidden_size = 64;
-  c.num_heads = 2;
-  model_type model(c, vocab);
-  attnmix::layers::randomize_parameters(model, 1000 + seed, 0.02);
+// Trains `model` on `be` and measures its read errors.
+template <class Model, class Backend>
+errors train(Model& model, const std::string& name, int seed, const options& o, const Backend& be) {
   attnmix::train::adamw_config ac;
   ac.beta2 = 0.98, ac.weight_decay = 0.1, ac.clip_norm = 1.0;
-  attnmix::train::adamw<> opt(ac);
+  attnmix::train::adamw<Backend> opt(ac);
   const attnmix::train::warmup_cosine lr{std::max<index_t>(1, o.steps / 20), o.steps, o.lr,
                                          o.lr / 10};
-  const attnmix::backend::cpu be{o.threads};
   std::mt19937_64 gen(seed);
   attnmix::train::progress bar(o.steps, o.batch * o.length, o.every, stdout,
                                "  " + name + " seed " + std::to_string(seed) + ": ");
   for (index_t step = 1; step <= o.steps; ++step) {
     const batch b = flip_flop(gen, o.batch, o.length, 0.8);
-    attnmix::train::adamw<>::zero_grad(model);
+    attnmix::train::adamw<Backend>::zero_grad(model);
     const double loss = model.loss(
         attnmix::tensor_view<const std::int32_t, 2>(b.tokens.data(), {o.batch, o.length}),
         attnmix::tensor_view<const std::int32_t, 2>(b.labels.data(), {o.batch, o.length}), true,
@@ -149,6 +172,23 @@ errors run(const std::string& name, int seed, const options& o) {
   const std::uint64_t eval_seed = 7777 + std::uint64_t(seed);
   return {read_error(model, eval_seed, o, 0.8, be), read_error(model, eval_seed + 1, o, 0.98, be),
           read_error(model, eval_seed + 2, o, 0.1, be)};
+}
+
+template <class Layer>
+errors run(const std::string& name, int seed, const options& o) {
+  using host_stack = attnmix::stack<float, Layer>;
+  attnmix::layers::config c;
+  c.hidden_size = 64;
+  c.num_heads = 2;
+  attnmix::train::language_model<host_stack> model(c, vocab);
+  attnmix::layers::randomize_parameters(model, 1000 + seed, 0.02);
+#ifdef __CUDACC__
+  if (o.device == "cuda") {
+    attnmix::train::language_model<attnmix::device_stack<host_stack, float>> gpu(model);
+    return train(gpu, name, seed, o, attnmix::backend::cuda{});
+  }
+#endif
+  return train(model, name, seed, o, attnmix::backend::cpu{o.threads});
 }
 
 errors run_kind(const std::string& kind, int seed, const options& o) {
@@ -164,7 +204,7 @@ errors run_kind(const std::string& kind, int seed, const options& o) {
 const char* usage =
     "usage: train_flipflop [--kinds path,path_fox,fox,sa_rope] [--seeds 3] [--first-seed 0]\n"
     "                      [--steps 1000] [--batch 16] [--length 512] [--eval 256] [--lr 3e-3]\n"
-    "                      [--threads 0] [--every 100]\n";
+    "                      [--threads 0] [--every 100] [--device cpu|cuda]\n";
 
 options parse(int argc, char** argv) {
   options o;
@@ -201,10 +241,27 @@ options parse(int argc, char** argv) {
       o.threads = std::atoi(v.c_str());
     } else if (k == "--every") {
       o.every = std::atol(v.c_str());
+    } else if (k == "--device") {
+      o.device = v;
     } else {
       std::fprintf(stderr, "unknown option %s\n%s", k.c_str(), usage);
       std::exit(2);
     }
+  }
+#ifdef __CUDACC__
+  const bool known_device = o.device == "cpu" || o.device == "cuda";
+#else
+  const bool known_device = o.device == "cpu";
+#endif
+  if (!known_device) {
+    std::fprintf(stderr, "unknown device %s (cpu%s)\n", o.device.c_str(),
+#ifdef __CUDACC__
+                 ", cuda"
+#else
+                 "; cuda needs the nvcc build, train_flipflop_cuda"
+#endif
+    );
+    std::exit(2);
   }
   if (o.steps < 1 || o.batch < 1 || o.length < 4 || o.eval < 1 || o.seeds < 1) {
     std::fprintf(stderr, "steps, batch, eval and seeds must be >= 1 and length >= 4\n");
@@ -226,9 +283,10 @@ int main(int argc, char** argv) {
   const options o = parse(argc, argv);
   std::printf(
       "flip-flop: 1 layer, 2 heads, width 64; %lld steps of %lld x %lld tokens, ignore "
-      "0.8; read error on %lld sequences each\n",
+      "0.8; read error on %lld sequences each; on the %s\n",
       static_cast<long long>(o.steps), static_cast<long long>(o.batch),
-      static_cast<long long>(o.length), static_cast<long long>(o.eval));
+      static_cast<long long>(o.length), static_cast<long long>(o.eval),
+      o.device == "cuda" ? "GPU" : "CPU");
   struct row {
     std::string kind;
     std::vector<errors> e;
