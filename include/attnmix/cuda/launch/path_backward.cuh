@@ -116,8 +116,8 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
     allow_dynamic_smem(kernel, smem);
     const dim3 grid(plan.query_grid.x, plan.query_grid.y, plan.query_grid.z);
     kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
-    check(cudaGetLastError(), tiled ? "path_backward_query_tiled_kernel launch"
-                                    : "path_backward_query_kernel launch");
+    check(cudaGetLastError(),
+          tiled ? "path_backward_query_tiled_kernel launch" : "path_backward_query_kernel launch");
   }
   {
     auto kernel = path_backward_chunk_kernel<Dev>;

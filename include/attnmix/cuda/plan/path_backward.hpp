@@ -61,7 +61,8 @@ struct path_backward_layout {
 
 struct path_backward_plan {
   int slices = 1;
-  path_backward_kernel query_kernel = path_backward_kernel::tiled;  // never automatic
+  // Never automatic.
+  path_backward_kernel query_kernel = path_backward_kernel::tiled;
   launch_grid query_grid;  // (slice, KV head, sequence)
   launch_grid chunk_grid;  // (chunk, KV head, sequence)
   launch_grid gate_grid;   // (query-head blocks of 128, sequence)
@@ -79,8 +80,8 @@ inline path_backward_plan plan_path_backward(
     const path_shape& s, bool gated, const device_properties& d,
     path_backward_kernel force = path_backward_kernel::automatic) {
   path_backward_plan p;
-  p.query_kernel =
-      force == path_backward_kernel::simt ? path_backward_kernel::simt : path_backward_kernel::tiled;
+  p.query_kernel = force == path_backward_kernel::simt ? path_backward_kernel::simt
+                                                       : path_backward_kernel::tiled;
   path_shape fs = s;
   fs.sixteen_bit = false;  // the float chunk data of the portable forward
   p.forward = plan_path(fs, d);
