@@ -222,8 +222,8 @@ const char* kernel_name(path_backward_kernel k) {
                                             : "automatic";
 }
 
-// Both query kernels on the same inputs: each against the CPU, then the tiled one against the
-// SIMT one (the same sums in the same order: they differ at most by rounding).
+// Both kernel sets (query + chunk) on the same inputs: each against the CPU, then the tiled one
+// against the SIMT one (the same sums in the same order: they differ at most by rounding).
 template <class Kind, class Policy, class T>
 void both_kernels_case(const path_case& c, std::uint64_t salt) {
   INFO("seed " << test_seed() << " salt " << salt << " " << c.describe() << " dtype "
@@ -242,15 +242,15 @@ void both_kernels_case(const path_case& c, std::uint64_t salt) {
     tiled = d.template run<Kind, Policy>();
   }
   {
-    INFO("the SIMT query kernel against the CPU");
+    INFO("the SIMT query and chunk kernels against the CPU");
     check_grads<T>(simt, ref, gated);
   }
   {
-    INFO("the tiled query kernel against the CPU");
+    INFO("the tiled query and chunk kernels against the CPU");
     check_grads<T>(tiled, ref, gated);
   }
   {
-    INFO("the tiled query kernel against the SIMT one");
+    INFO("the tiled kernels against the SIMT ones");
     check_grads<T>(tiled, simt, gated);
   }
 }
@@ -276,7 +276,7 @@ std::vector<path_case> sweep() {
 
 // First: both query kernels on small shapes, one case at a time, so that a failure names the
 // kernel, the shape and the gradient.
-TEST_CASE("CUDA PaTH backward: the tiled and SIMT query kernels agree with the CPU and each other",
+TEST_CASE("CUDA PaTH backward: the tiled and SIMT kernels agree with the CPU and each other",
           "[cuda][path][backward][kernels]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   std::uint64_t salt = 30000;
@@ -366,7 +366,7 @@ TEST_CASE("CUDA PaTH-FoX backward gives the same bits twice", "[cuda][path_fox][
   const bwd_inputs b = make_inputs<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(c, 35001);
   device_case<attnmix::bfloat16> d(c, b);
   for (path_backward_kernel k : {path_backward_kernel::simt, path_backward_kernel::tiled}) {
-    INFO("query kernel " << kernel_name(k));
+    INFO("query and chunk kernels " << kernel_name(k));
     kernel_override o(k);
     const grads one = d.run<path_fox, attnmix::path_fox_policy>();
     const grads two = d.run<path_fox, attnmix::path_fox_policy>();

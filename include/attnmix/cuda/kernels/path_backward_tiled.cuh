@@ -14,7 +14,8 @@
 // staged in Tmp while the softmax runs (when Dv <= C; else read from global memory), and each
 // scan state of the adjoint pass in R (free after the walk); the key-side operands (the B side,
 // two addresses a warp instruction) come from global memory (L1).
-// The plan chooses it when D and Dv are multiples of 4 (plan/path_backward.hpp).
+// path_backward_chunk_tiled_kernel (below) is the chunk kernel with its n x n x D passes tiled
+// the same way. The plan chooses both for every shape unless told SIMT (plan/path_backward.hpp).
 
 #include <cmath>
 #include <cstdint>
@@ -392,6 +393,147 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
       __syncthreads();
     }
   }
+}
+
+// ---- the chunks, back through the UT transform -----------------------------------------------
+// path_backward_chunk_kernel with its two n x n x D passes (the Gram products of W with dK~, W
+// and K, and Lbar) through tile_product; the rest as there. Shared memory as
+// path_backward_chunk_smem: ld = D + 1, lc = C + 1.
+template <class T>
+__global__ void __launch_bounds__(path_tile_threads, 1)
+    path_backward_chunk_tiled_kernel(const path_backward_params p) {
+  constexpr int C = path_chunk;
+  constexpr int lc = C + 1;
+  extern __shared__ float smem[];
+  const path_kernel_params& kp = p.kp;
+  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + 1;
+  float* dK = smem;           // [C][ld]
+  float* dKt = dK + C * ld;   // [C][ld]
+  float* dW = dKt + C * ld;   // [C][ld]
+  float* dU = dW + C * ld;    // [C][ld], solved in place into Rbar_U
+  float* dM = dU + C * ld;    // [C][lc], solved in place into Rbar_M
+  float* ww = dM + C * lc;    // W W^T [C][lc]
+  float* lbar = ww + C * lc;  // [C][lc]
+  float* xk = lbar + C * lc;  // stril(W K^T) [C][lc]
+  float* sb = xk + C * lc;    // beta [C]
+
+  const int h = blockIdx.y;
+  index_t batch, start, length;
+  kp.a.sequence(blockIdx.z, batch, start, length);
+  const index_t c0 = static_cast<index_t>(blockIdx.x) * C;
+  if (c0 >= length) return;
+  const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+  const index_t t0 = start + c0;
+  const index_t row0 = kp.row(batch, h, t0);
+  const float* UU = static_cast<const float*>(kp.u) + row0 * D;
+  const float* MM = static_cast<const float*>(kp.m) + row0 * C;
+  const float* W = kp.w + batch * kp.w_stride[0] + t0 * kp.w_stride[1] + h * kp.w_stride[2];
+  const index_t ws1 = kp.w_stride[1];
+  const T* K = static_cast<const T*>(kp.a.k) + batch * kp.a.k_stride[0] + t0 * kp.a.k_stride[1] +
+               h * kp.a.k_stride[2];
+  const index_t ks1 = kp.a.k_stride[1];
+
+  // The slices' sums, in slice order.
+  for_tile(n, D, [&](int a, int d) {
+    const index_t at = (row0 + a) * D + d;
+    float kt = 0.f, w = 0.f, u = 0.f;
+    for (int sl = 0; sl < p.slices; ++sl) {
+      kt += p.dkt[sl * p.slice_d + at];
+      w += p.dws[sl * p.slice_d + at];
+      u += p.dus[sl * p.slice_d + at];
+    }
+    dK[a * ld + d] = p.dk_diag[at] + kt;  // dK += dK~
+    dKt[a * ld + d] = kt, dW[a * ld + d] = w, dU[a * ld + d] = u;
+  });
+  for_tile(n, Dv, [&](int a, int e) {
+    const index_t at = (row0 + a) * Dv + e;
+    float v = 0.f;
+    for (int sl = 0; sl < p.slices; ++sl) v += p.dvs[sl * p.slice_dv + at];
+    static_cast<T*>(
+        p.dv)[batch * p.dv_stride[0] + (t0 + a) * p.dv_stride[1] + h * p.dv_stride[2] + e] =
+        from_float<T>(v);
+  });
+  for (int a = threadIdx.x; a < n; a += blockDim.x)
+    sb[a] =
+        kp.beta[batch * kp.beta_stride[0] + (t0 + a) * kp.beta_stride[1] + h * kp.beta_stride[2]];
+  __syncthreads();
+
+  // K~ = K - M^T W: dM -= W dK~^T (strictly lower kept), dW -= M dK~. Gram products.
+  // W dK~^T computed transposed (dK~ on the row side, from shared memory).
+  tile_product(
+      n, n, D, [&](int b, int d) { return dKt[b * ld + d]; },
+      [&](int d, int a) { return W[a * ws1 + d]; },
+      [&](int b, int a, float acc) {
+        dM[a * lc + b] = a > b ? p.dm[(row0 + a) * C + b] - acc : 0.f;
+      });
+  tile_product(
+      n, n, D, [&](int a, int d) { return W[a * ws1 + d]; },
+      [&](int d, int b) { return W[b * ws1 + d]; },
+      [&](int a, int b, float acc) { ww[a * lc + b] = acc; });
+  tile_product(
+      n, n, D, [&](int a, int d) { return W[a * ws1 + d]; },
+      [&](int d, int b) { return to_float(K[b * ks1 + d]); },
+      [&](int a, int b, float acc) { xk[a * lc + b] = a > b ? acc : 0.f; });
+  for_tile(n, D, [&](int a, int d) {
+    float acc = 0.f;
+    for (int c = 0; c < a; ++c) acc += MM[a * C + c] * dKt[c * ld + d];
+    dW[a * ld + d] -= acc;
+  });
+  __syncthreads();
+
+  // [U, M] = (I + L)^-1 R with L = stril(diag(beta) W W^T): Rbar = (I + L)^-T [dU, dM], by back
+  // substitution, a thread per column.
+  for (int col = threadIdx.x; col < D + n; col += blockDim.x) {
+    float* X = col < D ? dU + col : dM + (col - D);
+    const int st = col < D ? ld : lc;
+    for (int a = n - 2; a >= 0; --a) {
+      float acc = 0.f;
+      for (int b = a + 1; b < n; ++b) acc += sb[b] * ww[b * lc + a] * X[b * st];
+      X[a * st] -= acc;
+    }
+  }
+  __syncthreads();
+  // Lbar = -stril(Rbar [U, M]^T) (the minus applied below).
+  // (the second sum continues the first: element (a, b) is the same thread's in both)
+  tile_product(
+      n, n, D, [&](int a, int d) { return dU[a * ld + d]; },
+      [&](int d, int b) { return UU[b * D + d]; },
+      [&](int a, int b, float acc) { lbar[a * lc + b] = acc; });
+  tile_product_from(
+      n, n, n, [&](int a, int b) { return lbar[a * lc + b]; },
+      [&](int a, int c) { return dM[a * lc + c]; }, [&](int c, int b) { return MM[b * C + c]; },
+      [&](int a, int b, float acc) { lbar[a * lc + b] = a > b ? acc : 0.f; });
+  __syncthreads();
+  // R = diag(beta) [W, stril(W K^T)], L = stril(diag(beta) W W^T).
+  for (int a = threadIdx.x; a < n; a += blockDim.x) {
+    float acc = 0.f, am = 0.f, al = 0.f;
+    for (int d = 0; d < D; ++d) acc += dU[a * ld + d] * W[a * ws1 + d];
+    for (int b = 0; b < n; ++b) {
+      am += dM[a * lc + b] * xk[a * lc + b];
+      al += lbar[a * lc + b] * ww[a * lc + b];
+    }
+    p.dbeta[batch * p.dbeta_stride[0] + (t0 + a) * p.dbeta_stride[1] + h * p.dbeta_stride[2]] =
+        acc + am - al;
+  }
+  __syncthreads();
+  for_tile(n, n, [&](int a, int b) {
+    lbar[a * lc + b] *= -sb[a];                             // d (w_a . w_b), a > b
+    dM[a * lc + b] = a > b ? dM[a * lc + b] * sb[a] : 0.f;  // d (w_a . k_b), a > b
+  });
+  __syncthreads();
+  for_tile(n, D, [&](int a, int d) {
+    float w = dW[a * ld + d] + sb[a] * dU[a * ld + d];
+    float k = dK[a * ld + d];
+    for (int b = 0; b < n; ++b) {
+      const float wb = W[b * ws1 + d];
+      w += (lbar[a * lc + b] + lbar[b * lc + a]) * wb + dM[a * lc + b] * to_float(K[b * ks1 + d]);
+      k += dM[b * lc + a] * wb;
+    }
+    p.dw[batch * p.dw_stride[0] + (t0 + a) * p.dw_stride[1] + h * p.dw_stride[2] + d] = w;
+    static_cast<T*>(
+        p.dk)[batch * p.dk_stride[0] + (t0 + a) * p.dk_stride[1] + h * p.dk_stride[2] + d] =
+        from_float<T>(k);
+  });
 }
 
 }  // namespace cuda

@@ -2,6 +2,8 @@
 // Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_simt.cuh): the scratch
 // that plan/path_backward.hpp lays out, the forward's float chunk preparation, then the query
 // kernel, the chunk kernel and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
+// The query and chunk kernels are the tiled ones (kernels/path_backward_tiled.cuh) unless the
+// plan says SIMT (path_backward_kernel_override() == simt).
 
 #include <cuda_runtime.h>
 
@@ -120,12 +122,14 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
           tiled ? "path_backward_query_tiled_kernel launch" : "path_backward_query_kernel launch");
   }
   {
-    auto kernel = path_backward_chunk_kernel<Dev>;
+    const bool tiled = plan.query_kernel == path_backward_kernel::tiled;
+    auto kernel = tiled ? path_backward_chunk_tiled_kernel<Dev> : path_backward_chunk_kernel<Dev>;
     const int smem = static_cast<int>(plan.chunk_smem);
     allow_dynamic_smem(kernel, smem);
     const dim3 grid(plan.chunk_grid.x, plan.chunk_grid.y, plan.chunk_grid.z);
     kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
-    check(cudaGetLastError(), "path_backward_chunk_kernel launch");
+    check(cudaGetLastError(),
+          tiled ? "path_backward_chunk_tiled_kernel launch" : "path_backward_chunk_kernel launch");
   }
   if (gated) {
     path_backward_dg_kernel<<<gate_grid, 128, 0, stream>>>(

@@ -22,9 +22,9 @@ namespace cuda {
 constexpr int path_backward_threads = 256;
 constexpr int path_backward_max_slices = 8;
 
-// Which query kernel runs: the register-blocked one (kernels/path_backward_tiled.cuh, the
-// default) or the plain SIMT one (kernels/path_backward_simt.cuh), both float on CUDA cores with
-// the same shared memory and scratch. `automatic` lets the plan choose.
+// Which query and chunk kernels run: the register-blocked ones (kernels/path_backward_tiled.cuh,
+// the default) or the plain SIMT ones (kernels/path_backward_simt.cuh), both float on CUDA cores
+// with the same grids, shared memory and scratch. `automatic` lets the plan choose.
 enum class path_backward_kernel { automatic, simt, tiled };
 
 // A process-wide override read by the launcher (tests run both kernels on the same inputs);
