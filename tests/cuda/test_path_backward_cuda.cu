@@ -4,8 +4,10 @@
 // run smallest first (T = 1, 5, 64, 65, 200, D = 64 then 128, GQA, varlen with an empty and a
 // length-1 sequence, an odd head dim, several slices), then PaTH-FoX in both gate conventions and
 // with hard resets, 16-bit inputs, two runs giving identical bits, and the CUDA forward's out and
-// lse as the backward's input. The query kernel is the plan's (tiled) unless a case says it
-// runs both: the tiled and the SIMT kernel on the same inputs, against the CPU and each other.
+// lse as the backward's input. The kernels are the plan's (the tiled query and chunk kernels)
+// except in the first cases, which run the tiled and the SIMT kernels on the same inputs and
+// compare each with the CPU and with each other, in the SIMT sweep, and in the run-twice check
+// (both sets).
 
 #include <algorithm>
 #include <array>

@@ -1,6 +1,7 @@
 // The plan of the CUDA PaTH backward (include/attnmix/cuda/plan/path_backward.hpp) on this CPU:
 // slices, grids, shared memory against the device's limit, and the scratch layout (aligned,
-// disjoint parts, the zeroed range, the size the benchmark reports). Pure host code.
+// disjoint parts, the zeroed range, the size the benchmark reports), the choice of the tiled or
+// SIMT kernels and its override. Pure host code.
 
 #include <algorithm>
 #include <cstddef>
