@@ -131,8 +131,11 @@ void BM_copy_bandwidth(benchmark::State& state) {
 // as the authors' kernels take them, H = HQ = 32, D = Dv = 64. FLOPs counted as the forward's
 // 4 B H T^2 D plus 2.5 times that for the backward (the recomputed scan, dV, dK~, the adjoint
 // scan and its transition gradients).
-template <class Kind>
+// simt: the SIMT query kernel (the plan's fallback) instead of the tiled one. One warm-up call
+// (a call takes up to seconds), then the iterations, each timed with events.
+template <class Kind, bool simt = false>
 void BM_path_backward_cuda(benchmark::State& state) {
+  namespace cu = attnmix::detail::cuda;
   using T = attnmix::bfloat16;
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
   const path_call call(B, Tn, H, D, 0);
@@ -156,10 +159,28 @@ void BM_path_backward_cuda(benchmark::State& state) {
   if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
     a.dg = attnmix::view3<float>(dg.ptr, {B, Tn, H}, dev);
   const attnmix::backend::cuda be{};
-  attnmix_bench::time_with_events(state, [&] {
+  const cu::path_backward_kernel saved = cu::path_backward_kernel_override();
+  cu::path_backward_kernel_override() =
+      simt ? cu::path_backward_kernel::simt : cu::path_backward_kernel::automatic;
+  const auto call_once = [&] {
     attnmix::attention<Kind>(fa, {}, be);
     attnmix::attention_backward<Kind>(a, {}, be);
-  });
+  };
+  call_once();
+  cudaEvent_t start, stop;
+  cu::check(cudaEventCreate(&start), "cudaEventCreate");
+  cu::check(cudaEventCreate(&stop), "cudaEventCreate");
+  for (auto _ : state) {
+    cu::check(cudaEventRecord(start), "cudaEventRecord");
+    call_once();
+    cu::check(cudaEventRecord(stop), "cudaEventRecord");
+    cu::check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    cu::check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    state.SetIterationTime(ms / 1e3);
+  }
+  cudaEventDestroy(start), cudaEventDestroy(stop);
+  cu::path_backward_kernel_override() = saved;
   const double flops = 3.5 * 4.0 * B * H * double(Tn) * double(Tn) * D;
   state.counters["TFLOP/s"] =
       benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
@@ -167,8 +188,12 @@ void BM_path_backward_cuda(benchmark::State& state) {
 
 void backward_shapes(benchmark::internal::Benchmark* b) {
   for (auto [B, T] : {std::pair{32, 2048}, {8, 8192}, {4, 16384}}) b->Args({B, T, 32});
-  // A call takes seconds on CUDA cores: a few iterations are enough.
+  // A call takes up to seconds on CUDA cores: a few iterations are enough.
   b->ArgNames({"B", "T", "H"})->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
+}
+void backward_simt_shapes(benchmark::internal::Benchmark* b) {
+  b->Args({32, 2048, 32});
+  b->ArgNames({"B", "T", "H"})->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
 }
 
 // The backward's extra device memory (the plan's scratch: chunk data, per-slice sums, gate sums)
@@ -223,6 +248,9 @@ BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path)
 BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox)
     ->Name("path_fox_fwd_bwd")
     ->Apply(backward_shapes);
+BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox, true)
+    ->Name("path_fox_fwd_bwd_simt")
+    ->Apply(backward_simt_shapes);
 BENCHMARK(BM_path_backward_memory)
     ->Name("path_backward_scratch")
     ->Args({4, 16384, 32})

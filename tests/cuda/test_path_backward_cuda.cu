@@ -4,7 +4,10 @@
 // run smallest first (T = 1, 5, 64, 65, 200, D = 64 then 128, GQA, varlen with an empty and a
 // length-1 sequence, an odd head dim, several slices), then PaTH-FoX in both gate conventions and
 // with hard resets, 16-bit inputs, two runs giving identical bits, and the CUDA forward's out and
-// lse as the backward's input.
+// lse as the backward's input. The kernels are the plan's (the tiled query and chunk kernels)
+// except in the first cases, which run the tiled and the SIMT kernels on the same inputs and
+// compare each with the CPU and with each other, in the SIMT sweep, and in the run-twice check
+// (both sets).
 
 #include <algorithm>
 #include <array>
@@ -201,6 +204,59 @@ void backward_case(const path_case& c, std::uint64_t salt, const std::vector<ind
   check_grads<T>(got, ref, attnmix::kind_traits<Kind>::uses_forget_gate);
 }
 
+using attnmix::detail::cuda::path_backward_kernel;
+
+// Sets the launcher's query-kernel override for a scope.
+struct kernel_override {
+  path_backward_kernel saved;
+  explicit kernel_override(path_backward_kernel k)
+      : saved(attnmix::detail::cuda::path_backward_kernel_override()) {
+    attnmix::detail::cuda::path_backward_kernel_override() = k;
+  }
+  ~kernel_override() { attnmix::detail::cuda::path_backward_kernel_override() = saved; }
+  kernel_override(const kernel_override&) = delete;
+  kernel_override& operator=(const kernel_override&) = delete;
+};
+
+const char* kernel_name(path_backward_kernel k) {
+  return k == path_backward_kernel::simt    ? "SIMT"
+         : k == path_backward_kernel::tiled ? "tiled"
+                                            : "automatic";
+}
+
+// Both kernel sets (query + chunk) on the same inputs: each against the CPU, then the tiled one
+// against the SIMT one (the same sums in the same order: they differ at most by rounding).
+template <class Kind, class Policy, class T>
+void both_kernels_case(const path_case& c, std::uint64_t salt) {
+  INFO("seed " << test_seed() << " salt " << salt << " " << c.describe() << " dtype "
+               << attnmix::scalar_traits<T>::name << " kind " << Kind::name);
+  const bwd_inputs b = make_inputs<Kind, Policy, T>(c, salt);
+  const grads ref = cpu_backward<Kind, Policy>(c, b);
+  device_case<T> d(c, b);
+  constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+  grads simt, tiled;
+  {
+    kernel_override o(path_backward_kernel::simt);
+    simt = d.template run<Kind, Policy>();
+  }
+  {
+    kernel_override o(path_backward_kernel::tiled);
+    tiled = d.template run<Kind, Policy>();
+  }
+  {
+    INFO("the SIMT query and chunk kernels against the CPU");
+    check_grads<T>(simt, ref, gated);
+  }
+  {
+    INFO("the tiled query and chunk kernels against the CPU");
+    check_grads<T>(tiled, ref, gated);
+  }
+  {
+    INFO("the tiled kernels against the SIMT ones");
+    check_grads<T>(tiled, simt, gated);
+  }
+}
+
 // Smallest first, so that the first failure points at the simplest shape.
 std::vector<path_case> sweep() {
   return {
@@ -219,6 +275,42 @@ std::vector<path_case> sweep() {
 }
 
 }  // namespace
+
+// First: both query kernels on small shapes, one case at a time, so that a failure names the
+// kernel, the shape and the gradient.
+TEST_CASE("CUDA PaTH backward: the tiled and SIMT kernels agree with the CPU and each other",
+          "[cuda][path][backward][kernels]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  std::uint64_t salt = 30000;
+  const std::vector<path_case> cases = {
+      {1, 1, 1, 1, 64, 64},                             // one token
+      {1, 5, 1, 1, 64, 64},                             // a partial chunk
+      {1, 65, 1, 1, 64, 64},                            // two chunks, the walk
+      {1, 65, 4, 2, 64, 64},                            // GQA
+      {2, 200, 4, 2, 64, 64},                           // four chunks, the adjoint pass
+      {1, 200, 2, 1, 64, 64, {0, 0, 1, 64, 130, 200}},  // varlen, empty and length-1
+      {1, 130, 2, 1, 128, 128},                         // D = 128: dO read from global memory
+      {1, 100, 2, 2, 40, 24},                           // odd head dims, D != Dv
+      {1, 100, 1, 1, 17, 9},                            // head dims not multiples of 4
+  };
+  for (const path_case& c : cases) {
+    both_kernels_case<path, attnmix::path_policy, float>(c, ++salt);
+    both_kernels_case<path_fox, attnmix::path_fox_policy, float>(c, ++salt);
+  }
+  for (const path_case& c : cases) {
+    both_kernels_case<path, attnmix::path_policy, attnmix::bfloat16>(c, ++salt);
+    both_kernels_case<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(c, ++salt);
+  }
+}
+
+TEST_CASE("CUDA PaTH-FoX backward, the SIMT fallback matches the CPU, float",
+          "[cuda][path_fox][backward][kernels]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  kernel_override o(path_backward_kernel::simt);
+  std::uint64_t salt = 30500;
+  for (const path_case& c : sweep())
+    backward_case<path_fox, attnmix::path_fox_policy, float>(c, ++salt);
+}
 
 TEST_CASE("CUDA PaTH backward matches the CPU, float", "[cuda][path][backward]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
@@ -275,14 +367,18 @@ TEST_CASE("CUDA PaTH-FoX backward gives the same bits twice", "[cuda][path_fox][
   INFO("seed " << test_seed() << " " << c.describe());
   const bwd_inputs b = make_inputs<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(c, 35001);
   device_case<attnmix::bfloat16> d(c, b);
-  const grads one = d.run<path_fox, attnmix::path_fox_policy>();
-  const grads two = d.run<path_fox, attnmix::path_fox_policy>();
-  CHECK(bitwise_equal(one.dq, two.dq));
-  CHECK(bitwise_equal(one.dk, two.dk));
-  CHECK(bitwise_equal(one.dv, two.dv));
-  CHECK(bitwise_equal(one.dw, two.dw));
-  CHECK(bitwise_equal(one.dbeta, two.dbeta));
-  CHECK(bitwise_equal(one.dg, two.dg));
+  for (path_backward_kernel k : {path_backward_kernel::simt, path_backward_kernel::tiled}) {
+    INFO("query and chunk kernels " << kernel_name(k));
+    kernel_override o(k);
+    const grads one = d.run<path_fox, attnmix::path_fox_policy>();
+    const grads two = d.run<path_fox, attnmix::path_fox_policy>();
+    CHECK(bitwise_equal(one.dq, two.dq));
+    CHECK(bitwise_equal(one.dk, two.dk));
+    CHECK(bitwise_equal(one.dv, two.dv));
+    CHECK(bitwise_equal(one.dw, two.dw));
+    CHECK(bitwise_equal(one.dbeta, two.dbeta));
+    CHECK(bitwise_equal(one.dg, two.dg));
+  }
 }
 
 TEMPLATE_TEST_CASE("CUDA PaTH-FoX forward then backward with the CUDA lse",

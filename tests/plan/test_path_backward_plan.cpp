@@ -1,6 +1,7 @@
 // The plan of the CUDA PaTH backward (include/attnmix/cuda/plan/path_backward.hpp) on this CPU:
 // slices, grids, shared memory against the device's limit, and the scratch layout (aligned,
-// disjoint parts, the zeroed range, the size the benchmark reports). Pure host code.
+// disjoint parts, the zeroed range, the size the benchmark reports), the choice of the tiled or
+// SIMT kernels and its override. Pure host code.
 
 #include <algorithm>
 #include <cstddef>
@@ -110,4 +111,28 @@ TEST_CASE("PaTH backward plan: extra memory is O(B T H D)", "[plan][path][backwa
   const double floats = rows * (3 * (5 * 64 + 64) + 64 + 64 + 64 + 64 + 64);
   CHECK(double(p.scratch_bytes) >= 4 * floats);
   CHECK(double(p.scratch_bytes) <= 4 * floats * 1.01 + 4.0 * rows * 8);
+}
+
+TEST_CASE("PaTH backward plan: the query kernel, tiled unless forced to SIMT",
+          "[plan][path][backward]") {
+  const path_shape s = shape(2, 1100, 4, 2, 64, 64);
+  const path_backward_plan a = plan_path_backward(s, true, h200());
+  CHECK(a.query_kernel == path_backward_kernel::tiled);
+  // Every shape, odd head dims included.
+  CHECK(plan_path_backward(shape(1, 100, 2, 2, 40, 24), false, h200()).query_kernel ==
+        path_backward_kernel::tiled);
+  CHECK(plan_path_backward(shape(1, 100, 1, 1, 17, 9), false, h200()).query_kernel ==
+        path_backward_kernel::tiled);
+  CHECK(plan_path_backward(s, true, h200(), path_backward_kernel::tiled).query_kernel ==
+        path_backward_kernel::tiled);
+  const path_backward_plan f = plan_path_backward(s, true, h200(), path_backward_kernel::simt);
+  CHECK(f.query_kernel == path_backward_kernel::simt);
+  // Forcing a kernel changes nothing else: the same grids, shared memory and scratch.
+  CHECK(f.slices == a.slices);
+  CHECK(f.query_smem == a.query_smem);
+  CHECK(f.chunk_smem == a.chunk_smem);
+  CHECK(f.scratch_bytes == a.scratch_bytes);
+  CHECK(f.query_grid.x == a.query_grid.x);
+  // The launcher's override starts automatic.
+  CHECK(path_backward_kernel_override() == path_backward_kernel::automatic);
 }

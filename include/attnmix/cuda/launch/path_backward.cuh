@@ -2,6 +2,8 @@
 // Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_simt.cuh): the scratch
 // that plan/path_backward.hpp lays out, the forward's float chunk preparation, then the query
 // kernel, the chunk kernel and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
+// The query and chunk kernels are the tiled ones (kernels/path_backward_tiled.cuh) unless the
+// plan says SIMT (path_backward_kernel_override() == simt).
 
 #include <cuda_runtime.h>
 
@@ -11,6 +13,7 @@
 #include "attnmix/attention/args.hpp"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/kernels/path_backward_simt.cuh"
+#include "attnmix/cuda/kernels/path_backward_tiled.cuh"
 #include "attnmix/cuda/launch/path.cuh"
 #include "attnmix/cuda/plan/path_backward.hpp"
 #include "attnmix/cuda/runtime.cuh"
@@ -42,7 +45,8 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   shape.head_dim = p.head_dim, shape.value_dim = p.value_dim;
   shape.max_len = max_len, shape.q_heads = p.q_heads, shape.kv_heads = p.kv_heads;
   shape.sequences = p.num_sequences;
-  const path_backward_plan plan = plan_path_backward(shape, gated, props);
+  const path_backward_plan plan =
+      plan_path_backward(shape, gated, props, path_backward_kernel_override());
   require(plan.fits, fn, "q", "has head dim D = ", p.head_dim, " whose backward tiles need ",
           std::max(plan.query_smem, plan.chunk_smem),
           " bytes of shared memory a block, but the device allows ", props.smem_per_block_optin);
@@ -106,20 +110,26 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   launch_path_prepare<Dev, float, float>(kp, plan.forward, stream);
 
   {
-    auto kernel = path_backward_query_kernel<Dev>;
+    static_assert(path_backward_threads == path_tile_threads,
+                  "the tiled query kernel's thread grid is 16 x 16");
+    const bool tiled = plan.query_kernel == path_backward_kernel::tiled;
+    auto kernel = tiled ? path_backward_query_tiled_kernel<Dev> : path_backward_query_kernel<Dev>;
     const int smem = static_cast<int>(plan.query_smem);
     allow_dynamic_smem(kernel, smem);
     const dim3 grid(plan.query_grid.x, plan.query_grid.y, plan.query_grid.z);
     kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
-    check(cudaGetLastError(), "path_backward_query_kernel launch");
+    check(cudaGetLastError(),
+          tiled ? "path_backward_query_tiled_kernel launch" : "path_backward_query_kernel launch");
   }
   {
-    auto kernel = path_backward_chunk_kernel<Dev>;
+    const bool tiled = plan.query_kernel == path_backward_kernel::tiled;
+    auto kernel = tiled ? path_backward_chunk_tiled_kernel<Dev> : path_backward_chunk_kernel<Dev>;
     const int smem = static_cast<int>(plan.chunk_smem);
     allow_dynamic_smem(kernel, smem);
     const dim3 grid(plan.chunk_grid.x, plan.chunk_grid.y, plan.chunk_grid.z);
     kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
-    check(cudaGetLastError(), "path_backward_chunk_kernel launch");
+    check(cudaGetLastError(),
+          tiled ? "path_backward_chunk_tiled_kernel launch" : "path_backward_chunk_kernel launch");
   }
   if (gated) {
     path_backward_dg_kernel<<<gate_grid, 128, 0, stream>>>(

@@ -22,6 +22,18 @@ namespace cuda {
 constexpr int path_backward_threads = 256;
 constexpr int path_backward_max_slices = 8;
 
+// Which query and chunk kernels run: the register-blocked ones (kernels/path_backward_tiled.cuh,
+// the default) or the plain SIMT ones (kernels/path_backward_simt.cuh), both float on CUDA cores
+// with the same grids, shared memory and scratch. `automatic` lets the plan choose.
+enum class path_backward_kernel { automatic, simt, tiled };
+
+// A process-wide override read by the launcher (tests run both kernels on the same inputs);
+// automatic unless set. Not synchronised: set it only while no backward is being launched.
+inline path_backward_kernel& path_backward_kernel_override() {
+  static path_backward_kernel k = path_backward_kernel::automatic;
+  return k;
+}
+
 // Shared memory (floats) of the query kernel: Qs, dQs, R, Rbar (C x (D+1)); X, S, dZ, dX, Tmp
 // (C x (C+1)); lse, delta, gate, reset (C each). Of the chunk kernel: dK, dK~, dW, dU
 // (C x (D+1)); dM, WW, Lbar, XK (C x (C+1)); beta (C).
@@ -49,6 +61,8 @@ struct path_backward_layout {
 
 struct path_backward_plan {
   int slices = 1;
+  // Never automatic.
+  path_backward_kernel query_kernel = path_backward_kernel::tiled;
   launch_grid query_grid;  // (slice, KV head, sequence)
   launch_grid chunk_grid;  // (chunk, KV head, sequence)
   launch_grid gate_grid;   // (query-head blocks of 128, sequence)
@@ -61,9 +75,13 @@ struct path_backward_plan {
 
 // Slices: (sequence, KV head) pairs are few when B * H is small; cut each into up to
 // path_backward_max_slices ranges of query chunks so that the CTAs cover the SMs twice.
-inline path_backward_plan plan_path_backward(const path_shape& s, bool gated,
-                                             const device_properties& d) {
+// The tiled query kernel takes every shape the SIMT one takes; `force` picks one.
+inline path_backward_plan plan_path_backward(
+    const path_shape& s, bool gated, const device_properties& d,
+    path_backward_kernel force = path_backward_kernel::automatic) {
   path_backward_plan p;
+  p.query_kernel = force == path_backward_kernel::simt ? path_backward_kernel::simt
+                                                       : path_backward_kernel::tiled;
   path_shape fs = s;
   fs.sixteen_bit = false;  // the float chunk data of the portable forward
   p.forward = plan_path(fs, d);

@@ -1,0 +1,541 @@
+#pragma once
+// The PaTH / PaTH-FoX backward's query kernel with register-blocked products: the same algorithm,
+// the same shared memory, the same passes and barriers as path_backward_query_kernel
+// (path_backward_simt.cuh, which stays the fallback), but every C x C x D or C x D x C product
+// runs through tile_product, where each thread computes a block of RM x RN elements of the
+// output (rows tr + 16 i, columns tc + 16 j of the 16 x 16 thread grid) from RM + RN operand
+// loads per step of the reduction instead of 2 loads per multiply-add. Still float on CUDA
+// cores, still one fixed-order sum per element (k = 0, 1, ... in order), so the bits do not
+// depend on the run. Products whose CPU loop stops early (c <= a, b < n) run to a fixed depth
+// over operands that are exactly 0 past the end (x, dx are stored triangular), which adds exact
+// zeros. Operands past the sequence or the chunk are never read from global memory: accessors
+// return 0 there. dO V^T is one more product (into dZ) before the softmax's elementwise pass.
+// Row-indexed operands (the A side, rows spread over a warp) are read from shared memory: dO is
+// staged in Tmp while the softmax runs (when Dv <= C; else read from global memory), and each
+// scan state of the adjoint pass in R (free after the walk); the key-side operands (the B side,
+// two addresses a warp instruction) come from global memory (L1).
+// path_backward_chunk_tiled_kernel (below) is the chunk kernel with its n x n x D passes tiled
+// the same way. The plan chooses both for every shape unless told SIMT (plan/path_backward.hpp).
+
+#include <cmath>
+#include <cstdint>
+
+#include "attnmix/cuda/kernels/path_backward_simt.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+constexpr int path_tile_threads = 256;  // the 16 x 16 thread grid of tile_product
+
+// out(r, c, acc) for each (r, c) of rows x cols, acc = init(r, c) + sum over k = 0 .. depth - 1
+// (in that order) of a(r, k) * b(k, c). a is called only for r < rows, b only for c < cols.
+// Element (r, c) is always computed by the same thread for the same rows, cols.
+template <int RM, int RN, class I, class A, class B, class O>
+__device__ __forceinline__ void tile_product_init(int rows, int cols, int depth, I&& init, A&& a,
+                                                  B&& b, O&& out) {
+  constexpr int TR = 16, TC = path_tile_threads / 16;
+  const int tr = threadIdx.x % TR, tc = threadIdx.x / TR;
+  for (int rb = 0; rb < rows; rb += TR * RM)
+    for (int cb = 0; cb < cols; cb += TC * RN) {
+      float acc[RM][RN];
+#pragma unroll
+      for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int j = 0; j < RN; ++j) {
+          const int r = rb + tr + TR * i, c = cb + tc + TC * j;
+          acc[i][j] = r < rows && c < cols ? init(r, c) : 0.f;
+        }
+#pragma unroll 2
+      for (int k = 0; k < depth; ++k) {
+        float av[RM], bv[RN];
+#pragma unroll
+        for (int i = 0; i < RM; ++i) {
+          const int r = rb + tr + TR * i;
+          av[i] = r < rows ? a(r, k) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < RN; ++j) {
+          const int c = cb + tc + TC * j;
+          bv[j] = c < cols ? b(k, c) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < RM; ++i)
+#pragma unroll
+          for (int j = 0; j < RN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+      }
+#pragma unroll
+      for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int j = 0; j < RN; ++j) {
+          const int r = rb + tr + TR * i, c = cb + tc + TC * j;
+          if (r < rows && c < cols) out(r, c, acc[i][j]);
+        }
+    }
+}
+
+template <class A, class B, class O>
+__device__ __forceinline__ void tile_product(int rows, int cols, int depth, A&& a, B&& b, O&& out) {
+  tile_product_init<4, 4>(
+      rows, cols, depth, [](int, int) { return 0.f; }, a, b, out);
+}
+
+template <class I, class A, class B, class O>
+__device__ __forceinline__ void tile_product_from(int rows, int cols, int depth, I&& init, A&& a,
+                                                  B&& b, O&& out) {
+  tile_product_init<4, 4>(rows, cols, depth, init, a, b, out);
+}
+
+// Shared memory as plan/path_backward.hpp's path_backward_query_smem: ld = D + 1, lc = C + 1.
+template <class T>
+__global__ void __launch_bounds__(path_tile_threads, 1)
+    path_backward_query_tiled_kernel(const path_backward_params p) {
+  constexpr int C = path_chunk;
+  constexpr int lc = C + 1;
+  extern __shared__ float smem[];
+  const path_kernel_params& kp = p.kp;
+  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + 1;
+  float* qs = smem;                               // scale * Q            [C][ld]
+  float* dqs = qs + C * ld;                       // d Qs                 [C][ld]
+  float* r = dqs + C * ld;                        // the running queries  [C][ld]
+  float* rbar = r + C * ld;                       // their adjoint        [C][ld]
+  float* x = rbar + C * ld;                       // tril(Qs W^T)         [C][lc]
+  float* s = x + C * lc;                          // scores, then p       [C][lc]
+  float* dz = s + C * lc;                         // dO V^T, then dZ      [C][lc]
+  float* dx = dz + C * lc;                        // dX                   [C][lc]
+  float* tmp = dx + C * lc;                       // r W^T or rbar U^T    [C][lc]
+  float* lse = tmp + C * lc;                      // [C]
+  float* delta = lse + C;                         // [C]
+  float* gi = delta + C;                          // [C]
+  int* reset_i = reinterpret_cast<int*>(gi + C);  // [C] each row's last hard reset
+
+  const int slice = blockIdx.x, h = blockIdx.y;
+  index_t batch, start, length;
+  kp.a.sequence(blockIdx.z, batch, start, length);
+  if (length <= 0) return;
+  const index_t chunks = (length + C - 1) / C;
+  index_t lo, hi;
+  path_backward_slice(chunks, p.slices, slice, lo, hi);
+  if (lo >= hi) return;
+
+  const int group = kp.a.group;
+  const index_t row0 = kp.row(batch, h, start);  // [B, H, tokens, .] row of token 0
+  const float* KT = static_cast<const float*>(kp.kt) + row0 * D;
+  const float* UU = static_cast<const float*>(kp.u) + row0 * D;
+  const float* MM = static_cast<const float*>(kp.m) + row0 * C;
+  const float* W = kp.w + batch * kp.w_stride[0] + start * kp.w_stride[1] + h * kp.w_stride[2];
+  const index_t ws1 = kp.w_stride[1];
+  const T* K = static_cast<const T*>(kp.a.k) + batch * kp.a.k_stride[0] + start * kp.a.k_stride[1] +
+               h * kp.a.k_stride[2];
+  const index_t ks1 = kp.a.k_stride[1];
+  const T* V = static_cast<const T*>(kp.a.v) + batch * kp.a.v_stride[0] + start * kp.a.v_stride[1] +
+               h * kp.a.v_stride[2];
+  const index_t vs1 = kp.a.v_stride[1];
+  float* dkt = p.dkt + slice * p.slice_d + row0 * D;
+  float* dws = p.dws + slice * p.slice_d + row0 * D;
+  float* dus = p.dus + slice * p.slice_d + row0 * D;
+  float* states = p.states + slice * p.slice_d + row0 * D;
+  float* es = p.e + slice * p.slice_d + row0 * D;
+  float* dvs = p.dvs + slice * p.slice_dv + row0 * Dv;
+  float* dkd = p.dk_diag + row0 * D;
+  float* dm = p.dm + row0 * C;
+  const float scale = p.scale;
+
+  for (int hq = h * group; hq < (h + 1) * group; ++hq) {
+    const T* Q = static_cast<const T*>(kp.a.q) + batch * kp.a.q_stride[0] +
+                 start * kp.a.q_stride[1] + hq * kp.a.q_stride[2];
+    const T* O = static_cast<const T*>(p.out) + batch * p.out_stride[0] + start * p.out_stride[1] +
+                 hq * p.out_stride[2];
+    const T* dO = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
+                  start * p.dout_stride[1] + hq * p.dout_stride[2];
+    const index_t qs1 = kp.a.q_stride[1], os1 = p.out_stride[1], dos1 = p.dout_stride[1];
+    const index_t gate_at = (batch * kp.a.tokens + start) * kp.a.q_heads + hq;  // token 0
+    const double* G = p.G != nullptr ? p.G + gate_at : nullptr;
+    const std::int32_t* R = p.reset != nullptr ? p.reset + gate_at : nullptr;
+    const index_t HQ = kp.a.q_heads;
+    double* dG = p.dgate != nullptr ? p.dgate + slice * p.slice_gate + gate_at : nullptr;
+
+    for (index_t ci = lo; ci < hi; ++ci) {
+      const index_t c0 = ci * C;
+      const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+      const double g_ref = G != nullptr ? G[c0 * HQ] : 0.0;
+
+      // Load Qs, lse, delta, the gate terms of the rows and their resets.
+      for_tile(C, D, [&](int a, int d) {
+        qs[a * ld + d] = a < n ? scale * to_float(Q[(c0 + a) * qs1 + d]) : 0.f;
+      });
+      for (int a = threadIdx.x; a < C; a += blockDim.x) {
+        float dl = 0.f, l = 0.f, gg = 0.f;
+        int rs = 0;
+        if (a < n) {
+          for (int e = 0; e < Dv; ++e)
+            dl += to_float(dO[(c0 + a) * dos1 + e]) * to_float(O[(c0 + a) * os1 + e]);
+          l = p.lse[batch * p.lse_stride[0] + (start + c0 + a) * p.lse_stride[1] +
+                    hq * p.lse_stride[2]];
+          if (G != nullptr) gg = static_cast<float>(p.coef * (G[(c0 + a) * HQ] - g_ref));
+          if (R != nullptr) rs = R[(c0 + a) * HQ];
+        }
+        delta[a] = dl, lse[a] = l, gi[a] = gg, reset_i[a] = rs;
+      }
+      __syncthreads();
+
+      // Query rows past n read as 0 (qs is 0 there; global rows are never read).
+      const auto dO_at = [&](int a, int e) {
+        return a < n ? to_float(dO[(c0 + a) * dos1 + e]) : 0.f;
+      };
+
+      // p and dZ of the key chunk starting at j0 (sequence position) with `cols` keys, scores
+      // in s; diag: the causal mask of the diagonal tile. Adds p^T dO to dv and the gate sums.
+      // dO staged in tmp (free while the softmax runs) when its rows fit: the products then read
+      // it from shared memory, 16 rows a warp instruction without bank conflicts.
+      const bool stage_dO = Dv <= C;
+      const auto dO_staged = [&](int a, int e) {
+        return tmp[a * lc + e];
+      };
+      const auto backprop_softmax = [&](index_t j0, int cols, bool diag) {
+        // dP = dO V^T into dz (each element: e = 0 .. Dv - 1 in order, as the fallback's loop).
+        const auto v_at = [&](int e, int j) {
+          return j < cols ? to_float(V[(j0 + j) * vs1 + e]) : 0.f;
+        };
+        const auto to_dz = [&](int a, int j, float acc) {
+          dz[a * lc + j] = acc;
+        };
+        if (stage_dO) {
+          for_tile(C, Dv, [&](int a, int e) { tmp[a * lc + e] = dO_at(a, e); });
+          __syncthreads();
+          tile_product(C, C, Dv, dO_staged, v_at, to_dz);
+        } else {
+          tile_product(C, C, Dv, dO_at, v_at, to_dz);
+        }
+        __syncthreads();
+        for_tile(C, C, [&](int j, int a) {
+          float pv = 0.f, dzv = 0.f;
+          if (a < n && j < cols && (!diag || j <= a) && (R == nullptr || j0 + j >= reset_i[a])) {
+            float z = s[a * lc + j];
+            if (G != nullptr) z += gi[a] - static_cast<float>(p.coef * (G[(j0 + j) * HQ] - g_ref));
+            pv = expf(z - lse[a]);
+            dzv = pv * (dz[a * lc + j] - delta[a]);
+          }
+          s[a * lc + j] = pv;
+          dz[a * lc + j] = dzv;
+        });
+        __syncthreads();
+        const auto p_at = [&](int j, int a) {
+          return s[a * lc + j];
+        };
+        const auto to_dv = [&](int j, int e, float acc) {
+          dvs[(j0 + j) * Dv + e] += acc;
+        };
+        if (stage_dO)
+          tile_product(cols, Dv, n, p_at, dO_staged, to_dv);
+        else
+          tile_product(cols, Dv, n, p_at, dO_at, to_dv);
+        if (dG != nullptr) {
+          for (int a = threadIdx.x; a < n; a += blockDim.x) {
+            float rs = 0.f;
+            for (int j = 0; j < cols; ++j) rs += dz[a * lc + j];
+            dG[(c0 + a) * HQ] += p.coef * static_cast<double>(rs);
+          }
+          __syncthreads();  // the diagonal tile's columns are its rows
+          for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+            float cs = 0.f;
+            for (int a = 0; a < n; ++a) cs += dz[a * lc + j];
+            dG[(j0 + j) * HQ] -= p.coef * static_cast<double>(cs);
+          }
+        }
+        __syncthreads();
+      };
+
+      // Step 1: the diagonal tile, z = tril(Qs K^T - tril(Qs W^T) M) (+ gate).
+      tile_product(
+          C, C, D, [&](int a, int d) { return qs[a * ld + d]; },
+          [&](int d, int b) { return b < n ? W[(c0 + b) * ws1 + d] : 0.f; },
+          [&](int a, int b, float acc) { x[a * lc + b] = a < n && b <= a ? acc : 0.f; });
+      tile_product(
+          C, C, D, [&](int a, int d) { return qs[a * ld + d]; },
+          [&](int d, int b) { return b < n ? to_float(K[(c0 + b) * ks1 + d]) : 0.f; },
+          [&](int a, int b, float acc) { s[a * lc + b] = acc; });
+      __syncthreads();
+      // s -= X M, continuing each element's sum (the same thread: same rows, cols).
+      tile_product_from(
+          C, C, n, [&](int a, int b) { return s[a * lc + b]; },
+          [&](int a, int c) { return -x[a * lc + c]; },
+          [&](int c, int b) { return b < n ? MM[(c0 + c) * C + b] : 0.f; },
+          [&](int a, int b, float acc) { s[a * lc + b] = a < n && b < n ? acc : 0.f; });
+      __syncthreads();
+      backprop_softmax(c0, n, true);
+      // dk += dZ^T Qs; dM -= X^T dZ; dQs = dZ K; dX = -dZ M^T.
+      tile_product(
+          n, D, n, [&](int b, int a) { return dz[a * lc + b]; },
+          [&](int a, int d) { return qs[a * ld + d]; },
+          [&](int b, int d, float acc) { dkd[(c0 + b) * D + d] += acc; });
+      tile_product(
+          n, n, n, [&](int rr, int a) { return x[a * lc + rr]; },
+          [&](int a, int c) { return dz[a * lc + c]; },
+          [&](int rr, int c, float acc) { dm[(c0 + rr) * C + c] -= acc; });
+      tile_product(
+          C, D, n, [&](int a, int b) { return dz[a * lc + b]; },
+          [&](int b, int d) { return to_float(K[(c0 + b) * ks1 + d]); },
+          [&](int a, int d, float acc) { dqs[a * ld + d] = a < n ? acc : 0.f; });
+      tile_product(
+          C, C, n, [&](int a, int b) { return dz[a * lc + b]; },
+          [&](int b, int c) { return c < n ? MM[(c0 + c) * C + b] : 0.f; },
+          [&](int a, int c, float acc) { dx[a * lc + c] = a < n && c < n ? -acc : 0.f; });
+      __syncthreads();
+
+      if (ci > 0) {
+        // Step 2: the forward's walk, keeping each chunk's scan state r and e = dZ K~.
+        // r = Qs - X U (X is 0 above its diagonal, so the full depth n adds exact zeros).
+        tile_product_from(
+            C, D, n, [&](int a, int d) { return qs[a * ld + d]; },
+            [&](int a, int c) { return -x[a * lc + c]; },
+            [&](int c, int d) { return UU[(c0 + c) * D + d]; },
+            [&](int a, int d, float acc) { r[a * ld + d] = a < n ? acc : 0.f; });
+        __syncthreads();
+        for (index_t cj = ci - 1; cj >= 0; --cj) {
+          const index_t j0 = cj * C;  // earlier chunks are full
+          for_tile(n, D, [&](int a, int d) { states[(j0 + a) * D + d] = r[a * ld + d]; });
+          tile_product(
+              C, C, D, [&](int a, int d) { return r[a * ld + d]; },
+              [&](int d, int j) { return KT[(j0 + j) * D + d]; },
+              [&](int a, int j, float acc) { s[a * lc + j] = a < n ? acc : 0.f; });
+          __syncthreads();
+          backprop_softmax(j0, C, false);
+          tile_product(
+              C, D, n, [&](int j, int a) { return dz[a * lc + j]; },
+              [&](int a, int d) { return r[a * ld + d]; },
+              [&](int j, int d, float acc) { dkt[(j0 + j) * D + d] += acc; });
+          tile_product(
+              n, D, C, [&](int a, int j) { return dz[a * lc + j]; },
+              [&](int j, int d) { return KT[(j0 + j) * D + d]; },
+              [&](int a, int d, float acc) { es[(j0 + a) * D + d] = acc; });
+          if (cj == 0) break;  // chunk 0's product is never applied
+          tile_product(
+              C, C, D, [&](int a, int d) { return r[a * ld + d]; },
+              [&](int d, int c) { return W[(j0 + c) * ws1 + d]; },
+              [&](int a, int c, float acc) { tmp[a * lc + c] = a < n ? acc : 0.f; });
+          __syncthreads();
+          tile_product(
+              n, D, C, [&](int a, int c) { return tmp[a * lc + c]; },
+              [&](int c, int d) { return UU[(j0 + c) * D + d]; },
+              [&](int a, int d, float acc) { r[a * ld + d] -= acc; });
+          __syncthreads();
+        }
+        __syncthreads();
+        // Step 3: rbar^(cj) = e_cj + rbar^(cj-1) P_cj^T, with P = I - W^T U:
+        // dU -= (r W^T)^T rbar, dW -= (rbar U^T)^T r.
+        for_tile(C, D, [&](int a, int d) { rbar[a * ld + d] = a < n ? es[a * D + d] : 0.f; });
+        __syncthreads();
+        for (index_t cj = 1; cj < ci; ++cj) {
+          const index_t j0 = cj * C;
+          // This chunk's scan state, staged in r (free after the walk).
+          const float* St = states + j0 * D;
+          for_tile(C, D, [&](int a, int d) { r[a * ld + d] = a < n ? St[a * D + d] : 0.f; });
+          __syncthreads();
+          tile_product(
+              C, C, D, [&](int a, int d) { return r[a * ld + d]; },
+              [&](int d, int c) { return W[(j0 + c) * ws1 + d]; },
+              [&](int a, int c, float acc) { s[a * lc + c] = a < n ? acc : 0.f; });
+          tile_product(
+              C, C, D, [&](int a, int d) { return rbar[a * ld + d]; },
+              [&](int d, int c) { return UU[(j0 + c) * D + d]; },
+              [&](int a, int c, float acc) { tmp[a * lc + c] = a < n ? acc : 0.f; });
+          __syncthreads();
+          tile_product(
+              C, D, n, [&](int c, int a) { return s[a * lc + c]; },
+              [&](int a, int d) { return rbar[a * ld + d]; },
+              [&](int c, int d, float acc) { dus[(j0 + c) * D + d] -= acc; });
+          tile_product(
+              C, D, n, [&](int c, int a) { return tmp[a * lc + c]; },
+              [&](int a, int d) { return r[a * ld + d]; },
+              [&](int c, int d, float acc) { dws[(j0 + c) * D + d] -= acc; });
+          __syncthreads();
+          tile_product(
+              n, D, C, [&](int a, int c) { return tmp[a * lc + c]; },
+              [&](int c, int d) { return W[(j0 + c) * ws1 + d]; },
+              [&](int a, int d, float acc) { rbar[a * ld + d] += es[(j0 + a) * D + d] - acc; });
+          __syncthreads();
+        }
+        // Q~ = Qs - tril(Qs W^T) U.
+        for_tile(C, D, [&](int a, int d) { dqs[a * ld + d] += rbar[a * ld + d]; });
+        tile_product(
+            C, C, D, [&](int a, int d) { return rbar[a * ld + d]; },
+            [&](int d, int c) { return c < n ? UU[(c0 + c) * D + d] : 0.f; },
+            [&](int a, int c, float acc) {
+              if (a < n && c < n) dx[a * lc + c] -= acc;
+            });
+        tile_product(
+            n, D, n, [&](int c, int a) { return x[a * lc + c]; },
+            [&](int a, int d) { return rbar[a * ld + d]; },
+            [&](int c, int d, float acc) { dus[(c0 + c) * D + d] -= acc; });
+        __syncthreads();
+      }
+
+      // Step 4: X = tril(Qs W^T).
+      for_tile(C, C, [&](int a, int c) {
+        if (c > a) dx[a * lc + c] = 0.f;
+      });
+      __syncthreads();
+      // dQs + dX W (dX is 0 above its diagonal and past n).
+      tile_product_from(
+          n, D, n, [&](int a, int d) { return dqs[a * ld + d]; },
+          [&](int a, int c) { return dx[a * lc + c]; },
+          [&](int c, int d) { return W[(c0 + c) * ws1 + d]; },
+          [&](int a, int d, float acc) {
+            static_cast<T*>(p.dq)[batch * p.dq_stride[0] + (start + c0 + a) * p.dq_stride[1] +
+                                  hq * p.dq_stride[2] + d] = from_float<T>(scale * acc);
+          });
+      // dW += dX^T Qs (dX[a][c] is 0 for a < c).
+      tile_product(
+          n, D, n, [&](int c, int a) { return dx[a * lc + c]; },
+          [&](int a, int d) { return qs[a * ld + d]; },
+          [&](int c, int d, float acc) { dws[(c0 + c) * D + d] += acc; });
+      __syncthreads();
+    }
+  }
+}
+
+// ---- the chunks, back through the UT transform -----------------------------------------------
+// path_backward_chunk_kernel with its two n x n x D passes (the Gram products of W with dK~, W
+// and K, and Lbar) through tile_product; the rest as there. Shared memory as
+// path_backward_chunk_smem: ld = D + 1, lc = C + 1.
+template <class T>
+__global__ void __launch_bounds__(path_tile_threads, 1)
+    path_backward_chunk_tiled_kernel(const path_backward_params p) {
+  constexpr int C = path_chunk;
+  constexpr int lc = C + 1;
+  extern __shared__ float smem[];
+  const path_kernel_params& kp = p.kp;
+  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + 1;
+  float* dK = smem;           // [C][ld]
+  float* dKt = dK + C * ld;   // [C][ld]
+  float* dW = dKt + C * ld;   // [C][ld]
+  float* dU = dW + C * ld;    // [C][ld], solved in place into Rbar_U
+  float* dM = dU + C * ld;    // [C][lc], solved in place into Rbar_M
+  float* ww = dM + C * lc;    // W W^T [C][lc]
+  float* lbar = ww + C * lc;  // [C][lc]
+  float* xk = lbar + C * lc;  // stril(W K^T) [C][lc]
+  float* sb = xk + C * lc;    // beta [C]
+
+  const int h = blockIdx.y;
+  index_t batch, start, length;
+  kp.a.sequence(blockIdx.z, batch, start, length);
+  const index_t c0 = static_cast<index_t>(blockIdx.x) * C;
+  if (c0 >= length) return;
+  const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+  const index_t t0 = start + c0;
+  const index_t row0 = kp.row(batch, h, t0);
+  const float* UU = static_cast<const float*>(kp.u) + row0 * D;
+  const float* MM = static_cast<const float*>(kp.m) + row0 * C;
+  const float* W = kp.w + batch * kp.w_stride[0] + t0 * kp.w_stride[1] + h * kp.w_stride[2];
+  const index_t ws1 = kp.w_stride[1];
+  const T* K = static_cast<const T*>(kp.a.k) + batch * kp.a.k_stride[0] + t0 * kp.a.k_stride[1] +
+               h * kp.a.k_stride[2];
+  const index_t ks1 = kp.a.k_stride[1];
+
+  // The slices' sums, in slice order.
+  for_tile(n, D, [&](int a, int d) {
+    const index_t at = (row0 + a) * D + d;
+    float kt = 0.f, w = 0.f, u = 0.f;
+    for (int sl = 0; sl < p.slices; ++sl) {
+      kt += p.dkt[sl * p.slice_d + at];
+      w += p.dws[sl * p.slice_d + at];
+      u += p.dus[sl * p.slice_d + at];
+    }
+    dK[a * ld + d] = p.dk_diag[at] + kt;  // dK += dK~
+    dKt[a * ld + d] = kt, dW[a * ld + d] = w, dU[a * ld + d] = u;
+  });
+  for_tile(n, Dv, [&](int a, int e) {
+    const index_t at = (row0 + a) * Dv + e;
+    float v = 0.f;
+    for (int sl = 0; sl < p.slices; ++sl) v += p.dvs[sl * p.slice_dv + at];
+    static_cast<T*>(
+        p.dv)[batch * p.dv_stride[0] + (t0 + a) * p.dv_stride[1] + h * p.dv_stride[2] + e] =
+        from_float<T>(v);
+  });
+  for (int a = threadIdx.x; a < n; a += blockDim.x)
+    sb[a] =
+        kp.beta[batch * kp.beta_stride[0] + (t0 + a) * kp.beta_stride[1] + h * kp.beta_stride[2]];
+  __syncthreads();
+
+  // K~ = K - M^T W: dM -= W dK~^T (strictly lower kept), dW -= M dK~. Gram products.
+  // W dK~^T computed transposed (dK~ on the row side, from shared memory).
+  tile_product(
+      n, n, D, [&](int b, int d) { return dKt[b * ld + d]; },
+      [&](int d, int a) { return W[a * ws1 + d]; },
+      [&](int b, int a, float acc) {
+        dM[a * lc + b] = a > b ? p.dm[(row0 + a) * C + b] - acc : 0.f;
+      });
+  tile_product(
+      n, n, D, [&](int a, int d) { return W[a * ws1 + d]; },
+      [&](int d, int b) { return W[b * ws1 + d]; },
+      [&](int a, int b, float acc) { ww[a * lc + b] = acc; });
+  tile_product(
+      n, n, D, [&](int a, int d) { return W[a * ws1 + d]; },
+      [&](int d, int b) { return to_float(K[b * ks1 + d]); },
+      [&](int a, int b, float acc) { xk[a * lc + b] = a > b ? acc : 0.f; });
+  for_tile(n, D, [&](int a, int d) {
+    float acc = 0.f;
+    for (int c = 0; c < a; ++c) acc += MM[a * C + c] * dKt[c * ld + d];
+    dW[a * ld + d] -= acc;
+  });
+  __syncthreads();
+
+  // [U, M] = (I + L)^-1 R with L = stril(diag(beta) W W^T): Rbar = (I + L)^-T [dU, dM], by back
+  // substitution, a thread per column.
+  for (int col = threadIdx.x; col < D + n; col += blockDim.x) {
+    float* X = col < D ? dU + col : dM + (col - D);
+    const int st = col < D ? ld : lc;
+    for (int a = n - 2; a >= 0; --a) {
+      float acc = 0.f;
+      for (int b = a + 1; b < n; ++b) acc += sb[b] * ww[b * lc + a] * X[b * st];
+      X[a * st] -= acc;
+    }
+  }
+  __syncthreads();
+  // Lbar = -stril(Rbar [U, M]^T) (the minus applied below).
+  // (the second sum continues the first: element (a, b) is the same thread's in both)
+  tile_product(
+      n, n, D, [&](int a, int d) { return dU[a * ld + d]; },
+      [&](int d, int b) { return UU[b * D + d]; },
+      [&](int a, int b, float acc) { lbar[a * lc + b] = acc; });
+  tile_product_from(
+      n, n, n, [&](int a, int b) { return lbar[a * lc + b]; },
+      [&](int a, int c) { return dM[a * lc + c]; }, [&](int c, int b) { return MM[b * C + c]; },
+      [&](int a, int b, float acc) { lbar[a * lc + b] = a > b ? acc : 0.f; });
+  __syncthreads();
+  // R = diag(beta) [W, stril(W K^T)], L = stril(diag(beta) W W^T).
+  for (int a = threadIdx.x; a < n; a += blockDim.x) {
+    float acc = 0.f, am = 0.f, al = 0.f;
+    for (int d = 0; d < D; ++d) acc += dU[a * ld + d] * W[a * ws1 + d];
+    for (int b = 0; b < n; ++b) {
+      am += dM[a * lc + b] * xk[a * lc + b];
+      al += lbar[a * lc + b] * ww[a * lc + b];
+    }
+    p.dbeta[batch * p.dbeta_stride[0] + (t0 + a) * p.dbeta_stride[1] + h * p.dbeta_stride[2]] =
+        acc + am - al;
+  }
+  __syncthreads();
+  for_tile(n, n, [&](int a, int b) {
+    lbar[a * lc + b] *= -sb[a];                             // d (w_a . w_b), a > b
+    dM[a * lc + b] = a > b ? dM[a * lc + b] * sb[a] : 0.f;  // d (w_a . k_b), a > b
+  });
+  __syncthreads();
+  for_tile(n, D, [&](int a, int d) {
+    float w = dW[a * ld + d] + sb[a] * dU[a * ld + d];
+    float k = dK[a * ld + d];
+    for (int b = 0; b < n; ++b) {
+      const float wb = W[b * ws1 + d];
+      w += (lbar[a * lc + b] + lbar[b * lc + a]) * wb + dM[a * lc + b] * to_float(K[b * ks1 + d]);
+      k += dM[b * lc + a] * wb;
+    }
+    p.dw[batch * p.dw_stride[0] + (t0 + a) * p.dw_stride[1] + h * p.dw_stride[2] + d] = w;
+    static_cast<T*>(
+        p.dk)[batch * p.dk_stride[0] + (t0 + a) * p.dk_stride[1] + h * p.dk_stride[2] + d] =
+        from_float<T>(k);
+  });
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
