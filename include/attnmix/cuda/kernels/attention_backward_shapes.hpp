@@ -26,6 +26,22 @@ constexpr ATTNMIX_HOST_DEVICE int attention_backward_smem_bytes(int tile, int D,
          4 * (2 * tile * (D + 1) + 2 * tile * (Dv + 1) + 2 * tile * (tile + 1) + 3 * tile);
 }
 
+// The FlashAttention-2-style tensor-core backward (sm80_attention_backward_v2.cuh), D = Dv in
+// {64, 128}: 4 warps; a dk/dv CTA holds 64 keys (16 a warp) and streams query tiles of
+// attention_backward_v2_stream(D) rows through two buffers, a dq CTA holds 64 query rows and
+// streams key tiles of as many keys.
+constexpr int attention_backward_v2_threads = 128;
+constexpr int attention_backward_v2_fixed = 64;
+constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_stream(int D) { return D <= 64 ? 64 : 32; }
+
+// Shared memory of either v2 kernel (the larger of the two): the fixed tiles (k, v or q, dout)
+// and two buffers of the streamed ones, 16-bit, then two buffers of the streamed rows' terms
+// (gate term as double; lse, delta, first and last visible key as 4-byte values).
+constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_smem_bytes(int D) {
+  return 2 * (2 * attention_backward_v2_fixed * D + 4 * attention_backward_v2_stream(D) * D) +
+         2 * attention_backward_v2_stream(D) * (8 + 4 * 4);
+}
+
 }  // namespace cuda
 }  // namespace detail
 }  // namespace attnmix
