@@ -198,8 +198,8 @@ std::vector<double> as_double(const std::vector<X>& x) {
 }
 
 template <class Kind, class Policy, class T>
-case_result run_case(const bwd_case& c, std::uint64_t salt, attnmix::backend::cuda be,
-                     index_t pad, bool compare_old = false) {
+case_result run_case(const bwd_case& c, std::uint64_t salt, attnmix::backend::cuda be, index_t pad,
+                     bool compare_old = false) {
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   rng r(salt);
   attnmix::host_tensor<float, 4> qf({c.B, c.T, c.HQ, c.D}), kf({c.B, c.T, c.H, c.D}),
@@ -299,8 +299,8 @@ void check_gradient(const char* name, double error, double plain) {
 // their difference within the sum of the bounds.
 template <class T>
 void check_against_old(const char* name, double vs_old, double plain) {
-  INFO("gradient " << name << ": max difference to the sm80_mma variant " << vs_old
-                   << " (plain " << plain << ")");
+  INFO("gradient " << name << ": max difference to the sm80_mma variant " << vs_old << " (plain "
+                   << plain << ")");
   CHECK(vs_old <= 2 * (2 * plain + unit_roundoff<T>()));
 }
 
@@ -407,10 +407,10 @@ TEMPLATE_TEST_CASE("CUDA softmax backward, v2 tensor-core kernels", "[cuda][back
                                                                    {}, 0, true);
   sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, TestType>(
       v2_cases(), 8100, "v2 bidirectional", {}, 0, true);
-  sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(v2_cases(), 8200, "v2 fox after", {},
-                                                           0, true);
-  sweep<attnmix::kind::fox, fox_before, TestType>(reset_cases(), 8300, "v2 fox before, resets",
-                                                  {}, 0, true);
+  sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(v2_cases(), 8200, "v2 fox after", {}, 0,
+                                                           true);
+  sweep<attnmix::kind::fox, fox_before, TestType>(reset_cases(), 8300, "v2 fox before, resets", {},
+                                                  0, true);
   {
     const forced_variant old(attention_backward_variant::sm80_mma);
     sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(v2_cases(), 8400,

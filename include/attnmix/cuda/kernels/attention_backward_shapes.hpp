@@ -32,7 +32,9 @@ constexpr ATTNMIX_HOST_DEVICE int attention_backward_smem_bytes(int tile, int D,
 // streams key tiles of as many keys.
 constexpr int attention_backward_v2_threads = 128;
 constexpr int attention_backward_v2_fixed = 64;
-constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_stream(int D) { return D <= 64 ? 64 : 32; }
+constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_stream(int D) {
+  return D <= 64 ? 64 : 32;
+}
 
 // Shared memory of either v2 kernel (the larger of the two): the fixed tiles (k, v or q, dout)
 // and two buffers of the streamed ones, 16-bit, then two buffers of the streamed rows' terms

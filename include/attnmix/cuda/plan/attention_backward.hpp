@@ -80,7 +80,10 @@ inline attention_backward_plan plan_attention_backward(const attention_backward_
   attention_backward_plan p;
   const index_t widest = std::max(s.head_dim, s.value_dim);
   p.chunks = widest <= 64 ? 2 : widest <= 128 ? 4 : 8;
-  const bool v2 = backward_v2_applies(s);
+  // v2 where its shared memory fits (else the older tensor-core kernels, whose tiles are smaller).
+  const bool v2 =
+      backward_v2_applies(s) &&
+      std::size_t(attention_backward_v2_smem_bytes(int(s.head_dim))) <= d.smem_per_block_optin;
   const bool mma = s.sixteen_bit && backward_tensor_core_dims(s.head_dim, s.value_dim);
   if (v2)
     p.variant = attention_backward_variant::sm80_mma_v2;
