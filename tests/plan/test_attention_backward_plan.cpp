@@ -114,7 +114,7 @@ TEST_CASE("softmax backward plans: v2 tensor-core kernels for aligned 16-bit D =
   CHECK(p.dkdv == launch_grid{32, 32, 32});
   CHECK(p.dq == launch_grid{32, 32, 32});
   CHECK(p.preprocess == launch_grid{256, 32, 32});
-  CHECK(p.smem_bytes == 2 * (2 * 64 * 64 + 4 * 64 * 64) + 2 * 64 * 24);
+  CHECK(p.smem_bytes == 2 * (2 * 64 * 64 + 4 * 32 * 64) + 2 * 32 * 24);
   CHECK(p.fits);
   const attention_backward_plan w = plan_attention_backward(
       [&] {

@@ -30,6 +30,22 @@ namespace cuda {
 
 constexpr float backward_log2e = 1.4426950408889634f;
 
+// Copies rows [0, Rows) of a row-major tile into swizzled shared memory with cp.async (as
+// tile_loader, with the offsets computed on each call: fewer live registers); rows >= valid are
+// zero-filled. gmem's row 0 must be readable.
+template <int Rows, int Cols, int Threads, class T>
+__device__ __forceinline__ void load_tile_v2(T* smem, const T* gmem, index_t stride,
+                                             index_t valid) {
+  constexpr int chunks = Cols / 8, per = Rows * chunks / Threads;
+  static_assert(per * Threads == Rows * chunks, "tile chunks must divide evenly among threads");
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int idx = threadIdx.x + k * Threads, r = idx / chunks, c = idx % chunks;
+    const bool ok = r < valid;
+    cp_async_16(smem + swizzle<Cols>(r, c), ok ? gmem + r * stride + c * 8 : gmem, ok);
+  }
+}
+
 // The A fragment of a 16 x 16 chunk kc of a product whose A operand is the 16 x 8 accumulator
 // tiles x[2 kc] and x[2 kc + 1] (the C layout of two n-tiles is the A layout of one k-chunk).
 template <class T>
@@ -132,7 +148,8 @@ __device__ __forceinline__ void store_rows_v2(T* out, index_t stride, int r0, in
 // ---- dk, dv --------------------------------------------------------------------------------
 
 template <class T, int D>
-__global__ void __launch_bounds__(attention_backward_v2_threads)
+__global__ void __launch_bounds__(attention_backward_v2_threads,
+                                  attention_backward_v2_min_blocks(D))
     sm80_attention_backward_v2_dkdv_kernel(const attention_backward_params p) {
   constexpr int Bc = attention_backward_v2_fixed, Br = attention_backward_v2_stream(D);
   constexpr int NT = attention_backward_v2_threads;
@@ -169,14 +186,10 @@ __global__ void __launch_bounds__(attention_backward_v2_threads)
                 (start + j0) * p.f.k_stride[1] + h * p.f.k_stride[2];
   const T* vg = static_cast<const T*>(p.f.v) + batch * p.f.v_stride[0] +
                 (start + j0) * p.f.v_stride[1] + h * p.f.v_stride[2];
-  {
-    const tile_loader<Bc, D, NT> k_loader(p.f.k_stride[1]), v_loader(p.f.v_stride[1]);
-    k_loader.load(sk, kg, cols, kg);
-    v_loader.load(sv, vg, cols, vg);
-  }
+  load_tile_v2<Bc, D, NT>(sk, kg, p.f.k_stride[1], cols);
+  load_tile_v2<Bc, D, NT>(sv, vg, p.f.v_stride[1], cols);
   cp_async_commit();
 
-  const tile_loader<Br, D, NT> q_loader(p.f.q_stride[1]), d_loader(p.dout_stride[1]);
   auto load_item = [&](int t, int buf) {
     const int hq = h * group + t / row_tiles;
     const index_t i0 = lo + static_cast<index_t>(t % row_tiles) * Br;
@@ -185,8 +198,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads)
                   (start + i0) * p.f.q_stride[1] + hq * p.f.q_stride[2];
     const T* dg = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
                   (start + i0) * p.dout_stride[1] + hq * p.dout_stride[2];
-    q_loader.load(sq + buf * Br * D, qg, rows, qg);
-    d_loader.load(sd + buf * Br * D, dg, rows, dg);
+    load_tile_v2<Br, D, NT>(sq + buf * Br * D, qg, p.f.q_stride[1], rows);
+    load_tile_v2<Br, D, NT>(sd + buf * Br * D, dg, p.dout_stride[1], rows);
     if (threadIdx.x < Br) {
       const int r = threadIdx.x, b = buf * Br + r;
       if (r < rows) {
@@ -307,7 +320,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads)
 // ---- dq ------------------------------------------------------------------------------------
 
 template <class T, int D>
-__global__ void __launch_bounds__(attention_backward_v2_threads)
+__global__ void __launch_bounds__(attention_backward_v2_threads,
+                                  attention_backward_v2_min_blocks(D))
     sm80_attention_backward_v2_dq_kernel(const attention_backward_params p) {
   constexpr int Br = attention_backward_v2_fixed, Bc = attention_backward_v2_stream(D);
   constexpr int NT = attention_backward_v2_threads;
@@ -343,22 +357,18 @@ __global__ void __launch_bounds__(attention_backward_v2_threads)
                 (start + i0) * p.f.q_stride[1] + hq * p.f.q_stride[2];
   const T* dg = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
                 (start + i0) * p.dout_stride[1] + hq * p.dout_stride[2];
-  {
-    const tile_loader<Br, D, NT> q_loader(p.f.q_stride[1]), d_loader(p.dout_stride[1]);
-    q_loader.load(sq, qg, rows, qg);
-    d_loader.load(sd, dg, rows, dg);
-  }
+  load_tile_v2<Br, D, NT>(sq, qg, p.f.q_stride[1], rows);
+  load_tile_v2<Br, D, NT>(sd, dg, p.dout_stride[1], rows);
   const T* kg = static_cast<const T*>(p.f.k) + batch * p.f.k_stride[0] + start * p.f.k_stride[1] +
                 h * p.f.k_stride[2];
   const T* vg = static_cast<const T*>(p.f.v) + batch * p.f.v_stride[0] + start * p.f.v_stride[1] +
                 h * p.f.v_stride[2];
-  const tile_loader<Bc, D, NT> k_loader(p.f.k_stride[1]), v_loader(p.f.v_stride[1]);
   auto load_keys_v2 = [&](int t, int buf) {
     const index_t j = j_lo + static_cast<index_t>(t) * Bc;
     const T* kj = kg + j * p.f.k_stride[1];
     const T* vj = vg + j * p.f.v_stride[1];
-    k_loader.load(sk + buf * Bc * D, kj, j_hi + 1 - j, kj);
-    v_loader.load(sv + buf * Bc * D, vj, j_hi + 1 - j, vj);
+    load_tile_v2<Bc, D, NT>(sk + buf * Bc * D, kj, p.f.k_stride[1], j_hi + 1 - j);
+    load_tile_v2<Bc, D, NT>(sv + buf * Bc * D, vj, p.f.v_stride[1], j_hi + 1 - j);
     if (threadIdx.x < Bc)
       s_gj[buf * Bc + threadIdx.x] =
           gated && j + threadIdx.x <= j_hi
