@@ -155,15 +155,15 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   constexpr int NT = attention_backward_v2_threads;
   static_assert(Bc == 16 * (NT / 32), "16 keys a warp");
   extern __shared__ __align__(128) unsigned char v2_smem[];
-  T* sk = reinterpret_cast<T*>(v2_smem);                      // [Bc][D]
-  T* sv = sk + Bc * D;                                        // [Bc][D]
-  T* sq = sv + Bc * D;                                        // [2][Br][D]
-  T* sd = sq + 2 * Br * D;                                    // [2][Br][D] dout
-  double* s_gi = reinterpret_cast<double*>(sd + 2 * Br * D);  // [2][Br] (coef G_i - lse_i) log2 e
-  float* s_lse = reinterpret_cast<float*>(s_gi + 2 * Br);     // [2][Br] lse_i log2 e
-  float* s_delta = s_lse + 2 * Br;                            // [2][Br]
-  int* s_lo = reinterpret_cast<int*>(s_delta + 2 * Br);       // [2][Br] first visible key
-  int* s_hi = s_lo + 2 * Br;                                  // [2][Br] last visible key
+  T* sk = reinterpret_cast<T*>(v2_smem);                    // [Bc][D]
+  T* sv = sk + Bc * D;                                      // [Bc][D]
+  T* sq = sv + Bc * D;                                      // [2][Br][D]
+  T* sd = sq + 2 * Br * D;                                  // [2][Br][D] dout
+  float* s_gi = reinterpret_cast<float*>(sd + 2 * Br * D);  // [2][Br] row terms, see below
+  float* s_delta = s_gi + 2 * Br;                           // [2][Br]
+  int* s_lo = reinterpret_cast<int*>(s_delta + 2 * Br);     // [2][Br] first visible key
+  int* s_hi = s_lo + 2 * Br;                                // [2][Br] last visible key
+  float* s_gj = reinterpret_cast<float*>(s_hi + 2 * Br);    // [2][Bc] key terms
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
   const int h = blockIdx.y, group = p.f.group;
@@ -190,8 +190,24 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   load_tile_v2<Bc, D, NT>(sv, vg, p.f.v_stride[1], cols);
   cp_async_commit();
 
+  // The logits less lse in base 2 are s scale log2 e + gi - gj: without a gate gi = -lse_i log2 e
+  // and gj = 0; with one gi = (coef G_i - ref - lse_i) log2 e of the rows and gj = (coef G_j -
+  // ref) log2 e of the keys, formed in double and rounded once to float, ref = coef G_j0 of the
+  // query head: the floats stay small wherever P is not negligible (as the forward's g_ref).
+  auto gate_ref = [&](int hq) {
+    return p.gate_coef * p.G[p.at(batch, start, j0, hq)];
+  };
   auto load_item = [&](int t, int buf) {
     const int hq = h * group + t / row_tiles;
+    if (threadIdx.x < Bc) {
+      const int key = threadIdx.x;
+      s_gj[buf * Bc + key] =
+          gated && key < cols
+              ? static_cast<float>(
+                    (p.gate_coef * p.G[p.at(batch, start, j0 + key, hq)] - gate_ref(hq)) *
+                    1.4426950408889634)
+              : 0.f;
+    }
     const index_t i0 = lo + static_cast<index_t>(t % row_tiles) * Br;
     const index_t rows = hi - i0 < Br ? hi - i0 : index_t{Br};
     const T* qg = static_cast<const T*>(p.f.q) + batch * p.f.q_stride[0] +
@@ -209,19 +225,19 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
         index_t klo, khi;
         p.f.key_range(i, length, klo, khi);
         const index_t a = p.at(batch, start, i, hq);
-        double gi = 0.0;
+        float gi = -lse * backward_log2e;
         if (gated) {
-          gi = (p.gate_coef * p.G[a] - static_cast<double>(lse)) * 1.4426950408889634;
+          gi = static_cast<float>((p.gate_coef * p.G[a] - gate_ref(hq) - static_cast<double>(lse)) *
+                                  1.4426950408889634);
           const index_t reset = p.reset[a];
           klo = reset > klo ? reset : klo;
         }
         s_gi[b] = gi;
-        s_lse[b] = lse * backward_log2e;
         s_delta[b] = p.delta[a];
         s_lo[b] = static_cast<int>(klo);
         s_hi[b] = static_cast<int>(khi);
       } else {  // no key visible: P = 0
-        s_gi[b] = 0.0, s_lse[b] = 0.f, s_delta[b] = 0.f, s_lo[b] = 1, s_hi[b] = 0;
+        s_gi[b] = 0.f, s_delta[b] = 0.f, s_lo[b] = 1, s_hi[b] = 0;
       }
     }
   };
@@ -235,7 +251,6 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     for (int e = 0; e < 4; ++e) dk[n][e] = 0.f, dv[n][e] = 0.f;
   // This thread's keys: 16 warp + g + 8 h (h = 0, 1), sequence-local j0 + that.
   const int key0 = 16 * warp + g;
-  double gj[2] = {0.0, 0.0};
   float colsum[2] = {0.f, 0.f};
 
   for (int t = 0; t < items; ++t) {
@@ -243,19 +258,11 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     if (t + 1 < items) load_item(t + 1, buf ^ 1);
     cp_async_commit();
     const int hq = h * group + t / row_tiles;
-    if (gated && t % row_tiles == 0) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int key = key0 + 8 * hh;
-        gj[hh] = key < cols
-                     ? p.gate_coef * p.G[p.at(batch, start, j0 + key, hq)] * 1.4426950408889634
-                     : 0.0;
-      }
-    }
     cp_async_wait<1>();
     __syncthreads();
     const T* sqb = sq + buf * Br * D;
     const T* sdb = sd + buf * Br * D;
+    const float gj[2] = {s_gj[buf * Bc + key0], s_gj[buf * Bc + key0 + 8]};
 
     // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys and the tile's Br rows.
     float s[Br / 8][4], dp[Br / 8][4];
@@ -270,7 +277,7 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
 #pragma unroll
     for (int n = 0; n < Br / 8; ++n) {
       const int rb = buf * Br + 8 * n + c2;
-      const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + rb);
+      const float2 gi2 = *reinterpret_cast<const float2*>(s_gi + rb);
       const float2 delta2 = *reinterpret_cast<const float2*>(s_delta + rb);
       const int2 lo2 = *reinterpret_cast<const int2*>(s_lo + rb);
       const int2 hi2 = *reinterpret_cast<const int2*>(s_hi + rb);
@@ -280,9 +287,7 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
         const int j = static_cast<int>(j0) + key0 + 8 * hh;
         const int jlo = odd ? lo2.y : lo2.x, jhi = odd ? hi2.y : hi2.x;
         const bool seen = key0 + 8 * hh < cols && j >= jlo && j <= jhi;
-        const float z = gated
-                            ? fmaf(s[n][e], scale_log2, static_cast<float>(s_gi[rb + odd] - gj[hh]))
-                            : fmaf(s[n][e], scale_log2, -(odd ? lse2.y : lse2.x));
+        const float z = fmaf(s[n][e], scale_log2, (odd ? gi2.y : gi2.x) - gj[hh]);
         const float P = seen ? fast_exp2(z) : 0.f;
         const float ds = P * (dp[n][e] - (odd ? delta2.y : delta2.x));
         s[n][e] = P;
@@ -327,11 +332,11 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   constexpr int NT = attention_backward_v2_threads;
   static_assert(Br == 16 * (NT / 32), "16 rows a warp");
   extern __shared__ __align__(128) unsigned char v2_smem[];
-  T* sq = reinterpret_cast<T*>(v2_smem);                      // [Br][D]
-  T* sd = sq + Br * D;                                        // [Br][D] dout
-  T* sk = sd + Br * D;                                        // [2][Bc][D]
-  T* sv = sk + 2 * Bc * D;                                    // [2][Bc][D]
-  double* s_gj = reinterpret_cast<double*>(sv + 2 * Bc * D);  // [2][Bc] coef G_j log2 e
+  T* sq = reinterpret_cast<T*>(v2_smem);                    // [Br][D]
+  T* sd = sq + Br * D;                                      // [Br][D] dout
+  T* sk = sd + Br * D;                                      // [2][Bc][D]
+  T* sv = sk + 2 * Bc * D;                                  // [2][Bc][D]
+  float* s_gj = reinterpret_cast<float*>(sv + 2 * Bc * D);  // [2][Bc] (coef G_j - ref) log2 e
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
   const int hq = blockIdx.y, h = hq / p.f.group;
@@ -352,6 +357,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     j_lo = r > j_lo ? r : j_lo;
   }
   const int key_tiles = static_cast<int>((j_hi - j_lo + Bc) / Bc);
+  // The gate terms as in the dk/dv kernel, relative to ref = coef G_i0.
+  const double ref = gated ? p.gate_coef * p.G[p.at(batch, start, i0, hq)] : 0.0;
 
   const T* qg = static_cast<const T*>(p.f.q) + batch * p.f.q_stride[0] +
                 (start + i0) * p.f.q_stride[1] + hq * p.f.q_stride[2];
@@ -372,20 +379,21 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     if (threadIdx.x < Bc)
       s_gj[buf * Bc + threadIdx.x] =
           gated && j + threadIdx.x <= j_hi
-              ? p.gate_coef * p.G[p.at(batch, start, j + threadIdx.x, hq)] * 1.4426950408889634
-              : 0.0;
+              ? static_cast<float>(
+                    (p.gate_coef * p.G[p.at(batch, start, j + threadIdx.x, hq)] - ref) *
+                    1.4426950408889634)
+              : 0.f;
   };
   load_keys_v2(0, 0);
   cp_async_commit();  // q, dout and the first key tile
 
   // This thread's rows 16 warp + g + 8 hh: lse, delta, gate term, visible keys.
-  float lse2[2], delta[2];
-  double gi[2];
+  float lse2[2], delta[2], gi[2];
   int klo[2], khi[2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int r = 16 * warp + g + 8 * hh;
-    lse2[hh] = 0.f, delta[hh] = 0.f, gi[hh] = 0.0, klo[hh] = 1, khi[hh] = 0;
+    lse2[hh] = 0.f, delta[hh] = 0.f, gi[hh] = 0.f, klo[hh] = 1, khi[hh] = 0;
     if (r < rows) {
       const index_t i = i0 + r;
       const float lse =
@@ -394,7 +402,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
       p.f.key_range(i, length, a_lo, a_hi);
       const index_t a = p.at(batch, start, i, hq);
       if (gated) {
-        gi[hh] = (p.gate_coef * p.G[a] - static_cast<double>(lse)) * 1.4426950408889634;
+        gi[hh] = static_cast<float>((p.gate_coef * p.G[a] - ref - static_cast<double>(lse)) *
+                                    1.4426950408889634);
         const index_t reset = p.reset[a];
         a_lo = reset > a_lo ? reset : a_lo;
       }
@@ -442,9 +451,7 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
       for (int e = 0; e < 4; ++e) {
         const int hh = e / 2, c = 8 * n + c2 + e % 2, j = j0 + c;
         const bool seen = j >= klo[hh] && j <= khi[hh];
-        const float z =
-            gated ? fmaf(s[n][e], scale_log2, static_cast<float>(gi[hh] - s_gj[buf * Bc + c]))
-                  : fmaf(s[n][e], scale_log2, -lse2[hh]);
+        const float z = fmaf(s[n][e], scale_log2, gated ? gi[hh] - s_gj[buf * Bc + c] : -lse2[hh]);
         const float P = seen ? fast_exp2(z) : 0.f;
         const float ds = P * (dp[n][e] - delta[hh]);
         dp[n][e] = ds;
