@@ -5,7 +5,10 @@
 //   float:       <= 1e-5;
 //   half, bf16:  <= 2 x the error of the plain computation (the CPU backward in float on the same
 //                inputs, gradients rounded to T) + the unit roundoff of T, and <= 2e-2.
-// Every call runs twice into NaN-poisoned buffers and must give the same bits.
+// Every call runs twice into NaN-poisoned buffers and must give the same bits. The plan picks the
+// v2 tensor-core kernels for 16-bit aligned D = Dv in {64, 128}; "[v2]" also runs them against the
+// sm80_mma variant on the same inputs and forces the older variants at those shapes
+// (backward_variant_override).
 
 #include <algorithm>
 #include <cmath>
