@@ -43,11 +43,10 @@ constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_min_blocks(int D) {
 
 // Shared memory of either v2 kernel (the larger of the two): the fixed tiles (k, v or q, dout)
 // and two buffers of the streamed ones, 16-bit, then two buffers of the streamed rows' terms
-// (logit term, delta, first and last visible key: 4-byte values) and of the fixed keys' gate
-// terms (float).
+// (G as double; lse, delta, last reset as 4-byte values) and of the fixed keys' G (double).
 constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_smem_bytes(int D) {
   return 2 * (2 * attention_backward_v2_fixed * D + 4 * attention_backward_v2_stream(D) * D) +
-         2 * attention_backward_v2_stream(D) * 4 * 4 + 2 * attention_backward_v2_fixed * 4;
+         2 * attention_backward_v2_stream(D) * (8 + 3 * 4) + 2 * attention_backward_v2_fixed * 8;
 }
 
 }  // namespace cuda

@@ -46,6 +46,17 @@ __device__ __forceinline__ void load_tile_v2(T* smem, const T* gmem, index_t str
   }
 }
 
+// 4- and 8-byte global -> shared copies (cp.async.ca); zero-filled when not `valid`. The rows'
+// and keys' terms travel with their tiles, so that no thread waits on a load of its own.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(smem)),
+               "l"(gmem), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_address(smem)),
+               "l"(gmem), "r"(valid ? 8 : 0));
+}
+
 // The A fragment of a 16 x 16 chunk kc of a product whose A operand is the 16 x 8 accumulator
 // tiles x[2 kc] and x[2 kc + 1] (the C layout of two n-tiles is the A layout of one k-chunk).
 template <class T>
@@ -155,15 +166,16 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   constexpr int NT = attention_backward_v2_threads;
   static_assert(Bc == 16 * (NT / 32), "16 keys a warp");
   extern __shared__ __align__(128) unsigned char v2_smem[];
-  T* sk = reinterpret_cast<T*>(v2_smem);                    // [Bc][D]
-  T* sv = sk + Bc * D;                                      // [Bc][D]
-  T* sq = sv + Bc * D;                                      // [2][Br][D]
-  T* sd = sq + 2 * Br * D;                                  // [2][Br][D] dout
-  float* s_gi = reinterpret_cast<float*>(sd + 2 * Br * D);  // [2][Br] row terms, see below
-  float* s_delta = s_gi + 2 * Br;                           // [2][Br]
-  int* s_lo = reinterpret_cast<int*>(s_delta + 2 * Br);     // [2][Br] first visible key
-  int* s_hi = s_lo + 2 * Br;                                // [2][Br] last visible key
-  float* s_gj = reinterpret_cast<float*>(s_hi + 2 * Br);    // [2][Bc] key terms
+  T* sk = reinterpret_cast<T*>(v2_smem);  // [Bc][D]
+  T* sv = sk + Bc * D;                    // [Bc][D]
+  T* sq = sv + Bc * D;                    // [2][Br][D]
+  T* sd = sq + 2 * Br * D;                // [2][Br][D] dout
+  // The streamed rows' G (gate cumsum), lse, delta and last reset, and the keys' G, as read.
+  double* s_gi = reinterpret_cast<double*>(sd + 2 * Br * D);  // [2][Br]
+  double* s_gj = s_gi + 2 * Br;                               // [2][Bc]
+  float* s_lse = reinterpret_cast<float*>(s_gj + 2 * Bc);     // [2][Br]
+  float* s_delta = s_lse + 2 * Br;                            // [2][Br]
+  int* s_reset = reinterpret_cast<int*>(s_delta + 2 * Br);    // [2][Br]
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
   const int h = blockIdx.y, group = p.f.group;
@@ -194,20 +206,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   // and gj = 0; with one gi = (coef G_i - ref - lse_i) log2 e of the rows and gj = (coef G_j -
   // ref) log2 e of the keys, formed in double and rounded once to float, ref = coef G_j0 of the
   // query head: the floats stay small wherever P is not negligible (as the forward's g_ref).
-  auto gate_ref = [&](int hq) {
-    return p.gate_coef * p.G[p.at(batch, start, j0, hq)];
-  };
   auto load_item = [&](int t, int buf) {
     const int hq = h * group + t / row_tiles;
-    if (threadIdx.x < Bc) {
-      const int key = threadIdx.x;
-      s_gj[buf * Bc + key] =
-          gated && key < cols
-              ? static_cast<float>(
-                    (p.gate_coef * p.G[p.at(batch, start, j0 + key, hq)] - gate_ref(hq)) *
-                    1.4426950408889634)
-              : 0.f;
-    }
     const index_t i0 = lo + static_cast<index_t>(t % row_tiles) * Br;
     const index_t rows = hi - i0 < Br ? hi - i0 : index_t{Br};
     const T* qg = static_cast<const T*>(p.f.q) + batch * p.f.q_stride[0] +
@@ -216,29 +216,24 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
                   (start + i0) * p.dout_stride[1] + hq * p.dout_stride[2];
     load_tile_v2<Br, D, NT>(sq + buf * Br * D, qg, p.f.q_stride[1], rows);
     load_tile_v2<Br, D, NT>(sd + buf * Br * D, dg, p.dout_stride[1], rows);
-    if (threadIdx.x < Br) {
+    if (threadIdx.x < Br) {  // rows past `rows` read as 0 (and are masked)
       const int r = threadIdx.x, b = buf * Br + r;
-      if (r < rows) {
-        const index_t i = i0 + r;
-        const float lse =
-            p.lse[batch * p.lse_stride[0] + (start + i) * p.lse_stride[1] + hq * p.lse_stride[2]];
-        index_t klo, khi;
-        p.f.key_range(i, length, klo, khi);
-        const index_t a = p.at(batch, start, i, hq);
-        float gi = -lse * backward_log2e;
-        if (gated) {
-          gi = static_cast<float>((p.gate_coef * p.G[a] - gate_ref(hq) - static_cast<double>(lse)) *
-                                  1.4426950408889634);
-          const index_t reset = p.reset[a];
-          klo = reset > klo ? reset : klo;
-        }
-        s_gi[b] = gi;
-        s_delta[b] = p.delta[a];
-        s_lo[b] = static_cast<int>(klo);
-        s_hi[b] = static_cast<int>(khi);
-      } else {  // no key visible: P = 0
-        s_gi[b] = 0.f, s_delta[b] = 0.f, s_lo[b] = 1, s_hi[b] = 0;
+      const bool ok = r < rows;
+      const index_t i = i0 + (ok ? r : 0), a = p.at(batch, start, i, hq);
+      cp_async_4(
+          s_lse + b,
+          p.lse + batch * p.lse_stride[0] + (start + i) * p.lse_stride[1] + hq * p.lse_stride[2],
+          ok);
+      cp_async_4(s_delta + b, p.delta + a, ok);
+      if (gated) {
+        cp_async_8(s_gi + b, p.G + a, ok);
+        cp_async_4(s_reset + b, p.reset + a, ok);
       }
+    }
+    if (gated && threadIdx.x < Bc) {  // keys past `cols` read as 0 (and are masked)
+      const int key = threadIdx.x;
+      const bool ok = key < cols;
+      cp_async_8(s_gj + buf * Bc + key, p.G + p.at(batch, start, j0 + (ok ? key : 0), hq), ok);
     }
   };
   load_item(0, 0);
@@ -262,7 +257,15 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     __syncthreads();
     const T* sqb = sq + buf * Br * D;
     const T* sdb = sd + buf * Br * D;
-    const float gj[2] = {s_gj[buf * Bc + key0], s_gj[buf * Bc + key0 + 8]};
+    const index_t i0 = lo + static_cast<index_t>(t % row_tiles) * Br;
+    const int rows = hi - i0 < Br ? static_cast<int>(hi - i0) : Br;
+    const double ref = gated ? p.gate_coef * s_gj[buf * Bc] : 0.0;  // key 0 (j0) is in the tile
+    float gj[2] = {0.f, 0.f};
+    if (gated)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        gj[hh] = static_cast<float>((p.gate_coef * s_gj[buf * Bc + key0 + 8 * hh] - ref) *
+                                    1.4426950408889634);
 
     // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys and the tile's Br rows.
     float s[Br / 8][4], dp[Br / 8][4];
@@ -273,26 +276,44 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     mma_smem_a_bt<T, D, Br>(s, sk, 16 * warp, sqb);
     mma_smem_a_bt<T, D, Br>(dp, sv, 16 * warp, sdb);
 
-    // P^T and dS^T in place: element (key key0 + 8 (e / 2), row 8 n + c2 + e % 2).
+    // P^T and dS^T in place: element (key key0 + 8 (e / 2), row 8 n + c2 + e % 2). A row's
+    // visible keys [klo, khi] as key_range gives them, klo raised to its last reset.
+    // (A window of the sequence's length or more sees what no window sees: clamped to it.)
+    const int len = static_cast<int>(length);
+    const int W = p.f.window < length ? static_cast<int>(p.f.window) : len;
 #pragma unroll
     for (int n = 0; n < Br / 8; ++n) {
       const int rb = buf * Br + 8 * n + c2;
-      const float2 gi2 = *reinterpret_cast<const float2*>(s_gi + rb);
+      const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + rb);
       const float2 delta2 = *reinterpret_cast<const float2*>(s_delta + rb);
-      const int2 lo2 = *reinterpret_cast<const int2*>(s_lo + rb);
-      const int2 hi2 = *reinterpret_cast<const int2*>(s_hi + rb);
+      float gi[2] = {-lse2.x * backward_log2e, -lse2.y * backward_log2e};
+      const float dl[2] = {delta2.x, delta2.y};
+      int klo[2], khi[2];
+#pragma unroll
+      for (int odd = 0; odd < 2; ++odd) {
+        const int r = 8 * n + c2 + odd, i = static_cast<int>(i0) + r;
+        klo[odd] = W > 0 ? (i - W + 1 > 0 ? i - W + 1 : 0) : 0;
+        khi[odd] = p.f.causal ? i : (W > 0 && i + W - 1 < len - 1 ? i + W - 1 : len - 1);
+        if (gated) {
+          const int reset = s_reset[rb + odd];
+          klo[odd] = reset > klo[odd] ? reset : klo[odd];
+          gi[odd] = static_cast<float>(
+              (p.gate_coef * s_gi[rb + odd] - ref - static_cast<double>(odd ? lse2.y : lse2.x)) *
+              1.4426950408889634);
+        }
+        if (r >= rows) klo[odd] = 1, khi[odd] = 0;  // no key visible: P = 0
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hh = e / 2, odd = e % 2;
         const int j = static_cast<int>(j0) + key0 + 8 * hh;
-        const int jlo = odd ? lo2.y : lo2.x, jhi = odd ? hi2.y : hi2.x;
-        const bool seen = key0 + 8 * hh < cols && j >= jlo && j <= jhi;
-        const float z = fmaf(s[n][e], scale_log2, (odd ? gi2.y : gi2.x) - gj[hh]);
+        const bool seen = key0 + 8 * hh < cols && j >= klo[odd] && j <= khi[odd];
+        const float z = fmaf(s[n][e], scale_log2, gi[odd] - gj[hh]);
         const float P = seen ? fast_exp2(z) : 0.f;
-        const float ds = P * (dp[n][e] - (odd ? delta2.y : delta2.x));
+        const float ds = P * (dp[n][e] - dl[odd]);
         s[n][e] = P;
         dp[n][e] = ds;
-        colsum[hh] += ds;
+        if (gated) colsum[hh] += ds;
       }
     }
 
@@ -332,11 +353,11 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   constexpr int NT = attention_backward_v2_threads;
   static_assert(Br == 16 * (NT / 32), "16 rows a warp");
   extern __shared__ __align__(128) unsigned char v2_smem[];
-  T* sq = reinterpret_cast<T*>(v2_smem);                    // [Br][D]
-  T* sd = sq + Br * D;                                      // [Br][D] dout
-  T* sk = sd + Br * D;                                      // [2][Bc][D]
-  T* sv = sk + 2 * Bc * D;                                  // [2][Bc][D]
-  float* s_gj = reinterpret_cast<float*>(sv + 2 * Bc * D);  // [2][Bc] (coef G_j - ref) log2 e
+  T* sq = reinterpret_cast<T*>(v2_smem);                      // [Br][D]
+  T* sd = sq + Br * D;                                        // [Br][D] dout
+  T* sk = sd + Br * D;                                        // [2][Bc][D]
+  T* sv = sk + 2 * Bc * D;                                    // [2][Bc][D]
+  double* s_gj = reinterpret_cast<double*>(sv + 2 * Bc * D);  // [2][Bc] the keys' G, as read
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
   const int hq = blockIdx.y, h = hq / p.f.group;
@@ -376,13 +397,11 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     const T* vj = vg + j * p.f.v_stride[1];
     load_tile_v2<Bc, D, NT>(sk + buf * Bc * D, kj, p.f.k_stride[1], j_hi + 1 - j);
     load_tile_v2<Bc, D, NT>(sv + buf * Bc * D, vj, p.f.v_stride[1], j_hi + 1 - j);
-    if (threadIdx.x < Bc)
-      s_gj[buf * Bc + threadIdx.x] =
-          gated && j + threadIdx.x <= j_hi
-              ? static_cast<float>(
-                    (p.gate_coef * p.G[p.at(batch, start, j + threadIdx.x, hq)] - ref) *
-                    1.4426950408889634)
-              : 0.f;
+    if (gated && threadIdx.x < Bc) {  // keys past j_hi read as 0 (and are masked)
+      const bool ok = j + threadIdx.x <= j_hi;
+      cp_async_8(s_gj + buf * Bc + threadIdx.x,
+                 p.G + p.at(batch, start, j + (ok ? threadIdx.x : 0), hq), ok);
+    }
   };
   load_keys_v2(0, 0);
   cp_async_commit();  // q, dout and the first key tile
@@ -446,17 +465,24 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
 
     // dS in place of dP: element (row 16 warp + g + 8 (e / 2), key j0 + 8 n + c2 + e % 2).
 #pragma unroll
-    for (int n = 0; n < Bc / 8; ++n)
+    for (int n = 0; n < Bc / 8; ++n) {
+      float gj[2] = {0.f, 0.f};  // (coef G_j - ref) log2 e of the two keys
+      if (gated)
+#pragma unroll
+        for (int odd = 0; odd < 2; ++odd)
+          gj[odd] = static_cast<float>((p.gate_coef * s_gj[buf * Bc + 8 * n + c2 + odd] - ref) *
+                                       1.4426950408889634);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int hh = e / 2, c = 8 * n + c2 + e % 2, j = j0 + c;
+        const int hh = e / 2, odd = e % 2, j = j0 + 8 * n + c2 + odd;
         const bool seen = j >= klo[hh] && j <= khi[hh];
-        const float z = fmaf(s[n][e], scale_log2, gated ? gi[hh] - s_gj[buf * Bc + c] : -lse2[hh]);
+        const float z = fmaf(s[n][e], scale_log2, gated ? gi[hh] - gj[odd] : -lse2[hh]);
         const float P = seen ? fast_exp2(z) : 0.f;
         const float ds = P * (dp[n][e] - delta[hh]);
         dp[n][e] = ds;
-        rowsum[hh] += ds;
+        if (gated) rowsum[hh] += ds;
       }
+    }
 
     mma_acc_b<T, Bc, D>(dq, dp, skb);  // dQ += dS K
     __syncthreads();                   // the next iteration's prefetch overwrites this buffer
