@@ -363,7 +363,9 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   const int hq = blockIdx.y, h = hq / p.f.group;
   index_t batch, start, length;
   p.f.sequence(blockIdx.z, batch, start, length);
-  const index_t i0 = static_cast<index_t>(blockIdx.x) * Br;
+  // The last row tiles first: with a causal mask they see the most keys, and starting them early
+  // shortens the tail of the grid.
+  const index_t i0 = static_cast<index_t>(gridDim.x - 1 - blockIdx.x) * Br;
   if (i0 >= length) return;
   const int rows = length - i0 < Br ? static_cast<int>(length - i0) : Br;
   const bool gated = p.gated();
