@@ -5,7 +5,10 @@
 //   float:       <= 1e-5;
 //   half, bf16:  <= 2 x the error of the plain computation (the CPU backward in float on the same
 //                inputs, gradients rounded to T) + the unit roundoff of T, and <= 2e-2.
-// Every call runs twice into NaN-poisoned buffers and must give the same bits.
+// Every call runs twice into NaN-poisoned buffers and must give the same bits. The plan picks the
+// v2 tensor-core kernels for 16-bit aligned D = Dv in {64, 128}; "[v2]" also runs them against the
+// sm80_mma variant on the same inputs and forces the older variants at those shapes
+// (backward_variant_override).
 
 #include <algorithm>
 #include <cmath>
@@ -145,6 +148,7 @@ struct grad_errors {
 
 struct case_result {
   grad_errors error, plain;
+  grad_errors vs_old{};  // with compare_old: max |x - old| / max |old|, old the sm80_mma variant's
   bool same_bits = false;
   bool resets_zero = true;  // dg exactly 0 at every hard reset
 };
@@ -178,9 +182,27 @@ device_grads<T> gpu_backward(const bwd_case& c, const grad_buffers<T, float>& in
           unpadded(dv.to_host(), c.Dv, pad), dg.to_host()};
 }
 
+// Makes every backward call in its scope take `v` where v applies (the plan's choice elsewhere).
+struct forced_variant {
+  explicit forced_variant(attnmix::detail::cuda::attention_backward_variant v) {
+    auto& o = attnmix::detail::cuda::backward_variant_override();
+    o.forced = true, o.variant = v;
+  }
+  ~forced_variant() { attnmix::detail::cuda::backward_variant_override().forced = false; }
+  forced_variant(const forced_variant&) = delete;
+  forced_variant& operator=(const forced_variant&) = delete;
+};
+
+template <class X>
+std::vector<double> as_double(const std::vector<X>& x) {
+  std::vector<double> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = attnmix::convert<double>(x[i]);
+  return y;
+}
+
 template <class Kind, class Policy, class T>
-case_result run_case(const bwd_case& c, std::uint64_t salt, attnmix::backend::cuda be,
-                     index_t pad) {
+case_result run_case(const bwd_case& c, std::uint64_t salt, attnmix::backend::cuda be, index_t pad,
+                     bool compare_old = false) {
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   rng r(salt);
   attnmix::host_tensor<float, 4> qf({c.B, c.T, c.HQ, c.D}), kf({c.B, c.T, c.H, c.D}),
@@ -250,6 +272,12 @@ case_result run_case(const bwd_case& c, std::uint64_t salt, attnmix::backend::cu
                max_rel(convert_all<T>(plain.dv), ref.dv), gated ? max_rel(plain.dg, ref.dg) : 0.0};
   res.same_bits = bitwise_equal(gpu.dq, again.dq) && bitwise_equal(gpu.dk, again.dk) &&
                   bitwise_equal(gpu.dv, again.dv) && (!gated || bitwise_equal(gpu.dg, again.dg));
+  if (compare_old) {
+    const forced_variant old(attnmix::detail::cuda::attention_backward_variant::sm80_mma);
+    const device_grads<T> o = gpu_backward<Kind, Policy, T>(c, in, be, pad);
+    res.vs_old = {max_rel(gpu.dq, as_double(o.dq)), max_rel(gpu.dk, as_double(o.dk)),
+                  max_rel(gpu.dv, as_double(o.dv)), gated ? max_rel(gpu.dg, as_double(o.dg)) : 0.0};
+  }
   if constexpr (gated)
     for (index_t t : c.resets)
       for (index_t b = 0; b < c.B; ++b)
@@ -270,19 +298,34 @@ void check_gradient(const char* name, double error, double plain) {
   }
 }
 
+// The two tensor-core variants on the same inputs: each within its bound of the reference, so
+// their difference within the sum of the bounds.
+template <class T>
+void check_against_old(const char* name, double vs_old, double plain) {
+  INFO("gradient " << name << ": max difference to the sm80_mma variant " << vs_old << " (plain "
+                   << plain << ")");
+  CHECK(vs_old <= 2 * (2 * plain + unit_roundoff<T>()));
+}
+
 template <class Kind, class Policy, class T>
 void sweep(const std::vector<bwd_case>& cases, std::uint64_t salt, const char* what,
-           attnmix::backend::cuda be = {}, index_t pad = 0) {
+           attnmix::backend::cuda be = {}, index_t pad = 0, bool compare_old = false) {
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   for (const bwd_case& c : cases) {
     INFO(what << ": seed " << test_seed() << " " << c.describe() << " dtype "
               << attnmix::scalar_traits<T>::name << " portable " << be.portable << " row pad "
               << pad);
-    const case_result r = run_case<Kind, Policy, T>(c, ++salt, be, pad);
+    const case_result r = run_case<Kind, Policy, T>(c, ++salt, be, pad, compare_old);
     check_gradient<T>("dq", r.error.dq, r.plain.dq);
     check_gradient<T>("dk", r.error.dk, r.plain.dk);
     check_gradient<T>("dv", r.error.dv, r.plain.dv);
     if (gated) check_gradient<T>("dg", r.error.dg, r.plain.dg);
+    if (compare_old) {
+      check_against_old<T>("dq", r.vs_old.dq, r.plain.dq);
+      check_against_old<T>("dk", r.vs_old.dk, r.plain.dk);
+      check_against_old<T>("dv", r.vs_old.dv, r.plain.dv);
+      if (gated) check_against_old<T>("dg", r.vs_old.dg, r.plain.dg);
+    }
     CHECK(r.same_bits);
     CHECK(r.resets_zero);
   }
@@ -291,6 +334,24 @@ void sweep(const std::vector<bwd_case>& cases, std::uint64_t salt, const char* w
 // Quick to localise first: one short sequence, then the awkward shapes.
 std::vector<bwd_case> small_cases() {
   return {{1, 1, 1, 1, 64, 64}, {1, 37, 1, 1, 64, 64}, {1, 37, 4, 2, 64, 64}};
+}
+
+// For the v2 tensor-core kernels (D = Dv in {64, 128}): one tile, then tails of both tile sizes
+// (64 keys or rows fixed, 64 or 32 streamed), GQA, windows, varlen.
+std::vector<bwd_case> v2_cases() {
+  return {
+      {1, 16, 1, 1, 64, 64},
+      {1, 64, 1, 1, 64, 64},
+      {1, 16, 1, 1, 128, 128},
+      {1, 100, 1, 1, 128, 128},
+      {2, 130, 4, 2, 64, 64},
+      {1, 200, 6, 2, 128, 128},
+      {1, 300, 2, 1, 64, 64, 65},
+      {1, 250, 2, 2, 128, 128, 31},
+      {1, 200, 4, 2, 64, 64, 0, {0, 0, 1, 64, 64, 130, 200}},
+      {1, 190, 2, 1, 128, 128, 20, {0, 70, 71, 190}},
+      {1, 130, 2, 1, 64, 64, 0, {}, 0.3},
+  };
 }
 
 std::vector<bwd_case> cases() {
@@ -337,6 +398,34 @@ TEMPLATE_TEST_CASE("CUDA softmax backward, small shapes first", "[cuda][backward
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(small_cases(), 100, "causal");
   sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(small_cases(), 200, "fox");
+}
+
+// The v2 kernels (the plan's choice for these shapes), then each against the sm80_mma variant on
+// the same inputs, then the older variants forced at the shapes v2 now takes.
+TEMPLATE_TEST_CASE("CUDA softmax backward, v2 tensor-core kernels", "[cuda][backward][v2]",
+                   attnmix::half, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using attnmix::detail::cuda::attention_backward_variant;
+  sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(v2_cases(), 8000, "v2 causal",
+                                                                   {}, 0, true);
+  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, TestType>(
+      v2_cases(), 8100, "v2 bidirectional", {}, 0, true);
+  sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(v2_cases(), 8200, "v2 fox after", {}, 0,
+                                                           true);
+  sweep<attnmix::kind::fox, fox_before, TestType>(reset_cases(), 8300, "v2 fox before, resets", {},
+                                                  0, true);
+  {
+    const forced_variant old(attention_backward_variant::sm80_mma);
+    sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(v2_cases(), 8400,
+                                                                     "sm80_mma forced");
+    sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(reset_cases(), 8500,
+                                                             "sm80_mma forced, fox resets");
+  }
+  {
+    const forced_variant simt(attention_backward_variant::simt);
+    sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(small_cases(), 8600,
+                                                                     "simt forced");
+  }
 }
 
 TEMPLATE_TEST_CASE("CUDA softmax backward matches the CPU backward", "[cuda][backward][softmax]",

@@ -103,6 +103,75 @@ TEST_CASE("softmax backward plans: tensor cores for 16-bit inputs at dims of 32s
   }
 }
 
+TEST_CASE("softmax backward plans: v2 tensor-core kernels for aligned 16-bit D = Dv in {64, 128}",
+          "[plan]") {
+  attention_backward_shape s = shape(32, 2048, 32, 32, 64, 64);
+  s.sixteen_bit = true, s.aligned = true;
+  const attention_backward_plan p = plan_attention_backward(s, h200());
+  CHECK(p.variant == attention_backward_variant::sm80_mma_v2);
+  CHECK(p.tile == 64);
+  CHECK(p.threads == 128);
+  CHECK(p.dkdv == launch_grid{32, 32, 32});
+  CHECK(p.dq == launch_grid{32, 32, 32});
+  CHECK(p.preprocess == launch_grid{256, 32, 32});
+  CHECK(p.smem_bytes == 2 * (2 * 64 * 64 + 4 * 32 * 64) + 2 * 32 * 20 + 2 * 64 * 8);
+  CHECK(p.fits);
+  const attention_backward_plan w = plan_attention_backward(
+      [&] {
+        attention_backward_shape x = shape(8, 4096, 16, 16, 128, 128);
+        x.sixteen_bit = true, x.aligned = true;
+        return x;
+      }(),
+      h200());
+  CHECK(w.variant == attention_backward_variant::sm80_mma_v2);
+  CHECK(w.dkdv == launch_grid{64, 16, 8});
+  CHECK(w.smem_bytes == 2 * (2 * 64 * 128 + 4 * 32 * 128) + 2 * 32 * 20 + 2 * 64 * 8);
+  CHECK(plan_attention_backward(shape(2, 37, 4, 2, 64, 64), h200()).threads == 256);
+
+  // GQA: a dk/dv CTA a KV head, a dq CTA a query head; tails round up.
+  attention_backward_shape g = shape(2, 130, 4, 2, 64, 64);
+  g.sixteen_bit = true, g.aligned = true;
+  CHECK(plan_attention_backward(g, h200()).dkdv == launch_grid{3, 2, 2});
+  CHECK(plan_attention_backward(g, h200()).dq == launch_grid{3, 4, 2});
+
+  // Elsewhere the older variants.
+  for (auto [D, Dv] : {std::pair<index_t, index_t>{128, 64}, {64, 128}, {32, 32}, {96, 96}}) {
+    s.head_dim = D, s.value_dim = Dv;
+    CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma);
+  }
+  s.head_dim = s.value_dim = 64;
+  s.aligned = false;
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma);
+  s.aligned = true, s.sixteen_bit = false;
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);
+  s.sixteen_bit = true;
+  device_properties tiny = small_smem();
+  tiny.smem_per_block_optin = 64 * 1024;
+  s.head_dim = s.value_dim = 128;
+  CHECK(plan_attention_backward(s, tiny).variant == attention_backward_variant::sm80_mma);
+  CHECK(plan_attention_backward(s, small_smem()).variant ==
+        attention_backward_variant::sm80_mma_v2);
+}
+
+TEST_CASE("softmax backward plans: a forced variant where it applies", "[plan]") {
+  attention_backward_shape s = shape(1, 300, 2, 1, 64, 64);
+  s.sixteen_bit = true, s.aligned = true, s.forced = true;
+  s.force = attention_backward_variant::sm80_mma;
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma);
+  CHECK(plan_attention_backward(s, h200()).tile == 32);
+  CHECK(plan_attention_backward(s, h200()).threads == 256);
+  s.force = attention_backward_variant::simt;
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);
+  s.force = attention_backward_variant::sm80_mma_v2;
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma_v2);
+  s.head_dim = 48;  // v2 does not apply: the plan's own choice
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);
+  s.head_dim = 32, s.value_dim = 32, s.force = attention_backward_variant::sm80_mma_v2;
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma);
+  s.sixteen_bit = false, s.force = attention_backward_variant::sm80_mma;  // float: simt only
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);
+}
+
 TEST_CASE("softmax backward scratch: offsets, delta, gate sums, G and resets", "[plan]") {
   attnmix::attention_problem p{};
   p.batch = 2, p.tokens = 100, p.q_heads = 4, p.kv_heads = 2, p.head_dim = p.value_dim = 64;

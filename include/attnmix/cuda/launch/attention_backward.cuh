@@ -16,6 +16,7 @@
 #include "attnmix/cuda/dispatch.cuh"
 #include "attnmix/cuda/kernels/attention_backward_simt.cuh"
 #include "attnmix/cuda/kernels/sm80_attention_backward.cuh"
+#include "attnmix/cuda/kernels/sm80_attention_backward_v2.cuh"
 #include "attnmix/cuda/plan/attention_backward.hpp"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -23,15 +24,26 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
+// The variant every backward call takes where it applies, instead of the plan's own choice (for
+// the tests, which run each variant on the same inputs). Not thread-safe: set it between calls.
+struct attention_backward_override {
+  bool forced = false;
+  attention_backward_variant variant = attention_backward_variant::simt;
+};
+inline attention_backward_override& backward_variant_override() {
+  static attention_backward_override o;
+  return o;
+}
+
 template <class DkDv, class Dq>
 void launch_backward_kernels(DkDv dkdv, Dq dq, const attention_backward_params& kp,
                              const attention_backward_plan& plan, cudaStream_t stream) {
   allow_dynamic_smem(dkdv, plan.smem_bytes);
   allow_dynamic_smem(dq, plan.smem_bytes);
   const dim3 g1(plan.dkdv.x, plan.dkdv.y, plan.dkdv.z), g2(plan.dq.x, plan.dq.y, plan.dq.z);
-  dkdv<<<g1, attention_backward_threads, plan.smem_bytes, stream>>>(kp);
+  dkdv<<<g1, plan.threads, plan.smem_bytes, stream>>>(kp);
   check(cudaGetLastError(), "attention backward dk/dv kernel launch");
-  dq<<<g2, attention_backward_threads, plan.smem_bytes, stream>>>(kp);
+  dq<<<g2, plan.threads, plan.smem_bytes, stream>>>(kp);
   check(cudaGetLastError(), "attention backward dq kernel launch");
 }
 
@@ -63,6 +75,16 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
   shape.q_heads = p.q_heads, shape.kv_heads = p.kv_heads, shape.sequences = p.num_sequences;
   shape.sixteen_bit = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
   shape.portable = be.portable;
+  shape.aligned =
+      aligned_for_vectors(a.q.data(), a.q.stride(0), a.q.stride(1), a.q.stride(2), 8) &&
+      aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8) &&
+      aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2), 8) &&
+      aligned_for_vectors(a.dout.data(), a.dout.stride(0), a.dout.stride(1), a.dout.stride(2), 8) &&
+      aligned_for_vectors(a.dq.data(), a.dq.stride(0), a.dq.stride(1), a.dq.stride(2), 2) &&
+      aligned_for_vectors(a.dk.data(), a.dk.stride(0), a.dk.stride(1), a.dk.stride(2), 2) &&
+      aligned_for_vectors(a.dv.data(), a.dv.stride(0), a.dv.stride(1), a.dv.stride(2), 2);
+  shape.forced = backward_variant_override().forced;
+  shape.force = backward_variant_override().variant;
   const attention_backward_plan plan = plan_attention_backward(shape, current_properties());
   require(plan.fits, fn, "q", "has head dims D = ", p.head_dim, ", Dv = ", p.value_dim,
           " whose backward tiles need ", plan.smem_bytes,
@@ -113,6 +135,12 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
   }
   bool launched = false;
   if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
+    if (plan.variant == attention_backward_variant::sm80_mma_v2)
+      launched = with_value<64, 128>(p.head_dim, [&](auto d) {
+        constexpr int D = decltype(d)::value;
+        launch_backward_kernels(sm80_attention_backward_v2_dkdv_kernel<Dev, D>,
+                                sm80_attention_backward_v2_dq_kernel<Dev, D>, kp, plan, stream);
+      });
     if (plan.variant == attention_backward_variant::sm80_mma)
       launched = with_value<2, 4>(plan.chunks, [&](auto chunks) {
         launch_attention_backward_tiles<Dev, decltype(chunks)::value, true>(kp, plan, stream);

@@ -8,6 +8,11 @@
 // Every output element is written by one thread in a fixed order of sums: the same bits on every
 // run.
 //
+//   sm80_mma_v2: half and bfloat16, D = Dv in {64, 128}, 16-byte aligned rows of q, k, v, dout
+//             (4-byte of dq, dk, dv): FlashAttention-2's kernels, with the accumulators (dk and
+//             dv of 64 keys, dq of 64 rows) in registers across the whole loop, 16-bit tiles
+//             streamed through double-buffered swizzled shared memory with cp.async and read with
+//             ldmatrix, and P and dS taken from the score accumulators as 16-bit operands.
 //   sm80_mma: half and bfloat16 with D and Dv multiples of 32 up to 128: the products of a tile
 //             pair on tensor cores (mma.sync), the rest as simt's.
 //   simt:     CUDA cores, float accumulation, any dtype and head dims up to 256; tiles of 32 (16
@@ -28,7 +33,7 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-enum class attention_backward_variant { sm80_mma, simt };
+enum class attention_backward_variant { sm80_mma_v2, sm80_mma, simt };
 
 // What the plan reads of a call (the launcher fills it from the validated problem).
 struct attention_backward_shape {
@@ -38,6 +43,11 @@ struct attention_backward_shape {
   index_t sequences = 0;
   bool sixteen_bit = false;  // half or bfloat16 inputs
   bool portable = false;     // backend::cuda::portable (every variant is portable today)
+  bool aligned = false;      // q, k, v, dout rows 16-byte aligned, dq, dk, dv rows 4-byte
+  // A variant to take where it applies (tests run every variant on the same inputs); none: the
+  // plan's own choice.
+  bool forced = false;
+  attention_backward_variant force = attention_backward_variant::simt;
 };
 
 // Head dims the tensor-core backward tiles: multiples of 32 (its 8 warps take 8-column tiles
@@ -46,10 +56,17 @@ inline bool backward_tensor_core_dims(index_t D, index_t Dv) {
   return D % 32 == 0 && Dv % 32 == 0 && D >= 32 && Dv >= 32 && D <= 128 && Dv <= 128;
 }
 
+// Where the v2 tensor-core kernels apply: 16-bit aligned inputs, D = Dv in {64, 128}.
+inline bool backward_v2_applies(const attention_backward_shape& s) {
+  return s.sixteen_bit && s.aligned && s.head_dim == s.value_dim &&
+         (s.head_dim == 64 || s.head_dim == 128);
+}
+
 struct attention_backward_plan {
   attention_backward_variant variant = attention_backward_variant::simt;
   int chunks = 0;          // 32-wide chunks of the widest head dim (2, 4 or 8)
-  int tile = 0;            // query rows and keys of a tile (attention_backward_tile(chunks))
+  int tile = 0;            // keys of a dk/dv CTA and rows of a dq CTA
+  int threads = 0;         // of a dk/dv or dq CTA
   int smem_bytes = 0;      // dynamic shared memory of the dk/dv and dq kernels
   bool fits = false;       // smem_bytes within what the device lets a block opt in to
   launch_grid preprocess;  // a warp a (token, query head): (token groups, query heads, sequences)
@@ -63,10 +80,27 @@ inline attention_backward_plan plan_attention_backward(const attention_backward_
   attention_backward_plan p;
   const index_t widest = std::max(s.head_dim, s.value_dim);
   p.chunks = widest <= 64 ? 2 : widest <= 128 ? 4 : 8;
-  p.tile = attention_backward_tile(p.chunks);
-  if (s.sixteen_bit && backward_tensor_core_dims(s.head_dim, s.value_dim))
+  // v2 where its shared memory fits (else the older tensor-core kernels, whose tiles are smaller).
+  const bool v2 =
+      backward_v2_applies(s) &&
+      std::size_t(attention_backward_v2_smem_bytes(int(s.head_dim))) <= d.smem_per_block_optin;
+  const bool mma = s.sixteen_bit && backward_tensor_core_dims(s.head_dim, s.value_dim);
+  if (v2)
+    p.variant = attention_backward_variant::sm80_mma_v2;
+  else if (mma)
     p.variant = attention_backward_variant::sm80_mma;
-  p.smem_bytes = attention_backward_smem_bytes(p.tile, int(s.head_dim), int(s.value_dim));
+  if (s.forced && (s.force == attention_backward_variant::simt ||
+                   (s.force == attention_backward_variant::sm80_mma && mma)))
+    p.variant = s.force;
+  if (p.variant == attention_backward_variant::sm80_mma_v2) {
+    p.tile = attention_backward_v2_fixed;
+    p.threads = attention_backward_v2_threads;
+    p.smem_bytes = attention_backward_v2_smem_bytes(int(s.head_dim));
+  } else {
+    p.tile = attention_backward_tile(p.chunks);
+    p.threads = attention_backward_threads;
+    p.smem_bytes = attention_backward_smem_bytes(p.tile, int(s.head_dim), int(s.value_dim));
+  }
   p.fits = std::size_t(p.smem_bytes) <= d.smem_per_block_optin;
   const auto tiles = unsigned((s.max_len + p.tile - 1) / p.tile);
   p.preprocess = {unsigned((s.max_len + attention_backward_preprocess_rows - 1) /

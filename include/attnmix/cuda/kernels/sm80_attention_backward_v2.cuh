@@ -1,0 +1,510 @@
+#pragma once
+// The softmax-family backward on tensor cores, FlashAttention-2's kernels (mma.sync m16n8k16,
+// sm_80 and later): half and bfloat16, D = Dv in {64, 128}, rows of q, k, v and dout 16-byte
+// aligned. The delta and gate kernels are attention_backward_simt.cuh's.
+//
+//   dk/dv: a CTA of 4 warps owns 64 keys of one KV head (a warp 16 of them), with K and V in
+//          shared memory and dK, dV in registers (float) over every query tile of every query
+//          head of the group. Query tiles of Br = attention_backward_v2_stream(D) rows (q, dout
+//          and the rows' lse, delta and visible keys) stream through two buffers with cp.async.
+//          A warp computes S^T = K Q^T and dP^T = V dO^T for its keys (16 x Br), P^T and
+//          dS^T = P^T (dP^T - delta) in place, and dV += P^T dO, dK += dS^T Q with P and dS
+//          taken from the accumulators as 16-bit A fragments (as the forward does with P).
+//   dq:    a CTA of 4 warps owns 64 query rows (a warp 16), with q and dout fragments in
+//          registers, and streams key tiles of Bc = attention_backward_v2_stream(D) keys (k, v)
+//          through two buffers: S = Q K^T, dP = dO V^T, dS, dQ += dS K.
+// Masks (window, causal, hard resets, the tiles' tails) are applied per element from each row's
+// first and last visible key. Every sum runs in a fixed order: the same bits on every run.
+
+#include <cmath>
+#include <cstdint>
+
+#include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/kernels/attention_backward_shapes.hpp"
+#include "attnmix/cuda/kernels/attention_backward_simt.cuh"
+#include "attnmix/cuda/kernels/sm80_attention.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+constexpr float backward_log2e = 1.4426950408889634f;
+
+// Copies rows [0, Rows) of a row-major tile into swizzled shared memory with cp.async (as
+// tile_loader, with the offsets computed on each call: fewer live registers); rows >= valid are
+// zero-filled. gmem's row 0 must be readable.
+template <int Rows, int Cols, int Threads, class T>
+__device__ __forceinline__ void load_tile_v2(T* smem, const T* gmem, index_t stride,
+                                             index_t valid) {
+  constexpr int chunks = Cols / 8, per = Rows * chunks / Threads;
+  static_assert(per * Threads == Rows * chunks, "tile chunks must divide evenly among threads");
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int idx = threadIdx.x + k * Threads, r = idx / chunks, c = idx % chunks;
+    const bool ok = r < valid;
+    cp_async_16(smem + swizzle<Cols>(r, c), ok ? gmem + r * stride + c * 8 : gmem, ok);
+  }
+}
+
+// 4- and 8-byte global -> shared copies (cp.async.ca); zero-filled when not `valid`. The rows'
+// and keys' terms travel with their tiles, so that no thread waits on a load of its own.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(smem)),
+               "l"(gmem), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_address(smem)),
+               "l"(gmem), "r"(valid ? 8 : 0));
+}
+
+// The A fragment of a 16 x 16 chunk kc of a product whose A operand is the 16 x 8 accumulator
+// tiles x[2 kc] and x[2 kc + 1] (the C layout of two n-tiles is the A layout of one k-chunk).
+template <class T>
+__device__ __forceinline__ void accumulators_as_a(std::uint32_t (&a)[4], const float (&x0)[4],
+                                                  const float (&x1)[4]) {
+  a[0] = pack2<T>(x0[0], x0[1]);
+  a[1] = pack2<T>(x0[2], x0[3]);
+  a[2] = pack2<T>(x1[0], x1[1]);
+  a[3] = pack2<T>(x1[2], x1[3]);
+}
+
+// acc[16 x 8 N] += A (16 x K, fragments a[K / 16]) B^T, B an N x K row-major swizzled tile in
+// shared memory (B's rows are the product's columns): the forward's S = Q K^T.
+template <class T, int K, int N>
+__device__ __forceinline__ void mma_a_bt(float (&acc)[N / 8][4],
+                                         const std::uint32_t (&a)[K / 16][4], const T* b) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+    for (int n = 0; n < N / 16; ++n) {
+      std::uint32_t f[4];
+      ldmatrix_x4(f, b + swizzle<K>(n * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+      const std::uint32_t b0[2] = {f[0], f[1]}, b1[2] = {f[2], f[3]};
+      mma_16816<T>(acc[2 * n], a[kk], b0);
+      mma_16816<T>(acc[2 * n + 1], a[kk], b1);
+    }
+}
+
+// As mma_a_bt with A rows [r0, r0 + 16) of a row-major swizzled K-column tile in shared memory,
+// read a 16-column chunk at a time (fewer live registers than whole fragments).
+template <class T, int K, int N>
+__device__ __forceinline__ void mma_smem_a_bt(float (&acc)[N / 8][4], const T* a_tile, int r0,
+                                              const T* b) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    std::uint32_t a[4];
+    ldmatrix_x4(a, a_tile + swizzle<K>(r0 + lane % 16, kk * 2 + lane / 16));
+#pragma unroll
+    for (int n = 0; n < N / 16; ++n) {
+      std::uint32_t f[4];
+      ldmatrix_x4(f, b + swizzle<K>(n * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+      const std::uint32_t b0[2] = {f[0], f[1]}, b1[2] = {f[2], f[3]};
+      mma_16816<T>(acc[2 * n], a, b0);
+      mma_16816<T>(acc[2 * n + 1], a, b1);
+    }
+  }
+}
+
+// acc[16 x N] (N / 8 tiles) += X B, X the 16 x K accumulators x[K / 8] (rounded to T) and B a
+// K x N row-major swizzled tile in shared memory: the forward's O += P V.
+template <class T, int K, int N>
+__device__ __forceinline__ void mma_acc_b(float (&acc)[N / 8][4], const float (&x)[K / 8][4],
+                                          const T* b) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kc = 0; kc < K / 16; ++kc) {
+    std::uint32_t a[4];
+    accumulators_as_a<T>(a, x[2 * kc], x[2 * kc + 1]);
+#pragma unroll
+    for (int n = 0; n < N / 16; ++n) {
+      std::uint32_t f[4];
+      ldmatrix_x4_trans(
+          f, b + swizzle<N>(kc * 16 + lane % 8 + ((lane / 8) % 2) * 8, n * 2 + lane / 16));
+      const std::uint32_t b0[2] = {f[0], f[1]}, b1[2] = {f[2], f[3]};
+      mma_16816<T>(acc[2 * n], a, b0);
+      mma_16816<T>(acc[2 * n + 1], a, b1);
+    }
+  }
+}
+
+// The A fragments of rows [r0, r0 + 16) of a row-major swizzled K-column tile.
+template <class T, int K>
+__device__ __forceinline__ void load_a_fragments(std::uint32_t (&a)[K / 16][4], const T* tile,
+                                                 int r0) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)
+    ldmatrix_x4(a[kk], tile + swizzle<K>(r0 + lane % 16, kk * 2 + lane / 16));
+}
+
+// Stores a warp's 16 x D accumulators (times `factor`) as rows r0 + g, r0 + g + 8 of `out`
+// (rows >= `rows` are not stored), a 4-byte pair a thread.
+template <class T, int D>
+__device__ __forceinline__ void store_rows_v2(T* out, index_t stride, int r0, int rows,
+                                              const float (&acc)[D / 8][4], float factor) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c2 = 2 * (lane % 4);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + g + 8 * h;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<std::uint32_t*>(out + r * stride + 8 * n + c2) =
+          pack2<T>(acc[n][2 * h] * factor, acc[n][2 * h + 1] * factor);
+  }
+}
+
+// ---- dk, dv --------------------------------------------------------------------------------
+
+template <class T, int D>
+__global__ void __launch_bounds__(attention_backward_v2_threads,
+                                  attention_backward_v2_min_blocks(D))
+    sm80_attention_backward_v2_dkdv_kernel(const attention_backward_params p) {
+  constexpr int Bc = attention_backward_v2_fixed, Br = attention_backward_v2_stream(D);
+  constexpr int NT = attention_backward_v2_threads;
+  static_assert(Bc == 16 * (NT / 32), "16 keys a warp");
+  extern __shared__ __align__(128) unsigned char v2_smem[];
+  T* sk = reinterpret_cast<T*>(v2_smem);  // [Bc][D]
+  T* sv = sk + Bc * D;                    // [Bc][D]
+  T* sq = sv + Bc * D;                    // [2][Br][D]
+  T* sd = sq + 2 * Br * D;                // [2][Br][D] dout
+  // The streamed rows' G (gate cumsum), lse, delta and last reset, and the keys' G, as read.
+  double* s_gi = reinterpret_cast<double*>(sd + 2 * Br * D);  // [2][Br]
+  double* s_gj = s_gi + 2 * Br;                               // [2][Bc]
+  float* s_lse = reinterpret_cast<float*>(s_gj + 2 * Bc);     // [2][Br]
+  float* s_delta = s_lse + 2 * Br;                            // [2][Br]
+  int* s_reset = reinterpret_cast<int*>(s_delta + 2 * Br);    // [2][Br]
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
+  const int h = blockIdx.y, group = p.f.group;
+  index_t batch, start, length;
+  p.f.sequence(blockIdx.z, batch, start, length);
+  const index_t j0 = static_cast<index_t>(blockIdx.x) * Bc;
+  if (j0 >= length) return;
+  const int cols = length - j0 < Bc ? static_cast<int>(length - j0) : Bc;
+
+  // The query rows [lo, hi) that see some key of the tile (as attention_backward_dkdv_kernel).
+  const index_t W = p.f.window, j1 = j0 + cols;
+  const index_t lo = p.f.causal ? j0 : (W > 0 ? (j0 - W + 1 > 0 ? j0 - W + 1 : 0) : 0);
+  const index_t hi = W > 0 ? (j1 + W - 1 < length ? j1 + W - 1 : length) : length;
+  const int row_tiles = static_cast<int>((hi - lo + Br - 1) / Br);
+  const int items = group * row_tiles;  // (query head of the group, row tile), heads outer
+  const bool gated = p.gated();
+  const float scale_log2 = p.scale * backward_log2e;
+
+  const T* kg = static_cast<const T*>(p.f.k) + batch * p.f.k_stride[0] +
+                (start + j0) * p.f.k_stride[1] + h * p.f.k_stride[2];
+  const T* vg = static_cast<const T*>(p.f.v) + batch * p.f.v_stride[0] +
+                (start + j0) * p.f.v_stride[1] + h * p.f.v_stride[2];
+  load_tile_v2<Bc, D, NT>(sk, kg, p.f.k_stride[1], cols);
+  load_tile_v2<Bc, D, NT>(sv, vg, p.f.v_stride[1], cols);
+  cp_async_commit();
+
+  // The logits less lse in base 2 are s scale log2 e + gi - gj: without a gate gi = -lse_i log2 e
+  // and gj = 0; with one gi = (coef G_i - ref - lse_i) log2 e of the rows and gj = (coef G_j -
+  // ref) log2 e of the keys, formed in double and rounded once to float, ref = coef G_j0 of the
+  // query head: the floats stay small wherever P is not negligible (as the forward's g_ref).
+  auto load_item = [&](int t, int buf) {
+    const int hq = h * group + t / row_tiles;
+    const index_t i0 = lo + static_cast<index_t>(t % row_tiles) * Br;
+    const index_t rows = hi - i0 < Br ? hi - i0 : index_t{Br};
+    const T* qg = static_cast<const T*>(p.f.q) + batch * p.f.q_stride[0] +
+                  (start + i0) * p.f.q_stride[1] + hq * p.f.q_stride[2];
+    const T* dg = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
+                  (start + i0) * p.dout_stride[1] + hq * p.dout_stride[2];
+    load_tile_v2<Br, D, NT>(sq + buf * Br * D, qg, p.f.q_stride[1], rows);
+    load_tile_v2<Br, D, NT>(sd + buf * Br * D, dg, p.dout_stride[1], rows);
+    if (threadIdx.x < Br) {  // rows past `rows` read as 0 (and are masked)
+      const int r = threadIdx.x, b = buf * Br + r;
+      const bool ok = r < rows;
+      const index_t i = i0 + (ok ? r : 0), a = p.at(batch, start, i, hq);
+      cp_async_4(
+          s_lse + b,
+          p.lse + batch * p.lse_stride[0] + (start + i) * p.lse_stride[1] + hq * p.lse_stride[2],
+          ok);
+      cp_async_4(s_delta + b, p.delta + a, ok);
+      if (gated) {
+        cp_async_8(s_gi + b, p.G + a, ok);
+        cp_async_4(s_reset + b, p.reset + a, ok);
+      }
+    }
+    if (gated && threadIdx.x < Bc) {  // keys past `cols` read as 0 (and are masked)
+      const int key = threadIdx.x;
+      const bool ok = key < cols;
+      cp_async_8(s_gj + buf * Bc + key, p.G + p.at(batch, start, j0 + (ok ? key : 0), hq), ok);
+    }
+  };
+  load_item(0, 0);
+  cp_async_commit();
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = 0.f, dv[n][e] = 0.f;
+  // This thread's keys: 16 warp + g + 8 h (h = 0, 1), sequence-local j0 + that.
+  const int key0 = 16 * warp + g;
+  float colsum[2] = {0.f, 0.f};
+
+  for (int t = 0; t < items; ++t) {
+    const int buf = t % 2;
+    if (t + 1 < items) load_item(t + 1, buf ^ 1);
+    cp_async_commit();
+    const int hq = h * group + t / row_tiles;
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* sqb = sq + buf * Br * D;
+    const T* sdb = sd + buf * Br * D;
+    const index_t i0 = lo + static_cast<index_t>(t % row_tiles) * Br;
+    const int rows = hi - i0 < Br ? static_cast<int>(hi - i0) : Br;
+    const double ref = gated ? p.gate_coef * s_gj[buf * Bc] : 0.0;  // key 0 (j0) is in the tile
+    float gj[2] = {0.f, 0.f};
+    if (gated)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        gj[hh] = static_cast<float>((p.gate_coef * s_gj[buf * Bc + key0 + 8 * hh] - ref) *
+                                    1.4426950408889634);
+
+    // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys and the tile's Br rows.
+    float s[Br / 8][4], dp[Br / 8][4];
+#pragma unroll
+    for (int n = 0; n < Br / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = 0.f, dp[n][e] = 0.f;
+    mma_smem_a_bt<T, D, Br>(s, sk, 16 * warp, sqb);
+    mma_smem_a_bt<T, D, Br>(dp, sv, 16 * warp, sdb);
+
+    // P^T and dS^T in place: element (key key0 + 8 (e / 2), row 8 n + c2 + e % 2). A row's
+    // visible keys [klo, khi] as key_range gives them, klo raised to its last reset.
+    // (A window of the sequence's length or more sees what no window sees: clamped to it.)
+    const int len = static_cast<int>(length);
+    const int W = p.f.window < length ? static_cast<int>(p.f.window) : len;
+#pragma unroll
+    for (int n = 0; n < Br / 8; ++n) {
+      const int rb = buf * Br + 8 * n + c2;
+      const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + rb);
+      const float2 delta2 = *reinterpret_cast<const float2*>(s_delta + rb);
+      float gi[2] = {-lse2.x * backward_log2e, -lse2.y * backward_log2e};
+      const float dl[2] = {delta2.x, delta2.y};
+      int klo[2], khi[2];
+#pragma unroll
+      for (int odd = 0; odd < 2; ++odd) {
+        const int r = 8 * n + c2 + odd, i = static_cast<int>(i0) + r;
+        klo[odd] = W > 0 ? (i - W + 1 > 0 ? i - W + 1 : 0) : 0;
+        khi[odd] = p.f.causal ? i : (W > 0 && i + W - 1 < len - 1 ? i + W - 1 : len - 1);
+        if (gated) {
+          const int reset = s_reset[rb + odd];
+          klo[odd] = reset > klo[odd] ? reset : klo[odd];
+          gi[odd] = static_cast<float>(
+              (p.gate_coef * s_gi[rb + odd] - ref - static_cast<double>(odd ? lse2.y : lse2.x)) *
+              1.4426950408889634);
+        }
+        if (r >= rows) klo[odd] = 1, khi[odd] = 0;  // no key visible: P = 0
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e / 2, odd = e % 2;
+        const int j = static_cast<int>(j0) + key0 + 8 * hh;
+        const bool seen = key0 + 8 * hh < cols && j >= klo[odd] && j <= khi[odd];
+        const float z = fmaf(s[n][e], scale_log2, gi[odd] - gj[hh]);
+        const float P = seen ? fast_exp2(z) : 0.f;
+        const float ds = P * (dp[n][e] - dl[odd]);
+        s[n][e] = P;
+        dp[n][e] = ds;
+        if (gated) colsum[hh] += ds;
+      }
+    }
+
+    // dV += P^T dO, dK += dS^T Q (the rows past the tile's are 0 in P and dS).
+    mma_acc_b<T, Br, D>(dv, s, sdb);
+    mma_acc_b<T, Br, D>(dk, dp, sqb);
+
+    if (gated && t % row_tiles == row_tiles - 1) {  // the head's last tile: its column sums
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float x = colsum[hh];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        const int key = key0 + 8 * hh;
+        if (lane % 4 == 0 && key < cols) p.colsum[p.at(batch, start, j0 + key, hq)] = x;
+        colsum[hh] = 0.f;
+      }
+    }
+    __syncthreads();  // the next iteration's prefetch overwrites this buffer
+  }
+
+  T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_stride[0] + (start + j0) * p.dk_stride[1] +
+              h * p.dk_stride[2];
+  T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_stride[0] + (start + j0) * p.dv_stride[1] +
+              h * p.dv_stride[2];
+  store_rows_v2<T, D>(dk_out, p.dk_stride[1], 16 * warp, cols, dk, p.scale);
+  store_rows_v2<T, D>(dv_out, p.dv_stride[1], 16 * warp, cols, dv, 1.f);
+}
+
+// ---- dq ------------------------------------------------------------------------------------
+
+template <class T, int D>
+__global__ void __launch_bounds__(attention_backward_v2_threads,
+                                  attention_backward_v2_min_blocks(D))
+    sm80_attention_backward_v2_dq_kernel(const attention_backward_params p) {
+  constexpr int Br = attention_backward_v2_fixed, Bc = attention_backward_v2_stream(D);
+  constexpr int NT = attention_backward_v2_threads;
+  static_assert(Br == 16 * (NT / 32), "16 rows a warp");
+  extern __shared__ __align__(128) unsigned char v2_smem[];
+  T* sq = reinterpret_cast<T*>(v2_smem);                      // [Br][D]
+  T* sd = sq + Br * D;                                        // [Br][D] dout
+  T* sk = sd + Br * D;                                        // [2][Bc][D]
+  T* sv = sk + 2 * Bc * D;                                    // [2][Bc][D]
+  double* s_gj = reinterpret_cast<double*>(sv + 2 * Bc * D);  // [2][Bc] the keys' G, as read
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
+  const int hq = blockIdx.y, h = hq / p.f.group;
+  index_t batch, start, length;
+  p.f.sequence(blockIdx.z, batch, start, length);
+  // The last row tiles first: with a causal mask they see the most keys, and starting them early
+  // shortens the tail of the grid.
+  const index_t i0 = static_cast<index_t>(gridDim.x - 1 - blockIdx.x) * Br;
+  if (i0 >= length) return;
+  const int rows = length - i0 < Br ? static_cast<int>(length - i0) : Br;
+  const bool gated = p.gated();
+  const float scale_log2 = p.scale * backward_log2e;
+
+  // Keys [j_lo, j_hi] that some row of the tile sees; a row's last reset only moves forward.
+  index_t j_lo, j_hi, unused;
+  p.f.key_range(i0, length, j_lo, unused);
+  p.f.key_range(i0 + rows - 1, length, unused, j_hi);
+  if (gated) {
+    const index_t r = p.reset[p.at(batch, start, i0, hq)];
+    j_lo = r > j_lo ? r : j_lo;
+  }
+  const int key_tiles = static_cast<int>((j_hi - j_lo + Bc) / Bc);
+  // The gate terms as in the dk/dv kernel, relative to ref = coef G_i0.
+  const double ref = gated ? p.gate_coef * p.G[p.at(batch, start, i0, hq)] : 0.0;
+
+  const T* qg = static_cast<const T*>(p.f.q) + batch * p.f.q_stride[0] +
+                (start + i0) * p.f.q_stride[1] + hq * p.f.q_stride[2];
+  const T* dg = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
+                (start + i0) * p.dout_stride[1] + hq * p.dout_stride[2];
+  load_tile_v2<Br, D, NT>(sq, qg, p.f.q_stride[1], rows);
+  load_tile_v2<Br, D, NT>(sd, dg, p.dout_stride[1], rows);
+  const T* kg = static_cast<const T*>(p.f.k) + batch * p.f.k_stride[0] + start * p.f.k_stride[1] +
+                h * p.f.k_stride[2];
+  const T* vg = static_cast<const T*>(p.f.v) + batch * p.f.v_stride[0] + start * p.f.v_stride[1] +
+                h * p.f.v_stride[2];
+  auto load_keys_v2 = [&](int t, int buf) {
+    const index_t j = j_lo + static_cast<index_t>(t) * Bc;
+    const T* kj = kg + j * p.f.k_stride[1];
+    const T* vj = vg + j * p.f.v_stride[1];
+    load_tile_v2<Bc, D, NT>(sk + buf * Bc * D, kj, p.f.k_stride[1], j_hi + 1 - j);
+    load_tile_v2<Bc, D, NT>(sv + buf * Bc * D, vj, p.f.v_stride[1], j_hi + 1 - j);
+    if (gated && threadIdx.x < Bc) {  // keys past j_hi read as 0 (and are masked)
+      const bool ok = j + threadIdx.x <= j_hi;
+      cp_async_8(s_gj + buf * Bc + threadIdx.x,
+                 p.G + p.at(batch, start, j + (ok ? threadIdx.x : 0), hq), ok);
+    }
+  };
+  load_keys_v2(0, 0);
+  cp_async_commit();  // q, dout and the first key tile
+
+  // This thread's rows 16 warp + g + 8 hh: lse, delta, gate term, visible keys.
+  float lse2[2], delta[2], gi[2];
+  int klo[2], khi[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = 16 * warp + g + 8 * hh;
+    lse2[hh] = 0.f, delta[hh] = 0.f, gi[hh] = 0.f, klo[hh] = 1, khi[hh] = 0;
+    if (r < rows) {
+      const index_t i = i0 + r;
+      const float lse =
+          p.lse[batch * p.lse_stride[0] + (start + i) * p.lse_stride[1] + hq * p.lse_stride[2]];
+      index_t a_lo, a_hi;
+      p.f.key_range(i, length, a_lo, a_hi);
+      const index_t a = p.at(batch, start, i, hq);
+      if (gated) {
+        gi[hh] = static_cast<float>((p.gate_coef * p.G[a] - ref - static_cast<double>(lse)) *
+                                    1.4426950408889634);
+        const index_t reset = p.reset[a];
+        a_lo = reset > a_lo ? reset : a_lo;
+      }
+      lse2[hh] = lse * backward_log2e;
+      delta[hh] = p.delta[a];
+      klo[hh] = static_cast<int>(a_lo);
+      khi[hh] = static_cast<int>(a_hi);
+    }
+  }
+
+  float dq[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+  float rowsum[2] = {0.f, 0.f};
+  std::uint32_t qf[D / 16][4], df[D / 16][4];
+
+  for (int t = 0; t < key_tiles; ++t) {
+    const int buf = t % 2;
+    if (t + 1 < key_tiles) load_keys_v2(t + 1, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    if (t == 0) {
+      load_a_fragments<T, D>(qf, sq, 16 * warp);
+      load_a_fragments<T, D>(df, sd, 16 * warp);
+    }
+    const T* skb = sk + buf * Bc * D;
+    const T* svb = sv + buf * Bc * D;
+    const int j0 = static_cast<int>(j_lo) + t * Bc;
+
+    float s[Bc / 8][4], dp[Bc / 8][4];
+#pragma unroll
+    for (int n = 0; n < Bc / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = 0.f, dp[n][e] = 0.f;
+    mma_a_bt<T, D, Bc>(s, qf, skb);
+    mma_a_bt<T, D, Bc>(dp, df, svb);
+
+    // dS in place of dP: element (row 16 warp + g + 8 (e / 2), key j0 + 8 n + c2 + e % 2).
+#pragma unroll
+    for (int n = 0; n < Bc / 8; ++n) {
+      float gj[2] = {0.f, 0.f};  // (coef G_j - ref) log2 e of the two keys
+      if (gated)
+#pragma unroll
+        for (int odd = 0; odd < 2; ++odd)
+          gj[odd] = static_cast<float>((p.gate_coef * s_gj[buf * Bc + 8 * n + c2 + odd] - ref) *
+                                       1.4426950408889634);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e / 2, odd = e % 2, j = j0 + 8 * n + c2 + odd;
+        const bool seen = j >= klo[hh] && j <= khi[hh];
+        const float z = fmaf(s[n][e], scale_log2, gated ? gi[hh] - gj[odd] : -lse2[hh]);
+        const float P = seen ? fast_exp2(z) : 0.f;
+        const float ds = P * (dp[n][e] - delta[hh]);
+        dp[n][e] = ds;
+        if (gated) rowsum[hh] += ds;
+      }
+    }
+
+    mma_acc_b<T, Bc, D>(dq, dp, skb);  // dQ += dS K
+    __syncthreads();                   // the next iteration's prefetch overwrites this buffer
+  }
+
+  T* dq_out = static_cast<T*>(p.dq) + batch * p.dq_stride[0] + (start + i0) * p.dq_stride[1] +
+              hq * p.dq_stride[2];
+  store_rows_v2<T, D>(dq_out, p.dq_stride[1], 16 * warp, rows, dq, p.scale);
+  if (gated) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float x = rowsum[hh];
+      x += __shfl_xor_sync(0xffffffffu, x, 1);
+      x += __shfl_xor_sync(0xffffffffu, x, 2);
+      const int r = 16 * warp + g + 8 * hh;
+      if (lane % 4 == 0 && r < rows) p.rowsum[p.at(batch, start, i0 + r, hq)] = x;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
