@@ -308,8 +308,8 @@ inline void check_outputs(const std::string& fn, const arg_list& args) {
     for (int d = 0; d < o.rank; ++d)
       if (o.shape[static_cast<std::size_t>(d)] > 1)
         dims[n++] = {o.stride[static_cast<std::size_t>(d)], o.shape[static_cast<std::size_t>(d)]};
-    for (std::size_t i = 1; i < n; ++i)  // insertion sort of at most four
-      for (std::size_t j = i; j > 0 && dims[j] < dims[j - 1]; --j) std::swap(dims[j], dims[j - 1]);
+    for (std::size_t a = 1; a < n; ++a)  // insertion sort of at most four
+      for (std::size_t b = a; b > 0 && dims[b] < dims[b - 1]; --b) std::swap(dims[b], dims[b - 1]);
     index_t span = 1;
     for (std::size_t d = 0; d < n; ++d) {
       const auto [stride, extent] = dims[d];
