@@ -131,9 +131,9 @@ void BM_copy_bandwidth(benchmark::State& state) {
 // as the authors' kernels take them, H = HQ = 32, D = Dv = 64. FLOPs counted as the forward's
 // 4 B H T^2 D plus 2.5 times that for the backward (the recomputed scan, dV, dK~, the adjoint
 // scan and its transition gradients).
-// simt: the SIMT query kernel (the plan's fallback) instead of the tiled one. One warm-up call
-// (a call takes up to seconds), then the iterations, each timed with events.
-template <class Kind, bool simt = false>
+// tiled: the register-blocked query and chunk kernels instead of the plan's SIMT ones. One
+// warm-up call (a call takes up to seconds), then the iterations, each timed with events.
+template <class Kind, bool tiled = false>
 void BM_path_backward_cuda(benchmark::State& state) {
   namespace cu = attnmix::detail::cuda;
   using T = attnmix::bfloat16;
@@ -161,7 +161,7 @@ void BM_path_backward_cuda(benchmark::State& state) {
   const attnmix::backend::cuda be{};
   const cu::path_backward_kernel saved = cu::path_backward_kernel_override();
   cu::path_backward_kernel_override() =
-      simt ? cu::path_backward_kernel::simt : cu::path_backward_kernel::automatic;
+      tiled ? cu::path_backward_kernel::tiled : cu::path_backward_kernel::automatic;
   const auto call_once = [&] {
     attnmix::attention<Kind>(fa, {}, be);
     attnmix::attention_backward<Kind>(a, {}, be);
@@ -191,7 +191,7 @@ void backward_shapes(benchmark::internal::Benchmark* b) {
   // A call takes up to seconds on CUDA cores: a few iterations are enough.
   b->ArgNames({"B", "T", "H"})->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
 }
-void backward_simt_shapes(benchmark::internal::Benchmark* b) {
+void backward_tiled_shapes(benchmark::internal::Benchmark* b) {
   b->Args({32, 2048, 32});
   b->ArgNames({"B", "T", "H"})->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
 }
@@ -249,8 +249,8 @@ BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox)
     ->Name("path_fox_fwd_bwd")
     ->Apply(backward_shapes);
 BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox, true)
-    ->Name("path_fox_fwd_bwd_simt")
-    ->Apply(backward_simt_shapes);
+    ->Name("path_fox_fwd_bwd_tiled")
+    ->Apply(backward_tiled_shapes);
 BENCHMARK(BM_path_backward_memory)
     ->Name("path_backward_scratch")
     ->Args({4, 16384, 32})

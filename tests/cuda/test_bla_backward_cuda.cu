@@ -1,7 +1,43 @@
-// CUDA backward of BLA and GBLA against the CPU backward: the default policies in every
-// dtype, with and without the forward's state, and the other knobs in float.
+// CUDA backward of BLA and GBLA against the CPU backward: a small case of each first, bit-identical
+// reruns, then the default policies (GBLA in every dtype), with and without the forward's state,
+// and the other knobs in float. The harness: linear_backward_harness.cuh.
 
 #include "cuda/linear_backward_harness.cuh"
+
+TEST_CASE("CUDA linear backward: is_backward_implemented", "[cuda][linear_backward]") {
+  STATIC_REQUIRE(attnmix::is_backward_implemented_v<bla, attnmix::backend::cuda>);
+  STATIC_REQUIRE(attnmix::is_backward_implemented_v<gbla, attnmix::backend::cuda>);
+  STATIC_REQUIRE(attnmix::is_backward_implemented_v<linear_causal, attnmix::backend::cuda>);
+}
+
+TEST_CASE("CUDA BLA and GBLA backward: one small case each (float)",
+          "[cuda][linear_backward][small]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const linear_case c{1, 37, 2, 1, 16, 8};
+  {
+    INFO("bla " << c.describe());
+    check_errors(run_cuda_backward<bla, attnmix::bla_policy, float>(c, 11, {}), 1e-5);
+  }
+  {
+    INFO("gbla " << c.describe());
+    check_errors(run_cuda_backward<gbla, attnmix::gbla_policy, float>(c, 12, {}), 1e-5);
+  }
+}
+
+TEST_CASE("CUDA GBLA backward gives the same bits on a second run", "[cuda][linear_backward]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  auto same = [](const grad_bits& x, const grad_bits& y) {
+    return bitwise_equal(x.dq, y.dq) && bitwise_equal(x.dk, y.dk) && bitwise_equal(x.dv, y.dv) &&
+           bitwise_equal(x.dgate, y.dgate) && bitwise_equal(x.da, y.da) &&
+           bitwise_equal(x.dgamma, y.dgamma) && bitwise_equal(x.dS_in, y.dS_in) &&
+           bitwise_equal(x.dz_in, y.dz_in);
+  };
+  linear_case c{1, 3000, 4, 2, 64, 64, {0, 0, 1, 1000, 1001, 3000}};
+  grad_bits x, y;
+  run_cuda_backward<gbla, attnmix::gbla_policy, attnmix::bfloat16>(c, 2000, {}, &x);
+  run_cuda_backward<gbla, attnmix::gbla_policy, attnmix::bfloat16>(c, 2000, {}, &y);
+  CHECK(same(x, y));
+}
 
 // half shares the 16-bit path with bfloat16; it is swept with GBLA.
 TEMPLATE_TEST_CASE("CUDA BLA backward matches the CPU backward", "[cuda][linear_backward][bla]",

@@ -4,10 +4,10 @@
 // run smallest first (T = 1, 5, 64, 65, 200, D = 64 then 128, GQA, varlen with an empty and a
 // length-1 sequence, an odd head dim, several slices), then PaTH-FoX in both gate conventions and
 // with hard resets, 16-bit inputs, two runs giving identical bits, and the CUDA forward's out and
-// lse as the backward's input. The kernels are the plan's (the tiled query and chunk kernels)
-// except in the first cases, which run the tiled and the SIMT kernels on the same inputs and
-// compare each with the CPU and with each other, in the SIMT sweep, and in the run-twice check
-// (both sets).
+// lse as the backward's input. The kernels are the plan's (the SIMT query and chunk kernels,
+// until the register-blocked "tiled" ones have passed on a GPU) except in the first cases, which
+// run the tiled and the SIMT kernels on the same inputs and compare each with the CPU and with
+// each other, in the tiled sweep, and in the run-twice check (both sets).
 
 #include <algorithm>
 #include <array>
@@ -303,10 +303,10 @@ TEST_CASE("CUDA PaTH backward: the tiled and SIMT kernels agree with the CPU and
   }
 }
 
-TEST_CASE("CUDA PaTH-FoX backward, the SIMT fallback matches the CPU, float",
+TEST_CASE("CUDA PaTH-FoX backward, the tiled kernels match the CPU, float",
           "[cuda][path_fox][backward][kernels]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  kernel_override o(path_backward_kernel::simt);
+  kernel_override o(path_backward_kernel::tiled);
   std::uint64_t salt = 30500;
   for (const path_case& c : sweep())
     backward_case<path_fox, attnmix::path_fox_policy, float>(c, ++salt);

@@ -113,20 +113,20 @@ TEST_CASE("PaTH backward plan: extra memory is O(B T H D)", "[plan][path][backwa
   CHECK(double(p.scratch_bytes) <= 4 * floats * 1.01 + 4.0 * rows * 8);
 }
 
-TEST_CASE("PaTH backward plan: the query kernel, tiled unless forced to SIMT",
+TEST_CASE("PaTH backward plan: the query kernel, SIMT unless the tiled one is asked for",
           "[plan][path][backward]") {
   const path_shape s = shape(2, 1100, 4, 2, 64, 64);
   const path_backward_plan a = plan_path_backward(s, true, h200());
-  CHECK(a.query_kernel == path_backward_kernel::tiled);
+  CHECK(a.query_kernel == path_backward_kernel::simt);
+  CHECK(plan_path_backward(s, true, h200(), path_backward_kernel::simt).query_kernel ==
+        path_backward_kernel::simt);
   // Every shape, odd head dims included.
-  CHECK(plan_path_backward(shape(1, 100, 2, 2, 40, 24), false, h200()).query_kernel ==
-        path_backward_kernel::tiled);
-  CHECK(plan_path_backward(shape(1, 100, 1, 1, 17, 9), false, h200()).query_kernel ==
-        path_backward_kernel::tiled);
-  CHECK(plan_path_backward(s, true, h200(), path_backward_kernel::tiled).query_kernel ==
-        path_backward_kernel::tiled);
-  const path_backward_plan f = plan_path_backward(s, true, h200(), path_backward_kernel::simt);
-  CHECK(f.query_kernel == path_backward_kernel::simt);
+  CHECK(plan_path_backward(shape(1, 100, 2, 2, 40, 24), false, h200(), path_backward_kernel::tiled)
+            .query_kernel == path_backward_kernel::tiled);
+  CHECK(plan_path_backward(shape(1, 100, 1, 1, 17, 9), false, h200(), path_backward_kernel::tiled)
+            .query_kernel == path_backward_kernel::tiled);
+  const path_backward_plan f = plan_path_backward(s, true, h200(), path_backward_kernel::tiled);
+  CHECK(f.query_kernel == path_backward_kernel::tiled);
   // Forcing a kernel changes nothing else: the same grids, shared memory and scratch.
   CHECK(f.slices == a.slices);
   CHECK(f.query_smem == a.query_smem);

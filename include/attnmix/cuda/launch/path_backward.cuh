@@ -2,8 +2,8 @@
 // Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_simt.cuh): the scratch
 // that plan/path_backward.hpp lays out, the forward's float chunk preparation, then the query
 // kernel, the chunk kernel and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
-// The query and chunk kernels are the tiled ones (kernels/path_backward_tiled.cuh) unless the
-// plan says SIMT (path_backward_kernel_override() == simt).
+// The query and chunk kernels are the SIMT ones unless the plan says tiled
+// (kernels/path_backward_tiled.cuh; path_backward_kernel_override() == tiled).
 
 #include <cuda_runtime.h>
 

@@ -22,8 +22,8 @@ namespace cuda {
 constexpr int path_backward_threads = 256;
 constexpr int path_backward_max_slices = 8;
 
-// Which query and chunk kernels run: the register-blocked ones (kernels/path_backward_tiled.cuh,
-// the default) or the plain SIMT ones (kernels/path_backward_simt.cuh), both float on CUDA cores
+// Which query and chunk kernels run: the register-blocked ones (kernels/path_backward_tiled.cuh)
+// or the plain SIMT ones (kernels/path_backward_simt.cuh, the default), both float on CUDA cores
 // with the same grids, shared memory and scratch. `automatic` lets the plan choose.
 enum class path_backward_kernel { automatic, simt, tiled };
 
@@ -62,7 +62,7 @@ struct path_backward_layout {
 struct path_backward_plan {
   int slices = 1;
   // Never automatic.
-  path_backward_kernel query_kernel = path_backward_kernel::tiled;
+  path_backward_kernel query_kernel = path_backward_kernel::simt;
   launch_grid query_grid;  // (slice, KV head, sequence)
   launch_grid chunk_grid;  // (chunk, KV head, sequence)
   launch_grid gate_grid;   // (query-head blocks of 128, sequence)
@@ -75,13 +75,14 @@ struct path_backward_plan {
 
 // Slices: (sequence, KV head) pairs are few when B * H is small; cut each into up to
 // path_backward_max_slices ranges of query chunks so that the CTAs cover the SMs twice.
-// The tiled query kernel takes every shape the SIMT one takes; `force` picks one.
+// The tiled query kernel takes every shape the SIMT one takes; `force` picks one. Until the
+// tiled kernels have passed the GPU tests, `automatic` takes the SIMT ones.
 inline path_backward_plan plan_path_backward(
     const path_shape& s, bool gated, const device_properties& d,
     path_backward_kernel force = path_backward_kernel::automatic) {
   path_backward_plan p;
-  p.query_kernel = force == path_backward_kernel::simt ? path_backward_kernel::simt
-                                                       : path_backward_kernel::tiled;
+  p.query_kernel = force == path_backward_kernel::tiled ? path_backward_kernel::tiled
+                                                        : path_backward_kernel::simt;
   path_shape fs = s;
   fs.sixteen_bit = false;  // the float chunk data of the portable forward
   p.forward = plan_path(fs, d);
