@@ -204,21 +204,7 @@ __global__ void __launch_bounds__(linear_bwd_threads)
         }
         store_act<Dev>(bp.dq, bp.dq_stride, batch, tb + t, hq, d, y);
       }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int idx = threadIdx.x + r * linear_bwd_threads;
-        if (idx < D * Dv) {
-          const int d = idx / Dv, cc = idx % Dv;
-          float s = acc[r];
-          for (int t = 0; t < rows; ++t) s += Rr[t * D + d] * G[t * Dv + cc];
-          acc[r] = s;
-        } else if (idx < SS) {
-          const int d = idx - D * Dv;
-          float s = acc[r];
-          for (int t = 0; t < rows; ++t) s += Rr[t * D + d] * DEL[t];
-          acc[r] = s;
-        }
-      }
+      add_state_products(acc, Rr, G, DEL, rows, D, Dv);
     }
   }
   float* out = dstate + slot * SS;

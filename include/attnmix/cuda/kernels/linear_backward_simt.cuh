@@ -136,6 +136,33 @@ __global__ void __launch_bounds__(linear_bwd_threads)
 // The sums S = sum_t w_t phi(k_t) v_t^T, z = sum_t w_t phi(k_t) over tokens [t0, t1) of
 // sequence n, KV head h (w: the gate weight, 1 without `stats`; 0 at pads), written to
 // out[0, D * Dv + D) (S row-major, then z). smem: linear_bwd_reduce_floats.
+// The state element idx = threadIdx.x + r * linear_bwd_threads of [D x Dv | D] that acc[r]
+// holds, plus the rows' products in row order: A[t, d] * B[t, c] for the S part, A[t, d] * z[t]
+// (z == nullptr: A[t, d]) for the z part.
+template <int R>
+__device__ __forceinline__ void add_state_products(float (&acc)[R], const float* A, const float* B,
+                                                   const float* z, int rows, int D, int Dv) {
+  const int SS = D * Dv + D;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + r * linear_bwd_threads;
+    if (idx < D * Dv) {
+      const int d = idx / Dv, c = idx % Dv;
+      float s = acc[r];
+      for (int t = 0; t < rows; ++t) s += A[t * D + d] * B[t * Dv + c];
+      acc[r] = s;
+    } else if (idx < SS) {
+      const int d = idx - D * Dv;
+      float s = acc[r];
+      if (z != nullptr)
+        for (int t = 0; t < rows; ++t) s += A[t * D + d] * z[t];
+      else
+        for (int t = 0; t < rows; ++t) s += A[t * D + d];
+      acc[r] = s;
+    }
+  }
+}
+
 template <class Dev, class Policy>
 __device__ void state_sums(const linear_backward_params& bp, int n, index_t batch, index_t start,
                            int h, index_t t0, index_t t1, const float* stats, float* smem,
@@ -177,21 +204,7 @@ __device__ void state_sums(const linear_backward_params& bp, int n, index_t batc
       V[e] = W[t] != 0.f ? load_act<Dev>(f.v, f.v_stride, batch, start + base + t, h, c) : 0.f;
     }
     __syncthreads();
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int idx = threadIdx.x + r * linear_bwd_threads;
-      if (idx < D * Dv) {
-        const int d = idx / Dv, c = idx % Dv;
-        float s = acc[r];
-        for (int t = 0; t < rows; ++t) s += P[t * D + d] * V[t * Dv + c];
-        acc[r] = s;
-      } else if (idx < SS) {
-        const int d = idx - D * Dv;
-        float s = acc[r];
-        for (int t = 0; t < rows; ++t) s += P[t * D + d];
-        acc[r] = s;
-      }
-    }
+    add_state_products(acc, P, V, nullptr, rows, D, Dv);
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -437,21 +450,7 @@ __global__ void __launch_bounds__(linear_bwd_threads)
         }
         store_act<Dev>(bp.dq, bp.dq_stride, batch, start + base + t, hq, d, y);
       }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int idx = threadIdx.x + r * linear_bwd_threads;
-        if (idx < D * Dv) {
-          const int d = idx / Dv, c = idx % Dv;
-          float s = acc[r];
-          for (int t = 0; t < rows; ++t) s += Rr[t * D + d] * G[t * Dv + c];
-          acc[r] = s;
-        } else if (idx < SS) {
-          const int d = idx - D * Dv;
-          float s = acc[r];
-          for (int t = 0; t < rows; ++t) s += Rr[t * D + d] * DEL[t];
-          acc[r] = s;
-        }
-      }
+      add_state_products(acc, Rr, G, DEL, rows, D, Dv);
     }
     if (with_dgamma && threadIdx.x < Dv)
       dgamma_part[((index_t(n) * parts + part) * f.q_heads + hq) * Dv + threadIdx.x] = dg_acc;
