@@ -63,7 +63,7 @@ void BM_checks_path_fox(benchmark::State& state) {
   for (auto _ : state) {
     auto p =
         attnmix::detail::validate_attention<attnmix::kind::path_fox, float, attnmix::backend::cpu>(
-            fn, a, {});
+            fn, a, {}, true);
     benchmark::DoNotOptimize(p);
   }
 }

@@ -77,7 +77,7 @@ TEST_CASE("missing and unexpected tensors", "[errors][cpu]") {
 }
 
 TEST_CASE("wrong shapes name both sizes", "[errors][cpu]") {
-  expect_rejected("k", "has shape [2, 33, 2, 15] but must be [B, T, H, D] = [2, 33, 2, 16]",
+  expect_rejected("k", "has shape [2, 33, 2, 15] but must be [B, Tk, H, D] = [2, 33, 2, 16]",
                   [](fixture& f, auto& a, auto&) {
                     a.k = view4<const float>(f.spare.data(), {B, T, H, D - 1});
                   });
@@ -85,7 +85,7 @@ TEST_CASE("wrong shapes name both sizes", "[errors][cpu]") {
                   [](fixture& f, auto& a, auto&) {
                     a.k = view4<const float>(f.spare.data(), {B, T, 3, D});
                   });
-  expect_rejected("v", "[2, 32, 2, 8] but must be [B, T, H, Dv] = [2, 33, 2, 8]",
+  expect_rejected("v", "[2, 32, 2, 8] but must be [B, Tk, H, Dv] = [2, 33, 2, 8]",
                   [](fixture& f, auto& a, auto&) {
                     a.v = view4<const float>(f.spare.data(), {B, T - 1, H, Dv});
                   });
@@ -93,7 +93,7 @@ TEST_CASE("wrong shapes name both sizes", "[errors][cpu]") {
                   [](fixture& f, auto& a, auto&) {
                     a.out = view4<float>(f.spare.data(), {B, T, HQ, Dv + 1});
                   });
-  expect_rejected("g", "[2, 33, 2] but must be [B, T, HQ] = [2, 33, 4]",
+  expect_rejected("g", "[2, 33, 2] but must be [B, Tk, HQ] = [2, 33, 4]",
                   [](fixture& f, auto& a, auto&) {
                     a.g = view3<const float>(f.spare.data(), {B, T, H});
                   });

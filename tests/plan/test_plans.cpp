@@ -125,7 +125,7 @@ TEST_CASE("softmax plans: wgmma on Hopper, mma.sync elsewhere, CUDA cores otherw
 }
 
 TEST_CASE("softmax scratch: offsets, gate cumsum, part sums, work counter", "[plan]") {
-  attnmix::attention_problem p{2, 1000, 8, 2, 64, 64, 0.125, -1, nullptr, 2};
+  attnmix::attention_problem p{2, 1000, 8, 2, 64, 64, 0.125, -1, nullptr, 2, 1000, nullptr};
   const attention_scratch_layout plain(p, false, 1000);
   CHECK(plain.gate == 0);
   CHECK(plain.part_sums == 0);

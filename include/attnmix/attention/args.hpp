@@ -12,13 +12,17 @@ namespace attnmix {
 
 // Tensors. Inputs of type T; gates, Householder parameters and statistics in accum_t<T>
 // (float, or double when T is double). Absent optional views are left default-constructed.
+// Softmax and FoX (on backends with takes_key_lengths) take keys of other lengths than the
+// queries: k and v of Tk tokens, or packed with their own offsets (attention_params), the last
+// query of a sequence aligned with its last key ("bottom-right"): decoding and chunked prefill
+// against a cache. The shapes below are those of equal lengths, T = Tk.
 template <class T>
 struct attention_args {
   view4<const T> q{};  // [B, T, HQ, D]
-  view4<const T> k{};  // [B, T, H, D]    HQ % H == 0; query head hq reads KV head hq / (HQ/H)
-  view4<const T> v{};  // [B, T, H, Dv]
+  view4<const T> k{};  // [B, Tk, H, D]   HQ % H == 0; query head hq reads KV head hq / (HQ/H)
+  view4<const T> v{};  // [B, Tk, H, Dv]
   view4<T> out{};      // [B, T, HQ, Dv]
-  view3<const accum_t<T>> g{};     // fox, path_fox: log forget gate (<= 0) [B, T, HQ]
+  view3<const accum_t<T>> g{};     // fox, path_fox: log forget gate (<= 0) of each key [B, Tk, HQ]
   view4<const accum_t<T>> w{};     // path, path_fox: Householder directions [B, T, H, D]
   view3<const accum_t<T>> beta{};  // path, path_fox: Householder strengths in [0, 2] [B, T, H]
   view3<accum_t<T>> lse{};  // optional output: natural-log log-sum-exp of each row [B, T, HQ]
@@ -53,6 +57,9 @@ struct attention_params {
   index_t window = 0;  // > 0: causal query i sees keys i-window < j <= i (|i-j| < window if
                        // bidirectional); 0: no window
   view1<const std::int32_t> cu_seqlens;  // packed batch: B == 1, [N+1] sequence offsets
+  // Packed keys of other lengths than the queries: [N+1] offsets into k and v (with cu_seqlens
+  // for the queries). Absent: the keys' offsets are cu_seqlens.
+  view1<const std::int32_t> cu_seqlens_k;
 };
 
 // One sequence of a (dense or packed) batch: tokens [start, start + length) of batch row `batch`.
@@ -66,16 +73,26 @@ inline sequence sequence_at(const std::int32_t* cu_seqlens, index_t tokens, inde
   return {0, cu_seqlens[n], index_t{cu_seqlens[n + 1]} - cu_seqlens[n]};
 }
 
-// Sizes resolved and checked by the front door, handed to every backend.
+// Sizes resolved and checked by the front door, handed to every backend. Query i of a
+// sequence sits at key position i + key_offset(n): with keys of the queries' lengths (the only
+// problems a backend without takes_key_lengths gets) key_tokens == tokens, cu_seqlens_k ==
+// cu_seqlens and the offset is 0.
 struct attention_problem {
   index_t batch, tokens, q_heads, kv_heads, head_dim, value_dim;
   double scale;
   index_t window;
   const std::int32_t* cu_seqlens;  // host copy of the offsets, or nullptr for a dense batch
   index_t num_sequences;
+  index_t key_tokens;                // Tk
+  const std::int32_t* cu_seqlens_k;  // the keys' offsets (== cu_seqlens when they match)
 
   index_t group() const { return q_heads / kv_heads; }
   sequence seq(index_t n) const { return sequence_at(cu_seqlens, tokens, n); }
+  sequence key_seq(index_t n) const { return sequence_at(cu_seqlens_k, key_tokens, n); }
+  index_t key_offset(index_t n) const { return key_seq(n).length - seq(n).length; }
+  bool keys_match_queries() const {
+    return key_tokens == tokens && cu_seqlens_k == cu_seqlens;
+  }
 };
 
 }  // namespace attnmix

@@ -3,6 +3,7 @@
 // path_fox). It validates every argument, then dispatches to detail::attention_impl of the
 // chosen backend. Include the backend headers (attnmix/attnmix.hpp, attnmix/cuda.cuh) to use it.
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -29,9 +30,10 @@ void check_tensor(const std::string& fn, const char* arg, const tensor_view<T, R
   check_space(fn, arg, v, space, backend);
 }
 
-// Sizes every front door reads off q [B,T,HQ,D], k [B,T,H,D], v [B,T,H,Dv], out [B,T,HQ,Dv].
+// Sizes every front door reads off q [B,T,HQ,D], k [B,Tk,H,D], v [B,Tk,H,Dv],
+// out [B,T,HQ,Dv]. Tk == T unless the call takes keys of other lengths (resolve_qkv).
 struct qkv_sizes {
-  index_t B, T, HQ, H, D, Dv;
+  index_t B, T, HQ, H, D, Dv, Tk;
 };
 
 // q, k, v and out: required. Entries 0..3 of every list the front doors build.
@@ -48,19 +50,20 @@ arg_list qkv_out_args(const view4<const T>& q, const view4<const T>& k, const vi
 }
 
 // The sizes of q, k, v (whose placement is checked), their consistency (HQ % H == 0), and the
-// expected shapes of k, v and out.
-inline qkv_sizes resolve_qkv(const std::string& fn, arg_list& args) {
+// expected shapes of k, v and out. With `key_lengths`, k and v may have another T (Tk) than q.
+inline qkv_sizes resolve_qkv(const std::string& fn, arg_list& args, bool key_lengths = false) {
   const tensor_arg &q = args[0], &k = args[1], &v = args[2];
-  const qkv_sizes s{q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]};
+  const qkv_sizes s{q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                    q.shape[3], v.shape[3], key_lengths ? k.shape[1] : q.shape[1]};
   require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
           shape_of(q));
   require(s.H >= 1, fn, "k", "must have at least one head but has shape ", shape_of(k));
   require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H,
           " heads, which does not divide the HQ = ", s.HQ, " heads of 'q'");
-  args[1].expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
+  args[1].expect(key_lengths ? "[B, Tk, H, D]" : "[B, T, H, D]", s.B, s.Tk, s.H, s.D);
   check_shapes(fn, {args[1]});
   require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_of(v));
-  args[2].expect("[B, T, H, Dv]", s.B, s.T, s.H, s.Dv);
+  args[2].expect(key_lengths ? "[B, Tk, H, Dv]" : "[B, T, H, Dv]", s.B, s.Tk, s.H, s.Dv);
   args[3].expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
   return s;
 }
@@ -120,15 +123,53 @@ arg_list attention_arg_list(const attention_args<T>& a, const attention_params& 
                        householder ? "(the Householder strengths) is required by this kind"
                                    : "this kind has no Householder transforms"));
   args.push_back(host_input("cu_seqlens", p.cu_seqlens, "offset validation"));
+  args.push_back(host_input("cu_seqlens_k", p.cu_seqlens_k, "offset validation"));
   args.push_back(output("lse", a.lse));
   return args;
+}
+
+// The keys' offsets of a packed batch (cu_seqlens_k, or cu_seqlens when absent) and the lengths
+// of keys and queries: every sequence needs a key for each of its rows to see. Causal rows (and
+// windowed ones) are aligned with the last keys, so they need at least as many keys as queries;
+// bidirectional rows need one. Returns cu_seqlens itself when the two hold the same offsets.
+inline const std::int32_t* resolve_key_offsets(const std::string& fn, const attention_params& p,
+                                               const qkv_sizes& s, const packed_batch& packed,
+                                               bool causal) {
+  const std::int32_t* cu_k = packed.cu_seqlens;
+  if (p.cu_seqlens_k.has_value()) {
+    require(p.cu_seqlens.has_value(), fn, "cu_seqlens_k",
+            "needs cu_seqlens (the queries' offsets) beside it");
+    require(p.cu_seqlens_k.extent(0) == p.cu_seqlens.extent(0), fn, "cu_seqlens_k", "holds ",
+            p.cu_seqlens_k.extent(0), " offsets but cu_seqlens holds ", p.cu_seqlens.extent(0),
+            ": one sequence of keys for each sequence of queries");
+    check_offsets(fn, "cu_seqlens_k", p.cu_seqlens_k, s.Tk);
+    cu_k = p.cu_seqlens_k.data();
+    if (std::equal(cu_k, cu_k + p.cu_seqlens_k.extent(0), packed.cu_seqlens))
+      cu_k = packed.cu_seqlens;
+  } else if (packed.cu_seqlens != nullptr) {
+    require(s.Tk == s.T, fn, "k", "has Tk = ", s.Tk, " tokens but q has T = ", s.T,
+            ": a packed batch with keys of other lengths needs cu_seqlens_k");
+  }
+  const bool need_all = causal || p.window > 0;
+  for (index_t n = 0; n < packed.sequences; ++n) {
+    const sequence q = sequence_at(packed.cu_seqlens, s.T, n), k = sequence_at(cu_k, s.Tk, n);
+    if (q.length == 0) continue;
+    if (need_all)
+      require(k.length >= q.length, fn, "k", "has ", k.length, " keys for the ", q.length,
+              " queries of sequence ", n, ": ", causal ? "causal" : "windowed",
+              " queries are aligned with the last keys and need at least as many");
+    else
+      require(k.length >= 1, fn, "k", "has no keys for the ", q.length, " queries of sequence ",
+              n);
+  }
+  return cu_k;
 }
 
 // The runtime values of a softmax-family call (scale, window, packed-batch offsets) checked
 // against the resolved sizes, and the problem every backend gets.
 template <class Kind, class T>
 attention_problem resolve_attention_problem(const std::string& fn, const qkv_sizes& s,
-                                            const attention_params& p) {
+                                            const attention_params& p, bool causal) {
   const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(s.D));
   check_finite_in<accum_t<T>>(fn, "scale", scale);
   require(p.window >= 0, fn, "window", "must be >= 0 (0: no window) but is ", p.window);
@@ -147,29 +188,42 @@ attention_problem resolve_attention_problem(const std::string& fn, const qkv_siz
   prob.scale = scale;
   // A window of T or more sees every key of every sequence: no window. This also keeps the
   // kernels' index arithmetic (i + window) far from overflow.
-  prob.window = p.window >= s.T ? 0 : p.window;
+  prob.window = p.window >= std::max(s.T, s.Tk) ? 0 : p.window;
   prob.cu_seqlens = packed.cu_seqlens;
   prob.num_sequences = packed.sequences;
+  prob.key_tokens = s.Tk;
+  prob.cu_seqlens_k = resolve_key_offsets(fn, p, s, packed, causal);
   return prob;
 }
 
 // Checks everything attention() needs and returns the resolved sizes. Throws attnmix::error.
 template <class Kind, class T, class Backend>
 attention_problem validate_attention(const std::string& fn, const attention_args<T>& a,
-                                     const attention_params& p) {
+                                     const attention_params& p, bool causal) {
   using space = typename Backend::memory_space;
   arg_list args = attention_arg_list<Kind>(a, p);
   check_presence(fn, args);
   check_placement(fn, args, space::value, Backend::name);
-  const qkv_sizes s = resolve_qkv(fn, args);
-  find_arg(args, "g")->expect("[B, T, HQ]", s.B, s.T, s.HQ);
+  // PaTH's keys are its queries' tokens: only softmax and FoX read keys of other lengths.
+  constexpr bool key_lengths = !kind_traits<Kind>::uses_householder;
+  const qkv_sizes s = resolve_qkv(fn, args, key_lengths);
+  find_arg(args, "g")->expect(key_lengths ? "[B, Tk, HQ]" : "[B, T, HQ]", s.B, s.Tk, s.HQ);
   find_arg(args, "w")->expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
   find_arg(args, "beta")->expect("[B, T, H]", s.B, s.T, s.H);
   find_arg(args, "lse")->expect("[B, T, HQ]", s.B, s.T, s.HQ);
   check_shapes(fn, args);
   check_outputs(fn, args);
 
-  const attention_problem prob = resolve_attention_problem<Kind, T>(fn, s, p);
+  const attention_problem prob = resolve_attention_problem<Kind, T>(fn, s, p, causal);
+  if (!prob.keys_match_queries()) {
+    const char* arg = p.cu_seqlens_k.has_value() ? "cu_seqlens_k" : "k";
+    if constexpr (kind_traits<Kind>::uses_householder)
+      fail(fn, arg, "gives keys of other lengths than the queries, which PaTH does not take (its "
+           "queries carry the products of their own tokens; decode with path_cache)");
+    require(takes_key_lengths<Kind, Backend>::value, fn, arg,
+            "gives keys of other lengths than the queries (Tk = ", s.Tk, ", T = ", s.T, "), which ",
+            Kind::name, " does not take on ", Backend::name);
+  }
   pointer_check<space>::run(fn, args);
   return prob;
 }
@@ -200,7 +254,8 @@ void attention(const attention_args<T>& args, const attention_params& params = {
                const Backend& backend = Backend{}) {
   detail::check_attention_types<Kind, Policy, T, Backend>();
   const std::string fn = std::string("attnmix::attention<") + Kind::name + ">";
-  const attention_problem prob = detail::validate_attention<Kind, T, Backend>(fn, args, params);
+  const attention_problem prob = detail::validate_attention<Kind, T, Backend>(
+      fn, args, params, Policy::mask == mask_type::causal);
   detail::attention_impl<Kind, Backend, Policy>::run(args, prob, backend);
 }
 

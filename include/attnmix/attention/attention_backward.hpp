@@ -44,6 +44,7 @@ arg_list attention_backward_arg_list(const attention_grad_args<T>& a, const atte
       input("beta", a.beta, needs(householder),
             householder ? "(the Householder strengths) is required by this kind" : no_hh));
   args.push_back(host_input("cu_seqlens", p.cu_seqlens, "offset validation"));
+  args.push_back(host_input("cu_seqlens_k", p.cu_seqlens_k, "offset validation"));
   args.push_back(input("lse", a.lse, arg_presence::required,
                        "(the forward's log-sum-exp: pass args.lse to attention()) is required"));
   args.push_back(input("dout", a.dout, arg_presence::required));
@@ -63,7 +64,7 @@ arg_list attention_backward_arg_list(const attention_grad_args<T>& a, const atte
 template <class Kind, class T, class Backend>
 attention_problem validate_attention_backward(const std::string& fn,
                                               const attention_grad_args<T>& a,
-                                              const attention_params& p) {
+                                              const attention_params& p, bool causal) {
   using space = typename Backend::memory_space;
   arg_list args = attention_backward_arg_list<Kind>(a, p);
   check_presence(fn, args);
@@ -82,7 +83,14 @@ attention_problem validate_attention_backward(const std::string& fn,
   find_arg(args, "dbeta")->expect("[B, T, H]", s.B, s.T, s.H);
   check_shapes(fn, args);
   check_outputs(fn, args);
-  const attention_problem prob = resolve_attention_problem<Kind, T>(fn, s, p);
+  if (p.cu_seqlens_k.has_value()) {
+    bool same = p.cu_seqlens.has_value() && p.cu_seqlens_k.extent(0) == p.cu_seqlens.extent(0);
+    for (index_t n = 0; same && n < p.cu_seqlens.extent(0); ++n)
+      same = p.cu_seqlens_k(n) == p.cu_seqlens(n);
+    require(same, fn, "cu_seqlens_k",
+            "gives keys of other lengths than the queries, which the backward does not take");
+  }
+  const attention_problem prob = resolve_attention_problem<Kind, T>(fn, s, p, causal);
   pointer_check<space>::run(fn, args);
   return prob;
 }
@@ -100,7 +108,8 @@ void attention_backward(const attention_grad_args<T>& args, const attention_para
   detail::check_attention_types<Kind, Policy, T, Backend>();
   const std::string fn = std::string("attnmix::attention_backward<") + Kind::name + ">";
   const attention_problem prob =
-      detail::validate_attention_backward<Kind, T, Backend>(fn, args, params);
+      detail::validate_attention_backward<Kind, T, Backend>(fn, args, params,
+                                                            Policy::mask == mask_type::causal);
   detail::attention_backward_impl<Kind, Backend, Policy>::run(args, prob, backend);
 }
 

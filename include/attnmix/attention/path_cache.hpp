@@ -327,7 +327,7 @@ std::pair<attention_problem, std::vector<index_t>> check_path_prefill(
     const std::string& fn, const Cache& cache, const attention_args<T>& args,
     const view1<const std::int32_t>& slots, const attention_params& params) {
   check_path_kind<Kind>();
-  const attention_problem prob = validate_attention<Kind, T, Backend>(fn, args, params);
+  const attention_problem prob = validate_attention<Kind, T, Backend>(fn, args, params, true);
   check_cache_layout(fn, cache, prob);
   std::vector<index_t> where = resolve_slots(fn, slots, prob.num_sequences, cache);
   for (index_t n = 0; n < prob.num_sequences; ++n)
@@ -345,7 +345,7 @@ std::pair<attention_problem, std::vector<index_t>> check_path_decode(
   check_path_kind<Kind>();
   check_not_given(fn, "cu_seqlens", params.cu_seqlens,
                   "a decoding step takes one token per batch row");
-  const attention_problem prob = validate_attention<Kind, T, Backend>(fn, args, params);
+  const attention_problem prob = validate_attention<Kind, T, Backend>(fn, args, params, true);
   require(prob.tokens == 1, fn, "q",
           "must hold one new token per sequence ([N, 1, HQ, D]) but has shape ", shape_of(args.q));
   check_cache_layout(fn, cache, prob);
@@ -412,8 +412,9 @@ void path_prefill_key_cache(const path_key_cache_args<T>& a, const attention_par
   prob.head_dim = prob.value_dim = D;
   prob.scale = 1.0;
   prob.window = 0;
-  prob.cu_seqlens = packed.cu_seqlens;
+  prob.cu_seqlens = prob.cu_seqlens_k = packed.cu_seqlens;
   prob.num_sequences = packed.sequences;
+  prob.key_tokens = T_;
   d::path_cache_impl<Backend>::template key_cache<Policy>(a, prob, backend);
 }
 

@@ -14,6 +14,12 @@ struct is_implemented : std::false_type {};
 template <class Kind, class Backend>
 inline constexpr bool is_implemented_v = is_implemented<Kind, Backend>::value;
 
+// true where the forward of (Kind, Backend) takes keys of other lengths than the queries
+// (attention_params::cu_seqlens_k, or k with another T than q): a block of queries against a
+// longer key sequence. The front door rejects such a call elsewhere.
+template <class Kind, class Backend>
+struct takes_key_lengths : std::false_type {};
+
 // true once the backward of (Kind, Backend) is implemented (the same headers specialise it).
 template <class Kind, class Backend>
 struct is_backward_implemented : std::false_type {};

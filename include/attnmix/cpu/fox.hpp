@@ -17,11 +17,14 @@ template <>
 struct is_implemented<kind::fox, backend::cpu> : std::true_type {};
 template <>
 struct is_backward_implemented<kind::fox, backend::cpu> : std::true_type {};
+template <>
+struct takes_key_lengths<kind::fox, backend::cpu> : std::true_type {};
 
 namespace detail {
 namespace cpu {
 
-// G laid out like g ([B, T, HQ], contiguous), restarting at every sequence; summed in double.
+// G laid out like g ([B, Tk, HQ], contiguous: one value per key token), restarting at every
+// sequence; summed in double.
 // A log gate of -inf is a hard reset: keys before it get weight 0 for every later query. The sum
 // restarts at 0 there (so that G_i - G_j stays finite within the segment), and reset[t] holds
 // the sequence-local position of the last reset at or before t (0 when none); a query at t sees
@@ -37,15 +40,15 @@ struct gate_prefix {
 template <class T>
 gate_prefix gate_cumsum(const view3<const T>& g, const attention_problem& p) {
   gate_prefix out;
-  const auto size = static_cast<std::size_t>(p.batch * p.tokens * p.q_heads);
+  const auto size = static_cast<std::size_t>(p.batch * p.key_tokens * p.q_heads);
   out.G.resize(size);
   for (index_t n = 0; n < p.num_sequences; ++n) {
-    const sequence s = p.seq(n);
+    const sequence s = p.key_seq(n);
     for (index_t hq = 0; hq < p.q_heads; ++hq) {
       double sum = 0;
       index_t last = 0;
       for (index_t t = s.start; t < s.start + s.length; ++t) {
-        const auto at = static_cast<std::size_t>((s.batch * p.tokens + t) * p.q_heads + hq);
+        const auto at = static_cast<std::size_t>((s.batch * p.key_tokens + t) * p.q_heads + hq);
         const double x = static_cast<double>(g(s.batch, t, hq));
         if (x == -std::numeric_limits<double>::infinity()) {
           if (out.reset.empty()) out.reset.assign(size, 0);

@@ -15,6 +15,8 @@ template <>
 struct is_implemented<kind::softmax, backend::cpu> : std::true_type {};
 template <>
 struct is_backward_implemented<kind::softmax, backend::cpu> : std::true_type {};
+template <>
+struct takes_key_lengths<kind::softmax, backend::cpu> : std::true_type {};
 
 namespace detail {
 

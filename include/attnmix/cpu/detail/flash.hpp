@@ -41,7 +41,9 @@ void cut_at_resets(M& s, const gate_bias& gate, index_t i0, index_t j0) {
   }
 }
 
-// One (sequence, query head). Pointers address token 0 of the sequence in that head.
+// One (sequence, query head). Pointers address token 0 of the sequence in that head (of its
+// keys for k and v). Query row i sits at key position i + key_offset (bottom-right aligned:
+// 0 when keys and queries have the same length); the gate is indexed by key position.
 template <class T>
 struct flash_head {
   const T* q;
@@ -54,7 +56,7 @@ struct flash_head {
   index_t out_stride;
   T* lse;  // nullptr when not requested
   index_t lse_stride;
-  index_t length, head_dim, value_dim;
+  index_t length, key_length, key_offset, head_dim, value_dim;
   T scale;
   index_t window;  // 0: none
   bool causal;
@@ -73,12 +75,13 @@ template <class T>
 void flash_tile(const flash_head<T>& h, index_t i0, index_t i1, index_t block_k,
                 flash_scratch<T>& ws) {
   constexpr T ninf = -std::numeric_limits<T>::infinity();
-  const index_t rows = i1 - i0, W = h.window, L = h.length;
-  const index_t j_lo = W > 0 ? std::max<index_t>(0, i0 - W + 1) : 0;
-  const index_t j_hi = h.causal ? i1 : (W > 0 ? std::min(L, i1 + W - 1) : L);
+  const index_t rows = i1 - i0, W = h.window, L = h.key_length;
+  const index_t p0 = i0 + h.key_offset, p1 = i1 + h.key_offset;  // key positions of the rows
+  const index_t j_lo = W > 0 ? std::max<index_t>(0, p0 - W + 1) : 0;
+  const index_t j_hi = h.causal ? p1 : (W > 0 ? std::min(L, p1 + W - 1) : L);
   const bool gated = h.gate.cumsum != nullptr;
-  // Gate values relative to G at i0, so that what is rounded to T is small near the diagonal.
-  const double g_ref = gated ? h.gate.cumsum[i0 * h.gate.stride] : 0.0;
+  // Gate values relative to G at p0, so that what is rounded to T is small near the diagonal.
+  const double g_ref = gated ? h.gate.cumsum[p0 * h.gate.stride] : 0.0;
 
   ws.q.noalias() = h.scale * rows_of(h.q + i0 * h.q_stride, rows, h.head_dim, h.q_stride);
   ws.m.setConstant(rows, ninf);
@@ -87,7 +90,7 @@ void flash_tile(const flash_head<T>& h, index_t i0, index_t i1, index_t block_k,
   if (gated) {
     ws.gi.resize(rows);
     for (index_t r = 0; r < rows; ++r)
-      ws.gi(r) = static_cast<T>(h.gate.coef * (h.gate.cumsum[(i0 + r) * h.gate.stride] - g_ref));
+      ws.gi(r) = static_cast<T>(h.gate.coef * (h.gate.cumsum[(p0 + r) * h.gate.stride] - g_ref));
   }
 
   for (index_t j0 = j_lo; j0 < j_hi; j0 += block_k) {
@@ -101,14 +104,14 @@ void flash_tile(const flash_head<T>& h, index_t i0, index_t i1, index_t block_k,
         ws.gj(c) = static_cast<T>(h.gate.coef * (h.gate.cumsum[(j0 + c) * h.gate.stride] - g_ref));
       S.colwise() += ws.gi;
       S.rowwise() -= ws.gj.transpose();
-      cut_at_resets(ws.s, h.gate, i0, j0);
+      cut_at_resets(ws.s, h.gate, p0, j0);
     }
     // Mask only the tiles that cross the diagonal or a window edge.
-    const bool cut_right = h.causal ? (j1 - 1 > i0) : (W > 0 && (j1 - 1) - i0 >= W);
-    const bool cut_left = W > 0 && (i1 - 1) - j0 >= W;
+    const bool cut_right = h.causal ? (j1 - 1 > p0) : (W > 0 && (j1 - 1) - p0 >= W);
+    const bool cut_left = W > 0 && (p1 - 1) - j0 >= W;
     if (cut_right || cut_left) {
       for (index_t r = 0; r < rows; ++r) {
-        const index_t i = i0 + r;
+        const index_t i = p0 + r;
         const index_t lo = W > 0 ? i - W + 1 : j0;
         const index_t hi = h.causal ? i : (W > 0 ? i + W - 1 : j1 - 1);
         const index_t c_lo = std::clamp<index_t>(lo - j0, 0, cols);
@@ -130,7 +133,7 @@ void flash_tile(const flash_head<T>& h, index_t i0, index_t i1, index_t block_k,
     ws.m = ws.m_new;
   }
 
-  // Every row sees at least its own key, so l > 0.
+  // Every row sees at least the key at its own position (bidirectional: some key), so l > 0.
   rows_of(h.out + i0 * h.out_stride, rows, h.value_dim, h.out_stride) =
       (ws.acc.array().colwise() / ws.l).matrix();
   if (h.lse != nullptr)
@@ -138,7 +141,7 @@ void flash_tile(const flash_head<T>& h, index_t i0, index_t i1, index_t block_k,
 }
 
 // Runs flash_tile over every query tile of every (sequence, query head). `cumsum` is the
-// gate cumsum laid out like g ([B, T, HQ], contiguous), or nullptr without a gate.
+// gate cumsum laid out like g ([B, Tk, HQ], contiguous), or nullptr without a gate.
 template <class Policy, class T>
 void flash_forward(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be,
                    const double* cumsum = nullptr, double coef = 0,
@@ -156,7 +159,7 @@ void flash_forward(const attention_args<T>& a, const attention_problem& p, const
     for (index_t hq = 0; hq < p.q_heads; ++hq)
       for (index_t i0 = 0; i0 < s.length; i0 += bq) {
         const index_t i1 = std::min(i0 + bq, s.length);
-        index_t keys = causal ? i1 : s.length;
+        index_t keys = causal ? i1 + p.key_offset(n) : p.key_seq(n).length;
         if (p.window > 0) keys = std::min(keys, p.window + (i1 - i0) + (causal ? 0 : p.window));
         tasks.push_back({n, hq, i0, keys});
       }
@@ -169,19 +172,21 @@ void flash_forward(const attention_args<T>& a, const attention_problem& p, const
   std::vector<flash_scratch<T>> scratch(static_cast<std::size_t>(workers));
   parallel_for(static_cast<index_t>(tasks.size()), workers, [&](index_t t, int worker) {
     const task& tk = tasks[static_cast<std::size_t>(t)];
-    const sequence s = p.seq(tk.seq);
+    const sequence s = p.seq(tk.seq), ks = p.key_seq(tk.seq);
     const index_t hkv = tk.head / p.group();
     flash_head<T> h{&a.q(s.batch, s.start, tk.head, 0),
                     a.q.stride(1),
-                    &a.k(s.batch, s.start, hkv, 0),
+                    &a.k(ks.batch, ks.start, hkv, 0),
                     a.k.stride(1),
-                    &a.v(s.batch, s.start, hkv, 0),
+                    &a.v(ks.batch, ks.start, hkv, 0),
                     a.v.stride(1),
                     &a.out(s.batch, s.start, tk.head, 0),
                     a.out.stride(1),
                     a.lse.has_value() ? &a.lse(s.batch, s.start, tk.head) : nullptr,
                     a.lse.has_value() ? a.lse.stride(1) : 0,
                     s.length,
+                    ks.length,
+                    ks.length - s.length,
                     p.head_dim,
                     p.value_dim,
                     static_cast<T>(p.scale),
@@ -189,7 +194,7 @@ void flash_forward(const attention_args<T>& a, const attention_problem& p, const
                     causal,
                     {}};
     if (cumsum != nullptr) {
-      const index_t at = (s.batch * p.tokens + s.start) * p.q_heads + tk.head;
+      const index_t at = (ks.batch * p.key_tokens + ks.start) * p.q_heads + tk.head;
       h.gate = {cumsum + at, p.q_heads, coef, reset != nullptr ? reset + at : nullptr};
     }
     flash_tile(h, tk.i0, std::min(tk.i0 + bq, s.length), bk,
