@@ -283,9 +283,9 @@ TEST_CASE("keys of other lengths: bad calls are rejected", "[errors][cpu][key_le
   expect_rejected<attnmix::kind::path_fox>("attnmix::attention<path_fox>", "k",
                                            "must be [B, T, H, D] = [1, 12, 2, 8]", 20,
                                            offsets({}, {}));
-  expect_rejected<attnmix::kind::path>("attnmix::attention<path>", "cu_seqlens_k",
-                                       "which PaTH does not take", 14,
-                                       offsets({0, 5, 12}, {0, 6, 14}));
+  expect_rejected<attnmix::kind::path>("attnmix::attention<path>", "k",
+                                       "has 6 keys for the 7 queries of sequence 1", 12,
+                                       offsets({0, 5, 12}, {0, 6, 12}));
 }
 
 TEST_CASE("the backward takes no keys of other lengths", "[errors][cpu][key_lengths]") {

@@ -215,15 +215,12 @@ attention_problem validate_attention(const std::string& fn, const attention_args
   check_outputs(fn, args);
 
   const attention_problem prob = resolve_attention_problem<Kind, T>(fn, s, p, causal);
-  if (!prob.keys_match_queries()) {
-    const char* arg = p.cu_seqlens_k.has_value() ? "cu_seqlens_k" : "k";
-    if constexpr (kind_traits<Kind>::uses_householder)
-      fail(fn, arg, "gives keys of other lengths than the queries, which PaTH does not take (its "
-           "queries carry the products of their own tokens; decode with path_cache)");
-    require(takes_key_lengths<Kind, Backend>::value, fn, arg,
-            "gives keys of other lengths than the queries (Tk = ", s.Tk, ", T = ", s.T, "), which ",
-            Kind::name, " does not take on ", Backend::name);
-  }
+  // (PaTH never gets here: its k has the queries' T, and other offsets of the same total give
+  // some sequence fewer keys than queries.)
+  require(prob.keys_match_queries() || takes_key_lengths<Kind, Backend>::value, fn,
+          p.cu_seqlens_k.has_value() ? "cu_seqlens_k" : "k",
+          "gives keys of other lengths than the queries (Tk = ", s.Tk, ", T = ", s.T, "), which ",
+          Kind::name, " does not take on ", Backend::name);
   pointer_check<space>::run(fn, args);
   return prob;
 }
