@@ -44,16 +44,16 @@ struct key_inputs {
 template <class T>
 host_tensor<T, 4> as(const host_tensor<double, 4>& x) {
   host_tensor<T, 4> y(x.shape());
-  for (std::size_t i = 0; i < x.storage().size(); ++i) y.storage()[i] = static_cast<T>(x.storage()[i]);
+  for (std::size_t i = 0; i < x.storage().size(); ++i)
+    y.storage()[i] = static_cast<T>(x.storage()[i]);
   return y;
 }
 
 key_inputs random_inputs(const key_case& c, std::uint64_t salt) {
   rng r(salt);
-  key_inputs in{host_tensor<double, 4>({c.B, c.T, c.HQ, c.D}),
-                host_tensor<double, 4>({c.B, c.Tk, c.H, c.D}),
-                host_tensor<double, 4>({c.B, c.Tk, c.H, c.Dv}),
-                host_tensor<double, 3>({c.B, c.Tk, c.HQ})};
+  key_inputs in{
+      host_tensor<double, 4>({c.B, c.T, c.HQ, c.D}), host_tensor<double, 4>({c.B, c.Tk, c.H, c.D}),
+      host_tensor<double, 4>({c.B, c.Tk, c.H, c.Dv}), host_tensor<double, 3>({c.B, c.Tk, c.HQ})};
   r.fill_normal(in.q);
   r.fill_normal(in.k);
   r.fill_normal(in.v);
@@ -76,7 +76,8 @@ std::pair<std::vector<T>, std::vector<attnmix::accum_t<T>>> run(const key_case& 
   using A = attnmix::accum_t<T>;
   const host_tensor<T, 4> q = as<T>(in.q), k = as<T>(in.k), v = as<T>(in.v);
   host_tensor<A, 3> g({c.B, c.Tk, c.HQ});
-  for (std::size_t i = 0; i < g.storage().size(); ++i) g.storage()[i] = static_cast<A>(in.g.storage()[i]);
+  for (std::size_t i = 0; i < g.storage().size(); ++i)
+    g.storage()[i] = static_cast<A>(in.g.storage()[i]);
   host_tensor<T, 4> out({c.B, c.T, c.HQ, c.Dv});
   host_tensor<A, 3> lse({c.B, c.T, c.HQ});
   poison(out);
@@ -107,15 +108,15 @@ attnmix_ref::attention_result oracle(const key_case& c, const key_inputs& in) {
 // Causal shapes: every sequence has at least as many keys as queries.
 std::vector<key_case> causal_cases() {
   return {
-      {2, 1, 100, 4, 2, 16, 16},             // a decoding step
-      {1, 1, 1, 1, 1, 8, 8},                 // the first token
-      {1, 17, 130, 4, 1, 32, 24},            // a chunk of a prefill, MQA, D != Dv
-      {2, 64, 64, 2, 2, 16, 16},             // equal lengths
-      {1, 70, 300, 2, 1, 16, 8, 32},         // window
-      {1, 5, 200, 3, 3, 8, 8, 1},            // window of one: the query's own key
+      {2, 1, 100, 4, 2, 16, 16},      // a decoding step
+      {1, 1, 1, 1, 1, 8, 8},          // the first token
+      {1, 17, 130, 4, 1, 32, 24},     // a chunk of a prefill, MQA, D != Dv
+      {2, 64, 64, 2, 2, 16, 16},      // equal lengths
+      {1, 70, 300, 2, 1, 16, 8, 32},  // window
+      {1, 5, 200, 3, 3, 8, 8, 1},     // window of one: the query's own key
       {1, 12, 320, 4, 2, 16, 16, 0, {0, 1, 1, 6, 12}, {0, 50, 60, 66, 320}},  // packed
       {1, 20, 100, 2, 1, 16, 16, 9, {0, 10, 20}, {0, 40, 100}},               // packed, window
-      {2, 33, 77, 2, 2, 8, 8, 0, {}, {}, 3},  // three threads
+      {2, 33, 77, 2, 2, 8, 8, 0, {}, {}, 3},                                  // three threads
   };
 }
 
@@ -216,6 +217,21 @@ TEST_CASE("key offsets equal to the queries' give the same bits as none", "[cpu]
 
 namespace {
 
+// `call` throws attnmix::error whose message starts with fn and names arg, with `detail` in it.
+template <class Call>
+void expect_error(const std::string& fn, const std::string& arg, const std::string& detail,
+                  Call&& call) {
+  try {
+    call();
+    FAIL("no attnmix::error for argument '" << arg << "'");
+  } catch (const attnmix::error& e) {
+    const std::string msg = e.what();
+    INFO(msg);
+    CHECK(msg.rfind(fn + ": argument '" + arg + "'", 0) == 0);
+    CHECK(msg.find(detail) != std::string::npos);
+  }
+}
+
 // A call with q [1, 12, 2, 8] and k, v, g of Tk tokens, whose params `modify` changes; it must
 // throw naming fn and arg, with `detail` in the message, and leave out and lse untouched.
 template <class Kind, class Policy = attnmix::default_policy_t<Kind>, class Modify>
@@ -233,15 +249,7 @@ void expect_rejected(const std::string& fn, const std::string& arg, const std::s
   attnmix::attention_params p;
   std::vector<std::int32_t> cu, cu_k;
   modify(a, p, cu, cu_k);
-  try {
-    attnmix::attention<Kind, Policy>(a, p);
-    FAIL("no attnmix::error for argument '" << arg << "'");
-  } catch (const attnmix::error& e) {
-    const std::string msg = e.what();
-    INFO(msg);
-    CHECK(msg.rfind(fn + ": argument '" + arg + "'", 0) == 0);
-    CHECK(msg.find(detail) != std::string::npos);
-  }
+  expect_error(fn, arg, detail, [&] { attnmix::attention<Kind, Policy>(a, p); });
   CHECK(bitwise_equal(out.storage(), std::vector<float>(out.storage().size(), 42.0f)));
   CHECK(bitwise_equal(lse.storage(), std::vector<float>(lse.storage().size(), 42.0f)));
 }
@@ -276,10 +284,9 @@ TEST_CASE("keys of other lengths: bad calls are rejected", "[errors][cpu][key_le
                        offsets({0, 5, 12}, {0, 10, 19}));
   expect_rejected<fox>(fx, "k", "has 4 keys for the 7 queries of sequence 1", 20,
                        offsets({0, 5, 12}, {0, 16, 20}));
-  expect_rejected<fox>(fx, "g", "[B, Tk, HQ]", 20,
-                       [](auto& a, auto&, auto&, auto&) {
-                         a.g = attnmix::view3<const float>(a.g.data(), {1, 12, 2});
-                       });
+  expect_rejected<fox>(fx, "g", "[B, Tk, HQ]", 20, [](auto& a, auto&, auto&, auto&) {
+    a.g = attnmix::view3<const float>(a.g.data(), {1, 12, 2});
+  });
   expect_rejected<attnmix::kind::path_fox>("attnmix::attention<path_fox>", "k",
                                            "must be [B, T, H, D] = [1, 12, 2, 8]", 20,
                                            offsets({}, {}));
@@ -301,15 +308,8 @@ TEST_CASE("the backward takes no keys of other lengths", "[errors][cpu][key_leng
   attnmix::attention_params p;
   p.cu_seqlens = {cu.data(), {3}};
   p.cu_seqlens_k = {cu_k.data(), {3}};
-  try {
-    attnmix::attention_backward<attnmix::kind::softmax>(a, p);
-    FAIL("no attnmix::error for other key offsets");
-  } catch (const attnmix::error& e) {
-    const std::string msg = e.what();
-    INFO(msg);
-    CHECK(msg.find("argument 'cu_seqlens_k'") != std::string::npos);
-    CHECK(msg.find("the backward does not take") != std::string::npos);
-  }
+  expect_error("attnmix::attention_backward<softmax>", "cu_seqlens_k", "the backward does not take",
+               [&] { attnmix::attention_backward<attnmix::kind::softmax>(a, p); });
   CHECK(bitwise_equal(dq.storage(), std::vector<float>(dq.storage().size(), 42.0f)));
   p.cu_seqlens_k = {cu.data(), {3}};  // the queries' own offsets: accepted
   CHECK_NOTHROW(attnmix::attention_backward<attnmix::kind::softmax>(a, p));

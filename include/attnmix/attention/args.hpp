@@ -90,9 +90,7 @@ struct attention_problem {
   sequence seq(index_t n) const { return sequence_at(cu_seqlens, tokens, n); }
   sequence key_seq(index_t n) const { return sequence_at(cu_seqlens_k, key_tokens, n); }
   index_t key_offset(index_t n) const { return key_seq(n).length - seq(n).length; }
-  bool keys_match_queries() const {
-    return key_tokens == tokens && cu_seqlens_k == cu_seqlens;
-  }
+  bool keys_match_queries() const { return key_tokens == tokens && cu_seqlens_k == cu_seqlens; }
 };
 
 }  // namespace attnmix

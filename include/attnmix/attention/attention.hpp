@@ -53,8 +53,13 @@ arg_list qkv_out_args(const view4<const T>& q, const view4<const T>& k, const vi
 // expected shapes of k, v and out. With `key_lengths`, k and v may have another T (Tk) than q.
 inline qkv_sizes resolve_qkv(const std::string& fn, arg_list& args, bool key_lengths = false) {
   const tensor_arg &q = args[0], &k = args[1], &v = args[2];
-  const qkv_sizes s{q.shape[0], q.shape[1], q.shape[2], k.shape[2],
-                    q.shape[3], v.shape[3], key_lengths ? k.shape[1] : q.shape[1]};
+  const qkv_sizes s{q.shape[0],
+                    q.shape[1],
+                    q.shape[2],
+                    k.shape[2],
+                    q.shape[3],
+                    v.shape[3],
+                    key_lengths ? k.shape[1] : q.shape[1]};
   require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
           shape_of(q));
   require(s.H >= 1, fn, "k", "must have at least one head but has shape ", shape_of(k));
@@ -159,8 +164,7 @@ inline const std::int32_t* resolve_key_offsets(const std::string& fn, const atte
               " queries of sequence ", n, ": ", causal ? "causal" : "windowed",
               " queries are aligned with the last keys and need at least as many");
     else
-      require(k.length >= 1, fn, "k", "has no keys for the ", q.length, " queries of sequence ",
-              n);
+      require(k.length >= 1, fn, "k", "has no keys for the ", q.length, " queries of sequence ", n);
   }
   return cu_k;
 }

@@ -107,9 +107,8 @@ void attention_backward(const attention_grad_args<T>& args, const attention_para
                         const Backend& backend = Backend{}) {
   detail::check_attention_types<Kind, Policy, T, Backend>();
   const std::string fn = std::string("attnmix::attention_backward<") + Kind::name + ">";
-  const attention_problem prob =
-      detail::validate_attention_backward<Kind, T, Backend>(fn, args, params,
-                                                            Policy::mask == mask_type::causal);
+  const attention_problem prob = detail::validate_attention_backward<Kind, T, Backend>(
+      fn, args, params, Policy::mask == mask_type::causal);
   detail::attention_backward_impl<Kind, Backend, Policy>::run(args, prob, backend);
 }
 
