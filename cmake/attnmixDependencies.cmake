@@ -32,7 +32,9 @@ if(ATTNMIX_HAS_CUDA AND (ATTNMIX_BUILD_TESTS OR ATTNMIX_BUILD_BENCHMARKS OR ATTN
   include(CheckLanguage)
   check_language(CUDA)  # caches NOTFOUND: delete CMakeCache.txt after installing nvcc
   if(CMAKE_CUDA_COMPILER)
-    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND ATTNMIX_CUDA_PTX_ONLY)
+      set(CMAKE_CUDA_ARCHITECTURES 90a-virtual)  # code=compute_90a: PTX, JIT-compiled on load
+    elseif(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
       set(CMAKE_CUDA_ARCHITECTURES 90a-real)  # exactly -gencode=arch=compute_90a,code=sm_90a
     endif()
     enable_language(CUDA)
@@ -42,4 +44,5 @@ if(ATTNMIX_HAS_CUDA AND (ATTNMIX_BUILD_TESTS OR ATTNMIX_BUILD_BENCHMARKS OR ATTN
       "CUDACXX, or pass -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc (and delete CMakeCache.txt).")
   endif()
 endif()
-message(STATUS "attnmix: CUDA backend ${ATTNMIX_HAS_CUDA}, CUDA tests ${ATTNMIX_HAS_CUDA_COMPILER}")
+message(STATUS "attnmix: CUDA backend ${ATTNMIX_HAS_CUDA}, CUDA tests ${ATTNMIX_HAS_CUDA_COMPILER}"
+               " (architectures: ${CMAKE_CUDA_ARCHITECTURES})")
