@@ -32,8 +32,13 @@ if(ATTNMIX_HAS_CUDA AND (ATTNMIX_BUILD_TESTS OR ATTNMIX_BUILD_BENCHMARKS OR ATTN
   include(CheckLanguage)
   check_language(CUDA)  # caches NOTFOUND: delete CMakeCache.txt after installing nvcc
   if(CMAKE_CUDA_COMPILER)
-    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND ATTNMIX_CUDA_PTX_ONLY)
-      set(CMAKE_CUDA_ARCHITECTURES 90a-virtual)  # code=compute_90a: PTX, JIT-compiled on load
+    if(ATTNMIX_CUDA_PTX_ONLY)
+      # Built to prove they compile, never run here: PTX (code=compute_90a, JIT-compiled on
+      # load), and their host code unoptimised.
+      if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+        set(CMAKE_CUDA_ARCHITECTURES 90a-virtual)
+      endif()
+      set(CMAKE_CUDA_FLAGS_RELEASE "-O0 -DNDEBUG")
     elseif(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
       set(CMAKE_CUDA_ARCHITECTURES 90a-real)  # exactly -gencode=arch=compute_90a,code=sm_90a
     endif()
