@@ -9,6 +9,7 @@
 
 #include "attnmix/attnmix.hpp"
 #include "support/catch.hpp"
+#include "support/errors.hpp"
 #include "support/testing.hpp"
 
 using namespace attnmix_test;
@@ -67,17 +68,8 @@ void expect_rejected(const std::string& arg, const std::string& detail, Modify m
   attnmix::attention_params p;
   modify(f, a, p);
   const auto before = f.d.snapshot();
-  try {
-    attnmix::attention_backward<Kind>(a, p);
-    FAIL("no attnmix::error for argument '" << arg << "'");
-  } catch (const attnmix::error& e) {
-    const std::string msg = e.what();
-    INFO(msg);
-    CHECK(msg.rfind(std::string("attnmix::attention_backward<") + Kind::name + ">: argument '" +
-                        arg + "'",
-                    0) == 0);
-    CHECK(msg.find(detail) != std::string::npos);
-  }
+  expect_error(std::string("attnmix::attention_backward<") + Kind::name + ">", arg, detail,
+               [&] { attnmix::attention_backward<Kind>(a, p); });
   const auto after = f.d.snapshot();
   for (std::size_t i = 0; i < before.size(); ++i) CHECK(bitwise_equal(after[i], before[i]));
 }
@@ -200,17 +192,8 @@ void expect_linear_rejected(const std::string& arg, const std::string& detail, M
   attnmix::linear_attention_params p;
   modify(f, a, p);
   const auto before = f.d.snapshot();
-  try {
-    attnmix::linear_attention_backward<Kind, Policy>(a, p);
-    FAIL("no attnmix::error for argument '" << arg << "'");
-  } catch (const attnmix::error& e) {
-    const std::string msg = e.what();
-    INFO(msg);
-    CHECK(msg.rfind(std::string("attnmix::linear_attention_backward<") + Kind::name +
-                        ">: argument '" + arg + "'",
-                    0) == 0);
-    CHECK(msg.find(detail) != std::string::npos);
-  }
+  expect_error(std::string("attnmix::linear_attention_backward<") + Kind::name + ">", arg, detail,
+               [&] { attnmix::linear_attention_backward<Kind, Policy>(a, p); });
   const auto after = f.d.snapshot();
   for (std::size_t i = 0; i < before.size(); ++i) CHECK(bitwise_equal(after[i], before[i]));
 }

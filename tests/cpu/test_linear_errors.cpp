@@ -9,6 +9,7 @@
 
 #include "attnmix/attnmix.hpp"
 #include "support/catch.hpp"
+#include "support/errors.hpp"
 #include "support/testing.hpp"
 
 using namespace attnmix_test;
@@ -64,17 +65,8 @@ void expect_rejected(const std::string& arg, const std::string& detail, Modify m
   modify(f, a, p);
   const auto out_before = f.out.storage(), S_before = f.S_out.storage();
   const auto z_before = f.z_out.storage(), lse_before = f.lse_out.storage();
-  try {
-    attnmix::linear_attention<Kind, Policy>(a, p);
-    FAIL("no attnmix::error for argument '" << arg << "'");
-  } catch (const attnmix::error& e) {
-    const std::string msg = e.what();
-    INFO(msg);
-    CHECK(msg.rfind(
-              std::string("attnmix::linear_attention<") + Kind::name + ">: argument '" + arg + "'",
-              0) == 0);
-    CHECK(msg.find(detail) != std::string::npos);
-  }
+  expect_error(std::string("attnmix::linear_attention<") + Kind::name + ">", arg, detail,
+               [&] { attnmix::linear_attention<Kind, Policy>(a, p); });
   CHECK(bitwise_equal(f.out.storage(), out_before));
   CHECK(bitwise_equal(f.S_out.storage(), S_before));
   CHECK(bitwise_equal(f.z_out.storage(), z_before));

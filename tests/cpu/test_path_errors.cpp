@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cpu/test_path_harness.hpp"
+#include "support/errors.hpp"
 
 using namespace attnmix_test;
 using attnmix::attention_args;
@@ -57,15 +58,7 @@ void expect_rejected(fixture& f, const attnmix::path_cache<float>* cache, const 
     keys.assign(cache->keys().data(), cache->keys().data() + cache->keys().size());
     for (index_t s = 0; s < cache->slots(); ++s) lengths.push_back(cache->length(s));
   }
-  try {
-    call();
-    FAIL("no attnmix::error for argument '" << arg << "'");
-  } catch (const attnmix::error& e) {
-    const std::string msg = e.what();
-    INFO(msg);
-    CHECK(msg.rfind(fn + ": argument '" + arg + "'", 0) == 0);
-    CHECK(msg.find(detail) != std::string::npos);
-  }
+  expect_error(fn, arg, detail, call);
   CHECK(bitwise_equal(f.out.storage(), out));
   CHECK(bitwise_equal(f.lse.storage(), lse));
   CHECK(bitwise_equal(f.key_cache.storage(), kc));
