@@ -1,6 +1,7 @@
 // Softmax and FoX with keys of other lengths than the queries (decoding and chunked prefill
-// against a cache, cross-attention) on the CPU: against the float64 oracle, against the
-// full-length call, and every check of the new arguments.
+// against a cache, cross-attention) and with keys read from the slots of a cache (key_slots,
+// key_lengths) on the CPU: against the float64 oracle, against the full-length call, and every
+// check of the new arguments.
 
 #include <cmath>
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include "attnmix/attnmix.hpp"
 #include "reference/softmax_reference.hpp"
 #include "support/catch.hpp"
+#include "support/errors.hpp"
 #include "support/testing.hpp"
 
 using namespace attnmix_test;
@@ -217,20 +219,157 @@ TEST_CASE("key offsets equal to the queries' give the same bits as none", "[cpu]
 
 namespace {
 
-// `call` throws attnmix::error whose message starts with fn and names arg, with `detail` in it.
-template <class Call>
-void expect_error(const std::string& fn, const std::string& arg, const std::string& detail,
-                  Call&& call) {
-  try {
-    call();
-    FAIL("no attnmix::error for argument '" << arg << "'");
-  } catch (const attnmix::error& e) {
-    const std::string msg = e.what();
-    INFO(msg);
-    CHECK(msg.rfind(fn + ": argument '" + arg + "'", 0) == 0);
-    CHECK(msg.find(detail) != std::string::npos);
+// Queries of N sequences against the slots of a cache: k, v [S, capacity, H, *], g [S, capacity,
+// HQ]; sequence n reads the first lengths[n] keys of slot slots[n]. Dense queries [N, T, ...], or
+// packed (cu) against packed keys (cu_k, lengths within each range; slots then empty).
+struct slot_case {
+  index_t N, T, S, capacity, HQ, H, D, Dv;
+  std::vector<std::int32_t> slots, lengths;
+  index_t window = 0;
+  std::vector<std::int32_t> cu{}, cu_k{};
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << "N=" << N << " T=" << T << " S=" << S << " capacity=" << capacity << " HQ=" << HQ
+       << " H=" << H << " D=" << D << " Dv=" << Dv << " window=" << window
+       << " packed=" << cu.size() << " slots";
+    for (auto x : slots) os << " " << x;
+    os << " lengths";
+    for (auto x : lengths) os << " " << x;
+    return os.str();
   }
+};
+
+// The library on the cache against the oracle on each sequence's keys gathered into a packed
+// batch (dense queries are a packed batch of equal lengths).
+template <class Kind, class Policy, class T>
+void check_slots(const slot_case& c, std::uint64_t salt) {
+  using A = attnmix::accum_t<T>;
+  INFO("seed " << test_seed() << " " << c.describe() << " " << Kind::name);
+  constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+  const bool packed = !c.cu.empty();
+  const index_t B = packed ? 1 : c.N;  // q: [B, c.T, HQ, D]
+  rng r(salt);
+  host_tensor<double, 4> q({B, c.T, c.HQ, c.D}), k({c.S, c.capacity, c.H, c.D}),
+      v({c.S, c.capacity, c.H, c.Dv});
+  host_tensor<double, 3> g({c.S, c.capacity, c.HQ});
+  r.fill_normal(q), r.fill_normal(k), r.fill_normal(v);
+  r.fill_uniform(g, -0.3, -0.01);
+
+  // The library.
+  const host_tensor<T, 4> qt = as<T>(q), kt = as<T>(k), vt = as<T>(v);
+  host_tensor<A, 3> gt(g.shape());
+  for (std::size_t i = 0; i < g.storage().size(); ++i) gt.storage()[i] = A(g.storage()[i]);
+  host_tensor<T, 4> out({B, c.T, c.HQ, c.Dv});
+  host_tensor<A, 3> lse({B, c.T, c.HQ});
+  poison(out), poison(lse);
+  attnmix::attention_args<T> a{qt.view(), kt.view(), vt.view(), out.view()};
+  if constexpr (gated) a.g = gt.view();
+  a.lse = lse.view();
+  attnmix::attention_params p;
+  p.window = c.window;
+  if (packed) {
+    p.cu_seqlens = {c.cu.data(), {index_t(c.cu.size())}};
+    p.cu_seqlens_k = {c.cu_k.data(), {index_t(c.cu_k.size())}};
+  }
+  if (!c.slots.empty()) p.key_slots = {c.slots.data(), {c.N}};
+  p.key_lengths = {c.lengths.data(), {c.N}};
+  attnmix::attention<Kind, Policy>(a, p);
+
+  // The oracle on the gathered keys.
+  std::vector<std::int32_t> cu{0}, cu_k{0};
+  std::vector<double> kk, vv, gg;
+  for (index_t n = 0; n < c.N; ++n) {
+    const index_t len = c.lengths[std::size_t(n)];
+    const index_t slot = packed ? 0 : c.slots.empty() ? n : c.slots[std::size_t(n)];
+    const index_t start = packed ? c.cu_k[std::size_t(n)] : 0;
+    for (index_t t = start; t < start + len; ++t) {
+      for (index_t h = 0; h < c.H; ++h) {
+        for (index_t d = 0; d < c.D; ++d) kk.push_back(k(slot, t, h, d));
+        for (index_t d = 0; d < c.Dv; ++d) vv.push_back(v(slot, t, h, d));
+      }
+      for (index_t h = 0; h < c.HQ; ++h) gg.push_back(g(slot, t, h));
+    }
+    cu.push_back(packed ? c.cu[std::size_t(n) + 1] : std::int32_t((n + 1) * c.T));
+    cu_k.push_back(cu_k.back() + std::int32_t(len));
+  }
+  attnmix_ref::softmax_problem rp{1, B * c.T, c.HQ, c.H, c.D, c.Dv, 1.0 / std::sqrt(double(c.D))};
+  rp.causal = Policy::mask == attnmix::mask_type::causal;
+  rp.window = c.window;
+  rp.Tk = cu_k.back();
+  rp.cu_seqlens.assign(cu.begin(), cu.end());
+  rp.cu_seqlens_k.assign(cu_k.begin(), cu_k.end());
+  if constexpr (gated) rp.gate = attnmix_ref::softmax_problem::gate_after_scale;
+  const auto ref = attnmix_ref::softmax_attention(rp, q.storage(), kk, vv, gg);
+  CHECK(rel_error(out.storage(), ref.out) <= tolerance<T>());
+  CHECK(lse_error(lse.storage(), ref.lse) <= tolerance<T>());
 }
+
+std::vector<slot_case> causal_slot_cases() {
+  return {
+      {3, 1, 5, 40, 4, 2, 16, 16, {4, 0, 2}, {17, 1, 40}},    // a decoding step
+      {3, 1, 5, 40, 4, 2, 16, 8, {4, 0, 2}, {17, 1, 40}, 8},  // with a window
+      {2, 6, 3, 64, 2, 1, 8, 8, {1, 1}, {10, 64}},            // a chunk; one slot shared
+      {2, 1, 2, 30, 2, 2, 8, 8, {}, {30, 9}},                 // lengths only
+      {3, 8, 1, 90, 2, 1, 16, 16, {}, {4, 20, 8}, 0, {0, 0, 4, 8}, {0, 30, 60, 90}},  // packed
+  };
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("attention reads the slots of a cache as the oracle its gathered keys",
+                   "[softmax][fox][cpu][key_lengths]", float, double) {
+  std::uint64_t salt = 100;
+  for (const slot_case& c : causal_slot_cases()) {
+    check_slots<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(c, ++salt);
+    check_slots<attnmix::kind::fox, attnmix::fox_policy, TestType>(c, ++salt);
+  }
+  // Cross-attention to the first keys of each slot, fewer than the queries.
+  const slot_case cross{2, 9, 3, 20, 2, 1, 8, 8, {2, 0}, {3, 20}};
+  check_slots<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, TestType>(cross, 1);
+}
+
+TEST_CASE("a decoding step from the slots gives the row of the whole forward",
+          "[fox][cpu][key_lengths]") {
+  // The last token of each sequence, decoded against its slot, against the forward of all.
+  const key_case whole{2, 50, 50, 4, 2, 16, 16};
+  const key_inputs in = random_inputs(whole, 9);
+  const auto [out, lse] = run<attnmix::kind::fox, attnmix::fox_policy, float>(whole, in);
+  // Slot 2 - b holds sequence b (slot 0 stays empty), with room to spare.
+  const index_t cap = 64;
+  host_tensor<float, 4> q({2, 1, 4, 16}), k({3, cap, 2, 16}, 7.0f), v({3, cap, 2, 16}, 7.0f);
+  host_tensor<float, 3> g({3, cap, 4}, -1.0f);
+  for (index_t b = 0; b < 2; ++b) {
+    for (index_t h = 0; h < 4; ++h)
+      for (index_t d = 0; d < 16; ++d) q(b, 0, h, d) = float(in.q(b, 49, h, d));
+    for (index_t t = 0; t < 50; ++t) {
+      for (index_t h = 0; h < 2; ++h)
+        for (index_t d = 0; d < 16; ++d)
+          k(2 - b, t, h, d) = float(in.k(b, t, h, d)), v(2 - b, t, h, d) = float(in.v(b, t, h, d));
+      for (index_t h = 0; h < 4; ++h) g(2 - b, t, h) = float(in.g(b, t, h));
+    }
+  }
+  host_tensor<float, 4> o({2, 1, 4, 16});
+  host_tensor<float, 3> l({2, 1, 4});
+  attnmix::attention_args<float> a{q.view(), k.view(), v.view(), o.view()};
+  a.g = g.view(), a.lse = l.view();
+  const std::vector<std::int32_t> slots{2, 1}, lengths{50, 50};
+  attnmix::attention_params p;
+  p.key_slots = {slots.data(), {2}};
+  p.key_lengths = {lengths.data(), {2}};
+  attnmix::attention<attnmix::kind::fox>(a, p);
+  double worst = 0;
+  for (index_t b = 0; b < 2; ++b)
+    for (index_t h = 0; h < 4; ++h) {
+      const auto full = std::size_t((b * 50 + 49) * 4 + h), row = std::size_t(b * 4 + h);
+      worst = std::max(worst, double(std::abs(l.storage()[row] - lse[full])));
+      for (index_t e = 0; e < 16; ++e)
+        worst = std::max(worst, double(std::abs(o.storage()[row * 16 + e] - out[full * 16 + e])));
+    }
+  CHECK(worst <= 1e-5);
+}
+
+namespace {
 
 // A call with q [1, 12, 2, 8] and k, v, g of Tk tokens, whose params `modify` changes; it must
 // throw naming fn and arg, with `detail` in the message, and leave out and lse untouched.
@@ -269,20 +408,21 @@ TEST_CASE("keys of other lengths: bad calls are rejected", "[errors][cpu][key_le
   using attnmix::kind::fox;
   using attnmix::kind::softmax;
   const std::string sm = "attnmix::attention<softmax>", fx = "attnmix::attention<fox>";
-  expect_rejected<softmax>(sm, "k", "has 5 keys for the 12 queries of sequence 0: causal", 5,
+  expect_rejected<softmax>(sm, "k", "gives 5 keys for the 12 queries of sequence 0: causal", 5,
                            offsets({}, {}));
   expect_rejected<softmax, attnmix::bidirectional_softmax_policy>(
       sm, "k", "windowed queries are aligned with the last keys", 5,
       [](auto&, auto& p, auto&, auto&) { p.window = 3; });
   expect_rejected<softmax, attnmix::bidirectional_softmax_policy>(
-      sm, "k", "has no keys for the 7 queries of sequence 1", 20, offsets({0, 5, 12}, {0, 20, 20}));
+      sm, "k", "gives no keys for the 7 queries of sequence 1", 20,
+      offsets({0, 5, 12}, {0, 20, 20}));
   expect_rejected<fox>(fx, "k", "needs cu_seqlens_k", 20, offsets({0, 5, 12}, {}));
   expect_rejected<fox>(fx, "cu_seqlens_k", "needs cu_seqlens", 20, offsets({}, {0, 20}));
   expect_rejected<fox>(fx, "cu_seqlens_k", "holds 2 offsets but cu_seqlens holds 3", 20,
                        offsets({0, 5, 12}, {0, 20}));
   expect_rejected<fox>(fx, "cu_seqlens_k", "ends at 19 but the packed length is 20", 20,
                        offsets({0, 5, 12}, {0, 10, 19}));
-  expect_rejected<fox>(fx, "k", "has 4 keys for the 7 queries of sequence 1", 20,
+  expect_rejected<fox>(fx, "k", "gives 4 keys for the 7 queries of sequence 1", 20,
                        offsets({0, 5, 12}, {0, 16, 20}));
   expect_rejected<fox>(fx, "g", "[B, Tk, HQ]", 20, [](auto& a, auto&, auto&, auto&) {
     a.g = attnmix::view3<const float>(a.g.data(), {1, 12, 2});
@@ -291,7 +431,7 @@ TEST_CASE("keys of other lengths: bad calls are rejected", "[errors][cpu][key_le
                                            "must be [B, T, H, D] = [1, 12, 2, 8]", 20,
                                            offsets({}, {}));
   expect_rejected<attnmix::kind::path>("attnmix::attention<path>", "k",
-                                       "has 6 keys for the 7 queries of sequence 1", 12,
+                                       "gives 6 keys for the 7 queries of sequence 1", 12,
                                        offsets({0, 5, 12}, {0, 6, 12}));
 }
 
@@ -313,4 +453,78 @@ TEST_CASE("the backward takes no keys of other lengths", "[errors][cpu][key_leng
   CHECK(bitwise_equal(dq.storage(), std::vector<float>(dq.storage().size(), 42.0f)));
   p.cu_seqlens_k = {cu.data(), {3}};  // the queries' own offsets: accepted
   CHECK_NOTHROW(attnmix::attention_backward<attnmix::kind::softmax>(a, p));
+}
+
+TEST_CASE("keys from the slots of a cache: bad calls are rejected", "[errors][cpu][key_lengths]") {
+  using attnmix::kind::fox;
+  const std::string fx = "attnmix::attention<fox>";
+  // q [2, 3, 2, 8] against a cache of 4 slots of 10 tokens.
+  host_tensor<float, 4> q({2, 3, 2, 8}, 0.5f), k({4, 10, 2, 8}, 0.25f), v({4, 10, 2, 8}, 1.0f);
+  host_tensor<float, 4> out({2, 3, 2, 8}, 42.0f);
+  host_tensor<float, 3> g({4, 10, 2}, -0.1f);
+  const auto rejects = [&](const std::string& arg, const std::string& detail,
+                           std::vector<std::int32_t> slots, std::vector<std::int32_t> lengths,
+                           auto&& modify) {
+    attnmix::attention_args<float> a{q.view(), k.view(), v.view(), out.view()};
+    a.g = g.view();
+    attnmix::attention_params p;
+    if (!slots.empty()) p.key_slots = {slots.data(), {index_t(slots.size())}};
+    if (!lengths.empty()) p.key_lengths = {lengths.data(), {index_t(lengths.size())}};
+    modify(a, p);
+    expect_error(fx, arg, detail, [&] { attnmix::attention<fox>(a, p); });
+    CHECK(bitwise_equal(out.storage(), std::vector<float>(out.storage().size(), 42.0f)));
+  };
+  const auto as_is = [](auto&, auto&) {
+  };
+  rejects("key_slots", "holds 3 slots for a batch of 2 sequences", {0, 1, 2}, {}, as_is);
+  rejects("key_slots", "[1] is 4, not a row of k (S = 4)", {0, 4}, {}, as_is);
+  rejects("key_slots", "[0] is -1", {-1, 0}, {}, as_is);
+  rejects("key_lengths", "holds 1 lengths for a batch of 2 sequences", {0, 1}, {5}, as_is);
+  rejects("key_lengths", "[1] is 11 but sequence 1 has 10 keys in k", {0, 1}, {5, 11}, as_is);
+  rejects("key_lengths", "[0] is -2", {0, 1}, {-2, 5}, as_is);
+  rejects("key_lengths", "gives 2 keys for the 3 queries of sequence 1: causal", {3, 0}, {10, 2},
+          as_is);
+  rejects("g", "[S, Tk, HQ]", {0, 1}, {5, 5}, [&](auto& a, auto&) {
+    a.g = attnmix::view3<const float>(g.data(), {2, 10, 2});
+  });
+  // Without key_slots, k keeps the queries' batch.
+  rejects("k", "[B, Tk, H, D]", {}, {5, 5}, as_is);
+  // A packed batch places its keys with cu_seqlens_k.
+  const std::vector<std::int32_t> cu{0, 3, 6}, cu_k{0, 20, 40};
+  rejects("key_slots", "takes a dense batch", {0, 1}, {}, [&](auto& a, auto& p) {
+    a.q = attnmix::view4<const float>(q.data(), {1, 6, 2, 8});
+    a.out = attnmix::view4<float>(out.data(), {1, 6, 2, 8});
+    a.k = attnmix::view4<const float>(k.data(), {1, 40, 2, 8});
+    a.v = attnmix::view4<const float>(v.data(), {1, 40, 2, 8});
+    a.g = attnmix::view3<const float>(g.data(), {1, 40, 2});
+    p.cu_seqlens = {cu.data(), {3}}, p.cu_seqlens_k = {cu_k.data(), {3}};
+  });
+  // PaTH reads its queries' own keys.
+  host_tensor<float, 4> w({2, 3, 2, 8}, 0.1f), pk({2, 3, 2, 8}, 0.25f);
+  host_tensor<float, 3> beta({2, 3, 2}, 1.0f), pg({2, 3, 2}, -0.1f);
+  const std::vector<std::int32_t> lengths{3, 3};
+  attnmix::attention_args<float> a{q.view(), pk.view(), pk.view(), out.view()};
+  a.g = pg.view(), a.w = w.view(), a.beta = beta.view();
+  attnmix::attention_params p;
+  p.key_lengths = {lengths.data(), {2}};
+  expect_error("attnmix::attention<path_fox>", "key_lengths", "which path_fox does not take on cpu",
+               [&] { attnmix::attention<attnmix::kind::path_fox>(a, p); });
+}
+
+TEST_CASE("the backward takes no keys from a cache", "[errors][cpu][key_lengths]") {
+  host_tensor<float, 4> q({2, 3, 2, 8}, 0.5f), dq({2, 3, 2, 8}, 42.0f);
+  host_tensor<float, 4> dk({2, 3, 2, 8}, 42.0f), dv({2, 3, 2, 8}, 42.0f);
+  host_tensor<float, 3> lse({2, 3, 2}, 1.0f);
+  attnmix::attention_grad_args<float> a;
+  a.q = a.k = a.v = a.out = a.dout = q.view();
+  a.lse = lse.view();
+  a.dq = dq.view(), a.dk = dk.view(), a.dv = dv.view();
+  const std::vector<std::int32_t> two{1, 0};
+  for (const char* arg : {"key_lengths", "key_slots"}) {
+    attnmix::attention_params p;
+    (std::string(arg) == "key_slots" ? p.key_slots : p.key_lengths) = {two.data(), {2}};
+    expect_error("attnmix::attention_backward<softmax>", arg, "the backward does not take",
+                 [&] { attnmix::attention_backward<attnmix::kind::softmax>(a, p); });
+    CHECK(bitwise_equal(dq.storage(), std::vector<float>(dq.storage().size(), 42.0f)));
+  }
 }

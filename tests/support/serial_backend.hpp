@@ -1,7 +1,8 @@
 #pragma once
 // A third backend, defined in the tests only: a serial CPU backend. Adding it takes its tag and
 // the specialisations below, each forwarding to the CPU backend on one thread: the front doors'
-// implementations (attention_impl, linear_attention_impl, path_cache_impl, is_implemented) and
+// implementations (attention_impl, linear_attention_impl, path_cache_impl, is_implemented,
+// takes_key_lengths) and
 // the layers' operations (layers::ops). Nothing else of attnmix knows it; the front doors, their
 // checks, the host caches, the layers and the stacks run on it unchanged.
 // tests/core/test_third_backend.cpp and tests/stack/test_stack.cpp check that its results are
@@ -22,6 +23,8 @@ struct serial {
 namespace attnmix {
 template <class Kind>
 struct is_implemented<Kind, test_backend::serial> : is_implemented<Kind, backend::cpu> {};
+template <class Kind>
+struct takes_key_lengths<Kind, test_backend::serial> : takes_key_lengths<Kind, backend::cpu> {};
 namespace detail {
 template <class Kind, class Policy>
 struct attention_impl<Kind, test_backend::serial, Policy> {

@@ -13,9 +13,10 @@ namespace attnmix {
 // Tensors. Inputs of type T; gates, Householder parameters and statistics in accum_t<T>
 // (float, or double when T is double). Absent optional views are left default-constructed.
 // Softmax and FoX (on backends with takes_key_lengths) take keys of other lengths than the
-// queries: k and v of Tk tokens, or packed with their own offsets (attention_params), the last
-// query of a sequence aligned with its last key ("bottom-right"): decoding and chunked prefill
-// against a cache. The shapes below are those of equal lengths, T = Tk.
+// queries: k and v of Tk tokens, or packed with their own offsets, or read from the slots of a
+// cache (attention_params), the last query of a sequence aligned with its last key
+// ("bottom-right"): decoding and chunked prefill against a cache. The shapes below are those of
+// equal lengths, T = Tk; with key_slots, k, v and g have S rows (the cache's slots), not B.
 template <class T>
 struct attention_args {
   view4<const T> q{};  // [B, T, HQ, D]
@@ -60,6 +61,10 @@ struct attention_params {
   // Packed keys of other lengths than the queries: [N+1] offsets into k and v (with cu_seqlens
   // for the queries). Absent: the keys' offsets are cu_seqlens.
   view1<const std::int32_t> cu_seqlens_k;
+  // Keys held in a cache (decoding): sequence n reads only the first key_lengths[n] tokens of its
+  // key sequence [N], and, in a dense batch, row key_slots[n] of k, v and g [N] (default: row n).
+  view1<const std::int32_t> key_lengths;
+  view1<const std::int32_t> key_slots;
 };
 
 // One sequence of a (dense or packed) batch: tokens [start, start + length) of batch row `batch`.
@@ -75,8 +80,8 @@ inline sequence sequence_at(const std::int32_t* cu_seqlens, index_t tokens, inde
 
 // Sizes resolved and checked by the front door, handed to every backend. Query i of a
 // sequence sits at key position i + key_offset(n): with keys of the queries' lengths (the only
-// problems a backend without takes_key_lengths gets) key_tokens == tokens, cu_seqlens_k ==
-// cu_seqlens and the offset is 0.
+// problems a backend without takes_key_lengths gets) key_tokens == tokens, key_batch == batch,
+// cu_seqlens_k == cu_seqlens, no key_lengths or key_slots, and the offset is 0.
 struct attention_problem {
   index_t batch, tokens, q_heads, kv_heads, head_dim, value_dim;
   double scale;
@@ -85,12 +90,23 @@ struct attention_problem {
   index_t num_sequences;
   index_t key_tokens;                // Tk
   const std::int32_t* cu_seqlens_k;  // the keys' offsets (== cu_seqlens when they match)
+  index_t key_batch;                 // rows of k, v and g: the slots with key_slots, else batch
+  const std::int32_t* key_lengths;   // [N] keys each sequence reads, or nullptr (all of them)
+  const std::int32_t* key_slots;     // [N] the row of k each sequence reads, or nullptr (its own)
 
   index_t group() const { return q_heads / kv_heads; }
   sequence seq(index_t n) const { return sequence_at(cu_seqlens, tokens, n); }
-  sequence key_seq(index_t n) const { return sequence_at(cu_seqlens_k, key_tokens, n); }
+  sequence key_seq(index_t n) const {
+    sequence s = sequence_at(cu_seqlens_k, key_tokens, n);
+    if (key_slots != nullptr) s.batch = key_slots[n];
+    if (key_lengths != nullptr) s.length = key_lengths[n];
+    return s;
+  }
   index_t key_offset(index_t n) const { return key_seq(n).length - seq(n).length; }
-  bool keys_match_queries() const { return key_tokens == tokens && cu_seqlens_k == cu_seqlens; }
+  bool keys_match_queries() const {
+    return key_tokens == tokens && cu_seqlens_k == cu_seqlens && key_lengths == nullptr &&
+           key_slots == nullptr;
+  }
 };
 
 }  // namespace attnmix

@@ -30,11 +30,15 @@ void check_tensor(const std::string& fn, const char* arg, const tensor_view<T, R
   check_space(fn, arg, v, space, backend);
 }
 
-// Sizes every front door reads off q [B,T,HQ,D], k [B,Tk,H,D], v [B,Tk,H,Dv],
-// out [B,T,HQ,Dv]. Tk == T unless the call takes keys of other lengths (resolve_qkv).
+// Sizes every front door reads off q [B,T,HQ,D], k [Bk,Tk,H,D], v [Bk,Tk,H,Dv],
+// out [B,T,HQ,Dv]. Tk == T and Bk == B unless the call takes keys of other lengths or from the
+// slots of a cache (resolve_qkv).
 struct qkv_sizes {
-  index_t B, T, HQ, H, D, Dv, Tk;
+  index_t B, T, HQ, H, D, Dv, Tk, Bk;
 };
+
+// What k and v may be, beside q-shaped: of another length (Tk), and read from slots (Bk rows).
+enum class key_shape { queries, other_lengths, slots };
 
 // q, k, v and out: required. Entries 0..3 of every list the front doors build.
 template <class T>
@@ -50,8 +54,10 @@ arg_list qkv_out_args(const view4<const T>& q, const view4<const T>& k, const vi
 }
 
 // The sizes of q, k, v (whose placement is checked), their consistency (HQ % H == 0), and the
-// expected shapes of k, v and out. With `key_lengths`, k and v may have another T (Tk) than q.
-inline qkv_sizes resolve_qkv(const std::string& fn, arg_list& args, bool key_lengths = false) {
+// expected shapes of k, v and out. k and v may have another T (Tk) than q unless `keys` is
+// key_shape::queries, and another B (Bk, the slots) with key_shape::slots.
+inline qkv_sizes resolve_qkv(const std::string& fn, arg_list& args,
+                             key_shape keys = key_shape::queries) {
   const tensor_arg &q = args[0], &k = args[1], &v = args[2];
   const qkv_sizes s{q.shape[0],
                     q.shape[1],
@@ -59,16 +65,24 @@ inline qkv_sizes resolve_qkv(const std::string& fn, arg_list& args, bool key_len
                     k.shape[2],
                     q.shape[3],
                     v.shape[3],
-                    key_lengths ? k.shape[1] : q.shape[1]};
+                    keys != key_shape::queries ? k.shape[1] : q.shape[1],
+                    keys == key_shape::slots ? k.shape[0] : q.shape[0]};
+  const bool key_lengths = keys != key_shape::queries;
+  const char* k_shape = keys == key_shape::slots ? "[S, Tk, H, D]"
+                        : key_lengths            ? "[B, Tk, H, D]"
+                                                 : "[B, T, H, D]";
+  const char* v_shape = keys == key_shape::slots ? "[S, Tk, H, Dv]"
+                        : key_lengths            ? "[B, Tk, H, Dv]"
+                                                 : "[B, T, H, Dv]";
   require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
           shape_of(q));
   require(s.H >= 1, fn, "k", "must have at least one head but has shape ", shape_of(k));
   require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H,
           " heads, which does not divide the HQ = ", s.HQ, " heads of 'q'");
-  args[1].expect(key_lengths ? "[B, Tk, H, D]" : "[B, T, H, D]", s.B, s.Tk, s.H, s.D);
+  args[1].expect(k_shape, s.Bk, s.Tk, s.H, s.D);
   check_shapes(fn, {args[1]});
   require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_of(v));
-  args[2].expect(key_lengths ? "[B, Tk, H, Dv]" : "[B, T, H, Dv]", s.B, s.Tk, s.H, s.Dv);
+  args[2].expect(v_shape, s.Bk, s.Tk, s.H, s.Dv);
   args[3].expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
   return s;
 }
@@ -129,17 +143,19 @@ arg_list attention_arg_list(const attention_args<T>& a, const attention_params& 
                                    : "this kind has no Householder transforms"));
   args.push_back(host_input("cu_seqlens", p.cu_seqlens, "offset validation"));
   args.push_back(host_input("cu_seqlens_k", p.cu_seqlens_k, "offset validation"));
+  args.push_back(host_input("key_lengths", p.key_lengths, "key validation"));
+  args.push_back(host_input("key_slots", p.key_slots, "key validation"));
   args.push_back(output("lse", a.lse));
   return args;
 }
 
-// The keys' offsets of a packed batch (cu_seqlens_k, or cu_seqlens when absent) and the lengths
-// of keys and queries: every sequence needs a key for each of its rows to see. Causal rows (and
-// windowed ones) are aligned with the last keys, so they need at least as many keys as queries;
-// bidirectional rows need one. Returns cu_seqlens itself when the two hold the same offsets.
-inline const std::int32_t* resolve_key_offsets(const std::string& fn, const attention_params& p,
-                                               const qkv_sizes& s, const packed_batch& packed,
-                                               bool causal) {
+// The keys of every sequence: the offsets of a packed batch (cu_seqlens_k, or cu_seqlens when
+// absent; cu_seqlens itself when the two hold the same offsets), the slots and the lengths read
+// (key_slots, key_lengths), set in `prob`. Every sequence needs a key for each of its rows to
+// see. Causal rows (and windowed ones) are aligned with the last keys, so they need at least as
+// many keys as queries; bidirectional rows need one.
+inline void resolve_keys(const std::string& fn, const attention_params& p, const qkv_sizes& s,
+                         const packed_batch& packed, bool causal, attention_problem& prob) {
   const std::int32_t* cu_k = packed.cu_seqlens;
   if (p.cu_seqlens_k.has_value()) {
     require(p.cu_seqlens.has_value(), fn, "cu_seqlens_k",
@@ -155,18 +171,43 @@ inline const std::int32_t* resolve_key_offsets(const std::string& fn, const atte
     require(s.Tk == s.T, fn, "k", "has Tk = ", s.Tk, " tokens but q has T = ", s.T,
             ": a packed batch with keys of other lengths needs cu_seqlens_k");
   }
+  const index_t N = packed.sequences;
+  prob.key_tokens = s.Tk;
+  prob.key_batch = s.Bk;
+  prob.cu_seqlens_k = cu_k;
+  if (p.key_slots.has_value()) {
+    require(packed.cu_seqlens == nullptr, fn, "key_slots",
+            "takes a dense batch (a packed one places its keys with cu_seqlens_k)");
+    require(p.key_slots.extent(0) == N, fn, "key_slots", "holds ", p.key_slots.extent(0),
+            " slots for a batch of ", N, " sequences");
+    for (index_t n = 0; n < N; ++n)
+      require(p.key_slots(n) >= 0 && p.key_slots(n) < s.Bk, fn, "key_slots", "[", n, "] is ",
+              p.key_slots(n), ", not a row of k (S = ", s.Bk, ")");
+    prob.key_slots = p.key_slots.data();
+  }
+  if (p.key_lengths.has_value()) {
+    require(p.key_lengths.extent(0) == N, fn, "key_lengths", "holds ", p.key_lengths.extent(0),
+            " lengths for a batch of ", N, " sequences");
+    for (index_t n = 0; n < N; ++n) {
+      const index_t most = sequence_at(cu_k, s.Tk, n).length;
+      require(p.key_lengths(n) >= 0 && p.key_lengths(n) <= most, fn, "key_lengths", "[", n, "] is ",
+              p.key_lengths(n), " but sequence ", n, " has ", most, " keys in k");
+    }
+    prob.key_lengths = p.key_lengths.data();
+  }
   const bool need_all = causal || p.window > 0;
-  for (index_t n = 0; n < packed.sequences; ++n) {
-    const sequence q = sequence_at(packed.cu_seqlens, s.T, n), k = sequence_at(cu_k, s.Tk, n);
-    if (q.length == 0) continue;
+  const char* arg = p.key_lengths.has_value() ? "key_lengths" : "k";
+  for (index_t n = 0; n < N; ++n) {
+    const index_t queries = sequence_at(packed.cu_seqlens, s.T, n).length;
+    const index_t keys = prob.key_seq(n).length;
+    if (queries == 0) continue;
     if (need_all)
-      require(k.length >= q.length, fn, "k", "has ", k.length, " keys for the ", q.length,
+      require(keys >= queries, fn, arg, "gives ", keys, " keys for the ", queries,
               " queries of sequence ", n, ": ", causal ? "causal" : "windowed",
               " queries are aligned with the last keys and need at least as many");
     else
-      require(k.length >= 1, fn, "k", "has no keys for the ", q.length, " queries of sequence ", n);
+      require(keys >= 1, fn, arg, "gives no keys for the ", queries, " queries of sequence ", n);
   }
-  return cu_k;
 }
 
 // The runtime values of a softmax-family call (scale, window, packed-batch offsets) checked
@@ -195,8 +236,7 @@ attention_problem resolve_attention_problem(const std::string& fn, const qkv_siz
   prob.window = p.window >= std::max(s.T, s.Tk) ? 0 : p.window;
   prob.cu_seqlens = packed.cu_seqlens;
   prob.num_sequences = packed.sequences;
-  prob.key_tokens = s.Tk;
-  prob.cu_seqlens_k = resolve_key_offsets(fn, p, s, packed, causal);
+  resolve_keys(fn, p, s, packed, causal, prob);
   return prob;
 }
 
@@ -210,8 +250,15 @@ attention_problem validate_attention(const std::string& fn, const attention_args
   check_placement(fn, args, space::value, Backend::name);
   // PaTH's keys are its queries' tokens: only softmax and FoX read keys of other lengths.
   constexpr bool key_lengths = !kind_traits<Kind>::uses_householder;
-  const qkv_sizes s = resolve_qkv(fn, args, key_lengths);
-  find_arg(args, "g")->expect(key_lengths ? "[B, Tk, HQ]" : "[B, T, HQ]", s.B, s.Tk, s.HQ);
+  const bool slots = key_lengths && p.key_slots.has_value();
+  const qkv_sizes s = resolve_qkv(fn, args,
+                                  slots         ? key_shape::slots
+                                  : key_lengths ? key_shape::other_lengths
+                                                : key_shape::queries);
+  find_arg(args, "g")->expect(slots         ? "[S, Tk, HQ]"
+                              : key_lengths ? "[B, Tk, HQ]"
+                                            : "[B, T, HQ]",
+                              s.Bk, s.Tk, s.HQ);
   find_arg(args, "w")->expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
   find_arg(args, "beta")->expect("[B, T, H]", s.B, s.T, s.H);
   find_arg(args, "lse")->expect("[B, T, HQ]", s.B, s.T, s.HQ);
@@ -219,10 +266,13 @@ attention_problem validate_attention(const std::string& fn, const attention_args
   check_outputs(fn, args);
 
   const attention_problem prob = resolve_attention_problem<Kind, T>(fn, s, p, causal);
-  // (PaTH never gets here: its k has the queries' T, and other offsets of the same total give
-  // some sequence fewer keys than queries.)
+  // (PaTH gets here only with key_lengths or key_slots: its k has the queries' T, and other
+  // offsets of the same total give some sequence fewer keys than queries.)
   require(prob.keys_match_queries() || takes_key_lengths<Kind, Backend>::value, fn,
-          p.cu_seqlens_k.has_value() ? "cu_seqlens_k" : "k",
+          p.key_slots.has_value()      ? "key_slots"
+          : p.key_lengths.has_value()  ? "key_lengths"
+          : p.cu_seqlens_k.has_value() ? "cu_seqlens_k"
+                                       : "k",
           "gives keys of other lengths than the queries (Tk = ", s.Tk, ", T = ", s.T, "), which ",
           Kind::name, " does not take on ", Backend::name);
   pointer_check<space>::run(fn, args);

@@ -90,6 +90,10 @@ attention_problem validate_attention_backward(const std::string& fn,
     require(same, fn, "cu_seqlens_k",
             "gives keys of other lengths than the queries, which the backward does not take");
   }
+  require(!p.key_lengths.has_value(), fn, "key_lengths",
+          "reads keys from a cache, which the backward does not take");
+  require(!p.key_slots.has_value(), fn, "key_slots",
+          "reads keys from a cache, which the backward does not take");
   const attention_problem prob = resolve_attention_problem<Kind, T>(fn, s, p, causal);
   pointer_check<space>::run(fn, args);
   return prob;

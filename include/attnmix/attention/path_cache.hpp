@@ -415,6 +415,7 @@ void path_prefill_key_cache(const path_key_cache_args<T>& a, const attention_par
   prob.cu_seqlens = prob.cu_seqlens_k = packed.cu_seqlens;
   prob.num_sequences = packed.sequences;
   prob.key_tokens = T_;
+  prob.key_batch = B;
   d::path_cache_impl<Backend>::template key_cache<Policy>(a, prob, backend);
 }
 

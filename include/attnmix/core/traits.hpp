@@ -15,8 +15,9 @@ template <class Kind, class Backend>
 inline constexpr bool is_implemented_v = is_implemented<Kind, Backend>::value;
 
 // true where the forward of (Kind, Backend) takes keys of other lengths than the queries
-// (attention_params::cu_seqlens_k, or k with another T than q): a block of queries against a
-// longer key sequence. The front door rejects such a call elsewhere.
+// (attention_params::cu_seqlens_k, key_lengths and key_slots, or k with another T than q): a
+// block of queries against a longer key sequence or a cache's slots. The front door rejects
+// such a call elsewhere; the SA and FoX layers decode only where it holds.
 template <class Kind, class Backend>
 struct takes_key_lengths : std::false_type {};
 

@@ -23,8 +23,9 @@ struct takes_key_lengths<kind::fox, backend::cpu> : std::true_type {};
 namespace detail {
 namespace cpu {
 
-// G laid out like g ([B, Tk, HQ], contiguous: one value per key token), restarting at every
-// sequence; summed in double.
+// G laid out like g ([key_batch, Tk, HQ], contiguous: one value per key token), restarting at
+// every sequence; summed in double over the keys each sequence reads. (Sequences that share a
+// slot write the same prefix sums.)
 // A log gate of -inf is a hard reset: keys before it get weight 0 for every later query. The sum
 // restarts at 0 there (so that G_i - G_j stays finite within the segment), and reset[t] holds
 // the sequence-local position of the last reset at or before t (0 when none); a query at t sees
@@ -40,7 +41,7 @@ struct gate_prefix {
 template <class T>
 gate_prefix gate_cumsum(const view3<const T>& g, const attention_problem& p) {
   gate_prefix out;
-  const auto size = static_cast<std::size_t>(p.batch * p.key_tokens * p.q_heads);
+  const auto size = static_cast<std::size_t>(p.key_batch * p.key_tokens * p.q_heads);
   out.G.resize(size);
   for (index_t n = 0; n < p.num_sequences; ++n) {
     const sequence s = p.key_seq(n);

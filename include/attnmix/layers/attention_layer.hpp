@@ -57,14 +57,16 @@ struct fox_layer_policy : sa_layer_policy {
 };
 
 // KV cache of N slots, one sequence each: keys after qk-norm and RoPE, raw values and, for
-// FoX, the inclusive cumsum G of the log forget gate (double, as in path_cache). Under a
-// sliding window every token is still kept; decoding reads only the last `window` of them.
-// Host memory (Space = host_space) for now.
+// FoX, the log forget gate of each key (the attention call sums it in double, as in the
+// forward). Under a sliding window every token is still kept; decoding reads only the last
+// `window` of them. Host memory (Space = host_space) for now.
 template <class T, class Space = host_space>
 class kv_cache;
 
 template <class T>
 class kv_cache<T, host_space> {
+  using A = accum_t<T>;
+
  public:
   kv_cache() = default;
   kv_cache(index_t sequences, index_t capacity, index_t q_heads, index_t kv_heads, index_t d)
@@ -75,7 +77,7 @@ class kv_cache<T, host_space> {
         d_(d),
         keys_(static_cast<std::size_t>(sequences * capacity * kv_heads * d)),
         values_(keys_.size()),
-        gates_(static_cast<std::size_t>(sequences * capacity * q_heads), 0.0),
+        gates_(static_cast<std::size_t>(sequences * capacity * q_heads), A(0)),
         lengths_(static_cast<std::size_t>(sequences), 0) {}
 
   index_t sequences() const { return n_; }
@@ -87,13 +89,18 @@ class kv_cache<T, host_space> {
 
   T* key(index_t n, index_t t) { return keys_.data() + (n * cap_ + t) * h_ * d_; }
   T* value(index_t n, index_t t) { return values_.data() + (n * cap_ + t) * h_ * d_; }
-  double* gate(index_t n, index_t t) { return gates_.data() + (n * cap_ + t) * hq_; }
+  A* gate(index_t n, index_t t) { return gates_.data() + (n * cap_ + t) * hq_; }
   void set_length(index_t n, index_t len) { lengths_[static_cast<std::size_t>(n)] = len; }
+  // Every slot's keys [N, capacity, H, D], values (likewise) and log gates [N, capacity, HQ], as
+  // the attention call reads them with attention_params::key_slots and key_lengths.
+  view4<const T> keys() const { return {keys_.data(), {n_, cap_, h_, d_}}; }
+  view4<const T> values() const { return {values_.data(), {n_, cap_, h_, d_}}; }
+  view3<const A> gates() const { return {gates_.data(), {n_, cap_, hq_}}; }
 
  private:
   index_t n_ = 0, cap_ = 0, hq_ = 0, h_ = 0, d_ = 0;
   std::vector<T> keys_, values_;
-  std::vector<double> gates_;
+  std::vector<A> gates_;
   std::vector<index_t> lengths_;
 };
 
@@ -271,13 +278,18 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers decode");
     static_assert(on_host_v<Backend>,
                   "attnmix::layers::attention_layer: decoding runs on the host");
+    static_assert(takes_key_lengths<K, Backend>::value,
+                  "attnmix::layers::attention_layer: decoding reads the cache's slots in place "
+                  "(attention_params::key_slots), which this backend does not take");
     const token_layout L{N, 1, {}};
-    const auto slot = [&](index_t n) {
-      return slots[static_cast<std::size_t>(n)];
-    };
-    std::vector<std::int32_t> pos(static_cast<std::size_t>(N));
-    for (index_t n = 0; n < N; ++n)
-      pos[static_cast<std::size_t>(n)] = static_cast<std::int32_t>(cache.length(slot(n)));
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(N)), lengths(pos.size()),
+        rows(pos.size());
+    for (index_t n = 0; n < N; ++n) {
+      const auto i = static_cast<std::size_t>(n);
+      rows[i] = static_cast<std::int32_t>(slots[i]);
+      pos[i] = static_cast<std::int32_t>(cache.length(slots[i]));
+      lengths[i] = pos[i] + 1;
+    }
     const typename O::handles handles{};
     const context<Backend> c{be, L, pos.data(), handles};
     const index_t nq = N * HQ_ * d_, nk = N * H_ * d_;
@@ -288,46 +300,23 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     A* g = sc.template take<A>(N * HQ_);
     project(c, x, q, k, v, g);
     for (index_t n = 0; n < N; ++n) {
-      const index_t s = slot(n), t = cache.length(s);
+      const index_t s = rows[static_cast<std::size_t>(n)], t = cache.length(s);
       std::copy_n(k + n * H_ * d_, H_ * d_, cache.key(s, t));
       std::copy_n(v + n * H_ * d_, H_ * d_, cache.value(s, t));
-      for (index_t hq = 0; hq < HQ_; ++hq)
-        cache.gate(s, t)[hq] =
-            (t > 0 ? cache.gate(s, t - 1)[hq] : 0.0) + (fox ? double(g[n * HQ_ + hq]) : 0.0);
+      if constexpr (fox) std::copy_n(g + n * HQ_, HQ_, cache.gate(s, t));
       cache.set_length(s, t + 1);
     }
-    const double s = scale_ ? *scale_ : 1.0 / std::sqrt(double(d_));
-    const index_t group = HQ_ / H_;
-    O::for_each(be, N * HQ_, [&](index_t task) {
-      const index_t n = task / HQ_, hq = task % HQ_, h = hq / group, sl = slot(n);
-      const index_t len = cache.length(sl);
-      // The new token sits at position len - 1 and sees keys len-1-window < j <= len-1.
-      const index_t j0 = window_ > 0 ? std::max<index_t>(0, len - window_) : 0;
-      const T* qh = q + (n * HQ_ + hq) * d_;
-      const double Gt = cache.gate(sl, len - 1)[hq];
-      std::vector<A> z(static_cast<std::size_t>(len - j0));
-      A zmax = -std::numeric_limits<A>::infinity();
-      for (index_t j = j0; j < len; ++j) {
-        const T* kj = cache.key(sl, j) + h * d_;
-        A dot = 0;
-        for (index_t e = 0; e < d_; ++e) dot += A(qh[e]) * A(kj[e]);
-        A zj = A(s) * dot;
-        if constexpr (fox) zj += A(Gt - cache.gate(sl, j)[hq]);
-        z[static_cast<std::size_t>(j - j0)] = zj;
-        zmax = std::max(zmax, zj);
-      }
-      std::vector<A> acc(static_cast<std::size_t>(d_), A(0));
-      A den = 0;
-      for (index_t j = j0; j < len; ++j) {
-        const A e = std::exp(z[static_cast<std::size_t>(j - j0)] - zmax);
-        den += e;
-        const T* vj = cache.value(sl, j) + h * d_;
-        for (index_t i = 0; i < d_; ++i) acc[static_cast<std::size_t>(i)] += e * A(vj[i]);
-      }
-      T* out = o + (n * HQ_ + hq) * d_;
-      for (index_t i = 0; i < d_; ++i)
-        out[i] = static_cast<T>(acc[static_cast<std::size_t>(i)] / den);
-    });
+    // The new token is the last of its slot's keys (bottom-right alignment).
+    attention_args<T> a;
+    a.q = as_heads<Backend, const T>(q, L, HQ_, d_);
+    a.k = cache.keys();
+    a.v = cache.values();
+    a.out = as_heads<Backend, T>(o, L, HQ_, d_);
+    if constexpr (fox) a.g = cache.gates();
+    attention_params params = L.attention(scale_, window_);
+    params.key_lengths = view1<const std::int32_t>(lengths.data(), {N});
+    params.key_slots = view1<const std::int32_t>(rows.data(), {N});
+    attnmix::attention<K, attention_policy>(a, params, be);
     finish(c, x, q, o, o, y);
   }
 
@@ -444,14 +433,10 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
         for (index_t n = 0; n < L.num_sequences(); ++n) {
           const index_t r0 = L.first_row(n), len = L.seq(n).length,
                         sl = (*slots)[static_cast<std::size_t>(n)];
-          std::vector<double> G(static_cast<std::size_t>(HQ_), 0.0);
           for (index_t t = 0; t < len; ++t) {
             std::copy_n(k + (r0 + t) * H_ * d_, H_ * d_, cache->key(sl, t));
             std::copy_n(v + (r0 + t) * H_ * d_, H_ * d_, cache->value(sl, t));
-            for (index_t hq = 0; hq < HQ_; ++hq) {
-              if constexpr (fox) G[static_cast<std::size_t>(hq)] += double(g[(r0 + t) * HQ_ + hq]);
-              cache->gate(sl, t)[hq] = G[static_cast<std::size_t>(hq)];
-            }
+            if constexpr (fox) std::copy_n(g + (r0 + t) * HQ_, HQ_, cache->gate(sl, t));
           }
           cache->set_length(sl, len);
         }

@@ -141,7 +141,7 @@ void flash_tile(const flash_head<T>& h, index_t i0, index_t i1, index_t block_k,
 }
 
 // Runs flash_tile over every query tile of every (sequence, query head). `cumsum` is the
-// gate cumsum laid out like g ([B, Tk, HQ], contiguous), or nullptr without a gate.
+// gate cumsum laid out like g ([key_batch, Tk, HQ], contiguous), or nullptr without a gate.
 template <class Policy, class T>
 void flash_forward(const attention_args<T>& a, const attention_problem& p, const backend::cpu& be,
                    const double* cumsum = nullptr, double coef = 0,
