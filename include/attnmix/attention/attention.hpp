@@ -40,6 +40,21 @@ struct qkv_sizes {
 // What k and v may be, beside q-shaped: of another length (Tk), and read from slots (Bk rows).
 enum class key_shape { queries, other_lengths, slots };
 
+// The shapes of k, v and a per-key gate g that messages name, for each key_shape.
+struct key_shape_names {
+  const char *k, *v, *g;
+};
+inline key_shape_names names_of(key_shape keys) {
+  switch (keys) {
+    case key_shape::slots:
+      return {"[S, Tk, H, D]", "[S, Tk, H, Dv]", "[S, Tk, HQ]"};
+    case key_shape::other_lengths:
+      return {"[B, Tk, H, D]", "[B, Tk, H, Dv]", "[B, Tk, HQ]"};
+    default:
+      return {"[B, T, H, D]", "[B, T, H, Dv]", "[B, T, HQ]"};
+  }
+}
+
 // q, k, v and out: required. Entries 0..3 of every list the front doors build.
 template <class T>
 arg_list qkv_out_args(const view4<const T>& q, const view4<const T>& k, const view4<const T>& v,
@@ -67,22 +82,16 @@ inline qkv_sizes resolve_qkv(const std::string& fn, arg_list& args,
                     v.shape[3],
                     keys != key_shape::queries ? k.shape[1] : q.shape[1],
                     keys == key_shape::slots ? k.shape[0] : q.shape[0]};
-  const bool key_lengths = keys != key_shape::queries;
-  const char* k_shape = keys == key_shape::slots ? "[S, Tk, H, D]"
-                        : key_lengths            ? "[B, Tk, H, D]"
-                                                 : "[B, T, H, D]";
-  const char* v_shape = keys == key_shape::slots ? "[S, Tk, H, Dv]"
-                        : key_lengths            ? "[B, Tk, H, Dv]"
-                                                 : "[B, T, H, Dv]";
+  const key_shape_names names = names_of(keys);
   require(s.HQ >= 1 && s.D >= 1, fn, "q", "must have at least one head and D >= 1 but has shape ",
           shape_of(q));
   require(s.H >= 1, fn, "k", "must have at least one head but has shape ", shape_of(k));
   require(s.HQ % s.H == 0, fn, "k", "has H = ", s.H,
           " heads, which does not divide the HQ = ", s.HQ, " heads of 'q'");
-  args[1].expect(k_shape, s.Bk, s.Tk, s.H, s.D);
+  args[1].expect(names.k, s.Bk, s.Tk, s.H, s.D);
   check_shapes(fn, {args[1]});
   require(s.Dv >= 1, fn, "v", "must have Dv >= 1 but has shape ", shape_of(v));
-  args[2].expect(v_shape, s.Bk, s.Tk, s.H, s.Dv);
+  args[2].expect(names.v, s.Bk, s.Tk, s.H, s.Dv);
   args[3].expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
   return s;
 }
@@ -249,16 +258,11 @@ attention_problem validate_attention(const std::string& fn, const attention_args
   check_presence(fn, args);
   check_placement(fn, args, space::value, Backend::name);
   // PaTH's keys are its queries' tokens: only softmax and FoX read keys of other lengths.
-  constexpr bool key_lengths = !kind_traits<Kind>::uses_householder;
-  const bool slots = key_lengths && p.key_slots.has_value();
-  const qkv_sizes s = resolve_qkv(fn, args,
-                                  slots         ? key_shape::slots
-                                  : key_lengths ? key_shape::other_lengths
-                                                : key_shape::queries);
-  find_arg(args, "g")->expect(slots         ? "[S, Tk, HQ]"
-                              : key_lengths ? "[B, Tk, HQ]"
-                                            : "[B, T, HQ]",
-                              s.Bk, s.Tk, s.HQ);
+  const key_shape keys = kind_traits<Kind>::uses_householder ? key_shape::queries
+                         : p.key_slots.has_value()           ? key_shape::slots
+                                                             : key_shape::other_lengths;
+  const qkv_sizes s = resolve_qkv(fn, args, keys);
+  find_arg(args, "g")->expect(names_of(keys).g, s.Bk, s.Tk, s.HQ);
   find_arg(args, "w")->expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
   find_arg(args, "beta")->expect("[B, T, H]", s.B, s.T, s.H);
   find_arg(args, "lse")->expect("[B, T, HQ]", s.B, s.T, s.HQ);
