@@ -377,17 +377,15 @@ struct ops<backend::cpu> {
   class scratch {
    public:
     scratch(const backend::cpu&, std::size_t bytes)
-        : buf_(bytes > 0 ? new unsigned char[bytes] : nullptr) {}
+        : buf_(bytes > 0 ? new unsigned char[bytes] : nullptr), at_(buf_.get(), bytes) {}
     template <class S>
     S* take(index_t n) {
-      S* p = reinterpret_cast<S*>(buf_.get() + used_);
-      used_ += scratch_bytes<S>(n);
-      return p;
+      return at_.take<S>(n);
     }
 
    private:
     std::unique_ptr<unsigned char[]> buf_;
-    std::size_t used_ = 0;
+    detail::scratch_cursor at_;
   };
 
   // y = x W^T (+ bias): x [rows, in] (row stride ldx), W [out, in], y [rows, out] (stride ldy).

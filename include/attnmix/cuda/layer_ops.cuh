@@ -207,17 +207,16 @@ struct ops<backend::cuda> {
   // Stream-ordered scratch of several typed arrays, carved from one allocation.
   class scratch {
    public:
-    scratch(const backend::cuda& be, std::size_t bytes) : buf_(bytes, stream(be)) {}
+    scratch(const backend::cuda& be, std::size_t bytes)
+        : buf_(bytes, stream(be)), at_(buf_.get(), bytes) {}
     template <class S>
     S* take(index_t n) {
-      S* p = reinterpret_cast<S*>(buf_.get() + used_);
-      used_ += scratch_bytes<S>(n);
-      return p;
+      return at_.template take<S>(n);
     }
 
    private:
     attnmix::detail::cuda::stream_buffer buf_;
-    std::size_t used_ = 0;
+    detail::scratch_cursor at_;
   };
 
   // y = x W^T (+ bias): W in x's type, bias in float, y in x's type or float.

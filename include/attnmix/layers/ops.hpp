@@ -37,8 +37,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <type_traits>
 
+#include "attnmix/core/error.hpp"
 #include "attnmix/core/memory_space.hpp"
 #include "attnmix/core/scalar.hpp"
 #include "attnmix/core/tags.hpp"
@@ -78,6 +80,31 @@ template <class S>
 constexpr std::size_t scratch_bytes(index_t n) {
   return (static_cast<std::size_t>(n) * sizeof(S) + 255) / 256 * 256;
 }
+
+namespace detail {
+// Carves typed arrays in order from one allocation of `bytes` (each backend's scratch). A take
+// past the end is a bug in the caller's size sum: it throws std::logic_error instead of handing
+// out memory beyond the allocation.
+class scratch_cursor {
+ public:
+  scratch_cursor(unsigned char* base, std::size_t bytes) : base_(base), bytes_(bytes) {}
+  template <class S>
+  S* take(index_t n) {
+    const std::size_t need = scratch_bytes<S>(n);
+    if (n < 0 || need > bytes_ - used_)
+      throw std::logic_error(attnmix::detail::concat(
+          "attnmix::layers::scratch::take: ", n, " elements of ", sizeof(S), " bytes need ", need,
+          " bytes, but only ", bytes_ - used_, " of the ", bytes_, " allocated are left"));
+    S* p = reinterpret_cast<S*>(base_ + used_);
+    used_ += need;
+    return p;
+  }
+
+ private:
+  unsigned char* base_;
+  std::size_t bytes_, used_ = 0;
+};
+}  // namespace detail
 
 // What one layer call needs besides its rows: the backend, how the rows split into sequences,
 // each row's position in its sequence ([rows], in the backend's memory; null where no step of

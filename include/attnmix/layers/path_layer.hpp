@@ -12,6 +12,7 @@
 //   y = o_proj attention<path / path_fox>(q, k, v, w, beta[, g])
 // Decoding keeps the PaTH key cache (attention/path_cache.hpp) and the conv's rolling state.
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -94,11 +95,12 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
   struct saved_type {
     buffer<T, space> q_in, k_in, q, k, v, o, wd, r;  // r: the low-rank w projection's middle
     buffer<A, space> w_in, w, beta_in, beta, g_in, g, lse;
+    saved_origin origin;
   };
 
   path_layer() = default;
   explicit path_layer(const config& c)
-      : D_(c.hidden_size),
+      : D_(checked(std::string("attnmix::layers::") + name, c).hidden_size),
         HQ_(c.num_heads),
         H_(c.kv_heads()),
         d_(c.dim()),
@@ -109,7 +111,6 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
         v_proj(D_, H_ * d_),
         o_proj(HQ_ * d_, D_),
         bt_proj(D_, H_, true) {
-    validate_config(std::string("attnmix::layers::") + name, c);
     if (low_rank_) {
       w_proj_down = linear<T, Backend>(D_, c.w_rank);
       w_proj = linear<T, Backend>(c.w_rank, H_ * d_);
@@ -146,16 +147,23 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
         maybe_k_norm(o.maybe_k_norm) {}
 
   index_t hidden_size() const { return D_; }
+  // What a saved state records of the layer that made it.
+  std::array<index_t, 6> sizes() const {
+    return {D_, HQ_, H_, d_, low_rank_ ? w_proj_down.out_features() : 0, 0};
+  }
 
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(on_host_v<Backend>,
                   "attnmix::layers::path_layer: caches live on the host for "
                   "now (prefill and decode on a host backend)");
-    detail::check_cache_size(std::string("attnmix::layers::") + name + "::make_cache", sequences,
-                             capacity, (4 * H_ * d_ + 2 * HQ_ + 2 * H_) * index_t(sizeof(double)),
+    const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
+    detail::check_cache_size(fn, sequences, capacity,
+                             (4 * H_ * d_ + 2 * HQ_ + 2 * H_) * index_t(sizeof(double)),
                              Policy::conv_size * H_ * d_ * index_t(sizeof(T)));
-    return {path_cache<T>(sequences, capacity, HQ_, H_, d_, d_),
-            conv_state<T>(sequences, Policy::conv_size, H_ * d_)};
+    return detail::allocate_cache(fn, sequences, capacity, [&] {
+      return cache_type{path_cache<T>(sequences, capacity, HQ_, H_, d_, d_),
+                        conv_state<T>(sequences, Policy::conv_size, H_ * d_)};
+    });
   }
   void check_cache(const std::string& fn, const char* arg, const std::string& what,
                    const cache_type& cache) const {
@@ -174,6 +182,7 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
   void forward_rows(const context<Backend>& c, const T* x, T* y,
                     saved_type* saved = nullptr) const {
     if (saved == nullptr) return run(c, x, y, nullptr, nullptr);
+    saved->origin.made = false;
     const token_layout& L = c.layout;
     const index_t rows = L.rows();
     const buffers b = take(*saved, rows);
@@ -182,18 +191,21 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
     a.lse = as_rows<Backend, A>(saved->lse.data(), L, HQ_);
     attnmix::attention<K, typename Policy::attention_policy>(a, L.attention(scale_), c.be);
     o_proj.apply(c, b.o, rows, y);
+    saved->origin.record(L, sizes());
   }
 
   // Backward of forward_rows(c, x, y, &saved): every parameter's .grad added to, dx written (or
   // added with `accumulate`). dy, dx: [rows, D].
   void backward_rows(const context<Backend>& c, const T* x, const T* dy, T* dx,
                      const saved_type& sv, bool accumulate = false) {
+    sv.origin.check(std::string("attnmix::layers::") + name + "::backward", "saved", c.layout,
+                    sizes());
     const token_layout& L = c.layout;
     const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
     const index_t nr = low_rank_ ? rows * w_proj_down.out_features() : 0;
     typename O::scratch sc(c.be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 3 +
                                      scratch_bytes<T>(nr) + scratch_bytes<A>(nk) * 2 +
-                                     scratch_bytes<A>(rows * (H_ + HQ_)));
+                                     scratch_bytes<A>(rows * H_) + scratch_bytes<A>(rows * HQ_));
     T *dout = sc.template take<T>(nq), *dq = sc.template take<T>(nq);
     T *dk = sc.template take<T>(nk), *dv = sc.template take<T>(nk), *dwd = sc.template take<T>(nk);
     T* dr = sc.template take<T>(nr);
