@@ -2,6 +2,7 @@
 // safetensors reader left open: each of these inputs once crashed, overflowed, escaped as another
 // exception type or produced NaN.
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -165,6 +166,33 @@ TEST_CASE("a negative extent is reported as a negative extent", "[holes][errors]
   });
   INFO(msg);
   CHECK(contains(msg, "argument 'k' has a negative extent in dimension 2"));
+}
+
+TEST_CASE("a view whose extents multiply past the index type is an attnmix::error",
+          "[holes][errors][cpu]") {
+  constexpr index_t T = 5, H = 1, D = 4;
+  host_tensor<float, 4> q({1, T, H, D}, 0.5f), v({1, T, H, D}, 1.0f), out({1, T, H, D}, 0.0f);
+  std::vector<float> spare(64, 0.0f);
+  const index_t big = index_t{1} << 20;  // big^4 = 2^80 elements
+  for (const auto& shape : {std::array<index_t, 4>{big, big, big, big},
+                            std::array<index_t, 4>{index_t{1} << 62, 4, 1, 4}}) {
+    const std::string msg = message_of([&] {
+      attnmix::attention<attnmix::kind::softmax>(attention_args<float>{
+          q.view(), view4<const float>(spare.data(), shape), v.view(), out.view()});
+    });
+    INFO(msg);
+    CHECK(contains(msg, "argument 'k' has shape"));
+    CHECK(contains(msg, "too many to address"));
+  }
+  // Strides that reach past the index type, with a small shape.
+  const std::string msg = message_of([&] {
+    attnmix::attention<attnmix::kind::softmax>(attention_args<float>{
+        q.view(), view4<const float>(spare.data(), {1, T, H, D}, {1, index_t{1} << 62, 1, 1}),
+        v.view(), out.view()});
+  });
+  INFO(msg);
+  CHECK(contains(msg, "too many to address"));
+  CHECK(out(0, 0, 0, 0) == 0.0f);
 }
 
 TEST_CASE("a path_cache too large to address is an attnmix::error", "[holes][errors][cpu]") {

@@ -51,6 +51,27 @@ void check_space(const std::string& fn, const char* arg, const tensor_view<T, R>
           backend, " backend needs ", to_string(required), " memory");
 }
 
+// Whether a view of non-negative extents and strides can be addressed: its element count and
+// the bytes from its first to its last element fit in index_t (a hostile shape can multiply
+// past 2^63; every later size() and offset must not overflow).
+inline bool addressable(const index_t* shape, const index_t* stride, int rank,
+                        std::size_t element_bytes) {
+  for (int i = 0; i < rank; ++i)
+    if (shape[i] == 0) return true;  // empty: nothing is addressed
+  index_t count = 1, last = 0;
+  for (int i = 0; i < rank; ++i) {
+    index_t step = 0;
+    if (__builtin_mul_overflow(count, shape[i], &count) ||
+        __builtin_mul_overflow(shape[i] - 1, stride[i], &step) ||
+        __builtin_add_overflow(last, step, &last))
+      return false;
+  }
+  index_t bytes = 0;
+  return !__builtin_add_overflow(last, index_t{1}, &last) &&
+         !__builtin_mul_overflow(last, static_cast<index_t>(element_bytes), &bytes) &&
+         !__builtin_mul_overflow(count, static_cast<index_t>(element_bytes), &bytes);
+}
+
 // Non-negative strides, a unit stride on the innermost dimension and a pointer when non-empty.
 template <class T, int R>
 void check_layout(const std::string& fn, const char* arg, const tensor_view<T, R>& v) {
@@ -60,6 +81,8 @@ void check_layout(const std::string& fn, const char* arg, const tensor_view<T, R
             shape_of(v));
   for (int i = 0; i < R; ++i)
     require(v.stride(i) >= 0, fn, arg, "has a negative stride ", v.stride(i), " in dimension ", i);
+  require(addressable(v.shape().data(), v.strides().data(), R, sizeof(T)), fn, arg, "has shape ",
+          shape_of(v), " whose elements are too many to address");
   if (v.size() == 0) return;
   require(v.data() != nullptr, fn, arg, "has shape ", shape_of(v), " but a null pointer");
   require(v.extent(R - 1) == 1 || v.stride(R - 1) == 1, fn, arg,
@@ -255,6 +278,8 @@ inline void check_placement(const std::string& fn, arg_list& args, memory_space 
     for (int i = 0; i < a.rank; ++i)
       require(a.stride[static_cast<std::size_t>(i)] >= 0, fn, a.name, "has a negative stride ",
               a.stride[static_cast<std::size_t>(i)], " in dimension ", i);
+    require(addressable(a.shape.data(), a.stride.data(), a.rank, a.element_bytes), fn, a.name,
+            "has shape ", shape_of(a), " whose elements are too many to address");
     if (a.size() > 0) {
       require(a.data != nullptr, fn, a.name, "has shape ", shape_of(a), " but a null pointer");
       const auto last = static_cast<std::size_t>(a.rank - 1);
