@@ -47,6 +47,14 @@ struct path_cache_space<device_space> {
     require(value_dim % 8 == 0 && value_dim <= 128, fn, "value_dim",
             "must be a multiple of 8 in [8, 128] but is ", value_dim);
   }
+  // More bytes than the device has is a bad capacity (checked before cudaMalloc).
+  static void check_bytes(const std::string& fn, index_t slots, index_t capacity,
+                          std::size_t bytes) {
+    std::size_t free_bytes = 0, total = 0;
+    cuda::check(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
+    require(bytes <= total, fn, "capacity", "of ", capacity, " tokens for ", slots, " slots needs ",
+            bytes, " bytes, more than the device's ", total);
+  }
   // Throws attnmix::cuda_error if the allocation fails. Movable, not copyable.
   class buffer {
    public:
@@ -136,8 +144,11 @@ struct path_cache_impl<backend::cuda> {
     static_assert(!std::is_same_v<T, double>,
                   "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
     const std::string fn = path_fn<Kind>("path_decode_step");
-    cuda::decode_cache target{path_cache_access::keys(cache), path_cache_access::values(cache),
-                              path_cache_access::gates(cache), cache.capacity(), {}};
+    cuda::decode_cache target{path_cache_access::keys(cache),
+                              path_cache_access::values(cache),
+                              path_cache_access::gates(cache),
+                              cache.capacity(),
+                              {}};
     for (index_t s : where)
       target.rows.push_back(
           {static_cast<std::int32_t>(s), static_cast<std::int32_t>(cache.length(s))});

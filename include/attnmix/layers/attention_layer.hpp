@@ -13,11 +13,14 @@
 // The forward is written once over ops<Backend>; prefill and decoding run on host backends.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
+#include <new>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attnmix/attention/attention.hpp"
@@ -69,16 +72,38 @@ class kv_cache<T, host_space> {
 
  public:
   kv_cache() = default;
-  kv_cache(index_t sequences, index_t capacity, index_t q_heads, index_t kv_heads, index_t d)
-      : n_(sequences),
-        cap_(capacity),
-        hq_(q_heads),
-        h_(kv_heads),
-        d_(d),
-        keys_(static_cast<std::size_t>(sequences * capacity * kv_heads * d)),
-        values_(keys_.size()),
-        gates_(static_cast<std::size_t>(sequences * capacity * q_heads), A(0)),
-        lengths_(static_cast<std::size_t>(sequences), 0) {}
+  // Throws attnmix::error naming a bad size, or a capacity whose storage cannot be allocated.
+  kv_cache(index_t sequences, index_t capacity, index_t q_heads, index_t kv_heads, index_t d) {
+    const std::string fn = "attnmix::layers::kv_cache";
+    attnmix::detail::require(kv_heads >= 1, fn, "kv_heads", "must be >= 1 but is ", kv_heads);
+    attnmix::detail::require(q_heads >= 1 && q_heads % kv_heads == 0, fn, "q_heads",
+                             "must be a positive multiple of kv_heads = ", kv_heads, " but is ",
+                             q_heads);
+    attnmix::detail::require(d >= 1, fn, "head_dim", "must be >= 1 but is ", d);
+    detail::check_cache_size(fn, sequences, capacity,
+                             (2 * kv_heads * d + q_heads) * index_t(sizeof(double)));
+    detail::allocate_cache(fn, sequences, capacity, [&] {
+      keys_.assign(static_cast<std::size_t>(sequences * capacity * kv_heads * d), T(0));
+      values_.assign(keys_.size(), T(0));
+      gates_.assign(static_cast<std::size_t>(sequences * capacity * q_heads), A(0));
+    });
+    lengths_.assign(static_cast<std::size_t>(sequences), 0);
+    n_ = sequences, cap_ = capacity, hq_ = q_heads, h_ = kv_heads, d_ = d;
+  }
+  kv_cache(const kv_cache&) = default;
+  kv_cache& operator=(const kv_cache&) = default;
+  // A moved-from cache holds no slots and fits no layer (its sizes are 0).
+  kv_cache(kv_cache&& o) noexcept { *this = std::move(o); }
+  kv_cache& operator=(kv_cache&& o) noexcept {
+    if (this != &o) {
+      n_ = std::exchange(o.n_, 0), cap_ = std::exchange(o.cap_, 0);
+      hq_ = std::exchange(o.hq_, 0), h_ = std::exchange(o.h_, 0), d_ = std::exchange(o.d_, 0);
+      keys_ = std::move(o.keys_), values_ = std::move(o.values_), gates_ = std::move(o.gates_);
+      lengths_ = std::move(o.lengths_);
+      o.keys_.clear(), o.values_.clear(), o.gates_.clear(), o.lengths_.clear();
+    }
+    return *this;
+  }
 
   index_t sequences() const { return n_; }
   index_t capacity() const { return cap_; }
@@ -132,11 +157,12 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
   struct saved_type {
     buffer<T, space> q_in, k_in, q, k, v, o, gate;  // [rows, heads * d]
     buffer<A, space> f, lse;                        // [rows, HQ]
+    saved_origin origin;
   };
 
   attention_layer() = default;
   explicit attention_layer(const config& c)
-      : D_(c.hidden_size),
+      : D_(checked(std::string("attnmix::layers::") + name, c).hidden_size),
         HQ_(c.num_heads),
         H_(c.kv_heads()),
         d_(c.dim()),
@@ -147,7 +173,6 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
         k_proj(D_, H_ * d_, Policy::qkv_bias),
         v_proj(D_, H_ * d_, Policy::qkv_bias),
         o_proj(HQ_ * d_, D_) {
-    validate_config(std::string("attnmix::layers::") + name, c);
     if constexpr (fox) f_proj = linear<T, Backend>(D_, HQ_, true);
     if constexpr (Policy::output_gate) g_proj = linear<T, Backend>(D_, HQ_ * d_);
     if constexpr (Policy::qk_norm) {
@@ -175,6 +200,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
         k_norm(o.k_norm) {}
 
   index_t hidden_size() const { return D_; }
+  // What a saved state records of the layer that made it.
+  std::array<index_t, 6> sizes() const { return {D_, HQ_, H_, d_, 0, 0}; }
   // Sliding window (config.window); 0: none.
   index_t window() const { return window_; }
 
@@ -183,8 +210,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     static_assert(on_host_v<Backend>,
                   "attnmix::layers::attention_layer: caches live on the host "
                   "for now (prefill and decode on a host backend)");
-    detail::check_cache_size(std::string("attnmix::layers::") + name + "::make_cache", sequences,
-                             capacity,
+    const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
+    detail::check_cache_size(fn, sequences, capacity,
                              (2 * H_ * d_) * index_t(sizeof(T)) + HQ_ * index_t(sizeof(double)));
     return cache_type(sequences, capacity, HQ_, H_, d_);
   }
@@ -199,13 +226,17 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
   // backward_rows needs.
   void forward_rows(const context<Backend>& c, const T* x, T* y,
                     saved_type* saved = nullptr) const {
+    if (saved != nullptr) saved->origin.made = false;
     run(c, x, y, nullptr, nullptr, saved);
+    if (saved != nullptr) saved->origin.record(c.layout, sizes());
   }
 
   // Backward of forward_rows(c, x, y, &saved): every parameter's .grad added to, dx written (or
   // added with `accumulate`). dy, dx: [rows, D].
   void backward_rows(const context<Backend>& c, const T* x, const T* dy, T* dx,
                      const saved_type& sv, bool accumulate = false) {
+    sv.origin.check(std::string("attnmix::layers::") + name + "::backward", "saved", c.layout,
+                    sizes());
     const token_layout& L = c.layout;
     const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
     typename O::scratch sc(c.be, scratch_bytes<T>(nq) * 3 + scratch_bytes<T>(nk) * 2 +
@@ -300,7 +331,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     A* g = sc.template take<A>(N * HQ_);
     project(c, x, q, k, v, g);
     for (index_t n = 0; n < N; ++n) {
-      const index_t s = rows[static_cast<std::size_t>(n)], t = cache.length(s);
+      const auto i = static_cast<std::size_t>(n);
+      const index_t s = rows[i], t = pos[i];
       std::copy_n(k + n * H_ * d_, H_ * d_, cache.key(s, t));
       std::copy_n(v + n * H_ * d_, H_ * d_, cache.value(s, t));
       if constexpr (fox) std::copy_n(g + n * HQ_, HQ_, cache.gate(s, t));

@@ -6,9 +6,11 @@
 #include <cstddef>
 #include <initializer_list>
 #include <limits>
+#include <new>
 #include <string>
 
 #include "attnmix/core/error.hpp"
+#include "attnmix/core/memory_space.hpp"
 #include "attnmix/core/tensor_view.hpp"
 
 namespace attnmix {
@@ -66,6 +68,24 @@ inline void check_cache_size(const std::string& fn, index_t sequences, index_t c
   attnmix::detail::require(fits, fn, "capacity", "of ", capacity, " tokens for ", sequences,
                            " sequences (", bytes_per_token, " bytes a token, ", bytes_per_sequence,
                            " a sequence) exceeds the addressable size");
+  const auto bytes = static_cast<std::size_t>(sequences * (capacity * tok + bytes_per_sequence));
+  attnmix::detail::require(bytes <= host_memory_bytes(), fn, "capacity", "of ", capacity,
+                           " tokens for ", sequences, " sequences needs about ", bytes,
+                           " bytes, more than the ", host_memory_bytes(),
+                           " bytes of this machine's memory");
+}
+
+// make(), with an allocation that fails (std::bad_alloc) reported as attnmix::error naming the
+// capacity: a cache too large for the machine is a bad argument, not a crash.
+template <class Make>
+auto allocate_cache(const std::string& fn, index_t sequences, index_t capacity, Make&& make)
+    -> decltype(make()) {
+  try {
+    return make();
+  } catch (const std::bad_alloc&) {
+    attnmix::detail::fail(fn, "capacity", "of ", capacity, " tokens for ", sequences,
+                          " sequences needs more memory than could be allocated");
+  }
 }
 
 }  // namespace detail

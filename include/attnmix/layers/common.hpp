@@ -7,7 +7,11 @@
 // Parameters follow PyTorch's (and flash-linear-attention's) shapes: a linear map in -> out
 // holds weight [out, in] and computes y = x W^T + b.
 
+#include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -47,25 +51,62 @@ struct config {
   index_t dim() const { return head_dim > 0 ? head_dim : hidden_size / num_heads; }
 };
 
-// Throws attnmix::error when a config cannot describe a layer.
+// Throws attnmix::error when a config cannot describe a layer: every size, head count, head
+// dim, constant and window is checked, and the largest weight ([widest, widest] elements of 8
+// bytes) must be addressable, so that no layer divides by zero, overflows a size or allocates
+// a negative count while it is being built.
 inline void validate_config(const std::string& fn, const config& c) {
-  detail::require(c.hidden_size >= 1, fn, "config.hidden_size", "must be >= 1 but is ",
-                  c.hidden_size);
-  detail::require(c.num_heads >= 1, fn, "config.num_heads", "must be >= 1 but is ", c.num_heads);
-  detail::require(c.num_kv_heads >= 0 && c.num_heads % c.kv_heads() == 0, fn, "config.num_kv_heads",
-                  "must divide num_heads = ", c.num_heads, " but is ", c.kv_heads());
-  detail::require(c.dim() >= 1, fn, "config.head_dim", "must be >= 1 but resolves to ", c.dim(),
-                  " (hidden_size ", c.hidden_size, " / num_heads ", c.num_heads, ")");
-  detail::require(c.norm_eps > 0 && c.head_norm_eps > 0, fn, "config.norm_eps",
-                  "and head_norm_eps must be > 0");
-  detail::require(c.w_rank >= 1, fn, "config.w_rank", "must be >= 1 but is ", c.w_rank);
-  detail::require(c.window >= 0, fn, "config.window", "must be >= 0 (0: no window) but is ",
-                  c.window);
+  using attnmix::detail::require;
+  require(c.hidden_size >= 1, fn, "config.hidden_size", "must be >= 1 but is ", c.hidden_size);
+  require(c.num_heads >= 1, fn, "config.num_heads", "must be >= 1 but is ", c.num_heads);
+  require(c.num_kv_heads >= 0, fn, "config.num_kv_heads", "must be >= 0 (0: num_heads) but is ",
+          c.num_kv_heads);
+  require(c.num_heads % c.kv_heads() == 0, fn, "config.num_kv_heads",
+          "must divide num_heads = ", c.num_heads, " but is ", c.kv_heads());
+  require(c.head_dim >= 0, fn, "config.head_dim",
+          "must be >= 0 (0: hidden_size / num_heads) but is ", c.head_dim);
+  require(c.dim() >= 1, fn, "config.head_dim", "must be >= 1 but resolves to ", c.dim(),
+          " (hidden_size ", c.hidden_size, " / num_heads ", c.num_heads, ")");
+  require(c.intermediate_size >= 0, fn, "config.intermediate_size",
+          "must be >= 0 (0: the default width) but is ", c.intermediate_size);
+  require(c.w_rank >= 1, fn, "config.w_rank", "must be >= 1 but is ", c.w_rank);
+  require(c.window >= 0, fn, "config.window", "must be >= 0 (0: no window) but is ", c.window);
+  const auto positive = [](double x) {
+    return std::isfinite(x) && x > 0;
+  };
+  require(positive(c.norm_eps), fn, "config.norm_eps", "must be finite and > 0 but is ",
+          c.norm_eps);
+  require(positive(c.head_norm_eps), fn, "config.head_norm_eps", "must be finite and > 0 but is ",
+          c.head_norm_eps);
+  require(positive(c.rope_theta), fn, "config.rope_theta", "must be finite and > 0 but is ",
+          c.rope_theta);
+  require(!c.scale || std::isfinite(*c.scale), fn, "config.scale",
+          "must be finite when given but is ", c.scale.value_or(0.0));
+  // Every width a layer multiplies: hidden, HQ * d, H * d, the MLP's, the PaTH rank.
+  const index_t max = std::numeric_limits<index_t>::max() / 8;
+  const index_t mlp_default = c.hidden_size <= max / 4 ? 4 * c.hidden_size + 256 : max;
+  index_t widest = std::max({c.hidden_size, mlp_default, c.intermediate_size, c.w_rank});
+  index_t qd = 0, sq = 0;
+  bool fits = attnmix::detail::checked_mul(c.num_heads, c.dim(), qd, max);
+  widest = std::max(widest, qd);
+  fits = fits && attnmix::detail::checked_mul(widest, widest, sq, max);
+  require(fits, fn, "config.hidden_size", "with num_heads ", c.num_heads, ", head_dim ", c.dim(),
+          ", intermediate_size ", c.intermediate_size, " and w_rank ", c.w_rank,
+          " makes weights too large to address");
+}
+
+// c, once validate_config(fn, c) has passed: for the first member initialiser of a layer, so
+// that a bad config is rejected before any member is built from it.
+inline const config& checked(const std::string& fn, const config& c) {
+  validate_config(fn, c);
+  return c;
 }
 
 // One named tensor of a layer, owned, row-major, with a dynamic shape (rank 1-3), in the memory
 // of Space. The host one (here) is what io::save / io::load and randomize_parameters read and
 // write; the device one (attnmix/cuda/layer_ops.cuh) is made from it by copying it once.
+inline std::string shape_string(const std::vector<index_t>& s);
+
 template <class T, class Space = host_space>
 struct parameter;
 
@@ -78,8 +119,15 @@ struct parameter<T, host_space> {
   std::vector<accum_t<T>> grad;
 
   parameter() = default;
+  // Throws attnmix::error for a negative extent or more elements than can be addressed.
   explicit parameter(std::vector<index_t> s, T fill = T(0)) : shape(std::move(s)) {
-    data.assign(static_cast<std::size_t>(numel()), fill);
+    const index_t max = std::numeric_limits<index_t>::max() / index_t(sizeof(double));
+    index_t n = 1;
+    for (index_t e : shape)
+      attnmix::detail::require(e >= 0 && attnmix::detail::checked_mul(n, e, n, max),
+                               "attnmix::layers::parameter", "shape", shape_string(shape),
+                               " must have extents >= 0 whose product can be addressed");
+    data.assign(static_cast<std::size_t>(n), fill);
   }
   index_t numel() const {
     return std::accumulate(shape.begin(), shape.end(), index_t{1},
@@ -164,6 +212,33 @@ struct token_layout {
     p.window = window;
     p.cu_seqlens = cu_view();
     return p;
+  }
+};
+
+// What a training forward ran on, kept in the saved state it fills, so that a backward can check
+// that the state belongs to its call: the token layout and the sizes of the layer that made it
+// (a state of fewer tokens or of another configuration would be read past its end).
+struct saved_origin {
+  bool made = false;
+  token_layout layout;
+  std::array<index_t, 6> sizes{};
+
+  void record(const token_layout& L, const std::array<index_t, 6>& layer_sizes) {
+    made = true, layout = L, sizes = layer_sizes;
+  }
+  // Throws attnmix::error naming `arg` unless a forward on L by a layer of these sizes made it.
+  void check(const std::string& fn, const char* arg, const token_layout& L,
+             const std::array<index_t, 6>& layer_sizes) const {
+    using attnmix::detail::require;
+    require(made, fn, arg, "was not filled by a training forward");
+    require(
+        layout.batch == L.batch && layout.tokens == L.tokens && layout.cu_seqlens == L.cu_seqlens,
+        fn, arg, "was saved by a forward over ", layout.batch, " x ", layout.tokens, " tokens (",
+        layout.num_sequences(), " sequences) but this call has ", L.batch, " x ", L.tokens, " (",
+        L.num_sequences(), ")");
+    require(sizes == layer_sizes, fn, arg, "was saved by a layer of sizes ",
+            attnmix::detail::shape_string(sizes.data(), 6), " but this layer has ",
+            attnmix::detail::shape_string(layer_sizes.data(), 6));
   }
 };
 

@@ -12,6 +12,7 @@
 // The causal kind keeps (S, z, lse) per sequence and KV head, plus the conv state, to decode.
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -154,11 +155,12 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
   struct saved_type {
     buffer<T, space> conv, q, k, v, g, o;
     buffer<A, space> a, S, z, lse;
+    saved_origin origin;
   };
 
   linear_layer() = default;
   explicit linear_layer(const config& c)
-      : D_(c.hidden_size),
+      : D_(checked(std::string("attnmix::layers::") + name, c).hidden_size),
         HQ_(c.num_heads),
         H_(c.kv_heads()),
         d_(c.dim()),
@@ -167,7 +169,6 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
         k_proj(D_, H_ * d_),
         v_proj(D_, H_ * d_),
         o_proj(HQ_ * d_, D_) {
-    validate_config(std::string("attnmix::layers::") + name, c);
     if constexpr (Policy::use_conv)
       conv1d = short_conv<T, Backend>(D_, Policy::conv_size, Policy::conv_silu);
     if constexpr (gated) a_proj = linear<T, Backend>(D_, Core::gate == key_gate::shared ? 1 : H_);
@@ -195,18 +196,25 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
         o_norm_weight(o.o_norm_weight) {}
 
   index_t hidden_size() const { return D_; }
+  // What a saved state records of the layer that made it.
+  std::array<index_t, 6> sizes() const {
+    return {D_, HQ_, H_, d_, gated ? a_proj.out_features() : 0, normed ? o_norm_weight.numel() : 0};
+  }
 
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers have a cache");
     static_assert(on_host_v<Backend>,
                   "attnmix::layers::linear_layer: caches live on the host for "
                   "now (prefill and decode on a host backend)");
+    const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
     detail::check_cache_size(
-        std::string("attnmix::layers::") + name + "::make_cache", sequences, capacity, 0,
+        fn, sequences, capacity, 0,
         (H_ * d_ * d_ + H_ * d_ + H_) * index_t(sizeof(A)) +
             (Policy::use_conv ? Policy::conv_size : 1) * D_ * index_t(sizeof(T)));
-    return cache_type(sequences, capacity, H_, d_,
-                      conv_state<T>(sequences, Policy::use_conv ? Policy::conv_size : 1, D_));
+    return detail::allocate_cache(fn, sequences, capacity, [&] {
+      return cache_type(sequences, capacity, H_, d_,
+                        conv_state<T>(sequences, Policy::use_conv ? Policy::conv_size : 1, D_));
+    });
   }
   void check_cache(const std::string& fn, const char* arg, const std::string& what,
                    const cache_type& cache) const {
@@ -222,13 +230,17 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
   // backward_rows needs.
   void forward_rows(const context<Backend>& c, const T* x, T* y,
                     saved_type* saved = nullptr) const {
+    if (saved != nullptr) saved->origin.made = false;
     run(c, x, y, nullptr, false, saved);
+    if (saved != nullptr) saved->origin.record(c.layout, sizes());
   }
 
   // Backward of forward_rows(c, x, y, &saved): every parameter's .grad added to, dx written (or
   // added with `accumulate`). dy, dx: [rows, D].
   void backward_rows(const context<Backend>& c, const T* u, const T* dy, T* du,
                      const saved_type& sv, bool accumulate = false) {
+    sv.origin.check(std::string("attnmix::layers::") + name + "::backward", "saved", c.layout,
+                    sizes());
     const token_layout& L = c.layout;
     const index_t rows = L.rows(), nq = rows * HQ_ * d_, nk = rows * H_ * d_;
     const index_t Hg = gated ? a_proj.out_features() : 0;

@@ -38,7 +38,7 @@ class mlp {
 
   mlp() = default;
   explicit mlp(const config& c)
-      : D_(c.hidden_size),
+      : D_(checked("attnmix::layers::mlp", c).hidden_size),
         I_(mlp_width(c, Kind)),
         gate_proj(Kind == mlp_kind::swiglu ? linear<T, Backend>(D_, I_) : linear<T, Backend>()),
         up_proj(D_, I_),

@@ -6,6 +6,7 @@
 // Both run on ops<Backend>::norm; input and output types may differ (the float residual stream
 // of a stack into its compute type).
 
+#include <cmath>
 #include <string>
 
 #include "attnmix/core/scalar.hpp"
@@ -16,6 +17,15 @@
 namespace attnmix {
 namespace layers {
 
+namespace detail {
+// eps, checked finite and > 0 (a NaN or negative eps makes every output NaN).
+inline double checked_eps(const char* layer, double eps) {
+  attnmix::detail::require(std::isfinite(eps) && eps > 0, std::string("attnmix::layers::") + layer,
+                           "eps", "must be finite and > 0 but is ", eps);
+  return eps;
+}
+}  // namespace detail
+
 template <class T, class Backend = backend::cpu>
 class rms_norm {
   using space = typename Backend::memory_space;
@@ -23,7 +33,7 @@ class rms_norm {
  public:
   rms_norm() = default;
   explicit rms_norm(index_t width, double eps = 1e-6)
-      : weight({width}, accum_t<T>(1)), width_(width), eps_(eps) {}
+      : weight({width}, accum_t<T>(1)), width_(width), eps_(detail::checked_eps("rms_norm", eps)) {}
   template <class U, class B>
   explicit rms_norm(const rms_norm<U, B>& other)
       : weight(other.weight), width_(other.width()), eps_(other.eps()) {}
@@ -77,7 +87,7 @@ class head_rms_norm {
         heads_(heads),
         d_(d),
         per_head_(per_head),
-        eps_(eps) {}
+        eps_(detail::checked_eps("head_rms_norm", eps)) {}
   template <class U, class B>
   explicit head_rms_norm(const head_rms_norm<U, B>& other)
       : weight(other.weight),

@@ -57,8 +57,12 @@ class short_conv {
 
  public:
   short_conv() = default;
+  // Throws attnmix::error unless kernel >= 1 (and channels >= 0).
   short_conv(index_t channels, index_t kernel, bool silu = true)
-      : weight({channels, 1, kernel}), channels_(channels), kernel_(kernel), silu_(silu) {}
+      : weight({channels, 1, kernel}), channels_(channels), kernel_(kernel), silu_(silu) {
+    attnmix::detail::require(kernel >= 1, "attnmix::layers::short_conv", "kernel",
+                             "must be >= 1 but is ", kernel);
+  }
   template <class U, class B>
   explicit short_conv(const short_conv<U, B>& other)
       : weight(other.weight),

@@ -208,9 +208,9 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
       causal, std::tuple<typename Layers::template type<T, Backend>::cache_type...>, std::tuple<>>;
 
   explicit basic_stack_impl(const layers::config& c)
-      : cfg_(c), blocks_(block<Layers>(c)...), norm(c.hidden_size, c.norm_eps) {
-    layers::validate_config("attnmix::stack", c);
-  }
+      : cfg_(layers::checked("attnmix::stack", c)),
+        blocks_(block<Layers>(c)...),
+        norm(c.hidden_size, c.norm_eps) {}
   // The same stack on Backend in T: every weight of `other` copied (and rounded) once, the
   // projections in T, norm weights, conv taps and biases in accum_t<T>. Later changes to
   // `other`'s parameters need a new copy.
@@ -219,6 +219,11 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
       : basic_stack_impl(other, std::index_sequence_for<Layers...>{}) {}
 
   const layers::config& config() const { return cfg_; }
+  // The sizes a saved state records of the stack that made it.
+  std::array<index_t, 7> sizes() const {
+    return {cfg_.hidden_size,       cfg_.num_heads, cfg_.kv_heads(), cfg_.dim(),
+            cfg_.intermediate_size, cfg_.w_rank,    cfg_.window};
+  }
   index_t hidden_size() const { return cfg_.hidden_size; }
   // Layer names in order, e.g. {"sa", "gbla", "gbla", ...}.
   static std::vector<const char*> layer_names() { return {Layers::name...}; }
@@ -236,8 +241,11 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     std::vector<std::int64_t> src;  // mask: packed row -> row of x
     const layers::token_layout L = rows_layout(fn, x, in, src);
     const index_t rows = L.rows();
-    if (in.mask.has_value()) O::zero(be, out.data(), out.size());
-    if (rows == 0) return;
+    // Pad rows of out are zeroed last, once every block has run (a failing call writes nothing).
+    if (rows == 0) {
+      if (in.mask.has_value()) O::zero(be, out.data(), out.size());
+      return;
+    }
 
     // One allocation: the residual stream h, the blocks' input t and output m, the positions and
     // the packed rows' sources.
@@ -259,6 +267,7 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     run_blocks(c, h, t, m, nullptr, nullptr, in.on_layer);
     if (dsrc != nullptr) {
       norm.apply(c, h, rows, t);
+      O::zero(be, out.data(), out.size());
       O::move_rows(c, t, out.data(), static_cast<const std::int64_t*>(nullptr), dsrc, rows, D);
     } else {
       norm.apply(c, h, rows, out.data());
@@ -283,6 +292,8 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     layers::buffer<std::int32_t, space> positions;  // [rows]
     std::vector<layers::buffer<R, space>> h;        // h[i]: block i's input; h[L]: the norm's
     std::tuple<block_saved<Layers>...> blocks;
+    // The sizes of the stack whose forward filled it (all 0 until one has).
+    std::array<index_t, 7> made_by{};
   };
 
   // The forward of training: the same as forward(x, out, in, be), also keeping in `saved` what
@@ -294,16 +305,20 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     const std::string fn = "attnmix::stack::forward";
     const index_t D = cfg_.hidden_size;
     check_rows(fn, x, out);
+    sv.made_by = {};
     sv.shape = {x.extent(0), x.extent(1), x.extent(2)};
     sv.layout = rows_layout(fn, x, in, sv.src);
     const layers::token_layout& L = sv.layout;
     const index_t rows = L.rows(), n = rows * D;
-    if (in.mask.has_value()) O::zero(be, out.data(), out.size());
     sv.positions.resize(rows);
     sv.src_rows.resize(index_t(sv.src.size()));
     sv.h.resize(num_layers + 1);
     for (auto& b : sv.h) b.resize(n);
-    if (rows == 0) return;
+    if (rows == 0) {
+      if (in.mask.has_value()) O::zero(be, out.data(), out.size());
+      sv.made_by = sizes();
+      return;
+    }
     O::positions(be, sv.positions.data(), L);
     O::upload(be, sv.src_rows.data(), sv.src.data(), index_t(sv.src.size()));
     const std::int64_t* src = sv.src.empty() ? nullptr : sv.src_rows.data();
@@ -326,10 +341,12 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
       typename O::scratch s(be, layers::scratch_bytes<T>(n));
       T* t = s.template take<T>(n);
       norm.apply(c, sv.h[num_layers].data(), rows, t);
+      O::zero(be, out.data(), out.size());
       O::move_rows(c, t, out.data(), static_cast<const std::int64_t*>(nullptr), src, rows, D);
     } else {
       norm.apply(c, sv.h[num_layers].data(), rows, out.data());
     }
+    sv.made_by = sizes();
   }
 
   // Training: from `saved` (the training forward) and dout = dL/d(out) [B, T, D], writes dL/dx
@@ -339,6 +356,13 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
                 const Backend& be = Backend{}) {
     const std::string fn = "attnmix::stack::backward";
     const index_t D = cfg_.hidden_size;
+    attnmix::detail::require(sv.made_by != std::array<index_t, 7>{}, fn, "saved",
+                             "was not filled by a training forward");
+    attnmix::detail::require(sv.made_by == sizes(), fn, "saved", "was saved by a stack of sizes ",
+                             attnmix::detail::shape_string(sv.made_by.data(), 7),
+                             " but this stack has ",
+                             attnmix::detail::shape_string(sizes().data(), 7),
+                             " (hidden, heads, KV heads, head dim, MLP width, w_rank, window)");
     for (const auto& [name, v] : {std::pair<const char*, view3<const T>>{"dout", dout},
                                   std::pair<const char*, view3<const T>>{"dx", dx}}) {
       layers::detail::check_activation(fn, name, v, D, space_of_v<Backend>, Backend::name);
