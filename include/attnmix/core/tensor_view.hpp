@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -29,10 +30,12 @@ class tensor_view {
   // A contiguous row-major view.
   tensor_view(T* data, const extents_type& shape, memory_space space = memory_space::host)
       : data_(data), shape_(shape), space_(space), bound_(true) {
-    index_t s = 1;
+    // Wrapping arithmetic: a shape too large to address gets meaningless strides, not undefined
+    // behaviour, and the front doors' layout check rejects it by its extents.
+    std::uint64_t s = 1;
     for (int i = Rank - 1; i >= 0; --i) {
-      stride_[i] = s;
-      s *= shape_[i];
+      stride_[i] = static_cast<index_t>(s);
+      s *= static_cast<std::uint64_t>(shape_[i]);
     }
   }
 

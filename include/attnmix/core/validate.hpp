@@ -51,25 +51,25 @@ void check_space(const std::string& fn, const char* arg, const tensor_view<T, R>
           backend, " backend needs ", to_string(required), " memory");
 }
 
-// Whether a view of non-negative extents and strides can be addressed: its element count and
-// the bytes from its first to its last element fit in index_t (a hostile shape can multiply
-// past 2^63; every later size() and offset must not overflow).
+// Whether a view of non-negative extents can be addressed: its element count and the bytes from
+// its first to its last element (over its non-negative strides) fit in index_t. A hostile shape
+// can multiply past 2^63, and every later size() and offset must not overflow.
 inline bool addressable(const index_t* shape, const index_t* stride, int rank,
                         std::size_t element_bytes) {
   for (int i = 0; i < rank; ++i)
     if (shape[i] == 0) return true;  // empty: nothing is addressed
-  index_t count = 1, last = 0;
+  const auto bytes = static_cast<index_t>(element_bytes);
+  index_t count = 1, last = 0, step = 0, total = 0;
   for (int i = 0; i < rank; ++i) {
-    index_t step = 0;
-    if (__builtin_mul_overflow(count, shape[i], &count) ||
-        __builtin_mul_overflow(shape[i] - 1, stride[i], &step) ||
+    if (__builtin_mul_overflow(count, shape[i], &count)) return false;
+    if (stride[i] < 0) continue;  // reported as a negative stride
+    if (__builtin_mul_overflow(shape[i] - 1, stride[i], &step) ||
         __builtin_add_overflow(last, step, &last))
       return false;
   }
-  index_t bytes = 0;
-  return !__builtin_add_overflow(last, index_t{1}, &last) &&
-         !__builtin_mul_overflow(last, static_cast<index_t>(element_bytes), &bytes) &&
-         !__builtin_mul_overflow(count, static_cast<index_t>(element_bytes), &bytes);
+  return !__builtin_mul_overflow(count, bytes, &total) &&
+         !__builtin_add_overflow(last, index_t{1}, &last) &&
+         !__builtin_mul_overflow(last, bytes, &total);
 }
 
 // Non-negative strides, a unit stride on the innermost dimension and a pointer when non-empty.
@@ -79,10 +79,10 @@ void check_layout(const std::string& fn, const char* arg, const tensor_view<T, R
   for (int i = 0; i < R; ++i)
     require(v.extent(i) >= 0, fn, arg, "has a negative extent in dimension ", i, ": shape ",
             shape_of(v));
-  for (int i = 0; i < R; ++i)
-    require(v.stride(i) >= 0, fn, arg, "has a negative stride ", v.stride(i), " in dimension ", i);
   require(addressable(v.shape().data(), v.strides().data(), R, sizeof(T)), fn, arg, "has shape ",
           shape_of(v), " whose elements are too many to address");
+  for (int i = 0; i < R; ++i)
+    require(v.stride(i) >= 0, fn, arg, "has a negative stride ", v.stride(i), " in dimension ", i);
   if (v.size() == 0) return;
   require(v.data() != nullptr, fn, arg, "has shape ", shape_of(v), " but a null pointer");
   require(v.extent(R - 1) == 1 || v.stride(R - 1) == 1, fn, arg,
@@ -275,11 +275,11 @@ inline void check_placement(const std::string& fn, arg_list& args, memory_space 
     for (int i = 0; i < a.rank; ++i)
       require(a.shape[static_cast<std::size_t>(i)] >= 0, fn, a.name,
               "has a negative extent in dimension ", i, ": shape ", shape_of(a));
+    require(addressable(a.shape.data(), a.stride.data(), a.rank, a.element_bytes), fn, a.name,
+            "has shape ", shape_of(a), " whose elements are too many to address");
     for (int i = 0; i < a.rank; ++i)
       require(a.stride[static_cast<std::size_t>(i)] >= 0, fn, a.name, "has a negative stride ",
               a.stride[static_cast<std::size_t>(i)], " in dimension ", i);
-    require(addressable(a.shape.data(), a.stride.data(), a.rank, a.element_bytes), fn, a.name,
-            "has shape ", shape_of(a), " whose elements are too many to address");
     if (a.size() > 0) {
       require(a.data != nullptr, fn, a.name, "has shape ", shape_of(a), " but a null pointer");
       const auto last = static_cast<std::size_t>(a.rank - 1);
