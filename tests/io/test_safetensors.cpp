@@ -10,6 +10,7 @@
 
 #include "attnmix/io/safetensors.hpp"
 #include "layers/layer_harness.hpp"
+#include "support/errors.hpp"
 
 namespace {
 
@@ -225,6 +226,94 @@ TEST_CASE("bad files give attnmix::error naming file and tensor", "[io][errors]"
     CHECK(msg.find("cannot be opened") != std::string::npos);
     CHECK(msg.find("/nonexistent/dir/model.safetensors") != std::string::npos);
   }
+}
+
+// A model that checks the values it loads: every value of "w" must be >= 0.
+struct checked_model {
+  L::parameter<double> w{{3}}, b{{2}};
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("w", w), f("b", b);
+  }
+  template <class F>
+  void visit_parameters(F&& f) const {
+    f("w", w), f("b", b);
+  }
+  template <class Values, class Reject>
+  void check_loaded(Values&& values, Reject&& reject) const {
+    const std::vector<double> v = values("w");
+    for (std::size_t i = 0; i < v.size(); ++i)
+      if (!(v[i] >= 0)) reject("tensor 'w' holds a negative value at [" + std::to_string(i) + "]");
+  }
+};
+
+TEST_CASE("a model's own check of the loaded values runs before anything is written", "[io]") {
+  checked_model m;
+  m.w.data = {1, 2, 3};
+  m.b.data = {4, 5};
+  const std::vector<double> w_bad{1, -2, 3}, w_good{7, 8, 9}, b_new{6, 7};
+  const auto file = [&](const std::vector<double>& w) {
+    return io::safetensors_file::parse(
+        io::serialize({{"w", io::dtype::f64, {3}, w.data(), 24},
+                       {"b", io::dtype::f64, {2}, b_new.data(), 16}}),
+        "mem");
+  };
+  const std::string msg = error_message([&] { io::load(m, file(w_bad)); });
+  INFO(msg);
+  CHECK(msg == "attnmix::io::load: file 'mem' tensor 'w' holds a negative value at [1]");
+  CHECK(m.w.data == std::vector<double>{1, 2, 3});
+  CHECK(m.b.data == std::vector<double>{4, 5});
+  io::load(m, file(w_good));
+  CHECK(m.w.data == w_good);
+  CHECK(m.b.data == b_new);
+}
+
+TEST_CASE("values() reads only the bytes of a tensor of its file", "[io][errors]") {
+  const float x[4] = {1, 2, 3, 4};
+  const auto f =
+      io::safetensors_file::parse(io::serialize({{"x", io::dtype::f32, {4}, x, 16}}), "mem");
+  io::tensor_info t = f.tensors()[0];
+  CHECK(f.values<float>(t) == std::vector<float>{1, 2, 3, 4});
+  const std::string fn = "attnmix::io::safetensors_file::values";
+  t.end = 1u << 30;
+  ATTNMIX_CHECK_ERROR(f.values<float>(t),
+                      fn + ": file 'mem' tensor 'x' has data bytes [0, 1073741824)");
+  t.begin = 8, t.end = 4;
+  ATTNMIX_CHECK_ERROR(f.values<float>(t), fn + ": file 'mem' tensor 'x' has data bytes [8, 4)");
+  t.begin = 0, t.end = 12;  // inside the file, but not the 16 bytes its shape needs
+  ATTNMIX_CHECK_ERROR(f.values<float>(t), "need 16");
+}
+
+TEST_CASE("serialize and save reject tensors that would make a corrupt file", "[io][errors]") {
+  const float x[4] = {1, 2, 3, 4};
+  const std::string fn = "attnmix::io::serialize";
+  using tb = io::tensor_bytes;
+  expect_error(fn, "tensors", "tensor 'x' of 12 bytes but shape [4] of F32 needs 16", [&] {
+    io::serialize({tb{"x", io::dtype::f32, {4}, x, 12}});
+  });
+  expect_error(fn, "tensors", "tensor 'x' of 16 bytes but a null pointer", [&] {
+    io::serialize({tb{"x", io::dtype::f32, {4}, nullptr, 16}});
+  });
+  expect_error(fn, "tensors", "tensor 'x' with a negative extent", [&] {
+    io::serialize({tb{"x", io::dtype::f32, {-4}, x, 0}});
+  });
+  expect_error(fn, "tensors", "'x' twice", [&] {
+    io::serialize({tb{"x", io::dtype::f32, {4}, x, 16}, tb{"x", io::dtype::f32, {2}, x, 8}});
+  });
+  expect_error(fn, "tensors", "'__metadata__'", [&] {
+    io::serialize({tb{"__metadata__", io::dtype::f32, {4}, x, 16}});
+  });
+  CHECK(io::serialize({tb{"e", io::dtype::f32, {0, 3}, nullptr, 0}}).size() > 8);
+
+  // save checks the model's parameters before it opens the file: the old file stays.
+  const std::string path = temp_path("save_rejected");
+  write_bytes(path, {1, 2, 3});
+  checked_model m;
+  m.w.data.resize(2);  // shape [3]
+  expect_error("attnmix::io::save", "model", "'w' of shape [3] but 2 values",
+               [&] { io::save(m, path); });
+  CHECK(read_bytes(path) == std::vector<unsigned char>{1, 2, 3});
+  std::remove(path.c_str());
 }
 
 TEST_CASE("fuzz corpus regressions parse or are rejected cleanly", "[io][fuzz]") {

@@ -289,10 +289,14 @@ class safetensors_file {
   }
 
   // The values of `t` as T. Floating dtypes that convert exactly are accepted: F32, F16 and
-  // BF16 into float; those and F64 into double. Anything else throws attnmix::error.
+  // BF16 into float; those and F64 into double. Anything else throws attnmix::error, as does a
+  // tensor_info (made or edited by the caller) whose byte range is not its shape's and dtype's
+  // within this file's data.
   template <class T>
   std::vector<T> values(const tensor_info& t) const {
-    check_convertible<T>("attnmix::io::safetensors_file::values", t);
+    const std::string fn = "attnmix::io::safetensors_file::values";
+    check_convertible<T>(fn, t);
+    check_range(fn, t);
     std::vector<T> out(static_cast<std::size_t>((t.end - t.begin) / detail_size(t.type)));
     const unsigned char* p = bytes_.data() + data_offset_ + t.begin;
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = element<T>(p, i, t.type);
@@ -312,6 +316,31 @@ class safetensors_file {
 
  private:
   static std::size_t detail_size(dtype t) { return element_size(t); }
+
+  // t's byte range lies in the data section and holds exactly its shape's elements.
+  void check_range(const std::string& fn, const tensor_info& t) const {
+    const std::uint64_t data_size = bytes_.size() - data_offset_;
+    const auto range = [&] {
+      return "tensor '" + t.name + "' has data bytes [" + std::to_string(t.begin) + ", " +
+             std::to_string(t.end) + ")";
+    };
+    if (t.begin > t.end || t.end > data_size)
+      detail::fail(fn, source_,
+                   range() + ", outside the " + std::to_string(data_size) + " bytes of data");
+    std::uint64_t numel = 1;
+    for (const index_t e : t.shape) {
+      const auto u = static_cast<std::uint64_t>(e);
+      if (e < 0 || (u != 0 && numel > data_size / u))
+        detail::fail(fn, source_,
+                     range() + " but a shape " + layers::shape_string(t.shape) +
+                         " larger than the file's data");
+      numel *= u;
+    }
+    if (numel * detail_size(t.type) != t.end - t.begin)
+      detail::fail(fn, source_,
+                   range() + " but its shape " + layers::shape_string(t.shape) + " and dtype " +
+                       to_string(t.type) + " need " + std::to_string(numel * detail_size(t.type)));
+  }
 
   template <class T>
   static T element(const unsigned char* p, std::size_t i, dtype t) {
@@ -354,10 +383,43 @@ struct tensor_bytes {
   std::size_t bytes = 0;
 };
 
-// Serialises tensors (in the given order) and metadata into safetensors bytes.
+namespace detail {
+
+// Every entry makes a well-formed tensor: extents >= 0, exactly the bytes its shape and dtype
+// need (behind a pointer when there are any), a name of its own that is not "__metadata__".
+// Throws attnmix::error("<fn>: argument '<arg>' ...").
+inline void check_tensors(const std::string& fn, const char* arg,
+                          const std::vector<tensor_bytes>& tensors) {
+  using attnmix::detail::fail;
+  std::map<std::string, bool> seen;
+  for (const auto& t : tensors) {
+    const std::string what = "has tensor '" + t.name + "'";
+    if (t.name == "__metadata__") fail(fn, arg, what, ", a name the format keeps for the metadata");
+    if (!seen.emplace(t.name, true).second) fail(fn, arg, what, " twice");
+    std::uint64_t bytes = element_size(t.type);
+    for (const index_t e : t.shape) {
+      if (e < 0)
+        fail(fn, arg, what, " with a negative extent in its shape ", layers::shape_string(t.shape));
+      if (e != 0 && bytes > std::numeric_limits<std::uint64_t>::max() / std::uint64_t(e))
+        fail(fn, arg, what, " of shape ", layers::shape_string(t.shape), ", too large");
+      bytes *= std::uint64_t(e);
+    }
+    if (bytes != t.bytes)
+      fail(fn, arg, what, " of ", t.bytes, " bytes but shape ", layers::shape_string(t.shape),
+           " of ", to_string(t.type), " needs ", bytes);
+    if (t.bytes > 0 && t.data == nullptr)
+      fail(fn, arg, what, " of ", t.bytes, " bytes but a null pointer");
+  }
+}
+
+}  // namespace detail
+
+// Serialises tensors (in the given order) and metadata into safetensors bytes. Throws
+// attnmix::error for an entry that would not make a well-formed file (see check_tensors).
 inline std::vector<unsigned char> serialize(
     const std::vector<tensor_bytes>& tensors,
     const std::map<std::string, std::string>& metadata = {}) {
+  detail::check_tensors("attnmix::io::serialize", "tensors", tensors);
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::uint64_t offset = 0;
@@ -394,21 +456,46 @@ inline void write_file(const std::string& path, const std::vector<unsigned char>
 }
 
 // Saves every parameter of `model` (anything with visit_parameters) under its name, in its own
-// dtype (F32 for float, F64 for double). Throws attnmix::error if the file cannot be written.
+// dtype (F32 for float, F64 for double). Throws attnmix::error, before the file is opened, for
+// a parameter whose values do not fill its shape or a name used twice; and if the file cannot
+// be written.
 template <class Model>
 void save(const Model& model, const std::string& path,
           const std::map<std::string, std::string>& metadata = {{"format", "pt"}}) {
+  const std::string fn = "attnmix::io::save";
   std::vector<tensor_bytes> list;
   model.visit_parameters([&](const std::string& name, const auto& p) {
     using T = typename std::decay_t<decltype(p.data)>::value_type;
+    index_t n = 1;
+    for (const index_t e : p.shape)
+      attnmix::detail::require(e >= 0 && attnmix::detail::checked_mul(n, e, n), fn, "model",
+                               "has parameter '", name, "' of shape ",
+                               layers::shape_string(p.shape), ", which no tensor can have");
+    attnmix::detail::require(p.data.size() == static_cast<std::size_t>(n), fn, "model",
+                             "has parameter '", name, "' of shape ", layers::shape_string(p.shape),
+                             " but ", p.data.size(), " values");
     list.push_back({name, dtype_of<T>(), p.shape, p.data.data(), p.data.size() * sizeof(T)});
   });
+  detail::check_tensors(fn, "model", list);
   write_file(path, serialize(list, metadata));
 }
 
+namespace detail {
+template <class Model, class = void>
+struct has_check_loaded : std::false_type {};
+template <class Model>
+struct has_check_loaded<Model, std::void_t<decltype(std::declval<const Model&>().check_loaded(
+                                   std::declval<std::vector<double> (&)(const std::string&)>(),
+                                   std::declval<void (&)(const std::string&)>()))>>
+    : std::true_type {};
+}  // namespace detail
+
 // Loads every parameter of `model` from a parsed file. Strict: each parameter must be present
 // with its exact shape and a dtype that converts losslessly, and the file must hold no other
-// tensor. Throws attnmix::error naming the tensor and the file; the model is unchanged then.
+// tensor. A model may also check the values themselves (an optimiser's step count, say): if it
+// has check_loaded(values, reject), it is called once the names, shapes and dtypes have passed;
+// values(name) gives a tensor's values as doubles and reject(what) throws attnmix::error naming
+// the file. Throws attnmix::error naming the tensor and the file; the model is unchanged then.
 template <class Model>
 void load(Model& model, const safetensors_file& file) {
   const std::string fn = "attnmix::io::load";
@@ -439,6 +526,17 @@ void load(Model& model, const safetensors_file& file) {
                  "has tensor '" + first_extra + "'" +
                      (extra > 1 ? " (and " + std::to_string(extra - 1) + " more)" : "") +
                      " that the model does not have");
+  if constexpr (detail::has_check_loaded<Model>::value) {
+    const auto values = [&](const std::string& name) -> std::vector<double> {
+      const tensor_info* t = file.find(name);
+      if (t == nullptr) detail::fail(fn, file.source(), "has no tensor '" + name + "'");
+      return file.values<double>(*t);
+    };
+    const auto reject = [&](const std::string& what) {
+      detail::fail(fn, file.source(), what);
+    };
+    static_cast<const Model&>(model).check_loaded(values, reject);
+  }
   // Pass 2: copy.
   model.visit_parameters([&](const std::string& name, auto& p) {
     using T = typename std::decay_t<decltype(p.data)>::value_type;
