@@ -1,10 +1,12 @@
 // train::language_model: its loss's gradients against central finite differences in double,
-// bad ids rejected before anything changes, and a short training run whose loss falls, resumed
-// from a checkpoint bit for bit.
+// bad ids, views and sizes rejected before anything changes, and a short training run whose loss
+// falls, resumed from a checkpoint bit for bit.
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -14,6 +16,7 @@
 #include "attnmix/train/optimizer.hpp"
 #include "attnmix/train/schedule.hpp"
 #include "support/catch.hpp"
+#include "support/errors.hpp"
 #include "support/testing.hpp"
 #include "train/gradcheck.hpp"
 
@@ -87,6 +90,199 @@ TEST_CASE("language_model: ids outside the vocabulary are rejected, nothing chan
   lm.visit_parameters([](const std::string&, const auto& p) {
     for (float g : p.grad) REQUIRE(g == 0.0f);
   });
+}
+
+namespace {
+
+using fox_lm = attnmix::train::language_model<attnmix::stack<float, attnmix::layer::fox>>;
+const std::string forward_fn = "attnmix::train::language_model::forward";
+const std::string loss_fn = "attnmix::train::language_model::loss";
+
+// Every parameter's values and gradients, flattened (to compare a model before and after).
+template <class Model>
+std::vector<double> state_of(Model& m) {
+  std::vector<double> out;
+  m.visit_parameters([&](const std::string&, auto& p) {
+    out.insert(out.end(), p.data.begin(), p.data.end());
+    out.insert(out.end(), p.grad.begin(), p.grad.end());
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("language_model: strided ids are read through their strides", "[train][lm]") {
+  fox_lm lm(tiny_config(8, 2), 5);
+  attnmix::layers::randomize_parameters(lm, attnmix_test::test_seed(), 0.3);
+  // T = 1, one token per row, rows two apart: the values between them (99) are no ids.
+  const std::vector<std::int32_t> spaced{0, 99, 3, 99, 1, 99, 4}, packed{0, 3, 1, 4};
+  std::vector<float> a(4 * 5, 0.f), b(4 * 5, 1.f);
+  lm.forward(ids(spaced.data(), {4, 1}, {2, 1}), attnmix::view3<float>(a.data(), {4, 1, 5}));
+  lm.forward(ids(packed.data(), {4, 1}), attnmix::view3<float>(b.data(), {4, 1, 5}));
+  CHECK(attnmix_test::bitwise_equal(a, b));
+
+  // B = 2, T = 3 in rows of 4 (one padding value each), tokens and labels; loss and gradients
+  // are those of the packed batch.
+  const std::vector<std::int32_t> tok_pad{0, 1, 2, 99, 3, 4, 0, 99},
+      lab_pad{1, 2, -100, -7, 4, 0, 1, 1000}, tok{0, 1, 2, 3, 4, 0}, lab{1, 2, -100, 4, 0, 1};
+  attnmix::train::adamw<>::zero_grad(lm);
+  const double l_pad =
+      lm.loss(ids(tok_pad.data(), {2, 3}, {4, 1}), ids(lab_pad.data(), {2, 3}, {4, 1}));
+  const std::vector<double> s_pad = state_of(lm);
+  attnmix::train::adamw<>::zero_grad(lm);
+  const double l = lm.loss(ids(tok.data(), {2, 3}), ids(lab.data(), {2, 3}));
+  CHECK(l_pad == l);
+  CHECK(attnmix_test::bitwise_equal(s_pad, state_of(lm)));
+
+  // An id out of range in a strided view is reported where the view has it.
+  std::vector<std::int32_t> bad = spaced;
+  bad[4] = 7;
+  const std::vector<double> before = state_of(lm);
+  attnmix_test::expect_error(forward_fn, "tokens", "holds 7 at [2, 0]", [&] {
+    lm.forward(ids(bad.data(), {4, 1}, {2, 1}), attnmix::view3<float>(a.data(), {4, 1, 5}));
+  });
+  attnmix_test::expect_error(loss_fn, "labels", "holds 7 at [2, 0]", [&] {
+    lm.loss(ids(spaced.data(), {4, 1}, {2, 1}), ids(bad.data(), {4, 1}, {2, 1}));
+  });
+  CHECK(attnmix_test::bitwise_equal(before, state_of(lm)));
+}
+
+TEST_CASE("language_model: logits must be contiguous and apart from tokens and weights",
+          "[train][lm][errors]") {
+  fox_lm lm(tiny_config(8, 2), 5);
+  attnmix::layers::randomize_parameters(lm, attnmix_test::test_seed(), 0.3);
+  const std::vector<std::int32_t> tok{0, 1, 2, 3, 4, 0};
+  const ids t(tok.data(), {2, 3});
+  std::vector<float> buf(64, 7.f);
+  const auto untouched = [&] {
+    for (float x : buf) REQUIRE(x == 7.f);
+  };
+  using v3 = attnmix::view3<float>;
+  SECTION("zero row stride") {
+    attnmix_test::expect_error(forward_fn, "logits", "contiguous", [&] {
+      lm.forward(t, v3(buf.data(), {2, 3, 5}, {0, 5, 1}));
+    });
+  }
+  SECTION("padded rows") {
+    attnmix_test::expect_error(forward_fn, "logits", "contiguous", [&] {
+      lm.forward(t, v3(buf.data(), {2, 3, 5}, {16, 5, 1}));
+    });
+  }
+  SECTION("padded tokens") {
+    attnmix_test::expect_error(forward_fn, "logits", "contiguous", [&] {
+      lm.forward(t, v3(buf.data(), {2, 3, 5}, {18, 6, 1}));
+    });
+  }
+  SECTION("tokens of one position") {
+    attnmix_test::expect_error(forward_fn, "logits", "contiguous", [&] {
+      lm.forward(t, v3(buf.data(), {2, 3, 5}, {5, 0, 1}));
+    });
+  }
+  SECTION("logits over the tokens") {
+    // Ids stored in the logits' memory, read before the logits would be written.
+    std::memcpy(buf.data() + 40, tok.data(), tok.size() * sizeof(std::int32_t));
+    const ids inside(reinterpret_cast<const std::int32_t*>(buf.data() + 40), {2, 3});
+    const std::vector<float> saved = buf;
+    attnmix_test::expect_error(forward_fn, "logits", "overlaps", [&] {
+      lm.forward(inside, v3(buf.data() + 20, {2, 3, 5}));
+    });
+    CHECK(attnmix_test::bitwise_equal(buf, saved));
+    return;
+  }
+  SECTION("logits over a weight") {
+    const std::vector<double> before = state_of(lm);
+    attnmix_test::expect_error(forward_fn, "logits", "lm_head.weight", [&] {
+      lm.forward(ids(tok.data(), {1, 1}), v3(lm.lm_head.weight.data.data(), {1, 1, 5}));
+    });
+    CHECK(attnmix_test::bitwise_equal(before, state_of(lm)));
+  }
+  SECTION("an absent view") {
+    attnmix_test::expect_error(forward_fn, "logits", "not given", [&] { lm.forward(t, v3()); });
+  }
+  untouched();
+}
+
+TEST_CASE("language_model: replaced members that disagree are rejected", "[train][lm][errors]") {
+  fox_lm lm(tiny_config(8, 2), 5);
+  const std::vector<std::int32_t> tok{0, 1, 2};
+  std::vector<float> out(15, 7.f);
+  const auto run = [&] {
+    lm.forward(ids(tok.data(), {1, 3}), attnmix::view3<float>(out.data(), {1, 3, 5}));
+  };
+  lm.lm_head = attnmix::layers::linear<float>(8, 6);
+  attnmix_test::expect_error(forward_fn, "lm_head", "must be [vocab, hidden_size] = [5, 8]", run);
+  lm.lm_head = attnmix::layers::linear<float>(8, 5);
+  lm.embeddings = attnmix::layers::embedding<float>(5, 4);
+  attnmix_test::expect_error(loss_fn, "embeddings", "has a table of shape [5, 4]", [&] {
+    lm.loss(ids(tok.data(), {1, 3}), ids(tok.data(), {1, 3}));
+  });
+  for (float x : out) CHECK(x == 7.f);
+}
+
+TEST_CASE("language_model: an empty batch writes nothing and costs nothing", "[train][lm]") {
+  fox_lm lm(tiny_config(8, 2), 5);
+  const std::vector<std::int32_t> tok{0};
+  std::vector<float> buf(5, 7.f);
+  lm.forward(ids(tok.data(), {0, 3}), attnmix::view3<float>(buf.data(), {0, 3, 5}));
+  lm.forward(ids(tok.data(), {2, 0}), attnmix::view3<float>(buf.data(), {2, 0, 5}));
+  CHECK(lm.loss(ids(tok.data(), {0, 3}), ids(tok.data(), {0, 3})) == 0.0);
+  for (float x : buf) CHECK(x == 7.f);
+}
+
+TEST_CASE("language_model: labels and tokens are checked against each other and the vocabulary",
+          "[train][lm][errors]") {
+  fox_lm lm(tiny_config(8, 2), 5);
+  attnmix::layers::randomize_parameters(lm, attnmix_test::test_seed(), 0.3);
+  attnmix::train::adamw<>::zero_grad(lm);
+  const std::vector<double> before = state_of(lm);
+  std::vector<std::int32_t> tok{0, 1, 2, 3}, lab{1, 2, 3, attnmix::train::ignore_label};
+  const auto loss = [&](ids t, ids l) {
+    return [&lm, t, l] {
+      lm.loss(t, l);
+    };
+  };
+  lab[3] = 5;
+  attnmix_test::expect_error(loss_fn, "labels", "holds 5 at [0, 3]",
+                             loss(ids(tok.data(), {1, 4}), ids(lab.data(), {1, 4})));
+  lab[3] = attnmix::train::ignore_label;
+  // ignore_label is a label, not a token.
+  tok[1] = attnmix::train::ignore_label;
+  attnmix_test::expect_error(loss_fn, "tokens", "holds -100 at [0, 1]",
+                             loss(ids(tok.data(), {1, 4}), ids(lab.data(), {1, 4})));
+  attnmix_test::expect_error(forward_fn, "tokens", "holds -100 at [0, 1]", [&] {
+    std::vector<float> out(20);
+    lm.forward(ids(tok.data(), {1, 4}), attnmix::view3<float>(out.data(), {1, 4, 5}));
+  });
+  tok[1] = 1;
+  // A shape mismatch is reported as one, whatever the labels hold.
+  lab[0] = -1;
+  attnmix_test::expect_error(loss_fn, "labels", "has shape [4, 1]",
+                             loss(ids(tok.data(), {1, 4}), ids(lab.data(), {4, 1})));
+  attnmix_test::expect_error(loss_fn, "labels", "not given", loss(ids(tok.data(), {1, 4}), ids()));
+  attnmix_test::expect_error(loss_fn, "tokens", "negative stride",
+                             loss(ids(tok.data() + 3, {1, 4}, {4, -1}), ids(lab.data(), {1, 4})));
+  CHECK(attnmix_test::bitwise_equal(before, state_of(lm)));
+  // Every label ignored: a loss of 0 and no gradient.
+  const std::vector<std::int32_t> none(4, attnmix::train::ignore_label);
+  CHECK(lm.loss(ids(tok.data(), {1, 4}), ids(none.data(), {1, 4})) == 0.0);
+  CHECK(attnmix_test::bitwise_equal(before, state_of(lm)));
+}
+
+TEST_CASE("language_model: a bad vocabulary size is an attnmix::error before any member is built",
+          "[train][lm][errors]") {
+  const std::string fn = "attnmix::train::language_model";
+  for (const index_t v : {index_t{0}, index_t{-1}, -(index_t{1} << 40)})
+    attnmix_test::expect_error(fn, "vocab", "must be >= 1",
+                               [&] { fox_lm lm(tiny_config(8, 2), v); });
+  // A table of vocab x hidden_size values that cannot be addressed.
+  attnmix_test::expect_error(fn, "vocab", "too large", [] {
+    fox_lm lm(tiny_config(8, 2), std::numeric_limits<index_t>::max() / 4);
+  });
+  // The model's own argument first, then the stack's config.
+  attnmix::layers::config bad = tiny_config(8, 2);
+  bad.hidden_size = 0;
+  attnmix_test::expect_error(fn, "vocab", "must be >= 1", [&] { fox_lm lm(bad, -1); });
+  CHECK_THROWS_AS(fox_lm(bad, 5), attnmix::error);
 }
 
 namespace {

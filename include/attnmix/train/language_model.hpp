@@ -5,7 +5,9 @@
 // "lm_head.weight"). For a causal stack, labels[b, t] = tokens[b, t + 1] is next-token
 // prediction; any other labelling (a classification per position) works the same.
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -31,11 +33,10 @@ class language_model {
   using ids_view = tensor_view<const std::int32_t, 2>;
 
  public:
+  // Throws attnmix::error for vocab < 1 or a table too large to address (before any member is
+  // built), and for a config the stack rejects.
   language_model(const layers::config& c, index_t vocab)
-      : stack(c), embeddings(vocab, c.hidden_size), lm_head(c.hidden_size, vocab) {
-    detail::require(vocab >= 1, "attnmix::train::language_model", "vocab", "must be >= 1 but is ",
-                    vocab);
-  }
+      : stack(checked(c, vocab)), embeddings(vocab, c.hidden_size), lm_head(c.hidden_size, vocab) {}
 
   // The same model on another backend or in another type (a device model from a host one): every
   // weight copied (and rounded) once, as the stack's converting constructor does.
@@ -46,47 +47,61 @@ class language_model {
   index_t vocab() const { return embeddings.vocab(); }
   index_t hidden_size() const { return stack.hidden_size(); }
 
-  // logits [B, T, V] of tokens [B, T] (host memory, ids in [0, vocab)).
+  // logits [B, T, V] (contiguous, in the backend's memory, apart from tokens and the weights) of
+  // tokens [B, T] (host memory, any row stride, ids in [0, vocab)). Throws
+  // attnmix::error naming the argument, and writes nothing, on a bad id, shape or layout.
   void forward(const ids_view& tokens, const view3<T>& logits,
                const Backend& be = Backend{}) const {
     const std::string fn = "attnmix::train::language_model::forward";
-    check_ids(fn, "tokens", tokens, false);
+    check_members(fn);
+    check_ids_layout(fn, "tokens", tokens);
+    const index_t B = tokens.extent(0), Tn = tokens.extent(1), D = hidden_size(), V = vocab();
+    detail::check_given(fn, "logits", logits);
     detail::check_layout(fn, "logits", logits);
-    detail::check_shape(fn, "logits", logits, {tokens.extent(0), tokens.extent(1), vocab()},
-                        "[B, T, vocab]");
-    const index_t rows = tokens.extent(0) * tokens.extent(1), D = hidden_size();
+    detail::check_space(fn, "logits", logits, space_of_v<Backend>, Backend::name);
+    detail::check_shape(fn, "logits", logits, {B, Tn, V}, "[B, T, vocab]");
+    // The head writes rows x vocab values from logits.data() on.
+    check_contiguous(fn, "logits", logits, "[B, T, vocab]");
+    O::check_memory(fn, "logits", logits);
+    if (logits.space() == tokens.space())
+      detail::check_no_alias(fn, "logits", logits, "tokens", tokens);
+    check_apart_from_weights(fn, "logits", logits);
+    const index_t rows = check_rows(fn, tokens);
+    const std::vector<std::int32_t> ids_host = read_ids(fn, "tokens", tokens, false);
+    if (rows == 0) return;
     typename O::scratch s(
         be, layers::scratch_bytes<std::int32_t>(rows) + layers::scratch_bytes<T>(rows * D) * 2);
     std::int32_t* ids = s.template take<std::int32_t>(rows);
     T *x = s.template take<T>(rows * D), *h = s.template take<T>(rows * D);
     const layers::token_layout L{1, rows, {}};
     const layers::context<Backend> c{be, L, nullptr, handles_};
-    O::upload(be, ids, tokens.data(), rows);
+    O::upload(be, ids, ids_host.data(), rows);
     embeddings.apply(c, ids, rows, x);
-    stack.forward(view3<const T>(x, {tokens.extent(0), tokens.extent(1), D}, space_of_v<Backend>),
-                  view3<T>(h, {tokens.extent(0), tokens.extent(1), D}, space_of_v<Backend>), {},
-                  be);
+    stack.forward(view3<const T>(x, {B, Tn, D}, space_of_v<Backend>),
+                  view3<T>(h, {B, Tn, D}, space_of_v<Backend>), {}, be);
     lm_head.apply(c, h, rows, logits.data());
   }
 
   // The mean cross-entropy of the logits of tokens [B, T] against labels [B, T] (both host
-  // memory; a label is a class in [0, vocab) or ignore_label) over the labels not ignored (0 if
-  // all are). With `backward`, every parameter's gradient of that mean is added to its .grad.
-  // Throws attnmix::error naming the argument (and changes nothing) on an id out of range or
-  // mismatched shapes.
+  // memory, any row stride; a label is a class in [0, vocab) or ignore_label) over the
+  // labels not ignored (0 if all are). With `backward`, every parameter's gradient of that mean
+  // is added to its .grad. Throws attnmix::error naming the argument (and changes nothing) on an
+  // id out of range, a bad layout or mismatched shapes.
   double loss(const ids_view& tokens, const ids_view& labels, bool backward = true,
               const Backend& be = Backend{}) {
     const std::string fn = "attnmix::train::language_model::loss";
-    check_ids(fn, "tokens", tokens, false);
-    check_ids(fn, "labels", labels, true);
+    check_members(fn);
+    check_ids_layout(fn, "tokens", tokens);
+    check_ids_layout(fn, "labels", labels);
     detail::require(labels.shape() == tokens.shape(), fn, "labels", "has shape ",
                     detail::shape_of(labels), " but must have the shape of 'tokens', ",
                     detail::shape_of(tokens));
-    const index_t B = tokens.extent(0), Tn = tokens.extent(1), rows = B * Tn, D = hidden_size();
-    const index_t V = vocab();
+    const index_t rows = check_rows(fn, tokens);
+    const std::vector<std::int32_t> ids_host = read_ids(fn, "tokens", tokens, false),
+                                    labels_host = read_ids(fn, "labels", labels, true);
+    const index_t B = tokens.extent(0), Tn = tokens.extent(1), D = hidden_size(), V = vocab();
     index_t count = 0;
-    for (index_t b = 0; b < B; ++b)
-      for (index_t t = 0; t < Tn; ++t) count += labels(b, t) != ignore_label;
+    for (const std::int32_t y : labels_host) count += y != ignore_label;
     if (count == 0) return 0.0;
     typename O::scratch s(be, layers::scratch_bytes<std::int32_t>(rows) * 2 +
                                   layers::scratch_bytes<T>(rows * D) * 2 +
@@ -97,8 +112,8 @@ class language_model {
     T *logits = s.template take<T>(rows * V), *dlogits = s.template take<T>(rows * V);
     const layers::token_layout L{1, rows, {}};
     const layers::context<Backend> c{be, L, nullptr, handles_};
-    O::upload(be, ids, tokens.data(), rows);
-    O::upload(be, ys, labels.data(), rows);
+    O::upload(be, ids, ids_host.data(), rows);
+    O::upload(be, ys, labels_host.data(), rows);
     const view3<const T> xv(x, {B, Tn, D}, space_of_v<Backend>);
     const view3<T> hv(h, {B, Tn, D}, space_of_v<Backend>);
     embeddings.apply(c, ids, rows, x);
@@ -141,21 +156,101 @@ class language_model {
     s.lm_head.visit_parameters(f, prefix + "lm_head.");
   }
 
-  // ids [B, T] in host memory, contiguous, each in [0, vocab) (or ignore_label for labels).
-  void check_ids(const std::string& fn, const char* arg, const ids_view& ids,
-                 bool may_ignore) const {
+  // c, once the model's own argument is checked: the first member initialiser calls it, so that
+  // a bad vocabulary is an attnmix::error before any member is built (the stack checks c).
+  static const layers::config& checked(const layers::config& c, index_t vocab) {
+    const std::string fn = "attnmix::train::language_model";
+    detail::require(vocab >= 1, fn, "vocab", "must be >= 1 but is ", vocab);
+    // The embedding table and the head hold vocab x hidden_size values of up to 8 bytes.
+    index_t n = 0;
+    detail::require(
+        c.hidden_size < 1 ||
+            detail::checked_mul(vocab, c.hidden_size, n, std::numeric_limits<index_t>::max() / 8),
+        fn, "vocab", "is ", vocab, ", which with hidden_size ", c.hidden_size,
+        " makes the embedding table too large to address");
+    return c;
+  }
+
+  // The public members must still agree (each can be replaced): the table and the head are
+  // [vocab, hidden_size], hidden_size the stack's width.
+  void check_members(const std::string& fn) const {
+    const index_t V = vocab(), D = hidden_size();
+    const std::vector<index_t> table{V, D};
+    detail::require(embeddings.width() == D && embeddings.weight.shape == table, fn, "embeddings",
+                    "has a table of shape ", layers::shape_string(embeddings.weight.shape),
+                    " but must be [vocab, hidden_size] = [", V, ", ", D, "]");
+    detail::require(
+        lm_head.in_features() == D && lm_head.out_features() == V && lm_head.weight.shape == table,
+        fn, "lm_head", "has a weight of shape ", layers::shape_string(lm_head.weight.shape),
+        " but must be [vocab, hidden_size] = [", V, ", ", D, "]");
+  }
+
+  // ids [B, T] in host memory; they are read one by one, so any row stride does.
+  static void check_ids_layout(const std::string& fn, const char* arg, const ids_view& ids) {
+    detail::check_given(fn, arg, ids);
     detail::check_layout(fn, arg, ids);
     detail::check_space(fn, arg, ids, memory_space::host, "reading ids");
-    detail::require(ids.extent(1) <= 1 || ids.stride(0) == ids.extent(1) || ids.extent(0) <= 1, fn,
-                    arg, "must be contiguous ([B, T] row-major)");
+  }
+
+  // Rows of a batch of this shape, once every buffer of them (rows x max(D, V) values, a few of
+  // each, of up to 8 bytes) is known to be addressable.
+  index_t check_rows(const std::string& fn, const ids_view& tokens) const {
+    index_t rows = 0, n = 0;
+    const bool fits = detail::checked_mul(tokens.extent(0), tokens.extent(1), rows) &&
+                      detail::checked_mul(rows, std::max(hidden_size(), vocab()), n,
+                                          std::numeric_limits<index_t>::max() / 64);
+    detail::require(fits, fn, "tokens", "has shape ", detail::shape_of(tokens),
+                    ", too many rows for buffers of hidden_size ", hidden_size(), " and vocab ",
+                    vocab());
+    return rows;
+  }
+
+  // The ids of the view, row-major: exactly the values that are checked are the ones used. Each
+  // in [0, vocab) (or ignore_label, for labels).
+  std::vector<std::int32_t> read_ids(const std::string& fn, const char* arg, const ids_view& ids,
+                                     bool may_ignore) const {
+    std::vector<std::int32_t> out;
+    out.reserve(static_cast<std::size_t>(ids.extent(0) * ids.extent(1)));
     for (index_t b = 0; b < ids.extent(0); ++b)
       for (index_t t = 0; t < ids.extent(1); ++t) {
         const std::int32_t id = ids(b, t);
-        if (may_ignore && id == ignore_label) continue;
-        detail::require(id >= 0 && id < vocab(), fn, arg, "holds ", id, " at [", b, ", ", t,
-                        "], outside the vocabulary [0, ", vocab(), ")",
-                        may_ignore ? " (and not ignore_label)" : "");
+        if (!(may_ignore && id == ignore_label))
+          detail::require(id >= 0 && id < vocab(), fn, arg, "holds ", id, " at [", b, ", ", t,
+                          "], outside the vocabulary [0, ", vocab(), ")",
+                          may_ignore ? " (and not ignore_label)" : "");
+        out.push_back(id);
       }
+    return out;
+  }
+
+  // A view written as size() values from data() on must be row-major without gaps (a dimension
+  // of extent 1 may have any stride).
+  template <class V>
+  static void check_contiguous(const std::string& fn, const char* arg, const V& v,
+                               const char* dims) {
+    index_t expected = 1;
+    bool dense = true;
+    for (int i = V::rank - 1; i >= 0; --i) {
+      if (v.extent(i) > 1 && v.stride(i) != expected) dense = false;
+      expected *= v.extent(i);
+    }
+    detail::require(dense || v.size() == 0, fn, arg, "must be contiguous (", dims,
+                    " row-major) but has shape ", detail::shape_of(v), " and strides ",
+                    detail::shape_string(v.strides().data(), V::rank));
+  }
+
+  // An output of a const call may not be written into the model's own weights.
+  template <class V>
+  void check_apart_from_weights(const std::string& fn, const char* arg, const V& v) const {
+    if (v.size() == 0) return;
+    const auto out = detail::byte_range(v);
+    visit_parameters([&](const std::string& name, const auto& p) {
+      if (p.numel() == 0) return;
+      const auto first = reinterpret_cast<std::uintptr_t>(p.ptr());
+      const auto last = first + static_cast<std::uintptr_t>(p.numel()) * sizeof(*p.ptr()) - 1;
+      detail::require(out.second < first || last < out.first, fn, arg,
+                      "overlaps the model's parameter '", name, "'");
+    });
   }
 };
 
