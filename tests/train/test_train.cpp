@@ -1,11 +1,12 @@
 // The training pieces: softmax cross-entropy against finite differences, AdamW against the
-// formula written out, gradient clipping, the schedules, and a checkpoint of the optimiser
-// that resumes bit for bit.
+// formula written out, gradient clipping, the schedules, a checkpoint of the optimiser that
+// resumes bit for bit, and the optimiser settings and states it rejects.
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "attnmix/train/schedule.hpp"
 #include "reference/finite_difference.hpp"
 #include "support/catch.hpp"
+#include "support/errors.hpp"
 #include "support/testing.hpp"
 
 using attnmix::index_t;
@@ -185,4 +187,152 @@ TEST_CASE("schedules: warm-up and cosine", "[train]") {
   const attnmix::train::constant_rate c{0.2, 4};
   CHECK(c(2) == Approx(0.1));
   CHECK(c(9) == Approx(0.2));
+}
+
+namespace {
+
+// Weights, gradients and optimiser state, flattened (to compare before and after a call).
+std::vector<double> snapshot(const toy& m, const attnmix::train::adamw<>& opt) {
+  std::vector<double> out;
+  for (const auto* p : {&m.w, &m.b}) {
+    out.insert(out.end(), p->data.begin(), p->data.end());
+    out.insert(out.end(), p->grad.begin(), p->grad.end());
+  }
+  opt.visit_parameters([&](const std::string&, const auto& p) {
+    out.insert(out.end(), p.data.begin(), p.data.end());
+  });
+  return out;
+}
+
+const double not_a_number = std::numeric_limits<double>::quiet_NaN();
+const double infinity = std::numeric_limits<double>::infinity();
+
+}  // namespace
+
+TEST_CASE("adamw: settings PyTorch rejects, NaN and inf are attnmix::errors", "[train][errors]") {
+  using cfg_t = attnmix::train::adamw_config;
+  const std::string fn = "attnmix::train::adamw";
+  const auto with = [](double cfg_t::*field, double value) {
+    cfg_t c;
+    c.*field = value;
+    return c;
+  };
+  struct field_case {
+    const char* name;
+    double cfg_t::*field;
+    std::vector<double> bad;
+  };
+  const field_case cases[] = {
+      {"config.beta1", &cfg_t::beta1, {-0.1, 1.0, 1.5, not_a_number, infinity}},
+      {"config.beta2", &cfg_t::beta2, {-0.1, 1.0, 1.5, not_a_number, -infinity}},
+      {"config.eps", &cfg_t::eps, {-1e-8, not_a_number, infinity}},
+      {"config.weight_decay", &cfg_t::weight_decay, {-0.01, not_a_number, infinity}},
+      {"config.clip_norm", &cfg_t::clip_norm, {-1.0, not_a_number, infinity}},
+  };
+  for (const auto& c : cases)
+    for (double v : c.bad) {
+      INFO(c.name << " = " << v);
+      attnmix_test::expect_error(fn, c.name, "must be",
+                                 [&] { attnmix::train::adamw<> opt(with(c.field, v)); });
+    }
+  // The edges PyTorch accepts.
+  for (const auto& c : cases) {
+    INFO(c.name);
+    CHECK_NOTHROW(attnmix::train::adamw<>(with(c.field, 0.0)));
+  }
+}
+
+TEST_CASE("adamw: a learning rate that is negative, NaN or inf changes nothing",
+          "[train][errors]") {
+  toy m;
+  for (std::size_t i = 0; i < m.w.data.size(); ++i) m.w.data[i] = 0.1 * double(i);
+  attnmix::train::adamw<> fresh, used;
+  set_grads(m, 1);
+  const std::vector<double> first = snapshot(m, fresh);
+  for (double lr : {-1e-3, not_a_number, infinity, -infinity}) {
+    INFO("lr " << lr);
+    attnmix_test::expect_error("attnmix::train::adamw::step", "lr", "must be finite and >= 0",
+                               [&] { fresh.step(m, lr); });
+    CHECK(attnmix_test::bitwise_equal(snapshot(m, fresh), first));  // not even initialised
+  }
+  used.step(m, 1e-2);
+  set_grads(m, 2);
+  const std::vector<double> before = snapshot(m, used);
+  attnmix_test::expect_error("attnmix::train::adamw::step", "lr", "must be finite and >= 0",
+                             [&] { used.step(m, not_a_number); });
+  CHECK(attnmix_test::bitwise_equal(snapshot(m, used), before));
+  CHECK(used.steps() == 1);
+  CHECK_NOTHROW(used.step(m, 0.0));
+}
+
+namespace {
+
+// The state of `opt` as safetensors bytes, with `edit` applied to a copy of tensor `name`.
+template <class Edit>
+std::vector<unsigned char> edited_state(const attnmix::train::adamw<>& opt, const std::string& name,
+                                        Edit edit) {
+  std::vector<std::vector<double>> copies;
+  std::vector<attnmix::io::tensor_bytes> list;
+  opt.visit_parameters([&](const std::string& n, const auto& p) {
+    copies.push_back(p.data);
+    if (n == name) edit(copies.back());
+  });
+  std::size_t i = 0;
+  opt.visit_parameters([&](const std::string& n, const auto& p) {
+    const auto& c = copies[i++];
+    list.push_back({n, attnmix::io::dtype::f64, p.shape, c.data(), c.size() * sizeof(double)});
+  });
+  return attnmix::io::serialize(list);
+}
+
+}  // namespace
+
+TEST_CASE("adamw: a loaded state of a step or moment out of range is rejected, nothing changes",
+          "[train][errors]") {
+  toy a;
+  attnmix::train::adamw<> opt;
+  for (int t = 1; t <= 3; ++t) set_grads(a, t), opt.step(a, 1e-2);
+  toy b = a;
+  attnmix::train::adamw<> resumed;
+  resumed.init(b);
+  set_grads(b, 4);
+  const std::vector<double> before = snapshot(b, resumed);
+  const auto expect_rejected = [&](const std::string& tensor, const std::string& detail,
+                                   const std::vector<unsigned char>& bytes) {
+    std::string msg = "<no attnmix::error>";
+    try {
+      attnmix::io::load(resumed, attnmix::io::safetensors_file::parse(bytes, "state"));
+    } catch (const attnmix::error& e) {
+      msg = e.what();
+    }
+    INFO(msg);
+    CHECK(msg.rfind("attnmix::io::load: file 'state' tensor '" + tensor + "'", 0) == 0);
+    CHECK(msg.find(detail) != std::string::npos);
+    CHECK(attnmix_test::bitwise_equal(snapshot(b, resumed), before));
+    CHECK(resumed.steps() == 0);
+  };
+  for (double step : {not_a_number, infinity, -infinity, 1e300, -1.0, 2.5, 9007199254740994.0}) {
+    INFO("step " << step);
+    expect_rejected("step", "is not a step count",
+                    edited_state(opt, "step", [&](std::vector<double>& v) { v[0] = step; }));
+  }
+  for (double x : {not_a_number, infinity}) {
+    INFO("exp_avg " << x);
+    expect_rejected("w.exp_avg", "at [5]",
+                    edited_state(opt, "w.exp_avg", [&](std::vector<double>& v) { v[5] = x; }));
+  }
+  for (double x : {not_a_number, -infinity, -1e-30}) {
+    INFO("exp_avg_sq " << x);
+    expect_rejected("b.exp_avg_sq", "at [2]",
+                    edited_state(opt, "b.exp_avg_sq", [&](std::vector<double>& v) { v[2] = x; }));
+  }
+  // The state as saved loads, and the run continues as the uninterrupted one.
+  attnmix::io::load(resumed, attnmix::io::safetensors_file::parse(
+                                 edited_state(opt, "step", [](std::vector<double>&) {}), "state"));
+  CHECK(resumed.steps() == 3);
+  set_grads(a, 4);
+  opt.step(a, 1e-2);
+  resumed.step(b, 1e-2);
+  CHECK(attnmix_test::bitwise_equal(a.w.data, b.w.data));
+  CHECK(attnmix_test::bitwise_equal(a.b.data, b.b.data));
 }

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attnmix/core/error.hpp"
@@ -23,6 +24,7 @@ namespace attnmix {
 namespace train {
 
 struct adamw_config {
+  // Each beta in [0, 1), eps, weight_decay and clip_norm finite and >= 0 (PyTorch's bounds).
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double weight_decay = 0.01;
   // > 0: before the step, scale every gradient so that their global L2 norm is at most this.
@@ -39,11 +41,15 @@ class adamw {
   using state = layers::parameter<double, typename Backend::memory_space>;
 
  public:
-  explicit adamw(adamw_config cfg = {}) : cfg_(cfg), step_({1}, 0.0) {}
+  // The largest step count: every count up to it is a double exactly.
+  static constexpr double max_steps = 9007199254740992.0;  // 2^53
+
+  // Throws attnmix::error for a setting out of range (see adamw_config).
+  explicit adamw(adamw_config cfg = {}) : cfg_(checked(cfg)), step_({1}, 0.0) {}
 
   const adamw_config& config() const { return cfg_; }
   // Steps taken so far.
-  index_t steps() const { return static_cast<index_t>(step_.data[0]); }
+  index_t steps() const { return step_count("attnmix::train::adamw::steps"); }
 
   // Sizes the state for `model` (zero moments, step 0). step() does it on first use; call it
   // before io::load of a checkpoint.
@@ -62,20 +68,24 @@ class adamw {
     model.visit_parameters([](const std::string&, auto& p) { p.zero_grad(); });
   }
 
-  // One step at learning rate `lr` over every parameter of `model` from its .grad. Returns the
-  // global gradient norm before clipping. Throws attnmix::error if the state was sized for
-  // another model.
+  // One step at learning rate `lr` (finite, >= 0) over every parameter of `model` from its
+  // .grad. Returns the global gradient norm before clipping. Throws attnmix::error, and changes
+  // nothing, for a bad lr or a state sized for another model.
   template <class Model>
   double step(Model& model, double lr, const Backend& be = Backend{}) {
     const std::string fn = "attnmix::train::adamw::step";
+    detail::require(std::isfinite(lr) && lr >= 0, fn, "lr", "must be finite and >= 0 but is ", lr);
+    const index_t t = step_count(fn) + 1;
+    detail::require(double(t) <= max_steps, fn, "this", "has taken ", t - 1,
+                    " steps, the most its step count holds");
     if (moments_.empty()) init(model);
     double ss = 0;
     std::size_t i = 0;
     model.visit_parameters([&](const std::string& name, auto& p) {
-      detail::require(
-          i < moments_.size() && moments_[i].name == name && moments_[i].m.numel() == p.numel(), fn,
-          "model", "has parameter '", name,
-          "', which the optimiser state was not made for (call init)");
+      detail::require(i < moments_.size() && moments_[i].name == name &&
+                          moments_[i].m.numel() == p.numel() && moments_[i].v.numel() == p.numel(),
+                      fn, "model", "has parameter '", name,
+                      "', which the optimiser state was not made for (call init)");
       ss += O::sum_squares(be, p.grad_ptr(), p.numel());
       ++i;
     });
@@ -84,7 +94,6 @@ class adamw {
     const double norm = std::sqrt(ss);
     const double factor =
         cfg_.clip_norm > 0 && norm > cfg_.clip_norm ? cfg_.clip_norm / (norm + 1e-6) : 1.0;
-    const auto t = static_cast<index_t>(step_.data[0]) + 1;
     i = 0;
     model.visit_parameters([&](const std::string&, auto& p) {
       auto& s = moments_[i++];
@@ -110,11 +119,60 @@ class adamw {
     f("step", step_);
   }
 
+  // io::load's check of a checkpoint before it writes any of it: the step is a count in
+  // [0, max_steps], every exp_avg finite, every exp_avg_sq finite and >= 0 (a run only makes
+  // those; anything else would turn the next step's weights into NaN).
+  template <class Values, class Reject>
+  void check_loaded(Values&& values, Reject&& reject) const {
+    const std::vector<double> step = values("step");
+    if (step.size() != 1 || !is_step_count(step[0]))
+      reject(detail::concat("tensor 'step' holds ", step.empty() ? 0.0 : step[0],
+                            ", which is not a step count (an integer in [0, 2^53])"));
+    for (const auto& s : moments_)
+      for (const bool second : {false, true}) {
+        const std::string name = s.name + (second ? ".exp_avg_sq" : ".exp_avg");
+        const std::vector<double> v = values(name);
+        for (std::size_t j = 0; j < v.size(); ++j)
+          if (!std::isfinite(v[j]) || (second && v[j] < 0))
+            reject(detail::concat(
+                "tensor '", name, "' holds ", v[j], " at [", j, "], but ",
+                second ? "a second moment is finite and >= 0" : "a first moment is finite"));
+      }
+  }
+
  private:
   struct moment {
     std::string name;
     state m, v;
   };
+
+  static bool is_step_count(double x) {
+    return std::isfinite(x) && x >= 0 && x <= max_steps && std::floor(x) == x;
+  }
+
+  // The step count, checked before it is converted (the state is reachable through
+  // visit_parameters).
+  index_t step_count(const std::string& fn) const {
+    const double x = step_.data[0];
+    detail::require(is_step_count(x), fn, "this", "holds a step count of ", x,
+                    ", not an integer in [0, 2^53]");
+    return static_cast<index_t>(x);
+  }
+
+  // cfg, once every setting is in range: the constructor's first member initialiser.
+  static adamw_config checked(const adamw_config& c) {
+    const std::string fn = "attnmix::train::adamw";
+    for (const auto& [name, beta] : {std::pair<const char*, double>{"config.beta1", c.beta1},
+                                     std::pair<const char*, double>{"config.beta2", c.beta2}})
+      detail::require(beta >= 0 && beta < 1, fn, name, "must be in [0, 1) but is ", beta);
+    for (const auto& [name, x] :
+         {std::pair<const char*, double>{"config.eps", c.eps},
+          std::pair<const char*, double>{"config.weight_decay", c.weight_decay},
+          std::pair<const char*, double>{"config.clip_norm", c.clip_norm}})
+      detail::require(std::isfinite(x) && x >= 0, fn, name, "must be finite and >= 0 but is ", x);
+    return c;
+  }
+
   adamw_config cfg_;
   std::vector<moment> moments_;
   layers::parameter<double> step_;
