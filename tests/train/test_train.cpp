@@ -1,6 +1,6 @@
 // The training pieces: softmax cross-entropy against finite differences, AdamW against the
 // formula written out, gradient clipping, the schedules, a checkpoint of the optimiser that
-// resumes bit for bit, and the optimiser settings and states it rejects.
+// resumes bit for bit, and the settings and states they reject.
 
 #include <cmath>
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include "attnmix/attnmix.hpp"
 #include "attnmix/io/safetensors.hpp"
 #include "attnmix/train/optimizer.hpp"
+#include "attnmix/train/progress.hpp"
 #include "attnmix/train/schedule.hpp"
 #include "reference/finite_difference.hpp"
 #include "support/catch.hpp"
@@ -335,4 +336,48 @@ TEST_CASE("adamw: a loaded state of a step or moment out of range is rejected, n
   resumed.step(b, 1e-2);
   CHECK(attnmix_test::bitwise_equal(a.w.data, b.w.data));
   CHECK(attnmix_test::bitwise_equal(a.b.data, b.b.data));
+}
+
+TEST_CASE("schedules and progress: settings that would overflow or print garbage are rejected",
+          "[train][errors]") {
+  using attnmix::train::constant_rate;
+  using attnmix::train::warmup_cosine;
+  const index_t big = std::numeric_limits<index_t>::max();
+  attnmix_test::expect_error("attnmix::train::warmup_cosine", "warmup", "must be >= 0", [&] {
+    (void)warmup_cosine{-big, big, 1.0, 0.0}(5);
+  });
+  attnmix_test::expect_error("attnmix::train::warmup_cosine", "total", "must be >= 0", [&] {
+    (void)warmup_cosine{0, -1, 1.0, 0.0}(5);
+  });
+  attnmix_test::expect_error("attnmix::train::warmup_cosine", "peak", "finite", [&] {
+    (void)warmup_cosine{1, 10, not_a_number, 0.0}(5);
+  });
+  attnmix_test::expect_error("attnmix::train::warmup_cosine", "floor", "finite", [&] {
+    (void)warmup_cosine{1, 10, 1.0, -infinity}(5);
+  });
+  attnmix_test::expect_error("attnmix::train::constant_rate", "warmup", "must be >= 0", [&] {
+    (void)constant_rate{1.0, -1}(5);
+  });
+  attnmix_test::expect_error("attnmix::train::constant_rate", "rate", "finite", [&] {
+    (void)constant_rate{not_a_number, 0}(5);
+  });
+  // A warm-up as long as the run: the peak at its end, no division by zero.
+  CHECK(warmup_cosine{10, 10, 1.0, 0.1}(10) == 1.0);
+  CHECK(warmup_cosine{10, 10, 1.0, 0.1}(11) == 0.1);
+
+  using attnmix::train::progress;
+  attnmix_test::expect_error("attnmix::train::progress", "out", "null",
+                             [] { progress p(10, 1, 1, nullptr); });
+  attnmix_test::expect_error("attnmix::train::progress", "total", "must be >= 0",
+                             [] { progress p(-big, 1, 1); });
+  attnmix_test::expect_error("attnmix::train::progress", "every", "must be >= 0",
+                             [] { progress p(1, 1, -1); });
+  progress quiet(big, big, 0);
+  attnmix_test::expect_error("attnmix::train::progress::step", "step", "must be >= 0",
+                             [&] { quiet.step(-big, 0.0); });
+  // Durations out of range print as such instead of converting out of range.
+  CHECK(progress::duration(not_a_number) == "?");
+  CHECK(progress::duration(-5.0) == "?");
+  CHECK(progress::duration(1e300).size() < 32);
+  CHECK(progress::duration(3725.0) == "1h02m");
 }
