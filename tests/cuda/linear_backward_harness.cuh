@@ -208,6 +208,42 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
   }
   attnmix::linear_attention_backward<Kind, Policy>(g, hp);
 
+  // Float's rounding is relative to the sizes of the terms a gradient sums, not to the sum: dq of
+  // a single key is phi'(q) phi(k) (v . dO), and v . dO may cancel to 1 % of its terms. The same
+  // backward on |v|, |dout|, |gate|, |gamma| and |dstate_out| gives those sizes; a float gradient
+  // is held to its error against a tenth of theirs where it is smaller (the CPU tests' rule).
+  double floor_dq = 0, floor_dk = 0, floor_dv = 0;
+  if (sizeof(T) == 4) {
+    auto abs_of = [](auto t) {
+      for (auto& x : t.storage()) x = std::abs(x);
+      return t;
+    };
+    host_tensor<double, 4> av = abs_of(v), agate = abs_of(gate), adout = abs_of(dout_d),
+                           adS_out = abs_of(dS_out_d);
+    host_tensor<double, 3> adz_out = abs_of(dz_out_d);
+    host_tensor<double, 1> agamma = abs_of(gamma);
+    host_tensor<double, 4> sdq(in.q.shape()), sdk(in.k.shape()), sdv(in.v.shape()),
+        sdgate(in.gate.shape()), sdS_in({N, c.H, c.D, c.Dv});
+    host_tensor<double, 3> sda(in.a.shape()), sdz_in({N, c.H, c.D});
+    host_tensor<double, 1> sdgamma(in.gamma.shape());
+    attnmix::linear_attention_grad_args<double> s = g;
+    s.saved = {};
+    s.v = av.view(), s.dout = adout.view();
+    s.dq = sdq.view(), s.dk = sdk.view(), s.dv = sdv.view();
+    if constexpr (gated) s.da = sda.view();
+    if constexpr (normed) {
+      s.gate = agate.view(), s.dgate = sdgate.view();
+      if (c.with_gamma) s.gamma = agamma.view(), s.dgamma = sdgamma.view();
+    }
+    if constexpr (causal) {
+      if (c.with_state_in) s.dstate_in.S = sdS_in.view(), s.dstate_in.z = sdz_in.view();
+      if (opt.dstate_out) s.dstate_out.S = adS_out.view(), s.dstate_out.z = adz_out.view();
+    }
+    attnmix::linear_attention_backward<Kind, Policy>(s, hp);
+    floor_dq = max_abs(sdq.storage()) / 10, floor_dk = max_abs(sdk.storage()) / 10;
+    floor_dv = max_abs(sdv.storage()) / 10;
+  }
+
   // The same on the GPU (every output starts as NaN).
   device_buffer<T> dq_(convert_all<T>(in.q.storage())), dk_(convert_all<T>(in.k.storage())),
       dv_(convert_all<T>(in.v.storage())), dgate_(convert_all<T>(in.gate.storage())),
@@ -280,9 +316,9 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
   const std::vector<float> hda = ga.to_host(), hdgamma = ggamma.to_host(), hdS_in = gS_in.to_host(),
                            hdz_in = gz_in.to_host();
   grad_errors e;
-  e.dq = max_rel_error(hdq, rdq.storage());
-  e.dk = max_rel_error(hdk, rdk.storage());
-  e.dv = max_rel_error(hdv, rdv.storage());
+  e.dq = max_rel_error(hdq, rdq.storage(), floor_dq);
+  e.dk = max_rel_error(hdk, rdk.storage(), floor_dk);
+  e.dv = max_rel_error(hdv, rdv.storage(), floor_dv);
   // A softmax over one key has da = 0 exactly: its size is the scale of dk (through the key).
   if (gated) e.da = max_rel_error(hda, rda.storage(), c.T == 1 ? max_abs(rdk.storage()) : 0.0);
   if (normed) {

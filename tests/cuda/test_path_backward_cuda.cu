@@ -1,6 +1,7 @@
-// The CUDA PaTH / PaTH-FoX backward against the CPU backward in float on the same inputs: q, k,
+// The CUDA PaTH / PaTH-FoX backward against the CPU backward in double on the same inputs: q, k,
 // v, out and dout rounded to the input type on both sides, w, beta, g and lse in float. Every
-// gradient is compared on its own (max |gpu - cpu| / max |cpu|) and named when it fails. Cases
+// gradient is compared on its own (max |gpu - cpu| / max |cpu|, within 1e-5 or 4x the CPU float
+// backward's own error) and named when it fails. Cases
 // run smallest first (T = 1, 5, 64, 65, 200, D = 64 then 128, GQA, varlen with an empty and a
 // length-1 sequence, an odd head dim, several slices), then PaTH-FoX in both gate conventions and
 // with hard resets, 16-bit inputs, two runs giving identical bits, and the CUDA forward's out and
@@ -74,17 +75,17 @@ bwd_inputs make_inputs(const path_case& c, std::uint64_t salt,
   return b;
 }
 
-// The CPU backward in float.
-template <class Kind, class Policy>
+// The CPU backward in S (float or double) on the same inputs.
+template <class Kind, class Policy, class S>
 grads cpu_backward(const path_case& c, const bwd_inputs& b) {
-  path_tensors<float> t(c, b.in);
-  t.out.storage() = cast_to<float>(b.out);
-  t.lse.storage() = cast_to<float>(b.lse);
-  attnmix::host_tensor<float, 4> dO({c.B, c.T, c.HQ, c.Dv}), dq({c.B, c.T, c.HQ, c.D}),
+  path_tensors<S> t(c, b.in);
+  t.out.storage() = cast_to<S>(b.out);
+  t.lse.storage() = cast_to<S>(b.lse);
+  attnmix::host_tensor<S, 4> dO({c.B, c.T, c.HQ, c.Dv}), dq({c.B, c.T, c.HQ, c.D}),
       dk({c.B, c.T, c.H, c.D}), dv({c.B, c.T, c.H, c.Dv}), dw({c.B, c.T, c.H, c.D});
-  attnmix::host_tensor<float, 3> dbeta({c.B, c.T, c.H}), dg({c.B, c.T, c.HQ});
-  dO.storage() = cast_to<float>(b.dout);
-  attnmix::attention_grad_args<float> a;
+  attnmix::host_tensor<S, 3> dbeta({c.B, c.T, c.H}), dg({c.B, c.T, c.HQ});
+  dO.storage() = cast_to<S>(b.dout);
+  attnmix::attention_grad_args<S> a;
   a.q = t.q.view(), a.k = t.k.view(), a.v = t.v.view();
   a.w = t.w.view(), a.beta = t.beta.view();
   a.out = t.out.view(), a.lse = t.lse.view(), a.dout = dO.view();
@@ -95,6 +96,17 @@ grads cpu_backward(const path_case& c, const bwd_inputs& b) {
   return {to_double(dq.storage()),    to_double(dk.storage()),
           to_double(dv.storage()),    to_double(dw.storage()),
           to_double(dbeta.storage()), gated ? to_double(dg.storage()) : std::vector<double>{}};
+}
+
+// What the device is measured against: the CPU backward in double, and the CPU backward in float
+// (whose own error says how well conditioned each gradient is on these inputs).
+struct cpu_reference {
+  grads exact, host;
+};
+
+template <class Kind, class Policy>
+cpu_reference cpu_backward(const path_case& c, const bwd_inputs& b) {
+  return {cpu_backward<Kind, Policy, double>(c, b), cpu_backward<Kind, Policy, float>(c, b)};
 }
 
 // The case's tensors on the device; gradients start as NaN.
@@ -174,22 +186,30 @@ double max_rel(const std::vector<double>& got, const std::vector<double>& ref) {
 }
 
 // Bounds: float gradients 1e-5; gradients stored in 16 bits (dq, dk, dv) also carry their
-// rounding, at most 2^-9 of max |ref| for bfloat16.
+// rounding, at most 2^-9 of max |ref| for bfloat16. Against the CPU (`host` given, `ref` then
+// in double), a gradient may also be off by 4x the CPU float backward's own error: a small dbeta
+// of a short sequence sums terms that cancel, and float's rounding is relative to the terms.
 template <class T>
-void check_grads(const grads& got, const grads& ref, bool gated) {
+void check_grads(const grads& got, const grads& ref, bool gated, const grads* host = nullptr) {
   const double tol16 = sizeof(T) == 4 ? 1e-5 : 5e-3, tol32 = sizeof(T) == 4 ? 1e-5 : 2e-5;
-  const double e_dq = max_rel(got.dq, ref.dq), e_dk = max_rel(got.dk, ref.dk),
-               e_dv = max_rel(got.dv, ref.dv), e_dw = max_rel(got.dw, ref.dw),
-               e_dbeta = max_rel(got.dbeta, ref.dbeta);
-  const double e_dg = gated ? max_rel(got.dg, ref.dg) : 0.0;
-  INFO("max errors: dq " << e_dq << " dk " << e_dk << " dv " << e_dv << " dw " << e_dw << " dbeta "
-                         << e_dbeta << " dg " << e_dg);
-  CHECK(e_dv <= tol16);
-  CHECK(e_dq <= tol16);
-  CHECK(e_dk <= tol16);
-  CHECK(e_dw <= tol32);
-  CHECK(e_dbeta <= tol32);
-  if (gated) CHECK(e_dg <= tol32);
+  auto check = [&](const char* name, const std::vector<double>& g, const std::vector<double>& r,
+                   const std::vector<double>* h, double tol) {
+    const double err = max_rel(g, r), host_err = h ? max_rel(*h, r) : 0.0;
+    INFO(name << ": error " << err << ", the CPU float backward's " << host_err << " (tolerance "
+              << tol << " or 4x that)");
+    CHECK(err <= std::max(tol, 4 * host_err));
+  };
+  check("dv", got.dv, ref.dv, host ? &host->dv : nullptr, tol16);
+  check("dq", got.dq, ref.dq, host ? &host->dq : nullptr, tol16);
+  check("dk", got.dk, ref.dk, host ? &host->dk : nullptr, tol16);
+  check("dw", got.dw, ref.dw, host ? &host->dw : nullptr, tol32);
+  check("dbeta", got.dbeta, ref.dbeta, host ? &host->dbeta : nullptr, tol32);
+  if (gated) check("dg", got.dg, ref.dg, host ? &host->dg : nullptr, tol32);
+}
+
+template <class T>
+void check_grads(const grads& got, const cpu_reference& ref, bool gated) {
+  check_grads<T>(got, ref.exact, gated, &ref.host);
 }
 
 template <class Kind, class Policy, class T>
@@ -198,7 +218,7 @@ void backward_case(const path_case& c, std::uint64_t salt, const std::vector<ind
                << attnmix::scalar_traits<T>::name << " kind " << Kind::name << " hard resets "
                << g_inf.size());
   const bwd_inputs b = make_inputs<Kind, Policy, T>(c, salt, g_inf);
-  const grads ref = cpu_backward<Kind, Policy>(c, b);
+  const cpu_reference ref = cpu_backward<Kind, Policy>(c, b);
   device_case<T> d(c, b);
   const grads got = d.template run<Kind, Policy>();
   check_grads<T>(got, ref, attnmix::kind_traits<Kind>::uses_forget_gate);
@@ -231,7 +251,7 @@ void both_kernels_case(const path_case& c, std::uint64_t salt) {
   INFO("seed " << test_seed() << " salt " << salt << " " << c.describe() << " dtype "
                << attnmix::scalar_traits<T>::name << " kind " << Kind::name);
   const bwd_inputs b = make_inputs<Kind, Policy, T>(c, salt);
-  const grads ref = cpu_backward<Kind, Policy>(c, b);
+  const cpu_reference ref = cpu_backward<Kind, Policy>(c, b);
   device_case<T> d(c, b);
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   grads simt, tiled;
@@ -404,7 +424,7 @@ TEMPLATE_TEST_CASE("CUDA PaTH-FoX forward then backward with the CUDA lse",
   attnmix::detail::cuda::check(cudaDeviceSynchronize(), "PaTH forward");
   b.out = convert_all<double>(d.out.to_host());
   b.lse = to_double(d.lse.to_host());
-  const grads ref = cpu_backward<path_fox, attnmix::path_fox_policy>(c, b);
+  const cpu_reference ref = cpu_backward<path_fox, attnmix::path_fox_policy>(c, b);
   const grads got = d.template run<path_fox, attnmix::path_fox_policy>();
   check_grads<T>(got, ref, true);
 }
