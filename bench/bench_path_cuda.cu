@@ -127,17 +127,17 @@ void BM_copy_bandwidth(benchmark::State& state) {
   cudaFree(src), cudaFree(dst);
 }
 
-// Forward + backward (attention_backward, CUDA cores for now), bf16 q, k, v and float w, beta, g
-// as the authors' kernels take them, H = HQ = 32, D = Dv = 64. FLOPs counted as the forward's
+// Forward + backward (attention_backward), bf16 q, k, v and float w, beta, g as the authors'
+// kernels take them, H = HQ, D = Dv; args B, T, H, D. FLOPs counted as the forward's
 // 4 B H T^2 D plus 2.5 times that for the backward (the recomputed scan, dV, dK~, the adjoint
 // scan and its transition gradients).
-// tiled: the register-blocked query and chunk kernels instead of the plan's SIMT ones. One
+// simt: the SIMT query and chunk kernels (the fallback) instead of the plan's tiled ones. One
 // warm-up call (a call takes up to seconds), then the iterations, each timed with events.
-template <class Kind, bool tiled = false>
+template <class Kind, bool simt = false>
 void BM_path_backward_cuda(benchmark::State& state) {
   namespace cu = attnmix::detail::cuda;
   using T = attnmix::bfloat16;
-  const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
+  const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = state.range(3);
   const path_call call(B, Tn, H, D, 0);
   device_array<float> lse(static_cast<std::size_t>(B * Tn * H), 11);
   device_array<T> dout(call.size(), 12), dq(call.size(), 13), dk(call.size(), 14),
@@ -161,7 +161,7 @@ void BM_path_backward_cuda(benchmark::State& state) {
   const attnmix::backend::cuda be{};
   const cu::path_backward_kernel saved = cu::path_backward_kernel_override();
   cu::path_backward_kernel_override() =
-      tiled ? cu::path_backward_kernel::tiled : cu::path_backward_kernel::automatic;
+      simt ? cu::path_backward_kernel::simt : cu::path_backward_kernel::automatic;
   const auto call_once = [&] {
     attnmix::attention<Kind>(fa, {}, be);
     attnmix::attention_backward<Kind>(a, {}, be);
@@ -186,14 +186,17 @@ void BM_path_backward_cuda(benchmark::State& state) {
       benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The shapes of the backward goals: H = 32, D = 64 and H = 16, D = 128.
 void backward_shapes(benchmark::internal::Benchmark* b) {
-  for (auto [B, T] : {std::pair{32, 2048}, {8, 8192}, {4, 16384}}) b->Args({B, T, 32});
-  // A call takes up to seconds on CUDA cores: a few iterations are enough.
-  b->ArgNames({"B", "T", "H"})->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
+  for (auto [B, T] : {std::pair{32, 2048}, {32, 4096}, {8, 8192}, {4, 16384}})
+    b->Args({B, T, 32, 64});
+  for (auto [B, T] : {std::pair{8, 4096}, {2, 16384}}) b->Args({B, T, 16, 128});
+  // A call takes up to seconds: a few iterations are enough.
+  b->ArgNames({"B", "T", "H", "D"})->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
 }
-void backward_tiled_shapes(benchmark::internal::Benchmark* b) {
-  b->Args({32, 2048, 32});
-  b->ArgNames({"B", "T", "H"})->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
+void backward_simt_shapes(benchmark::internal::Benchmark* b) {
+  b->Args({32, 2048, 32, 64});
+  b->ArgNames({"B", "T", "H", "D"})->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
 }
 
 // The backward's extra device memory (the plan's scratch: chunk data, per-slice sums, gate sums)
@@ -249,8 +252,8 @@ BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox)
     ->Name("path_fox_fwd_bwd")
     ->Apply(backward_shapes);
 BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox, true)
-    ->Name("path_fox_fwd_bwd_tiled")
-    ->Apply(backward_tiled_shapes);
+    ->Name("path_fox_fwd_bwd_simt")
+    ->Apply(backward_simt_shapes);
 BENCHMARK(BM_path_backward_memory)
     ->Name("path_backward_scratch")
     ->Args({4, 16384, 32})

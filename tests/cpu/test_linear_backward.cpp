@@ -128,19 +128,6 @@ struct grad_tensors {
   attnmix::host_tensor<A, 2> dlse_out, dlse_in, saved_lse;
 };
 
-// ||out - ref|| / max(||ref||, ||sizes|| / 10): rel_error with a floor a tenth of the norm of the
-// terms that `ref` sums (see its use); still ||out|| when ref is 0.
-template <class T>
-double floored_error(const std::vector<T>& out, const std::vector<double>& ref,
-                     const std::vector<double>& sizes) {
-  double ref2 = 0, sizes2 = 0;
-  for (double x : ref) ref2 += x * x;
-  for (double x : sizes) sizes2 += x * x;
-  const double floor2 = sizes2 / 100;
-  if (ref2 >= floor2 || ref2 == 0) return rel_error(out, ref);  // empty, or no floor needed
-  return rel_error(out, ref) * std::sqrt(ref2 / floor2);
-}
-
 template <class Kind, class Policy, class T>
 grad_errors run_backward_case(const linear_case& c, std::uint64_t salt, const bwd_options& opt,
                               grad_tensors<T>* keep = nullptr) {

@@ -87,6 +87,20 @@ double rel_error(const std::vector<T>& out, const std::vector<double>& ref) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// ||out - ref|| / max(||ref||, ||sizes|| / 10): rel_error with a floor a tenth of the norm of the
+// terms that `ref` sums (`sizes`: the same computation on absolute values); still ||out|| when
+// ref is 0. Float's rounding is relative to the terms, not to a sum that cancels.
+template <class T>
+double floored_error(const std::vector<T>& out, const std::vector<double>& ref,
+                     const std::vector<double>& sizes) {
+  double ref2 = 0, sizes2 = 0;
+  for (double x : ref) ref2 += x * x;
+  for (double x : sizes) sizes2 += x * x;
+  const double floor2 = sizes2 / 100;
+  if (ref2 >= floor2 || ref2 == 0) return rel_error(out, ref);  // empty, or no floor needed
+  return rel_error(out, ref) * std::sqrt(ref2 / floor2);
+}
+
 // Error of log-sum-exp values (natural log of a softmax normaliser). What matters is the
 // absolute error, which is the relative error of the normaliser itself, so values near 0 count as
 // magnitude 1: ||out - ref|| / max(||ref||, sqrt(n)). -inf (no visible key) must match exactly.
