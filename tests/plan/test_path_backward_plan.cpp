@@ -58,8 +58,8 @@ TEST_CASE("PaTH backward plan: grids and shared memory", "[plan][path][backward]
   CHECK(p.gate_grid.x == 1u);
   CHECK(p.gate_grid.y == 2u);
   CHECK(p.fits);
-  CHECK(p.query_smem == 4 * (4 * 64 * 68 + 5 * 64 * 68 + 4 * 64));  // the tiled kernels'
-  CHECK(p.chunk_smem == 4 * (4 * 64 * 68 + 4 * 64 * 68 + 64));
+  CHECK(p.query_smem == 4 * (4 * 64 * 65 + 5 * 64 * 65 + 4 * 64));
+  CHECK(p.chunk_smem == 4 * (4 * 64 * 65 + 4 * 64 * 65 + 64));
   // D = 128 fits an H200's 227 KB but not an sm_80 device's 163 KB.
   CHECK(plan_path_backward(shape(1, 100, 1, 1, 128, 128), false, h200()).fits);
   device_properties small = h200();
@@ -113,42 +113,26 @@ TEST_CASE("PaTH backward plan: extra memory is O(B T H D)", "[plan][path][backwa
   CHECK(double(p.scratch_bytes) <= 4 * floats * 1.01 + 4.0 * rows * 8);
 }
 
-TEST_CASE("PaTH backward plan: the tiled kernels wherever they fit, SIMT when asked or elsewhere",
+TEST_CASE("PaTH backward plan: the query kernel, tiled unless the SIMT one is asked for",
           "[plan][path][backward]") {
   const path_shape s = shape(2, 1100, 4, 2, 64, 64);
   const path_backward_plan a = plan_path_backward(s, true, h200());
   CHECK(a.query_kernel == path_backward_kernel::tiled);
-  CHECK(a.fits);
+  CHECK(plan_path_backward(s, true, h200(), path_backward_kernel::tiled).query_kernel ==
+        path_backward_kernel::tiled);
+  // Every shape, odd head dims included.
+  CHECK(plan_path_backward(shape(1, 100, 2, 2, 40, 24), false, h200(), path_backward_kernel::tiled)
+            .query_kernel == path_backward_kernel::tiled);
+  CHECK(plan_path_backward(shape(1, 100, 1, 1, 17, 9), false, h200(), path_backward_kernel::tiled)
+            .query_kernel == path_backward_kernel::tiled);
   const path_backward_plan f = plan_path_backward(s, true, h200(), path_backward_kernel::simt);
   CHECK(f.query_kernel == path_backward_kernel::simt);
-  CHECK(f.fits);
-  // Every shape, odd head dims and D = 128 included.
-  for (const path_shape& t : {shape(1, 100, 2, 2, 40, 24), shape(1, 100, 1, 1, 17, 9),
-                              shape(1, 130, 2, 1, 128, 128)}) {
-    const path_backward_plan p = plan_path_backward(t, false, h200());
-    CHECK(p.query_kernel == path_backward_kernel::tiled);
-    CHECK(p.fits);
-  }
-  // The tiled tiles' rows are 4 floats apart, the SIMT ones' 1: their shared memory, exactly.
-  CHECK(a.query_smem == 4 * (4 * 64 * (64 + 4) + 5 * 64 * (64 + 4) + 4 * 64));
-  CHECK(a.chunk_smem == 4 * (4 * 64 * (64 + 4) + 4 * 64 * (64 + 4) + 64));
-  CHECK(f.query_smem == 4 * (4 * 64 * (64 + 1) + 5 * 64 * (64 + 1) + 4 * 64));
-  CHECK(f.chunk_smem == 4 * (4 * 64 * (64 + 1) + 4 * 64 * (64 + 1) + 64));
-  // Forcing a kernel changes nothing else: the same grids and scratch.
+  // Forcing a kernel changes nothing else: the same grids, shared memory and scratch.
   CHECK(f.slices == a.slices);
+  CHECK(f.query_smem == a.query_smem);
+  CHECK(f.chunk_smem == a.chunk_smem);
   CHECK(f.scratch_bytes == a.scratch_bytes);
   CHECK(f.query_grid.x == a.query_grid.x);
-  // Before sm_80 (no tf32 tensor cores), or where the tiled kernels' shared memory does not fit
-  // and the SIMT ones' does: SIMT.
-  device_properties old = h200();
-  old.cc_major = 7;
-  CHECK(plan_path_backward(s, true, old).query_kernel == path_backward_kernel::simt);
-  CHECK(!plan_path_backward(s, true, old, path_backward_kernel::tiled).fits);
-  device_properties small = h200();
-  small.smem_per_block_optin = a.query_smem - 4;
-  const path_backward_plan g = plan_path_backward(s, true, small);
-  CHECK(g.query_kernel == path_backward_kernel::simt);
-  CHECK(g.fits);
   // The launcher's override starts automatic.
   CHECK(path_backward_kernel_override() == path_backward_kernel::automatic);
 }

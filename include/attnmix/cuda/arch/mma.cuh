@@ -101,14 +101,6 @@ __device__ __forceinline__ void split_tf32(float x, std::uint32_t& big, std::uin
   small = __float_as_uint(x - __uint_as_float(big));
 }
 
-// The same split with both parts rounded to nearest (cvt.rna): |small| <= 2^-11 |x| and small
-// keeps its own 11 bits, so that big + small is x to about 2^-22 (the truncating split: 2^-20).
-// Where a product's last bits matter more than the cost of two conversions.
-__device__ __forceinline__ void split_tf32_rn(float x, std::uint32_t& big, std::uint32_t& small) {
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(big) : "f"(x));
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(small) : "f"(x - __uint_as_float(big)));
-}
-
 // d += a * b, tf32 inputs, m16n8k8. With g = lane / 4 and t = lane % 4:
 //   A 16x8: a0 = (g, t), a1 = (g+8, t), a2 = (g, t+4), a3 = (g+8, t+4)
 //   B 8x8:  b0 = (k = t, n = g), b1 = (k = t+4, n = g);  C as for m16n8k16.

@@ -23,7 +23,7 @@
 // when B * H fills the GPU); never T x T, never a copy of the queries per chunk.
 //
 // Matrix products are written as plain loops over shared memory and global (L2-resident) rows:
-// the fallback of the tiled kernels (path_backward_tiled.cuh, the same passes on tensor cores). The C x C passes that take dot products
+// correct first; the tensor-core version is future work. The C x C passes that take dot products
 // of a query-side row (shared) with a key-side row (global) put consecutive threads on
 // consecutive query rows, so that a warp reads one key row (a broadcast) and shared rows of
 // stride D + 1 or C + 1 (no bank conflicts). Which thread computes an element never changes its
@@ -146,15 +146,14 @@ __global__ void __launch_bounds__(128)
 }
 
 // ---- 2. the query chunks -------------------------------------------------------------------
-// Shared memory as plan/path_backward.hpp's path_backward_query_smem with pad
-// path_simt_pad: ld = D + 1, lc = C + 1.
+// Shared memory as plan/path_backward.hpp's path_backward_query_smem: ld = D + 1, lc = C + 1.
 template <class T>
 __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_backward_params p) {
   constexpr int C = path_chunk;
-  constexpr int lc = C + path_simt_pad;
+  constexpr int lc = C + 1;
   extern __shared__ float smem[];
   const path_kernel_params& kp = p.kp;
-  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + path_simt_pad;
+  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + 1;
   float* qs = smem;                               // scale * Q            [C][ld]
   float* dqs = qs + C * ld;                       // d Qs                 [C][ld]
   float* r = dqs + C * ld;                        // the running queries  [C][ld]
@@ -442,14 +441,14 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
 }
 
 // ---- 3. the chunks, back through the UT transform ------------------------------------------
-// Shared memory as path_backward_chunk_smem with pad path_simt_pad: ld = D + 1, lc = C + 1.
+// Shared memory as path_backward_chunk_smem: ld = D + 1, lc = C + 1.
 template <class T>
 __global__ void __launch_bounds__(256) path_backward_chunk_kernel(const path_backward_params p) {
   constexpr int C = path_chunk;
-  constexpr int lc = C + path_simt_pad;
+  constexpr int lc = C + 1;
   extern __shared__ float smem[];
   const path_kernel_params& kp = p.kp;
-  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + path_simt_pad;
+  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + 1;
   float* dK = smem;           // [C][ld]
   float* dKt = dK + C * ld;   // [C][ld]
   float* dW = dKt + C * ld;   // [C][ld]

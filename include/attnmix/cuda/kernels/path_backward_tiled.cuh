@@ -1,25 +1,25 @@
 #pragma once
-// The PaTH / PaTH-FoX backward's query kernel with every product on tensor cores: the same
-// algorithm, passes and barriers as path_backward_query_kernel (path_backward_simt.cuh, which
-// stays the fallback), but every C x C x D or C x D x C product runs through tile_product, a
-// warp per 16 x 32 block of the output on mma.sync m16n8k8 in tf32, three passes per step
-// (split_tf32_rn: big x big + big x small + small x big, about float's accuracy). Each element's
-// sum runs in a fixed order on a fixed lane, so the bits do not depend on the run. Products whose CPU
-// loop stops early (c <= a, b < n) run to a fixed depth over operands that are exactly 0 past the
-// end (x, dx are stored triangular), which adds exact zeros. Operands past the sequence or the
-// chunk are never read from global memory: accessors return 0 there. dO V^T is one more product
-// (into dZ) before the softmax's elementwise pass. Shared tiles have rows D + 4 or C + 4 floats
-// apart, so that a fragment's 8 x 4 or 4 x 8 elements fall in 32 different banks. dO is staged
-// in Tmp while the softmax runs (when Dv <= C; else read from global memory), and each scan
-// state of the adjoint pass in R (free after the walk); the key-side operands come from global
-// memory (L1).
-// path_backward_chunk_tiled_kernel (below) is the chunk kernel with its n x n x D passes on
-// tile_product the same way. The plan takes both wherever they fit (plan/path_backward.hpp).
+// The PaTH / PaTH-FoX backward's query kernel with register-blocked products: the same algorithm,
+// the same shared memory, the same passes and barriers as path_backward_query_kernel
+// (path_backward_simt.cuh, which stays the fallback), but every C x C x D or C x D x C product
+// runs through tile_product, where each thread computes a block of RM x RN elements of the
+// output (rows tr + 16 i, columns tc + 16 j of the 16 x 16 thread grid) from RM + RN operand
+// loads per step of the reduction instead of 2 loads per multiply-add. Still float on CUDA
+// cores, still one fixed-order sum per element (k = 0, 1, ... in order), so the bits do not
+// depend on the run. Products whose CPU loop stops early (c <= a, b < n) run to a fixed depth
+// over operands that are exactly 0 past the end (x, dx are stored triangular), which adds exact
+// zeros. Operands past the sequence or the chunk are never read from global memory: accessors
+// return 0 there. dO V^T is one more product (into dZ) before the softmax's elementwise pass.
+// Row-indexed operands (the A side, rows spread over a warp) are read from shared memory: dO is
+// staged in Tmp while the softmax runs (when Dv <= C; else read from global memory), and each
+// scan state of the adjoint pass in R (free after the walk); the key-side operands (the B side,
+// two addresses a warp instruction) come from global memory (L1).
+// path_backward_chunk_tiled_kernel (below) is the chunk kernel with its n x n x D passes tiled
+// the same way. The plan takes both when asked (plan/path_backward.hpp); the SIMT ones otherwise.
 
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/kernels/path_backward_simt.cuh"
 
 namespace attnmix {
@@ -28,89 +28,73 @@ namespace cuda {
 
 constexpr int path_tile_threads = 256;  // the 16 x 16 thread grid of tile_product
 
-// out(r, c, acc) for each (r, c) of rows x cols, acc = init(r, c) + sum over k < depth of
-// a(r, k) * b(k, c), on tensor cores: m16n8k8 tf32 in three passes (small x big, big x small,
-// big x big; split_tf32_rn, both parts rounded: the truncating split left dbeta 10x less accurate
-// than float's loops), about float's accuracy. A warp takes 16 x 32 blocks of the output (a
-// row block and four column blocks of 8), reading each step's A fragment once for the four.
-// a is called only for r < rows, b only for c < cols, both only for k < depth (0 elsewhere).
-// Which lane computes an element, and the order of its steps, depend only on rows and cols: a
-// tile_product_from over the same rows and cols finds its init where the same lane left it, and
-// the bits do not depend on the run.
-template <class I, class A, class B, class O>
-__device__ __forceinline__ void tile_product_from(int rows, int cols, int depth, I&& init, A&& a,
+// out(r, c, acc) for each (r, c) of rows x cols, acc = init(r, c) + sum over k = 0 .. depth - 1
+// (in that order) of a(r, k) * b(k, c). a is called only for r < rows, b only for c < cols.
+// Element (r, c) is always computed by the same thread for the same rows, cols.
+template <int RM, int RN, class I, class A, class B, class O>
+__device__ __forceinline__ void tile_product_init(int rows, int cols, int depth, I&& init, A&& a,
                                                   B&& b, O&& out) {
-  constexpr int warps = path_tile_threads / 32;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int row_blocks = (rows + 15) / 16, blocks = row_blocks * ((cols + 31) / 32);
-  for (int blk = threadIdx.x / 32; blk < blocks; blk += warps) {
-    const int r0 = (blk % row_blocks) * 16, c0 = (blk / row_blocks) * 32;
-    const int nj = cols - c0 >= 32 ? 4 : (cols - c0 + 7) / 8;  // column blocks of 8 in range
-    float acc[4][4];
+  constexpr int TR = 16, TC = path_tile_threads / 16;
+  const int tr = threadIdx.x % TR, tc = threadIdx.x / TR;
+  for (int rb = 0; rb < rows; rb += TR * RM)
+    for (int cb = 0; cb < cols; cb += TC * RN) {
+      float acc[RM][RN];
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < RM; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = r0 + g + 8 * (e / 2), c = c0 + 8 * j + 2 * t + e % 2;
-        acc[j][e] = r < rows && c < cols ? init(r, c) : 0.f;
+        for (int j = 0; j < RN; ++j) {
+          const int r = rb + tr + TR * i, c = cb + tc + TC * j;
+          acc[i][j] = r < rows && c < cols ? init(r, c) : 0.f;
+        }
+#pragma unroll 2
+      for (int k = 0; k < depth; ++k) {
+        float av[RM], bv[RN];
+#pragma unroll
+        for (int i = 0; i < RM; ++i) {
+          const int r = rb + tr + TR * i;
+          av[i] = r < rows ? a(r, k) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < RN; ++j) {
+          const int c = cb + tc + TC * j;
+          bv[j] = c < cols ? b(k, c) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < RM; ++i)
+#pragma unroll
+          for (int j = 0; j < RN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
       }
-    const bool ra = r0 + g < rows, rb = r0 + g + 8 < rows;
-    for (int k0 = 0; k0 < depth; k0 += 8) {
-      const bool ka = k0 + t < depth, kb = k0 + t + 4 < depth;
-      std::uint32_t abig[4], asmall[4];
-      split_tf32_rn(ra && ka ? a(r0 + g, k0 + t) : 0.f, abig[0], asmall[0]);
-      split_tf32_rn(rb && ka ? a(r0 + g + 8, k0 + t) : 0.f, abig[1], asmall[1]);
-      split_tf32_rn(ra && kb ? a(r0 + g, k0 + t + 4) : 0.f, abig[2], asmall[2]);
-      split_tf32_rn(rb && kb ? a(r0 + g + 8, k0 + t + 4) : 0.f, abig[3], asmall[3]);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (j >= nj) break;  // warp-uniform
-        const int c = c0 + 8 * j + g;
-        std::uint32_t bbig[2], bsmall[2];
-        split_tf32_rn(c < cols && ka ? b(k0 + t, c) : 0.f, bbig[0], bsmall[0]);
-        split_tf32_rn(c < cols && kb ? b(k0 + t + 4, c) : 0.f, bbig[1], bsmall[1]);
-        mma_1688_tf32(acc[j], asmall, bbig);
-        mma_1688_tf32(acc[j], abig, bsmall);
-        mma_1688_tf32(acc[j], abig, bbig);
-      }
+      for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int j = 0; j < RN; ++j) {
+          const int r = rb + tr + TR * i, c = cb + tc + TC * j;
+          if (r < rows && c < cols) out(r, c, acc[i][j]);
+        }
     }
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = r0 + g + 8 * (e / 2), c = c0 + 8 * j + 2 * t + e % 2;
-        if (r < rows && c < cols) out(r, c, acc[j][e]);
-      }
-  }
 }
 
 template <class A, class B, class O>
 __device__ __forceinline__ void tile_product(int rows, int cols, int depth, A&& a, B&& b, O&& out) {
-  tile_product_from(
+  tile_product_init<4, 4>(
       rows, cols, depth, [](int, int) { return 0.f; }, a, b, out);
 }
 
-// dest(r, c) += sum over k of a(r, k) * b(k, c), dest(r, c) a float& (a global or shared sum):
-// the old values start the sums, so that a thread reads all of its global sums at once, before
-// the products, rather than one read-add-write after another (each an L2 round trip).
-template <class A, class B, class Dst>
-__device__ __forceinline__ void tile_product_add(int rows, int cols, int depth, A&& a, B&& b,
-                                                 Dst&& dest) {
-  tile_product_from(
-      rows, cols, depth, [&](int r, int c) { return static_cast<float>(dest(r, c)); }, a, b,
-      [&](int r, int c, float acc) { dest(r, c) = acc; });
+template <class I, class A, class B, class O>
+__device__ __forceinline__ void tile_product_from(int rows, int cols, int depth, I&& init, A&& a,
+                                                  B&& b, O&& out) {
+  tile_product_init<4, 4>(rows, cols, depth, init, a, b, out);
 }
 
-// Shared memory as plan/path_backward.hpp's path_backward_query_smem with pad
-// path_tile_pad: ld = D + 4, lc = C + 4.
+// Shared memory as plan/path_backward.hpp's path_backward_query_smem: ld = D + 1, lc = C + 1.
 template <class T>
 __global__ void __launch_bounds__(path_tile_threads, 1)
     path_backward_query_tiled_kernel(const path_backward_params p) {
   constexpr int C = path_chunk;
-  constexpr int lc = C + path_tile_pad;
+  constexpr int lc = C + 1;
   extern __shared__ float smem[];
   const path_kernel_params& kp = p.kp;
-  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + path_tile_pad;
+  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + 1;
   float* qs = smem;                               // scale * Q            [C][ld]
   float* dqs = qs + C * ld;                       // d Qs                 [C][ld]
   float* r = dqs + C * ld;                        // the running queries  [C][ld]
@@ -239,13 +223,13 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
         const auto p_at = [&](int j, int a) {
           return s[a * lc + j];
         };
-        const auto dv_sum = [&](int j, int e) -> float& {
-          return dvs[(j0 + j) * Dv + e];
+        const auto to_dv = [&](int j, int e, float acc) {
+          dvs[(j0 + j) * Dv + e] += acc;
         };
         if (stage_dO)
-          tile_product_add(cols, Dv, n, p_at, dO_staged, dv_sum);
+          tile_product(cols, Dv, n, p_at, dO_staged, to_dv);
         else
-          tile_product_add(cols, Dv, n, p_at, dO_at, dv_sum);
+          tile_product(cols, Dv, n, p_at, dO_at, to_dv);
         if (dG != nullptr) {
           for (int a = threadIdx.x; a < n; a += blockDim.x) {
             float rs = 0.f;
@@ -281,14 +265,14 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
       __syncthreads();
       backprop_softmax(c0, n, true);
       // dk += dZ^T Qs; dM -= X^T dZ; dQs = dZ K; dX = -dZ M^T.
-      tile_product_add(
+      tile_product(
           n, D, n, [&](int b, int a) { return dz[a * lc + b]; },
           [&](int a, int d) { return qs[a * ld + d]; },
-          [&](int b, int d) -> float& { return dkd[(c0 + b) * D + d]; });
-      tile_product_add(
-          n, n, n, [&](int rr, int a) { return -x[a * lc + rr]; },
+          [&](int b, int d, float acc) { dkd[(c0 + b) * D + d] += acc; });
+      tile_product(
+          n, n, n, [&](int rr, int a) { return x[a * lc + rr]; },
           [&](int a, int c) { return dz[a * lc + c]; },
-          [&](int rr, int c) -> float& { return dm[(c0 + rr) * C + c]; });
+          [&](int rr, int c, float acc) { dm[(c0 + rr) * C + c] -= acc; });
       tile_product(
           C, D, n, [&](int a, int b) { return dz[a * lc + b]; },
           [&](int b, int d) { return to_float(K[(c0 + b) * ks1 + d]); },
@@ -317,10 +301,10 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
               [&](int a, int j, float acc) { s[a * lc + j] = a < n ? acc : 0.f; });
           __syncthreads();
           backprop_softmax(j0, C, false);
-          tile_product_add(
+          tile_product(
               C, D, n, [&](int j, int a) { return dz[a * lc + j]; },
               [&](int a, int d) { return r[a * ld + d]; },
-              [&](int j, int d) -> float& { return dkt[(j0 + j) * D + d]; });
+              [&](int j, int d, float acc) { dkt[(j0 + j) * D + d] += acc; });
           tile_product(
               n, D, C, [&](int a, int j) { return dz[a * lc + j]; },
               [&](int j, int d) { return KT[(j0 + j) * D + d]; },
@@ -331,10 +315,10 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
               [&](int d, int c) { return W[(j0 + c) * ws1 + d]; },
               [&](int a, int c, float acc) { tmp[a * lc + c] = a < n ? acc : 0.f; });
           __syncthreads();
-          tile_product_add(
-              n, D, C, [&](int a, int c) { return -tmp[a * lc + c]; },
+          tile_product(
+              n, D, C, [&](int a, int c) { return tmp[a * lc + c]; },
               [&](int c, int d) { return UU[(j0 + c) * D + d]; },
-              [&](int a, int d) -> float& { return r[a * ld + d]; });
+              [&](int a, int d, float acc) { r[a * ld + d] -= acc; });
           __syncthreads();
         }
         __syncthreads();
@@ -357,20 +341,19 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
               [&](int d, int c) { return UU[(j0 + c) * D + d]; },
               [&](int a, int c, float acc) { tmp[a * lc + c] = a < n ? acc : 0.f; });
           __syncthreads();
-          tile_product_add(
-              C, D, n, [&](int c, int a) { return -s[a * lc + c]; },
+          tile_product(
+              C, D, n, [&](int c, int a) { return s[a * lc + c]; },
               [&](int a, int d) { return rbar[a * ld + d]; },
-              [&](int c, int d) -> float& { return dus[(j0 + c) * D + d]; });
-          tile_product_add(
-              C, D, n, [&](int c, int a) { return -tmp[a * lc + c]; },
+              [&](int c, int d, float acc) { dus[(j0 + c) * D + d] -= acc; });
+          tile_product(
+              C, D, n, [&](int c, int a) { return tmp[a * lc + c]; },
               [&](int a, int d) { return r[a * ld + d]; },
-              [&](int c, int d) -> float& { return dws[(j0 + c) * D + d]; });
+              [&](int c, int d, float acc) { dws[(j0 + c) * D + d] -= acc; });
           __syncthreads();
-          tile_product_from(
-              n, D, C, [&](int a, int d) { return rbar[a * ld + d] + es[(j0 + a) * D + d]; },
-              [&](int a, int c) { return -tmp[a * lc + c]; },
+          tile_product(
+              n, D, C, [&](int a, int c) { return tmp[a * lc + c]; },
               [&](int c, int d) { return W[(j0 + c) * ws1 + d]; },
-              [&](int a, int d, float acc) { rbar[a * ld + d] = acc; });
+              [&](int a, int d, float acc) { rbar[a * ld + d] += es[(j0 + a) * D + d] - acc; });
           __syncthreads();
         }
         // Q~ = Qs - tril(Qs W^T) U.
@@ -381,10 +364,10 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
             [&](int a, int c, float acc) {
               if (a < n && c < n) dx[a * lc + c] -= acc;
             });
-        tile_product_add(
-            n, D, n, [&](int c, int a) { return -x[a * lc + c]; },
+        tile_product(
+            n, D, n, [&](int c, int a) { return x[a * lc + c]; },
             [&](int a, int d) { return rbar[a * ld + d]; },
-            [&](int c, int d) -> float& { return dus[(c0 + c) * D + d]; });
+            [&](int c, int d, float acc) { dus[(c0 + c) * D + d] -= acc; });
         __syncthreads();
       }
 
@@ -403,10 +386,10 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
                                   hq * p.dq_stride[2] + d] = from_float<T>(scale * acc);
           });
       // dW += dX^T Qs (dX[a][c] is 0 for a < c).
-      tile_product_add(
+      tile_product(
           n, D, n, [&](int c, int a) { return dx[a * lc + c]; },
           [&](int a, int d) { return qs[a * ld + d]; },
-          [&](int c, int d) -> float& { return dws[(c0 + c) * D + d]; });
+          [&](int c, int d, float acc) { dws[(c0 + c) * D + d] += acc; });
       __syncthreads();
     }
   }
@@ -415,15 +398,15 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
 // ---- the chunks, back through the UT transform -----------------------------------------------
 // path_backward_chunk_kernel with its two n x n x D passes (the Gram products of W with dK~, W
 // and K, and Lbar) through tile_product; the rest as there. Shared memory as
-// path_backward_chunk_smem with pad path_tile_pad: ld = D + 4, lc = C + 4.
+// path_backward_chunk_smem: ld = D + 1, lc = C + 1.
 template <class T>
 __global__ void __launch_bounds__(path_tile_threads, 1)
     path_backward_chunk_tiled_kernel(const path_backward_params p) {
   constexpr int C = path_chunk;
-  constexpr int lc = C + path_tile_pad;
+  constexpr int lc = C + 1;
   extern __shared__ float smem[];
   const path_kernel_params& kp = p.kp;
-  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + path_tile_pad;
+  const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + 1;
   float* dK = smem;           // [C][ld]
   float* dKt = dK + C * ld;   // [C][ld]
   float* dW = dKt + C * ld;   // [C][ld]
@@ -477,10 +460,12 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
 
   // K~ = K - M^T W: dM -= W dK~^T (strictly lower kept), dW -= M dK~. Gram products.
   // W dK~^T computed transposed (dK~ on the row side, from shared memory).
-  tile_product_from(
-      n, n, D, [&](int b, int a) { return a > b ? p.dm[(row0 + a) * C + b] : 0.f; },
-      [&](int b, int d) { return -dKt[b * ld + d]; }, [&](int d, int a) { return W[a * ws1 + d]; },
-      [&](int b, int a, float acc) { dM[a * lc + b] = a > b ? acc : 0.f; });
+  tile_product(
+      n, n, D, [&](int b, int d) { return dKt[b * ld + d]; },
+      [&](int d, int a) { return W[a * ws1 + d]; },
+      [&](int b, int a, float acc) {
+        dM[a * lc + b] = a > b ? p.dm[(row0 + a) * C + b] - acc : 0.f;
+      });
   tile_product(
       n, n, D, [&](int a, int d) { return W[a * ws1 + d]; },
       [&](int d, int b) { return W[b * ws1 + d]; },

@@ -16,10 +16,6 @@ constexpr int gate_part = 256, gate_warps = gate_part / 32;
 
 // ---- PaTH ----------------------------------------------------------------------------------
 constexpr int path_chunk = 64;  // positions of a chunk (the UT transform's C)
-// The backward's shared tiles have rows D + pad or C + pad floats apart: pad 1 for the SIMT
-// kernels (consecutive threads on consecutive rows), pad 4 for the tiled ones (a tensor-core
-// fragment reads 8 rows x 4 columns, or 4 rows x 8 columns: 32 different banks either way).
-constexpr int path_simt_pad = 1, path_tile_pad = 4;
 
 // ---- linear attention, CUDA cores (linear_simt.cuh, linear_causal.cuh) ---------------------
 // The state of a block of tokens: S_p (D x Dv), z_p (D), and for the key gate the block max

@@ -2,8 +2,8 @@
 // Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_simt.cuh): the scratch
 // that plan/path_backward.hpp lays out, the forward's float chunk preparation, then the query
 // kernel, the chunk kernel and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
-// The query and chunk kernels are the tiled (tensor-core) ones unless the plan falls back to the
-// SIMT ones (or path_backward_kernel_override() asks for them).
+// The query and chunk kernels are the register-blocked ones (kernels/path_backward_tiled.cuh)
+// unless path_backward_kernel_override() asks for the SIMT ones.
 
 #include <cuda_runtime.h>
 

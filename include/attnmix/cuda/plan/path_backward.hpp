@@ -22,11 +22,10 @@ namespace cuda {
 constexpr int path_backward_threads = 256;
 constexpr int path_backward_max_slices = 8;
 
-// Which query and chunk kernels run: the tiled ones (kernels/path_backward_tiled.cuh, the
-// default: every product on tensor cores, tf32 in three passes) or the plain SIMT ones
-// (kernels/path_backward_simt.cuh, float on CUDA cores, the fallback where the tiled ones' shared
-// memory does not fit or the GPU predates sm_80), with the same grids and scratch. `automatic`
-// lets the plan choose.
+// Which query and chunk kernels run: the register-blocked ones (kernels/path_backward_tiled.cuh,
+// the default, about 3.3x faster) or the plain SIMT ones (kernels/path_backward_simt.cuh), both
+// float on CUDA cores with the same grids, shared memory and scratch, the same sums in the same
+// order. `automatic` lets the plan choose.
 enum class path_backward_kernel { automatic, simt, tiled };
 
 // A process-wide override read by the launcher (tests run both kernels on the same inputs);
@@ -36,16 +35,16 @@ inline path_backward_kernel& path_backward_kernel_override() {
   return k;
 }
 
-// Shared memory (floats) of the query kernel, rows `pad` apart (kernels/shapes.hpp): Qs, dQs,
-// R, Rbar (C x (D+pad)); X, S, dZ, dX, Tmp (C x (C+pad)); lse, delta, gate, reset (C each).
-// Of the chunk kernel: dK, dK~, dW, dU (C x (D+pad)); dM, WW, Lbar, XK (C x (C+pad)); beta (C).
-inline std::size_t path_backward_query_smem(index_t D, int pad) {
+// Shared memory (floats) of the query kernel: Qs, dQs, R, Rbar (C x (D+1)); X, S, dZ, dX, Tmp
+// (C x (C+1)); lse, delta, gate, reset (C each). Of the chunk kernel: dK, dK~, dW, dU
+// (C x (D+1)); dM, WW, Lbar, XK (C x (C+1)); beta (C).
+inline std::size_t path_backward_query_smem(index_t D) {
   constexpr std::size_t C = path_chunk;
-  return sizeof(float) * (4 * C * std::size_t(D + pad) + 5 * C * (C + pad) + 4 * C);
+  return sizeof(float) * (4 * C * std::size_t(D + 1) + 5 * C * (C + 1) + 4 * C);
 }
-inline std::size_t path_backward_chunk_smem(index_t D, int pad) {
+inline std::size_t path_backward_chunk_smem(index_t D) {
   constexpr std::size_t C = path_chunk;
-  return sizeof(float) * (4 * C * std::size_t(D + pad) + 4 * C * (C + pad) + C);
+  return sizeof(float) * (4 * C * std::size_t(D + 1) + 4 * C * (C + 1) + C);
 }
 
 // Scratch offsets (bytes, each part 256-byte aligned) beyond the forward's chunk data.
@@ -77,12 +76,13 @@ struct path_backward_plan {
 
 // Slices: (sequence, KV head) pairs are few when B * H is small; cut each into up to
 // path_backward_max_slices ranges of query chunks so that the CTAs cover the SMs twice.
-// The tiled kernels take every shape the SIMT ones take; `automatic` takes them on sm_80 and
-// later wherever their shared memory fits, `force` picks one.
+// The tiled kernels take every shape the SIMT ones take: `automatic` takes them; `force` picks.
 inline path_backward_plan plan_path_backward(
     const path_shape& s, bool gated, const device_properties& d,
     path_backward_kernel force = path_backward_kernel::automatic) {
   path_backward_plan p;
+  p.query_kernel = force == path_backward_kernel::simt ? path_backward_kernel::simt
+                                                       : path_backward_kernel::tiled;
   path_shape fs = s;
   fs.sixteen_bit = false;  // the float chunk data of the portable forward
   p.forward = plan_path(fs, d);
@@ -95,20 +95,9 @@ inline path_backward_plan plan_path_backward(
   p.chunk_grid = {unsigned(std::max<index_t>(chunks, 1)), unsigned(s.kv_heads),
                   unsigned(s.sequences)};
   p.gate_grid = {unsigned((s.q_heads + 127) / 128), unsigned(s.sequences)};
-  const auto smem = [&](int pad) {
-    return std::max(path_backward_query_smem(s.head_dim, pad),
-                    path_backward_chunk_smem(s.head_dim, pad));
-  };
-  const bool tiled_fits = d.cc_major >= 8 && smem(path_tile_pad) <= d.smem_per_block_optin;
-  p.query_kernel = force == path_backward_kernel::simt ? path_backward_kernel::simt
-                   : force == path_backward_kernel::tiled || tiled_fits
-                       ? path_backward_kernel::tiled
-                       : path_backward_kernel::simt;
-  const int pad = p.query_kernel == path_backward_kernel::tiled ? path_tile_pad : path_simt_pad;
-  p.query_smem = path_backward_query_smem(s.head_dim, pad);
-  p.chunk_smem = path_backward_chunk_smem(s.head_dim, pad);
-  p.fits = std::max(p.query_smem, p.chunk_smem) <= d.smem_per_block_optin &&
-           (p.query_kernel == path_backward_kernel::simt || d.cc_major >= 8);
+  p.query_smem = path_backward_query_smem(s.head_dim);
+  p.chunk_smem = path_backward_chunk_smem(s.head_dim);
+  p.fits = std::max(p.query_smem, p.chunk_smem) <= d.smem_per_block_optin;
 
   const auto rows = static_cast<std::size_t>(s.batch * s.kv_heads * s.tokens);
   const auto S = static_cast<std::size_t>(p.slices);
