@@ -15,7 +15,7 @@
 // scan state of the adjoint pass in R (free after the walk); the key-side operands (the B side,
 // two addresses a warp instruction) come from global memory (L1).
 // path_backward_chunk_tiled_kernel (below) is the chunk kernel with its n x n x D passes tiled
-// the same way. The plan takes both when asked (plan/path_backward.hpp); the SIMT ones otherwise.
+// the same way. The plan takes both (plan/path_backward.hpp) unless the SIMT ones are forced.
 
 #include <cmath>
 #include <cstdint>
