@@ -192,19 +192,18 @@ double max_rel(const std::vector<double>& got, const std::vector<double>& ref) {
 template <class T>
 void check_grads(const grads& got, const grads& ref, bool gated, const grads* host = nullptr) {
   const double tol16 = sizeof(T) == 4 ? 1e-5 : 5e-3, tol32 = sizeof(T) == 4 ? 1e-5 : 2e-5;
-  auto check = [&](const char* name, const std::vector<double>& g, const std::vector<double>& r,
-                   const std::vector<double>* h, double tol) {
-    const double err = max_rel(g, r), host_err = h ? max_rel(*h, r) : 0.0;
+  auto check = [&](const char* name, std::vector<double> grads::*m, double tol) {
+    const double err = max_rel(got.*m, ref.*m), host_err = host ? max_rel(host->*m, ref.*m) : 0.0;
     INFO(name << ": error " << err << ", the CPU float backward's " << host_err << " (tolerance "
               << tol << " or 4x that)");
     CHECK(err <= std::max(tol, 4 * host_err));
   };
-  check("dv", got.dv, ref.dv, host ? &host->dv : nullptr, tol16);
-  check("dq", got.dq, ref.dq, host ? &host->dq : nullptr, tol16);
-  check("dk", got.dk, ref.dk, host ? &host->dk : nullptr, tol16);
-  check("dw", got.dw, ref.dw, host ? &host->dw : nullptr, tol32);
-  check("dbeta", got.dbeta, ref.dbeta, host ? &host->dbeta : nullptr, tol32);
-  if (gated) check("dg", got.dg, ref.dg, host ? &host->dg : nullptr, tol32);
+  check("dv", &grads::dv, tol16);
+  check("dq", &grads::dq, tol16);
+  check("dk", &grads::dk, tol16);
+  check("dw", &grads::dw, tol32);
+  check("dbeta", &grads::dbeta, tol32);
+  if (gated) check("dg", &grads::dg, tol32);
 }
 
 template <class T>

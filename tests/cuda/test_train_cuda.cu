@@ -653,15 +653,12 @@ void check_stack_grads(const L::config& c, const stack_batch& in, std::uint64_t 
                                  : i == 1 ? std::string("dx")
                                           : "d " + want_g[i - 2].first;
         if (i >= 2) REQUIRE(got_g[i - 2].first == want_g[i - 2].first);
-        // rel_error with the floor of the norm of the bias's terms (1 elsewhere).
+        // rel_error, a bias's floored at the norm of its terms (0 elsewhere: no floor).
         const double terms = i >= 2 ? bias_terms(want_g, i - 2) : 0.0;
-        double ref2 = 0;
-        for (double v : want[i]) ref2 += v * v;
-        const double floor = ref2 > 0 ? std::sqrt(ref2 / std::max(ref2, terms * terms)) : 1.0;
-        const double err = rel_error(all[i], want[i]) * floor,
-                     host_err = rel_error(host[i], want[i]) * floor;
+        const double err = floored_error(all[i], want[i], terms),
+                     host_err = floored_error(host[i], want[i], terms);
         INFO(what << ": relative error " << err << " against float64, the float host stack's "
-                  << host_err << (floor < 1 ? " (against the norm of the bias's terms)" : ""));
+                  << host_err << (terms > 0 ? " (floored at the norm of the bias's terms)" : ""));
         CHECK(err <= std::max(float_tol, 4 * host_err));
       }
       first = all;

@@ -87,18 +87,24 @@ double rel_error(const std::vector<T>& out, const std::vector<double>& ref) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-// ||out - ref|| / max(||ref||, ||sizes|| / 10): rel_error with a floor a tenth of the norm of the
-// terms that `ref` sums (`sizes`: the same computation on absolute values); still ||out|| when
-// ref is 0. Float's rounding is relative to the terms, not to a sum that cancels.
+// ||out - ref|| / max(||ref||, floor): rel_error where a sum that cancels is held to the scale of
+// its terms instead (float's rounding is relative to the terms); still ||out|| when ref is 0.
+template <class T>
+double floored_error(const std::vector<T>& out, const std::vector<double>& ref, double floor) {
+  double ref2 = 0;
+  for (double x : ref) ref2 += x * x;
+  if (ref2 >= floor * floor || ref2 == 0) return rel_error(out, ref);  // no floor needed, or empty
+  return rel_error(out, ref) * std::sqrt(ref2) / floor;
+}
+
+// The floor a tenth of the norm of the terms that `ref` sums (`sizes`: the same computation on
+// absolute values).
 template <class T>
 double floored_error(const std::vector<T>& out, const std::vector<double>& ref,
                      const std::vector<double>& sizes) {
-  double ref2 = 0, sizes2 = 0;
-  for (double x : ref) ref2 += x * x;
+  double sizes2 = 0;
   for (double x : sizes) sizes2 += x * x;
-  const double floor2 = sizes2 / 100;
-  if (ref2 >= floor2 || ref2 == 0) return rel_error(out, ref);  // empty, or no floor needed
-  return rel_error(out, ref) * std::sqrt(ref2 / floor2);
+  return floored_error(out, ref, std::sqrt(sizes2) / 10);
 }
 
 // Error of log-sum-exp values (natural log of a softmax normaliser). What matters is the
