@@ -104,7 +104,8 @@ BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::linear_causal, gated_causal_po
 // MB is that byte count, so that time / (MB / copy GB/s) is the distance from the memory floor.
 namespace {
 
-template <class Kind, class Policy, bool FwdToo>
+// Saved: the forward hands its state (S, z, lse) to the backward, which then skips the reduce.
+template <class Kind, class Policy, bool FwdToo, bool Saved = false>
 void BM_linear_backward_cuda(benchmark::State& state) {
   using T = attnmix::bfloat16;
   constexpr bool normed = Policy::norm != attnmix::gated_norm::off;
@@ -138,6 +139,19 @@ void BM_linear_backward_cuda(benchmark::State& state) {
     g.dgate = attnmix::view4<T>(dgate.ptr, {B, Tn, H, D}, dev);
     g.dgamma = attnmix::view1<float>(dgamma.ptr, {D}, dev);
   }
+  device_array<float> S(static_cast<std::size_t>(B * H * D * D), 15),
+      z(static_cast<std::size_t>(B * H * D), 16), lse(static_cast<std::size_t>(B * H), 17);
+  if constexpr (Saved) {
+    fwd.state_out.S = attnmix::view4<float>(S.ptr, {B, H, D, D}, dev);
+    fwd.state_out.z = attnmix::view3<float>(z.ptr, {B, H, D}, dev);
+    g.saved.S = attnmix::view4<const float>(S.ptr, {B, H, D, D}, dev);
+    g.saved.z = attnmix::view3<const float>(z.ptr, {B, H, D}, dev);
+    if constexpr (gated) {
+      fwd.state_out.lse = attnmix::tensor_view<float, 2>(lse.ptr, {B, H}, dev);
+      g.saved.lse = attnmix::tensor_view<const float, 2>(lse.ptr, {B, H}, dev);
+    }
+    attnmix::linear_attention<Kind, Policy>(fwd, {}, attnmix::backend::cuda{});
+  }
   auto call = [&] {
     if constexpr (FwdToo)
       attnmix::linear_attention<Kind, Policy>(fwd, {}, attnmix::backend::cuda{});
@@ -159,6 +173,12 @@ BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::gbla, attnmix::gbla_p
     ->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::gbla, attnmix::gbla_policy, true)
     ->Name("gbla_forward_backward")
+    ->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::gbla, attnmix::gbla_policy, false, true)
+    ->Name("gbla_backward_saved")
+    ->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::gbla, attnmix::gbla_policy, true, true)
+    ->Name("gbla_forward_backward_saved")
     ->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::bla, attnmix::bla_policy, false)
     ->Name("bla_backward")

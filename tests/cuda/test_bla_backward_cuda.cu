@@ -85,3 +85,30 @@ TEST_CASE("CUDA linear backward: worst errors seen", "[cuda][linear_backward]") 
       "float, worst max|diff| / max|ref| against the CPU backward in double: " << worst_seen(1e-5));
   WARN("half / bfloat16, worst max|diff| / max|ref|: " << worst_seen(1e-2));
 }
+
+// 16-bit inputs at D = Dv = 64 and 128 take the tensor-core kernels (sm80_linear_backward.cuh);
+// the sweeps above run them under the default policies. Here the other knobs on them, and the
+// CUDA-core kernels forced at those dims.
+TEST_CASE("CUDA BLA and GBLA backward, other knobs (bfloat16)",
+          "[cuda][linear_backward][gbla][bla]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using attnmix::bfloat16;
+  sweep<gbla, gbla_mamba, bfloat16>(700, "per-head gate, gate then norm, sigmoid, per-head gamma");
+  sweep<gbla, gbla_raw_gate, bfloat16>(750, "sigmoid map, no normaliser, no norm");
+  sweep<bla, bla_relu, attnmix::half>(800, "relu");
+  sweep<bla, bla_identity_raw, bfloat16>(850, "identity, no normaliser");
+  bwd_options saved;
+  saved.use_saved = true;
+  sweep<gbla, gbla_mamba, attnmix::half>(880, "per-head gate, gate then norm", saved);
+}
+
+TEST_CASE("CUDA BLA and GBLA backward, the CUDA-core kernels forced (bfloat16)",
+          "[cuda][linear_backward][gbla][bla]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  struct force_simt {
+    force_simt() { attnmix::detail::cuda::linear_backward_force_simt() = true; }
+    ~force_simt() { attnmix::detail::cuda::linear_backward_force_simt() = false; }
+  } forced;
+  sweep<gbla, attnmix::gbla_policy, attnmix::bfloat16>(900, "gbla_policy, CUDA cores");
+  sweep<bla, attnmix::bla_policy, attnmix::bfloat16>(950, "bla_policy, CUDA cores");
+}

@@ -117,3 +117,36 @@ TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
     CHECK(linear_bwd_causal_chunk(128, 128, h200()) == 64);
   }
 }
+
+TEST_CASE("linear backward: the tensor-core passes", "[plan][linear_backward]") {
+  linear_backward_shape s = bidirectional(8, 2048, 16, 64);
+  CHECK_FALSE(plan_linear_backward(s, h200()).mma);  // float, or rows off the vectors
+  s.mma_inputs = true;
+  SECTION("D = Dv = 64: four warps, tiles of 64 tokens") {
+    const linear_backward_plan p = plan_linear_backward(s, h200());
+    CHECK(p.mma);
+    CHECK(p.mma_threads == 128);
+    using L = linear_bwd_mma_layout<64, 64>;
+    CHECK(p.pass_a_smem == L::query_smem);
+    CHECK(p.pass_a_smem == 2 * (2 * 64 * 88 + 2 * 64 * 72 + 64 * 88) + 4 * (4 * 64 + 64 + 64));
+    CHECK(p.reduce_smem == 2 * (64 * 72 + 64 * 88) + 8 * 64);
+  }
+  SECTION("D = Dv = 128: eight warps; over the default 48 KiB, so not without the opt-in") {
+    s.head_dim = s.value_dim = 128;
+    const linear_backward_plan p = plan_linear_backward(s, h200());
+    CHECK(p.mma);
+    CHECK(p.mma_threads == 256);
+    CHECK(p.pass_a_smem <= 227 * 1024);
+    CHECK_FALSE(plan_linear_backward(s, small_smem()).mma);
+  }
+  SECTION("other dims, causal calls and the forced CUDA cores keep the CUDA-core kernels") {
+    s.value_dim = 32;
+    CHECK_FALSE(plan_linear_backward(s, h200()).mma);
+    s.value_dim = 64, s.head_dim = 32;
+    CHECK_FALSE(plan_linear_backward(s, h200()).mma);
+    s.head_dim = 64, s.force_simt = true;
+    CHECK_FALSE(plan_linear_backward(s, h200()).mma);
+    s.force_simt = false, s.causal = true, s.gated = false;
+    CHECK_FALSE(plan_linear_backward(s, h200()).mma);
+  }
+}

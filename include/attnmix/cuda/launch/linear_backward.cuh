@@ -1,7 +1,8 @@
 #pragma once
 // Host side of the CUDA linear-attention backward: the kernel parameters, the stream-ordered
 // scratch and the launches of what plan/linear_backward.hpp chose (kernels in
-// kernels/linear_backward_simt.cuh and kernels/linear_backward_causal.cuh).
+// kernels/linear_backward_simt.cuh, kernels/sm80_linear_backward.cuh and
+// kernels/linear_backward_causal.cuh).
 
 #include <cuda_runtime.h>
 
@@ -15,6 +16,7 @@
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/kernels/linear_backward_causal.cuh"
 #include "attnmix/cuda/kernels/linear_backward_simt.cuh"
+#include "attnmix/cuda/kernels/sm80_linear_backward.cuh"
 #include "attnmix/cuda/launch/linear.cuh"
 #include "attnmix/cuda/plan/linear_backward.hpp"
 #include "attnmix/cuda/runtime.cuh"
@@ -23,11 +25,39 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
+// Bidirectional calls take the CUDA-core kernels even where the tensor-core ones apply (for the
+// tests, which run both on the same inputs). Not thread-safe: set it between calls.
+inline bool& linear_backward_force_simt() {
+  static bool forced = false;
+  return forced;
+}
+
 // The policy of a causal gated norm's core (the forward that recomputes o).
 template <class Policy>
 struct backward_core_policy : Policy {
   static constexpr gated_norm norm = gated_norm::off;
 };
+
+// `kernel` on `grid` with `smem` dynamic shared bytes.
+template <class Kernel, class... Args>
+void launch_pass(Kernel kernel, const char* name, dim3 grid, int threads, int smem,
+                 cudaStream_t stream, const Args&... args) {
+  allow_dynamic_smem(kernel, smem);
+  kernel<<<grid, dim3(unsigned(threads)), smem, stream>>>(args...);
+  check(cudaGetLastError(), (std::string(name) + " launch").c_str());
+}
+
+// fn(std::integral_constant<int, D>) for the head dim of a plan on tensor cores (16-bit only:
+// the other types never take them).
+template <class Dev, class Fn>
+void with_mma_dim(const linear_backward_plan& plan, Fn&& fn) {
+  if constexpr (sizeof(Dev) == 2) {
+    if (plan.mma_threads == 128)
+      fn(std::integral_constant<int, 64>{});
+    else
+      fn(std::integral_constant<int, 128>{});
+  }
+}
 
 template <class Kind, class Policy, class T>
 void run_linear_backward(const std::string& fn, const linear_attention_grad_args<T>& a,
@@ -56,6 +86,19 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
   shape.sequences = N, shape.kv_heads = H, shape.q_heads = HQ;
   shape.gate_heads = gated ? p.gate_heads : 0;
   shape.offsets_bytes = offsets_bytes(p);
+  if constexpr (!causal && sizeof(T) == 2) {
+    auto rows16 = [](const auto& x) {
+      return aligned_for_vectors(x.data(), x.stride(0), x.stride(1), x.stride(2), 8, 2);
+    };
+    auto pairs = [](const auto& x) {
+      return !x.has_value() ||
+             aligned_for_vectors(x.data(), x.stride(0), x.stride(1), x.stride(2), 2, 2);
+    };
+    shape.mma_inputs = props.cc_major >= 8 && rows16(a.q) && rows16(a.k) && rows16(a.v) &&
+                       pairs(a.dout) && pairs(a.dq) && pairs(a.dk) && pairs(a.dv) &&
+                       (!normed || (pairs(a.gate) && pairs(a.dgate)));
+  }
+  shape.force_simt = linear_backward_force_simt();
   std::vector<int> chunk_offsets;
   if constexpr (causal) {
     const index_t chunk = linear_bwd_causal_chunk(D, Dv, props);
@@ -137,20 +180,34 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       linear_bwd_load_saved_kernel<<<as_dim3(plan.combine_grid), threads, 0, stream>>>(bp, state);
       check(cudaGetLastError(), "linear_bwd_load_saved_kernel launch");
     } else {
-      auto reduce = linear_bwd_reduce_kernel<Dev, Policy>;
-      allow_dynamic_smem(reduce, plan.reduce_smem);
-      reduce<<<as_dim3(plan.reduce_grid), threads, plan.reduce_smem, stream>>>(
-          bp, plan.part_tokens, plan.parts, stats, partial);
-      check(cudaGetLastError(), "linear_bwd_reduce_kernel launch");
+      const dim3 grid = as_dim3(plan.reduce_grid);
+      if (plan.mma)
+        with_mma_dim<Dev>(plan, [&](auto dim) {
+          constexpr int Dm = decltype(dim)::value;
+          launch_pass(linear_bwd_reduce_mma_kernel<Dev, Policy, Dm, Dm>,
+                      "linear_bwd_reduce_mma_kernel", grid, plan.mma_threads, plan.reduce_smem,
+                      stream, bp, plan.part_tokens, plan.parts, stats, partial);
+        });
+      else
+        launch_pass(linear_bwd_reduce_kernel<Dev, Policy>, "linear_bwd_reduce_kernel", grid,
+                    linear_bwd_threads, plan.reduce_smem, stream, bp, plan.part_tokens,
+                    plan.parts, stats, partial);
       linear_bwd_combine_kernel<<<as_dim3(plan.combine_grid), threads, 0, stream>>>(
           partial, plan.parts, int(H), SS, state);
       check(cudaGetLastError(), "linear_bwd_combine_kernel launch");
     }
-    auto query = linear_bwd_query_kernel<Dev, Policy>;
-    allow_dynamic_smem(query, plan.pass_a_smem);
-    query<<<as_dim3(plan.pass_grid), threads, plan.pass_a_smem, stream>>>(
-        bp, plan.part_tokens, plan.parts, state, partial, dgamma_part);
-    check(cudaGetLastError(), "linear_bwd_query_kernel launch");
+    const dim3 pass_grid = as_dim3(plan.pass_grid);
+    if (plan.mma)
+      with_mma_dim<Dev>(plan, [&](auto dim) {
+        constexpr int Dm = decltype(dim)::value;
+        launch_pass(linear_bwd_query_mma_kernel<Dev, Policy, Dm, Dm>, "linear_bwd_query_mma_kernel",
+                    pass_grid, plan.mma_threads, plan.pass_a_smem, stream, bp, plan.part_tokens,
+                    plan.parts, state, partial, dgamma_part);
+      });
+    else
+      launch_pass(linear_bwd_query_kernel<Dev, Policy>, "linear_bwd_query_kernel", pass_grid,
+                  linear_bwd_threads, plan.pass_a_smem, stream, bp, plan.part_tokens, plan.parts,
+                  state, partial, dgamma_part);
     linear_bwd_combine_kernel<<<as_dim3(plan.combine_grid), threads, 0, stream>>>(
         partial, plan.parts, int(H), SS, dstate);
     check(cudaGetLastError(), "linear_bwd_combine_kernel launch");
@@ -159,11 +216,17 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
                                                                                 int(H), SS, jac);
       check(cudaGetLastError(), "linear_bwd_jac_kernel launch");
     }
-    auto key = linear_bwd_key_kernel<Dev, Policy>;
-    allow_dynamic_smem(key, plan.pass_b_smem);
-    key<<<as_dim3(plan.pass_grid), threads, plan.pass_b_smem, stream>>>(bp, plan.part_tokens, stats,
-                                                                        dstate, jac, da_heads);
-    check(cudaGetLastError(), "linear_bwd_key_kernel launch");
+    if (plan.mma)
+      with_mma_dim<Dev>(plan, [&](auto dim) {
+        constexpr int Dm = decltype(dim)::value;
+        launch_pass(linear_bwd_key_mma_kernel<Dev, Policy, Dm, Dm>, "linear_bwd_key_mma_kernel",
+                    pass_grid, plan.mma_threads, plan.pass_b_smem, stream, bp, plan.part_tokens,
+                    stats, dstate, jac, da_heads);
+      });
+    else
+      launch_pass(linear_bwd_key_kernel<Dev, Policy>, "linear_bwd_key_kernel", pass_grid,
+                  linear_bwd_threads, plan.pass_b_smem, stream, bp, plan.part_tokens, stats,
+                  dstate, jac, da_heads);
     if (da_heads != nullptr && shape.max_len > 0) {
       const dim3 grid(unsigned((shape.max_len + linear_bwd_threads - 1) / linear_bwd_threads),
                       n_grid);

@@ -19,6 +19,7 @@
 #include "attnmix/cuda/plan/device_properties.hpp"
 #include "attnmix/cuda/plan/grid.hpp"
 #include "attnmix/cuda/plan/scratch.hpp"
+#include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {
 namespace detail {
@@ -50,6 +51,11 @@ struct linear_backward_shape {
   index_t sequences = 0, kv_heads = 0, q_heads = 0, gate_heads = 0;
   index_t total_chunks = 0;       // causal: sum over sequences of ceil(len / chunk)
   std::size_t offsets_bytes = 0;  // the cu_seqlens copy (0 for a dense batch)
+  // Bidirectional on tensor cores (sm80_linear_backward.cuh): 16-bit inputs on sm_80+, q, k, v
+  // rows 16-byte aligned and the other activations' rows 4-byte aligned; and not forced to the
+  // CUDA-core kernels.
+  bool mma_inputs = false;
+  bool force_simt = false;
 };
 
 // Byte offsets of the scratch parts (each 256-byte aligned) and the total.
@@ -65,6 +71,9 @@ struct linear_backward_plan {
   // Causal: tokens a chunk, and the largest chunk count of a sequence.
   index_t chunk = 64, max_chunks = 0;
   index_t tile = linear_bwd_tile;
+  // Bidirectional: the reduce, query and key passes on tensor cores (threads a CTA).
+  bool mma = false;
+  int mma_threads = 0;
   int pass_a_smem = 0, pass_b_smem = 0, reduce_smem = 0, causal_q_smem = 0, causal_k_smem = 0;
   launch_grid stats_grid, reduce_grid, combine_grid, pass_grid, chunk_grid, scan_grid;
   linear_backward_scratch scratch;
@@ -137,6 +146,15 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
     p.parts = std::max<index_t>(1, std::min({want, most, linear_bwd_max_parts}));
     p.part_tokens = std::max<index_t>(1, (s.max_len + p.parts - 1) / p.parts);
     p.reduce_grid = {unsigned(p.parts), unsigned(H), n_grid};
+    p.mma = s.mma_inputs && !s.force_simt && linear_bwd_mma_dims(D, Dv) &&
+            std::size_t(linear_bwd_mma_smem(D, 1)) <=
+                std::max(props.smem_per_block_optin, props.smem_per_block);
+    if (p.mma) {
+      p.mma_threads = int(2 * D);  // a warp per 16 of D
+      p.reduce_smem = linear_bwd_mma_smem(D, 0);
+      p.pass_a_smem = linear_bwd_mma_smem(D, 1);
+      p.pass_b_smem = linear_bwd_mma_smem(D, 2);
+    }
     p.pass_grid = p.reduce_grid;
     take(sc.stats, std::size_t(N * std::max<index_t>(s.gate_heads, 1)) * 2 * sizeof(float));
     take(sc.state, std::size_t(N * H) * state_bytes);

@@ -1,0 +1,670 @@
+#pragma once
+// Tensor-core kernels of the bidirectional linear-attention backward (bla, gbla) for half and
+// bfloat16 inputs with D = Dv in {64, 128} (spec gbla.md §3.4): the three passes of
+// linear_backward_simt.cuh that carry the products, on mma.sync m16n8k16 with float accumulation.
+//   reduce: [S | z] of a range of tokens = (w phi(K))^T [V | 1]
+//   query:  [num | den] = R [S | z] (R = scale phi(Q)); the gated norm's backward on the
+//           accumulator fragments; g = do / den, delta = -(o . g); dq = ([g | delta] [S | z]^T)
+//           phi'(q) scale; the range's [dS | dz] += R^T [g | delta]
+//   key:    e = [V | 1] [dS | dz]^T; dv = w phi(K) dS; dk = w e phi'(k); da = w (phi(k) . e - jac)
+// The other kernels (gate statistics, combines, jac, folds) are the SIMT ones: they move
+// O(parts D Dv) floats. A CTA has D / 16 warps and takes tiles of 16 warps tokens: warp w owns
+// tile rows 16 w .. 16 w + 15 in the row products and state rows d = 16 w .. in the sums over
+// tokens. Operands are bfloat16 whatever the input type (half's range would not hold the
+// states, which sum a whole sequence). A state is read once per CTA into shared memory in two
+// bfloat16 parts (about 16 bits; lbm_stage_state says why), and z and delta ride along as the
+// last columns of the [x | z] operands, so that the normaliser's sums are the products' last
+// columns. Sums run in a fixed order: identical bits on every run.
+// Needs q, k, v rows 16-byte aligned and dout, gate, dq, dk, dv, dgate rows 4-byte aligned.
+
+#include <cstdint>
+
+#include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/kernels/linear_backward_simt.cuh"
+#include "attnmix/cuda/kernels/shapes.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+using lbm_op = __nv_bfloat16;  // the products' operand type
+
+// ---- fragments from shared memory (m16n8k16; layouts in arch/mma.cuh) ----------------------
+
+// A (16 x 16) at rows r0, columns k0 of a row-major tile.
+__device__ __forceinline__ void lbm_a(std::uint32_t (&a)[4], const lbm_op* s, int ld, int r0,
+                                      int k0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(a, s + (r0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
+}
+// A (16 x 16) = X^T at m0, k0 where X is stored [k][m].
+__device__ __forceinline__ void lbm_a_t(std::uint32_t (&a)[4], const lbm_op* s, int ld, int k0,
+                                        int m0) {
+  const int lane = threadIdx.x % 32, i = lane >> 3, j = lane & 7;
+  ldmatrix_x4_trans(a, s + (k0 + j + (i >> 1) * 8) * ld + m0 + (i & 1) * 8);
+}
+// B of two n-tiles n0, n0 + 8 (b[0..1], b[2..3]) at k0, stored [n][k].
+__device__ __forceinline__ void lbm_b2(std::uint32_t (&b)[4], const lbm_op* s, int ld, int n0,
+                                       int k0) {
+  const int lane = threadIdx.x % 32, i = lane >> 3, j = lane & 7;
+  ldmatrix_x4(b, s + (n0 + j + (i >> 1) * 8) * ld + k0 + (i & 1) * 8);
+}
+// B of two n-tiles n0, n0 + 8 at k0, stored [k][n].
+__device__ __forceinline__ void lbm_b2_t(std::uint32_t (&b)[4], const lbm_op* s, int ld, int k0,
+                                         int n0) {
+  const int lane = threadIdx.x % 32, i = lane >> 3, j = lane & 7;
+  ldmatrix_x4_trans(b, s + (k0 + j + (i & 1) * 8) * ld + n0 + (i >> 1) * 8);
+}
+template <int NT>
+__device__ __forceinline__ void lbm_mma_pairs(float (&acc)[NT][4], const std::uint32_t (&a)[4],
+                                              const std::uint32_t (&b)[4], int jp) {
+  const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+  mma_16816<lbm_op>(acc[2 * jp], a, b0);
+  if (2 * jp + 1 < NT) mma_16816<lbm_op>(acc[2 * jp + 1], a, b1);
+}
+
+// ---- staging -------------------------------------------------------------------------------
+
+// A [D x Dv | D] float state (S row-major, then z; z = 0 without the normaliser) into hi and
+// lo [D][ld_v] with S = hi + lo to about 16 bits: hi holds bfloat16(S), then z's own two parts
+// in columns Dv and Dv + 1, then zeros to Dv + 15; lo holds S - hi, then zeros; zf (when given)
+// z in float. The products that read a state cancel (the normaliser's gradient subtracts the
+// part of S g along z), so one rounding of the state would cost its relative error over again.
+template <int D, int Dv, bool WithZ>
+__device__ void lbm_stage_state(lbm_op* hi, lbm_op* lo, float* zf, const float* state) {
+  using L = linear_bwd_mma_layout<D, Dv>;
+  auto split = [](float x, float y, std::uint32_t& h, std::uint32_t& l) {
+    h = pack2<lbm_op>(x, y);
+    const float2 r = unpack2<lbm_op>(h);
+    l = pack2<lbm_op>(x - r.x, y - r.y);
+  };
+  for (int i = threadIdx.x; i < D * Dv / 4; i += L::threads) {
+    const float4 x = reinterpret_cast<const float4*>(state)[i];
+    const int at = 4 * i / Dv * L::ld_v + 4 * i % Dv;
+    std::uint32_t* ph = reinterpret_cast<std::uint32_t*>(hi + at);
+    std::uint32_t* pl = reinterpret_cast<std::uint32_t*>(lo + at);
+    split(x.x, x.y, ph[0], pl[0]);
+    split(x.z, x.w, ph[1], pl[1]);
+  }
+  for (int d = threadIdx.x; d < D; d += L::threads) {
+    const float z = WithZ ? state[D * Dv + d] : 0.f;
+    const float zh = unpack2<lbm_op>(pack2<lbm_op>(z, 0.f)).x;
+    uint4* ph = reinterpret_cast<uint4*>(hi + d * L::ld_v + Dv);
+    uint4* pl = reinterpret_cast<uint4*>(lo + d * L::ld_v + Dv);
+    ph[0] = make_uint4(pack2<lbm_op>(zh, z - zh), 0u, 0u, 0u);
+    ph[1] = pl[0] = pl[1] = make_uint4(0u, 0u, 0u, 0u);
+    if (zf != nullptr) zf[d] = z;
+  }
+}
+
+// 16-byte piece (eight elements) ch of token t's row of an activation, or zeros.
+template <class Dev>
+__device__ __forceinline__ uint4 lbm_load8(const void* base, const index_t* st, index_t b,
+                                           index_t t, int h, int ch, bool ok) {
+  if (!ok) return make_uint4(0u, 0u, 0u, 0u);
+  return __ldg(reinterpret_cast<const uint4*>(static_cast<const Dev*>(base) + b * st[0] +
+                                              t * st[1] + h * st[2] + 8 * ch));
+}
+// Eight raw elements times mul after phi (Phi) or as they are, as bfloat16 operands.
+template <class Dev, class Policy, bool Phi>
+__device__ __forceinline__ uint4 lbm_convert8(uint4 raw, float mul) {
+  const std::uint32_t in[4] = {raw.x, raw.y, raw.z, raw.w};
+  std::uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = unpack2<Dev>(in[i]);
+    if constexpr (Phi)
+      o[i] = pack2<lbm_op>(mul * apply_feature_map<Policy::phi>(x.x),
+                           mul * apply_feature_map<Policy::phi>(x.y));
+    else
+      o[i] = pack2<lbm_op>(mul * x.x, mul * x.y);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// A pair of activations at (b, t, h, d..d+1) (4-byte aligned), as floats.
+template <class Dev>
+__device__ __forceinline__ float2 lbm_load2(const void* base, const index_t* st, index_t b,
+                                            index_t t, int h, int d) {
+  return unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(
+      static_cast<const Dev*>(base) + b * st[0] + t * st[1] + h * st[2] + d));
+}
+template <class Dev>
+__device__ __forceinline__ void lbm_store2(void* base, const index_t* st, index_t b, index_t t,
+                                           int h, int d, float x, float y) {
+  *reinterpret_cast<std::uint32_t*>(static_cast<Dev*>(base) + b * st[0] + t * st[1] + h * st[2] +
+                                    d) = pack2<Dev>(x, y);
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The gate activation and its derivative.
+template <class Policy>
+__device__ __forceinline__ void lbm_gate(float g, float& act, float& dact) {
+  const float s = 1.f / (1.f + __expf(-g));
+  if constexpr (Policy::activation == gate_activation::silu) {
+    act = g * s;
+    dact = s + act * (1.f - s);
+  } else {
+    act = s;
+    dact = s * (1.f - s);
+  }
+}
+
+// ---- reduce --------------------------------------------------------------------------------
+
+// CTA (part, KV head h, sequence n): the partial [S | z] of tokens [part * part_tokens, ...) with
+// the gate weights of `stats` (none: 1 at valid tokens).
+template <class Dev, class Policy, int D, int Dv>
+__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
+    linear_bwd_reduce_mma_kernel(const linear_backward_params bp, index_t part_tokens,
+                                 index_t parts, const float* stats, float* partial) {
+  using L = linear_bwd_mma_layout<D, Dv>;
+  constexpr int TR = L::rows, NT = L::ntv;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  lbm_op* P = reinterpret_cast<lbm_op*>(smem_raw);  // [TR][ld_d] w phi(k)
+  lbm_op* V = P + L::d_tile;                         // [TR][ld_v] v | 1
+  float* W = reinterpret_cast<float*>(V + L::v_tile);
+  const linear_kernel_params& f = bp.f;
+  const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t t0 = min(length, index_t(part) * part_tokens);
+  const index_t t1 = min(length, t0 + part_tokens);
+  float acc[NT][4] = {};
+  for (index_t base = t0; base < t1; base += TR) {
+    const int rows = int(min(index_t(TR), t1 - base));
+    __syncthreads();
+    if (threadIdx.x < TR) {
+      const int t = threadIdx.x;
+      float w = 0.f;
+      if (t < rows) {
+        const index_t ta = start + base + t;
+        w = Policy::gate != key_gate::off ? gate_weight(f, stats, n, batch, ta, h)
+                                          : (f.valid(batch, ta) ? 1.f : 0.f);
+      }
+      W[t] = w;
+      uint4* p = reinterpret_cast<uint4*>(V + t * L::ld_v + Dv);
+      p[0] = make_uint4(pack2<lbm_op>(w != 0.f ? 1.f : 0.f, 0.f), 0u, 0u, 0u);
+      p[1] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    __syncthreads();
+    // Tokens of weight 0 (pads, rows past the end) are selected away: their k, v may be NaN.
+    for (int e = threadIdx.x; e < TR * D / 8; e += L::threads) {
+      const int t = e / (D / 8), ch = e % (D / 8);
+      const float w = W[t];
+      const uint4 raw = lbm_load8<Dev>(f.k, f.k_stride, batch, start + base + t, h, ch, w != 0.f);
+      *reinterpret_cast<uint4*>(P + t * L::ld_d + 8 * ch) =
+          w != 0.f ? lbm_convert8<Dev, Policy, true>(raw, w) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    for (int e = threadIdx.x; e < TR * Dv / 8; e += L::threads) {
+      const int t = e / (Dv / 8), ch = e % (Dv / 8);
+      const bool ok = W[t] != 0.f;
+      const uint4 raw = lbm_load8<Dev>(f.v, f.v_stride, batch, start + base + t, h, ch, ok);
+      *reinterpret_cast<uint4*>(V + t * L::ld_v + 8 * ch) =
+          ok ? lbm_convert8<Dev, Policy, false>(raw, 1.f) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < TR / 16; ++ks) {
+      std::uint32_t a[4];
+      lbm_a_t(a, P, L::ld_d, 16 * ks, 16 * warp);
+#pragma unroll
+      for (int jp = 0; jp < (NT + 1) / 2; ++jp) {
+        std::uint32_t b[4];
+        lbm_b2_t(b, V, L::ld_v, 16 * ks, 16 * jp);
+        lbm_mma_pairs(acc, a, b, jp);
+      }
+    }
+  }
+  float* out = partial + ((index_t(n) * parts + part) * f.kv_heads + h) * (D * Dv + D);
+  const int d = 16 * warp + g;
+#pragma unroll
+  for (int j = 0; j < NT - 1; ++j) {
+    *reinterpret_cast<float2*>(out + d * Dv + 8 * j + c2) = make_float2(acc[j][0], acc[j][1]);
+    *reinterpret_cast<float2*>(out + (d + 8) * Dv + 8 * j + c2) = make_float2(acc[j][2], acc[j][3]);
+  }
+  if (c2 == 0) out[D * Dv + d] = acc[NT - 1][0], out[D * Dv + d + 8] = acc[NT - 1][2];
+}
+
+// ---- pass A: query rows --------------------------------------------------------------------
+
+// CTA (part, KV head h, sequence n): what linear_bwd_query_kernel computes, for every query head
+// of h's group and every row of the part.
+template <class Dev, class Policy, int D, int Dv>
+__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
+    linear_bwd_query_mma_kernel(const linear_backward_params bp, index_t part_tokens,
+                                index_t parts, const float* state, float* partial,
+                                float* dgamma_part) {
+  using L = linear_bwd_mma_layout<D, Dv>;
+  constexpr int TR = L::rows, NT = L::ntv, NV = Dv / 8, ND = D / 8;
+  constexpr bool normed = Policy::norm != gated_norm::off;
+  constexpr bool normalize = Policy::normalize;
+  constexpr bool gate_first = Policy::order == norm_gate_order::gate_then_norm;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  lbm_op* St = reinterpret_cast<lbm_op*>(smem_raw);  // [D][ld_v] S | z, high parts
+  lbm_op* Sl = St + L::state_elems;                   // [D][ld_v] S, low parts
+  lbm_op* Qs = Sl + L::state_elems;                   // [TR][ld_d] q (raw bits of Dev)
+  lbm_op* Rs = Qs + L::d_tile;                        // [TR][ld_d] r = scale phi(q)
+  lbm_op* Gs = Rs + L::d_tile;                        // [TR][ld_v] g | delta
+  float* red = reinterpret_cast<float*>(Gs + L::v_tile);  // [warps][Dv] dgamma terms
+  float* zf = red + L::warps * Dv;                         // [D] z
+  int* okr = reinterpret_cast<int*>(zf + D);              // [TR] row valid
+  const linear_kernel_params& f = bp.f;
+  const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t t0 = min(length, index_t(part) * part_tokens);
+  const index_t t1 = min(length, t0 + part_tokens);
+  const int SS = D * Dv + D;
+  const bool with_dgamma = normed && dgamma_part != nullptr;
+
+  lbm_stage_state<D, Dv, normalize>(St, Sl, zf, state + (index_t(n) * f.kv_heads + h) * SS);
+  for (int i = threadIdx.x; i < TR; i += L::threads) {
+    uint4* p = reinterpret_cast<uint4*>(Gs + i * L::ld_v + Dv);
+    p[0] = p[1] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  for (int i = threadIdx.x; i < L::warps * Dv; i += L::threads) red[i] = 0.f;
+
+  float ds[NT][4] = {};
+  const int r0 = 16 * warp;
+  for (int hq = h * f.group; hq < (h + 1) * f.group; ++hq) {
+    for (index_t base = t0; base < t1; base += TR) {
+      const int rows = int(min(index_t(TR), t1 - base));
+      __syncthreads();  // the previous tile's readers are done
+      if (threadIdx.x < TR)
+        okr[threadIdx.x] =
+            int(int(threadIdx.x) < rows && f.valid(batch, start + base + threadIdx.x));
+      __syncthreads();
+      for (int e = threadIdx.x; e < TR * D / 8; e += L::threads) {
+        const int t = e / (D / 8), ch = e % (D / 8);
+        const bool ok = okr[t] != 0;
+        const uint4 raw = lbm_load8<Dev>(f.q, f.q_stride, batch, start + base + t, hq, ch, ok);
+        *reinterpret_cast<uint4*>(Qs + t * L::ld_d + 8 * ch) = raw;
+        *reinterpret_cast<uint4*>(Rs + t * L::ld_d + 8 * ch) =
+            ok ? lbm_convert8<Dev, Policy, true>(raw, f.scale) : make_uint4(0u, 0u, 0u, 0u);
+      }
+      __syncthreads();
+
+      // [num | den] of the warp's 16 rows: ra = r0 + g, rb = ra + 8.
+      float o[NT][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        std::uint32_t a[4];
+        lbm_a(a, Rs, L::ld_d, r0, 16 * ks);
+#pragma unroll
+        for (int jp = 0; jp < (NT + 1) / 2; ++jp) {
+          std::uint32_t b[4];
+          lbm_b2_t(b, St, L::ld_v, 16 * ks, 16 * jp);
+          lbm_mma_pairs(o, a, b, jp);
+        }
+#pragma unroll
+        for (int jp = 0; jp < NV / 2; ++jp) {
+          std::uint32_t b[4];
+          lbm_b2_t(b, Sl, L::ld_v, 16 * ks, 16 * jp);
+          lbm_mma_pairs(o, a, b, jp);
+        }
+      }
+      const int ra = r0 + g, rb = ra + 8;
+      const bool oka = okr[ra] != 0, okb = okr[rb] != 0;
+      const index_t ta = start + base + ra, tb = start + base + rb;
+      // den: columns Dv and Dv + 1 (z's two parts) of the lane with c2 = 0.
+      const float den_a = __shfl_sync(0xffffffffu, o[NT - 1][0] + o[NT - 1][1], lane & ~3);
+      const float den_b = __shfl_sync(0xffffffffu, o[NT - 1][2] + o[NT - 1][3], lane & ~3);
+      // 0 at pad rows, whose o, g and delta are then 0 whatever eps.
+      const float inv_a = !oka ? 0.f : normalize ? 1.f / (den_a + f.eps) : 1.f;
+      const float inv_b = !okb ? 0.f : normalize ? 1.f / (den_b + f.eps) : 1.f;
+      float dy[NV][4];
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        o[j][0] *= inv_a, o[j][1] *= inv_a, o[j][2] *= inv_b, o[j][3] *= inv_b;
+        const float2 ya = oka ? lbm_load2<Dev>(bp.dout, bp.dout_stride, batch, ta, hq, 8 * j + c2)
+                              : make_float2(0.f, 0.f);
+        const float2 yb = okb ? lbm_load2<Dev>(bp.dout, bp.dout_stride, batch, tb, hq, 8 * j + c2)
+                              : make_float2(0.f, 0.f);
+        dy[j][0] = ya.x, dy[j][1] = ya.y, dy[j][2] = yb.x, dy[j][3] = yb.y;
+      }
+      if constexpr (normed) {
+        // The per-head gated RMSNorm's backward (norm_row_backward) on the fragments: dy -> do.
+        auto gate2 = [&](index_t t, int c, bool ok) {
+          return ok ? lbm_load2<Dev>(f.gate, f.gate_stride, batch, t, hq, c) : make_float2(0.f, 0.f);
+        };
+        auto gamma = [&](int c) {
+          return f.gamma == nullptr
+                     ? 1.f
+                     : f.gamma[(Policy::weight == norm_weight::per_head ? hq * Dv + c : c) *
+                               f.gamma_stride];
+        };
+        // xg = gate_first ? o act : o; the row's sum of squares.
+        float ssa = 0.f, ssb = 0.f;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          float xg[4] = {o[j][0], o[j][1], o[j][2], o[j][3]};
+          if constexpr (gate_first) {
+            const float2 ga = gate2(ta, 8 * j + c2, oka), gb = gate2(tb, 8 * j + c2, okb);
+            const float gv[4] = {ga.x, ga.y, gb.x, gb.y};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              float act, dact;
+              lbm_gate<Policy>(gv[i], act, dact);
+              xg[i] *= act;
+            }
+          }
+          ssa += xg[0] * xg[0] + xg[1] * xg[1];
+          ssb += xg[2] * xg[2] + xg[3] * xg[3];
+        }
+        const float rstd_a = rsqrtf(quad_sum(ssa) / float(Dv) + f.norm_eps);
+        const float rstd_b = rsqrtf(quad_sum(ssb) / float(Dv) + f.norm_eps);
+        // dn (in dy), dgate for norm_then_gate, the dgamma terms, the projection.
+        float pa = 0.f, pb = 0.f;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          const int c = 8 * j + c2;
+          const float2 ga = gate2(ta, c, oka), gb = gate2(tb, c, okb);
+          const float gv[4] = {ga.x, ga.y, gb.x, gb.y};
+          const float gm[2] = {gamma(c), gamma(c + 1)};
+          float dgt[4], dgm[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float rstd = i < 2 ? rstd_a : rstd_b;
+            float act, dact;
+            lbm_gate<Policy>(gv[i], act, dact);
+            const float xg = gate_first ? o[j][i] * act : o[j][i];
+            float dn = gate_first ? dy[j][i] : dy[j][i] * act;
+            dgm[i] = rstd * dn * xg;
+            dgt[i] = gate_first ? 0.f : rstd * dy[j][i] * xg * dact * gm[i % 2];
+            dn *= gm[i % 2];
+            dy[j][i] = dn;
+            (i < 2 ? pa : pb) += dn * xg;
+          }
+          if (!oka) dgm[0] = dgm[1] = 0.f;
+          if (!okb) dgm[2] = dgm[3] = 0.f;
+          if (with_dgamma) {
+            float s0 = dgm[0] + dgm[2], s1 = dgm[1] + dgm[3];
+#pragma unroll
+            for (int off = 4; off < 32; off *= 2) {
+              s0 += __shfl_xor_sync(0xffffffffu, s0, off);
+              s1 += __shfl_xor_sync(0xffffffffu, s1, off);
+            }
+            if (g == 0) red[warp * Dv + c] += s0, red[warp * Dv + c + 1] += s1;
+          }
+          if constexpr (!gate_first) {
+            if (ra < rows)
+              lbm_store2<Dev>(bp.dgate, bp.dgate_stride, batch, ta, hq, c, oka ? dgt[0] : 0.f,
+                              oka ? dgt[1] : 0.f);
+            if (rb < rows)
+              lbm_store2<Dev>(bp.dgate, bp.dgate_stride, batch, tb, hq, c, okb ? dgt[2] : 0.f,
+                              okb ? dgt[3] : 0.f);
+          }
+        }
+        pa = rstd_a * rstd_a * quad_sum(pa) / float(Dv);
+        pb = rstd_b * rstd_b * quad_sum(pb) / float(Dv);
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          const int c = 8 * j + c2;
+          float dgt[4];
+          const float2 ga = gate2(ta, c, oka), gb = gate2(tb, c, okb);
+          const float gv[4] = {ga.x, ga.y, gb.x, gb.y};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float rstd = i < 2 ? rstd_a : rstd_b, proj = i < 2 ? pa : pb;
+            if constexpr (!gate_first) {
+              dy[j][i] = rstd * (dy[j][i] - proj * o[j][i]);
+            } else {
+              float act, dact;
+              lbm_gate<Policy>(gv[i], act, dact);
+              const float dx = rstd * (dy[j][i] - proj * o[j][i] * act);
+              dgt[i] = dx * o[j][i] * dact;
+              dy[j][i] = dx * act;
+            }
+          }
+          if constexpr (gate_first) {
+            if (ra < rows)
+              lbm_store2<Dev>(bp.dgate, bp.dgate_stride, batch, ta, hq, c, oka ? dgt[0] : 0.f,
+                              oka ? dgt[1] : 0.f);
+            if (rb < rows)
+              lbm_store2<Dev>(bp.dgate, bp.dgate_stride, batch, tb, hq, c, okb ? dgt[2] : 0.f,
+                              okb ? dgt[3] : 0.f);
+          }
+        }
+      }
+      // g = do / den (0 at pad rows), rounded to the operand type as the products read it; delta
+      // = -(o . g) of that g, so that x below is the exact projection of the g it multiplies.
+      std::uint32_t ga[NV / 2][4];
+      float da_ = 0.f, db_ = 0.f;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const std::uint32_t x = pack2<lbm_op>(oka ? dy[j][0] * inv_a : 0.f, oka ? dy[j][1] * inv_a : 0.f);
+        const std::uint32_t y = pack2<lbm_op>(okb ? dy[j][2] * inv_b : 0.f, okb ? dy[j][3] * inv_b : 0.f);
+        ga[j / 2][(j % 2) * 2] = x, ga[j / 2][(j % 2) * 2 + 1] = y;
+        *reinterpret_cast<std::uint32_t*>(Gs + ra * L::ld_v + 8 * j + c2) = x;
+        *reinterpret_cast<std::uint32_t*>(Gs + rb * L::ld_v + 8 * j + c2) = y;
+        const float2 xa = unpack2<lbm_op>(x), yb = unpack2<lbm_op>(y);
+        da_ += o[j][0] * xa.x + o[j][1] * xa.y;
+        db_ += o[j][2] * yb.x + o[j][3] * yb.y;
+      }
+      const float del_a = normalize ? -quad_sum(da_) : 0.f;
+      const float del_b = normalize ? -quad_sum(db_) : 0.f;
+      if (c2 == 0) {  // delta's two parts in columns Dv, Dv + 1 (dz is their sum)
+        auto parts = [](float v) {
+          const float hi = unpack2<lbm_op>(pack2<lbm_op>(v, 0.f)).x;
+          return pack2<lbm_op>(hi, v - hi);
+        };
+        *reinterpret_cast<std::uint32_t*>(Gs + ra * L::ld_v + Dv) = parts(del_a);
+        *reinterpret_cast<std::uint32_t*>(Gs + rb * L::ld_v + Dv) = parts(del_b);
+      }
+      // x = g S^T + delta z (S in its two parts, z in float); dq = scale x phi'(q).
+      float x[ND][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < NV / 2; ++ks) {
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          std::uint32_t b[4];
+          lbm_b2(b, St, L::ld_v, 16 * dp, 16 * ks);
+          lbm_mma_pairs(x, ga[ks], b, dp);
+          lbm_b2(b, Sl, L::ld_v, 16 * dp, 16 * ks);
+          lbm_mma_pairs(x, ga[ks], b, dp);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < ND; ++j) {
+        const int d = 8 * j + c2;
+        x[j][0] += del_a * zf[d], x[j][1] += del_a * zf[d + 1];
+        x[j][2] += del_b * zf[d], x[j][3] += del_b * zf[d + 1];
+        const float2 qa = unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Qs + ra * L::ld_d + d));
+        const float2 qb = unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Qs + rb * L::ld_d + d));
+        auto dq = [&](float xv, float qv) {
+          return f.scale * xv * phi_derivative<Policy::phi>(qv, apply_feature_map<Policy::phi>(qv));
+        };
+        if (ra < rows)
+          lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, ta, hq, d, oka ? dq(x[j][0], qa.x) : 0.f,
+                          oka ? dq(x[j][1], qa.y) : 0.f);
+        if (rb < rows)
+          lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, tb, hq, d, okb ? dq(x[j][2], qb.x) : 0.f,
+                          okb ? dq(x[j][3], qb.y) : 0.f);
+      }
+      __syncthreads();  // Gs complete
+      // [dS | dz] rows d = 16 warp .. += R^T [g | delta].
+#pragma unroll
+      for (int ks = 0; ks < TR / 16; ++ks) {
+        std::uint32_t a[4];
+        lbm_a_t(a, Rs, L::ld_d, 16 * ks, r0);
+#pragma unroll
+        for (int jp = 0; jp < (NT + 1) / 2; ++jp) {
+          std::uint32_t b[4];
+          lbm_b2_t(b, Gs, L::ld_v, 16 * ks, 16 * jp);
+          lbm_mma_pairs(ds, a, b, jp);
+        }
+      }
+    }
+    if (with_dgamma) {
+      __syncthreads();
+      for (int c = threadIdx.x; c < Dv; c += L::threads) {
+        float s = 0.f;
+        for (int w = 0; w < L::warps; ++w) s += red[w * Dv + c];
+        dgamma_part[((index_t(n) * parts + part) * f.q_heads + hq) * Dv + c] = s;
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < L::warps * Dv; i += L::threads) red[i] = 0.f;
+    }
+  }
+  float* out = partial + ((index_t(n) * parts + part) * f.kv_heads + h) * SS;
+  const int d = r0 + g;
+#pragma unroll
+  for (int j = 0; j < NT - 1; ++j) {
+    *reinterpret_cast<float2*>(out + d * Dv + 8 * j + c2) = make_float2(ds[j][0], ds[j][1]);
+    *reinterpret_cast<float2*>(out + (d + 8) * Dv + 8 * j + c2) = make_float2(ds[j][2], ds[j][3]);
+  }
+  if (c2 == 0)
+    out[D * Dv + d] = ds[NT - 1][0] + ds[NT - 1][1],
+                 out[D * Dv + d + 8] = ds[NT - 1][2] + ds[NT - 1][3];
+}
+
+// ---- pass B: keys --------------------------------------------------------------------------
+
+// CTA (part, KV head h, sequence n): what linear_bwd_key_kernel computes.
+template <class Dev, class Policy, int D, int Dv>
+__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
+    linear_bwd_key_mma_kernel(const linear_backward_params bp, index_t part_tokens,
+                              const float* stats, const float* dstate, const float* jac,
+                              float* da_heads) {
+  using L = linear_bwd_mma_layout<D, Dv>;
+  constexpr int TR = L::rows, NV = Dv / 8, ND = D / 8;
+  constexpr bool gated = Policy::gate != key_gate::off;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  lbm_op* DSt = reinterpret_cast<lbm_op*>(smem_raw);  // [D][ld_v] dS | dz, high parts
+  lbm_op* DSl = DSt + L::state_elems;                  // [D][ld_v] dS, low parts
+  lbm_op* Ks = DSl + L::state_elems;                   // [TR][ld_d] k (raw bits of Dev)
+  lbm_op* P = Ks + L::d_tile;                          // [TR][ld_d] phi(k)
+  lbm_op* V = P + L::d_tile;                           // [TR][ld_v] v | 1
+  float* W = reinterpret_cast<float*>(V + L::v_tile);  // [TR] gate weight, 0 at pads
+  // (v | 1 | 1: columns Dv and Dv + 1 pick dz's two parts.)
+  int* okr = reinterpret_cast<int*>(W + TR);           // [TR] row valid
+  const linear_kernel_params& f = bp.f;
+  const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t t0 = min(length, index_t(part) * part_tokens);
+  const index_t t1 = min(length, t0 + part_tokens);
+  const float jh = gated ? jac[index_t(n) * f.kv_heads + h] : 0.f;
+  lbm_stage_state<D, Dv, Policy::normalize>(DSt, DSl, nullptr,
+                                            dstate + (index_t(n) * f.kv_heads + h) * (D * Dv + D));
+  const int r0 = 16 * warp;
+  for (index_t base = t0; base < t1; base += TR) {
+    const int rows = int(min(index_t(TR), t1 - base));
+    __syncthreads();
+    if (threadIdx.x < TR) {
+      const int t = threadIdx.x;
+      const index_t ta = start + base + t;
+      const bool ok = t < rows && f.valid(batch, ta);
+      float w = 0.f;
+      if (ok) w = gated ? gate_weight(f, stats, n, batch, ta, h) : 1.f;
+      W[t] = w, okr[t] = int(ok);
+      uint4* p = reinterpret_cast<uint4*>(V + t * L::ld_v + Dv);
+      p[0] = make_uint4(pack2<lbm_op>(ok ? 1.f : 0.f, ok ? 1.f : 0.f), 0u, 0u, 0u);
+      p[1] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < TR * D / 8; e += L::threads) {
+      const int t = e / (D / 8), ch = e % (D / 8);
+      const bool ok = okr[t] != 0;
+      const uint4 raw = lbm_load8<Dev>(f.k, f.k_stride, batch, start + base + t, h, ch, ok);
+      *reinterpret_cast<uint4*>(Ks + t * L::ld_d + 8 * ch) = raw;
+      *reinterpret_cast<uint4*>(P + t * L::ld_d + 8 * ch) =
+          ok ? lbm_convert8<Dev, Policy, true>(raw, 1.f) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    for (int e = threadIdx.x; e < TR * Dv / 8; e += L::threads) {
+      const int t = e / (Dv / 8), ch = e % (Dv / 8);
+      const bool ok = okr[t] != 0;
+      const uint4 raw = lbm_load8<Dev>(f.v, f.v_stride, batch, start + base + t, h, ch, ok);
+      *reinterpret_cast<uint4*>(V + t * L::ld_v + 8 * ch) =
+          ok ? lbm_convert8<Dev, Policy, false>(raw, 1.f) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    __syncthreads();
+    // e = [v | 1] [dS | dz]^T (rows x D) and dS^T phi(k) (rows x Dv).
+    float e[ND][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < NV / 2 + 1; ++ks) {
+      std::uint32_t a[4];
+      lbm_a(a, V, L::ld_v, r0, 16 * ks);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        std::uint32_t b[4];
+        lbm_b2(b, DSt, L::ld_v, 16 * dp, 16 * ks);
+        lbm_mma_pairs(e, a, b, dp);
+        if (ks < NV / 2) {
+          lbm_b2(b, DSl, L::ld_v, 16 * dp, 16 * ks);
+          lbm_mma_pairs(e, a, b, dp);
+        }
+      }
+    }
+    float dv[NV][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      std::uint32_t a[4];
+      lbm_a(a, P, L::ld_d, r0, 16 * ks);
+#pragma unroll
+      for (int jp = 0; jp < NV / 2; ++jp) {
+        std::uint32_t b[4];
+        lbm_b2_t(b, DSt, L::ld_v, 16 * ks, 16 * jp);
+        lbm_mma_pairs(dv, a, b, jp);
+        lbm_b2_t(b, DSl, L::ld_v, 16 * ks, 16 * jp);
+        lbm_mma_pairs(dv, a, b, jp);
+      }
+    }
+    const int ra = r0 + g, rb = ra + 8;
+    const index_t ta = start + base + ra, tb = start + base + rb;
+    const float wa = W[ra], wb = W[rb];  // 0 at pads
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      if (ra < rows)
+        lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, ta, h, 8 * j + c2, wa * dv[j][0], wa * dv[j][1]);
+      if (rb < rows)
+        lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, tb, h, 8 * j + c2, wb * dv[j][2], wb * dv[j][3]);
+    }
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int j = 0; j < ND; ++j) {
+      const int d = 8 * j + c2;
+      const float2 ka = unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Ks + ra * L::ld_d + d));
+      const float2 kb = unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Ks + rb * L::ld_d + d));
+      const float kv[4] = {ka.x, ka.y, kb.x, kb.y};
+      float y[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float p = apply_feature_map<Policy::phi>(kv[i]);
+        y[i] = (i < 2 ? wa : wb) * e[j][i] * phi_derivative<Policy::phi>(kv[i], p);
+        (i < 2 ? sa : sb) += p * e[j][i];
+      }
+      if (ra < rows) lbm_store2<Dev>(bp.dk, bp.dk_stride, batch, ta, h, d, y[0], y[1]);
+      if (rb < rows) lbm_store2<Dev>(bp.dk, bp.dk_stride, batch, tb, h, d, y[2], y[3]);
+    }
+    if constexpr (gated) {
+      sa = quad_sum(sa), sb = quad_sum(sb);
+      if (c2 == 0) {
+        const float v[2] = {okr[ra] != 0 ? wa * (sa - jh) : 0.f, okr[rb] != 0 ? wb * (sb - jh) : 0.f};
+        const index_t tt[2] = {ta, tb};
+        const int rr[2] = {ra, rb};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          if (rr[i] >= rows) continue;
+          if (da_heads != nullptr)
+            da_heads[(index_t(h) * bp.batch + batch) * f.tokens + tt[i]] = v[i];
+          else
+            bp.da[batch * bp.da_stride[0] + tt[i] * bp.da_stride[1] +
+                  (f.gate_heads == 1 ? 0 : h) * bp.da_stride[2]] = v[i];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
