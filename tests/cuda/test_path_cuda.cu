@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <iostream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -94,10 +95,20 @@ struct gpu_result {
   double error, lse_error;
 };
 
+// Hard resets (g = -inf) at scattered tokens, a different set for each head: some at a
+// sequence's first token, some two in one chunk, some at a chunk's edge.
+void add_hard_resets(path_inputs& in, index_t HQ) {
+  for (std::size_t i = 0; i < in.g.size(); ++i) {
+    const std::size_t t = i / std::size_t(HQ), hq = i % std::size_t(HQ);
+    if ((t * 7 + hq * 13) % 37 == 3 || t % 97 == 64) in.g[i] = -std::numeric_limits<double>::infinity();
+  }
+}
+
 template <class Kind, class Policy, class T>
 gpu_result run_forward_case(const path_case& c, std::uint64_t salt,
-                            const attnmix::backend::cuda& be) {
-  const path_inputs in = make_path_inputs(c, salt);
+                            const attnmix::backend::cuda& be, bool resets = false) {
+  path_inputs in = make_path_inputs(c, salt);
+  if (resets) add_hard_resets(in, c.HQ);
   device_inputs<T> d(c, in);
   device_buffer<float> lse(static_cast<std::size_t>(c.B * c.T * c.HQ));
   attnmix::attention_args<T> a = d.batch.template args<Kind>();
@@ -185,6 +196,26 @@ TEMPLATE_TEST_CASE("CUDA PaTH on the portable tensor-core kernel", "[cuda][path]
   portable.portable = true;
   forward_sweep<path, attnmix::path_policy, TestType>(15000, false, portable);
   forward_sweep<path_fox, attnmix::path_fox_policy, TestType>(15500, false, portable);
+}
+
+// A forget gate of -inf zeroes every earlier key (the CPU backend's semantics): the kernels cut
+// each row's keys at its last reset, on every kernel (Hopper, portable tensor-core, SIMT).
+TEMPLATE_TEST_CASE("CUDA PaTH-FoX forward with hard resets matches the CPU",
+                   "[cuda][path_fox][hard_reset]", float, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  attnmix::backend::cuda portable{};
+  portable.portable = true;
+  std::uint64_t salt = 16000;
+  for (const attnmix::backend::cuda& be : {attnmix::backend::cuda{}, portable})
+    for (const path_case& c : forward_cases()) {
+      INFO("seed " << test_seed() << " " << c.describe() << " dtype "
+                   << attnmix::scalar_traits<TestType>::name << " portable " << be.portable);
+      const gpu_result r =
+          run_forward_case<path_fox, attnmix::path_fox_policy, TestType>(c, ++salt, be, true);
+      CAPTURE(r.error, r.lse_error);
+      CHECK(r.error <= (sizeof(TestType) == 4 ? 1e-5 : 5e-3));
+      CHECK(r.lse_error <= (sizeof(TestType) == 4 ? 1e-5 : 1e-2));
+    }
 }
 
 TEST_CASE("CUDA PaTH, a small sweep for compute-sanitizer", "[cuda][small]") {

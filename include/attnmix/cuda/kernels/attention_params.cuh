@@ -23,7 +23,10 @@ struct attention_kernel_params {
   float scale_log2;  // softmax scale * log2(e): the kernels work in base 2
   index_t window;    // 0: none
   bool causal;
-  const double* gate_cumsum;  // [B, T, HQ] inclusive cumsum of g per sequence, or nullptr
+  // [B, T, HQ] inclusive cumsum of g per sequence, a hard reset (g = -inf) summed as 0, or
+  // nullptr; and each token's last reset at or before it (sequence-local, 0 where none).
+  const double* gate_cumsum;
+  const int* gate_reset;
   float gate_coef_log2;       // factor of (G_i - G_j), times log2(e)
   float gate_bias_coef;       // -gate_coef / scale: the gate in score units (Hopper PaTH)
   int* work_counter;          // zeroed device int: the work queue of the persistent kernels
@@ -35,6 +38,12 @@ struct attention_kernel_params {
     } else {
       batch = 0, start = cu_seqlens[n], length = cu_seqlens[n + 1] - start;
     }
+  }
+
+  // The first key query i (at `row`: (batch * tokens + start + i) * q_heads + head) may see after
+  // the hard resets of its gate: keys before its last reset have weight exp(-inf) = 0.
+  __device__ index_t reset_lo(index_t row) const {
+    return gate_reset == nullptr ? 0 : gate_reset[row];
   }
 
   // Keys query i may see, [lo, hi] (inclusive), in a sequence of `length`.
@@ -77,7 +86,18 @@ struct attention_work {
   index_t batch, start, length, i0, rows, j_lo, j_hi, lo_last, hi_first;
   int hq, hkv, key_tiles;
   const double* G;  // the gate cumsum of this (sequence, head), or nullptr
+  const int* R;     // its tokens' last hard resets, or nullptr
   double g_ref;     // G at i0: gate terms are taken relative to it, so that floats stay small
+
+  // Keys row i of the item sees: the call's range, cut at the row's last hard reset.
+  __device__ void key_range(const attention_kernel_params& p, index_t i, index_t& lo,
+                            index_t& hi) const {
+    p.key_range(i, length, lo, hi);
+    if (R != nullptr) {
+      const index_t r = R[(i < length ? i : length - 1) * p.q_heads];
+      lo = lo > r ? lo : r;
+    }
+  }
 
   // Item n of row_tiles * q_heads * sequences, row tiles fastest (the CTAs that run together
   // share one head's K and V in L2), a head's heaviest (last) causal tiles first. False when
@@ -92,12 +112,15 @@ struct attention_work {
     if (index >= (length + Br - 1) / Br) return false;
     i0 = index * Br;
     rows = length - i0 < Br ? length - i0 : Br;
-    // Keys any row of this tile may see; rows in between see subsets.
-    p.key_range(i0 + rows - 1, length, lo_last, j_hi);
-    p.key_range(i0, length, j_lo, hi_first);
-    key_tiles = static_cast<int>((j_hi - j_lo + Bc) / Bc);
     G = p.gate_cumsum != nullptr ? p.gate_cumsum + (batch * p.tokens + start) * p.q_heads + hq
                                  : nullptr;
+    R = p.gate_reset != nullptr ? p.gate_reset + (batch * p.tokens + start) * p.q_heads + hq
+                                : nullptr;
+    // Keys any row of this tile may see; rows in between see subsets (a row's last reset only
+    // moves forward, so the first row's is the tile's least).
+    key_range(p, i0 + rows - 1, lo_last, j_hi);
+    key_range(p, i0, j_lo, hi_first);
+    key_tiles = static_cast<int>((j_hi - j_lo + Bc) / Bc);
     g_ref = G != nullptr ? G[i0 * p.q_heads] : 0.0;
     return true;
   }

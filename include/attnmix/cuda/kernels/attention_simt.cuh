@@ -45,6 +45,7 @@ __global__ void attention_simt_kernel(const attention_kernel_params p) {
 
   index_t lo, hi;
   p.key_range(i, length, lo, hi);
+  lo = max(lo, p.reset_lo((batch * p.tokens + start + i) * p.q_heads + hq));
   float m = -INFINITY, l = 0.f;
   for (index_t j = lo; j <= hi; ++j) {
     const T* kj = k + j * p.k_stride[1];

@@ -287,6 +287,9 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
       G != nullptr ? p.a.gate_coef_log2 *
                          static_cast<float>(G[(c0 + (valid ? rl : 0)) * p.a.q_heads] - g_ref)
                    : 0.f;
+  // Keys before the row's last hard reset have weight 0.
+  const index_t lo_row =
+      valid ? p.a.reset_lo((batch * p.a.tokens + start + c0 + rl) * p.a.q_heads + hq) : 0;
 
   float m_run = -INFINITY, l_run = 0.f;
   // Online softmax over ss[rl][0, cols) (masked entries -inf), values from token j0 on.
@@ -344,7 +347,7 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
     corr += __shfl_xor_sync(0xffffffffu, corr, 1);
     corr += __shfl_xor_sync(0xffffffffu, corr, 2);
     s = (s - corr) * p.a.scale_log2 + (G != nullptr ? gate_row - gate_col[b] : 0.f);
-    if (part == 0) ss[rl][b] = b <= rl ? s : -INFINITY;
+    if (part == 0) ss[rl][b] = b <= rl && c0 + b >= lo_row ? s : -INFINITY;
   }
   __syncwarp();
   fold(c0, n);
@@ -357,7 +360,7 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
     for (int b = 0; b < C; ++b) {
       const float s = quad_dot(r, part, D, kt + (j0 + b) * D) * p.a.scale_log2 +
                       (G != nullptr ? gate_row - gate_col[b] : 0.f);
-      if (part == 0) ss[rl][b] = s;
+      if (part == 0) ss[rl][b] = j0 + b >= lo_row ? s : -INFINITY;
     }
     __syncwarp();
     fold(j0, C);

@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(32 * Warps)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           index_t lo, hi;
-          p.key_range(i0 + row_of(mt, h), length, lo, hi);
+          w.key_range(p, i0 + row_of(mt, h), lo, hi);
           // Visible columns of this tile for the row, relative to this thread's first column.
           const int first = static_cast<int>(max(min(lo - j0, index_t{Bc}), index_t{-1})) - c2;
           const int last = static_cast<int>(max(min(hi - j0, index_t{Bc}), index_t{-1})) - c2;

@@ -163,6 +163,13 @@ __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel
       const index_t i = c0 + (r0 + 8 * hh < n ? r0 + 8 * hh : n - 1);
       gate_row[hh] = p.a.gate_coef_log2 * static_cast<float>(G[i * p.a.q_heads] - g_ref);
     }
+  // Keys before a row's last hard reset have weight 0.
+  index_t lo_row[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const index_t i = c0 + (r0 + 8 * hh < n ? r0 + 8 * hh : n - 1);
+    lo_row[hh] = p.a.reset_lo((batch * p.a.tokens + start + i) * p.a.q_heads + hq);
+  }
 
   float o[Dv / 8][4] = {};
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
@@ -208,7 +215,9 @@ __global__ void __launch_bounds__(128) path_forward_mma_kernel(const path_kernel
       for (int e = 0; e < 4; ++e) {
         float z = s[nt][e] * p.a.scale_log2;
         if (G != nullptr) z += gate_row[e / 2] - gate_col[nt * 8 + c2 + e % 2];
-        if (diagonal && nt * 8 + c2 + e % 2 > r0 + 8 * (e / 2)) z = -INFINITY;
+        if ((diagonal && nt * 8 + c2 + e % 2 > r0 + 8 * (e / 2)) ||
+            j0 + nt * 8 + c2 + e % 2 < lo_row[e / 2])
+          z = -INFINITY;
         s[nt][e] = z;
       }
 

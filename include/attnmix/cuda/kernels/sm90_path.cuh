@@ -255,13 +255,22 @@ __global__ void __launch_bounds__(384, 1)
   // Online softmax (base 2) of the scores s: s becomes P, the running maxima and sums advance,
   // and `rescale` says by how much O shrinks. On the diagonal, keys after the row are masked;
   // every row keeps its own key there, so its maximum is finite from the start.
-  auto softmax = [&](bool diagonal, float(&rescale)[2]) {
+  // Keys before a row's last hard reset (lo_row, sequence-local) are masked too; j0 is the key
+  // chunk's first token.
+  index_t lo_row[2] = {0, 0};
+  auto softmax = [&](bool diagonal, float(&rescale)[2], index_t j0) {
     if (diagonal)
 #pragma unroll
       for (int j = 0; j < C / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           if (8 * j + c2 + e % 2 > row0 + 8 * (e / 2)) s[4 * j + e] = -INFINITY;
+    if (j0 < lo_row[1])  // lo_row[1] >= lo_row[0]: a row's last reset only moves forward
+#pragma unroll
+      for (int j = 0; j < C / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (j0 + 8 * j + c2 + e % 2 < lo_row[e / 2]) s[4 * j + e] = -INFINITY;
     // The columns' gate is in s already, and the rows' is left out: a row's constant changes
     // neither P nor the sums; it is added to m for the log-sum-exp at the end.
     online_softmax<C>(s, false, nullptr, gate_row, p.a.scale_log2, m, l, rescale);
@@ -270,7 +279,7 @@ __global__ void __launch_bounds__(384, 1)
   // The key chunk in stage st (counted across items), after the item's first; the last one
   // (chunk 0) needs no transition. The lambda is inlined with a constant `transition`, so no wgmma
   // sits under a run-time branch (the compiler would serialise them all).
-  auto key_chunk = [&](unsigned st, bool transition) {
+  auto key_chunk = [&](unsigned st, bool transition, index_t j0) {
     const unsigned buf = st % Stages, prev = (st - 1) % Stages;
     float rescale[2];
     mbarrier_wait(full + buf, (st / Stages) & 1);
@@ -293,7 +302,7 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_commit();
     wgmma_wait<1>();  // S is in; r <- r + r E and P V may still run
     wgmma_fence_operand(s);
-    softmax(false, rescale);
+    softmax(false, rescale, j0);
     wgmma_wait<0>();
     wgmma_fence_operand(o);
     wgmma_fence_operand(pf);
@@ -328,6 +337,11 @@ __global__ void __launch_bounds__(384, 1)
     // stage 0 (the chunk above its queries) back once it has arrived.
     const int t0 = wg;
     const index_t c = top - t0;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const index_t i = min(c * C + row0 + 8 * hh, it.length - 1);
+      lo_row[hh] = p.a.reset_lo((it.batch * p.a.tokens + it.start + i) * p.a.q_heads + it.hq);
+    }
     if (t0 == 1) {
       mbarrier_wait(full + counted % Stages, (counted / Stages) & 1);
       mbarrier_arrive(empty + counted % Stages);
@@ -386,7 +400,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_commit();
       wgmma_wait<1>();
       wgmma_fence_operand(s);
-      softmax(true, rescale);  // O is still zero
+      softmax(true, rescale, c * C);  // O is still zero
       wgmma_wait<0>();
       wgmma_fence_operand(r);
       wgmma_fence_operand(xn);
@@ -394,8 +408,8 @@ __global__ void __launch_bounds__(384, 1)
       mbarrier_arrive(item_empty);  // done with the queries, diagonal K, M, W, U
       to_fragments<T>(pf, s);
     }
-    for (int t = t0 + 1; t < top; ++t) key_chunk(counted + t, true);
-    if (top > t0) key_chunk(counted + static_cast<unsigned>(top), false);
+    for (int t = t0 + 1; t < top; ++t) key_chunk(counted + t, true, (top - t) * C);
+    if (top > t0) key_chunk(counted + static_cast<unsigned>(top), false, 0);
     const unsigned last = (counted + static_cast<unsigned>(top)) % Stages;
     wgmma_fence();
 #pragma unroll

@@ -100,8 +100,10 @@ struct attention_setup {
     kp.work_counter = reinterpret_cast<int*>(scratch.get() + layout.counter);
     if (!a.g.has_value()) return;
     auto* G = reinterpret_cast<double*>(scratch.get() + layout.gate);
+    auto* reset = reinterpret_cast<int*>(scratch.get() + layout.reset);
     auto* part_sums = reinterpret_cast<double*>(scratch.get() + layout.part_sums);
     kp.gate_cumsum = G;
+    kp.gate_reset = reset;
     kp.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
     kp.gate_bias_coef = p.scale > 0 ? static_cast<float>(-gate_coef / p.scale) : 0.f;
     const launch_grid g = gate_cumsum_grid(p, layout.gate_parts);
@@ -110,7 +112,7 @@ struct attention_setup {
                                                          a.g.stride(2), kp, part_sums);
     check(cudaGetLastError(), "gate_part_sum_kernel launch");
     gate_cumsum_kernel<<<grid, gate_part, 0, stream>>>(a.g.data(), a.g.stride(0), a.g.stride(1),
-                                                       a.g.stride(2), kp, part_sums, G);
+                                                       a.g.stride(2), kp, part_sums, G, reset);
     check(cudaGetLastError(), "gate_cumsum_kernel launch");
   }
 };

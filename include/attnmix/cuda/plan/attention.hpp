@@ -103,22 +103,23 @@ inline attention_plan plan_attention(const attention_shape& s, const device_prop
   return p;
 }
 
-// Scratch of a softmax-family call: the cu_seqlens copy, with a gate its cumsum G and G's part
-// sums, then the work counter of the persistent kernels; each part padded to 256 bytes.
+// Scratch of a softmax-family call: the cu_seqlens copy, with a gate its cumsum G (double), each
+// token's last hard reset (int) and the parts' summaries (two doubles: the sum since the part's
+// last reset, and that reset or -1), then the work counter of the persistent kernels; each part
+// padded to 256 bytes.
 struct attention_scratch_layout {
-  std::size_t gate = 0, part_sums = 0, counter = 0, bytes = 0;  // offsets, then the total
+  std::size_t gate = 0, reset = 0, part_sums = 0, counter = 0, bytes = 0;  // offsets, the total
   index_t gate_parts = 1;  // parts of gate_part tokens of the longest sequence
   attention_scratch_layout(const attention_problem& p, bool gated, index_t max_len) {
     gate_parts = std::max<index_t>(1, (max_len + gate_part - 1) / gate_part);
     gate = p.cu_seqlens == nullptr ? 0 : cu_seqlens_scratch_bytes(p.num_sequences);
-    part_sums =
-        gate + (gated ? padded_bytes(static_cast<std::size_t>(p.batch * p.tokens * p.q_heads) *
-                                     sizeof(double))
-                      : 0);
+    const std::size_t rows = static_cast<std::size_t>(p.batch * p.tokens * p.q_heads);
+    reset = gate + (gated ? padded_bytes(rows * sizeof(double)) : 0);
+    part_sums = reset + (gated ? padded_bytes(rows * sizeof(int)) : 0);
     counter =
         part_sums +
         (gated ? padded_bytes(static_cast<std::size_t>(p.num_sequences * gate_parts * p.q_heads) *
-                              sizeof(double))
+                              2 * sizeof(double))
                : 0);
     bytes = counter + scratch_alignment;
   }
