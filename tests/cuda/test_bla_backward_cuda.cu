@@ -86,7 +86,7 @@ TEST_CASE("CUDA linear backward: worst errors seen", "[cuda][linear_backward]") 
   WARN("half / bfloat16, worst max|diff| / max|ref|: " << worst_seen(1e-2));
 }
 
-// 16-bit inputs at D = Dv = 64 and 128 take the tensor-core kernels (sm80_linear_backward.cuh);
+// 16-bit inputs at D = Dv = 64 take the tensor-core kernels (sm80_linear_backward.cuh);
 // the sweeps above run them under the default policies. Here the other knobs on them, and the
 // CUDA-core kernels forced at those dims.
 TEST_CASE("CUDA BLA and GBLA backward, other knobs (bfloat16)",

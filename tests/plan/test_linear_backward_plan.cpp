@@ -126,21 +126,29 @@ TEST_CASE("linear backward: the tensor-core passes", "[plan][linear_backward]") 
     const linear_backward_plan p = plan_linear_backward(s, h200());
     CHECK(p.mma);
     CHECK(p.mma_threads == 128);
+    // Several waves of CTAs: 16 a multiprocessor over 128 (sequence, head) pairs, ranges of at
+    // least 256 tokens.
+    CHECK(p.parts == 8);
+    s.tokens = s.max_len = 32768;
+    CHECK(plan_linear_backward(s, h200()).parts == 17);
+    s.tokens = s.max_len = 2048;
     using L = linear_bwd_mma_layout<64, 64>;
     CHECK(p.pass_a_smem == L::query_smem);
-    CHECK(p.pass_a_smem == 2 * (2 * 64 * 88 + 2 * 64 * 72 + 64 * 88) + 4 * (4 * 64 + 64 + 64));
-    CHECK(p.reduce_smem == 2 * (64 * 72 + 64 * 88) + 8 * 64);
+    CHECK(p.pass_a_smem ==
+          2 * (2 * 64 * 88 + 3 * 64 * 72 + 2 * 64 * 88) + 4 * (4 * 64 + 64 + 64));
+    CHECK(p.reduce_smem == 2 * (2 * 64 * 72 + 64 * 88) + 8 * 64);
   }
-  SECTION("D = Dv = 128: eight warps; over the default 48 KiB, so not without the opt-in") {
-    s.head_dim = s.value_dim = 128;
-    const linear_backward_plan p = plan_linear_backward(s, h200());
-    CHECK(p.mma);
-    CHECK(p.mma_threads == 256);
-    CHECK(p.pass_a_smem <= 227 * 1024);
+  SECTION("over the default 48 KiB: not without the opt-in; half keeps v in two parts") {
     CHECK_FALSE(plan_linear_backward(s, small_smem()).mma);
+    s.half_inputs = true;
+    const linear_backward_plan p = plan_linear_backward(s, h200());
+    CHECK(p.pass_b_smem == linear_bwd_mma_layout<64, 64>::key_smem(true));
+    CHECK(p.pass_b_smem > linear_bwd_mma_layout<64, 64>::key_smem(false));
   }
   SECTION("other dims, causal calls and the forced CUDA cores keep the CUDA-core kernels") {
     s.value_dim = 32;
+    CHECK_FALSE(plan_linear_backward(s, h200()).mma);
+    s.value_dim = s.head_dim = 128;
     CHECK_FALSE(plan_linear_backward(s, h200()).mma);
     s.value_dim = 64, s.head_dim = 32;
     CHECK_FALSE(plan_linear_backward(s, h200()).mma);

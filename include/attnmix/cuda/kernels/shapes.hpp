@@ -29,8 +29,8 @@ inline ATTNMIX_HOST_DEVICE index_t partial_floats(int D, int Dv) {
 constexpr int linear_combine_slice = 1024;
 
 // ---- linear-attention backward on tensor cores (sm80_linear_backward.cuh) -----------------
-// The head dims its kernels take.
-constexpr bool linear_bwd_mma_dims(index_t D, index_t Dv) { return D == Dv && (D == 64 || D == 128); }
+// The head dims its kernels take (at 128 the query pass's tiles in two parts would not fit).
+constexpr bool linear_bwd_mma_dims(index_t D, index_t Dv) { return D == 64 && Dv == 64; }
 
 // Tile shapes and shared-memory strides (elements; each row a multiple of 16 bytes, and an odd
 // number of 16-byte units, so that ldmatrix's eight rows hit distinct banks).
@@ -40,22 +40,23 @@ struct linear_bwd_mma_layout {
   static constexpr int ld_d = D + 8;    // [rows][D] tiles
   static constexpr int ld_v = Dv + 24;  // [*][Dv | z | 15 zeros] tiles and states
   static constexpr int ntv = Dv / 8 + 1;  // n-tiles of [x | z]
-  // Shared bytes of each kernel (16-bit elements, then the floats and flags).
+  // Shared bytes of each kernel (16-bit elements, then the floats and flags). A state in two
+  // parts (high and low); half inputs keep v in two bfloat16 parts as well (SplitV).
   static constexpr int state_elems = D * ld_v, d_tile = rows * ld_d, v_tile = rows * ld_v;
-  // (A state in two parts, high and low.)
   static constexpr int query_smem =
-      2 * (2 * state_elems + 2 * d_tile + v_tile) + 4 * (warps * Dv + D + rows);
-  static constexpr int key_smem = 2 * (2 * state_elems + 2 * d_tile + v_tile) + 8 * rows;
-  static constexpr int reduce_smem = 2 * (d_tile + v_tile) + 8 * rows;
+      2 * (2 * state_elems + 3 * d_tile + 2 * v_tile) + 4 * (warps * Dv + D + rows);
+  static constexpr int key_smem(bool split_v) {
+    return 2 * (2 * state_elems + 2 * d_tile + (split_v ? 2 : 1) * v_tile) + 8 * rows;
+  }
+  static constexpr int reduce_smem(bool split_v) {
+    return 2 * (2 * d_tile + (split_v ? 2 : 1) * v_tile) + 8 * rows;
+  }
 };
 
-inline int linear_bwd_mma_smem(index_t D, int pass) {  // pass 0 reduce, 1 query, 2 key
-  if (D == 64) {
-    using L = linear_bwd_mma_layout<64, 64>;
-    return pass == 0 ? L::reduce_smem : pass == 1 ? L::query_smem : L::key_smem;
-  }
-  using L = linear_bwd_mma_layout<128, 128>;
-  return pass == 0 ? L::reduce_smem : pass == 1 ? L::query_smem : L::key_smem;
+// Pass 0 (reduce), 1 (query) or 2 (key) at D = Dv = 64; split_v: half inputs.
+inline int linear_bwd_mma_smem(int pass, bool split_v) {
+  using L = linear_bwd_mma_layout<64, 64>;
+  return pass == 0 ? L::reduce_smem(split_v) : pass == 1 ? L::query_smem : L::key_smem(split_v);
 }
 
 // linear_read_kernel: query rows a CTA, and its shared memory in floats.

@@ -1,23 +1,26 @@
 #pragma once
 // Tensor-core kernels of the bidirectional linear-attention backward (bla, gbla) for half and
-// bfloat16 inputs with D = Dv in {64, 128} (spec gbla.md §3.4): the three passes of
+// bfloat16 inputs with D = Dv = 64 (spec gbla.md §3.4): the three passes of
 // linear_backward_simt.cuh that carry the products, on mma.sync m16n8k16 with float accumulation.
 //   reduce: [S | z] of a range of tokens = (w phi(K))^T [V | 1]
 //   query:  [num | den] = R [S | z] (R = scale phi(Q)); the gated norm's backward on the
-//           accumulator fragments; g = do / den, delta = -(o . g); dq = ([g | delta] [S | z]^T)
+//           accumulator fragments; g = do / den, delta = -(o . g); dq = (g S^T + delta z)
 //           phi'(q) scale; the range's [dS | dz] += R^T [g | delta]
 //   key:    e = [V | 1] [dS | dz]^T; dv = w phi(K) dS; dk = w e phi'(k); da = w (phi(k) . e - jac)
 // The other kernels (gate statistics, combines, jac, folds) are the SIMT ones: they move
 // O(parts D Dv) floats. A CTA has D / 16 warps and takes tiles of 16 warps tokens: warp w owns
 // tile rows 16 w .. 16 w + 15 in the row products and state rows d = 16 w .. in the sums over
-// tokens. Operands are bfloat16 whatever the input type (half's range would not hold the
-// states, which sum a whole sequence). A state is read once per CTA into shared memory in two
-// bfloat16 parts (about 16 bits; lbm_stage_state says why), and z and delta ride along as the
-// last columns of the [x | z] operands, so that the normaliser's sums are the products' last
-// columns. Sums run in a fixed order: identical bits on every run.
+// tokens. Operands are bfloat16 (half's range would not hold the states, which sum a whole
+// sequence), and every operand that is not an input is kept in two bfloat16 parts (about 16
+// bits; products of two split operands take three mma: hi hi, lo hi, hi lo): the normaliser's
+// gradient subtracts the part of S g along z, and e = dS v + dz and phi(k) . e - jac cancel the
+// same way, so that one rounding of R, g, S or dS would cost its relative error many times over
+// (lbm_stage_state). z and delta ride along as the last columns of the [x | z] operands. Sums run
+// in a fixed order: identical bits on every run.
 // Needs q, k, v rows 16-byte aligned and dout, gate, dq, dk, dv, dgate rows 4-byte aligned.
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/kernels/linear_backward_simt.cuh"
@@ -105,22 +108,78 @@ __device__ __forceinline__ uint4 lbm_load8(const void* base, const index_t* st, 
   return __ldg(reinterpret_cast<const uint4*>(static_cast<const Dev*>(base) + b * st[0] +
                                               t * st[1] + h * st[2] + 8 * ch));
 }
-// Eight raw elements times mul after phi (Phi) or as they are, as bfloat16 operands.
-template <class Dev, class Policy, bool Phi>
-__device__ __forceinline__ uint4 lbm_convert8(uint4 raw, float mul) {
+// Two floats as high and low bfloat16 pairs (x = hi + lo to about 16 bits).
+__device__ __forceinline__ void lbm_split2(float x, float y, std::uint32_t& hi, std::uint32_t& lo) {
+  hi = pack2<lbm_op>(x, y);
+  const float2 r = unpack2<lbm_op>(hi);
+  lo = pack2<lbm_op>(x - r.x, y - r.y);
+}
+
+// mul phi(x) of eight raw elements as bfloat16 operands, in two parts (or zeros when !ok).
+template <class Dev, class Policy>
+__device__ __forceinline__ void lbm_phi8(uint4 raw, float mul, bool ok, lbm_op* hi, lbm_op* lo) {
   const std::uint32_t in[4] = {raw.x, raw.y, raw.z, raw.w};
-  std::uint32_t o[4];
+  std::uint32_t h[4] = {}, l[4] = {};
+  if (ok)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 x = unpack2<Dev>(in[i]);
+      lbm_split2(mul * apply_feature_map<Policy::phi>(x.x), mul * apply_feature_map<Policy::phi>(x.y),
+                 h[i], l[i]);
+    }
+  *reinterpret_cast<uint4*>(hi) = make_uint4(h[0], h[1], h[2], h[3]);
+  if (lo != nullptr) *reinterpret_cast<uint4*>(lo) = make_uint4(l[0], l[1], l[2], l[3]);
+}
+
+// Eight raw elements as high and low bfloat16 parts (exact for half: 11 bits in 8 + 8).
+template <class Dev>
+__device__ __forceinline__ void lbm_split8(uint4 raw, uint4& hi, uint4& lo) {
+  const std::uint32_t in[4] = {raw.x, raw.y, raw.z, raw.w};
+  std::uint32_t h[4], l[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 x = unpack2<Dev>(in[i]);
-    if constexpr (Phi)
-      o[i] = pack2<lbm_op>(mul * apply_feature_map<Policy::phi>(x.x),
-                           mul * apply_feature_map<Policy::phi>(x.y));
-    else
-      o[i] = pack2<lbm_op>(mul * x.x, mul * x.y);
+    lbm_split2(x.x, x.y, h[i], l[i]);
   }
-  return make_uint4(o[0], o[1], o[2], o[3]);
+  hi = make_uint4(h[0], h[1], h[2], h[3]);
+  lo = make_uint4(l[0], l[1], l[2], l[3]);
 }
+// v (rows of V, and of Vl for half inputs, which keep v's low part there: half's 11 bits do not
+// fit one bfloat16, and the key pass's e = dS v + dz cancels).
+template <class Dev>
+__device__ __forceinline__ void lbm_stage_v(lbm_op* V, lbm_op* Vl, int at, uint4 raw, bool ok) {
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  if constexpr (std::is_same_v<Dev, __half>) {
+    uint4 hi = zero, lo = zero;
+    if (ok) lbm_split8<Dev>(raw, hi, lo);
+    *reinterpret_cast<uint4*>(V + at) = hi;
+    *reinterpret_cast<uint4*>(Vl + at) = lo;
+  } else {  // bfloat16 already
+    *reinterpret_cast<uint4*>(V + at) = ok ? raw : zero;
+  }
+}
+
+// The raw 16-byte pieces of an activation's tile (Rows tokens, Cols elements a row) that this
+// thread stages: piece i is e = threadIdx.x + i * Threads, row e / (Cols / 8). They are loaded
+// a tile ahead, so that the loads are in flight while the tile before is multiplied (the passes
+// are bound by memory latency otherwise). Pads and rows past `end` load zeros.
+template <class Dev, int Cols, int Rows, int Threads>
+struct lbm_tile_loads {
+  static constexpr int per_row = Cols / 8, count = Rows * per_row / Threads;
+  static_assert(Rows * per_row % Threads == 0, "whole pieces a thread");
+  uint4 raw[count];
+  __device__ static int row(int i) { return (int(threadIdx.x) + i * Threads) / per_row; }
+  __device__ static int piece(int i) { return (int(threadIdx.x) + i * Threads) % per_row; }
+  __device__ void fetch(const linear_kernel_params& f, const void* x, const index_t* st,
+                        index_t batch, index_t start, index_t base, index_t end, int h) {
+#pragma unroll
+    for (int i = 0; i < count; ++i) {
+      const index_t t = base + row(i);
+      raw[i] = lbm_load8<Dev>(x, st, batch, start + t, h, piece(i),
+                              t < end && f.valid(batch, start + t));
+    }
+  }
+};
 
 // A pair of activations at (b, t, h, d..d+1) (4-byte aligned), as floats.
 template <class Dev>
@@ -164,10 +223,13 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
                                  index_t parts, const float* stats, float* partial) {
   using L = linear_bwd_mma_layout<D, Dv>;
   constexpr int TR = L::rows, NT = L::ntv;
+  constexpr bool split_v = std::is_same_v<Dev, __half>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  lbm_op* P = reinterpret_cast<lbm_op*>(smem_raw);  // [TR][ld_d] w phi(k)
-  lbm_op* V = P + L::d_tile;                         // [TR][ld_v] v | 1
-  float* W = reinterpret_cast<float*>(V + L::v_tile);
+  lbm_op* P = reinterpret_cast<lbm_op*>(smem_raw);  // [TR][ld_d] w phi(k), high part
+  lbm_op* Pl = P + L::d_tile;                        // [TR][ld_d] low part
+  lbm_op* V = Pl + L::d_tile;                        // [TR][ld_v] v | 1
+  lbm_op* Vl = V + L::v_tile;                        // half: [TR][ld_v] v's low part | 0
+  float* W = reinterpret_cast<float*>(V + (split_v ? 2 : 1) * L::v_tile);
   const linear_kernel_params& f = bp.f;
   const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
@@ -176,6 +238,12 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
   const index_t t0 = min(length, index_t(part) * part_tokens);
   const index_t t1 = min(length, t0 + part_tokens);
   float acc[NT][4] = {};
+  lbm_tile_loads<Dev, D, TR, L::threads> kn;
+  lbm_tile_loads<Dev, Dv, TR, L::threads> vn;
+  if (t0 < t1) {
+    kn.fetch(f, f.k, f.k_stride, batch, start, t0, t1, h);
+    vn.fetch(f, f.v, f.v_stride, batch, start, t0, t1, h);
+  }
   for (index_t base = t0; base < t1; base += TR) {
     const int rows = int(min(index_t(TR), t1 - base));
     __syncthreads();
@@ -191,33 +259,44 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
       uint4* p = reinterpret_cast<uint4*>(V + t * L::ld_v + Dv);
       p[0] = make_uint4(pack2<lbm_op>(w != 0.f ? 1.f : 0.f, 0.f), 0u, 0u, 0u);
       p[1] = make_uint4(0u, 0u, 0u, 0u);
+      if (split_v) {
+        uint4* pl = reinterpret_cast<uint4*>(Vl + t * L::ld_v + Dv);
+        pl[0] = pl[1] = make_uint4(0u, 0u, 0u, 0u);
+      }
     }
     __syncthreads();
     // Tokens of weight 0 (pads, rows past the end) are selected away: their k, v may be NaN.
-    for (int e = threadIdx.x; e < TR * D / 8; e += L::threads) {
-      const int t = e / (D / 8), ch = e % (D / 8);
+#pragma unroll
+    for (int i = 0; i < kn.count; ++i) {
+      const int t = kn.row(i), at = t * L::ld_d + 8 * kn.piece(i);
       const float w = W[t];
-      const uint4 raw = lbm_load8<Dev>(f.k, f.k_stride, batch, start + base + t, h, ch, w != 0.f);
-      *reinterpret_cast<uint4*>(P + t * L::ld_d + 8 * ch) =
-          w != 0.f ? lbm_convert8<Dev, Policy, true>(raw, w) : make_uint4(0u, 0u, 0u, 0u);
+      lbm_phi8<Dev, Policy>(kn.raw[i], w, w != 0.f, P + at, Pl + at);
     }
-    for (int e = threadIdx.x; e < TR * Dv / 8; e += L::threads) {
-      const int t = e / (Dv / 8), ch = e % (Dv / 8);
-      const bool ok = W[t] != 0.f;
-      const uint4 raw = lbm_load8<Dev>(f.v, f.v_stride, batch, start + base + t, h, ch, ok);
-      *reinterpret_cast<uint4*>(V + t * L::ld_v + 8 * ch) =
-          ok ? lbm_convert8<Dev, Policy, false>(raw, 1.f) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int i = 0; i < vn.count; ++i) {
+      const int t = vn.row(i);
+      lbm_stage_v<Dev>(V, Vl, t * L::ld_v + 8 * vn.piece(i), vn.raw[i], W[t] != 0.f);
+    }
+    if (base + TR < t1) {
+      kn.fetch(f, f.k, f.k_stride, batch, start, base + TR, t1, h);
+      vn.fetch(f, f.v, f.v_stride, batch, start, base + TR, t1, h);
     }
     __syncthreads();
 #pragma unroll
     for (int ks = 0; ks < TR / 16; ++ks) {
-      std::uint32_t a[4];
+      std::uint32_t a[4], al[4];
       lbm_a_t(a, P, L::ld_d, 16 * ks, 16 * warp);
+      lbm_a_t(al, Pl, L::ld_d, 16 * ks, 16 * warp);
 #pragma unroll
       for (int jp = 0; jp < (NT + 1) / 2; ++jp) {
         std::uint32_t b[4];
         lbm_b2_t(b, V, L::ld_v, 16 * ks, 16 * jp);
         lbm_mma_pairs(acc, a, b, jp);
+        lbm_mma_pairs(acc, al, b, jp);
+        if (split_v && jp < Dv / 16) {
+          lbm_b2_t(b, Vl, L::ld_v, 16 * ks, 16 * jp);
+          lbm_mma_pairs(acc, a, b, jp);
+        }
       }
     }
   }
@@ -249,9 +328,11 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
   lbm_op* St = reinterpret_cast<lbm_op*>(smem_raw);  // [D][ld_v] S | z, high parts
   lbm_op* Sl = St + L::state_elems;                   // [D][ld_v] S, low parts
   lbm_op* Qs = Sl + L::state_elems;                   // [TR][ld_d] q (raw bits of Dev)
-  lbm_op* Rs = Qs + L::d_tile;                        // [TR][ld_d] r = scale phi(q)
-  lbm_op* Gs = Rs + L::d_tile;                        // [TR][ld_v] g | delta
-  float* red = reinterpret_cast<float*>(Gs + L::v_tile);  // [warps][Dv] dgamma terms
+  lbm_op* Rs = Qs + L::d_tile;                        // [TR][ld_d] r = scale phi(q), high part
+  lbm_op* Rl = Rs + L::d_tile;                        // [TR][ld_d] low part
+  lbm_op* Gs = Rl + L::d_tile;                        // [TR][ld_v] g | delta, high part
+  lbm_op* Gl = Gs + L::v_tile;                        // [TR][ld_v] g, low part | 0
+  float* red = reinterpret_cast<float*>(Gl + L::v_tile);  // [warps][Dv] dgamma terms
   float* zf = red + L::warps * Dv;                         // [D] z
   int* okr = reinterpret_cast<int*>(zf + D);              // [TR] row valid
   const linear_kernel_params& f = bp.f;
@@ -268,26 +349,39 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
   for (int i = threadIdx.x; i < TR; i += L::threads) {
     uint4* p = reinterpret_cast<uint4*>(Gs + i * L::ld_v + Dv);
     p[0] = p[1] = make_uint4(0u, 0u, 0u, 0u);
+    p = reinterpret_cast<uint4*>(Gl + i * L::ld_v + Dv);
+    p[0] = p[1] = make_uint4(0u, 0u, 0u, 0u);
   }
   for (int i = threadIdx.x; i < L::warps * Dv; i += L::threads) red[i] = 0.f;
 
   float ds[NT][4] = {};
   const int r0 = 16 * warp;
-  for (int hq = h * f.group; hq < (h + 1) * f.group; ++hq) {
-    for (index_t base = t0; base < t1; base += TR) {
+  // Step s: query head h * group + s / tiles, tile s % tiles of the part.
+  const index_t tiles = (t1 - t0 + TR - 1) / TR, steps = tiles * f.group;
+  lbm_tile_loads<Dev, D, TR, L::threads> qn;
+  if (steps > 0) qn.fetch(f, f.q, f.q_stride, batch, start, t0, t1, h * f.group);
+  if (with_dgamma && tiles == 0)  // no rows: zero terms
+    for (int i = threadIdx.x; i < f.group * Dv; i += L::threads)
+      dgamma_part[((index_t(n) * parts + part) * f.q_heads + h * f.group) * Dv + i] = 0.f;
+  for (index_t step = 0; step < steps; ++step) {
+    const int hq = h * f.group + int(step / tiles);
+    const index_t base = t0 + (step % tiles) * TR;
+    {
       const int rows = int(min(index_t(TR), t1 - base));
       __syncthreads();  // the previous tile's readers are done
       if (threadIdx.x < TR)
         okr[threadIdx.x] =
             int(int(threadIdx.x) < rows && f.valid(batch, start + base + threadIdx.x));
       __syncthreads();
-      for (int e = threadIdx.x; e < TR * D / 8; e += L::threads) {
-        const int t = e / (D / 8), ch = e % (D / 8);
-        const bool ok = okr[t] != 0;
-        const uint4 raw = lbm_load8<Dev>(f.q, f.q_stride, batch, start + base + t, hq, ch, ok);
-        *reinterpret_cast<uint4*>(Qs + t * L::ld_d + 8 * ch) = raw;
-        *reinterpret_cast<uint4*>(Rs + t * L::ld_d + 8 * ch) =
-            ok ? lbm_convert8<Dev, Policy, true>(raw, f.scale) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int i = 0; i < qn.count; ++i) {
+        const int t = qn.row(i), at = t * L::ld_d + 8 * qn.piece(i);
+        *reinterpret_cast<uint4*>(Qs + at) = qn.raw[i];
+        lbm_phi8<Dev, Policy>(qn.raw[i], f.scale, okr[t] != 0, Rs + at, Rl + at);
+      }
+      if (step + 1 < steps) {
+        const index_t next = t0 + ((step + 1) % tiles) * TR;
+        qn.fetch(f, f.q, f.q_stride, batch, start, next, t1, h * f.group + int((step + 1) / tiles));
       }
       __syncthreads();
 
@@ -295,13 +389,15 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
       float o[NT][4] = {};
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        std::uint32_t a[4];
+        std::uint32_t a[4], al[4];
         lbm_a(a, Rs, L::ld_d, r0, 16 * ks);
+        lbm_a(al, Rl, L::ld_d, r0, 16 * ks);
 #pragma unroll
         for (int jp = 0; jp < (NT + 1) / 2; ++jp) {
           std::uint32_t b[4];
           lbm_b2_t(b, St, L::ld_v, 16 * ks, 16 * jp);
           lbm_mma_pairs(o, a, b, jp);
+          lbm_mma_pairs(o, al, b, jp);
         }
 #pragma unroll
         for (int jp = 0; jp < NV / 2; ++jp) {
@@ -433,20 +529,25 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
           }
         }
       }
-      // g = do / den (0 at pad rows), rounded to the operand type as the products read it; delta
-      // = -(o . g) of that g, so that x below is the exact projection of the g it multiplies.
-      std::uint32_t ga[NV / 2][4];
+      // g = do / den (0 at pad rows) in two parts, as A fragments (high ga, low gl) and into
+      // Gs, Gl; delta = -(o . g).
+      std::uint32_t ga[NV / 2][4], gl[NV / 2][4];
       float da_ = 0.f, db_ = 0.f;
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        const std::uint32_t x = pack2<lbm_op>(oka ? dy[j][0] * inv_a : 0.f, oka ? dy[j][1] * inv_a : 0.f);
-        const std::uint32_t y = pack2<lbm_op>(okb ? dy[j][2] * inv_b : 0.f, okb ? dy[j][3] * inv_b : 0.f);
-        ga[j / 2][(j % 2) * 2] = x, ga[j / 2][(j % 2) * 2 + 1] = y;
-        *reinterpret_cast<std::uint32_t*>(Gs + ra * L::ld_v + 8 * j + c2) = x;
-        *reinterpret_cast<std::uint32_t*>(Gs + rb * L::ld_v + 8 * j + c2) = y;
-        const float2 xa = unpack2<lbm_op>(x), yb = unpack2<lbm_op>(y);
-        da_ += o[j][0] * xa.x + o[j][1] * xa.y;
-        db_ += o[j][2] * yb.x + o[j][3] * yb.y;
+        const float g0 = oka ? dy[j][0] * inv_a : 0.f, g1 = oka ? dy[j][1] * inv_a : 0.f;
+        const float g2 = okb ? dy[j][2] * inv_b : 0.f, g3 = okb ? dy[j][3] * inv_b : 0.f;
+        std::uint32_t xh, xl, yh, yl;
+        lbm_split2(g0, g1, xh, xl);
+        lbm_split2(g2, g3, yh, yl);
+        ga[j / 2][(j % 2) * 2] = xh, ga[j / 2][(j % 2) * 2 + 1] = yh;
+        gl[j / 2][(j % 2) * 2] = xl, gl[j / 2][(j % 2) * 2 + 1] = yl;
+        *reinterpret_cast<std::uint32_t*>(Gs + ra * L::ld_v + 8 * j + c2) = xh;
+        *reinterpret_cast<std::uint32_t*>(Gs + rb * L::ld_v + 8 * j + c2) = yh;
+        *reinterpret_cast<std::uint32_t*>(Gl + ra * L::ld_v + 8 * j + c2) = xl;
+        *reinterpret_cast<std::uint32_t*>(Gl + rb * L::ld_v + 8 * j + c2) = yl;
+        da_ += o[j][0] * g0 + o[j][1] * g1;
+        db_ += o[j][2] * g2 + o[j][3] * g3;
       }
       const float del_a = normalize ? -quad_sum(da_) : 0.f;
       const float del_b = normalize ? -quad_sum(db_) : 0.f;
@@ -467,6 +568,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
           std::uint32_t b[4];
           lbm_b2(b, St, L::ld_v, 16 * dp, 16 * ks);
           lbm_mma_pairs(x, ga[ks], b, dp);
+          lbm_mma_pairs(x, gl[ks], b, dp);
           lbm_b2(b, Sl, L::ld_v, 16 * dp, 16 * ks);
           lbm_mma_pairs(x, ga[ks], b, dp);
         }
@@ -492,17 +594,23 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
       // [dS | dz] rows d = 16 warp .. += R^T [g | delta].
 #pragma unroll
       for (int ks = 0; ks < TR / 16; ++ks) {
-        std::uint32_t a[4];
+        std::uint32_t a[4], al[4];
         lbm_a_t(a, Rs, L::ld_d, 16 * ks, r0);
+        lbm_a_t(al, Rl, L::ld_d, 16 * ks, r0);
 #pragma unroll
         for (int jp = 0; jp < (NT + 1) / 2; ++jp) {
           std::uint32_t b[4];
           lbm_b2_t(b, Gs, L::ld_v, 16 * ks, 16 * jp);
           lbm_mma_pairs(ds, a, b, jp);
+          lbm_mma_pairs(ds, al, b, jp);
+          if (jp < NV / 2) {
+            lbm_b2_t(b, Gl, L::ld_v, 16 * ks, 16 * jp);
+            lbm_mma_pairs(ds, a, b, jp);
+          }
         }
       }
     }
-    if (with_dgamma) {
+    if (with_dgamma && step % tiles == tiles - 1) {  // the head's last tile
       __syncthreads();
       for (int c = threadIdx.x; c < Dv; c += L::threads) {
         float s = 0.f;
@@ -536,13 +644,15 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
   using L = linear_bwd_mma_layout<D, Dv>;
   constexpr int TR = L::rows, NV = Dv / 8, ND = D / 8;
   constexpr bool gated = Policy::gate != key_gate::off;
+  constexpr bool split_v = std::is_same_v<Dev, __half>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   lbm_op* DSt = reinterpret_cast<lbm_op*>(smem_raw);  // [D][ld_v] dS | dz, high parts
   lbm_op* DSl = DSt + L::state_elems;                  // [D][ld_v] dS, low parts
   lbm_op* Ks = DSl + L::state_elems;                   // [TR][ld_d] k (raw bits of Dev)
   lbm_op* P = Ks + L::d_tile;                          // [TR][ld_d] phi(k)
-  lbm_op* V = P + L::d_tile;                           // [TR][ld_v] v | 1
-  float* W = reinterpret_cast<float*>(V + L::v_tile);  // [TR] gate weight, 0 at pads
+  lbm_op* V = P + L::d_tile;                           // [TR][ld_v] v | 1 | 1
+  lbm_op* Vl = V + L::v_tile;                          // half: [TR][ld_v] v's low part | 0
+  float* W = reinterpret_cast<float*>(V + (split_v ? 2 : 1) * L::v_tile);  // [TR] 0 at pads
   // (v | 1 | 1: columns Dv and Dv + 1 pick dz's two parts.)
   int* okr = reinterpret_cast<int*>(W + TR);           // [TR] row valid
   const linear_kernel_params& f = bp.f;
@@ -556,6 +666,12 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
   lbm_stage_state<D, Dv, Policy::normalize>(DSt, DSl, nullptr,
                                             dstate + (index_t(n) * f.kv_heads + h) * (D * Dv + D));
   const int r0 = 16 * warp;
+  lbm_tile_loads<Dev, D, TR, L::threads> kn;
+  lbm_tile_loads<Dev, Dv, TR, L::threads> vn;
+  if (t0 < t1) {
+    kn.fetch(f, f.k, f.k_stride, batch, start, t0, t1, h);
+    vn.fetch(f, f.v, f.v_stride, batch, start, t0, t1, h);
+  }
   for (index_t base = t0; base < t1; base += TR) {
     const int rows = int(min(index_t(TR), t1 - base));
     __syncthreads();
@@ -569,36 +685,42 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
       uint4* p = reinterpret_cast<uint4*>(V + t * L::ld_v + Dv);
       p[0] = make_uint4(pack2<lbm_op>(ok ? 1.f : 0.f, ok ? 1.f : 0.f), 0u, 0u, 0u);
       p[1] = make_uint4(0u, 0u, 0u, 0u);
+      if (split_v) {
+        uint4* pl = reinterpret_cast<uint4*>(Vl + t * L::ld_v + Dv);
+        pl[0] = pl[1] = make_uint4(0u, 0u, 0u, 0u);
+      }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < TR * D / 8; e += L::threads) {
-      const int t = e / (D / 8), ch = e % (D / 8);
-      const bool ok = okr[t] != 0;
-      const uint4 raw = lbm_load8<Dev>(f.k, f.k_stride, batch, start + base + t, h, ch, ok);
-      *reinterpret_cast<uint4*>(Ks + t * L::ld_d + 8 * ch) = raw;
-      *reinterpret_cast<uint4*>(P + t * L::ld_d + 8 * ch) =
-          ok ? lbm_convert8<Dev, Policy, true>(raw, 1.f) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int i = 0; i < kn.count; ++i) {
+      const int t = kn.row(i), at = t * L::ld_d + 8 * kn.piece(i);
+      *reinterpret_cast<uint4*>(Ks + at) = kn.raw[i];
+      lbm_phi8<Dev, Policy>(kn.raw[i], 1.f, okr[t] != 0, P + at, nullptr);  // dv: no cancellation
     }
-    for (int e = threadIdx.x; e < TR * Dv / 8; e += L::threads) {
-      const int t = e / (Dv / 8), ch = e % (Dv / 8);
-      const bool ok = okr[t] != 0;
-      const uint4 raw = lbm_load8<Dev>(f.v, f.v_stride, batch, start + base + t, h, ch, ok);
-      *reinterpret_cast<uint4*>(V + t * L::ld_v + 8 * ch) =
-          ok ? lbm_convert8<Dev, Policy, false>(raw, 1.f) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int i = 0; i < vn.count; ++i) {
+      const int t = vn.row(i);
+      lbm_stage_v<Dev>(V, Vl, t * L::ld_v + 8 * vn.piece(i), vn.raw[i], okr[t] != 0);
+    }
+    if (base + TR < t1) {
+      kn.fetch(f, f.k, f.k_stride, batch, start, base + TR, t1, h);
+      vn.fetch(f, f.v, f.v_stride, batch, start, base + TR, t1, h);
     }
     __syncthreads();
     // e = [v | 1] [dS | dz]^T (rows x D) and dS^T phi(k) (rows x Dv).
     float e[ND][4] = {};
 #pragma unroll
     for (int ks = 0; ks < NV / 2 + 1; ++ks) {
-      std::uint32_t a[4];
+      std::uint32_t a[4], al[4];
       lbm_a(a, V, L::ld_v, r0, 16 * ks);
+      if (split_v && ks < NV / 2) lbm_a(al, Vl, L::ld_v, r0, 16 * ks);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         std::uint32_t b[4];
         lbm_b2(b, DSt, L::ld_v, 16 * dp, 16 * ks);
         lbm_mma_pairs(e, a, b, dp);
         if (ks < NV / 2) {
+          if (split_v) lbm_mma_pairs(e, al, b, dp);
           lbm_b2(b, DSl, L::ld_v, 16 * dp, 16 * ks);
           lbm_mma_pairs(e, a, b, dp);
         }

@@ -47,16 +47,11 @@ void launch_pass(Kernel kernel, const char* name, dim3 grid, int threads, int sm
   check(cudaGetLastError(), (std::string(name) + " launch").c_str());
 }
 
-// fn(std::integral_constant<int, D>) for the head dim of a plan on tensor cores (16-bit only:
-// the other types never take them).
+// fn(std::integral_constant<int, 64>) for a plan on tensor cores (16-bit only: the other types
+// never take them).
 template <class Dev, class Fn>
-void with_mma_dim(const linear_backward_plan& plan, Fn&& fn) {
-  if constexpr (sizeof(Dev) == 2) {
-    if (plan.mma_threads == 128)
-      fn(std::integral_constant<int, 64>{});
-    else
-      fn(std::integral_constant<int, 128>{});
-  }
+void with_mma_dim(const linear_backward_plan&, Fn&& fn) {
+  if constexpr (sizeof(Dev) == 2) fn(std::integral_constant<int, 64>{});
 }
 
 template <class Kind, class Policy, class T>
@@ -98,6 +93,7 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
                        pairs(a.dout) && pairs(a.dq) && pairs(a.dk) && pairs(a.dv) &&
                        (!normed || (pairs(a.gate) && pairs(a.dgate)));
   }
+  shape.half_inputs = std::is_same_v<Dev, __half>;
   shape.force_simt = linear_backward_force_simt();
   std::vector<int> chunk_offsets;
   if constexpr (causal) {

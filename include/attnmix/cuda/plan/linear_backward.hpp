@@ -35,7 +35,7 @@ constexpr int linear_bwd_state_regs =
 // Bidirectional: at most this many token ranges a sequence, each at least this many tokens, and
 // CTAs a multiprocessor to aim for.
 constexpr index_t linear_bwd_max_parts = 64, linear_bwd_min_part = 256;
-constexpr int linear_bwd_ctas_per_sm = 4;
+constexpr int linear_bwd_ctas_per_sm = 4, linear_bwd_mma_ctas_per_sm = 16;
 // Rows of a tile (query or key rows staged in shared memory at once).
 constexpr index_t linear_bwd_tile = 8;
 
@@ -51,10 +51,11 @@ struct linear_backward_shape {
   index_t sequences = 0, kv_heads = 0, q_heads = 0, gate_heads = 0;
   index_t total_chunks = 0;       // causal: sum over sequences of ceil(len / chunk)
   std::size_t offsets_bytes = 0;  // the cu_seqlens copy (0 for a dense batch)
-  // Bidirectional on tensor cores (sm80_linear_backward.cuh): 16-bit inputs on sm_80+, q, k, v
+  // Bidirectional on tensor cores (sm80_linear_backward.cuh, D = Dv = 64): 16-bit inputs on sm_80+, q, k, v
   // rows 16-byte aligned and the other activations' rows 4-byte aligned; and not forced to the
   // CUDA-core kernels.
   bool mma_inputs = false;
+  bool half_inputs = false;  // v is kept in two bfloat16 parts
   bool force_simt = false;
 };
 
@@ -137,24 +138,27 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
   };
   take(sc.offsets, s.offsets_bytes);
   if (!s.causal) {
-    // Enough token ranges a (sequence, head) to give every SM a few CTAs, each of at least
+    p.mma = s.mma_inputs && !s.force_simt && linear_bwd_mma_dims(D, Dv) &&
+            std::size_t(std::max(linear_bwd_mma_smem(1, false),
+                                 linear_bwd_mma_smem(2, s.half_inputs))) <=
+                std::max(props.smem_per_block_optin, props.smem_per_block);
+    if (p.mma) {
+      p.mma_threads = int(2 * D);  // a warp per 16 of D
+      p.reduce_smem = linear_bwd_mma_smem(0, s.half_inputs);
+      p.pass_a_smem = linear_bwd_mma_smem(1, s.half_inputs);
+      p.pass_b_smem = linear_bwd_mma_smem(2, s.half_inputs);
+    }
+    // Enough token ranges a (sequence, head) to give every SM a few CTAs (the tensor-core
+    // passes, bound by memory latency, several waves of them), each of at least
     // linear_bwd_min_part tokens: the partial states stay O(T D) per head.
     const index_t pairs = std::max<index_t>(N * H, 1);
-    const index_t want = (index_t(props.sms) * linear_bwd_ctas_per_sm + pairs - 1) / pairs;
+    const index_t ctas = p.mma ? linear_bwd_mma_ctas_per_sm : linear_bwd_ctas_per_sm;
+    const index_t want = (index_t(props.sms) * ctas + pairs - 1) / pairs;
     const index_t most =
         std::max<index_t>(1, (s.max_len + linear_bwd_min_part - 1) / linear_bwd_min_part);
     p.parts = std::max<index_t>(1, std::min({want, most, linear_bwd_max_parts}));
     p.part_tokens = std::max<index_t>(1, (s.max_len + p.parts - 1) / p.parts);
     p.reduce_grid = {unsigned(p.parts), unsigned(H), n_grid};
-    p.mma = s.mma_inputs && !s.force_simt && linear_bwd_mma_dims(D, Dv) &&
-            std::size_t(linear_bwd_mma_smem(D, 1)) <=
-                std::max(props.smem_per_block_optin, props.smem_per_block);
-    if (p.mma) {
-      p.mma_threads = int(2 * D);  // a warp per 16 of D
-      p.reduce_smem = linear_bwd_mma_smem(D, 0);
-      p.pass_a_smem = linear_bwd_mma_smem(D, 1);
-      p.pass_b_smem = linear_bwd_mma_smem(D, 2);
-    }
     p.pass_grid = p.reduce_grid;
     take(sc.stats, std::size_t(N * std::max<index_t>(s.gate_heads, 1)) * 2 * sizeof(float));
     take(sc.state, std::size_t(N * H) * state_bytes);
