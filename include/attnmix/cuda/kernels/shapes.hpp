@@ -53,10 +53,15 @@ struct linear_bwd_mma_layout {
   }
 };
 
-// Pass 0 (reduce), 1 (query) or 2 (key) at D = Dv = 64; split_v: half inputs.
-inline int linear_bwd_mma_smem(int pass, bool split_v) {
+// Shared bytes of a pass at D = Dv = 64; split_v: half inputs.
+enum class linear_bwd_pass { reduce, query, key };
+inline int linear_bwd_mma_smem(linear_bwd_pass pass, bool split_v) {
   using L = linear_bwd_mma_layout<64, 64>;
-  return pass == 0 ? L::reduce_smem(split_v) : pass == 1 ? L::query_smem : L::key_smem(split_v);
+  switch (pass) {
+    case linear_bwd_pass::reduce: return L::reduce_smem(split_v);
+    case linear_bwd_pass::query: return L::query_smem;
+    default: return L::key_smem(split_v);
+  }
 }
 
 // linear_read_kernel: query rows a CTA, and its shared memory in floats.

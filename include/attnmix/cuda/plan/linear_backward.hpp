@@ -1,5 +1,6 @@
 #pragma once
-// The plan of a linear-attention backward (bla, gbla, linear_causal) on CUDA cores: how the
+// The plan of a linear-attention backward (bla, gbla, linear_causal): which kernels (CUDA cores,
+// or tensor cores for the bidirectional passes at D = Dv = 64 with 16-bit inputs), how the
 // tokens are split among CTAs, the tiles, every grid and the scratch layout. Pure C++:
 // unit-tested without a GPU (tests/plan/).
 //
@@ -139,17 +140,17 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
   take(sc.offsets, s.offsets_bytes);
   if (!s.causal) {
     p.mma = s.mma_inputs && !s.force_simt && linear_bwd_mma_dims(D, Dv) &&
-            std::size_t(std::max(linear_bwd_mma_smem(1, false),
-                                 linear_bwd_mma_smem(2, s.half_inputs))) <=
+            std::size_t(std::max(linear_bwd_mma_smem(linear_bwd_pass::query, false),
+                                 linear_bwd_mma_smem(linear_bwd_pass::key, s.half_inputs))) <=
                 std::max(props.smem_per_block_optin, props.smem_per_block);
     if (p.mma) {
       p.mma_threads = int(2 * D);  // a warp per 16 of D
-      p.reduce_smem = linear_bwd_mma_smem(0, s.half_inputs);
-      p.pass_a_smem = linear_bwd_mma_smem(1, s.half_inputs);
-      p.pass_b_smem = linear_bwd_mma_smem(2, s.half_inputs);
+      p.reduce_smem = linear_bwd_mma_smem(linear_bwd_pass::reduce, s.half_inputs);
+      p.pass_a_smem = linear_bwd_mma_smem(linear_bwd_pass::query, s.half_inputs);
+      p.pass_b_smem = linear_bwd_mma_smem(linear_bwd_pass::key, s.half_inputs);
     }
     // Enough token ranges a (sequence, head) to give every SM a few CTAs (the tensor-core
-    // passes, bound by memory latency, several waves of them), each of at least
+    // passes several waves of them), each of at least
     // linear_bwd_min_part tokens: the partial states stay O(T D) per head.
     const index_t pairs = std::max<index_t>(N * H, 1);
     const index_t ctas = p.mma ? linear_bwd_mma_ctas_per_sm : linear_bwd_ctas_per_sm;
