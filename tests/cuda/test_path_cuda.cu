@@ -100,7 +100,8 @@ struct gpu_result {
 void add_hard_resets(path_inputs& in, index_t HQ) {
   for (std::size_t i = 0; i < in.g.size(); ++i) {
     const std::size_t t = i / std::size_t(HQ), hq = i % std::size_t(HQ);
-    if ((t * 7 + hq * 13) % 37 == 3 || t % 97 == 64) in.g[i] = -std::numeric_limits<double>::infinity();
+    if ((t * 7 + hq * 13) % 37 == 3 || t % 97 == 64)
+      in.g[i] = -std::numeric_limits<double>::infinity();
   }
 }
 

@@ -46,15 +46,16 @@ TEST_CASE("CUDA: a host pointer marked as device memory is rejected once, by the
                                    attnmix::view4<const float>(k.get(), {1, T, H, D}, dev),
                                    attnmix::view4<const float>(v.get(), {1, T, H, D}, dev),
                                    attnmix::view4<float>(out.get(), {1, T, H, D}, dev)};
-  const std::string msg =
-      message_of([&] { attnmix::attention<attnmix::kind::softmax>(a, {}, attnmix::backend::cuda{}); });
+  const std::string msg = message_of(
+      [&] { attnmix::attention<attnmix::kind::softmax>(a, {}, attnmix::backend::cuda{}); });
   INFO(msg);
   CHECK(msg.rfind("attnmix::attention<softmax>: argument 'q' is marked as device memory", 0) == 0);
   attnmix::linear_attention_args<float> la{a.q, a.k, a.v, a.out};
   const std::string lmsg = message_of(
       [&] { attnmix::linear_attention<attnmix::kind::bla>(la, {}, attnmix::backend::cuda{}); });
   INFO(lmsg);
-  CHECK(lmsg.rfind("attnmix::linear_attention<bla>: argument 'q' is marked as device memory", 0) == 0);
+  CHECK(lmsg.rfind("attnmix::linear_attention<bla>: argument 'q' is marked as device memory", 0) ==
+        0);
 }
 
 TEST_CASE("CUDA: a window near the index type's maximum means no window", "[cuda][validation]") {
@@ -95,8 +96,8 @@ TEST_CASE("CUDA: cu_seqlens in device memory is rejected before any launch", "[c
                                    attnmix::view4<float>(out.get(), {1, T, H, D}, dev)};
   attnmix::attention_params p;
   p.cu_seqlens = attnmix::view1<const std::int32_t>(cu.data(), {3}, dev);
-  const std::string msg =
-      message_of([&] { attnmix::attention<attnmix::kind::softmax>(a, p, attnmix::backend::cuda{}); });
+  const std::string msg = message_of(
+      [&] { attnmix::attention<attnmix::kind::softmax>(a, p, attnmix::backend::cuda{}); });
   INFO(msg);
   CHECK(msg.find("argument 'cu_seqlens' is in device memory") != std::string::npos);
 }

@@ -133,9 +133,9 @@ TEST_CASE("softmax scratch: offsets, gate cumsum, part sums, work counter", "[pl
   CHECK(plain.bytes == 256);
   const attention_scratch_layout gated(p, true, 1000);
   CHECK(gated.gate_parts == 4);
-  CHECK(gated.reset == 2 * 1000 * 8 * 8);      // 128000, a multiple of 256
-  CHECK(gated.part_sums == 128000 + 64000);    // 2 x 1000 x 8 ints
-  CHECK(gated.counter == 192000 + 1024);       // 2 sequences x 4 parts x 8 heads, two doubles
+  CHECK(gated.reset == 2 * 1000 * 8 * 8);    // 128000, a multiple of 256
+  CHECK(gated.part_sums == 128000 + 64000);  // 2 x 1000 x 8 ints
+  CHECK(gated.counter == 192000 + 1024);     // 2 sequences x 4 parts x 8 heads, two doubles
   CHECK(gated.bytes == 192000 + 1024 + 256);
   CHECK(gate_cumsum_grid(p, gated.gate_parts) == grid(4, 1, 2));
   const std::int32_t cu[] = {0, 10, 1000};

@@ -27,9 +27,9 @@ struct attention_kernel_params {
   // nullptr; and each token's last reset at or before it (sequence-local, 0 where none).
   const double* gate_cumsum;
   const int* gate_reset;
-  float gate_coef_log2;       // factor of (G_i - G_j), times log2(e)
-  float gate_bias_coef;       // -gate_coef / scale: the gate in score units (Hopper PaTH)
-  int* work_counter;          // zeroed device int: the work queue of the persistent kernels
+  float gate_coef_log2;  // factor of (G_i - G_j), times log2(e)
+  float gate_bias_coef;  // -gate_coef / scale: the gate in score units (Hopper PaTH)
+  int* work_counter;     // zeroed device int: the work queue of the persistent kernels
 
   // Sequence n: batch row, first token, length.
   __device__ void sequence(int n, index_t& batch, index_t& start, index_t& length) const {

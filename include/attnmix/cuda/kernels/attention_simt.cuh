@@ -6,8 +6,8 @@
 
 #include <cmath>
 
-#include "attnmix/cuda/kernels/attention_params.cuh"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/kernels/attention_params.cuh"
 
 namespace attnmix {
 namespace detail {

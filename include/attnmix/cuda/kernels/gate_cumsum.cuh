@@ -35,9 +35,9 @@ struct gate_span {
 template <class A>
 __device__ __forceinline__ gate_span gate_segment(const A* g, index_t g_stride0, index_t g_stride1,
                                                   index_t g_stride2,
-                                                  const attention_kernel_params& p,
-                                                  index_t& batch, index_t& start, index_t& length,
-                                                  index_t& t0, A (&v)[32]) {
+                                                  const attention_kernel_params& p, index_t& batch,
+                                                  index_t& start, index_t& length, index_t& t0,
+                                                  A (&v)[32]) {
   const int h = blockIdx.y * 32 + threadIdx.x % 32, warp = threadIdx.x / 32;
   const bool head = h < p.q_heads;
   p.sequence(blockIdx.z, batch, start, length);
@@ -91,7 +91,8 @@ __global__ void __launch_bounds__(gate_part)
   // The parts before this one, in order (every warp alike; the reads hit the cache), then the
   // warps before this one.
   gate_span running;
-  const double* sums = part_sums + static_cast<index_t>(blockIdx.z) * gridDim.x * p.q_heads * 2 + h * 2;
+  const double* sums =
+      part_sums + static_cast<index_t>(blockIdx.z) * gridDim.x * p.q_heads * 2 + h * 2;
   for (unsigned q = 0; q < blockIdx.x; ++q) {
     gate_span s;
     s.sum = sums[q * p.q_heads * 2], s.reset = static_cast<index_t>(sums[q * p.q_heads * 2 + 1]);

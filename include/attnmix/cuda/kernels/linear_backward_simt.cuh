@@ -96,6 +96,18 @@ __device__ __forceinline__ float gate_weight(const linear_kernel_params& f, cons
   return expf(f.logit(batch, t, h) - M) * inv;
 }
 
+// Part `part` of sequence n: its batch row, first token, and token range [t0, t1) (empty past
+// the end), for the kernels whose grid is (part, KV head, sequence).
+struct part_range {
+  index_t batch, start, t0, t1;
+  __device__ part_range(const linear_kernel_params& f, int n, int part, index_t part_tokens) {
+    index_t length;
+    f.sequence(n, batch, start, length);
+    t0 = min(length, index_t(part) * part_tokens);
+    t1 = min(length, t0 + part_tokens);
+  }
+};
+
 // ---- gate statistics ----------------------------------------------------------------------
 
 // CTA (gate head gh, sequence n): stats[n, gh] = (max, 1 / sum exp(a - max)) over the valid
@@ -220,10 +232,8 @@ __global__ void __launch_bounds__(linear_bwd_threads)
                              const float* stats, float* partial) {
   extern __shared__ __align__(16) float smem[];
   const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
-  index_t batch, start, length;
-  bp.f.sequence(n, batch, start, length);
-  const index_t t0 = min(length, index_t(part) * part_tokens);
-  const index_t t1 = min(length, t0 + part_tokens);
+  const part_range range(bp.f, n, part, part_tokens);
+  const index_t batch = range.batch, start = range.start, t0 = range.t0, t1 = range.t1;
   const index_t SS = index_t(bp.f.head_dim) * bp.f.value_dim + bp.f.head_dim;
   float* out = partial + ((index_t(n) * parts + part) * bp.f.kv_heads + h) * SS;
   state_sums<Dev, Policy>(bp, n, batch, start, h, t0, t1,
@@ -364,10 +374,8 @@ __global__ void __launch_bounds__(linear_bwd_threads)
 
   const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  index_t batch, start, length;
-  f.sequence(n, batch, start, length);
-  const index_t t0 = min(length, index_t(part) * part_tokens);
-  const index_t t1 = min(length, t0 + part_tokens);
+  const part_range range(f, n, part, part_tokens);
+  const index_t batch = range.batch, start = range.start, t0 = range.t0, t1 = range.t1;
   const float* S = state + (index_t(n) * f.kv_heads + h) * SS;
   const float* z = S + D * Dv;
   const bool with_dgamma = normed && dgamma_part != nullptr;
@@ -503,10 +511,8 @@ __global__ void __launch_bounds__(linear_bwd_threads)
 
   const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  index_t batch, start, length;
-  f.sequence(n, batch, start, length);
-  const index_t t0 = min(length, index_t(part) * part_tokens);
-  const index_t t1 = min(length, t0 + part_tokens);
+  const part_range range(f, n, part, part_tokens);
+  const index_t batch = range.batch, start = range.start, t0 = range.t0, t1 = range.t1;
   const float* dS = dstate + (index_t(n) * f.kv_heads + h) * SS;
   const float* dz = dS + D * Dv;
   const float jh = gated ? jac[index_t(n) * f.kv_heads + h] : 0.f;

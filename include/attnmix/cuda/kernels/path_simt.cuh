@@ -14,9 +14,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/kernels/attention_params.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
-#include "attnmix/cuda/arch/types.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -30,15 +30,17 @@ constexpr int linear_combine_slice = 1024;
 
 // ---- linear-attention backward on tensor cores (sm80_linear_backward.cuh) -----------------
 // The head dims its kernels take (at 128 the query pass's tiles in two parts would not fit).
-constexpr bool linear_bwd_mma_dims(index_t D, index_t Dv) { return D == 64 && Dv == 64; }
+constexpr bool linear_bwd_mma_dims(index_t D, index_t Dv) {
+  return D == 64 && Dv == 64;
+}
 
 // Tile shapes and shared-memory strides (elements; each row a multiple of 16 bytes, and an odd
 // number of 16-byte units, so that ldmatrix's eight rows hit distinct banks).
 template <int D, int Dv>
 struct linear_bwd_mma_layout {
   static constexpr int warps = D / 16, threads = 32 * warps, rows = 16 * warps;
-  static constexpr int ld_d = D + 8;    // [rows][D] tiles
-  static constexpr int ld_v = Dv + 24;  // [*][Dv | z | 15 zeros] tiles and states
+  static constexpr int ld_d = D + 8;      // [rows][D] tiles
+  static constexpr int ld_v = Dv + 24;    // [*][Dv | z | 15 zeros] tiles and states
   static constexpr int ntv = Dv / 8 + 1;  // n-tiles of [x | z]
   // Shared bytes of each kernel (16-bit elements, then the floats and flags). A state in two
   // parts (high and low); half inputs keep v in two bfloat16 parts as well (SplitV).
@@ -58,9 +60,12 @@ enum class linear_bwd_pass { reduce, query, key };
 inline int linear_bwd_mma_smem(linear_bwd_pass pass, bool split_v) {
   using L = linear_bwd_mma_layout<64, 64>;
   switch (pass) {
-    case linear_bwd_pass::reduce: return L::reduce_smem(split_v);
-    case linear_bwd_pass::query: return L::query_smem;
-    default: return L::key_smem(split_v);
+    case linear_bwd_pass::reduce:
+      return L::reduce_smem(split_v);
+    case linear_bwd_pass::query:
+      return L::query_smem;
+    default:
+      return L::key_smem(split_v);
   }
 }
 

@@ -9,9 +9,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/kernels/attention_params.cuh"
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/kernels/attention_params.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -124,8 +124,8 @@ __device__ __forceinline__ void lbm_phi8(uint4 raw, float mul, bool ok, lbm_op* 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float2 x = unpack2<Dev>(in[i]);
-      lbm_split2(mul * apply_feature_map<Policy::phi>(x.x), mul * apply_feature_map<Policy::phi>(x.y),
-                 h[i], l[i]);
+      lbm_split2(mul * apply_feature_map<Policy::phi>(x.x),
+                 mul * apply_feature_map<Policy::phi>(x.y), h[i], l[i]);
     }
   *reinterpret_cast<uint4*>(hi) = make_uint4(h[0], h[1], h[2], h[3]);
   if (lo != nullptr) *reinterpret_cast<uint4*>(lo) = make_uint4(l[0], l[1], l[2], l[3]);
@@ -181,6 +181,19 @@ struct lbm_tile_loads {
   }
 };
 
+// Columns Dv .. Dv + 15 of row t of the v tiles: in V, `ones` ones (the z parts a pass reads)
+// where the row counts and zeros else; in Vl (half inputs) zeros.
+template <class Dev, int Dv, int Ld>
+__device__ __forceinline__ void lbm_stage_v_tail(lbm_op* V, lbm_op* Vl, int t, int ones, bool on) {
+  uint4* p = reinterpret_cast<uint4*>(V + t * Ld + Dv);
+  p[0] = make_uint4(pack2<lbm_op>(on ? 1.f : 0.f, on && ones == 2 ? 1.f : 0.f), 0u, 0u, 0u);
+  p[1] = make_uint4(0u, 0u, 0u, 0u);
+  if constexpr (std::is_same_v<Dev, __half>) {
+    uint4* pl = reinterpret_cast<uint4*>(Vl + t * Ld + Dv);
+    pl[0] = pl[1] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // A pair of activations at (b, t, h, d..d+1) (4-byte aligned), as floats.
 template <class Dev>
 __device__ __forceinline__ float2 lbm_load2(const void* base, const index_t* st, index_t b,
@@ -226,17 +239,15 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
   constexpr bool split_v = std::is_same_v<Dev, __half>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   lbm_op* P = reinterpret_cast<lbm_op*>(smem_raw);  // [TR][ld_d] w phi(k), high part
-  lbm_op* Pl = P + L::d_tile;                        // [TR][ld_d] low part
-  lbm_op* V = Pl + L::d_tile;                        // [TR][ld_v] v | 1
-  lbm_op* Vl = V + L::v_tile;                        // half: [TR][ld_v] v's low part | 0
+  lbm_op* Pl = P + L::d_tile;                       // [TR][ld_d] low part
+  lbm_op* V = Pl + L::d_tile;                       // [TR][ld_v] v | 1
+  lbm_op* Vl = V + L::v_tile;                       // half: [TR][ld_v] v's low part | 0
   float* W = reinterpret_cast<float*>(V + (split_v ? 2 : 1) * L::v_tile);
   const linear_kernel_params& f = bp.f;
   const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
-  index_t batch, start, length;
-  f.sequence(n, batch, start, length);
-  const index_t t0 = min(length, index_t(part) * part_tokens);
-  const index_t t1 = min(length, t0 + part_tokens);
+  const part_range range(f, n, part, part_tokens);
+  const index_t batch = range.batch, start = range.start, t0 = range.t0, t1 = range.t1;
   float acc[NT][4] = {};
   lbm_tile_loads<Dev, D, TR, L::threads> kn;
   lbm_tile_loads<Dev, Dv, TR, L::threads> vn;
@@ -256,13 +267,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
                                           : (f.valid(batch, ta) ? 1.f : 0.f);
       }
       W[t] = w;
-      uint4* p = reinterpret_cast<uint4*>(V + t * L::ld_v + Dv);
-      p[0] = make_uint4(pack2<lbm_op>(w != 0.f ? 1.f : 0.f, 0.f), 0u, 0u, 0u);
-      p[1] = make_uint4(0u, 0u, 0u, 0u);
-      if (split_v) {
-        uint4* pl = reinterpret_cast<uint4*>(Vl + t * L::ld_v + Dv);
-        pl[0] = pl[1] = make_uint4(0u, 0u, 0u, 0u);
-      }
+      lbm_stage_v_tail<Dev, Dv, L::ld_v>(V, Vl, t, 1, w != 0.f);  // z: one column
     }
     __syncthreads();
     // Tokens of weight 0 (pads, rows past the end) are selected away: their k, v may be NaN.
@@ -316,32 +321,29 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
 // of h's group and every row of the part.
 template <class Dev, class Policy, int D, int Dv>
 __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
-    linear_bwd_query_mma_kernel(const linear_backward_params bp, index_t part_tokens,
-                                index_t parts, const float* state, float* partial,
-                                float* dgamma_part) {
+    linear_bwd_query_mma_kernel(const linear_backward_params bp, index_t part_tokens, index_t parts,
+                                const float* state, float* partial, float* dgamma_part) {
   using L = linear_bwd_mma_layout<D, Dv>;
   constexpr int TR = L::rows, NT = L::ntv, NV = Dv / 8, ND = D / 8;
   constexpr bool normed = Policy::norm != gated_norm::off;
   constexpr bool normalize = Policy::normalize;
   constexpr bool gate_first = Policy::order == norm_gate_order::gate_then_norm;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  lbm_op* St = reinterpret_cast<lbm_op*>(smem_raw);  // [D][ld_v] S | z, high parts
-  lbm_op* Sl = St + L::state_elems;                   // [D][ld_v] S, low parts
-  lbm_op* Qs = Sl + L::state_elems;                   // [TR][ld_d] q (raw bits of Dev)
-  lbm_op* Rs = Qs + L::d_tile;                        // [TR][ld_d] r = scale phi(q), high part
-  lbm_op* Rl = Rs + L::d_tile;                        // [TR][ld_d] low part
-  lbm_op* Gs = Rl + L::d_tile;                        // [TR][ld_v] g | delta, high part
-  lbm_op* Gl = Gs + L::v_tile;                        // [TR][ld_v] g, low part | 0
+  lbm_op* St = reinterpret_cast<lbm_op*>(smem_raw);       // [D][ld_v] S | z, high parts
+  lbm_op* Sl = St + L::state_elems;                       // [D][ld_v] S, low parts
+  lbm_op* Qs = Sl + L::state_elems;                       // [TR][ld_d] q (raw bits of Dev)
+  lbm_op* Rs = Qs + L::d_tile;                            // [TR][ld_d] r = scale phi(q), high part
+  lbm_op* Rl = Rs + L::d_tile;                            // [TR][ld_d] low part
+  lbm_op* Gs = Rl + L::d_tile;                            // [TR][ld_v] g | delta, high part
+  lbm_op* Gl = Gs + L::v_tile;                            // [TR][ld_v] g, low part | 0
   float* red = reinterpret_cast<float*>(Gl + L::v_tile);  // [warps][Dv] dgamma terms
-  float* zf = red + L::warps * Dv;                         // [D] z
+  float* zf = red + L::warps * Dv;                        // [D] z
   int* okr = reinterpret_cast<int*>(zf + D);              // [TR] row valid
   const linear_kernel_params& f = bp.f;
   const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
-  index_t batch, start, length;
-  f.sequence(n, batch, start, length);
-  const index_t t0 = min(length, index_t(part) * part_tokens);
-  const index_t t1 = min(length, t0 + part_tokens);
+  const part_range range(f, n, part, part_tokens);
+  const index_t batch = range.batch, start = range.start, t0 = range.t0, t1 = range.t1;
   const int SS = D * Dv + D;
   const bool with_dgamma = normed && dgamma_part != nullptr;
 
@@ -428,7 +430,8 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
       if constexpr (normed) {
         // The per-head gated RMSNorm's backward (norm_row_backward) on the fragments: dy -> do.
         auto gate2 = [&](index_t t, int c, bool ok) {
-          return ok ? lbm_load2<Dev>(f.gate, f.gate_stride, batch, t, hq, c) : make_float2(0.f, 0.f);
+          return ok ? lbm_load2<Dev>(f.gate, f.gate_stride, batch, t, hq, c)
+                    : make_float2(0.f, 0.f);
         };
         auto gamma = [&](int c) {
           return f.gamma == nullptr
@@ -578,8 +581,10 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
         const int d = 8 * j + c2;
         x[j][0] += del_a * zf[d], x[j][1] += del_a * zf[d + 1];
         x[j][2] += del_b * zf[d], x[j][3] += del_b * zf[d + 1];
-        const float2 qa = unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Qs + ra * L::ld_d + d));
-        const float2 qb = unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Qs + rb * L::ld_d + d));
+        const float2 qa =
+            unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Qs + ra * L::ld_d + d));
+        const float2 qb =
+            unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Qs + rb * L::ld_d + d));
         auto dq = [&](float xv, float qv) {
           return f.scale * xv * phi_derivative<Policy::phi>(qv, apply_feature_map<Policy::phi>(qv));
         };
@@ -591,7 +596,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
                           okb ? dq(x[j][3], qb.y) : 0.f);
       }
       __syncthreads();  // Gs complete
-      // [dS | dz] rows d = 16 warp .. += R^T [g | delta].
+                        // [dS | dz] rows d = 16 warp .. += R^T [g | delta].
 #pragma unroll
       for (int ks = 0; ks < TR / 16; ++ks) {
         std::uint32_t a[4], al[4];
@@ -647,21 +652,19 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
   constexpr bool split_v = std::is_same_v<Dev, __half>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   lbm_op* DSt = reinterpret_cast<lbm_op*>(smem_raw);  // [D][ld_v] dS | dz, high parts
-  lbm_op* DSl = DSt + L::state_elems;                  // [D][ld_v] dS, low parts
-  lbm_op* Ks = DSl + L::state_elems;                   // [TR][ld_d] k (raw bits of Dev)
-  lbm_op* P = Ks + L::d_tile;                          // [TR][ld_d] phi(k)
-  lbm_op* V = P + L::d_tile;                           // [TR][ld_v] v | 1 | 1
-  lbm_op* Vl = V + L::v_tile;                          // half: [TR][ld_v] v's low part | 0
+  lbm_op* DSl = DSt + L::state_elems;                 // [D][ld_v] dS, low parts
+  lbm_op* Ks = DSl + L::state_elems;                  // [TR][ld_d] k (raw bits of Dev)
+  lbm_op* P = Ks + L::d_tile;                         // [TR][ld_d] phi(k)
+  lbm_op* V = P + L::d_tile;                          // [TR][ld_v] v | 1 | 1
+  lbm_op* Vl = V + L::v_tile;                         // half: [TR][ld_v] v's low part | 0
   float* W = reinterpret_cast<float*>(V + (split_v ? 2 : 1) * L::v_tile);  // [TR] 0 at pads
   // (v | 1 | 1: columns Dv and Dv + 1 pick dz's two parts.)
-  int* okr = reinterpret_cast<int*>(W + TR);           // [TR] row valid
+  int* okr = reinterpret_cast<int*>(W + TR);  // [TR] row valid
   const linear_kernel_params& f = bp.f;
   const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
-  index_t batch, start, length;
-  f.sequence(n, batch, start, length);
-  const index_t t0 = min(length, index_t(part) * part_tokens);
-  const index_t t1 = min(length, t0 + part_tokens);
+  const part_range range(f, n, part, part_tokens);
+  const index_t batch = range.batch, start = range.start, t0 = range.t0, t1 = range.t1;
   const float jh = gated ? jac[index_t(n) * f.kv_heads + h] : 0.f;
   lbm_stage_state<D, Dv, Policy::normalize>(DSt, DSl, nullptr,
                                             dstate + (index_t(n) * f.kv_heads + h) * (D * Dv + D));
@@ -682,13 +685,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
       float w = 0.f;
       if (ok) w = gated ? gate_weight(f, stats, n, batch, ta, h) : 1.f;
       W[t] = w, okr[t] = int(ok);
-      uint4* p = reinterpret_cast<uint4*>(V + t * L::ld_v + Dv);
-      p[0] = make_uint4(pack2<lbm_op>(ok ? 1.f : 0.f, ok ? 1.f : 0.f), 0u, 0u, 0u);
-      p[1] = make_uint4(0u, 0u, 0u, 0u);
-      if (split_v) {
-        uint4* pl = reinterpret_cast<uint4*>(Vl + t * L::ld_v + Dv);
-        pl[0] = pl[1] = make_uint4(0u, 0u, 0u, 0u);
-      }
+      lbm_stage_v_tail<Dev, Dv, L::ld_v>(V, Vl, t, 2, ok);  // dz's two parts
     }
     __syncthreads();
 #pragma unroll
@@ -746,16 +743,20 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       if (ra < rows)
-        lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, ta, h, 8 * j + c2, wa * dv[j][0], wa * dv[j][1]);
+        lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, ta, h, 8 * j + c2, wa * dv[j][0],
+                        wa * dv[j][1]);
       if (rb < rows)
-        lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, tb, h, 8 * j + c2, wb * dv[j][2], wb * dv[j][3]);
+        lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, tb, h, 8 * j + c2, wb * dv[j][2],
+                        wb * dv[j][3]);
     }
     float sa = 0.f, sb = 0.f;
 #pragma unroll
     for (int j = 0; j < ND; ++j) {
       const int d = 8 * j + c2;
-      const float2 ka = unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Ks + ra * L::ld_d + d));
-      const float2 kb = unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Ks + rb * L::ld_d + d));
+      const float2 ka =
+          unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Ks + ra * L::ld_d + d));
+      const float2 kb =
+          unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Ks + rb * L::ld_d + d));
       const float kv[4] = {ka.x, ka.y, kb.x, kb.y};
       float y[4];
 #pragma unroll
@@ -770,7 +771,8 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
     if constexpr (gated) {
       sa = quad_sum(sa), sb = quad_sum(sb);
       if (c2 == 0) {
-        const float v[2] = {okr[ra] != 0 ? wa * (sa - jh) : 0.f, okr[rb] != 0 ? wb * (sb - jh) : 0.f};
+        const float v[2] = {okr[ra] != 0 ? wa * (sa - jh) : 0.f,
+                            okr[rb] != 0 ? wb * (sb - jh) : 0.f};
         const index_t tt[2] = {ta, tb};
         const int rr[2] = {ra, rb};
 #pragma unroll

@@ -13,10 +13,10 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/kernels/sm80_attention.cuh"
 #include "attnmix/cuda/arch/mma.cuh"
-#include "attnmix/cuda/kernels/path_simt.cuh"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/kernels/path_simt.cuh"
+#include "attnmix/cuda/kernels/sm80_attention.cuh"
 
 namespace attnmix {
 namespace detail {

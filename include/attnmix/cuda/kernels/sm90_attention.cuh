@@ -14,11 +14,11 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/kernels/sm80_attention.cuh"
-#include "attnmix/cuda/kernels/attention_params.cuh"
 #include "attnmix/cuda/arch/mbarrier.cuh"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/arch/wgmma.cuh"
+#include "attnmix/cuda/kernels/attention_params.cuh"
+#include "attnmix/cuda/kernels/sm80_attention.cuh"
 
 namespace attnmix {
 namespace detail {

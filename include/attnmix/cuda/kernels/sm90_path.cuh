@@ -22,12 +22,12 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "attnmix/cuda/kernels/sm80_attention.cuh"
-#include "attnmix/cuda/kernels/sm90_attention.cuh"
 #include "attnmix/cuda/arch/mbarrier.cuh"
-#include "attnmix/cuda/kernels/path_simt.cuh"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/arch/wgmma.cuh"
+#include "attnmix/cuda/kernels/path_simt.cuh"
+#include "attnmix/cuda/kernels/sm80_attention.cuh"
+#include "attnmix/cuda/kernels/sm90_attention.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -186,8 +186,8 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
         });
       else
         launch_pass(linear_bwd_reduce_kernel<Dev, Policy>, "linear_bwd_reduce_kernel", grid,
-                    linear_bwd_threads, plan.reduce_smem, stream, bp, plan.part_tokens,
-                    plan.parts, stats, partial);
+                    linear_bwd_threads, plan.reduce_smem, stream, bp, plan.part_tokens, plan.parts,
+                    stats, partial);
       linear_bwd_combine_kernel<<<as_dim3(plan.combine_grid), threads, 0, stream>>>(
           partial, plan.parts, int(H), SS, state);
       check(cudaGetLastError(), "linear_bwd_combine_kernel launch");
@@ -221,8 +221,8 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       });
     else
       launch_pass(linear_bwd_key_kernel<Dev, Policy>, "linear_bwd_key_kernel", pass_grid,
-                  linear_bwd_threads, plan.pass_b_smem, stream, bp, plan.part_tokens, stats,
-                  dstate, jac, da_heads);
+                  linear_bwd_threads, plan.pass_b_smem, stream, bp, plan.part_tokens, stats, dstate,
+                  jac, da_heads);
     if (da_heads != nullptr && shape.max_len > 0) {
       const dim3 grid(unsigned((shape.max_len + linear_bwd_threads - 1) / linear_bwd_threads),
                       n_grid);

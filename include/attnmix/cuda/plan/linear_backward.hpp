@@ -17,10 +17,10 @@
 #include <cstddef>
 
 #include "attnmix/config.hpp"
+#include "attnmix/cuda/kernels/shapes.hpp"
 #include "attnmix/cuda/plan/device_properties.hpp"
 #include "attnmix/cuda/plan/grid.hpp"
 #include "attnmix/cuda/plan/scratch.hpp"
-#include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {
 namespace detail {
@@ -52,9 +52,9 @@ struct linear_backward_shape {
   index_t sequences = 0, kv_heads = 0, q_heads = 0, gate_heads = 0;
   index_t total_chunks = 0;       // causal: sum over sequences of ceil(len / chunk)
   std::size_t offsets_bytes = 0;  // the cu_seqlens copy (0 for a dense batch)
-  // Bidirectional on tensor cores (sm80_linear_backward.cuh, D = Dv = 64): 16-bit inputs on sm_80+, q, k, v
-  // rows 16-byte aligned and the other activations' rows 4-byte aligned; and not forced to the
-  // CUDA-core kernels.
+  // Bidirectional on tensor cores (sm80_linear_backward.cuh, D = Dv = 64): 16-bit inputs on sm_80+,
+  // q, k, v rows 16-byte aligned and the other activations' rows 4-byte aligned; and not forced to
+  // the CUDA-core kernels.
   bool mma_inputs = false;
   bool half_inputs = false;  // v is kept in two bfloat16 parts
   bool force_simt = false;
