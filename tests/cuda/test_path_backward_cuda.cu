@@ -189,11 +189,17 @@ double max_rel(const std::vector<double>& got, const std::vector<double>& ref) {
 // rounding, at most 2^-9 of max |ref| for bfloat16. Against the CPU (`host` given, `ref` then
 // in double), a gradient may also be off by 4x the CPU float backward's own error: a small dbeta
 // of a short sequence sums terms that cancel, and float's rounding is relative to the terms.
+// The worst error of each gradient (dv, dq, dk, dw, dbeta, dg) over the checks since reset.
+std::array<double, 6> worst_errors{};
+
 template <class T>
 void check_grads(const grads& got, const grads& ref, bool gated, const grads* host = nullptr) {
   const double tol16 = sizeof(T) == 4 ? 1e-5 : 5e-3, tol32 = sizeof(T) == 4 ? 1e-5 : 2e-5;
+  int which = 0;
   auto check = [&](const char* name, std::vector<double> grads::*m, double tol) {
     const double err = max_rel(got.*m, ref.*m), host_err = host ? max_rel(host->*m, ref.*m) : 0.0;
+    worst_errors[which] = std::max(worst_errors[which], err);
+    ++which;
     INFO(name << ": error " << err << ", the CPU float backward's " << host_err << " (tolerance "
               << tol << " or 4x that)");
     CHECK(err <= std::max(tol, 4 * host_err));
@@ -240,6 +246,7 @@ struct kernel_override {
 const char* kernel_name(path_backward_kernel k) {
   return k == path_backward_kernel::simt    ? "SIMT"
          : k == path_backward_kernel::tiled ? "tiled"
+         : k == path_backward_kernel::mma   ? "tensor-core query"
                                             : "automatic";
 }
 
@@ -358,6 +365,14 @@ TEST_CASE("CUDA PaTH-FoX backward, a small case for compute-sanitizer",
                                                                        39002);
 }
 
+// The tensor-core query kernel (the plan's at D = 64 with 16-bit inputs), for compute-sanitizer.
+TEST_CASE("CUDA PaTH-FoX backward on tensor cores, a small case for compute-sanitizer",
+          "[cuda][path_fox][backward][small_mma]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  backward_case<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(
+      {1, 200, 4, 2, 64, 64, {0, 1, 70, 200}}, 39003, {100});
+}
+
 TEST_CASE("CUDA PaTH-FoX backward through hard resets", "[cuda][path_fox][backward]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   const path_case c{1, 200, 2, 1, 64, 64, {}, beta_range::near_two};
@@ -380,13 +395,71 @@ TEMPLATE_TEST_CASE("CUDA PaTH backward with 16-bit inputs", "[cuda][path][backwa
   }
 }
 
+// The tensor-core query kernel (16-bit inputs, D = Dv = 64), forced, on every shape it takes,
+// PaTH and PaTH-FoX in both gate conventions, against the CPU; the worst errors as a warning.
+TEMPLATE_TEST_CASE("CUDA PaTH backward: the tensor-core query kernel matches the CPU",
+                   "[cuda][path][backward][kernels][mma]", attnmix::half, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using T = TestType;
+  worst_errors = {};
+  std::uint64_t salt = 40000;
+  const std::vector<path_case> cases = {
+      {1, 1, 1, 1, 64, 64},
+      {1, 5, 1, 1, 64, 64},
+      {1, 64, 1, 1, 64, 64},
+      {1, 65, 1, 1, 64, 64},
+      {1, 65, 4, 2, 64, 64},   // GQA
+      {1, 130, 3, 1, 64, 64},  // MQA, the adjoint pass
+      {2, 200, 4, 2, 64, 64},
+      {1, 200, 2, 2, 64, 64, {}, beta_range::near_two},
+      {1, 200, 2, 2, 64, 64, {}, beta_range::near_zero},
+      {1, 200, 2, 1, 64, 64, {0, 0, 1, 64, 130, 200}},  // empty and length-1 sequences
+      {1, 300, 2, 1, 64, 64, {}, beta_range::uniform, 0, -3.0, -0.5},        // strong gates
+      {1, 150, 2, 1, 64, 64, {}, beta_range::uniform, 0, -0.2, -0.01, 0.3},  // another scale
+      {1, 1100, 2, 1, 64, 64},                                               // several slices
+  };
+  for (const path_case& c : cases) {
+    for (int kind = 0; kind < 3; ++kind) {
+      INFO("seed " << test_seed() << " salt " << salt + 1 << " " << c.describe() << " dtype "
+                   << attnmix::scalar_traits<T>::name << " kind " << kind);
+      const auto one = [&](auto kind_tag, auto policy_tag) {
+        using Kind = decltype(kind_tag);
+        using Policy = decltype(policy_tag);
+        const bwd_inputs b = make_inputs<Kind, Policy, T>(c, ++salt);
+        const cpu_reference ref = cpu_backward<Kind, Policy>(c, b);
+        device_case<T> d(c, b);
+        constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+        kernel_override o(path_backward_kernel::mma);
+        const grads mma = d.template run<Kind, Policy>();
+        INFO("the tensor-core query kernel against the CPU");
+        check_grads<T>(mma, ref, gated);
+      };
+      if (kind == 0) one(path{}, attnmix::path_policy{});
+      if (kind == 1) one(path_fox{}, attnmix::path_fox_policy{});
+      if (kind == 2) one(path_fox{}, after_scale{});
+    }
+  }
+  {
+    kernel_override o(path_backward_kernel::mma);
+    const path_case c{1, 200, 2, 1, 64, 64, {}, beta_range::near_two};
+    backward_case<path_fox, attnmix::path_fox_policy, T>(c, 40901, {0, 17, 64, 65, 199});
+    const path_case v{1, 200, 2, 1, 64, 64, {0, 0, 1, 70, 200}};
+    backward_case<path_fox, attnmix::path_fox_policy, T>(v, 40902, {5, 100});
+  }
+  WARN("tensor-core PaTH backward, " << attnmix::scalar_traits<T>::name << ", worst errors: dv "
+                                     << worst_errors[0] << " dq " << worst_errors[1] << " dk "
+                                     << worst_errors[2] << " dw " << worst_errors[3] << " dbeta "
+                                     << worst_errors[4] << " dg " << worst_errors[5]);
+}
+
 TEST_CASE("CUDA PaTH-FoX backward gives the same bits twice", "[cuda][path_fox][backward]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   const path_case c{1, 1100, 4, 2, 64, 64, {0, 3, 500, 1100}};
   INFO("seed " << test_seed() << " " << c.describe());
   const bwd_inputs b = make_inputs<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(c, 35001);
   device_case<attnmix::bfloat16> d(c, b);
-  for (path_backward_kernel k : {path_backward_kernel::simt, path_backward_kernel::tiled}) {
+  for (path_backward_kernel k :
+       {path_backward_kernel::simt, path_backward_kernel::tiled, path_backward_kernel::mma}) {
     INFO("query and chunk kernels " << kernel_name(k));
     kernel_override o(k);
     const grads one = d.run<path_fox, attnmix::path_fox_policy>();

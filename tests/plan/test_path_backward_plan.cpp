@@ -136,3 +136,42 @@ TEST_CASE("PaTH backward plan: the query kernel, tiled unless the SIMT one is as
   // The launcher's override starts automatic.
   CHECK(path_backward_kernel_override() == path_backward_kernel::automatic);
 }
+
+TEST_CASE("PaTH backward plan: the tensor-core query kernel for 16-bit inputs at D = Dv = 64",
+          "[plan][path][backward]") {
+  path_shape s = shape(2, 1100, 4, 2, 64, 64);
+  s.sixteen_bit = true;
+  const path_backward_plan m = plan_path_backward(s, true, h200());
+  CHECK(m.query_kernel == path_backward_kernel::mma);
+  CHECK(m.query_smem == std::size_t(path_bwd_mma_layout::smem));
+  CHECK(m.query_smem <= 227 * 1024);
+  CHECK(m.fits);
+  // The same grids and scratch as the tiled kernels; the chunk kernel's shared memory too.
+  const path_backward_plan t = plan_path_backward(s, true, h200(), path_backward_kernel::tiled);
+  CHECK(t.query_kernel == path_backward_kernel::tiled);
+  CHECK(t.scratch_bytes == m.scratch_bytes);
+  CHECK(t.chunk_smem == m.chunk_smem);
+  CHECK(t.query_grid.x == m.query_grid.x);
+  CHECK(plan_path_backward(s, true, h200(), path_backward_kernel::simt).query_kernel ==
+        path_backward_kernel::simt);
+  // Elsewhere the tiled ones, forced or not: float, D = 128, D != Dv, a device before sm_80 or
+  // with too little shared memory.
+  const auto pick = [](path_shape x, const device_properties& d) {
+    return plan_path_backward(x, false, d, path_backward_kernel::mma).query_kernel;
+  };
+  path_shape f = s;
+  f.sixteen_bit = false;
+  CHECK(pick(f, h200()) == path_backward_kernel::tiled);
+  path_shape wide = shape(1, 100, 1, 1, 128, 128);
+  wide.sixteen_bit = true;
+  CHECK(pick(wide, h200()) == path_backward_kernel::tiled);
+  path_shape odd = shape(1, 100, 1, 1, 64, 32);
+  odd.sixteen_bit = true;
+  CHECK(pick(odd, h200()) == path_backward_kernel::tiled);
+  device_properties old = h200();
+  old.cc_major = 7;
+  CHECK(pick(s, old) == path_backward_kernel::tiled);
+  device_properties small = h200();
+  small.smem_per_block_optin = 163 * 1024;
+  CHECK(pick(s, small) == path_backward_kernel::tiled);
+}

@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/collective/split_mma.cuh"
 #include "attnmix/cuda/kernels/linear_backward_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 
@@ -30,41 +31,7 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-using lbm_op = __nv_bfloat16;  // the products' operand type
-
-// ---- fragments from shared memory (m16n8k16; layouts in arch/mma.cuh) ----------------------
-
-// A (16 x 16) at rows r0, columns k0 of a row-major tile.
-__device__ __forceinline__ void lbm_a(std::uint32_t (&a)[4], const lbm_op* s, int ld, int r0,
-                                      int k0) {
-  const int lane = threadIdx.x % 32;
-  ldmatrix_x4(a, s + (r0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
-}
-// A (16 x 16) = X^T at m0, k0 where X is stored [k][m].
-__device__ __forceinline__ void lbm_a_t(std::uint32_t (&a)[4], const lbm_op* s, int ld, int k0,
-                                        int m0) {
-  const int lane = threadIdx.x % 32, i = lane >> 3, j = lane & 7;
-  ldmatrix_x4_trans(a, s + (k0 + j + (i >> 1) * 8) * ld + m0 + (i & 1) * 8);
-}
-// B of two n-tiles n0, n0 + 8 (b[0..1], b[2..3]) at k0, stored [n][k].
-__device__ __forceinline__ void lbm_b2(std::uint32_t (&b)[4], const lbm_op* s, int ld, int n0,
-                                       int k0) {
-  const int lane = threadIdx.x % 32, i = lane >> 3, j = lane & 7;
-  ldmatrix_x4(b, s + (n0 + j + (i >> 1) * 8) * ld + k0 + (i & 1) * 8);
-}
-// B of two n-tiles n0, n0 + 8 at k0, stored [k][n].
-__device__ __forceinline__ void lbm_b2_t(std::uint32_t (&b)[4], const lbm_op* s, int ld, int k0,
-                                         int n0) {
-  const int lane = threadIdx.x % 32, i = lane >> 3, j = lane & 7;
-  ldmatrix_x4_trans(b, s + (k0 + j + (i & 1) * 8) * ld + n0 + (i >> 1) * 8);
-}
-template <int NT>
-__device__ __forceinline__ void lbm_mma_pairs(float (&acc)[NT][4], const std::uint32_t (&a)[4],
-                                              const std::uint32_t (&b)[4], int jp) {
-  const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-  mma_16816<lbm_op>(acc[2 * jp], a, b0);
-  if (2 * jp + 1 < NT) mma_16816<lbm_op>(acc[2 * jp + 1], a, b1);
-}
+using lbm_op = split_op;
 
 // ---- staging -------------------------------------------------------------------------------
 
@@ -76,18 +43,13 @@ __device__ __forceinline__ void lbm_mma_pairs(float (&acc)[NT][4], const std::ui
 template <int D, int Dv, bool WithZ>
 __device__ void lbm_stage_state(lbm_op* hi, lbm_op* lo, float* zf, const float* state) {
   using L = linear_bwd_mma_layout<D, Dv>;
-  auto split = [](float x, float y, std::uint32_t& h, std::uint32_t& l) {
-    h = pack2<lbm_op>(x, y);
-    const float2 r = unpack2<lbm_op>(h);
-    l = pack2<lbm_op>(x - r.x, y - r.y);
-  };
   for (int i = threadIdx.x; i < D * Dv / 4; i += L::threads) {
     const float4 x = reinterpret_cast<const float4*>(state)[i];
     const int at = 4 * i / Dv * L::ld_v + 4 * i % Dv;
     std::uint32_t* ph = reinterpret_cast<std::uint32_t*>(hi + at);
     std::uint32_t* pl = reinterpret_cast<std::uint32_t*>(lo + at);
-    split(x.x, x.y, ph[0], pl[0]);
-    split(x.z, x.w, ph[1], pl[1]);
+    split2(x.x, x.y, ph[0], pl[0]);
+    split2(x.z, x.w, ph[1], pl[1]);
   }
   for (int d = threadIdx.x; d < D; d += L::threads) {
     const float z = WithZ ? state[D * Dv + d] : 0.f;
@@ -108,12 +70,6 @@ __device__ __forceinline__ uint4 lbm_load8(const void* base, const index_t* st, 
   return __ldg(reinterpret_cast<const uint4*>(static_cast<const Dev*>(base) + b * st[0] +
                                               t * st[1] + h * st[2] + 8 * ch));
 }
-// Two floats as high and low bfloat16 pairs (x = hi + lo to about 16 bits).
-__device__ __forceinline__ void lbm_split2(float x, float y, std::uint32_t& hi, std::uint32_t& lo) {
-  hi = pack2<lbm_op>(x, y);
-  const float2 r = unpack2<lbm_op>(hi);
-  lo = pack2<lbm_op>(x - r.x, y - r.y);
-}
 
 // mul phi(x) of eight raw elements as bfloat16 operands, in two parts (or zeros when !ok).
 template <class Dev, class Policy>
@@ -124,8 +80,8 @@ __device__ __forceinline__ void lbm_phi8(uint4 raw, float mul, bool ok, lbm_op* 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float2 x = unpack2<Dev>(in[i]);
-      lbm_split2(mul * apply_feature_map<Policy::phi>(x.x),
-                 mul * apply_feature_map<Policy::phi>(x.y), h[i], l[i]);
+      split2(mul * apply_feature_map<Policy::phi>(x.x), mul * apply_feature_map<Policy::phi>(x.y),
+             h[i], l[i]);
     }
   *reinterpret_cast<uint4*>(hi) = make_uint4(h[0], h[1], h[2], h[3]);
   if (lo != nullptr) *reinterpret_cast<uint4*>(lo) = make_uint4(l[0], l[1], l[2], l[3]);
@@ -139,7 +95,7 @@ __device__ __forceinline__ void lbm_split8(uint4 raw, uint4& hi, uint4& lo) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 x = unpack2<Dev>(in[i]);
-    lbm_split2(x.x, x.y, h[i], l[i]);
+    split2(x.x, x.y, h[i], l[i]);
   }
   hi = make_uint4(h[0], h[1], h[2], h[3]);
   lo = make_uint4(l[0], l[1], l[2], l[3]);
@@ -290,17 +246,17 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
 #pragma unroll
     for (int ks = 0; ks < TR / 16; ++ks) {
       std::uint32_t a[4], al[4];
-      lbm_a_t(a, P, L::ld_d, 16 * ks, 16 * warp);
-      lbm_a_t(al, Pl, L::ld_d, 16 * ks, 16 * warp);
+      frag_a_t(a, P, L::ld_d, 16 * ks, 16 * warp);
+      frag_a_t(al, Pl, L::ld_d, 16 * ks, 16 * warp);
 #pragma unroll
       for (int jp = 0; jp < (NT + 1) / 2; ++jp) {
         std::uint32_t b[4];
-        lbm_b2_t(b, V, L::ld_v, 16 * ks, 16 * jp);
-        lbm_mma_pairs(acc, a, b, jp);
-        lbm_mma_pairs(acc, al, b, jp);
+        frag_b2_t(b, V, L::ld_v, 16 * ks, 16 * jp);
+        mma_pairs(acc, a, b, jp);
+        mma_pairs(acc, al, b, jp);
         if (split_v && jp < Dv / 16) {
-          lbm_b2_t(b, Vl, L::ld_v, 16 * ks, 16 * jp);
-          lbm_mma_pairs(acc, a, b, jp);
+          frag_b2_t(b, Vl, L::ld_v, 16 * ks, 16 * jp);
+          mma_pairs(acc, a, b, jp);
         }
       }
     }
@@ -392,20 +348,20 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
         std::uint32_t a[4], al[4];
-        lbm_a(a, Rs, L::ld_d, r0, 16 * ks);
-        lbm_a(al, Rl, L::ld_d, r0, 16 * ks);
+        frag_a(a, Rs, L::ld_d, r0, 16 * ks);
+        frag_a(al, Rl, L::ld_d, r0, 16 * ks);
 #pragma unroll
         for (int jp = 0; jp < (NT + 1) / 2; ++jp) {
           std::uint32_t b[4];
-          lbm_b2_t(b, St, L::ld_v, 16 * ks, 16 * jp);
-          lbm_mma_pairs(o, a, b, jp);
-          lbm_mma_pairs(o, al, b, jp);
+          frag_b2_t(b, St, L::ld_v, 16 * ks, 16 * jp);
+          mma_pairs(o, a, b, jp);
+          mma_pairs(o, al, b, jp);
         }
 #pragma unroll
         for (int jp = 0; jp < NV / 2; ++jp) {
           std::uint32_t b[4];
-          lbm_b2_t(b, Sl, L::ld_v, 16 * ks, 16 * jp);
-          lbm_mma_pairs(o, a, b, jp);
+          frag_b2_t(b, Sl, L::ld_v, 16 * ks, 16 * jp);
+          mma_pairs(o, a, b, jp);
         }
       }
       const int ra = r0 + g, rb = ra + 8;
@@ -541,8 +497,8 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
         const float g0 = oka ? dy[j][0] * inv_a : 0.f, g1 = oka ? dy[j][1] * inv_a : 0.f;
         const float g2 = okb ? dy[j][2] * inv_b : 0.f, g3 = okb ? dy[j][3] * inv_b : 0.f;
         std::uint32_t xh, xl, yh, yl;
-        lbm_split2(g0, g1, xh, xl);
-        lbm_split2(g2, g3, yh, yl);
+        split2(g0, g1, xh, xl);
+        split2(g2, g3, yh, yl);
         ga[j / 2][(j % 2) * 2] = xh, ga[j / 2][(j % 2) * 2 + 1] = yh;
         gl[j / 2][(j % 2) * 2] = xl, gl[j / 2][(j % 2) * 2 + 1] = yl;
         *reinterpret_cast<std::uint32_t*>(Gs + ra * L::ld_v + 8 * j + c2) = xh;
@@ -569,11 +525,11 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           std::uint32_t b[4];
-          lbm_b2(b, St, L::ld_v, 16 * dp, 16 * ks);
-          lbm_mma_pairs(x, ga[ks], b, dp);
-          lbm_mma_pairs(x, gl[ks], b, dp);
-          lbm_b2(b, Sl, L::ld_v, 16 * dp, 16 * ks);
-          lbm_mma_pairs(x, ga[ks], b, dp);
+          frag_b2(b, St, L::ld_v, 16 * dp, 16 * ks);
+          mma_pairs(x, ga[ks], b, dp);
+          mma_pairs(x, gl[ks], b, dp);
+          frag_b2(b, Sl, L::ld_v, 16 * dp, 16 * ks);
+          mma_pairs(x, ga[ks], b, dp);
         }
       }
 #pragma unroll
@@ -600,17 +556,17 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
 #pragma unroll
       for (int ks = 0; ks < TR / 16; ++ks) {
         std::uint32_t a[4], al[4];
-        lbm_a_t(a, Rs, L::ld_d, 16 * ks, r0);
-        lbm_a_t(al, Rl, L::ld_d, 16 * ks, r0);
+        frag_a_t(a, Rs, L::ld_d, 16 * ks, r0);
+        frag_a_t(al, Rl, L::ld_d, 16 * ks, r0);
 #pragma unroll
         for (int jp = 0; jp < (NT + 1) / 2; ++jp) {
           std::uint32_t b[4];
-          lbm_b2_t(b, Gs, L::ld_v, 16 * ks, 16 * jp);
-          lbm_mma_pairs(ds, a, b, jp);
-          lbm_mma_pairs(ds, al, b, jp);
+          frag_b2_t(b, Gs, L::ld_v, 16 * ks, 16 * jp);
+          mma_pairs(ds, a, b, jp);
+          mma_pairs(ds, al, b, jp);
           if (jp < NV / 2) {
-            lbm_b2_t(b, Gl, L::ld_v, 16 * ks, 16 * jp);
-            lbm_mma_pairs(ds, a, b, jp);
+            frag_b2_t(b, Gl, L::ld_v, 16 * ks, 16 * jp);
+            mma_pairs(ds, a, b, jp);
           }
         }
       }
@@ -709,17 +665,17 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
 #pragma unroll
     for (int ks = 0; ks < NV / 2 + 1; ++ks) {
       std::uint32_t a[4], al[4];
-      lbm_a(a, V, L::ld_v, r0, 16 * ks);
-      if (split_v && ks < NV / 2) lbm_a(al, Vl, L::ld_v, r0, 16 * ks);
+      frag_a(a, V, L::ld_v, r0, 16 * ks);
+      if (split_v && ks < NV / 2) frag_a(al, Vl, L::ld_v, r0, 16 * ks);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         std::uint32_t b[4];
-        lbm_b2(b, DSt, L::ld_v, 16 * dp, 16 * ks);
-        lbm_mma_pairs(e, a, b, dp);
+        frag_b2(b, DSt, L::ld_v, 16 * dp, 16 * ks);
+        mma_pairs(e, a, b, dp);
         if (ks < NV / 2) {
-          if (split_v) lbm_mma_pairs(e, al, b, dp);
-          lbm_b2(b, DSl, L::ld_v, 16 * dp, 16 * ks);
-          lbm_mma_pairs(e, a, b, dp);
+          if (split_v) mma_pairs(e, al, b, dp);
+          frag_b2(b, DSl, L::ld_v, 16 * dp, 16 * ks);
+          mma_pairs(e, a, b, dp);
         }
       }
     }
@@ -727,14 +683,14 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       std::uint32_t a[4];
-      lbm_a(a, P, L::ld_d, r0, 16 * ks);
+      frag_a(a, P, L::ld_d, r0, 16 * ks);
 #pragma unroll
       for (int jp = 0; jp < NV / 2; ++jp) {
         std::uint32_t b[4];
-        lbm_b2_t(b, DSt, L::ld_v, 16 * ks, 16 * jp);
-        lbm_mma_pairs(dv, a, b, jp);
-        lbm_b2_t(b, DSl, L::ld_v, 16 * ks, 16 * jp);
-        lbm_mma_pairs(dv, a, b, jp);
+        frag_b2_t(b, DSt, L::ld_v, 16 * ks, 16 * jp);
+        mma_pairs(dv, a, b, jp);
+        frag_b2_t(b, DSl, L::ld_v, 16 * ks, 16 * jp);
+        mma_pairs(dv, a, b, jp);
       }
     }
     const int ra = r0 + g, rb = ra + 8;

@@ -2,8 +2,8 @@
 // Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_simt.cuh): the scratch
 // that plan/path_backward.hpp lays out, the forward's float chunk preparation, then the query
 // kernel, the chunk kernel and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
-// The query and chunk kernels are the register-blocked ones (kernels/path_backward_tiled.cuh)
-// unless path_backward_kernel_override() asks for the SIMT ones.
+// The query kernel is the plan's (tensor cores where they apply, else register-blocked), the chunk
+// kernel the register-blocked one; path_backward_kernel_override() may ask for either set.
 
 #include <cuda_runtime.h>
 
@@ -14,6 +14,7 @@
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/kernels/path_backward_simt.cuh"
 #include "attnmix/cuda/kernels/path_backward_tiled.cuh"
+#include "attnmix/cuda/kernels/sm80_path_backward.cuh"
 #include "attnmix/cuda/launch/path.cuh"
 #include "attnmix/cuda/plan/path_backward.hpp"
 #include "attnmix/cuda/runtime.cuh"
@@ -45,6 +46,7 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   shape.head_dim = p.head_dim, shape.value_dim = p.value_dim;
   shape.max_len = max_len, shape.q_heads = p.q_heads, shape.kv_heads = p.kv_heads;
   shape.sequences = p.num_sequences;
+  shape.sixteen_bit = sizeof(T) == 2;
   const path_backward_plan plan =
       plan_path_backward(shape, gated, props, path_backward_kernel_override());
   require(plan.fits, fn, "q", "has head dim D = ", p.head_dim, " whose backward tiles need ",
@@ -112,17 +114,29 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   {
     static_assert(path_backward_threads == path_tile_threads,
                   "the tiled query kernel's thread grid is 16 x 16");
-    const bool tiled = plan.query_kernel == path_backward_kernel::tiled;
-    auto kernel = tiled ? path_backward_query_tiled_kernel<Dev> : path_backward_query_kernel<Dev>;
+    const path_backward_kernel k = plan.query_kernel;
     const int smem = static_cast<int>(plan.query_smem);
-    allow_dynamic_smem(kernel, smem);
     const dim3 grid(plan.query_grid.x, plan.query_grid.y, plan.query_grid.z);
-    kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
-    check(cudaGetLastError(),
-          tiled ? "path_backward_query_tiled_kernel launch" : "path_backward_query_kernel launch");
+    if (k == path_backward_kernel::mma) {
+      if constexpr (std::is_same_v<T, float>) {
+        require(false, fn, "q", "is float, but the tensor-core PaTH backward takes 16-bit inputs");
+      } else {
+        allow_dynamic_smem(path_backward_query_mma_kernel<Dev>, smem);
+        path_backward_query_mma_kernel<Dev>
+            <<<grid, path_bwd_mma_layout::threads, smem, stream>>>(bp);
+        check(cudaGetLastError(), "path_backward_query_mma_kernel launch");
+      }
+    } else {
+      const bool tiled = k == path_backward_kernel::tiled;
+      auto kernel = tiled ? path_backward_query_tiled_kernel<Dev> : path_backward_query_kernel<Dev>;
+      allow_dynamic_smem(kernel, smem);
+      kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
+      check(cudaGetLastError(), tiled ? "path_backward_query_tiled_kernel launch"
+                                      : "path_backward_query_kernel launch");
+    }
   }
   {
-    const bool tiled = plan.query_kernel == path_backward_kernel::tiled;
+    const bool tiled = plan.query_kernel != path_backward_kernel::simt;
     auto kernel = tiled ? path_backward_chunk_tiled_kernel<Dev> : path_backward_chunk_kernel<Dev>;
     const int smem = static_cast<int>(plan.chunk_smem);
     allow_dynamic_smem(kernel, smem);

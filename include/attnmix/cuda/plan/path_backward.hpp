@@ -22,11 +22,13 @@ namespace cuda {
 constexpr int path_backward_threads = 256;
 constexpr int path_backward_max_slices = 8;
 
-// Which query and chunk kernels run: the register-blocked ones (kernels/path_backward_tiled.cuh,
-// the default, about 3.3x faster) or the plain SIMT ones (kernels/path_backward_simt.cuh), both
-// float on CUDA cores with the same grids, shared memory and scratch, the same sums in the same
-// order. `automatic` lets the plan choose.
-enum class path_backward_kernel { automatic, simt, tiled };
+// Which query and chunk kernels run, all with the same grids and scratch: the query kernel on
+// tensor cores (kernels/sm80_path_backward.cuh: 16-bit inputs, D = Dv = 64, sm_80 and later)
+// with the register-blocked chunk kernel; the register-blocked ones (kernels/
+// path_backward_tiled.cuh, about 3.3x faster than SIMT); or the plain SIMT ones
+// (kernels/path_backward_simt.cuh). The last two are float on CUDA cores with the same sums in
+// the same order. `automatic` lets the plan choose: the first that applies.
+enum class path_backward_kernel { automatic, simt, tiled, mma };
 
 // A process-wide override read by the launcher (tests run both kernels on the same inputs);
 // automatic unless set. Not synchronised: set it only while no backward is being launched.
@@ -60,6 +62,12 @@ struct path_backward_layout {
   std::size_t bytes = 0;
 };
 
+// The tensor-core query kernel's shapes: 16-bit inputs, D = Dv = 64, sm_80 and later.
+inline bool path_backward_mma_applies(const path_shape& s, const device_properties& d) {
+  return s.sixteen_bit && s.head_dim == 64 && s.value_dim == 64 && d.cc_major >= 8 &&
+         std::size_t(path_bwd_mma_layout::smem) <= d.smem_per_block_optin;
+}
+
 struct path_backward_plan {
   int slices = 1;
   // Never automatic.
@@ -76,13 +84,18 @@ struct path_backward_plan {
 
 // Slices: (sequence, KV head) pairs are few when B * H is small; cut each into up to
 // path_backward_max_slices ranges of query chunks so that the CTAs cover the SMs twice.
-// The tiled kernels take every shape the SIMT ones take: `automatic` takes them; `force` picks.
+// The tiled kernels take every shape the SIMT ones take; the tensor-core query kernel where it
+// applies. `automatic` takes the fastest that applies; `force` picks (mma where it does not
+// apply: the tiled ones).
 inline path_backward_plan plan_path_backward(
     const path_shape& s, bool gated, const device_properties& d,
     path_backward_kernel force = path_backward_kernel::automatic) {
   path_backward_plan p;
-  p.query_kernel = force == path_backward_kernel::simt ? path_backward_kernel::simt
-                                                       : path_backward_kernel::tiled;
+  const bool mma = path_backward_mma_applies(s, d);
+  p.query_kernel = force == path_backward_kernel::simt    ? path_backward_kernel::simt
+                   : force == path_backward_kernel::tiled ? path_backward_kernel::tiled
+                   : mma                                  ? path_backward_kernel::mma
+                                                          : path_backward_kernel::tiled;
   path_shape fs = s;
   fs.sixteen_bit = false;  // the float chunk data of the portable forward
   p.forward = plan_path(fs, d);
@@ -95,7 +108,9 @@ inline path_backward_plan plan_path_backward(
   p.chunk_grid = {unsigned(std::max<index_t>(chunks, 1)), unsigned(s.kv_heads),
                   unsigned(s.sequences)};
   p.gate_grid = {unsigned((s.q_heads + 127) / 128), unsigned(s.sequences)};
-  p.query_smem = path_backward_query_smem(s.head_dim);
+  p.query_smem = p.query_kernel == path_backward_kernel::mma
+                     ? std::size_t(path_bwd_mma_layout::smem)
+                     : path_backward_query_smem(s.head_dim);
   p.chunk_smem = path_backward_chunk_smem(s.head_dim);
   p.fits = std::max(p.query_smem, p.chunk_smem) <= d.smem_per_block_optin;
 

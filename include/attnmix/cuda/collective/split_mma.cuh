@@ -1,0 +1,162 @@
+#pragma once
+// Tile-level pieces of the tensor-core backward kernels (kernels/sm80_linear_backward.cuh,
+// kernels/sm80_path_backward.cuh): m16n8k16 fragments read from padded row-major 16-bit tiles in
+// shared memory, operands kept in two bfloat16 parts, and one warp's product of 16 rows by 64
+// columns with a reduction depth of 64.
+//
+// Two parts: x = hi + lo with hi = bfloat16(x) and lo = bfloat16(x - hi), about 16 bits in all.
+// A product of two split operands takes three mma (hi hi, lo hi, hi lo; lo lo is below float's
+// rounding of the sum's terms). The backward sums cancel (a softmax's dP - delta, a normaliser's
+// projection, a chain of Householder products), so one rounding to bfloat16 would cost its
+// relative error many times over; half's range would not hold the states.
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "attnmix/cuda/arch/mma.cuh"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+using split_op = __nv_bfloat16;  // the products' operand type
+
+// ---- fragments from shared memory (m16n8k16; layouts in arch/mma.cuh) ----------------------
+
+// A (16 x 16) at rows r0, columns k0 of a row-major tile.
+__device__ __forceinline__ void frag_a(std::uint32_t (&a)[4], const split_op* s, int ld, int r0,
+                                       int k0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(a, s + (r0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
+}
+// A (16 x 16) = X^T at m0, k0 where X is stored [k][m].
+__device__ __forceinline__ void frag_a_t(std::uint32_t (&a)[4], const split_op* s, int ld, int k0,
+                                         int m0) {
+  const int lane = threadIdx.x % 32, i = lane >> 3, j = lane & 7;
+  ldmatrix_x4_trans(a, s + (k0 + j + (i >> 1) * 8) * ld + m0 + (i & 1) * 8);
+}
+// B of two n-tiles n0, n0 + 8 (b[0..1], b[2..3]) at k0, stored [n][k].
+__device__ __forceinline__ void frag_b2(std::uint32_t (&b)[4], const split_op* s, int ld, int n0,
+                                        int k0) {
+  const int lane = threadIdx.x % 32, i = lane >> 3, j = lane & 7;
+  ldmatrix_x4(b, s + (n0 + j + (i >> 1) * 8) * ld + k0 + (i & 1) * 8);
+}
+// B of two n-tiles n0, n0 + 8 at k0, stored [k][n].
+__device__ __forceinline__ void frag_b2_t(std::uint32_t (&b)[4], const split_op* s, int ld, int k0,
+                                          int n0) {
+  const int lane = threadIdx.x % 32, i = lane >> 3, j = lane & 7;
+  ldmatrix_x4_trans(b, s + (k0 + j + (i & 1) * 8) * ld + n0 + (i >> 1) * 8);
+}
+// acc n-tiles 2 jp and 2 jp + 1 += a b (b from frag_b2 / frag_b2_t).
+template <int NT>
+__device__ __forceinline__ void mma_pairs(float (&acc)[NT][4], const std::uint32_t (&a)[4],
+                                          const std::uint32_t (&b)[4], int jp) {
+  const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+  mma_16816<split_op>(acc[2 * jp], a, b0);
+  if (2 * jp + 1 < NT) mma_16816<split_op>(acc[2 * jp + 1], a, b1);
+}
+
+// Two floats as high and low bfloat16 pairs (x = hi + lo to about 16 bits).
+__device__ __forceinline__ void split2(float x, float y, std::uint32_t& hi, std::uint32_t& lo) {
+  hi = pack2<split_op>(x, y);
+  const float2 r = unpack2<split_op>(hi);
+  lo = pack2<split_op>(x - r.x, y - r.y);
+}
+
+// ---- A operands of a warp's 16 rows --------------------------------------------------------
+// Each gives the hi and lo fragments of k-step kk (columns 16 kk .. 16 kk + 15); `has_lo` says
+// whether lo exists (an input already in bfloat16 has none).
+
+// mul * x for a float accumulator tile x (16 x 64, arch/mma.cuh's C layout), split on the fly.
+struct a_from_regs {
+  static constexpr bool has_lo = true;
+  const float (*x)[4];
+  float mul;
+  __device__ __forceinline__ void operator()(int kk, std::uint32_t (&h)[4],
+                                             std::uint32_t (&l)[4]) const {
+    const float* p = x[2 * kk];
+    const float* q = x[2 * kk + 1];
+    split2(mul * p[0], mul * p[1], h[0], l[0]);
+    split2(mul * p[2], mul * p[3], h[1], l[1]);
+    split2(mul * q[0], mul * q[1], h[2], l[2]);
+    split2(mul * q[2], mul * q[3], h[3], l[3]);
+  }
+};
+
+// Rows r0 .. r0 + 15 of a row-major split tile (hi, lo with leading dimension Ld); Neg: -x.
+template <int Ld, bool Lo, bool Neg = false>
+struct a_from_tile {
+  static constexpr bool has_lo = Lo;
+  const split_op* hi;
+  const split_op* lo;
+  int r0;
+  __device__ __forceinline__ void operator()(int kk, std::uint32_t (&h)[4],
+                                             std::uint32_t (&l)[4]) const {
+    frag_a(h, hi, Ld, r0, 16 * kk);
+    if constexpr (Lo) frag_a(l, lo, Ld, r0, 16 * kk);
+    if constexpr (Neg)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) h[i] ^= 0x80008000u, l[i] ^= 0x80008000u;
+  }
+};
+
+// Rows m0 .. m0 + 15 of X^T, X a row-major split tile [k][m]: for sums over X's rows (tokens)
+// that every warp of a CTA holds a part of.
+template <int Ld, bool Lo>
+struct a_from_tile_t {
+  static constexpr bool has_lo = Lo;
+  const split_op* hi;
+  const split_op* lo;
+  int m0;
+  __device__ __forceinline__ void operator()(int kk, std::uint32_t (&h)[4],
+                                             std::uint32_t (&l)[4]) const {
+    frag_a_t(h, hi, Ld, 16 * kk, m0);
+    if constexpr (Lo) frag_a_t(l, lo, Ld, 16 * kk, m0);
+  }
+};
+
+// acc[16 x 64] += A[16 x 64] B over a depth of 64: B stored [k][n] (KN) or [n][k] (B^T stored
+// row-major: rows are the output columns), in a split tile (bh, bl; bl only when BLo).
+template <int Ld, bool KN, bool BLo, class AF>
+__device__ __forceinline__ void warp_mma(float (&acc)[8][4], const AF& af, const split_op* bh,
+                                         const split_op* bl) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    std::uint32_t ah[4], al[4];
+    af(kk, ah, al);
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      std::uint32_t b[4];
+      if constexpr (KN)
+        frag_b2_t(b, bh, Ld, 16 * kk, 16 * jp);
+      else
+        frag_b2(b, bh, Ld, 16 * jp, 16 * kk);
+      mma_pairs(acc, ah, b, jp);
+      if constexpr (AF::has_lo) mma_pairs(acc, al, b, jp);
+      if constexpr (BLo) {
+        if constexpr (KN)
+          frag_b2_t(b, bl, Ld, 16 * kk, 16 * jp);
+        else
+          frag_b2(b, bl, Ld, 16 * jp, 16 * kk);
+        mma_pairs(acc, ah, b, jp);
+      }
+    }
+  }
+}
+
+// f(row, col, x0, x1) for each pair of adjacent elements (col even) a lane holds of a 16 x 64
+// accumulator tile whose first row is r0.
+template <class F>
+__device__ __forceinline__ void for_fragment_pairs(float (&acc)[8][4], int r0, F&& f) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, c = 2 * (lane & 3);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    f(r0 + g, 8 * nt + c, acc[nt][0], acc[nt][1]);
+    f(r0 + g + 8, 8 * nt + c, acc[nt][2], acc[nt][3]);
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
