@@ -189,12 +189,17 @@ double max_rel(const std::vector<double>& got, const std::vector<double>& ref) {
 // rounding, at most 2^-9 of max |ref| for bfloat16. Against the CPU (`host` given, `ref` then
 // in double), a gradient may also be off by 4x the CPU float backward's own error: a small dbeta
 // of a short sequence sums terms that cancel, and float's rounding is relative to the terms.
+// The tensor-core query kernel (`split`) multiplies operands of about 16 bits (two bfloat16
+// parts): its float gradients (dw, dbeta, dg) get 1.5e-4 (2^-13; seen up to 4.5e-5), where a
+// product of one-part bfloat16 operands would be off by about 2^-9.
 // The worst error of each gradient (dv, dq, dk, dw, dbeta, dg) over the checks since reset.
 std::array<double, 6> worst_errors{};
 
 template <class T>
-void check_grads(const grads& got, const grads& ref, bool gated, const grads* host = nullptr) {
-  const double tol16 = sizeof(T) == 4 ? 1e-5 : 5e-3, tol32 = sizeof(T) == 4 ? 1e-5 : 2e-5;
+void check_grads(const grads& got, const grads& ref, bool gated, const grads* host = nullptr,
+                 bool split = false) {
+  const double tol16 = sizeof(T) == 4 ? 1e-5 : 5e-3;
+  const double tol32 = sizeof(T) == 4 ? 1e-5 : split ? 1.5e-4 : 2e-5;
   int which = 0;
   auto check = [&](const char* name, std::vector<double> grads::*m, double tol) {
     const double err = max_rel(got.*m, ref.*m), host_err = host ? max_rel(host->*m, ref.*m) : 0.0;
@@ -213,8 +218,19 @@ void check_grads(const grads& got, const grads& ref, bool gated, const grads* ho
 }
 
 template <class T>
-void check_grads(const grads& got, const cpu_reference& ref, bool gated) {
-  check_grads<T>(got, ref.exact, gated, &ref.host);
+void check_grads(const grads& got, const cpu_reference& ref, bool gated, bool split = false) {
+  check_grads<T>(got, ref.exact, gated, &ref.host, split);
+}
+
+using attnmix::detail::cuda::path_backward_kernel;
+
+// Whether the plan runs the tensor-core query kernel on case c (16-bit inputs, D = Dv = 64) under
+// the current override.
+template <class T>
+bool on_tensor_cores(const path_case& c) {
+  const path_backward_kernel k = attnmix::detail::cuda::path_backward_kernel_override();
+  return sizeof(T) == 2 && c.D == 64 && c.Dv == 64 && k != path_backward_kernel::simt &&
+         k != path_backward_kernel::tiled;
 }
 
 template <class Kind, class Policy, class T>
@@ -226,10 +242,8 @@ void backward_case(const path_case& c, std::uint64_t salt, const std::vector<ind
   const cpu_reference ref = cpu_backward<Kind, Policy>(c, b);
   device_case<T> d(c, b);
   const grads got = d.template run<Kind, Policy>();
-  check_grads<T>(got, ref, attnmix::kind_traits<Kind>::uses_forget_gate);
+  check_grads<T>(got, ref, attnmix::kind_traits<Kind>::uses_forget_gate, on_tensor_cores<T>(c));
 }
-
-using attnmix::detail::cuda::path_backward_kernel;
 
 // Sets the launcher's query-kernel override for a scope.
 struct kernel_override {
@@ -432,7 +446,7 @@ TEMPLATE_TEST_CASE("CUDA PaTH backward: the tensor-core query kernel matches the
         kernel_override o(path_backward_kernel::mma);
         const grads mma = d.template run<Kind, Policy>();
         INFO("the tensor-core query kernel against the CPU");
-        check_grads<T>(mma, ref, gated);
+        check_grads<T>(mma, ref, gated, true);
       };
       if (kind == 0) one(path{}, attnmix::path_policy{});
       if (kind == 1) one(path_fox{}, attnmix::path_fox_policy{});
@@ -498,7 +512,7 @@ TEMPLATE_TEST_CASE("CUDA PaTH-FoX forward then backward with the CUDA lse",
   b.lse = to_double(d.lse.to_host());
   const cpu_reference ref = cpu_backward<path_fox, attnmix::path_fox_policy>(c, b);
   const grads got = d.template run<path_fox, attnmix::path_fox_policy>();
-  check_grads<T>(got, ref, true);
+  check_grads<T>(got, ref, true, on_tensor_cores<T>(c));
 }
 
 namespace {

@@ -1,6 +1,6 @@
 #pragma once
 // Warp-level tensor-core and copy primitives (sm_80+): mma.sync m16n8k16 and m16n8k8 (tf32),
-// ldmatrix, cp.async.
+// ldmatrix, cp.async, L2 prefetch.
 // Fragment layouts follow the PTX ISA ("Matrix fragments for mma.m16n8k16"); with g = lane / 4
 // and c = 2 * (lane % 4):
 //   A 16x16: a0 = (g, c..c+1), a1 = (g+8, c..), a2 = (g, c+8..), a3 = (g+8, c+8..)
@@ -37,6 +37,11 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int Pending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+
+// Asks L2 for the 128-byte line that holds p, a global address (a hint: no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* smem) {

@@ -117,30 +117,35 @@ struct a_from_tile_t {
 };
 
 // acc[16 x 64] += A[16 x 64] B over a depth of 64: B stored [k][n] (KN) or [n][k] (B^T stored
-// row-major: rows are the output columns), in a split tile (bh, bl; bl only when BLo).
+// row-major: rows are the output columns), in a split tile (bh, bl; bl only when BLo). Each pass
+// (hi hi, lo hi, hi lo) runs over all eight n-tiles before the next: the mma that add to one
+// accumulator are eight apart, not back to back.
 template <int Ld, bool KN, bool BLo, class AF>
 __device__ __forceinline__ void warp_mma(float (&acc)[8][4], const AF& af, const split_op* bh,
                                          const split_op* bl) {
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    std::uint32_t ah[4], al[4];
-    af(kk, ah, al);
+  const auto load_b = [](std::uint32_t(&b)[4][4], const split_op* s, int kk) {
 #pragma unroll
     for (int jp = 0; jp < 4; ++jp) {
-      std::uint32_t b[4];
       if constexpr (KN)
-        frag_b2_t(b, bh, Ld, 16 * kk, 16 * jp);
+        frag_b2_t(b[jp], s, Ld, 16 * kk, 16 * jp);
       else
-        frag_b2(b, bh, Ld, 16 * jp, 16 * kk);
-      mma_pairs(acc, ah, b, jp);
-      if constexpr (AF::has_lo) mma_pairs(acc, al, b, jp);
-      if constexpr (BLo) {
-        if constexpr (KN)
-          frag_b2_t(b, bl, Ld, 16 * kk, 16 * jp);
-        else
-          frag_b2(b, bl, Ld, 16 * jp, 16 * kk);
-        mma_pairs(acc, ah, b, jp);
-      }
+        frag_b2(b[jp], s, Ld, 16 * jp, 16 * kk);
+    }
+  };
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    std::uint32_t ah[4], al[4], b[4][4];
+    af(kk, ah, al);
+    load_b(b, bh, kk);
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) mma_pairs(acc, ah, b[jp], jp);
+    if constexpr (AF::has_lo)
+#pragma unroll
+      for (int jp = 0; jp < 4; ++jp) mma_pairs(acc, al, b[jp], jp);
+    if constexpr (BLo) {
+      load_b(b, bl, kk);
+#pragma unroll
+      for (int jp = 0; jp < 4; ++jp) mma_pairs(acc, ah, b[jp], jp);
     }
   }
 }

@@ -516,6 +516,14 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
         acc + am - al;
   }
   __syncthreads();
+  // W and K staged in the Gram tiles (read for the last time above) when their rows fit: the
+  // last pass reads each n times.
+  const bool staged = D <= C;
+  if (staged)
+    for_tile(n, D, [&](int b, int d) {
+      ww[b * lc + d] = W[b * ws1 + d];
+      xk[b * lc + d] = to_float(K[b * ks1 + d]);
+    });
   for_tile(n, n, [&](int a, int b) {
     lbar[a * lc + b] *= -sb[a];                             // d (w_a . w_b), a > b
     dM[a * lc + b] = a > b ? dM[a * lc + b] * sb[a] : 0.f;  // d (w_a . k_b), a > b
@@ -525,8 +533,9 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
     float w = dW[a * ld + d] + sb[a] * dU[a * ld + d];
     float k = dK[a * ld + d];
     for (int b = 0; b < n; ++b) {
-      const float wb = W[b * ws1 + d];
-      w += (lbar[a * lc + b] + lbar[b * lc + a]) * wb + dM[a * lc + b] * to_float(K[b * ks1 + d]);
+      const float wb = staged ? ww[b * lc + d] : W[b * ws1 + d];
+      const float kb = staged ? xk[b * lc + d] : to_float(K[b * ks1 + d]);
+      w += (lbar[a * lc + b] + lbar[b * lc + a]) * wb + dM[a * lc + b] * kb;
       k += dM[b * lc + a] * wb;
     }
     p.dw[batch * p.dw_stride[0] + (t0 + a) * p.dw_stride[1] + h * p.dw_stride[2] + d] = w;

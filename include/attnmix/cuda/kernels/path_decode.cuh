@@ -12,8 +12,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/kernels/sm80_attention.cuh"
+#include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/kernels/sm80_attention.cuh"
 
 namespace attnmix {
 namespace detail {
@@ -70,11 +71,6 @@ __device__ __forceinline__ void store8(S* p, const float (&x)[8]) {
     for (int i = 0; i < 8; ++i) e[i] = from_float<S>(x[i]);
     *reinterpret_cast<uint4*>(p) = raw;
   }
-}
-
-// Asks L2 for the 128-byte line at p (no register waits for it).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
 // Sum over the `Lanes` consecutive lanes that share a key.

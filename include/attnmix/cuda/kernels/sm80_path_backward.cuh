@@ -34,22 +34,27 @@ using L = path_bwd_mma_layout;
 constexpr int C = L::C, ld = L::ld;
 
 // The CTA stages a [C][64] tile into (hi, lo): element (r, c) = at(r, c) for r < rows and
-// c < cols, else 0; lo (when Lo) holds what hi's rounding left.
+// c < cols, else 0; lo (when Lo) holds what hi's rounding left. Every load is issued before the
+// first conversion, so that they are in flight together.
 template <bool Lo, class F>
 __device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int rows, int cols) {
-  for (int i = threadIdx.x; i < C * 32; i += L::threads) {
-    const int r = i >> 5, c = 2 * (i & 31);
-    float x0 = 0.f, x1 = 0.f;
-    if (r < rows) {
-      if (c < cols) x0 = at(r, c);
-      if (c + 1 < cols) x1 = at(r, c + 1);
-    }
+  constexpr int per_thread = C * 32 / L::threads;
+  float x[per_thread][2];
+#pragma unroll
+  for (int k = 0; k < per_thread; ++k) {
+    const int i = int(threadIdx.x) + k * L::threads, r = i >> 5, c = 2 * (i & 31);
+    x[k][0] = r < rows && c < cols ? at(r, c) : 0.f;
+    x[k][1] = r < rows && c + 1 < cols ? at(r, c + 1) : 0.f;
+  }
+#pragma unroll
+  for (int k = 0; k < per_thread; ++k) {
+    const int i = int(threadIdx.x) + k * L::threads, r = i >> 5, c = 2 * (i & 31);
     std::uint32_t h, l;
     if constexpr (Lo) {
-      split2(x0, x1, h, l);
+      split2(x[k][0], x[k][1], h, l);
       *reinterpret_cast<std::uint32_t*>(lo + r * ld + c) = l;
     } else {
-      h = pack2<split_op>(x0, x1);
+      h = pack2<split_op>(x[k][0], x[k][1]);
     }
     *reinterpret_cast<std::uint32_t*>(hi + r * ld + c) = h;
   }
@@ -66,17 +71,29 @@ __device__ __forceinline__ void store_split(float (&acc)[8][4], split_op* hi, sp
   });
 }
 
-// dst[r][c] += sign * acc for the rows r < rows of a warp's tile (dst rows of ldd floats).
+// dst[r][c] += sign * acc for the rows r < rows of a warp's tile (dst rows of ldd floats). Every
+// load is issued before the first store, so that they are in flight together.
 __device__ __forceinline__ void add_rows(float (&acc)[8][4], float* dst, int ldd, int r0, int rows,
                                          float sign) {
-  for_fragment_pairs(acc, r0, [&](int r, int c, float x0, float x1) {
-    if (r >= rows) return;
-    float2* at = reinterpret_cast<float2*>(dst + r * ldd + c);
-    float2 v = *at;
-    v.x += sign * x0;
-    v.y += sign * x1;
-    *at = v;
-  });
+  const int lane = threadIdx.x % 32, g = lane >> 2, c = 2 * (lane & 3);
+  float2 old[8][2];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = r0 + g + 8 * hh;
+      old[nt][hh] = r < rows ? *reinterpret_cast<const float2*>(dst + r * ldd + 8 * nt + c)
+                             : make_float2(0.f, 0.f);
+    }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = r0 + g + 8 * hh;
+      if (r < rows)
+        *reinterpret_cast<float2*>(dst + r * ldd + 8 * nt + c) = make_float2(
+            old[nt][hh].x + sign * acc[nt][2 * hh], old[nt][hh].y + sign * acc[nt][2 * hh + 1]);
+    }
 }
 
 // A warp's tile to / from float rows (rows r < rows; others read as 0).
@@ -93,6 +110,18 @@ __device__ __forceinline__ void load_rows(float (&acc)[8][4], const float* src, 
     if (r < rows) v = *reinterpret_cast<const float2*>(src + r * ldd + c);
     x0 = v.x, x1 = v.y;
   });
+}
+
+// Asks L2 for rows [0, rows) of `cols` elements (row stride `stride` elements) from base: the
+// tiles of the next step, fetched while this one computes (a CTA streams far more than L2 holds).
+template <class E>
+__device__ __forceinline__ void prefetch_rows(const E* base, index_t stride, int rows, int cols) {
+  const int bytes = cols * int(sizeof(E)), lines = (bytes + 127) / 128 + 1;
+  for (int i = threadIdx.x; i < rows * lines; i += L::threads) {
+    const int r = i / lines, l = i % lines;
+    const int at = l * 128 < bytes ? l * 128 : bytes - 1;  // the row's last byte: its last line
+    prefetch_l2(reinterpret_cast<const char*>(base + r * stride) + at);
+  }
 }
 
 __device__ __forceinline__ void zero(float (&acc)[8][4]) {
@@ -172,6 +201,24 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     pm::stage<in_lo>(
         hi(L::v), lo(L::v), [&](int r, int c) { return to_float(V[(j0 + r) * vs1 + c]); }, rows,
         Dv);
+  };
+
+  // What the walk's and the adjoint's step at chunk j0 read: asked of L2 a step ahead.
+  const auto prefetch_walk = [&](index_t j0) {
+    pm::prefetch_rows(KT + j0 * D, D, C, D);
+    pm::prefetch_rows(V + j0 * vs1, vs1, C, Dv);
+    pm::prefetch_rows(W + j0 * ws1, ws1, C, D);
+    pm::prefetch_rows(UU + j0 * D, D, C, D);
+    pm::prefetch_rows(dvs + j0 * Dv, Dv, C, Dv);
+    pm::prefetch_rows(dkt + j0 * D, D, C, D);
+  };
+  const auto prefetch_adjoint = [&](index_t j0) {
+    pm::prefetch_rows(W + j0 * ws1, ws1, C, D);
+    pm::prefetch_rows(UU + j0 * D, D, C, D);
+    pm::prefetch_rows(states + j0 * D, D, C, D);
+    pm::prefetch_rows(es + j0 * D, D, C, D);
+    pm::prefetch_rows(dus + j0 * D, D, C, D);
+    pm::prefetch_rows(dws + j0 * D, D, C, D);
   };
 
   for (int hq = h * group; hq < (h + 1) * group; ++hq) {
@@ -279,6 +326,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
       pm::stage<true>(
           hi(L::m), lo(L::m), [&](int r, int c) { return MM[(c0 + r) * C + c]; }, n, n);
       stage_gate(c0, n);
+      if (ci > 0) prefetch_walk(c0 - C);
       __syncthreads();
 
       const a_from_tile<ld, true> qa{hi(L::q), lo(L::q), m0};
@@ -359,6 +407,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             stage_u(j0, C);
           }
           stage_gate(j0, C);
+          if (cj > 0) prefetch_walk(j0 - C);
           pm::save_rows(r, states + j0 * D, D, m0, n);
           __syncthreads();
           float s[8][4], dp[8][4];
@@ -404,6 +453,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           __syncthreads();
           stage_w(j0, C);
           stage_u(j0, C);
+          if (cj + 1 < ci) prefetch_adjoint(j0 + C);
           pm::load_rows(r, states + j0 * D, D, m0, n);
           pm::store_split(r, hi(L::e3), lo(L::e3), m0, n);
           __syncthreads();
