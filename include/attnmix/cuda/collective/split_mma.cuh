@@ -116,50 +116,57 @@ struct a_from_tile_t {
   }
 };
 
-// acc[16 x 64] += A[16 x 64] B over a depth of 64: B stored [k][n] (KN) or [n][k] (B^T stored
-// row-major: rows are the output columns), in a split tile (bh, bl; bl only when BLo). Each pass
-// (hi hi, lo hi, hi lo) runs over all eight n-tiles before the next: the mma that add to one
-// accumulator are eight apart, not back to back.
-template <int Ld, bool KN, bool BLo, class AF>
-__device__ __forceinline__ void warp_mma(float (&acc)[8][4], const AF& af, const split_op* bh,
-                                         const split_op* bl) {
-  const auto load_b = [](std::uint32_t(&b)[4][4], const split_op* s, int kk) {
+// acc[16 x 8 NT] += A[16 x 64] B over a depth of 64, for the output columns n0 .. n0 + 8 NT - 1
+// (NT = 8: all 64; NT = 4: a half): B stored [k][n] (KN) or [n][k] (B^T stored row-major: rows
+// are the output columns), in a split tile (bh, bl; bl only when BLo). Each pass (hi hi, lo hi,
+// hi lo) runs over all n-tiles before the next: the mma that add to one accumulator are NT apart,
+// not back to back.
+template <int Ld, bool KN, bool BLo, int NT = 8, class AF>
+__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const AF& af, const split_op* bh,
+                                         const split_op* bl, int n0 = 0) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+  constexpr int JP = NT / 2;
+  const auto load_b = [n0](std::uint32_t(&b)[JP][4], const split_op* s, int kk) {
 #pragma unroll
-    for (int jp = 0; jp < 4; ++jp) {
+    for (int jp = 0; jp < JP; ++jp) {
       if constexpr (KN)
-        frag_b2_t(b[jp], s, Ld, 16 * kk, 16 * jp);
+        frag_b2_t(b[jp], s, Ld, 16 * kk, n0 + 16 * jp);
       else
-        frag_b2(b[jp], s, Ld, 16 * jp, 16 * kk);
+        frag_b2(b[jp], s, Ld, n0 + 16 * jp, 16 * kk);
     }
   };
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    std::uint32_t ah[4], al[4], b[4][4];
+    std::uint32_t ah[4], al[4], b[JP][4];
     af(kk, ah, al);
     load_b(b, bh, kk);
 #pragma unroll
-    for (int jp = 0; jp < 4; ++jp) mma_pairs(acc, ah, b[jp], jp);
+    for (int jp = 0; jp < JP; ++jp) mma_pairs(acc, ah, b[jp], jp);
     if constexpr (AF::has_lo)
 #pragma unroll
-      for (int jp = 0; jp < 4; ++jp) mma_pairs(acc, al, b[jp], jp);
+      for (int jp = 0; jp < JP; ++jp) mma_pairs(acc, al, b[jp], jp);
     if constexpr (BLo) {
       load_b(b, bl, kk);
 #pragma unroll
-      for (int jp = 0; jp < 4; ++jp) mma_pairs(acc, ah, b[jp], jp);
+      for (int jp = 0; jp < JP; ++jp) mma_pairs(acc, ah, b[jp], jp);
     }
   }
 }
 
-// f(row, col, x0, x1) for each pair of adjacent elements (col even) a lane holds of a 16 x 64
-// accumulator tile whose first row is r0.
-template <class F>
-__device__ __forceinline__ void for_fragment_pairs(float (&acc)[8][4], int r0, F&& f) {
-  const int lane = threadIdx.x % 32, g = lane >> 2, c = 2 * (lane & 3);
+// f(row, col, x0, x1) for each pair of adjacent elements (col even) a lane holds of a 16 x 8 NT
+// accumulator tile whose first row is r0 and first column c0.
+template <int NT, class F>
+__device__ __forceinline__ void for_fragment_pairs(float (&acc)[NT][4], int r0, int c0, F&& f) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, c = c0 + 2 * (lane & 3);
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
     f(r0 + g, 8 * nt + c, acc[nt][0], acc[nt][1]);
     f(r0 + g + 8, 8 * nt + c, acc[nt][2], acc[nt][3]);
   }
+}
+template <class F>
+__device__ __forceinline__ void for_fragment_pairs(float (&acc)[8][4], int r0, F&& f) {
+  for_fragment_pairs<8>(acc, r0, 0, f);
 }
 
 }  // namespace cuda

@@ -71,13 +71,13 @@ inline int linear_bwd_mma_smem(linear_bwd_pass pass, bool split_v) {
 
 // The tensor-core PaTH / PaTH-FoX backward query kernel (kernels/sm80_path_backward.cuh) at
 // D = Dv = C = 64: eleven tiles [C][ld] of 16-bit elements in two parts (slot s: hi at 2 s, lo at
-// 2 s + 1), the gate's float dZ [C][C + 1], then six vectors of C (per row: lse, delta, gate,
-// last reset; per key: gate; one spare).
+// 2 s + 1), the gate's float dZ [C][C + 1], then eight vectors of C (per row: lse, delta, gate,
+// last reset, two halves' row sums; per key: gate; one spare).
 struct path_bwd_mma_layout {
-  static constexpr int C = 64, warps = 4, threads = 32 * warps, ld = C + 8, lf = C + 1;
+  static constexpr int C = 64, warps = 8, threads = 32 * warps, ld = C + 8, lf = C + 1;
   static constexpr int tile = C * ld;
   enum slot : int { q, dout, k, v, w, u, m, x, e1, e2, e3, slots };
-  static constexpr int smem = 2 * (2 * slots * tile) + 4 * (C * lf + 6 * C);
+  static constexpr int smem = 2 * (2 * slots * tile) + 4 * (C * lf + 8 * C);
 };
 
 // linear_read_kernel: query rows a CTA, and its shared memory in floats.

@@ -6,14 +6,15 @@
 // earlier chunks (keeping each chunk's scan state and e = dZ K~), the left-to-right adjoint
 // through the chunk products, and the chunk's own transform back to dq.
 //
-// A CTA has 4 warps; warp w owns query rows 16 w .. 16 w + 15 and keeps their running query r,
-// its adjoint rbar, the scores and dP in registers, so the products along a row (scores, dP, the
-// transitions, e, dq) never leave the warp. The products that sum over the chunk's query rows
-// (what keys and transitions receive: dv, dK~, dW, dU, and the diagonal tile's dk and dM) read
-// both operands from shared memory; warp w then owns rows 16 w .. of the [64 x 64] result and
-// adds it to the slice's float sums, one thread an element, in a fixed order (the same bits on
-// every run). Operands are bfloat16 in two parts (collective/split_mma.cuh); inputs in bfloat16
-// take one, half inputs two (11 bits do not fit one bfloat16).
+// A CTA has 8 warps; warp w owns query rows 16 (w % 4) .. + 15 and columns 32 (w / 4) .. + 31 of
+// every [64 x 64] result, and keeps that part of the running query r, its adjoint rbar, the
+// scores and dP in registers (float). The operands of every product are read from shared memory:
+// r, rbar, P, dZ and the transitions' X are stored there (split) as they change, so the two warps
+// of a row block read whole rows. The products that sum over the chunk's query rows (what keys and
+// transitions receive: dv, dK~, dW, dU, and the diagonal tile's dk and dM) are added to the
+// slice's float sums, one thread an element, in a fixed order (the same bits on every run).
+// Operands are bfloat16 in two parts (collective/split_mma.cuh); inputs in bfloat16 take one, half
+// inputs two (11 bits do not fit one bfloat16).
 
 #include <cstdint>
 #include <type_traits>
@@ -60,10 +61,11 @@ __device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int ro
   }
 }
 
-// A warp's accumulator tile (rows r0 ..) into (hi, lo); rows from `rows` on as 0.
-__device__ __forceinline__ void store_split(float (&acc)[8][4], split_op* hi, split_op* lo, int r0,
-                                            int rows) {
-  for_fragment_pairs(acc, r0, [&](int r, int c, float x0, float x1) {
+// A warp's part of a tile (16 x 32: rows r0 .., columns c0 ..) into (hi, lo); rows from `rows`
+// on as 0.
+__device__ __forceinline__ void store_split(float (&acc)[4][4], split_op* hi, split_op* lo, int r0,
+                                            int c0, int rows) {
+  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
     std::uint32_t h = 0u, l = 0u;
     if (r < rows) split2(x0, x1, h, l);
     *reinterpret_cast<std::uint32_t*>(hi + r * ld + c) = h;
@@ -71,14 +73,14 @@ __device__ __forceinline__ void store_split(float (&acc)[8][4], split_op* hi, sp
   });
 }
 
-// dst[r][c] += sign * acc for the rows r < rows of a warp's tile (dst rows of ldd floats). Every
+// dst[r][c] += sign * acc for the rows r < rows of a warp's part (dst rows of ldd floats). Every
 // load is issued before the first store, so that they are in flight together.
-__device__ __forceinline__ void add_rows(float (&acc)[8][4], float* dst, int ldd, int r0, int rows,
-                                         float sign) {
-  const int lane = threadIdx.x % 32, g = lane >> 2, c = 2 * (lane & 3);
-  float2 old[8][2];
+__device__ __forceinline__ void add_rows(float (&acc)[4][4], float* dst, int ldd, int r0, int c0,
+                                         int rows, float sign) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, c = c0 + 2 * (lane & 3);
+  float2 old[4][2];
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = r0 + g + 8 * hh;
@@ -86,7 +88,7 @@ __device__ __forceinline__ void add_rows(float (&acc)[8][4], float* dst, int ldd
                              : make_float2(0.f, 0.f);
     }
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = r0 + g + 8 * hh;
@@ -96,16 +98,16 @@ __device__ __forceinline__ void add_rows(float (&acc)[8][4], float* dst, int ldd
     }
 }
 
-// A warp's tile to / from float rows (rows r < rows; others read as 0).
-__device__ __forceinline__ void save_rows(float (&acc)[8][4], float* dst, int ldd, int r0,
+// A warp's part to / from float rows (rows r < rows; others read as 0).
+__device__ __forceinline__ void save_rows(float (&acc)[4][4], float* dst, int ldd, int r0, int c0,
                                           int rows) {
-  for_fragment_pairs(acc, r0, [&](int r, int c, float x0, float x1) {
+  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
     if (r < rows) *reinterpret_cast<float2*>(dst + r * ldd + c) = make_float2(x0, x1);
   });
 }
-__device__ __forceinline__ void load_rows(float (&acc)[8][4], const float* src, int ldd, int r0,
-                                          int rows) {
-  for_fragment_pairs(acc, r0, [&](int r, int c, float& x0, float& x1) {
+__device__ __forceinline__ void load_rows(float (&acc)[4][4], const float* src, int ldd, int r0,
+                                          int c0, int rows) {
+  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float& x0, float& x1) {
     float2 v = make_float2(0.f, 0.f);
     if (r < rows) v = *reinterpret_cast<const float2*>(src + r * ldd + c);
     x0 = v.x, x1 = v.y;
@@ -124,9 +126,9 @@ __device__ __forceinline__ void prefetch_rows(const E* base, index_t stride, int
   }
 }
 
-__device__ __forceinline__ void zero(float (&acc)[8][4]) {
+__device__ __forceinline__ void zero(float (&acc)[4][4]) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
 }  // namespace path_bwd_mma
@@ -138,6 +140,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   using L = path_bwd_mma_layout;
   constexpr int C = L::C, D = C, Dv = C, ld = L::ld, lf = L::lf;
   constexpr bool in_lo = std::is_same_v<T, __half>;  // half inputs: two bfloat16 parts
+  using part = float[4][4];                          // a warp's 16 x 32 part of a tile
   extern __shared__ __align__(16) unsigned char smem_raw[];
   split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
   const auto hi = [&](int s) {
@@ -152,9 +155,10 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   float* gi_s = delta_s + C;
   int* reset_s = reinterpret_cast<int*>(gi_s + C);
   float* gj_s = reinterpret_cast<float*>(reset_s + C);
+  float* rowsum = gj_s + C;  // [2][C]: the two column halves' row sums of dZ
 
   const path_kernel_params& kp = p.kp;
-  const int warp = threadIdx.x / 32, m0 = 16 * warp;
+  const int warp = threadIdx.x / 32, half = warp / 4, m0 = 16 * (warp % 4), n0 = 32 * half;
   const int slice = blockIdx.x, h = blockIdx.y;
   index_t batch, start, length;
   kp.a.sequence(blockIdx.z, batch, start, length);
@@ -202,7 +206,6 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         hi(L::v), lo(L::v), [&](int r, int c) { return to_float(V[(j0 + r) * vs1 + c]); }, rows,
         Dv);
   };
-
   // What the walk's and the adjoint's step at chunk j0 read: asked of L2 a step ahead.
   const auto prefetch_walk = [&](index_t j0) {
     pm::prefetch_rows(KT + j0 * D, D, C, D);
@@ -220,6 +223,17 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     pm::prefetch_rows(dus + j0 * D, D, C, D);
     pm::prefetch_rows(dws + j0 * D, D, C, D);
   };
+  // Operands: rows m0 .. of a slot (Neg: negated), and the transposed rows of a slot.
+  const auto rows_of = [&](int s) {
+    return a_from_tile<ld, true>{hi(s), lo(s), m0};
+  };
+  const auto neg_rows_of = [&](int s) {
+    return a_from_tile<ld, true, true>{hi(s), lo(s), m0};
+  };
+  const auto t_of = [&](int s) {
+    return a_from_tile_t<ld, true>{hi(s), lo(s), m0};
+  };
+  const a_from_tile<ld, in_lo> doa{hi(L::dout), lo(L::dout), m0};
 
   for (int hq = h * group; hq < (h + 1) * group; ++hq) {
     const T* Q = static_cast<const T*>(kp.a.q) + batch * kp.a.q_stride[0] +
@@ -245,12 +259,11 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         for (int j = threadIdx.x; j < C; j += L::threads)
           gj_s[j] = j < cols ? static_cast<float>(p.coef * (G[(j0 + j) * HQ] - g_ref)) : 0.f;
       };
-      // p and dZ of a tile in place of its scores s and dP; diag: the causal mask.
-      const auto softmax_bwd = [&](float(&s)[8][4], float(&dp)[8][4], index_t j0, int cols,
-                                   bool diag) {
-        const int lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
+      // p and dZ of a warp's part of a tile in place of its scores s and dP; diag: causal.
+      const auto softmax_bwd = [&](part& s, part& dp, index_t j0, int cols, bool diag) {
+        const int lane = threadIdx.x % 32, g = lane >> 2, c2 = n0 + 2 * (lane & 3);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int a = m0 + g + (e >= 2 ? 8 : 0), j = 8 * nt + c2 + (e & 1);
@@ -265,14 +278,15 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             dp[nt][e] = dzv;
           }
       };
-      // dG of the rows (+ their sums) and of the keys (- theirs), rows first: the diagonal
-      // tile's keys are its rows.
-      const auto gate_sums = [&](float(&dz)[8][4], index_t j0, int cols) {
+      // dG: each warp leaves its part's row sums and its dZ in shared memory (before a barrier);
+      // then thread t adds row t's sum and takes key t's, in that order (the diagonal tile's
+      // keys are its rows).
+      const auto gate_parts = [&](part& dz) {
         if (dG == nullptr) return;
         const int lane = threadIdx.x % 32, g = lane >> 2;
         float rs[2] = {0.f, 0.f};
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < 4; ++nt) {
           rs[0] += dz[nt][0] + dz[nt][1];
           rs[1] += dz[nt][2] + dz[nt][3];
         }
@@ -282,21 +296,38 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           rs[1] += __shfl_xor_sync(0xffffffffu, rs[1], o);
         }
         if ((lane & 3) == 0)
-          for (int hh = 0; hh < 2; ++hh) {
-            const int a = m0 + g + 8 * hh;
-            if (a < n) dG[(c0 + a) * HQ] += p.coef * static_cast<double>(rs[hh]);
-          }
-        for_fragment_pairs(dz, m0, [&](int r, int c, float x0, float x1) {
+          rowsum[half * C + m0 + g] = rs[0], rowsum[half * C + m0 + g + 8] = rs[1];
+        for_fragment_pairs<4>(dz, m0, n0, [&](int r, int c, float x0, float x1) {
           dzf[r * lf + c] = x0;
           dzf[r * lf + c + 1] = x1;
         });
-        __syncthreads();
-        for (int j = threadIdx.x; j < cols; j += L::threads) {
+      };
+      const auto gate_sums = [&](index_t j0, int cols) {
+        if (dG == nullptr) return;
+        const int t = threadIdx.x;
+        if (t < n) dG[(c0 + t) * HQ] += p.coef * static_cast<double>(rowsum[t] + rowsum[C + t]);
+        if (t < cols) {
           float cs = 0.f;
-          for (int a = 0; a < n; ++a) cs += dzf[a * lf + j];
-          dG[(j0 + j) * HQ] -= p.coef * static_cast<double>(cs);
+          for (int a = 0; a < n; ++a) cs += dzf[a * lf + t];
+          dG[(j0 + t) * HQ] -= p.coef * static_cast<double>(cs);
         }
       };
+      const auto tril_mask = [&](part& x) {  // keep (a, c) for c <= a < n
+        for_fragment_pairs<4>(x, m0, n0, [&](int a, int c, float& x0, float& x1) {
+          if (!(a < n && c <= a)) x0 = 0.f;
+          if (!(a < n && c + 1 <= a)) x1 = 0.f;
+        });
+      };
+      // A sum over the chunk's query rows: acc = op(A)^T B over this warp's part, added to dst.
+      const auto cross = [&](int a_slot, const split_op* bh, const split_op* bl, auto b_lo,
+                             float* dst, int ldd, int rows, float sign) {
+        part acc;
+        pm::zero(acc);
+        warp_mma<ld, true, decltype(b_lo)::value, 4>(acc, t_of(a_slot), bh, bl, n0);
+        pm::add_rows(acc, dst, ldd, m0, n0, rows, sign);
+      };
+      using split_b = std::true_type;
+      using in_b = std::integral_constant<bool, in_lo>;
 
       __syncthreads();  // the chunk before is done with every tile
       for (int a = threadIdx.x; a < C; a += L::threads) {
@@ -329,73 +360,53 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
       if (ci > 0) prefetch_walk(c0 - C);
       __syncthreads();
 
-      const a_from_tile<ld, true> qa{hi(L::q), lo(L::q), m0};
-      const a_from_tile<ld, in_lo> doa{hi(L::dout), lo(L::dout), m0};
-      const auto tril_mask = [&](float(&x)[8][4]) {  // keep (a, c) for c <= a < n
-        for_fragment_pairs(x, m0, [&](int a, int c, float& x0, float& x1) {
-          if (!(a < n && c <= a)) x0 = 0.f;
-          if (!(a < n && c + 1 <= a)) x1 = 0.f;
-        });
-      };
-
       // ---- 1. the diagonal tile: z = tril(Qs K^T - tril(Qs W^T) M) (+ gate) ----
-      float dq[8][4];
+      part dq;
       {
-        float x[8][4], s[8][4], dp[8][4];
+        part x, s, dp;
         pm::zero(x);
-        warp_mma<ld, false, true>(x, qa, hi(L::w), lo(L::w));
+        warp_mma<ld, false, true, 4>(x, rows_of(L::q), hi(L::w), lo(L::w), n0);
         tril_mask(x);
-        pm::store_split(x, hi(L::x), lo(L::x), m0, n);
+        pm::store_split(x, hi(L::x), lo(L::x), m0, n0, n);
         pm::zero(s);
-        warp_mma<ld, false, in_lo>(s, qa, hi(L::k), lo(L::k));
-        warp_mma<ld, true, true>(s, a_from_regs{x, -1.f}, hi(L::m), lo(L::m));
+        warp_mma<ld, false, in_lo, 4>(s, rows_of(L::q), hi(L::k), lo(L::k), n0);
         pm::zero(dp);
-        warp_mma<ld, false, in_lo>(dp, doa, hi(L::v), lo(L::v));
+        warp_mma<ld, false, in_lo, 4>(dp, doa, hi(L::v), lo(L::v), n0);
+        __syncthreads();  // X whole
+        warp_mma<ld, true, true, 4>(s, neg_rows_of(L::x), hi(L::m), lo(L::m), n0);
         softmax_bwd(s, dp, c0, n, true);
-        pm::store_split(s, hi(L::e1), lo(L::e1), m0, n);
-        pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n);
-        // dQs = dZ K; dX = -dZ M^T (tril); dQs += dX W.
+        pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
+        pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
+        gate_parts(dp);
+        __syncthreads();  // P, dZ whole
+        gate_sums(c0, n);
+        // dQs = dZ K; dX = -tril(dZ M^T) (into e3)
         pm::zero(dq);
-        warp_mma<ld, true, in_lo>(dq, a_from_regs{dp, 1.f}, hi(L::k), lo(L::k));
+        warp_mma<ld, true, in_lo, 4>(dq, rows_of(L::e2), hi(L::k), lo(L::k), n0);
         pm::zero(x);
-        warp_mma<ld, false, true>(x, a_from_regs{dp, -1.f}, hi(L::m), lo(L::m));
+        warp_mma<ld, false, true, 4>(x, neg_rows_of(L::e2), hi(L::m), lo(L::m), n0);
         tril_mask(x);
-        warp_mma<ld, true, true>(dq, a_from_regs{x, 1.f}, hi(L::w), lo(L::w));
-        __syncthreads();
-        gate_sums(dp, c0, n);
-        float acc[8][4];
-        pm::zero(acc);  // dv += P^T dO
-        warp_mma<ld, true, in_lo>(acc, a_from_tile_t<ld, true>{hi(L::e1), lo(L::e1), m0},
-                                  hi(L::dout), lo(L::dout));
-        pm::add_rows(acc, dvs + c0 * Dv, Dv, m0, n, 1.f);
-        pm::zero(acc);  // dk += dZ^T Qs
-        warp_mma<ld, true, true>(acc, a_from_tile_t<ld, true>{hi(L::e2), lo(L::e2), m0}, hi(L::q),
-                                 lo(L::q));
-        pm::add_rows(acc, dkd + c0 * D, D, m0, n, 1.f);
-        pm::zero(acc);  // dM -= X^T dZ
-        warp_mma<ld, true, true>(acc, a_from_tile_t<ld, true>{hi(L::x), lo(L::x), m0}, hi(L::e2),
-                                 lo(L::e2));
-        pm::add_rows(acc, dm + c0 * C, C, m0, n, -1.f);
-        __syncthreads();  // P is read: its tile takes dX
-        pm::store_split(x, hi(L::e1), lo(L::e1), m0, n);
-        __syncthreads();
-        pm::zero(acc);  // dW += dX^T Qs
-        warp_mma<ld, true, true>(acc, a_from_tile_t<ld, true>{hi(L::e1), lo(L::e1), m0}, hi(L::q),
-                                 lo(L::q));
-        pm::add_rows(acc, dws + c0 * D, D, m0, n, 1.f);
+        pm::store_split(x, hi(L::e3), lo(L::e3), m0, n0, n);
+        cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, dvs + c0 * Dv, Dv, n, 1.f);  // dv += P^T dO
+        cross(L::e2, hi(L::q), lo(L::q), split_b{}, dkd + c0 * D, D, n, 1.f);       // dk += dZ^T Qs
+        cross(L::x, hi(L::e2), lo(L::e2), split_b{}, dm + c0 * C, C, n, -1.f);      // dM -= X^T dZ
+        __syncthreads();                                                            // dX whole
+        warp_mma<ld, true, true, 4>(dq, rows_of(L::e3), hi(L::w), lo(L::w), n0);    // dQs += dX W
+        cross(L::e3, hi(L::q), lo(L::q), split_b{}, dws + c0 * D, D, n, 1.f);       // dW += dX^T Qs
       }
       // dQs waits in the scan states' rows of this chunk, which the walk never writes.
-      pm::save_rows(dq, states + c0 * D, D, m0, n);
+      pm::save_rows(dq, states + c0 * D, D, m0, n0, n);
 
       if (ci > 0) {
         // ---- 2. the forward's walk, keeping each chunk's scan state r and e = dZ K~ ----
-        float r[8][4];
-        for_fragment_pairs(r, m0, [&](int a, int c, float& x0, float& x1) {
+        part r;
+        for_fragment_pairs<4>(r, m0, n0, [&](int a, int c, float& x0, float& x1) {
           x0 = a < n ? scale * to_float(Q[(c0 + a) * qs1 + c]) : 0.f;
           x1 = a < n ? scale * to_float(Q[(c0 + a) * qs1 + c + 1]) : 0.f;
         });
-        warp_mma<ld, true, true>(r, a_from_tile<ld, true, true>{hi(L::x), lo(L::x), m0}, hi(L::u),
-                                 lo(L::u));
+        warp_mma<ld, true, true, 4>(r, neg_rows_of(L::x), hi(L::u), lo(L::u), n0);
+        __syncthreads();  // dX (e3) read
+        pm::store_split(r, hi(L::e3), lo(L::e3), m0, n0, n);
         for (index_t cj = ci - 1; cj >= 0; --cj) {
           const index_t j0 = cj * C;  // earlier chunks are full
           __syncthreads();
@@ -408,82 +419,83 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           }
           stage_gate(j0, C);
           if (cj > 0) prefetch_walk(j0 - C);
-          pm::save_rows(r, states + j0 * D, D, m0, n);
+          pm::save_rows(r, states + j0 * D, D, m0, n0, n);
           __syncthreads();
-          float s[8][4], dp[8][4];
-          pm::zero(s);
-          warp_mma<ld, false, true>(s, a_from_regs{r, 1.f}, hi(L::k), lo(L::k));
-          pm::zero(dp);
-          warp_mma<ld, false, in_lo>(dp, doa, hi(L::v), lo(L::v));
-          softmax_bwd(s, dp, j0, C, false);
-          pm::store_split(s, hi(L::e1), lo(L::e1), m0, n);
-          pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n);
-          pm::store_split(r, hi(L::e3), lo(L::e3), m0, n);
-          {  // e = dZ K~ (row-local)
-            float e[8][4];
+          {
+            part s, dp;
+            pm::zero(s);
+            warp_mma<ld, false, true, 4>(s, rows_of(L::e3), hi(L::k), lo(L::k), n0);
+            pm::zero(dp);
+            warp_mma<ld, false, in_lo, 4>(dp, doa, hi(L::v), lo(L::v), n0);
+            softmax_bwd(s, dp, j0, C, false);
+            pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
+            pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
+            gate_parts(dp);
+          }
+          __syncthreads();  // P, dZ whole
+          gate_sums(j0, C);
+          {  // e = dZ K~
+            part e;
             pm::zero(e);
-            warp_mma<ld, true, true>(e, a_from_regs{dp, 1.f}, hi(L::k), lo(L::k));
-            pm::save_rows(e, es + j0 * D, D, m0, n);
+            warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(L::k), lo(L::k), n0);
+            pm::save_rows(e, es + j0 * D, D, m0, n0, n);
           }
-          if (cj > 0) {  // r <- r P_cj = r - (r W^T) U
-            float xx[8][4];
+          if (cj > 0) {  // X = r W^T (into m)
+            part xx;
             pm::zero(xx);
-            warp_mma<ld, false, true>(xx, a_from_regs{r, 1.f}, hi(L::w), lo(L::w));
-            warp_mma<ld, true, true>(r, a_from_regs{xx, -1.f}, hi(L::u), lo(L::u));
+            warp_mma<ld, false, true, 4>(xx, rows_of(L::e3), hi(L::w), lo(L::w), n0);
+            pm::store_split(xx, hi(L::m), lo(L::m), m0, n0, n);
           }
-          __syncthreads();
-          gate_sums(dp, j0, C);
-          float acc[8][4];
-          pm::zero(acc);  // dv += P^T dO
-          warp_mma<ld, true, in_lo>(acc, a_from_tile_t<ld, true>{hi(L::e1), lo(L::e1), m0},
-                                    hi(L::dout), lo(L::dout));
-          pm::add_rows(acc, dvs + j0 * Dv, Dv, m0, C, 1.f);
-          pm::zero(acc);  // dK~ += dZ^T r
-          warp_mma<ld, true, true>(acc, a_from_tile_t<ld, true>{hi(L::e2), lo(L::e2), m0},
-                                   hi(L::e3), lo(L::e3));
-          pm::add_rows(acc, dkt + j0 * D, D, m0, C, 1.f);
+          cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, dvs + j0 * Dv, Dv, C, 1.f);  // dv
+          cross(L::e2, hi(L::e3), lo(L::e3), split_b{}, dkt + j0 * D, D, C, 1.f);     // dK~
+          if (cj > 0) {       // r <- r P_cj = r - X U
+            __syncthreads();  // X whole; r (e3) read
+            warp_mma<ld, true, true, 4>(r, neg_rows_of(L::m), hi(L::u), lo(L::u), n0);
+            pm::store_split(r, hi(L::e3), lo(L::e3), m0, n0, n);
+          }
         }
 
         // ---- 3. the adjoint: rbar_cj = e_cj + rbar_(cj-1) P_cj^T with P = I - W^T U;
         // dU -= (r W^T)^T rbar, dW -= (rbar U^T)^T r ----
-        float rbar[8][4];
-        pm::load_rows(rbar, es, D, m0, n);
+        part rbar;
+        pm::load_rows(rbar, es, D, m0, n0, n);
+        __syncthreads();  // the walk's dZ (e2) read
+        pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n0, n);
         for (index_t cj = 1; cj < ci; ++cj) {
           const index_t j0 = cj * C;
           __syncthreads();
           stage_w(j0, C);
           stage_u(j0, C);
           if (cj + 1 < ci) prefetch_adjoint(j0 + C);
-          pm::load_rows(r, states + j0 * D, D, m0, n);
-          pm::store_split(r, hi(L::e3), lo(L::e3), m0, n);
-          __syncthreads();
-          float xs[8][4], y[8][4];
-          pm::zero(xs);
-          warp_mma<ld, false, true>(xs, a_from_regs{r, 1.f}, hi(L::w), lo(L::w));
-          pm::zero(y);
-          warp_mma<ld, false, true>(y, a_from_regs{rbar, 1.f}, hi(L::u), lo(L::u));
-          pm::store_split(xs, hi(L::e1), lo(L::e1), m0, n);
-          pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n);
-          pm::store_split(y, hi(L::k), lo(L::k), m0, n);
           {
-            float e[8][4];
-            pm::load_rows(e, es + j0 * D, D, m0, n);
+            part rr;
+            pm::load_rows(rr, states + j0 * D, D, m0, n0, n);
+            pm::store_split(rr, hi(L::e3), lo(L::e3), m0, n0, n);
+          }
+          __syncthreads();
+          {
+            part xs, y;
+            pm::zero(xs);
+            warp_mma<ld, false, true, 4>(xs, rows_of(L::e3), hi(L::w), lo(L::w), n0);
+            pm::store_split(xs, hi(L::e1), lo(L::e1), m0, n0, n);
+            pm::zero(y);
+            warp_mma<ld, false, true, 4>(y, rows_of(L::e2), hi(L::u), lo(L::u), n0);
+            pm::store_split(y, hi(L::k), lo(L::k), m0, n0, n);
+          }
+          __syncthreads();  // r W^T, rbar U^T whole
+          cross(L::e1, hi(L::e2), lo(L::e2), split_b{}, dus + j0 * D, D, C, -1.f);  // dU
+          cross(L::k, hi(L::e3), lo(L::e3), split_b{}, dws + j0 * D, D, C, -1.f);   // dW
+          {
+            part e;
+            pm::load_rows(e, es + j0 * D, D, m0, n0, n);
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
+            for (int i = 0; i < 4; ++i)
 #pragma unroll
               for (int jj = 0; jj < 4; ++jj) rbar[i][jj] += e[i][jj];
           }
-          warp_mma<ld, true, true>(rbar, a_from_regs{y, -1.f}, hi(L::w), lo(L::w));
-          __syncthreads();
-          float acc[8][4];
-          pm::zero(acc);  // dU -= (r W^T)^T rbar
-          warp_mma<ld, true, true>(acc, a_from_tile_t<ld, true>{hi(L::e1), lo(L::e1), m0},
-                                   hi(L::e2), lo(L::e2));
-          pm::add_rows(acc, dus + j0 * D, D, m0, C, -1.f);
-          pm::zero(acc);  // dW -= (rbar U^T)^T r
-          warp_mma<ld, true, true>(acc, a_from_tile_t<ld, true>{hi(L::k), lo(L::k), m0}, hi(L::e3),
-                                   lo(L::e3));
-          pm::add_rows(acc, dws + j0 * D, D, m0, C, -1.f);
+          warp_mma<ld, true, true, 4>(rbar, neg_rows_of(L::k), hi(L::w), lo(L::w), n0);
+          __syncthreads();  // rbar (e2) read
+          pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n0, n);
         }
 
         // ---- the chunk's own transform, Q~ = Qs - tril(Qs W^T) U: dQs += rbar,
@@ -491,33 +503,27 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         __syncthreads();
         stage_w(c0, n);
         stage_u(c0, n);
-        pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n);
         __syncthreads();
-        pm::load_rows(dq, states + c0 * D, D, m0, n);
+        pm::load_rows(dq, states + c0 * D, D, m0, n0, n);
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < 4; ++i)
 #pragma unroll
           for (int jj = 0; jj < 4; ++jj) dq[i][jj] += rbar[i][jj];
-        float x[8][4];
-        pm::zero(x);
-        warp_mma<ld, false, true>(x, a_from_regs{rbar, -1.f}, hi(L::u), lo(L::u));
-        tril_mask(x);
-        warp_mma<ld, true, true>(dq, a_from_regs{x, 1.f}, hi(L::w), lo(L::w));
-        pm::store_split(x, hi(L::e1), lo(L::e1), m0, n);
-        __syncthreads();
-        float acc[8][4];
-        pm::zero(acc);  // dU -= X^T rbar
-        warp_mma<ld, true, true>(acc, a_from_tile_t<ld, true>{hi(L::x), lo(L::x), m0}, hi(L::e2),
-                                 lo(L::e2));
-        pm::add_rows(acc, dus + c0 * D, D, m0, n, -1.f);
-        pm::zero(acc);  // dW += dX^T Qs
-        warp_mma<ld, true, true>(acc, a_from_tile_t<ld, true>{hi(L::e1), lo(L::e1), m0}, hi(L::q),
-                                 lo(L::q));
-        pm::add_rows(acc, dws + c0 * D, D, m0, n, 1.f);
+        {
+          part x;
+          pm::zero(x);
+          warp_mma<ld, false, true, 4>(x, neg_rows_of(L::e2), hi(L::u), lo(L::u), n0);
+          tril_mask(x);
+          pm::store_split(x, hi(L::e1), lo(L::e1), m0, n0, n);
+        }
+        __syncthreads();  // dX whole
+        warp_mma<ld, true, true, 4>(dq, rows_of(L::e1), hi(L::w), lo(L::w), n0);
+        cross(L::x, hi(L::e2), lo(L::e2), split_b{}, dus + c0 * D, D, n, -1.f);  // dU -= X^T rbar
+        cross(L::e1, hi(L::q), lo(L::q), split_b{}, dws + c0 * D, D, n, 1.f);    // dW += dX^T Qs
       } else {
-        pm::load_rows(dq, states + c0 * D, D, m0, n);
+        pm::load_rows(dq, states + c0 * D, D, m0, n0, n);
       }
-      for_fragment_pairs(dq, m0, [&](int a, int c, float x0, float x1) {
+      for_fragment_pairs<4>(dq, m0, n0, [&](int a, int c, float x0, float x1) {
         if (a >= n) return;
         T* at = static_cast<T*>(p.dq) + batch * p.dq_stride[0] + (start + c0 + a) * p.dq_stride[1] +
                 hq * p.dq_stride[2] + c;
