@@ -1,10 +1,13 @@
 // Semantic IDs (include/attnmix/retrieval/semantic_ids.hpp): clusters share their first code,
 // every item gets its own tuple and item_of inverts it, each level's residual k-means lowers the
 // reconstruction error, collisions get the extra code, the same seed gives the same IDs, and bad
-// input is an attnmix::error naming the argument.
+// input is an attnmix::error naming the argument; saved and loaded, the same IDs, and a file with
+// codes out of range, repeated IDs or missing tensors is refused.
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <filesystem>
 #include <random>
 #include <set>
 #include <string>
@@ -13,6 +16,7 @@
 #include "support/catch.hpp"
 
 #include "attnmix/retrieval/semantic_ids.hpp"
+#include "attnmix/retrieval/semantic_ids_io.hpp"
 
 namespace {
 
@@ -156,4 +160,57 @@ TEST_CASE("semantic IDs: bad input is an attnmix::error naming the argument",
   throws_naming([&] { s.of(2); }, "item");
   throws_naming([&] { s.of(-1); }, "item");
   throws_naming([&] { s.item_of(nullptr); }, "tuple");
+}
+
+namespace {
+
+std::string temp_file(const std::string& name) {
+  return (std::filesystem::temp_directory_path() /
+          ("attnmix_test_semantic_ids_" + name + ".safetensors"))
+      .string();
+}
+
+struct one_tensor {  // a file of another kind
+  std::vector<float> x{1.f, 2.f};
+  template <class F>
+  void visit_parameters(F&& f) const {
+    struct {
+      const std::vector<float>& data;
+      std::vector<index_t> shape;
+    } t{x, {2}};
+    f("x", t);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("semantic IDs: saved and loaded, the same IDs; bad files refused",
+          "[retrieval][semantic_ids][io]") {
+  const std::vector<float> v = clustered(4, 10, 6, 9);
+  attnmix::semantic_id_options o;
+  o.levels = 2, o.codes = 8, o.seed = 2;
+  const attnmix::semantic_ids s = attnmix::assign_semantic_ids(v.data(), 40, 6, o);
+  const std::string path = temp_file("round_trip");
+  attnmix::save_semantic_ids(s, path);
+  const attnmix::semantic_ids back = attnmix::load_semantic_ids(path);
+  CHECK(back.items == s.items);
+  CHECK(back.dim == s.dim);
+  CHECK(back.levels == s.levels);
+  CHECK(back.codes == s.codes);
+  CHECK(back.code == s.code);
+  CHECK(back.codebook == s.codebook);
+  check_unique_and_inverse(back);
+
+  attnmix::semantic_ids bad = s;
+  bad.code[5] = o.codes + 3;  // a code out of range
+  attnmix::save_semantic_ids(bad, path);
+  CHECK_THROWS_AS(attnmix::load_semantic_ids(path), attnmix::error);
+  bad = s;
+  for (int l = 0; l < s.depth(); ++l) bad.code[s.depth() + l] = s.code[l];  // item 1 = item 0
+  attnmix::save_semantic_ids(bad, path);
+  CHECK_THROWS_AS(attnmix::load_semantic_ids(path), attnmix::error);
+  attnmix::io::save(one_tensor{}, path);
+  CHECK_THROWS_AS(attnmix::load_semantic_ids(path), attnmix::error);
+  CHECK_THROWS_AS(attnmix::load_semantic_ids(temp_file("does_not_exist")), attnmix::error);
+  std::remove(path.c_str());
 }

@@ -112,9 +112,12 @@ inline std::size_t element_size(dtype t) {
 // The dtype a parameter of element type T is saved as.
 template <class T>
 constexpr dtype dtype_of() {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "attnmix::io: parameters are float or double");
-  return std::is_same_v<T, float> ? dtype::f32 : dtype::f64;
+  static_assert(
+      std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, std::int32_t>,
+      "attnmix::io: parameters are float, double or int32 (codes)");
+  return std::is_same_v<T, float>    ? dtype::f32
+         : std::is_same_v<T, double> ? dtype::f64
+                                     : dtype::i32;
 }
 
 // One tensor entry of a file.
@@ -288,8 +291,9 @@ class safetensors_file {
     return nullptr;
   }
 
-  // The values of `t` as T. Floating dtypes that convert exactly are accepted: F32, F16 and
-  // BF16 into float; those and F64 into double. Anything else throws attnmix::error, as does a
+  // The values of `t` as T. Dtypes that convert exactly are accepted: F32, F16 and BF16 into
+  // float; those, F64 and I32 into double; I32 into int32. Anything else throws attnmix::error, as
+  // does a
   // tensor_info (made or edited by the caller) whose byte range is not its shape's and dtype's
   // within this file's data.
   template <class T>
@@ -305,8 +309,11 @@ class safetensors_file {
 
   template <class T>
   void check_convertible(const std::string& fn, const tensor_info& t) const {
-    const bool ok = t.type == dtype::f32 || t.type == dtype::f16 || t.type == dtype::bf16 ||
-                    (std::is_same_v<T, double> && t.type == dtype::f64);
+    const bool floating = t.type == dtype::f32 || t.type == dtype::f16 || t.type == dtype::bf16;
+    const bool ok = std::is_same_v<T, std::int32_t>
+                        ? t.type == dtype::i32
+                        : floating || (std::is_same_v<T, double> &&
+                                       (t.type == dtype::f64 || t.type == dtype::i32));
     if (!ok)
       detail::fail(fn, source_,
                    "tensor '" + t.name + "' has dtype " + to_string(t.type) +
@@ -352,6 +359,11 @@ class safetensors_file {
       }
       case dtype::f32: {
         float v;
+        std::memcpy(&v, p + 4 * i, 4);
+        return static_cast<T>(v);
+      }
+      case dtype::i32: {
+        std::int32_t v;
         std::memcpy(&v, p + 4 * i, 4);
         return static_cast<T>(v);
       }

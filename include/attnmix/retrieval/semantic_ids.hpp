@@ -57,6 +57,49 @@ struct semantic_ids {
     const auto it = index_.find(std::vector<std::int32_t>(tuple, tuple + depth()));
     return it == index_.end() ? -1 : it->second;
   }
+  // An empty set of IDs of these sizes (for loading into: retrieval/semantic_ids_io.hpp).
+  static semantic_ids sized(index_t items, index_t dim, int levels, int codes) {
+    semantic_ids s;
+    s.items = items, s.dim = dim, s.levels = levels, s.codes = codes;
+    s.code.assign(static_cast<std::size_t>(items * (levels + 1)), 0);
+    s.codebook.assign(static_cast<std::size_t>(levels * codes * dim), 0.f);
+    return s;
+  }
+
+  // The tensors attnmix::io::save and load see: "semantic_ids.codes" (I32, [items, levels + 1])
+  // and "semantic_ids.codebook" (F32, [levels, codes, dim]).
+  template <class F>
+  void visit_parameters(F&& f) {
+    tensor<std::vector<std::int32_t>> c{code, {items, index_t(depth())}};
+    tensor<std::vector<float>> b{codebook, {index_t(levels), index_t(codes), dim}};
+    f("semantic_ids.codes", c);
+    f("semantic_ids.codebook", b);
+  }
+  template <class F>
+  void visit_parameters(F&& f) const {
+    const tensor<const std::vector<std::int32_t>> c{code, {items, index_t(depth())}};
+    const tensor<const std::vector<float>> b{codebook, {index_t(levels), index_t(codes), dim}};
+    f("semantic_ids.codes", c);
+    f("semantic_ids.codebook", b);
+  }
+  // For attnmix::io::load: every code in [0, codes), every item's codes its own.
+  template <class Values, class Reject>
+  void check_loaded(Values&& values, Reject&& reject) const {
+    const std::vector<double> c = values("semantic_ids.codes");
+    std::map<std::vector<double>, index_t> seen;
+    for (index_t i = 0; i < items; ++i) {
+      const auto first = c.begin() + i * depth();
+      for (int l = 0; l < depth(); ++l)
+        if (!(first[l] >= 0 && first[l] < codes))
+          reject(detail::concat("tensor 'semantic_ids.codes' gives item ", i, " the code ",
+                                first[l], " at level ", l, ", outside [0, ", codes, ")"));
+      const auto at = seen.emplace(std::vector<double>(first, first + depth()), i);
+      if (!at.second)
+        reject(detail::concat("tensor 'semantic_ids.codes' gives items ", at.first->second, " and ",
+                              i, " the same codes"));
+    }
+  }
+
   // Rebuilds the lookup of item_of from `code`.
   void reindex() {
     index_.clear();
@@ -65,6 +108,11 @@ struct semantic_ids {
   }
 
  private:
+  template <class V>
+  struct tensor {
+    V& data;
+    std::vector<index_t> shape;
+  };
   std::map<std::vector<std::int32_t>, index_t> index_;
 };
 
