@@ -37,6 +37,17 @@ class hash_embedding {
         width_(width),
         seed_(seed) {}
 
+  // The same layer with the weights copied (and rounded) to T in Backend's memory.
+  template <class U, class B>
+  explicit hash_embedding(const hash_embedding<U, B>& other)
+      : table(other.table),
+        projection(other.projection),
+        buckets_(other.buckets()),
+        hashes_(other.hashes()),
+        part_(other.part()),
+        width_(other.width()),
+        seed_(other.seed()) {}
+
   index_t buckets() const { return buckets_; }
   int hashes() const { return hashes_; }
   index_t part() const { return part_; }
