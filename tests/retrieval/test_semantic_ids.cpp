@@ -160,6 +160,10 @@ TEST_CASE("semantic IDs: bad input is an attnmix::error naming the argument",
   throws_naming([&] { s.of(2); }, "item");
   throws_naming([&] { s.of(-1); }, "item");
   throws_naming([&] { s.item_of(nullptr); }, "tuple");
+  const std::vector<std::int32_t> out_of_range = {0, 0, 2, 0};  // codes 2 of [0, 2)
+  throws_naming([&] { s.item_of(out_of_range.data()); }, "tuple");
+  const std::vector<std::int32_t> negative = {0, -1, 0, 0};
+  throws_naming([&] { s.item_of(negative.data()); }, "tuple");
 }
 
 namespace {

@@ -51,9 +51,13 @@ struct semantic_ids {
     return code.data() + i * depth();
   }
   // The item whose codes are tuple[0 .. depth()), or -1 when no item has them (after reindex()
-  // when `code` was changed by hand).
+  // when `code` was changed by hand). A code outside [0, codes) is an attnmix::error.
   index_t item_of(const std::int32_t* tuple) const {
-    detail::require(tuple != nullptr, "attnmix::semantic_ids::item_of", "tuple", "is null");
+    const char* fn = "attnmix::semantic_ids::item_of";
+    detail::require(tuple != nullptr, fn, "tuple", "is null");
+    for (int l = 0; l < depth(); ++l)
+      detail::require(tuple[l] >= 0 && tuple[l] < codes, fn, "tuple", "has the code ", tuple[l],
+                      " at level ", l, ", outside [0, ", codes, ")");
     const auto it = index_.find(std::vector<std::int32_t>(tuple, tuple + depth()));
     return it == index_.end() ? -1 : it->second;
   }
