@@ -12,9 +12,11 @@
 #include "attnmix/attnmix.hpp"
 #include "attnmix/layers/hash_embedding.hpp"
 #include "support/catch.hpp"
+#include "support/errors.hpp"
 #include "support/testing.hpp"
 
 using attnmix::index_t;
+using attnmix_test::expect_error;
 
 namespace {
 
@@ -122,25 +124,25 @@ TEST_CASE("hash embedding: buckets, forward, backward against finite differences
 
 TEST_CASE("hash embedding: bad sizes and inputs are an attnmix::error naming the argument",
           "[layers][hash_embedding][errors]") {
-  const auto throws_naming = [](auto&& f, const std::string& arg) {
-    try {
-      f();
-      FAIL("no error for " << arg);
-    } catch (const attnmix::error& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find("'" + arg + "'") != std::string::npos);
-    }
-  };
-  throws_naming([] { layer(0, 2, 4, 4); }, "buckets");
-  throws_naming([] { layer(8, 0, 4, 4); }, "hashes");
-  throws_naming([] { layer(8, 2, 0, 4); }, "part");
-  throws_naming([] { layer(8, 2, 4, 0); }, "width");
-  throws_naming([] { layer(index_t(1) << 30, 4, 1, 1); }, "buckets");  // rows past int32
+  expect_error("attnmix::layers::hash_embedding", "buckets", "is 0; at least 1",
+               [] { layer(0, 2, 4, 4); });
+  expect_error("attnmix::layers::hash_embedding", "hashes", "is 0; at least 1",
+               [] { layer(8, 0, 4, 4); });
+  expect_error("attnmix::layers::hash_embedding", "part", "is 0; at least 1",
+               [] { layer(8, 2, 0, 4); });
+  expect_error("attnmix::layers::hash_embedding", "width", "is 0; at least 1",
+               [] { layer(8, 2, 4, 0); });
+  expect_error("attnmix::layers::hash_embedding", "buckets",
+               "the table's rows would not fit an int32",
+               [] { layer(index_t(1) << 30, 4, 1, 1); });  // rows past int32
   const layer e(8, 2, 4, 4);
   std::vector<std::int32_t> out(4);
   const std::uint64_t ids[2] = {1, 2};
-  throws_naming([&] { e.bucket_rows(nullptr, 2, out.data()); }, "ids");
-  throws_naming([&] { e.bucket_rows(ids, 2, nullptr); }, "out");
-  throws_naming([&] { e.bucket_rows(ids, -1, out.data()); }, "rows");
+  expect_error("attnmix::layers::hash_embedding::bucket_rows", "ids", "is null for 2 rows",
+               [&] { e.bucket_rows(nullptr, 2, out.data()); });
+  expect_error("attnmix::layers::hash_embedding::bucket_rows", "out", "is null for 2 rows",
+               [&] { e.bucket_rows(ids, 2, nullptr); });
+  expect_error("attnmix::layers::hash_embedding::bucket_rows", "rows", "is -1; at least 0",
+               [&] { e.bucket_rows(ids, -1, out.data()); });
   e.bucket_rows(nullptr, 0, nullptr);  // nothing to do
 }

@@ -13,12 +13,14 @@
 #include <vector>
 
 #include "support/catch.hpp"
+#include "support/errors.hpp"
 
 #include "attnmix/retrieval/beam_search.hpp"
 
 namespace {
 
 using attnmix::index_t;
+using attnmix_test::expect_error;
 using prefix_list = std::vector<std::vector<std::int32_t>>;
 
 // log p(code | prefix): a log-softmax of pseudo-random logits that depend on prefix and salt.
@@ -117,27 +119,25 @@ TEST_CASE("beam search: bad input is an attnmix::error naming the argument",
           "[retrieval][beam_search][errors]") {
   const attnmix::semantic_ids ids = catalogue(20, 5);
   const hash_scorer s{ids.codes, 1};
-  const auto throws_naming = [](auto&& call, const std::string& arg) {
-    try {
-      call();
-      FAIL("no error for " << arg);
-    } catch (const attnmix::error& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find("'" + arg + "'") != std::string::npos);
-    }
-  };
-  throws_naming([&] { attnmix::beam_search_items(ids, 0, 1, s); }, "width");
-  throws_naming([&] { attnmix::beam_search_items(ids, 21, 1, s); }, "width");  // wider than 20
-  throws_naming([&] { attnmix::beam_search_items(ids, 5, 0, s); }, "top_k");
-  throws_naming([&] { attnmix::beam_search_items(ids, 5, 6, s); }, "top_k");
+  expect_error("attnmix::beam_search_items", "width", "is 0 but must be in [1, 20]",
+               [&] { attnmix::beam_search_items(ids, 0, 1, s); });
+  expect_error("attnmix::beam_search_items", "width", "is 21 but must be in [1, 20]",
+               [&] { attnmix::beam_search_items(ids, 21, 1, s); });  // wider than 20
+  expect_error("attnmix::beam_search_items", "top_k", "is 0 but must be in [1, width = 5]",
+               [&] { attnmix::beam_search_items(ids, 5, 0, s); });
+  expect_error("attnmix::beam_search_items", "top_k", "is 6 but must be in [1, width = 5]",
+               [&] { attnmix::beam_search_items(ids, 5, 6, s); });
   const auto shrinks = [](const prefix_list&, std::vector<double>& out) {
     out.resize(1);
   };
-  throws_naming([&] { attnmix::beam_search_items(ids, 5, 5, shrinks); }, "scorer");
+  expect_error("attnmix::beam_search_items", "scorer", "resized its output to 1 values",
+               [&] { attnmix::beam_search_items(ids, 5, 5, shrinks); });
   const auto nan = [](const prefix_list&, std::vector<double>& out) {
     std::fill(out.begin(), out.end(), std::nan(""));
   };
-  throws_naming([&] { attnmix::beam_search_items(ids, 5, 5, nan); }, "scorer");
+  expect_error("attnmix::beam_search_items", "scorer", "gave NaN",
+               [&] { attnmix::beam_search_items(ids, 5, 5, nan); });
   attnmix::semantic_ids empty;
-  throws_naming([&] { attnmix::beam_search_items(empty, 1, 1, s); }, "ids");
+  expect_error("attnmix::beam_search_items", "ids", "holds 0 codes for 0 items",
+               [&] { attnmix::beam_search_items(empty, 1, 1, s); });
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "support/catch.hpp"
+#include "support/errors.hpp"
 
 #include "attnmix/retrieval/semantic_ids.hpp"
 #include "attnmix/retrieval/semantic_ids_io.hpp"
@@ -21,6 +22,7 @@
 namespace {
 
 using attnmix::index_t;
+using attnmix_test::expect_error;
 
 // `clusters` well-separated groups of `per` points in `dim` dimensions (centres 10 apart along
 // their own axis, spread 0.1), item i in cluster i / per.
@@ -130,40 +132,44 @@ TEST_CASE("semantic IDs: bad input is an attnmix::error naming the argument",
           "[retrieval][semantic_ids][errors]") {
   std::vector<float> v(20, 1.f);
   const attnmix::semantic_id_options ok;
-  const auto throws_naming = [](auto&& call, const std::string& arg) {
-    try {
-      call();
-      FAIL("no error for " << arg);
-    } catch (const attnmix::error& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find("'" + arg + "'") != std::string::npos);
-    }
-  };
-  throws_naming([&] { attnmix::assign_semantic_ids(nullptr, 5, 4, ok); }, "vectors");
-  throws_naming([&] { attnmix::assign_semantic_ids(v.data(), 0, 4, ok); }, "items");
-  throws_naming([&] { attnmix::assign_semantic_ids(v.data(), 5, 0, ok); }, "dim");
+  expect_error("attnmix::assign_semantic_ids", "vectors", "is null",
+               [&] { attnmix::assign_semantic_ids(nullptr, 5, 4, ok); });
+  expect_error("attnmix::assign_semantic_ids", "items", "is 0; a catalogue needs at least one item",
+               [&] { attnmix::assign_semantic_ids(v.data(), 0, 4, ok); });
+  expect_error("attnmix::assign_semantic_ids", "dim", "is 0; vectors need at least one element",
+               [&] { attnmix::assign_semantic_ids(v.data(), 5, 0, ok); });
   attnmix::semantic_id_options o = ok;
   o.levels = 0;
-  throws_naming([&] { attnmix::assign_semantic_ids(v.data(), 5, 4, o); }, "options.levels");
+  expect_error("attnmix::assign_semantic_ids", "options.levels", "is 0; at least 1",
+               [&] { attnmix::assign_semantic_ids(v.data(), 5, 4, o); });
   o = ok, o.codes = 0;
-  throws_naming([&] { attnmix::assign_semantic_ids(v.data(), 5, 4, o); }, "options.codes");
+  expect_error("attnmix::assign_semantic_ids", "options.codes", "is 0; between 1 and 2^24",
+               [&] { attnmix::assign_semantic_ids(v.data(), 5, 4, o); });
   o = ok, o.iterations = -1;
-  throws_naming([&] { attnmix::assign_semantic_ids(v.data(), 5, 4, o); }, "options.iterations");
+  expect_error("attnmix::assign_semantic_ids", "options.iterations", "is -1; at least 0",
+               [&] { attnmix::assign_semantic_ids(v.data(), 5, 4, o); });
   v[13] = std::nanf("");
-  throws_naming([&] { attnmix::assign_semantic_ids(v.data(), 5, 4, ok); }, "vectors");
+  expect_error("attnmix::assign_semantic_ids", "vectors", "has the non-finite value",
+               [&] { attnmix::assign_semantic_ids(v.data(), 5, 4, ok); });
   // Five identical items, two codes at each of three levels: at most two can be told apart.
   std::vector<float> same(10, 2.f);
   o = ok, o.codes = 2;
-  throws_naming([&] { attnmix::assign_semantic_ids(same.data(), 5, 2, o); }, "options.codes");
+  expect_error("attnmix::assign_semantic_ids", "options.codes", "more items share the codes",
+               [&] { attnmix::assign_semantic_ids(same.data(), 5, 2, o); });
   // of / item_of
   const attnmix::semantic_ids s = attnmix::assign_semantic_ids(same.data(), 2, 5, o);
-  throws_naming([&] { s.of(2); }, "item");
-  throws_naming([&] { s.of(-1); }, "item");
-  throws_naming([&] { s.item_of(nullptr); }, "tuple");
+  expect_error("attnmix::semantic_ids::of", "item", "is 2 but the catalogue has 2 items",
+               [&] { s.of(2); });
+  expect_error("attnmix::semantic_ids::of", "item", "is -1 but the catalogue has 2 items",
+               [&] { s.of(-1); });
+  expect_error("attnmix::semantic_ids::item_of", "tuple", "is null", [&] { s.item_of(nullptr); });
   const std::vector<std::int32_t> out_of_range = {0, 0, 2, 0};  // codes 2 of [0, 2)
-  throws_naming([&] { s.item_of(out_of_range.data()); }, "tuple");
+  expect_error("attnmix::semantic_ids::item_of", "tuple",
+               "has the code 2 at level 2, outside [0, 2)",
+               [&] { s.item_of(out_of_range.data()); });
   const std::vector<std::int32_t> negative = {0, -1, 0, 0};
-  throws_naming([&] { s.item_of(negative.data()); }, "tuple");
+  expect_error("attnmix::semantic_ids::item_of", "tuple",
+               "has the code -1 at level 1, outside [0, 2)", [&] { s.item_of(negative.data()); });
 }
 
 namespace {

@@ -140,6 +140,17 @@ inline double sid_distance(const double* x, const double* c, index_t dim) {
   return s;
 }
 
+// The centroid nearest to x (ties to the lower index).
+inline int sid_nearest(const double* x, const std::vector<double>& centroid, int k, index_t dim) {
+  int best = 0;
+  double bd = std::numeric_limits<double>::max();
+  for (int c = 0; c < k; ++c) {
+    const double d = sid_distance(x, centroid.data() + c * dim, dim);
+    if (d < bd) bd = d, best = c;
+  }
+  return best;
+}
+
 // k-means of x [n][dim] with k centroids (k-means++ seeding, then Lloyd): the centroids
 // [k][dim] and each point's code.
 inline void sid_kmeans(const std::vector<double>& x, index_t n, index_t dim, int k, int iterations,
@@ -180,12 +191,7 @@ inline void sid_kmeans(const std::vector<double>& x, index_t n, index_t dim, int
   for (int it = 0; it < iterations; ++it) {
     bool moved = it == 0;
     for (index_t i = 0; i < n; ++i) {
-      int best = 0;
-      double bd = std::numeric_limits<double>::max();
-      for (int c = 0; c < k; ++c) {
-        const double d = sid_distance(row(x, i), row(centroid, c), dim);
-        if (d < bd) bd = d, best = c;
-      }
+      const int best = sid_nearest(row(x, i), centroid, k, dim);
       if (code[i] != best) moved = true;
       code[i] = best;
     }
@@ -201,15 +207,7 @@ inline void sid_kmeans(const std::vector<double>& x, index_t n, index_t dim, int
         for (index_t d = 0; d < dim; ++d) centroid[c * dim + d] = sum[c * dim + d] / count[c];
   }
   // The codes of the final centroids.
-  for (index_t i = 0; i < n; ++i) {
-    int best = 0;
-    double bd = std::numeric_limits<double>::max();
-    for (int c = 0; c < k; ++c) {
-      const double d = sid_distance(row(x, i), row(centroid, c), dim);
-      if (d < bd) bd = d, best = c;
-    }
-    code[i] = best;
-  }
+  for (index_t i = 0; i < n; ++i) code[i] = sid_nearest(row(x, i), centroid, k, dim);
 }
 
 }  // namespace detail
