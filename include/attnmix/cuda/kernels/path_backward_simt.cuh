@@ -87,6 +87,82 @@ __device__ inline void path_backward_slice(index_t chunks, int slices, int s, in
   }
 }
 
+// What a query kernel's CTA works on (slice blockIdx.x of KV head blockIdx.y of sequence
+// blockIdx.z): its query chunks [lo, hi), the head's chunk data, w, k and v from the sequence's
+// token 0, and the slice's sums there. `active` is false when the slice has no query chunk.
+template <class T>
+struct path_backward_cta {
+  bool active = false;
+  index_t batch = 0, start = 0, length = 0, lo = 0, hi = 0;
+  const float *KT = nullptr, *UU = nullptr, *MM = nullptr;  // K~, U [., D]; M [., C]
+  const float* W = nullptr;
+  const T *K = nullptr, *V = nullptr;
+  index_t ws1 = 0, ks1 = 0, vs1 = 0;  // row strides of W, K, V
+  // Sums: the slice's dK~, dW, dU, scan states, e ([., D]), dv ([., Dv]); dk and dM of the
+  // diagonal tiles.
+  float *dkt = nullptr, *dws = nullptr, *dus = nullptr, *states = nullptr, *es = nullptr,
+        *dvs = nullptr, *dkd = nullptr, *dm = nullptr;
+
+  __device__ explicit path_backward_cta(const path_backward_params& p) {
+    constexpr int C = path_chunk;
+    const path_kernel_params& kp = p.kp;
+    const int slice = blockIdx.x, h = blockIdx.y;
+    const index_t D = kp.a.head_dim, Dv = kp.a.value_dim;
+    kp.a.sequence(blockIdx.z, batch, start, length);
+    if (length <= 0) return;
+    path_backward_slice((length + C - 1) / C, p.slices, slice, lo, hi);
+    if (lo >= hi) return;
+    active = true;
+    const index_t row0 = kp.row(batch, h, start);  // [B, H, tokens, .] row of token 0
+    KT = static_cast<const float*>(kp.kt) + row0 * D;
+    UU = static_cast<const float*>(kp.u) + row0 * D;
+    MM = static_cast<const float*>(kp.m) + row0 * C;
+    W = kp.w + batch * kp.w_stride[0] + start * kp.w_stride[1] + h * kp.w_stride[2];
+    ws1 = kp.w_stride[1];
+    K = static_cast<const T*>(kp.a.k) + batch * kp.a.k_stride[0] + start * kp.a.k_stride[1] +
+        h * kp.a.k_stride[2];
+    ks1 = kp.a.k_stride[1];
+    V = static_cast<const T*>(kp.a.v) + batch * kp.a.v_stride[0] + start * kp.a.v_stride[1] +
+        h * kp.a.v_stride[2];
+    vs1 = kp.a.v_stride[1];
+    dkt = p.dkt + slice * p.slice_d + row0 * D;
+    dws = p.dws + slice * p.slice_d + row0 * D;
+    dus = p.dus + slice * p.slice_d + row0 * D;
+    states = p.states + slice * p.slice_d + row0 * D;
+    es = p.e + slice * p.slice_d + row0 * D;
+    dvs = p.dvs + slice * p.slice_dv + row0 * Dv;
+    dkd = p.dk_diag + row0 * D;
+    dm = p.dm + row0 * C;
+  }
+};
+
+// Query head hq's rows of the CTA's sequence from token 0: q, out, dout; and, with a gate, its
+// cumsum G, last resets R and the slice's dG (null without).
+template <class T>
+struct path_backward_query_rows {
+  const T *Q, *O, *dO;
+  index_t qs1, os1, dos1;  // their row strides
+  const double* G = nullptr;
+  const std::int32_t* R = nullptr;
+  double* dG = nullptr;
+
+  __device__ path_backward_query_rows(const path_backward_params& p, const path_backward_cta<T>& b,
+                                      int hq) {
+    const attention_kernel_params& a = p.kp.a;
+    Q = static_cast<const T*>(a.q) + b.batch * a.q_stride[0] + b.start * a.q_stride[1] +
+        hq * a.q_stride[2];
+    O = static_cast<const T*>(p.out) + b.batch * p.out_stride[0] + b.start * p.out_stride[1] +
+        hq * p.out_stride[2];
+    dO = static_cast<const T*>(p.dout) + b.batch * p.dout_stride[0] + b.start * p.dout_stride[1] +
+         hq * p.dout_stride[2];
+    qs1 = a.q_stride[1], os1 = p.out_stride[1], dos1 = p.dout_stride[1];
+    const index_t gate_at = (b.batch * a.tokens + b.start) * a.q_heads + hq;  // token 0
+    if (p.G != nullptr) G = p.G + gate_at;
+    if (p.reset != nullptr) R = p.reset + gate_at;
+    if (p.dgate != nullptr) dG = p.dgate + blockIdx.x * p.slice_gate + gate_at;
+  }
+};
+
 // f(r, c) for every (r, c) of rows x cols, spread over the CTA.
 template <class F>
 __device__ __forceinline__ void for_tile(int rows, int cols, F&& f) {
@@ -168,71 +244,34 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
   float* gi = delta + C;                          // [C]
   int* reset_i = reinterpret_cast<int*>(gi + C);  // [C] each row's last hard reset
 
-  const int slice = blockIdx.x, h = blockIdx.y;
-  index_t batch, start, length;
-  kp.a.sequence(blockIdx.z, batch, start, length);
-  if (length <= 0) return;
-  const index_t chunks = (length + C - 1) / C;
-  index_t lo, hi;
-  path_backward_slice(chunks, p.slices, slice, lo, hi);
-  if (lo >= hi) return;
-
-  const int group = kp.a.group;
-  const index_t row0 = kp.row(batch, h, start);  // [B, H, tokens, .] row of token 0
-  const float* KT = static_cast<const float*>(kp.kt) + row0 * D;
-  const float* UU = static_cast<const float*>(kp.u) + row0 * D;
-  const float* MM = static_cast<const float*>(kp.m) + row0 * C;
-  const float* W = kp.w + batch * kp.w_stride[0] + start * kp.w_stride[1] + h * kp.w_stride[2];
-  const index_t ws1 = kp.w_stride[1];
-  const T* K = static_cast<const T*>(kp.a.k) + batch * kp.a.k_stride[0] + start * kp.a.k_stride[1] +
-               h * kp.a.k_stride[2];
-  const index_t ks1 = kp.a.k_stride[1];
-  const T* V = static_cast<const T*>(kp.a.v) + batch * kp.a.v_stride[0] + start * kp.a.v_stride[1] +
-               h * kp.a.v_stride[2];
-  const index_t vs1 = kp.a.v_stride[1];
-  float* dkt = p.dkt + slice * p.slice_d + row0 * D;
-  float* dws = p.dws + slice * p.slice_d + row0 * D;
-  float* dus = p.dus + slice * p.slice_d + row0 * D;
-  float* states = p.states + slice * p.slice_d + row0 * D;
-  float* es = p.e + slice * p.slice_d + row0 * D;
-  float* dvs = p.dvs + slice * p.slice_dv + row0 * Dv;
-  float* dkd = p.dk_diag + row0 * D;
-  float* dm = p.dm + row0 * C;
+  const int h = blockIdx.y, group = kp.a.group;
+  const path_backward_cta<T> cta(p);
+  if (!cta.active) return;
   const float scale = p.scale;
 
   for (int hq = h * group; hq < (h + 1) * group; ++hq) {
-    const T* Q = static_cast<const T*>(kp.a.q) + batch * kp.a.q_stride[0] +
-                 start * kp.a.q_stride[1] + hq * kp.a.q_stride[2];
-    const T* O = static_cast<const T*>(p.out) + batch * p.out_stride[0] + start * p.out_stride[1] +
-                 hq * p.out_stride[2];
-    const T* dO = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
-                  start * p.dout_stride[1] + hq * p.dout_stride[2];
-    const index_t qs1 = kp.a.q_stride[1], os1 = p.out_stride[1], dos1 = p.dout_stride[1];
-    const index_t gate_at = (batch * kp.a.tokens + start) * kp.a.q_heads + hq;  // token 0
-    const double* G = p.G != nullptr ? p.G + gate_at : nullptr;
-    const std::int32_t* R = p.reset != nullptr ? p.reset + gate_at : nullptr;
+    const path_backward_query_rows<T> qr(p, cta, hq);
     const index_t HQ = kp.a.q_heads;
-    double* dG = p.dgate != nullptr ? p.dgate + slice * p.slice_gate + gate_at : nullptr;
 
-    for (index_t ci = lo; ci < hi; ++ci) {
+    for (index_t ci = cta.lo; ci < cta.hi; ++ci) {
       const index_t c0 = ci * C;
-      const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
-      const double g_ref = G != nullptr ? G[c0 * HQ] : 0.0;
+      const int n = cta.length - c0 < C ? static_cast<int>(cta.length - c0) : C;
+      const double g_ref = qr.G != nullptr ? qr.G[c0 * HQ] : 0.0;
 
       // Load Qs, lse, delta, the gate terms of the rows and their resets.
       for_tile(C, D, [&](int a, int d) {
-        qs[a * ld + d] = a < n ? scale * to_float(Q[(c0 + a) * qs1 + d]) : 0.f;
+        qs[a * ld + d] = a < n ? scale * to_float(qr.Q[(c0 + a) * qr.qs1 + d]) : 0.f;
       });
       for (int a = threadIdx.x; a < C; a += blockDim.x) {
         float dl = 0.f, l = 0.f, gg = 0.f;
         int rs = 0;
         if (a < n) {
           for (int e = 0; e < Dv; ++e)
-            dl += to_float(dO[(c0 + a) * dos1 + e]) * to_float(O[(c0 + a) * os1 + e]);
-          l = p.lse[batch * p.lse_stride[0] + (start + c0 + a) * p.lse_stride[1] +
+            dl += to_float(qr.dO[(c0 + a) * qr.dos1 + e]) * to_float(qr.O[(c0 + a) * qr.os1 + e]);
+          l = p.lse[cta.batch * p.lse_stride[0] + (cta.start + c0 + a) * p.lse_stride[1] +
                     hq * p.lse_stride[2]];
-          if (G != nullptr) gg = static_cast<float>(p.coef * (G[(c0 + a) * HQ] - g_ref));
-          if (R != nullptr) rs = R[(c0 + a) * HQ];
+          if (qr.G != nullptr) gg = static_cast<float>(p.coef * (qr.G[(c0 + a) * HQ] - g_ref));
+          if (qr.R != nullptr) rs = qr.R[(c0 + a) * HQ];
         }
         delta[a] = dl, lse[a] = l, gi[a] = gg, reset_i[a] = rs;
       }
@@ -243,13 +282,15 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
       const auto backprop_softmax = [&](index_t j0, int cols, bool diag) {
         for_tile(C, C, [&](int j, int a) {
           float pv = 0.f, dzv = 0.f;
-          if (a < n && j < cols && (!diag || j <= a) && (R == nullptr || j0 + j >= reset_i[a])) {
+          if (a < n && j < cols && (!diag || j <= a) && (qr.R == nullptr || j0 + j >= reset_i[a])) {
             float z = s[a * lc + j];
-            if (G != nullptr) z += gi[a] - static_cast<float>(p.coef * (G[(j0 + j) * HQ] - g_ref));
+            if (qr.G != nullptr)
+              z += gi[a] - static_cast<float>(p.coef * (qr.G[(j0 + j) * HQ] - g_ref));
             pv = expf(z - lse[a]);
             float dp = 0.f;
             for (int e = 0; e < Dv; ++e)
-              dp += to_float(dO[(c0 + a) * dos1 + e]) * to_float(V[(j0 + j) * vs1 + e]);
+              dp +=
+                  to_float(qr.dO[(c0 + a) * qr.dos1 + e]) * to_float(cta.V[(j0 + j) * cta.vs1 + e]);
             dzv = pv * (dp - delta[a]);
           }
           s[a * lc + j] = pv;
@@ -258,20 +299,21 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
         __syncthreads();
         for_tile(cols, Dv, [&](int j, int e) {
           float acc = 0.f;
-          for (int a = 0; a < n; ++a) acc += s[a * lc + j] * to_float(dO[(c0 + a) * dos1 + e]);
-          dvs[(j0 + j) * Dv + e] += acc;
+          for (int a = 0; a < n; ++a)
+            acc += s[a * lc + j] * to_float(qr.dO[(c0 + a) * qr.dos1 + e]);
+          cta.dvs[(j0 + j) * Dv + e] += acc;
         });
-        if (dG != nullptr) {
+        if (qr.dG != nullptr) {
           for (int a = threadIdx.x; a < n; a += blockDim.x) {
             float rs = 0.f;
             for (int j = 0; j < cols; ++j) rs += dz[a * lc + j];
-            dG[(c0 + a) * HQ] += p.coef * static_cast<double>(rs);
+            qr.dG[(c0 + a) * HQ] += p.coef * static_cast<double>(rs);
           }
           __syncthreads();  // the diagonal tile's columns are its rows
           for (int j = threadIdx.x; j < cols; j += blockDim.x) {
             float cs = 0.f;
             for (int a = 0; a < n; ++a) cs += dz[a * lc + j];
-            dG[(j0 + j) * HQ] -= p.coef * static_cast<double>(cs);
+            qr.dG[(j0 + j) * HQ] -= p.coef * static_cast<double>(cs);
           }
         }
         __syncthreads();
@@ -281,15 +323,16 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
       for_tile(C, C, [&](int b, int a) {
         float acc = 0.f;
         if (a < n && b <= a)
-          for (int d = 0; d < D; ++d) acc += qs[a * ld + d] * W[(c0 + b) * ws1 + d];
+          for (int d = 0; d < D; ++d) acc += qs[a * ld + d] * cta.W[(c0 + b) * cta.ws1 + d];
         x[a * lc + b] = acc;
       });
       __syncthreads();
       for_tile(C, C, [&](int b, int a) {
         float acc = 0.f;
         if (a < n && b < n) {
-          for (int d = 0; d < D; ++d) acc += qs[a * ld + d] * to_float(K[(c0 + b) * ks1 + d]);
-          for (int c = 0; c < n; ++c) acc -= x[a * lc + c] * MM[(c0 + c) * C + b];
+          for (int d = 0; d < D; ++d)
+            acc += qs[a * ld + d] * to_float(cta.K[(c0 + b) * cta.ks1 + d]);
+          for (int c = 0; c < n; ++c) acc -= x[a * lc + c] * cta.MM[(c0 + c) * C + b];
         }
         s[a * lc + b] = acc;
       });
@@ -299,23 +342,24 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
       for_tile(n, D, [&](int b, int d) {
         float acc = 0.f;
         for (int a = 0; a < n; ++a) acc += dz[a * lc + b] * qs[a * ld + d];
-        dkd[(c0 + b) * D + d] += acc;
+        cta.dkd[(c0 + b) * D + d] += acc;
       });
       for_tile(n, n, [&](int rr, int c) {
         float acc = 0.f;
         for (int a = 0; a < n; ++a) acc += x[a * lc + rr] * dz[a * lc + c];
-        dm[(c0 + rr) * C + c] -= acc;
+        cta.dm[(c0 + rr) * C + c] -= acc;
       });
       for_tile(C, D, [&](int a, int d) {
         float acc = 0.f;
         if (a < n)
-          for (int b = 0; b < n; ++b) acc += dz[a * lc + b] * to_float(K[(c0 + b) * ks1 + d]);
+          for (int b = 0; b < n; ++b)
+            acc += dz[a * lc + b] * to_float(cta.K[(c0 + b) * cta.ks1 + d]);
         dqs[a * ld + d] = acc;
       });
       for_tile(C, C, [&](int c, int a) {
         float acc = 0.f;
         if (a < n && c < n)
-          for (int b = 0; b < n; ++b) acc += dz[a * lc + b] * MM[(c0 + c) * C + b];
+          for (int b = 0; b < n; ++b) acc += dz[a * lc + b] * cta.MM[(c0 + c) * C + b];
         dx[a * lc + c] = -acc;
       });
       __syncthreads();
@@ -326,18 +370,18 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
           float acc = 0.f;
           if (a < n) {
             acc = qs[a * ld + d];
-            for (int c = 0; c <= a; ++c) acc -= x[a * lc + c] * UU[(c0 + c) * D + d];
+            for (int c = 0; c <= a; ++c) acc -= x[a * lc + c] * cta.UU[(c0 + c) * D + d];
           }
           r[a * ld + d] = acc;
         });
         __syncthreads();
         for (index_t cj = ci - 1; cj >= 0; --cj) {
           const index_t j0 = cj * C;  // earlier chunks are full
-          for_tile(n, D, [&](int a, int d) { states[(j0 + a) * D + d] = r[a * ld + d]; });
+          for_tile(n, D, [&](int a, int d) { cta.states[(j0 + a) * D + d] = r[a * ld + d]; });
           for_tile(C, C, [&](int j, int a) {
             float acc = 0.f;
             if (a < n)
-              for (int d = 0; d < D; ++d) acc += r[a * ld + d] * KT[(j0 + j) * D + d];
+              for (int d = 0; d < D; ++d) acc += r[a * ld + d] * cta.KT[(j0 + j) * D + d];
             s[a * lc + j] = acc;
           });
           __syncthreads();
@@ -345,24 +389,24 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
           for_tile(C, D, [&](int j, int d) {
             float acc = 0.f;
             for (int a = 0; a < n; ++a) acc += dz[a * lc + j] * r[a * ld + d];
-            dkt[(j0 + j) * D + d] += acc;
+            cta.dkt[(j0 + j) * D + d] += acc;
           });
           for_tile(n, D, [&](int a, int d) {
             float acc = 0.f;
-            for (int j = 0; j < C; ++j) acc += dz[a * lc + j] * KT[(j0 + j) * D + d];
-            es[(j0 + a) * D + d] = acc;
+            for (int j = 0; j < C; ++j) acc += dz[a * lc + j] * cta.KT[(j0 + j) * D + d];
+            cta.es[(j0 + a) * D + d] = acc;
           });
           if (cj == 0) break;  // chunk 0's product is never applied
           for_tile(C, C, [&](int c, int a) {
             float acc = 0.f;
             if (a < n)
-              for (int d = 0; d < D; ++d) acc += r[a * ld + d] * W[(j0 + c) * ws1 + d];
+              for (int d = 0; d < D; ++d) acc += r[a * ld + d] * cta.W[(j0 + c) * cta.ws1 + d];
             tmp[a * lc + c] = acc;
           });
           __syncthreads();
           for_tile(n, D, [&](int a, int d) {
             float acc = 0.f;
-            for (int c = 0; c < C; ++c) acc += tmp[a * lc + c] * UU[(j0 + c) * D + d];
+            for (int c = 0; c < C; ++c) acc += tmp[a * lc + c] * cta.UU[(j0 + c) * D + d];
             r[a * ld + d] -= acc;
           });
           __syncthreads();
@@ -370,17 +414,17 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
         __syncthreads();
         // Step 3: rbar^(cj) = e_cj + rbar^(cj-1) P_cj^T, with P = I - W^T U:
         // dU -= (r W^T)^T rbar, dW -= (rbar U^T)^T r.
-        for_tile(C, D, [&](int a, int d) { rbar[a * ld + d] = a < n ? es[a * D + d] : 0.f; });
+        for_tile(C, D, [&](int a, int d) { rbar[a * ld + d] = a < n ? cta.es[a * D + d] : 0.f; });
         __syncthreads();
         for (index_t cj = 1; cj < ci; ++cj) {
           const index_t j0 = cj * C;
-          const float* St = states + j0 * D;
+          const float* St = cta.states + j0 * D;
           for_tile(C, C, [&](int c, int a) {
             float y = 0.f, t = 0.f;
             if (a < n)
               for (int d = 0; d < D; ++d) {
-                y += St[a * D + d] * W[(j0 + c) * ws1 + d];
-                t += rbar[a * ld + d] * UU[(j0 + c) * D + d];
+                y += St[a * D + d] * cta.W[(j0 + c) * cta.ws1 + d];
+                t += rbar[a * ld + d] * cta.UU[(j0 + c) * D + d];
               }
             s[a * lc + c] = y;
             tmp[a * lc + c] = t;
@@ -392,14 +436,14 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
               du += s[a * lc + c] * rbar[a * ld + d];
               dw += tmp[a * lc + c] * St[a * D + d];
             }
-            dus[(j0 + c) * D + d] -= du;
-            dws[(j0 + c) * D + d] -= dw;
+            cta.dus[(j0 + c) * D + d] -= du;
+            cta.dws[(j0 + c) * D + d] -= dw;
           });
           __syncthreads();
           for_tile(n, D, [&](int a, int d) {
             float acc = 0.f;
-            for (int c = 0; c < C; ++c) acc += tmp[a * lc + c] * W[(j0 + c) * ws1 + d];
-            rbar[a * ld + d] += es[(j0 + a) * D + d] - acc;
+            for (int c = 0; c < C; ++c) acc += tmp[a * lc + c] * cta.W[(j0 + c) * cta.ws1 + d];
+            rbar[a * ld + d] += cta.es[(j0 + a) * D + d] - acc;
           });
           __syncthreads();
         }
@@ -408,13 +452,13 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
         for_tile(C, C, [&](int c, int a) {
           float acc = 0.f;
           if (a < n && c < n)
-            for (int d = 0; d < D; ++d) acc += rbar[a * ld + d] * UU[(c0 + c) * D + d];
+            for (int d = 0; d < D; ++d) acc += rbar[a * ld + d] * cta.UU[(c0 + c) * D + d];
           dx[a * lc + c] -= acc;
         });
         for_tile(n, D, [&](int c, int d) {
           float acc = 0.f;
           for (int a = 0; a < n; ++a) acc += x[a * lc + c] * rbar[a * ld + d];
-          dus[(c0 + c) * D + d] -= acc;
+          cta.dus[(c0 + c) * D + d] -= acc;
         });
         __syncthreads();
       }
@@ -426,14 +470,14 @@ __global__ void __launch_bounds__(256) path_backward_query_kernel(const path_bac
       __syncthreads();
       for_tile(n, D, [&](int a, int d) {
         float acc = dqs[a * ld + d];
-        for (int c = 0; c <= a; ++c) acc += dx[a * lc + c] * W[(c0 + c) * ws1 + d];
-        static_cast<T*>(p.dq)[batch * p.dq_stride[0] + (start + c0 + a) * p.dq_stride[1] +
+        for (int c = 0; c <= a; ++c) acc += dx[a * lc + c] * cta.W[(c0 + c) * cta.ws1 + d];
+        static_cast<T*>(p.dq)[cta.batch * p.dq_stride[0] + (cta.start + c0 + a) * p.dq_stride[1] +
                               hq * p.dq_stride[2] + d] = from_float<T>(scale * acc);
       });
       for_tile(n, D, [&](int c, int d) {
         float acc = 0.f;
         for (int a = c; a < n; ++a) acc += dx[a * lc + c] * qs[a * ld + d];
-        dws[(c0 + c) * D + d] += acc;
+        cta.dws[(c0 + c) * D + d] += acc;
       });
       __syncthreads();
     }

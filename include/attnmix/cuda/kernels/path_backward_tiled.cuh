@@ -109,71 +109,34 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
   float* gi = delta + C;                          // [C]
   int* reset_i = reinterpret_cast<int*>(gi + C);  // [C] each row's last hard reset
 
-  const int slice = blockIdx.x, h = blockIdx.y;
-  index_t batch, start, length;
-  kp.a.sequence(blockIdx.z, batch, start, length);
-  if (length <= 0) return;
-  const index_t chunks = (length + C - 1) / C;
-  index_t lo, hi;
-  path_backward_slice(chunks, p.slices, slice, lo, hi);
-  if (lo >= hi) return;
-
-  const int group = kp.a.group;
-  const index_t row0 = kp.row(batch, h, start);  // [B, H, tokens, .] row of token 0
-  const float* KT = static_cast<const float*>(kp.kt) + row0 * D;
-  const float* UU = static_cast<const float*>(kp.u) + row0 * D;
-  const float* MM = static_cast<const float*>(kp.m) + row0 * C;
-  const float* W = kp.w + batch * kp.w_stride[0] + start * kp.w_stride[1] + h * kp.w_stride[2];
-  const index_t ws1 = kp.w_stride[1];
-  const T* K = static_cast<const T*>(kp.a.k) + batch * kp.a.k_stride[0] + start * kp.a.k_stride[1] +
-               h * kp.a.k_stride[2];
-  const index_t ks1 = kp.a.k_stride[1];
-  const T* V = static_cast<const T*>(kp.a.v) + batch * kp.a.v_stride[0] + start * kp.a.v_stride[1] +
-               h * kp.a.v_stride[2];
-  const index_t vs1 = kp.a.v_stride[1];
-  float* dkt = p.dkt + slice * p.slice_d + row0 * D;
-  float* dws = p.dws + slice * p.slice_d + row0 * D;
-  float* dus = p.dus + slice * p.slice_d + row0 * D;
-  float* states = p.states + slice * p.slice_d + row0 * D;
-  float* es = p.e + slice * p.slice_d + row0 * D;
-  float* dvs = p.dvs + slice * p.slice_dv + row0 * Dv;
-  float* dkd = p.dk_diag + row0 * D;
-  float* dm = p.dm + row0 * C;
+  const int h = blockIdx.y, group = kp.a.group;
+  const path_backward_cta<T> cta(p);
+  if (!cta.active) return;
   const float scale = p.scale;
 
   for (int hq = h * group; hq < (h + 1) * group; ++hq) {
-    const T* Q = static_cast<const T*>(kp.a.q) + batch * kp.a.q_stride[0] +
-                 start * kp.a.q_stride[1] + hq * kp.a.q_stride[2];
-    const T* O = static_cast<const T*>(p.out) + batch * p.out_stride[0] + start * p.out_stride[1] +
-                 hq * p.out_stride[2];
-    const T* dO = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
-                  start * p.dout_stride[1] + hq * p.dout_stride[2];
-    const index_t qs1 = kp.a.q_stride[1], os1 = p.out_stride[1], dos1 = p.dout_stride[1];
-    const index_t gate_at = (batch * kp.a.tokens + start) * kp.a.q_heads + hq;  // token 0
-    const double* G = p.G != nullptr ? p.G + gate_at : nullptr;
-    const std::int32_t* R = p.reset != nullptr ? p.reset + gate_at : nullptr;
+    const path_backward_query_rows<T> qr(p, cta, hq);
     const index_t HQ = kp.a.q_heads;
-    double* dG = p.dgate != nullptr ? p.dgate + slice * p.slice_gate + gate_at : nullptr;
 
-    for (index_t ci = lo; ci < hi; ++ci) {
+    for (index_t ci = cta.lo; ci < cta.hi; ++ci) {
       const index_t c0 = ci * C;
-      const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
-      const double g_ref = G != nullptr ? G[c0 * HQ] : 0.0;
+      const int n = cta.length - c0 < C ? static_cast<int>(cta.length - c0) : C;
+      const double g_ref = qr.G != nullptr ? qr.G[c0 * HQ] : 0.0;
 
       // Load Qs, lse, delta, the gate terms of the rows and their resets.
       for_tile(C, D, [&](int a, int d) {
-        qs[a * ld + d] = a < n ? scale * to_float(Q[(c0 + a) * qs1 + d]) : 0.f;
+        qs[a * ld + d] = a < n ? scale * to_float(qr.Q[(c0 + a) * qr.qs1 + d]) : 0.f;
       });
       for (int a = threadIdx.x; a < C; a += blockDim.x) {
         float dl = 0.f, l = 0.f, gg = 0.f;
         int rs = 0;
         if (a < n) {
           for (int e = 0; e < Dv; ++e)
-            dl += to_float(dO[(c0 + a) * dos1 + e]) * to_float(O[(c0 + a) * os1 + e]);
-          l = p.lse[batch * p.lse_stride[0] + (start + c0 + a) * p.lse_stride[1] +
+            dl += to_float(qr.dO[(c0 + a) * qr.dos1 + e]) * to_float(qr.O[(c0 + a) * qr.os1 + e]);
+          l = p.lse[cta.batch * p.lse_stride[0] + (cta.start + c0 + a) * p.lse_stride[1] +
                     hq * p.lse_stride[2]];
-          if (G != nullptr) gg = static_cast<float>(p.coef * (G[(c0 + a) * HQ] - g_ref));
-          if (R != nullptr) rs = R[(c0 + a) * HQ];
+          if (qr.G != nullptr) gg = static_cast<float>(p.coef * (qr.G[(c0 + a) * HQ] - g_ref));
+          if (qr.R != nullptr) rs = qr.R[(c0 + a) * HQ];
         }
         delta[a] = dl, lse[a] = l, gi[a] = gg, reset_i[a] = rs;
       }
@@ -181,7 +144,7 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
 
       // Query rows past n read as 0 (qs is 0 there; global rows are never read).
       const auto dO_at = [&](int a, int e) {
-        return a < n ? to_float(dO[(c0 + a) * dos1 + e]) : 0.f;
+        return a < n ? to_float(qr.dO[(c0 + a) * qr.dos1 + e]) : 0.f;
       };
 
       // p and dZ of the key chunk starting at j0 (sequence position) with `cols` keys, scores
@@ -195,7 +158,7 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
       const auto backprop_softmax = [&](index_t j0, int cols, bool diag) {
         // dP = dO V^T into dz (each element: e = 0 .. Dv - 1 in order, as the fallback's loop).
         const auto v_at = [&](int e, int j) {
-          return j < cols ? to_float(V[(j0 + j) * vs1 + e]) : 0.f;
+          return j < cols ? to_float(cta.V[(j0 + j) * cta.vs1 + e]) : 0.f;
         };
         const auto to_dz = [&](int a, int j, float acc) {
           dz[a * lc + j] = acc;
@@ -210,9 +173,10 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
         __syncthreads();
         for_tile(C, C, [&](int j, int a) {
           float pv = 0.f, dzv = 0.f;
-          if (a < n && j < cols && (!diag || j <= a) && (R == nullptr || j0 + j >= reset_i[a])) {
+          if (a < n && j < cols && (!diag || j <= a) && (qr.R == nullptr || j0 + j >= reset_i[a])) {
             float z = s[a * lc + j];
-            if (G != nullptr) z += gi[a] - static_cast<float>(p.coef * (G[(j0 + j) * HQ] - g_ref));
+            if (qr.G != nullptr)
+              z += gi[a] - static_cast<float>(p.coef * (qr.G[(j0 + j) * HQ] - g_ref));
             pv = expf(z - lse[a]);
             dzv = pv * (dz[a * lc + j] - delta[a]);
           }
@@ -224,23 +188,23 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
           return s[a * lc + j];
         };
         const auto to_dv = [&](int j, int e, float acc) {
-          dvs[(j0 + j) * Dv + e] += acc;
+          cta.dvs[(j0 + j) * Dv + e] += acc;
         };
         if (stage_dO)
           tile_product(cols, Dv, n, p_at, dO_staged, to_dv);
         else
           tile_product(cols, Dv, n, p_at, dO_at, to_dv);
-        if (dG != nullptr) {
+        if (qr.dG != nullptr) {
           for (int a = threadIdx.x; a < n; a += blockDim.x) {
             float rs = 0.f;
             for (int j = 0; j < cols; ++j) rs += dz[a * lc + j];
-            dG[(c0 + a) * HQ] += p.coef * static_cast<double>(rs);
+            qr.dG[(c0 + a) * HQ] += p.coef * static_cast<double>(rs);
           }
           __syncthreads();  // the diagonal tile's columns are its rows
           for (int j = threadIdx.x; j < cols; j += blockDim.x) {
             float cs = 0.f;
             for (int a = 0; a < n; ++a) cs += dz[a * lc + j];
-            dG[(j0 + j) * HQ] -= p.coef * static_cast<double>(cs);
+            qr.dG[(j0 + j) * HQ] -= p.coef * static_cast<double>(cs);
           }
         }
         __syncthreads();
@@ -249,18 +213,18 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
       // Step 1: the diagonal tile, z = tril(Qs K^T - tril(Qs W^T) M) (+ gate).
       tile_product(
           C, C, D, [&](int a, int d) { return qs[a * ld + d]; },
-          [&](int d, int b) { return b < n ? W[(c0 + b) * ws1 + d] : 0.f; },
+          [&](int d, int b) { return b < n ? cta.W[(c0 + b) * cta.ws1 + d] : 0.f; },
           [&](int a, int b, float acc) { x[a * lc + b] = a < n && b <= a ? acc : 0.f; });
       tile_product(
           C, C, D, [&](int a, int d) { return qs[a * ld + d]; },
-          [&](int d, int b) { return b < n ? to_float(K[(c0 + b) * ks1 + d]) : 0.f; },
+          [&](int d, int b) { return b < n ? to_float(cta.K[(c0 + b) * cta.ks1 + d]) : 0.f; },
           [&](int a, int b, float acc) { s[a * lc + b] = acc; });
       __syncthreads();
       // s -= X M, continuing each element's sum (the same thread: same rows, cols).
       tile_product_from(
           C, C, n, [&](int a, int b) { return s[a * lc + b]; },
           [&](int a, int c) { return -x[a * lc + c]; },
-          [&](int c, int b) { return b < n ? MM[(c0 + c) * C + b] : 0.f; },
+          [&](int c, int b) { return b < n ? cta.MM[(c0 + c) * C + b] : 0.f; },
           [&](int a, int b, float acc) { s[a * lc + b] = a < n && b < n ? acc : 0.f; });
       __syncthreads();
       backprop_softmax(c0, n, true);
@@ -268,18 +232,18 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
       tile_product(
           n, D, n, [&](int b, int a) { return dz[a * lc + b]; },
           [&](int a, int d) { return qs[a * ld + d]; },
-          [&](int b, int d, float acc) { dkd[(c0 + b) * D + d] += acc; });
+          [&](int b, int d, float acc) { cta.dkd[(c0 + b) * D + d] += acc; });
       tile_product(
           n, n, n, [&](int rr, int a) { return x[a * lc + rr]; },
           [&](int a, int c) { return dz[a * lc + c]; },
-          [&](int rr, int c, float acc) { dm[(c0 + rr) * C + c] -= acc; });
+          [&](int rr, int c, float acc) { cta.dm[(c0 + rr) * C + c] -= acc; });
       tile_product(
           C, D, n, [&](int a, int b) { return dz[a * lc + b]; },
-          [&](int b, int d) { return to_float(K[(c0 + b) * ks1 + d]); },
+          [&](int b, int d) { return to_float(cta.K[(c0 + b) * cta.ks1 + d]); },
           [&](int a, int d, float acc) { dqs[a * ld + d] = a < n ? acc : 0.f; });
       tile_product(
           C, C, n, [&](int a, int b) { return dz[a * lc + b]; },
-          [&](int b, int c) { return c < n ? MM[(c0 + c) * C + b] : 0.f; },
+          [&](int b, int c) { return c < n ? cta.MM[(c0 + c) * C + b] : 0.f; },
           [&](int a, int c, float acc) { dx[a * lc + c] = a < n && c < n ? -acc : 0.f; });
       __syncthreads();
 
@@ -289,85 +253,85 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
         tile_product_from(
             C, D, n, [&](int a, int d) { return qs[a * ld + d]; },
             [&](int a, int c) { return -x[a * lc + c]; },
-            [&](int c, int d) { return UU[(c0 + c) * D + d]; },
+            [&](int c, int d) { return cta.UU[(c0 + c) * D + d]; },
             [&](int a, int d, float acc) { r[a * ld + d] = a < n ? acc : 0.f; });
         __syncthreads();
         for (index_t cj = ci - 1; cj >= 0; --cj) {
           const index_t j0 = cj * C;  // earlier chunks are full
-          for_tile(n, D, [&](int a, int d) { states[(j0 + a) * D + d] = r[a * ld + d]; });
+          for_tile(n, D, [&](int a, int d) { cta.states[(j0 + a) * D + d] = r[a * ld + d]; });
           tile_product(
               C, C, D, [&](int a, int d) { return r[a * ld + d]; },
-              [&](int d, int j) { return KT[(j0 + j) * D + d]; },
+              [&](int d, int j) { return cta.KT[(j0 + j) * D + d]; },
               [&](int a, int j, float acc) { s[a * lc + j] = a < n ? acc : 0.f; });
           __syncthreads();
           backprop_softmax(j0, C, false);
           tile_product(
               C, D, n, [&](int j, int a) { return dz[a * lc + j]; },
               [&](int a, int d) { return r[a * ld + d]; },
-              [&](int j, int d, float acc) { dkt[(j0 + j) * D + d] += acc; });
+              [&](int j, int d, float acc) { cta.dkt[(j0 + j) * D + d] += acc; });
           tile_product(
               n, D, C, [&](int a, int j) { return dz[a * lc + j]; },
-              [&](int j, int d) { return KT[(j0 + j) * D + d]; },
-              [&](int a, int d, float acc) { es[(j0 + a) * D + d] = acc; });
+              [&](int j, int d) { return cta.KT[(j0 + j) * D + d]; },
+              [&](int a, int d, float acc) { cta.es[(j0 + a) * D + d] = acc; });
           if (cj == 0) break;  // chunk 0's product is never applied
           tile_product(
               C, C, D, [&](int a, int d) { return r[a * ld + d]; },
-              [&](int d, int c) { return W[(j0 + c) * ws1 + d]; },
+              [&](int d, int c) { return cta.W[(j0 + c) * cta.ws1 + d]; },
               [&](int a, int c, float acc) { tmp[a * lc + c] = a < n ? acc : 0.f; });
           __syncthreads();
           tile_product(
               n, D, C, [&](int a, int c) { return tmp[a * lc + c]; },
-              [&](int c, int d) { return UU[(j0 + c) * D + d]; },
+              [&](int c, int d) { return cta.UU[(j0 + c) * D + d]; },
               [&](int a, int d, float acc) { r[a * ld + d] -= acc; });
           __syncthreads();
         }
         __syncthreads();
         // Step 3: rbar^(cj) = e_cj + rbar^(cj-1) P_cj^T, with P = I - W^T U:
         // dU -= (r W^T)^T rbar, dW -= (rbar U^T)^T r.
-        for_tile(C, D, [&](int a, int d) { rbar[a * ld + d] = a < n ? es[a * D + d] : 0.f; });
+        for_tile(C, D, [&](int a, int d) { rbar[a * ld + d] = a < n ? cta.es[a * D + d] : 0.f; });
         __syncthreads();
         for (index_t cj = 1; cj < ci; ++cj) {
           const index_t j0 = cj * C;
           // This chunk's scan state, staged in r (free after the walk).
-          const float* St = states + j0 * D;
+          const float* St = cta.states + j0 * D;
           for_tile(C, D, [&](int a, int d) { r[a * ld + d] = a < n ? St[a * D + d] : 0.f; });
           __syncthreads();
           tile_product(
               C, C, D, [&](int a, int d) { return r[a * ld + d]; },
-              [&](int d, int c) { return W[(j0 + c) * ws1 + d]; },
+              [&](int d, int c) { return cta.W[(j0 + c) * cta.ws1 + d]; },
               [&](int a, int c, float acc) { s[a * lc + c] = a < n ? acc : 0.f; });
           tile_product(
               C, C, D, [&](int a, int d) { return rbar[a * ld + d]; },
-              [&](int d, int c) { return UU[(j0 + c) * D + d]; },
+              [&](int d, int c) { return cta.UU[(j0 + c) * D + d]; },
               [&](int a, int c, float acc) { tmp[a * lc + c] = a < n ? acc : 0.f; });
           __syncthreads();
           tile_product(
               C, D, n, [&](int c, int a) { return s[a * lc + c]; },
               [&](int a, int d) { return rbar[a * ld + d]; },
-              [&](int c, int d, float acc) { dus[(j0 + c) * D + d] -= acc; });
+              [&](int c, int d, float acc) { cta.dus[(j0 + c) * D + d] -= acc; });
           tile_product(
               C, D, n, [&](int c, int a) { return tmp[a * lc + c]; },
               [&](int a, int d) { return r[a * ld + d]; },
-              [&](int c, int d, float acc) { dws[(j0 + c) * D + d] -= acc; });
+              [&](int c, int d, float acc) { cta.dws[(j0 + c) * D + d] -= acc; });
           __syncthreads();
           tile_product(
               n, D, C, [&](int a, int c) { return tmp[a * lc + c]; },
-              [&](int c, int d) { return W[(j0 + c) * ws1 + d]; },
-              [&](int a, int d, float acc) { rbar[a * ld + d] += es[(j0 + a) * D + d] - acc; });
+              [&](int c, int d) { return cta.W[(j0 + c) * cta.ws1 + d]; },
+              [&](int a, int d, float acc) { rbar[a * ld + d] += cta.es[(j0 + a) * D + d] - acc; });
           __syncthreads();
         }
         // Q~ = Qs - tril(Qs W^T) U.
         for_tile(C, D, [&](int a, int d) { dqs[a * ld + d] += rbar[a * ld + d]; });
         tile_product(
             C, C, D, [&](int a, int d) { return rbar[a * ld + d]; },
-            [&](int d, int c) { return c < n ? UU[(c0 + c) * D + d] : 0.f; },
+            [&](int d, int c) { return c < n ? cta.UU[(c0 + c) * D + d] : 0.f; },
             [&](int a, int c, float acc) {
               if (a < n && c < n) dx[a * lc + c] -= acc;
             });
         tile_product(
             n, D, n, [&](int c, int a) { return x[a * lc + c]; },
             [&](int a, int d) { return rbar[a * ld + d]; },
-            [&](int c, int d, float acc) { dus[(c0 + c) * D + d] -= acc; });
+            [&](int c, int d, float acc) { cta.dus[(c0 + c) * D + d] -= acc; });
         __syncthreads();
       }
 
@@ -380,16 +344,17 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
       tile_product_from(
           n, D, n, [&](int a, int d) { return dqs[a * ld + d]; },
           [&](int a, int c) { return dx[a * lc + c]; },
-          [&](int c, int d) { return W[(c0 + c) * ws1 + d]; },
+          [&](int c, int d) { return cta.W[(c0 + c) * cta.ws1 + d]; },
           [&](int a, int d, float acc) {
-            static_cast<T*>(p.dq)[batch * p.dq_stride[0] + (start + c0 + a) * p.dq_stride[1] +
-                                  hq * p.dq_stride[2] + d] = from_float<T>(scale * acc);
+            static_cast<T*>(p.dq)[cta.batch * p.dq_stride[0] +
+                                  (cta.start + c0 + a) * p.dq_stride[1] + hq * p.dq_stride[2] + d] =
+                from_float<T>(scale * acc);
           });
       // dW += dX^T Qs (dX[a][c] is 0 for a < c).
       tile_product(
           n, D, n, [&](int c, int a) { return dx[a * lc + c]; },
           [&](int a, int d) { return qs[a * ld + d]; },
-          [&](int c, int d, float acc) { dws[(c0 + c) * D + d] += acc; });
+          [&](int c, int d, float acc) { cta.dws[(c0 + c) * D + d] += acc; });
       __syncthreads();
     }
   }

@@ -159,69 +159,42 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
 
   const path_kernel_params& kp = p.kp;
   const int warp = threadIdx.x / 32, half = warp / 4, m0 = 16 * (warp % 4), n0 = 32 * half;
-  const int slice = blockIdx.x, h = blockIdx.y;
-  index_t batch, start, length;
-  kp.a.sequence(blockIdx.z, batch, start, length);
-  if (length <= 0) return;
-  const index_t chunks = (length + C - 1) / C;
-  index_t lo_chunk, hi_chunk;
-  path_backward_slice(chunks, p.slices, slice, lo_chunk, hi_chunk);
-  if (lo_chunk >= hi_chunk) return;
-
-  const int group = kp.a.group;
-  const index_t row0 = kp.row(batch, h, start);
-  const float* KT = static_cast<const float*>(kp.kt) + row0 * D;
-  const float* UU = static_cast<const float*>(kp.u) + row0 * D;
-  const float* MM = static_cast<const float*>(kp.m) + row0 * C;
-  const float* W = kp.w + batch * kp.w_stride[0] + start * kp.w_stride[1] + h * kp.w_stride[2];
-  const index_t ws1 = kp.w_stride[1];
-  const T* K = static_cast<const T*>(kp.a.k) + batch * kp.a.k_stride[0] + start * kp.a.k_stride[1] +
-               h * kp.a.k_stride[2];
-  const index_t ks1 = kp.a.k_stride[1];
-  const T* V = static_cast<const T*>(kp.a.v) + batch * kp.a.v_stride[0] + start * kp.a.v_stride[1] +
-               h * kp.a.v_stride[2];
-  const index_t vs1 = kp.a.v_stride[1];
-  float* dkt = p.dkt + slice * p.slice_d + row0 * D;
-  float* dws = p.dws + slice * p.slice_d + row0 * D;
-  float* dus = p.dus + slice * p.slice_d + row0 * D;
-  float* states = p.states + slice * p.slice_d + row0 * D;
-  float* es = p.e + slice * p.slice_d + row0 * D;
-  float* dvs = p.dvs + slice * p.slice_dv + row0 * Dv;
-  float* dkd = p.dk_diag + row0 * D;
-  float* dm = p.dm + row0 * C;
+  const int h = blockIdx.y, group = kp.a.group;
+  const path_backward_cta<T> cta(p);
+  if (!cta.active) return;
   const float scale = p.scale;
   const index_t HQ = kp.a.q_heads;
 
   // Tiles of a chunk starting at token j0 with `rows` rows.
   const auto stage_w = [&](index_t j0, int rows) {
     pm::stage<true>(
-        hi(L::w), lo(L::w), [&](int r, int c) { return W[(j0 + r) * ws1 + c]; }, rows, D);
+        hi(L::w), lo(L::w), [&](int r, int c) { return cta.W[(j0 + r) * cta.ws1 + c]; }, rows, D);
   };
   const auto stage_u = [&](index_t j0, int rows) {
     pm::stage<true>(
-        hi(L::u), lo(L::u), [&](int r, int c) { return UU[(j0 + r) * D + c]; }, rows, D);
+        hi(L::u), lo(L::u), [&](int r, int c) { return cta.UU[(j0 + r) * D + c]; }, rows, D);
   };
   const auto stage_v = [&](index_t j0, int rows) {
     pm::stage<in_lo>(
-        hi(L::v), lo(L::v), [&](int r, int c) { return to_float(V[(j0 + r) * vs1 + c]); }, rows,
-        Dv);
+        hi(L::v), lo(L::v), [&](int r, int c) { return to_float(cta.V[(j0 + r) * cta.vs1 + c]); },
+        rows, Dv);
   };
   // What the walk's and the adjoint's step at chunk j0 read: asked of L2 a step ahead.
   const auto prefetch_walk = [&](index_t j0) {
-    pm::prefetch_rows(KT + j0 * D, D, C, D);
-    pm::prefetch_rows(V + j0 * vs1, vs1, C, Dv);
-    pm::prefetch_rows(W + j0 * ws1, ws1, C, D);
-    pm::prefetch_rows(UU + j0 * D, D, C, D);
-    pm::prefetch_rows(dvs + j0 * Dv, Dv, C, Dv);
-    pm::prefetch_rows(dkt + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.KT + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.V + j0 * cta.vs1, cta.vs1, C, Dv);
+    pm::prefetch_rows(cta.W + j0 * cta.ws1, cta.ws1, C, D);
+    pm::prefetch_rows(cta.UU + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.dvs + j0 * Dv, Dv, C, Dv);
+    pm::prefetch_rows(cta.dkt + j0 * D, D, C, D);
   };
   const auto prefetch_adjoint = [&](index_t j0) {
-    pm::prefetch_rows(W + j0 * ws1, ws1, C, D);
-    pm::prefetch_rows(UU + j0 * D, D, C, D);
-    pm::prefetch_rows(states + j0 * D, D, C, D);
-    pm::prefetch_rows(es + j0 * D, D, C, D);
-    pm::prefetch_rows(dus + j0 * D, D, C, D);
-    pm::prefetch_rows(dws + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.W + j0 * cta.ws1, cta.ws1, C, D);
+    pm::prefetch_rows(cta.UU + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.states + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.es + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.dus + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.dws + j0 * D, D, C, D);
   };
   // Operands: rows m0 .. of a slot (Neg: negated), and the transposed rows of a slot.
   const auto rows_of = [&](int s) {
@@ -236,28 +209,18 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   const a_from_tile<ld, in_lo> doa{hi(L::dout), lo(L::dout), m0};
 
   for (int hq = h * group; hq < (h + 1) * group; ++hq) {
-    const T* Q = static_cast<const T*>(kp.a.q) + batch * kp.a.q_stride[0] +
-                 start * kp.a.q_stride[1] + hq * kp.a.q_stride[2];
-    const T* O = static_cast<const T*>(p.out) + batch * p.out_stride[0] + start * p.out_stride[1] +
-                 hq * p.out_stride[2];
-    const T* dO = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
-                  start * p.dout_stride[1] + hq * p.dout_stride[2];
-    const index_t qs1 = kp.a.q_stride[1], os1 = p.out_stride[1], dos1 = p.dout_stride[1];
-    const index_t gate_at = (batch * kp.a.tokens + start) * HQ + hq;  // token 0
-    const double* G = p.G != nullptr ? p.G + gate_at : nullptr;
-    const std::int32_t* R = p.reset != nullptr ? p.reset + gate_at : nullptr;
-    double* dG = p.dgate != nullptr ? p.dgate + slice * p.slice_gate + gate_at : nullptr;
+    const path_backward_query_rows<T> qr(p, cta, hq);
 
-    for (index_t ci = lo_chunk; ci < hi_chunk; ++ci) {
+    for (index_t ci = cta.lo; ci < cta.hi; ++ci) {
       const index_t c0 = ci * C;
-      const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
-      const double g_ref = G != nullptr ? G[c0 * HQ] : 0.0;
+      const int n = cta.length - c0 < C ? static_cast<int>(cta.length - c0) : C;
+      const double g_ref = qr.G != nullptr ? qr.G[c0 * HQ] : 0.0;
 
       // The keys' gate terms of the chunk starting at j0.
       const auto stage_gate = [&](index_t j0, int cols) {
-        if (G == nullptr) return;
+        if (qr.G == nullptr) return;
         for (int j = threadIdx.x; j < C; j += L::threads)
-          gj_s[j] = j < cols ? static_cast<float>(p.coef * (G[(j0 + j) * HQ] - g_ref)) : 0.f;
+          gj_s[j] = j < cols ? static_cast<float>(p.coef * (qr.G[(j0 + j) * HQ] - g_ref)) : 0.f;
       };
       // p and dZ of a warp's part of a tile in place of its scores s and dP; diag: causal.
       const auto softmax_bwd = [&](part& s, part& dp, index_t j0, int cols, bool diag) {
@@ -270,7 +233,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             float pv = 0.f, dzv = 0.f;
             if (a < n && j < cols && (!diag || j <= a) && j0 + j >= reset_s[a]) {
               float z = s[nt][e];
-              if (G != nullptr) z += gi_s[a] - gj_s[j];
+              if (qr.G != nullptr) z += gi_s[a] - gj_s[j];
               pv = expf(z - lse_s[a]);
               dzv = pv * (dp[nt][e] - delta_s[a]);
             }
@@ -282,7 +245,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
       // then thread t adds row t's sum and takes key t's, in that order (the diagonal tile's
       // keys are its rows).
       const auto gate_parts = [&](part& dz) {
-        if (dG == nullptr) return;
+        if (qr.dG == nullptr) return;
         const int lane = threadIdx.x % 32, g = lane >> 2;
         float rs[2] = {0.f, 0.f};
 #pragma unroll
@@ -303,13 +266,13 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         });
       };
       const auto gate_sums = [&](index_t j0, int cols) {
-        if (dG == nullptr) return;
+        if (qr.dG == nullptr) return;
         const int t = threadIdx.x;
-        if (t < n) dG[(c0 + t) * HQ] += p.coef * static_cast<double>(rowsum[t] + rowsum[C + t]);
+        if (t < n) qr.dG[(c0 + t) * HQ] += p.coef * static_cast<double>(rowsum[t] + rowsum[C + t]);
         if (t < cols) {
           float cs = 0.f;
           for (int a = 0; a < n; ++a) cs += dzf[a * lf + t];
-          dG[(j0 + t) * HQ] -= p.coef * static_cast<double>(cs);
+          qr.dG[(j0 + t) * HQ] -= p.coef * static_cast<double>(cs);
         }
       };
       const auto tril_mask = [&](part& x) {  // keep (a, c) for c <= a < n
@@ -335,27 +298,28 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         int rs = 0;
         if (a < n) {
           for (int e = 0; e < Dv; ++e)
-            dl += to_float(dO[(c0 + a) * dos1 + e]) * to_float(O[(c0 + a) * os1 + e]);
-          l = p.lse[batch * p.lse_stride[0] + (start + c0 + a) * p.lse_stride[1] +
+            dl += to_float(qr.dO[(c0 + a) * qr.dos1 + e]) * to_float(qr.O[(c0 + a) * qr.os1 + e]);
+          l = p.lse[cta.batch * p.lse_stride[0] + (cta.start + c0 + a) * p.lse_stride[1] +
                     hq * p.lse_stride[2]];
-          if (G != nullptr) gg = static_cast<float>(p.coef * (G[(c0 + a) * HQ] - g_ref));
-          if (R != nullptr) rs = R[(c0 + a) * HQ];
+          if (qr.G != nullptr) gg = static_cast<float>(p.coef * (qr.G[(c0 + a) * HQ] - g_ref));
+          if (qr.R != nullptr) rs = qr.R[(c0 + a) * HQ];
         }
         delta_s[a] = dl, lse_s[a] = l, gi_s[a] = gg, reset_s[a] = rs;
       }
       pm::stage<true>(
-          hi(L::q), lo(L::q), [&](int r, int c) { return scale * to_float(Q[(c0 + r) * qs1 + c]); },
+          hi(L::q), lo(L::q),
+          [&](int r, int c) { return scale * to_float(qr.Q[(c0 + r) * qr.qs1 + c]); }, n, D);
+      pm::stage<in_lo>(
+          hi(L::dout), lo(L::dout),
+          [&](int r, int c) { return to_float(qr.dO[(c0 + r) * qr.dos1 + c]); }, n, Dv);
+      pm::stage<in_lo>(
+          hi(L::k), lo(L::k), [&](int r, int c) { return to_float(cta.K[(c0 + r) * cta.ks1 + c]); },
           n, D);
-      pm::stage<in_lo>(
-          hi(L::dout), lo(L::dout), [&](int r, int c) { return to_float(dO[(c0 + r) * dos1 + c]); },
-          n, Dv);
-      pm::stage<in_lo>(
-          hi(L::k), lo(L::k), [&](int r, int c) { return to_float(K[(c0 + r) * ks1 + c]); }, n, D);
       stage_v(c0, n);
       stage_w(c0, n);
       stage_u(c0, n);
       pm::stage<true>(
-          hi(L::m), lo(L::m), [&](int r, int c) { return MM[(c0 + r) * C + c]; }, n, n);
+          hi(L::m), lo(L::m), [&](int r, int c) { return cta.MM[(c0 + r) * C + c]; }, n, n);
       stage_gate(c0, n);
       if (ci > 0) prefetch_walk(c0 - C);
       __syncthreads();
@@ -387,22 +351,23 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         warp_mma<ld, false, true, 4>(x, neg_rows_of(L::e2), hi(L::m), lo(L::m), n0);
         tril_mask(x);
         pm::store_split(x, hi(L::e3), lo(L::e3), m0, n0, n);
-        cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, dvs + c0 * Dv, Dv, n, 1.f);  // dv += P^T dO
-        cross(L::e2, hi(L::q), lo(L::q), split_b{}, dkd + c0 * D, D, n, 1.f);       // dk += dZ^T Qs
-        cross(L::x, hi(L::e2), lo(L::e2), split_b{}, dm + c0 * C, C, n, -1.f);      // dM -= X^T dZ
+        cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + c0 * Dv, Dv, n,
+              1.f);                                                                 // dv += P^T dO
+        cross(L::e2, hi(L::q), lo(L::q), split_b{}, cta.dkd + c0 * D, D, n, 1.f);   // dk += dZ^T Qs
+        cross(L::x, hi(L::e2), lo(L::e2), split_b{}, cta.dm + c0 * C, C, n, -1.f);  // dM -= X^T dZ
         __syncthreads();                                                            // dX whole
         warp_mma<ld, true, true, 4>(dq, rows_of(L::e3), hi(L::w), lo(L::w), n0);    // dQs += dX W
-        cross(L::e3, hi(L::q), lo(L::q), split_b{}, dws + c0 * D, D, n, 1.f);       // dW += dX^T Qs
+        cross(L::e3, hi(L::q), lo(L::q), split_b{}, cta.dws + c0 * D, D, n, 1.f);   // dW += dX^T Qs
       }
       // dQs waits in the scan states' rows of this chunk, which the walk never writes.
-      pm::save_rows(dq, states + c0 * D, D, m0, n0, n);
+      pm::save_rows(dq, cta.states + c0 * D, D, m0, n0, n);
 
       if (ci > 0) {
         // ---- 2. the forward's walk, keeping each chunk's scan state r and e = dZ K~ ----
         part r;
         for_fragment_pairs<4>(r, m0, n0, [&](int a, int c, float& x0, float& x1) {
-          x0 = a < n ? scale * to_float(Q[(c0 + a) * qs1 + c]) : 0.f;
-          x1 = a < n ? scale * to_float(Q[(c0 + a) * qs1 + c + 1]) : 0.f;
+          x0 = a < n ? scale * to_float(qr.Q[(c0 + a) * qr.qs1 + c]) : 0.f;
+          x1 = a < n ? scale * to_float(qr.Q[(c0 + a) * qr.qs1 + c + 1]) : 0.f;
         });
         warp_mma<ld, true, true, 4>(r, neg_rows_of(L::x), hi(L::u), lo(L::u), n0);
         __syncthreads();  // dX (e3) read
@@ -411,7 +376,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           const index_t j0 = cj * C;  // earlier chunks are full
           __syncthreads();
           pm::stage<true>(
-              hi(L::k), lo(L::k), [&](int rr, int c) { return KT[(j0 + rr) * D + c]; }, C, D);
+              hi(L::k), lo(L::k), [&](int rr, int c) { return cta.KT[(j0 + rr) * D + c]; }, C, D);
           stage_v(j0, C);
           if (cj > 0) {
             stage_w(j0, C);
@@ -419,7 +384,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           }
           stage_gate(j0, C);
           if (cj > 0) prefetch_walk(j0 - C);
-          pm::save_rows(r, states + j0 * D, D, m0, n0, n);
+          pm::save_rows(r, cta.states + j0 * D, D, m0, n0, n);
           __syncthreads();
           {
             part s, dp;
@@ -438,7 +403,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             part e;
             pm::zero(e);
             warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(L::k), lo(L::k), n0);
-            pm::save_rows(e, es + j0 * D, D, m0, n0, n);
+            pm::save_rows(e, cta.es + j0 * D, D, m0, n0, n);
           }
           if (cj > 0) {  // X = r W^T (into m)
             part xx;
@@ -446,8 +411,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             warp_mma<ld, false, true, 4>(xx, rows_of(L::e3), hi(L::w), lo(L::w), n0);
             pm::store_split(xx, hi(L::m), lo(L::m), m0, n0, n);
           }
-          cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, dvs + j0 * Dv, Dv, C, 1.f);  // dv
-          cross(L::e2, hi(L::e3), lo(L::e3), split_b{}, dkt + j0 * D, D, C, 1.f);     // dK~
+          cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + j0 * Dv, Dv, C, 1.f);  // dv
+          cross(L::e2, hi(L::e3), lo(L::e3), split_b{}, cta.dkt + j0 * D, D, C, 1.f);     // dK~
           if (cj > 0) {       // r <- r P_cj = r - X U
             __syncthreads();  // X whole; r (e3) read
             warp_mma<ld, true, true, 4>(r, neg_rows_of(L::m), hi(L::u), lo(L::u), n0);
@@ -458,7 +423,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         // ---- 3. the adjoint: rbar_cj = e_cj + rbar_(cj-1) P_cj^T with P = I - W^T U;
         // dU -= (r W^T)^T rbar, dW -= (rbar U^T)^T r ----
         part rbar;
-        pm::load_rows(rbar, es, D, m0, n0, n);
+        pm::load_rows(rbar, cta.es, D, m0, n0, n);
         __syncthreads();  // the walk's dZ (e2) read
         pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n0, n);
         for (index_t cj = 1; cj < ci; ++cj) {
@@ -469,7 +434,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           if (cj + 1 < ci) prefetch_adjoint(j0 + C);
           {
             part rr;
-            pm::load_rows(rr, states + j0 * D, D, m0, n0, n);
+            pm::load_rows(rr, cta.states + j0 * D, D, m0, n0, n);
             pm::store_split(rr, hi(L::e3), lo(L::e3), m0, n0, n);
           }
           __syncthreads();
@@ -483,11 +448,11 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             pm::store_split(y, hi(L::k), lo(L::k), m0, n0, n);
           }
           __syncthreads();  // r W^T, rbar U^T whole
-          cross(L::e1, hi(L::e2), lo(L::e2), split_b{}, dus + j0 * D, D, C, -1.f);  // dU
-          cross(L::k, hi(L::e3), lo(L::e3), split_b{}, dws + j0 * D, D, C, -1.f);   // dW
+          cross(L::e1, hi(L::e2), lo(L::e2), split_b{}, cta.dus + j0 * D, D, C, -1.f);  // dU
+          cross(L::k, hi(L::e3), lo(L::e3), split_b{}, cta.dws + j0 * D, D, C, -1.f);   // dW
           {
             part e;
-            pm::load_rows(e, es + j0 * D, D, m0, n0, n);
+            pm::load_rows(e, cta.es + j0 * D, D, m0, n0, n);
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -504,7 +469,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         stage_w(c0, n);
         stage_u(c0, n);
         __syncthreads();
-        pm::load_rows(dq, states + c0 * D, D, m0, n0, n);
+        pm::load_rows(dq, cta.states + c0 * D, D, m0, n0, n);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -518,15 +483,16 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         }
         __syncthreads();  // dX whole
         warp_mma<ld, true, true, 4>(dq, rows_of(L::e1), hi(L::w), lo(L::w), n0);
-        cross(L::x, hi(L::e2), lo(L::e2), split_b{}, dus + c0 * D, D, n, -1.f);  // dU -= X^T rbar
-        cross(L::e1, hi(L::q), lo(L::q), split_b{}, dws + c0 * D, D, n, 1.f);    // dW += dX^T Qs
+        cross(L::x, hi(L::e2), lo(L::e2), split_b{}, cta.dus + c0 * D, D, n,
+              -1.f);                                                               // dU -= X^T rbar
+        cross(L::e1, hi(L::q), lo(L::q), split_b{}, cta.dws + c0 * D, D, n, 1.f);  // dW += dX^T Qs
       } else {
-        pm::load_rows(dq, states + c0 * D, D, m0, n0, n);
+        pm::load_rows(dq, cta.states + c0 * D, D, m0, n0, n);
       }
       for_fragment_pairs<4>(dq, m0, n0, [&](int a, int c, float x0, float x1) {
         if (a >= n) return;
-        T* at = static_cast<T*>(p.dq) + batch * p.dq_stride[0] + (start + c0 + a) * p.dq_stride[1] +
-                hq * p.dq_stride[2] + c;
+        T* at = static_cast<T*>(p.dq) + cta.batch * p.dq_stride[0] +
+                (cta.start + c0 + a) * p.dq_stride[1] + hq * p.dq_stride[2] + c;
         at[0] = from_float<T>(scale * x0);
         at[1] = from_float<T>(scale * x1);
       });
