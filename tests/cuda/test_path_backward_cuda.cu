@@ -224,13 +224,17 @@ void check_grads(const grads& got, const cpu_reference& ref, bool gated, bool sp
 
 using attnmix::detail::cuda::path_backward_kernel;
 
-// Whether the plan runs the tensor-core query kernel on case c (16-bit inputs, D = Dv = 64) under
-// the current override.
+// Whether the plan runs the tensor-core query kernel on case c under the current override.
 template <class T>
 bool on_tensor_cores(const path_case& c) {
-  const path_backward_kernel k = attnmix::detail::cuda::path_backward_kernel_override();
-  return sizeof(T) == 2 && c.D == 64 && c.Dv == 64 && k != path_backward_kernel::simt &&
-         k != path_backward_kernel::tiled;
+  namespace cu = attnmix::detail::cuda;
+  cu::path_shape s;
+  s.batch = c.B, s.tokens = c.T, s.max_len = c.T, s.sequences = c.sequences();
+  s.q_heads = c.HQ, s.kv_heads = c.H, s.head_dim = c.D, s.value_dim = c.Dv;
+  s.sixteen_bit = sizeof(T) == 2;
+  return cu::plan_path_backward(s, false, cu::current_properties(),
+                                cu::path_backward_kernel_override())
+             .query_kernel == path_backward_kernel::mma;
 }
 
 template <class Kind, class Policy, class T>

@@ -164,10 +164,6 @@ __device__ __forceinline__ void for_fragment_pairs(float (&acc)[NT][4], int r0, 
     f(r0 + g + 8, 8 * nt + c, acc[nt][2], acc[nt][3]);
   }
 }
-template <class F>
-__device__ __forceinline__ void for_fragment_pairs(float (&acc)[8][4], int r0, F&& f) {
-  for_fragment_pairs<8>(acc, r0, 0, f);
-}
 
 }  // namespace cuda
 }  // namespace detail
