@@ -1,8 +1,8 @@
 #pragma once
-// Tile-level pieces of the tensor-core backward kernels (kernels/sm80_linear_backward.cuh,
-// kernels/sm80_path_backward.cuh): m16n8k16 fragments read from padded row-major 16-bit tiles in
-// shared memory, operands kept in two bfloat16 parts, and one warp's product of 16 rows by 64
-// columns with a reduction depth of 64.
+// Tile-level pieces of the tensor-core kernels (kernels/sm80_linear_backward.cuh,
+// sm80_path_backward.cuh, sm80_linear_causal.cuh): m16n8k16 fragments read from padded
+// row-major 16-bit tiles in shared memory, operands kept in two bfloat16 parts (or one), and one
+// warp's product of 16 rows by up to 80 columns with a reduction depth of 64.
 //
 // Two parts: x = hi + lo with hi = bfloat16(x) and lo = bfloat16(x - hi), about 16 bits in all.
 // A product of two split operands takes three mma (hi hi, lo hi, hi lo; lo lo is below float's
@@ -68,19 +68,25 @@ __device__ __forceinline__ void split2(float x, float y, std::uint32_t& hi, std:
 // Each gives the hi and lo fragments of k-step kk (columns 16 kk .. 16 kk + 15); `has_lo` says
 // whether lo exists (an input already in bfloat16 has none).
 
-// mul * x for a float accumulator tile x (16 x 64, arch/mma.cuh's C layout), split on the fly.
+// mul * x for a float accumulator tile x (16 x 64, arch/mma.cuh's C layout), split on the fly
+// (Split), or rounded to bfloat16 once.
+template <bool Split = true>
 struct a_from_regs {
-  static constexpr bool has_lo = true;
+  static constexpr bool has_lo = Split;
   const float (*x)[4];
   float mul;
   __device__ __forceinline__ void operator()(int kk, std::uint32_t (&h)[4],
                                              std::uint32_t (&l)[4]) const {
     const float* p = x[2 * kk];
     const float* q = x[2 * kk + 1];
-    split2(mul * p[0], mul * p[1], h[0], l[0]);
-    split2(mul * p[2], mul * p[3], h[1], l[1]);
-    split2(mul * q[0], mul * q[1], h[2], l[2]);
-    split2(mul * q[2], mul * q[3], h[3], l[3]);
+    const float v[8] = {p[0], p[1], p[2], p[3], q[0], q[1], q[2], q[3]};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (Split)
+        split2(mul * v[2 * i], mul * v[2 * i + 1], h[i], l[i]);
+      else
+        h[i] = pack2<split_op>(mul * v[2 * i], mul * v[2 * i + 1]);
+    }
   }
 };
 
@@ -116,12 +122,12 @@ struct a_from_tile_t {
   }
 };
 
-// acc[16 x 8 NT] += A[16 x 64] B over a depth of 64, for the output columns n0 .. n0 + 8 NT - 1
-// (NT = 8: all 64; NT = 4: a half): B stored [k][n] (KN) or [n][k] (B^T stored row-major: rows
-// are the output columns), in a split tile (bh, bl; bl only when BLo). Each pass (hi hi, lo hi,
-// hi lo) runs over all n-tiles before the next: the mma that add to one accumulator are NT apart,
-// not back to back.
-template <int Ld, bool KN, bool BLo, int NT = 8, class AF>
+// acc[16 x 8 NT] += A[16 x 16 KS] B over a depth of 16 KS (64 by default), for the output
+// columns n0 .. n0 + 8 NT - 1 (NT = 8: 64 of them; NT = 4: a half; NT = 10: a value row with a
+// column for its sum): B stored [k][n] (KN) or [n][k] (B^T stored row-major: rows are the output
+// columns), in a split tile (bh, bl; bl only when BLo). Each pass (hi hi, lo hi, hi lo) runs over
+// all n-tiles before the next: the mma that add to one accumulator are NT apart, not back to back.
+template <int Ld, bool KN, bool BLo, int NT = 8, int KS = 4, class AF>
 __device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const AF& af, const split_op* bh,
                                          const split_op* bl, int n0 = 0) {
   static_assert(NT % 2 == 0, "n-tiles come in pairs");
@@ -136,7 +142,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const AF& af, cons
     }
   };
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
+  for (int kk = 0; kk < KS; ++kk) {
     std::uint32_t ah[4], al[4], b[JP][4];
     af(kk, ah, al);
     load_b(b, bh, kk);

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "attnmix/core/linear_policy.hpp"
+#include "attnmix/cuda/collective/causal_scan.cuh"
 #include "attnmix/cuda/kernels/linear_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 #include "attnmix/cuda/arch/types.cuh"
@@ -25,41 +26,6 @@
 namespace attnmix {
 namespace detail {
 namespace cuda {
-
-// Element idx of the state carried in from state_in: S (idx < D * Dv, row-major) then z; 0
-// where no state is given.
-__device__ __forceinline__ float state_in_value(const linear_kernel_params& p, int n, int h,
-                                                int idx) {
-  const int D = p.head_dim, Dv = p.value_dim;
-  if (idx < D * Dv)
-    return p.S_in == nullptr
-               ? 0.f
-               : p.S_in[n * p.S_in_stride[0] + h * p.S_in_stride[1] +
-                        (idx / Dv) * p.S_in_stride[2] + (idx % Dv) * p.S_in_stride[3]];
-  return p.S_in == nullptr || p.z_in == nullptr
-             ? 0.f
-             : p.z_in[n * p.z_in_stride[0] + h * p.z_in_stride[1] +
-                      (idx - D * Dv) * p.z_in_stride[2]];
-}
-
-// Running max and mass of the state carried in: a stored state is normalised, i.e. mass 1 at
-// m = lse; no state is mass 0 at m = -inf. Without the key gate m = 0 and ell = 1 throughout.
-template <class Policy>
-__device__ __forceinline__ void state_in_mass(const linear_kernel_params& p, int n, int h, float& m,
-                                              float& ell) {
-  if constexpr (Policy::gate == key_gate::off) {
-    m = 0.f, ell = 1.f;
-  } else {
-    m = p.S_in != nullptr ? p.lse_in[n * p.lse_in_stride[0] + h * p.lse_in_stride[1]] : -INFINITY;
-    ell = m == -INFINITY ? 0.f : 1.f;
-  }
-}
-
-// Factor of a state at max m_old when the max becomes m_new; a state that stays empty
-// (m_new = -inf) keeps its values.
-__device__ __forceinline__ float rescale_factor(float m_old, float m_new) {
-  return m_new == -INFINITY ? 1.f : shifted_exp(m_old, m_new);
-}
 
 // ---- segment prefixes ------------------------------------------------------------------
 // CTA (KV head h, sequence n): prefix[s] = state_in merged with the reduce pass's states of
@@ -172,13 +138,6 @@ __device__ __forceinline__ void stage_values(float* dst, const T* src, index_t r
   }
 }
 
-// (max, mass) pairs of the key gate's log-sum-exp: (a, s) + (b, t) = (M, s e^{a-M} + t e^{b-M}).
-__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
-  const float M = fmaxf(m, m2);
-  s = M == -INFINITY ? 0.f : s * shifted_exp(m, M) + s2 * shifted_exp(m2, M);
-  m = M;
-}
-
 // CTA (segment, KV head h, sequence n), causal_threads threads. `prefix`: the state carried into
 // each segment (linear_causal_prefix_kernel), or nullptr for one segment starting at state_in.
 template <class T, class Policy, int VC>
@@ -197,17 +156,15 @@ __global__ void __launch_bounds__(causal_threads)
   float* sv = rT + D * C;      // [C][Dv]  v; 0 at pads
   float* num = sv + C * Dv;    // [C][Dv]  numerators of the chunk's rows
   float* aT = num + C * Dv;    // [C][C]   weighted, masked scores, transposed: aT[j][i]
-  float* valid = aT + C * C;   // [C]     1 for a real token
-  float* logit = valid + C;    // [C]     gate logit, -inf at pads
-  float* run_max = logit + C;  // [C]     u_i: running max including the carried state
-  float* carry = run_max + C;  // [C]     exp(m - u_i): the carried state's factor at row i
-  float* mass = carry + C;     // [C]     ell_i: the gate's softmax mass at row i
-  float* wk = mass + C;        // [C]     weight of key j in the carried state after the chunk
-  float* den = wk + C;         // [C]     denominators
-  float* next = den + C;       // [2]     m and ell after the chunk
+  float* den = aT + C * C;     // [C]     denominators
+  float* rowf = den + C;       // the chunk's per-row values (collective/causal_scan.cuh)
+  const causal_chunk_rows rs{rowf,         rowf + C,     rowf + 2 * C, rowf + 3 * C,
+                             rowf + 4 * C, rowf + 5 * C, rowf + 6 * C};
+  const float *valid = rs.valid, *logit = rs.logit, *run_max = rs.run_max, *carry = rs.carry,
+              *mass = rs.mass, *wk = rs.wk, *next = rs.next;
 
   const int seg = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
   index_t batch, start, length;
   p.sequence(n, batch, start, length);
   const index_t t0 = seg * segment_tokens, t1 = min(t0 + segment_tokens, length);
@@ -233,43 +190,7 @@ __global__ void __launch_bounds__(causal_threads)
   for (index_t c0 = t0; c0 < t1; c0 += C) {
     const int rows = static_cast<int>(min(index_t(C), t1 - c0));
     __syncthreads();  // the previous chunk is done with every buffer
-    if (threadIdx.x < C) {
-      const int r = threadIdx.x;
-      const bool ok = r < rows && p.valid(batch, start + c0 + r);
-      valid[r] = ok ? 1.f : 0.f;
-      if (gated) logit[r] = ok ? p.logit(batch, start + c0 + r, h) : -INFINITY;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      if (gated) {
-        // Inclusive log-sum-exp scan of the logits (rows lane and lane + 32), behind the
-        // carried state: u_i, ell_i and the carry factor of every row.
-        float lo_m = logit[lane], lo_s = lo_m == -INFINITY ? 0.f : 1.f;
-        float hi_m = logit[lane + 32], hi_s = hi_m == -INFINITY ? 0.f : 1.f;
-#pragma unroll
-        for (int off = 1; off < 32; off *= 2) {
-          const float a = __shfl_up_sync(0xffffffffu, lo_m, off),
-                      b = __shfl_up_sync(0xffffffffu, lo_s, off),
-                      c = __shfl_up_sync(0xffffffffu, hi_m, off),
-                      d = __shfl_up_sync(0xffffffffu, hi_s, off);
-          if (lane >= off) lse_merge(lo_m, lo_s, a, b), lse_merge(hi_m, hi_s, c, d);
-        }
-        lse_merge(hi_m, hi_s, __shfl_sync(0xffffffffu, lo_m, 31),
-                  __shfl_sync(0xffffffffu, lo_s, 31));
-        lse_merge(lo_m, lo_s, m, ell);
-        lse_merge(hi_m, hi_s, m, ell);
-        const float m_new = __shfl_sync(0xffffffffu, hi_m, 31),
-                    ell_new = __shfl_sync(0xffffffffu, hi_s, 31);
-        run_max[lane] = lo_m, run_max[lane + 32] = hi_m;
-        mass[lane] = lo_s, mass[lane + 32] = hi_s;
-        carry[lane] = shifted_exp(m, lo_m), carry[lane + 32] = shifted_exp(m, hi_m);
-        wk[lane] = shifted_exp(logit[lane], m_new);
-        wk[lane + 32] = shifted_exp(logit[lane + 32], m_new);
-        if (lane == 0) next[0] = m_new, next[1] = ell_new;
-      } else {
-        wk[lane] = valid[lane], wk[lane + 32] = valid[lane + 32];
-      }
-    }
+    causal_chunk_gates<gated>(p, batch, start + c0, rows, h, rs, m, ell);
     stage_features<T, Policy>(kT, k + c0 * p.k_stride[1], p.k_stride[1], D, valid, 1.f,
                               p.vector_loads);
     stage_values(sv, v + c0 * p.v_stride[1], p.v_stride[1], Dv, valid, p.vector_loads);
@@ -363,19 +284,8 @@ __global__ void __launch_bounds__(causal_threads)
 
       // Epilogue, one warp per row.
       for (int row = warp; row < rows; row += warps) {
-        // Every key-gate logit so far -inf: the row sees no key and is 0, as on the CPU.
-        float inv = 1.f;
-        if (gated && mass[row] == 0.f)
-          inv = 0.f;
-        else if (Policy::normalize)
-          inv = 1.f / den[row];
-        else if (gated)
-          inv = 1.f / mass[row];
-        float o[VC];
-#pragma unroll
-        for (int c = 0; c < VC; ++c)
-          o[c] = lane + 32 * c < Dv ? num[row * Dv + lane + 32 * c] * inv : 0.f;
-        write_row<T, Policy>(p, batch, start + c0 + row, hq, o, valid[row] != 0.f);
+        causal_write_row<T, Policy, VC>(p, batch, start + c0 + row, hq, num + row * Dv, den[row],
+                                        rs, row);
       }
     }
 

@@ -1,0 +1,102 @@
+#pragma once
+// Tile staging of the tensor-core linear-attention backward kernels
+// (kernels/sm80_linear_backward.cuh, kernels/sm80_linear_backward_causal.cuh): 16-byte pieces of
+// activation rows loaded a tile ahead, the feature map applied while they are split into two
+// bfloat16 parts, pairs of activations read and written in the accumulators' layout, and a quad's
+// sum (one row of an accumulator).
+
+#include <cstdint>
+
+#include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/collective/split_mma.cuh"
+#include "attnmix/cuda/kernels/linear_simt.cuh"
+#include "attnmix/math/feature_map.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+using lbm_op = split_op;
+
+// 16-byte piece (eight elements) ch of token t's row of an activation, or zeros.
+template <class Dev>
+__device__ __forceinline__ uint4 lbm_load8(const void* base, const index_t* st, index_t b,
+                                           index_t t, int h, int ch, bool ok) {
+  if (!ok) return make_uint4(0u, 0u, 0u, 0u);
+  return __ldg(reinterpret_cast<const uint4*>(static_cast<const Dev*>(base) + b * st[0] +
+                                              t * st[1] + h * st[2] + 8 * ch));
+}
+
+// mul phi(x) of eight raw elements as bfloat16 operands, in two parts (or zeros when !ok).
+template <class Dev, class Policy>
+__device__ __forceinline__ void lbm_phi8(uint4 raw, float mul, bool ok, lbm_op* hi, lbm_op* lo) {
+  const std::uint32_t in[4] = {raw.x, raw.y, raw.z, raw.w};
+  std::uint32_t h[4] = {}, l[4] = {};
+  if (ok)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 x = unpack2<Dev>(in[i]);
+      split2(mul * apply_feature_map<Policy::phi>(x.x), mul * apply_feature_map<Policy::phi>(x.y),
+             h[i], l[i]);
+    }
+  *reinterpret_cast<uint4*>(hi) = make_uint4(h[0], h[1], h[2], h[3]);
+  if (lo != nullptr) *reinterpret_cast<uint4*>(lo) = make_uint4(l[0], l[1], l[2], l[3]);
+}
+
+// Eight raw elements as high and low bfloat16 parts (exact for half: 11 bits in 8 + 8).
+template <class Dev>
+__device__ __forceinline__ void lbm_split8(uint4 raw, uint4& hi, uint4& lo) {
+  const std::uint32_t in[4] = {raw.x, raw.y, raw.z, raw.w};
+  std::uint32_t h[4], l[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = unpack2<Dev>(in[i]);
+    split2(x.x, x.y, h[i], l[i]);
+  }
+  hi = make_uint4(h[0], h[1], h[2], h[3]);
+  lo = make_uint4(l[0], l[1], l[2], l[3]);
+}
+// The raw 16-byte pieces of an activation's tile (Rows tokens, Cols elements a row) that this
+// thread stages: piece i is e = threadIdx.x + i * Threads, row e / (Cols / 8). They are loaded
+// a tile ahead, so that the loads are in flight while the tile before is multiplied (the passes
+// are bound by memory latency otherwise). Pads and rows past `end` load zeros.
+template <class Dev, int Cols, int Rows, int Threads>
+struct lbm_tile_loads {
+  static constexpr int per_row = Cols / 8, count = Rows * per_row / Threads;
+  static_assert(Rows * per_row % Threads == 0, "whole pieces a thread");
+  uint4 raw[count];
+  __device__ static int row(int i) { return (int(threadIdx.x) + i * Threads) / per_row; }
+  __device__ static int piece(int i) { return (int(threadIdx.x) + i * Threads) % per_row; }
+  __device__ void fetch(const linear_kernel_params& f, const void* x, const index_t* st,
+                        index_t batch, index_t start, index_t base, index_t end, int h) {
+#pragma unroll
+    for (int i = 0; i < count; ++i) {
+      const index_t t = base + row(i);
+      raw[i] = lbm_load8<Dev>(x, st, batch, start + t, h, piece(i),
+                              t < end && f.valid(batch, start + t));
+    }
+  }
+};
+
+// A pair of activations at (b, t, h, d..d+1) (4-byte aligned), as floats.
+template <class Dev>
+__device__ __forceinline__ float2 lbm_load2(const void* base, const index_t* st, index_t b,
+                                            index_t t, int h, int d) {
+  return unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(
+      static_cast<const Dev*>(base) + b * st[0] + t * st[1] + h * st[2] + d));
+}
+template <class Dev>
+__device__ __forceinline__ void lbm_store2(void* base, const index_t* st, index_t b, index_t t,
+                                           int h, int d, float x, float y) {
+  *reinterpret_cast<std::uint32_t*>(static_cast<Dev*>(base) + b * st[0] + t * st[1] + h * st[2] +
+                                    d) = pack2<Dev>(x, y);
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
