@@ -168,6 +168,13 @@ std::vector<linear_case> cuda_linear_cases(bool causal) {
       nan_pads.nan_pads = true;
       cs.push_back(nan_pads);
     }
+    // The tensor-core scan (bfloat16, D = Dv = 64): one token, a state in with pads over
+    // segments, packed sequences with empty and length-1 ones and four query heads a KV head.
+    cs.push_back({1, 1, 1, 1, 64, 64});
+    linear_case state_pads{2, 900, 8, 2, 64, 64, {}, padding::holes};
+    state_pads.with_state_in = true;
+    cs.push_back(state_pads);
+    cs.push_back({1, 1500, 8, 2, 64, 64, {0, 0, 1, 64, 64, 130, 500, 501, 1000, 1500}});
   }
   return cs;
 }
@@ -240,11 +247,14 @@ TEMPLATE_TEST_CASE("CUDA causal linear attention, small shapes", "[cuda][linear_
   std::vector<linear_case> cs = {{1, 1, 1, 1, 8, 8},
                                  {2, 65, 4, 2, 32, 16},
                                  {1, 700, 2, 1, 16, 24},
-                                 {1, 200, 4, 2, 12, 20, {0, 0, 1, 64, 64, 130, 200}}};
-  linear_case nan_pads{3, 600, 2, 1, 16, 8, {}, padding::holes};
-  nan_pads.nan_pads = true;
-  nan_pads.with_state_in = true;
-  cs.push_back(nan_pads);
+                                 {1, 200, 4, 2, 12, 20, {0, 0, 1, 64, 64, 130, 200}},
+                                 {1, 200, 4, 2, 64, 64, {0, 0, 1, 64, 64, 130, 200}}};
+  for (index_t D : {index_t(16), index_t(64)}) {  // D = 64: the tensor-core scan in bfloat16
+    linear_case nan_pads{3, 600, 2, 1, D, D == 16 ? 8 : 64, {}, padding::holes};
+    nan_pads.nan_pads = true;
+    nan_pads.with_state_in = true;
+    cs.push_back(nan_pads);
+  }
   std::uint64_t salt = 900;
   for (const linear_case& c : cs) {
     INFO("seed " << test_seed() << " " << c.describe() << " dtype "

@@ -376,6 +376,7 @@ TEST_CASE("causal linear-attention plans", "[plan]") {
       CHECK(p.reduce_grid == grid(16, 1, 8));
       CHECK(p.prefix);
       CHECK(p.prefix_grid == grid(16, 8));
+      CHECK(p.causal == linear_causal_variant::simt);
       CHECK(p.causal_chunks == 2);
       CHECK(p.causal_grid == grid(2, 16, 8));
       CHECK(p.causal_smem == 100608);
@@ -399,6 +400,28 @@ TEST_CASE("causal linear-attention plans", "[plan]") {
     CHECK(p.causal_grid == grid(1, 16, 64));
     CHECK(p.partials == 0);
     CHECK(p.scratch.bytes == 0);
+  }
+  SECTION("bfloat16 at D = Dv = 64 scans on tensor cores; other calls on CUDA cores") {
+    linear_shape s = linear_bench(true, 8, 2048);
+    s.bf16 = true;
+    s.causal_ctas_per_sm = 3;  // 70 KB of shared memory and 168 registers a thread
+    const linear_plan p = plan_linear(s, h200());
+    CHECK(p.causal == linear_causal_variant::sm80_mma);
+    CHECK(p.causal_smem == causal_mma_smem_bytes);
+    CHECK(p.segments == 3);  // 396 CTA slots over 128 (sequence, head) pairs
+    CHECK(p.segment_tokens == 704);
+    CHECK(p.causal_grid == grid(3, 16, 8));
+    CHECK(p.reduce == linear_reduce_variant::sm80_mma);
+    const auto variant = [](linear_shape x) { return plan_linear(x, h200()).causal; };
+    linear_shape other = s;
+    other.bf16 = false;  // half
+    CHECK(variant(other) == linear_causal_variant::simt);
+    other = s, other.q_vectors = false;
+    CHECK(variant(other) == linear_causal_variant::simt);
+    other = s, other.value_dim = 32;
+    CHECK(variant(other) == linear_causal_variant::simt);
+    other = s, other.head_dim = other.value_dim = 128;
+    CHECK(variant(other) == linear_causal_variant::simt);
   }
   SECTION("sm_80 has fewer SMs: the split follows the device") {
     const linear_plan p = plan_linear(linear_bench(true, 1, 32768), sm80());

@@ -69,6 +69,13 @@ inline int linear_bwd_mma_smem(linear_bwd_pass pass, bool split_v) {
   }
 }
 
+// The tensor-core causal backward kernels (sm80_linear_backward_causal.cuh) at D = Dv = 64 with
+// 64-token chunks: 16-bit tiles [64][72] (phi(k), r: two parts each) and [64][88] (v | 1, the
+// state and [g | delta] in two parts), then the chunk's row flags.
+constexpr int linear_bwd_causal_mma_threads = 128;
+constexpr int linear_bwd_causal_mma_sums_smem = (2 * 64 * 72 + 64 * 88) * 2 + 64 * 4;
+constexpr int linear_bwd_causal_mma_smem = (4 * 64 * 72 + 5 * 64 * 88) * 2 + 64 * 4;
+
 // The tensor-core PaTH / PaTH-FoX backward query kernel (kernels/sm80_path_backward.cuh) at
 // D = Dv = C = 64: eleven tiles [C][ld] of 16-bit elements in two parts (slot s: hi at 2 s, lo at
 // 2 s + 1), the gate's float dZ [C][C + 1], then eight vectors of C (per row: lse, delta, gate,
@@ -93,6 +100,20 @@ constexpr int causal_threads = 256;
 inline ATTNMIX_HOST_DEVICE int causal_smem_floats(int D, int Dv) {
   constexpr int C = causal_chunk;
   return D * Dv + D + 2 * D * C + 2 * C * Dv + C * C + 8 * C;
+}
+
+// linear_causal_mma_kernel (sm80_linear_causal.cuh): bfloat16 tiles of 64 rows, phi(k) and
+// phi(q) [64][72], [v | 1] twice and the state [64][88], then the float numerators [64][68], the
+// denominators and the chunk's six per-row arrays and two scalars.
+constexpr int causal_mma_threads = 128;
+constexpr int causal_mma_smem_bytes =
+    (2 * 64 * 72 + 3 * 64 * 88) * 2 + (64 * 68 + 64 + 6 * 64 + 2) * 4;
+
+// Whether the tensor-core causal kernel takes a call: bfloat16 (bf16), D = Dv = 64, and k, v, q
+// rows it can read with 16-byte loads.
+inline bool linear_causal_mma_applies(bool bf16, index_t D, index_t Dv, bool kv_vectors,
+                                      bool q_vectors) {
+  return bf16 && D == 64 && Dv == 64 && kv_vectors && q_vectors;
 }
 
 // ---- linear attention, tensor cores (sm80_linear.cuh, sm90_linear_cluster.cuh) --------------

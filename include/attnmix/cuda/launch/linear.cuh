@@ -17,6 +17,7 @@
 #include "attnmix/cuda/kernels/linear_causal.cuh"
 #include "attnmix/cuda/kernels/linear_simt.cuh"
 #include "attnmix/cuda/kernels/sm80_linear.cuh"
+#include "attnmix/cuda/kernels/sm80_linear_causal.cuh"
 #include "attnmix/cuda/kernels/sm90_linear_cluster.cuh"
 #include "attnmix/cuda/launch/launch_attributes.cuh"
 #include "attnmix/cuda/plan/linear.hpp"
@@ -31,11 +32,13 @@ void copy_strides(index_t (&dst)[N], const V& view) {
   for (int i = 0; i < N; ++i) dst[i] = view.has_value() ? view.stride(i) : 0;
 }
 
-// The chunked causal kernel for `chunks` 32-wide value chunks (its row epilogue holds that many
-// values a lane; plan/linear.hpp picks 1, 2 or 4).
+// The chunked causal kernel: on tensor cores (mma), or on CUDA cores for `chunks` 32-wide value
+// chunks (its row epilogue holds that many values a lane; plan/linear.hpp picks 1, 2 or 4).
 template <class Dev, class Policy>
-auto causal_kernel(int chunks) {
+auto causal_kernel(bool mma, int chunks) {
   auto kernel = linear_causal_kernel<Dev, Policy, 4>;
+  if constexpr (std::is_same_v<Dev, __nv_bfloat16>)
+    if (mma) return linear_causal_mma_kernel<Dev, Policy>;
   with_value<1, 2>(chunks,
                    [&](auto c) { kernel = linear_causal_kernel<Dev, Policy, decltype(c)::value>; });
   return kernel;
@@ -72,16 +75,6 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   shape.head_dim = D, shape.value_dim = Dv, shape.max_len = max_len;
   shape.sequences = N, shape.kv_heads = H, shape.q_heads = p.q_heads;
   shape.offsets_bytes = offsets_bytes(p);
-  // Causal: how many CTAs of the chunked kernel one SM holds (the plan cuts the sequences into
-  // segments that fill the GPU's CTA slots).
-  if constexpr (causal) {
-    const int smem = causal_smem_floats(int(D), int(Dv)) * int(sizeof(float));
-    auto kernel = causal_kernel<Dev, Policy>(linear_value_chunks(Dv));
-    allow_dynamic_smem(kernel, smem);
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shape.causal_ctas_per_sm, kernel,
-                                                        causal_threads, smem),
-          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  }
   constexpr bool sixteen_bit = std::is_same_v<Dev, __half> || std::is_same_v<Dev, __nv_bfloat16>;
   constexpr index_t per_vector = 16 / sizeof(T);
   shape.sixteen_bit = sixteen_bit;
@@ -101,6 +94,20 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
   shape.gate_vectors = Policy::norm == gated_norm::per_head &&
                        aligned_for_vectors(a.gate.data(), a.gate.stride(0), a.gate.stride(1),
                                            a.gate.stride(2), int(per_vector), int(sizeof(T)));
+  shape.bf16 = std::is_same_v<Dev, __nv_bfloat16>;
+  // Causal: how many CTAs of the chunked kernel one SM holds (the plan cuts the sequences into
+  // segments that fill the GPU's CTA slots).
+  if constexpr (causal) {
+    const bool mma =
+        linear_causal_mma_applies(shape.bf16, D, Dv, shape.kv_vectors, shape.q_vectors);
+    const int smem =
+        mma ? causal_mma_smem_bytes : causal_smem_floats(int(D), int(Dv)) * int(sizeof(float));
+    auto kernel = causal_kernel<Dev, Policy>(mma, linear_value_chunks(Dv));
+    allow_dynamic_smem(kernel, smem);
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+              &shape.causal_ctas_per_sm, kernel, mma ? causal_mma_threads : causal_threads, smem),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  }
   const linear_plan plan = plan_linear(shape, props);
   stream_buffer scratch(plan.scratch.bytes, stream);
 
@@ -181,9 +188,12 @@ void run_linear(const std::string& fn, const linear_attention_args<T>& a,
                                                                             plan.segments, state);
       check(cudaGetLastError(), "linear_causal_prefix_kernel launch");
     }
-    causal_kernel<Dev, Policy>(plan.causal_chunks)<<<as_dim3(plan.causal_grid), causal_threads,
-                                                     plan.causal_smem, stream>>>(
-        kp, plan.segment_tokens, plan.prefix ? state : nullptr, plan.segments);
+    const bool mma = plan.causal == linear_causal_variant::sm80_mma;
+    auto kernel = causal_kernel<Dev, Policy>(mma, plan.causal_chunks);
+    kernel<<<as_dim3(plan.causal_grid), mma ? causal_mma_threads : causal_threads,
+             plan.causal_smem, stream>>>(kp, plan.segment_tokens, plan.prefix ? state : nullptr,
+                                         plan.segments);
+    check(cudaGetLastError(), "linear_causal_kernel launch");
   } else {
     reduce();
     if (plan.combine) {

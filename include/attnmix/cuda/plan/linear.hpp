@@ -7,7 +7,8 @@
 // reduce kernel merges them itself: fused) -> read; or, for D = Dv = 64 on a device with clusters,
 // one clustered kernel that does all three. Causal (linear_causal): the chunked scan, a CTA a
 // segment of a sequence; with several segments the reduce and a prefix kernel first give each
-// segment the state carried into it.
+// segment the state carried into it; the scan runs on tensor cores (sm80_mma) for bfloat16 at
+// D = Dv = 64 with 16-byte q, k, v rows, else on CUDA cores (simt).
 //   reduce: sm80_fast (16-bit, D = Dv = 64, bidirectional), sm80_mma(_wide) (16-bit, aligned
 //           k/v rows, linear_mma_dims), else simt with 1, 2 or 4 tiles a thread;
 //   read:   sm90_cluster, sm80_fast (D = Dv = 64, 16-byte out rows), sm80_mma(_wide) (16-byte
@@ -37,11 +38,13 @@ constexpr int linear_mma_read_ctas = 3, linear_fast_read_ctas = 2, linear_read_w
 
 enum class linear_reduce_variant { none, simt, sm80_mma, sm80_mma_wide, sm80_fast };
 enum class linear_read_variant { none, simt, sm80_mma, sm80_mma_wide, sm80_fast, sm90_cluster };
+enum class linear_causal_variant { none, simt, sm80_mma };
 
 // What the plan reads of a call (the launcher fills it from the validated problem and views).
 struct linear_shape {
   bool causal = false;         // kind::linear_causal
   bool sixteen_bit = false;    // half or bfloat16 inputs
+  bool bf16 = false;           // bfloat16 inputs
   bool per_head_norm = false;  // Policy::norm == gated_norm::per_head (the read stages the gate)
   index_t head_dim = 0, value_dim = 0;
   index_t max_len = 0;  // longest sequence
@@ -82,7 +85,8 @@ struct linear_plan {
 
   bool prefix = false;  // causal, several segments
   launch_grid prefix_grid;
-  int causal_chunks = 0;  // causal: 32-wide value chunks of the row epilogue (1, 2 or 4)
+  linear_causal_variant causal = linear_causal_variant::none;
+  int causal_chunks = 0;  // causal simt: 32-wide value chunks of the row epilogue (1, 2 or 4)
   int causal_smem = 0;
   launch_grid causal_grid;
 
@@ -120,7 +124,10 @@ inline linear_plan plan_linear(const linear_shape& s, const device_properties& d
   // least 4 chunks a segment), so that few long sequences still use every SM.
   p.segment_tokens = std::max<index_t>(max_len, 1);
   if (s.causal) {
-    p.causal_smem = causal_smem_floats(int(D), int(Dv)) * int(sizeof(float));
+    const bool mma = linear_causal_mma_applies(s.bf16, D, Dv, s.kv_vectors, s.q_vectors);
+    p.causal = mma ? linear_causal_variant::sm80_mma : linear_causal_variant::simt;
+    p.causal_smem =
+        mma ? causal_mma_smem_bytes : causal_smem_floats(int(D), int(Dv)) * int(sizeof(float));
     const index_t slots = index_t(d.sms) * std::max(s.causal_ctas_per_sm, 1);
     const index_t min_tokens = 4 * causal_chunk;
     p.segments = std::clamp<index_t>(slots / (N * H), 1,
