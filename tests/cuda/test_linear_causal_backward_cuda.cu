@@ -1,6 +1,6 @@
 // CUDA backward of causal linear attention against the CPU backward: a small case first, the
 // rejected key gate, bit-identical reruns, then with and without state_in and dstate_out, the
-// other knobs in float, the gated norm in bfloat16. The harness: linear_backward_harness.cuh.
+// other knobs in float, the gated norm in bfloat16, and every knob on the tensor-core kernels. The harness: linear_backward_harness.cuh.
 
 #include "cuda/linear_backward_harness.cuh"
 
@@ -71,6 +71,69 @@ TEST_CASE("CUDA causal linear backward with a gated norm (bfloat16)",
   bwd_options dso;
   dso.dstate_out = true;
   sweep<linear_causal, causal_head_norm, attnmix::bfloat16>(990, "per-head norm", dso);
+}
+
+// The tensor-core kernels (bfloat16, D = Dv = 64, sm80_linear_backward_causal.cuh): one token,
+// a chunk and a bit, packed sequences with empty and length-1 ones, left pads with GQA, MQA, NaN
+// pads; each with and without a state in.
+std::vector<linear_case> tensor_core_cases() {
+  std::vector<linear_case> cs = {{1, 1, 1, 1, 64, 64},
+                                 {2, 65, 2, 2, 64, 64},
+                                 {1, 700, 4, 2, 64, 64, {0, 0, 1, 64, 64, 130, 500, 501, 700}},
+                                 {3, 200, 8, 2, 64, 64, {}, padding::left},
+                                 {2, 129, 4, 1, 64, 64}};
+  linear_case nan_pads{2, 333, 4, 2, 64, 64, {}, padding::holes};
+  nan_pads.nan_pads = true;
+  cs.push_back(nan_pads);
+  std::vector<linear_case> with_state;
+  for (linear_case c : cs) {
+    with_state.push_back(c);
+    c.with_state_in = true;
+    with_state.push_back(c);
+  }
+  return with_state;
+}
+
+template <class Policy>
+void tensor_core_sweep(std::uint64_t salt, const char* what) {
+  bwd_options dso;
+  dso.dstate_out = true;
+  const double tol =
+      grad_tolerance<attnmix::bfloat16>(Policy::norm != attnmix::gated_norm::off);
+  for (const linear_case& c : tensor_core_cases())
+    for (const bwd_options& opt : {bwd_options{}, dso}) {
+      INFO("seed " << test_seed() << " " << c.describe() << " policy " << what << " dstate_out "
+                   << opt.dstate_out);
+      check_errors(run_cuda_backward<linear_causal, Policy, attnmix::bfloat16>(c, ++salt, opt),
+                   tol);
+    }
+}
+
+TEST_CASE("CUDA causal linear backward on tensor cores (bfloat16, D = Dv = 64)",
+          "[cuda][linear_backward][linear_causal][tensor_cores]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  tensor_core_sweep<causal_default>(1100, "linear_causal_policy");
+  tensor_core_sweep<causal_identity_raw>(1200, "identity, no normaliser");
+  tensor_core_sweep<causal_squared>(1300, "squared relu");
+  tensor_core_sweep<causal_head_norm>(1400, "per-head norm, gate then norm, sigmoid");
+}
+
+TEST_CASE("CUDA causal linear backward on tensor cores: the same bits twice, a small case",
+          "[cuda][linear_backward][linear_causal][tensor_cores][small]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  linear_case c{2, 150, 4, 2, 64, 64, {}, padding::holes};
+  c.with_state_in = true;
+  bwd_options dso;
+  dso.dstate_out = true;
+  grad_bits x, y;
+  check_errors(run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &x),
+               grad_tolerance<attnmix::bfloat16>());
+  run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &y);
+  CHECK(bitwise_equal(x.dq, y.dq));
+  CHECK(bitwise_equal(x.dk, y.dk));
+  CHECK(bitwise_equal(x.dv, y.dv));
+  CHECK(bitwise_equal(x.dS_in, y.dS_in));
+  CHECK(bitwise_equal(x.dz_in, y.dz_in));
 }
 
 TEST_CASE("CUDA linear backward: worst errors seen", "[cuda][linear_backward]") {

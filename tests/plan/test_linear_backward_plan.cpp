@@ -111,6 +111,19 @@ TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
     CHECK(p.scratch.g - p.scratch.dstate == padded_bytes(std::size_t(32 * 2) * (64 * 64 + 64) * 4));
     CHECK(p.scratch.bytes == p.scratch.delta + padded_bytes(2 * 1000 * 4 * 4));
   }
+  SECTION("bfloat16 rows for 16-byte loads: the tensor-core chunk passes") {
+    s.mma_inputs = true;
+    const linear_backward_plan p = plan_linear_backward(s, h200());
+    CHECK(p.mma);
+    CHECK(p.mma_threads == 128);
+    CHECK(p.reduce_smem == (2 * 64 * 72 + 64 * 88) * 2 + 64 * 4);
+    CHECK(p.causal_q_smem == (4 * 64 * 72 + 5 * 64 * 88) * 2 + 64 * 4);
+    CHECK(p.causal_k_smem == p.causal_q_smem);
+    CHECK(p.chunk_grid == launch_grid{16, 2, 2});
+    CHECK_FALSE(plan_linear_backward(s, small_smem()).mma);  // 32-token chunks there
+    s.head_dim = 32;
+    CHECK_FALSE(plan_linear_backward(s, h200()).mma);
+  }
   SECTION("shorter chunks where a block has 48 KiB") {
     CHECK(linear_bwd_causal_chunk(64, 64, small_smem()) == 32);
     CHECK(linear_bwd_causal_chunk(128, 128, small_smem()) == 16);
@@ -144,7 +157,7 @@ TEST_CASE("linear backward: the tensor-core passes", "[plan][linear_backward]") 
     CHECK(p.pass_b_smem == linear_bwd_mma_layout<64, 64>::key_smem(true));
     CHECK(p.pass_b_smem > linear_bwd_mma_layout<64, 64>::key_smem(false));
   }
-  SECTION("other dims, causal calls and the forced CUDA cores keep the CUDA-core kernels") {
+  SECTION("other dims, causal half calls and the forced CUDA cores keep the CUDA-core kernels") {
     s.value_dim = 32;
     CHECK_FALSE(plan_linear_backward(s, h200()).mma);
     s.value_dim = s.head_dim = 128;
@@ -154,6 +167,8 @@ TEST_CASE("linear backward: the tensor-core passes", "[plan][linear_backward]") 
     s.head_dim = 64, s.force_simt = true;
     CHECK_FALSE(plan_linear_backward(s, h200()).mma);
     s.force_simt = false, s.causal = true, s.gated = false;
+    CHECK(plan_linear_backward(s, h200()).mma);  // bfloat16: sm80_linear_backward_causal.cuh
+    s.half_inputs = true;
     CHECK_FALSE(plan_linear_backward(s, h200()).mma);
   }
 }

@@ -15,6 +15,7 @@
 #include "attnmix/core/tags.hpp"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/kernels/linear_backward_causal.cuh"
+#include "attnmix/cuda/kernels/sm80_linear_backward_causal.cuh"
 #include "attnmix/cuda/kernels/linear_backward_simt.cuh"
 #include "attnmix/cuda/kernels/sm80_linear_backward.cuh"
 #include "attnmix/cuda/launch/linear.cuh"
@@ -81,7 +82,7 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
   shape.sequences = N, shape.kv_heads = H, shape.q_heads = HQ;
   shape.gate_heads = gated ? p.gate_heads : 0;
   shape.offsets_bytes = offsets_bytes(p);
-  if constexpr (!causal && sizeof(T) == 2) {
+  if constexpr (sizeof(T) == 2) {
     auto rows16 = [](const auto& x) {
       return aligned_for_vectors(x.data(), x.stride(0), x.stride(1), x.stride(2), 8, 2);
     };
@@ -286,29 +287,59 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
     }
 
     const dim3 chunk_grid = as_dim3(plan.chunk_grid);
+    // The tensor-core kernels (sm80_linear_backward_causal.cuh) take bfloat16 alone.
+    constexpr bool bf16 = std::is_same_v<Dev, __nv_bfloat16>;
+    const bool mma = bf16 && plan.mma;
+    const dim3 chunk_threads(unsigned(mma ? plan.mma_threads : linear_bwd_threads));
     if (shape.total_chunks > 0) {
-      auto sums = linear_bwd_chunk_sums_kernel<Dev, Policy>;
-      allow_dynamic_smem(sums, plan.reduce_smem);
-      sums<<<chunk_grid, threads, plan.reduce_smem, stream>>>(bp, plan.chunk, offsets, state);
+      if (mma) {
+        if constexpr (bf16) {
+          auto kernel = linear_bwd_chunk_sums_mma_kernel<Policy>;
+          allow_dynamic_smem(kernel, plan.reduce_smem);
+          kernel<<<chunk_grid, chunk_threads, plan.reduce_smem, stream>>>(bp, offsets, state);
+        }
+      } else {
+        auto sums = linear_bwd_chunk_sums_kernel<Dev, Policy>;
+        allow_dynamic_smem(sums, plan.reduce_smem);
+        sums<<<chunk_grid, threads, plan.reduce_smem, stream>>>(bp, plan.chunk, offsets, state);
+      }
       check(cudaGetLastError(), "linear_bwd_chunk_sums_kernel launch");
     }
     linear_bwd_scan_kernel<<<as_dim3(plan.scan_grid), threads, 0, stream>>>(bp, offsets, state);
     check(cudaGetLastError(), "linear_bwd_scan_kernel launch");
     if (shape.total_chunks > 0) {
-      auto query = linear_bwd_causal_query_kernel<Dev, Policy>;
-      allow_dynamic_smem(query, plan.causal_q_smem);
-      query<<<chunk_grid, threads, plan.causal_q_smem, stream>>>(bp, plan.chunk, offsets, state,
-                                                                 dstate, gbuf, delta);
+      if (mma) {
+        if constexpr (bf16) {
+          auto kernel = linear_bwd_causal_query_mma_kernel<Policy>;
+          allow_dynamic_smem(kernel, plan.causal_q_smem);
+          kernel<<<chunk_grid, chunk_threads, plan.causal_q_smem, stream>>>(bp, offsets, state,
+                                                                            dstate, gbuf, delta);
+        }
+      } else {
+        auto query = linear_bwd_causal_query_kernel<Dev, Policy>;
+        allow_dynamic_smem(query, plan.causal_q_smem);
+        query<<<chunk_grid, threads, plan.causal_q_smem, stream>>>(bp, plan.chunk, offsets, state,
+                                                                   dstate, gbuf, delta);
+      }
       check(cudaGetLastError(), "linear_bwd_causal_query_kernel launch");
     }
     linear_bwd_reverse_scan_kernel<<<as_dim3(plan.scan_grid), threads, 0, stream>>>(bp, offsets,
                                                                                     dstate);
     check(cudaGetLastError(), "linear_bwd_reverse_scan_kernel launch");
     if (shape.total_chunks > 0) {
-      auto key = linear_bwd_causal_key_kernel<Dev, Policy>;
-      allow_dynamic_smem(key, plan.causal_k_smem);
-      key<<<chunk_grid, threads, plan.causal_k_smem, stream>>>(bp, plan.chunk, offsets, dstate,
-                                                               gbuf, delta);
+      if (mma) {
+        if constexpr (bf16) {
+          auto kernel = linear_bwd_causal_key_mma_kernel<Policy>;
+          allow_dynamic_smem(kernel, plan.causal_k_smem);
+          kernel<<<chunk_grid, chunk_threads, plan.causal_k_smem, stream>>>(bp, offsets, dstate,
+                                                                            gbuf, delta);
+        }
+      } else {
+        auto key = linear_bwd_causal_key_kernel<Dev, Policy>;
+        allow_dynamic_smem(key, plan.causal_k_smem);
+        key<<<chunk_grid, threads, plan.causal_k_smem, stream>>>(bp, plan.chunk, offsets, dstate,
+                                                                 gbuf, delta);
+      }
       check(cudaGetLastError(), "linear_bwd_causal_key_kernel launch");
     }
   }

@@ -1,6 +1,7 @@
 #pragma once
 // The plan of a linear-attention backward (bla, gbla, linear_causal): which kernels (CUDA cores,
-// or tensor cores for the bidirectional passes at D = Dv = 64 with 16-bit inputs), how the
+// or tensor cores at D = Dv = 64: the bidirectional passes with 16-bit inputs, the causal chunk
+// sums, query and key passes with bfloat16 inputs), how the
 // tokens are split among CTAs, the tiles, every grid and the scratch layout. Pure C++:
 // unit-tested without a GPU (tests/plan/).
 //
@@ -73,7 +74,7 @@ struct linear_backward_plan {
   // Causal: tokens a chunk, and the largest chunk count of a sequence.
   index_t chunk = 64, max_chunks = 0;
   index_t tile = linear_bwd_tile;
-  // Bidirectional: the reduce, query and key passes on tensor cores (threads a CTA).
+  // The reduce (causal: chunk sums), query and key passes on tensor cores (threads a CTA).
   bool mma = false;
   int mma_threads = 0;
   int pass_a_smem = 0, pass_b_smem = 0, reduce_smem = 0, causal_q_smem = 0, causal_k_smem = 0;
@@ -171,8 +172,19 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
   } else {
     p.chunk = linear_bwd_causal_chunk(D, Dv, props);
     p.max_chunks = (s.max_len + p.chunk - 1) / p.chunk;
-    p.causal_q_smem = int(linear_bwd_causal_q_floats(p.chunk, tile, D, Dv) * 4);
-    p.causal_k_smem = int(linear_bwd_causal_k_floats(p.chunk, tile, D, Dv) * 4);
+    // Tensor cores for bfloat16 at D = Dv = 64 with 64-token chunks.
+    p.mma = s.mma_inputs && !s.half_inputs && !s.force_simt && D == 64 && Dv == 64 &&
+            p.chunk == 64 &&
+            std::size_t(linear_bwd_causal_mma_smem) <=
+                std::max(props.smem_per_block_optin, props.smem_per_block);
+    if (p.mma) {
+      p.mma_threads = linear_bwd_causal_mma_threads;
+      p.reduce_smem = linear_bwd_causal_mma_sums_smem;
+      p.causal_q_smem = p.causal_k_smem = linear_bwd_causal_mma_smem;
+    } else {
+      p.causal_q_smem = int(linear_bwd_causal_q_floats(p.chunk, tile, D, Dv) * 4);
+      p.causal_k_smem = int(linear_bwd_causal_k_floats(p.chunk, tile, D, Dv) * 4);
+    }
     p.chunk_grid = {unsigned(std::max<index_t>(p.max_chunks, 1)), unsigned(H), n_grid};
     take(sc.chunk_offsets, std::size_t(N + 1) * sizeof(int));
     take(sc.state, std::size_t(s.total_chunks * H) * state_bytes);

@@ -1,0 +1,366 @@
+#pragma once
+// Tensor-core kernels of the causal linear-attention backward (kind::linear_causal, no key gate)
+// for bfloat16 inputs at D = Dv = 64 with 64-token chunks: the three kernels of
+// linear_backward_causal.cuh that carry the products, same grid, scratch and results, on
+// mma.sync m16n8k16 with float accumulation. The scans between them are the CUDA-core ones.
+//   chunk sums: a chunk's [S | z] = phi(K)^T [V | 1]
+//   query:      [num | den] = R [S | z] + A [V | 1] (A = R phi(K)^T on j <= i, R = scale phi(Q));
+//               g = do / den, delta = -(do . num) / den^2; dq = scale phi'(q) ([g | delta]
+//               [S | z]^T + dA phi(K)) with dA = [g | delta] [V | 1]^T on j <= i; the chunk's
+//               [dS | dz] += R^T [g | delta] over the group's heads
+//   key:        e = [V | 1] [dS | dz]^T + dA^T R, dv = phi(K) dS + A^T g over the chunk's query
+//               rows i >= j of every head of the group; dk = e phi'(k)
+// Warp w of four owns rows 16 w .. 16 w + 15 of the chunk (queries in the query kernel, keys in
+// the key kernel) and state rows d = 16 w .. in the sums over tokens. [x | z] operands carry z (or
+// delta, or a row's 1) in column 64 of an 80-wide tile. Every operand that is not a bfloat16
+// input is kept in two bfloat16 parts: the normaliser's gradient cancels (g . v_j + delta is
+// do . (v_j - o) / den), as in sm80_linear_backward.cuh. Sums run in a fixed order.
+// Needs q, k, v rows 16-byte aligned and dout, dq, dk, dv rows 4-byte aligned.
+
+#include <cstdint>
+
+#include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/collective/linear_bwd_tiles.cuh"
+#include "attnmix/cuda/collective/split_mma.cuh"
+#include "attnmix/cuda/kernels/linear_backward_simt.cuh"
+#include "attnmix/cuda/kernels/shapes.hpp"
+
+namespace attnmix {
+namespace detail {
+namespace cuda {
+
+namespace lbc {
+constexpr int C = 64, D = 64, X = 80;          // chunk, head dim, width of [x | z]
+constexpr int ld = D + 8, ldx = X + 8;         // padded rows: conflict-free ldmatrix
+constexpr int NX = X / 8, KX = X / 16;         // n-tiles and k-steps of [x | z]
+constexpr int tile = C * ld, xtile = C * ldx;  // elements of a [C][ld] and a [C][ldx] tile
+constexpr int threads = 128;
+constexpr int SS = D * D + D;  // floats of a state slot: S row-major, then z
+
+// A state slot [S | z] (z = 0 without the normaliser) into hi and lo [D][ldx]: S and z in
+// columns 0 .. 64, zeros to 79.
+template <bool WithZ>
+__device__ void stage_state(split_op* hi, split_op* lo, const float* state) {
+  for (int i = threadIdx.x; i < D * X / 2; i += threads) {
+    const int d = 2 * i / X, e = 2 * i % X;
+    const float x0 = e < D ? state[d * D + e] : e == D && WithZ ? state[D * D + d] : 0.f;
+    const float x1 = e < D ? state[d * D + e + 1] : 0.f;
+    split2(x0, x1, *reinterpret_cast<std::uint32_t*>(hi + d * ldx + e),
+           *reinterpret_cast<std::uint32_t*>(lo + d * ldx + e));
+  }
+}
+
+// Row flags of the chunk: 1 for a real token of it, 0 for pads and rows past its end.
+__device__ __forceinline__ void stage_valid(const linear_kernel_params& f, index_t batch,
+                                            index_t t0, int rows, float* valid) {
+  if (threadIdx.x < C) {
+    const int j = threadIdx.x;
+    valid[j] = j < rows && f.valid(batch, t0 + j) ? 1.f : 0.f;
+  }
+}
+
+// phi(k) of the chunk in two parts, and [v | valid | 0] (v exact in bfloat16); 16-byte pieces
+// loaded by lbm_tile_loads (zeros at pads: their k, v may be NaN).
+template <class Policy>
+__device__ void stage_keys(const lbm_tile_loads<__nv_bfloat16, D, C, threads>& kn,
+                           const lbm_tile_loads<__nv_bfloat16, D, C, threads>& vn,
+                           const float* valid, split_op* Ph, split_op* Pl, split_op* V) {
+#pragma unroll
+  for (int i = 0; i < kn.count; ++i) {
+    const int j = kn.row(i), at = j * ld + 8 * kn.piece(i);
+    lbm_phi8<__nv_bfloat16, Policy>(kn.raw[i], 1.f, valid[j] != 0.f, Ph + at, Pl + at);
+  }
+#pragma unroll
+  for (int i = 0; i < vn.count; ++i) {
+    const int j = vn.row(i);
+    *reinterpret_cast<uint4*>(V + j * ldx + 8 * vn.piece(i)) =
+        valid[j] != 0.f ? vn.raw[i] : make_uint4(0u, 0u, 0u, 0u);
+  }
+  if (threadIdx.x < C) {
+    const int j = threadIdx.x;
+    uint4* p = reinterpret_cast<uint4*>(V + j * ldx + D);
+    p[0] = make_uint4(pack2<split_op>(valid[j], 0.f), 0u, 0u, 0u);
+    p[1] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// x[i][j] = 0 where the causal mask drops the pair: j > i (Transposed: i < j, the warp's rows j).
+template <bool Transposed>
+__device__ __forceinline__ void causal_mask(float (&x)[8][4], int r0) {
+  for_fragment_pairs<8>(x, r0, 0, [](int row, int col, float& x0, float& x1) {
+    if (Transposed) {
+      x0 = col < row ? 0.f : x0, x1 = col + 1 < row ? 0.f : x1;
+    } else {
+      x0 = col > row ? 0.f : x0, x1 = col + 1 > row ? 0.f : x1;
+    }
+  });
+}
+}  // namespace lbc
+
+// CTA (chunk c, KV head h, sequence n): the chunk's own [S | z] to state's slot.
+template <class Policy>
+__global__ void __launch_bounds__(lbc::threads)
+    linear_bwd_chunk_sums_mma_kernel(const linear_backward_params bp, const int* chunk_offsets,
+                                     float* state) {
+  using namespace lbc;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  split_op* Ph = reinterpret_cast<split_op*>(smem_raw);  // [C][ld] phi(k), two parts
+  split_op* Pl = Ph + tile;
+  split_op* V = Pl + tile;                             // [C][ldx] v | valid
+  float* valid = reinterpret_cast<float*>(V + xtile);  // [C]
+  const linear_kernel_params& f = bp.f;
+  const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z, r0 = 16 * (threadIdx.x / 32);
+  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t c0 = index_t(c) * C, c1 = min(length, c0 + C);
+  stage_valid(f, batch, start + c0, int(c1 - c0), valid);
+  __syncthreads();
+  lbm_tile_loads<__nv_bfloat16, D, C, threads> kn, vn;
+  kn.fetch(f, f.k, f.k_stride, batch, start, c0, c1, h);
+  vn.fetch(f, f.v, f.v_stride, batch, start, c0, c1, h);
+  stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
+  __syncthreads();
+  float acc[NX][4] = {};
+  warp_mma<ldx, true, false, NX>(acc, a_from_tile_t<ld, true>{Ph, Pl, r0}, V, nullptr);
+  float* out = state + (index_t(chunk_offsets[n] + c) * f.kv_heads + h) * SS;
+  for_fragment_pairs<NX>(acc, r0, 0, [&](int d, int e, float x0, float x1) {
+    if (e < D)
+      *reinterpret_cast<float2*>(out + d * D + e) = make_float2(x0, x1);
+    else if (e == D)
+      out[D * D + d] = x0;
+  });
+}
+
+// CTA (chunk c, KV head h, sequence n): dq, g and delta of every query head of h's group, and
+// the chunk's R^T [g | delta] to dstate's slot (state: the state before each chunk).
+template <class Policy>
+__global__ void __launch_bounds__(lbc::threads)
+    linear_bwd_causal_query_mma_kernel(const linear_backward_params bp, const int* chunk_offsets,
+                                       const float* state, float* dstate, float* gbuf,
+                                       float* delta_buf) {
+  using namespace lbc;
+  using Dev = __nv_bfloat16;
+  constexpr bool normalize = Policy::normalize;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  split_op* Ph = reinterpret_cast<split_op*>(smem_raw);  // [C][ld] phi(k), two parts
+  split_op* Pl = Ph + tile;
+  split_op* Rh = Pl + tile;  // [C][ld] scale phi(q), two parts
+  split_op* Rl = Rh + tile;
+  split_op* V = Rl + tile;   // [C][ldx] v | valid
+  split_op* Sh = V + xtile;  // [D][ldx] S | z, two parts
+  split_op* Sl = Sh + xtile;
+  split_op* Gh = Sl + xtile;  // [C][ldx] g | delta, two parts
+  split_op* Gl = Gh + xtile;
+  float* valid = reinterpret_cast<float*>(Gl + xtile);  // [C]
+  const linear_kernel_params& f = bp.f;
+  const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  const int r0 = 16 * (threadIdx.x / 32);
+  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t c0 = index_t(c) * C, c1 = min(length, c0 + C);
+  const int rows = int(c1 - c0);
+  const index_t slot = index_t(chunk_offsets[n] + c) * f.kv_heads + h;
+
+  stage_valid(f, batch, start + c0, rows, valid);
+  stage_state<normalize>(Sh, Sl, state + slot * SS);
+  __syncthreads();
+  lbm_tile_loads<Dev, D, C, threads> kn, vn, qn;
+  kn.fetch(f, f.k, f.k_stride, batch, start, c0, c1, h);
+  vn.fetch(f, f.v, f.v_stride, batch, start, c0, c1, h);
+  qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, h * f.group);
+  stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
+
+  float ds[NX][4] = {};  // the chunk's R^T [g | delta], state rows r0 ..
+  for (int hq = h * f.group; hq < (h + 1) * f.group; ++hq) {
+#pragma unroll
+    for (int i = 0; i < qn.count; ++i) {
+      const int t = qn.row(i), at = t * ld + 8 * qn.piece(i);
+      lbm_phi8<Dev, Policy>(qn.raw[i], f.scale, valid[t] != 0.f, Rh + at, Rl + at);
+    }
+    if (hq + 1 < (h + 1) * f.group) qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq + 1);
+    __syncthreads();
+
+    // A = R phi(K)^T on j <= i; [num | den] = R [S | z] + A [V | 1].
+    const a_from_tile<ld, true> ra{Rh, Rl, r0};
+    float A[8][4] = {};
+    warp_mma<ld, false, true, 8>(A, ra, Ph, Pl);
+    lbc::causal_mask<false>(A, r0);
+    float N[NX][4] = {};
+    warp_mma<ldx, true, true, NX>(N, ra, Sh, Sl);
+    warp_mma<ldx, true, false, NX>(N, a_from_regs<true>{A, 1.f}, V, nullptr);
+
+    // g = do / den, delta = -(do . num) / den^2 on the accumulator rows (a row in one quad).
+    const int lane = threadIdx.x % 32, gi = lane >> 2, c2 = 2 * (lane & 3);
+    float G[NX][4] = {};
+    float inv[2], dot[2] = {0.f, 0.f};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = r0 + gi + 8 * half;
+      const bool ok = valid[i] != 0.f;
+      const float den = __shfl_sync(0xffffffffu, N[NX - 2][2 * half], lane & ~3) + f.eps;
+      inv[half] = normalize ? 1.f / den : 1.f;
+      if (!ok) continue;  // g = delta = 0
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float2 o =
+            lbm_load2<Dev>(bp.dout, bp.dout_stride, batch, start + c0 + i, hq, 8 * nt + c2);
+        dot[half] += o.x * N[nt][2 * half] + o.y * N[nt][2 * half + 1];
+        G[nt][2 * half] = o.x * inv[half], G[nt][2 * half + 1] = o.y * inv[half];
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = r0 + gi + 8 * half;
+      const float s = quad_sum(dot[half]);
+      const float delta = normalize && valid[i] != 0.f ? -s * inv[half] * inv[half] : 0.f;
+      if (c2 == 0) G[NX - 2][2 * half] = delta;  // column D
+      if (i < rows) {
+        const index_t row = (batch * f.tokens + start + c0 + i) * f.q_heads + hq;
+        if (c2 == 0) delta_buf[row] = delta;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          *reinterpret_cast<float2*>(gbuf + row * D + 8 * nt + c2) =
+              make_float2(G[nt][2 * half], G[nt][2 * half + 1]);
+      }
+    }
+    for_fragment_pairs<NX>(G, r0, 0, [&](int i, int e, float x0, float x1) {
+      split2(x0, x1, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
+             *reinterpret_cast<std::uint32_t*>(Gl + i * ldx + e));
+    });
+
+    // dA = [g | delta] [V | 1]^T on j <= i; dq = scale phi'(q) ([g | delta] [S | z]^T + dA P).
+    float dA[8][4] = {};
+    warp_mma<ldx, false, false, 8, KX>(dA, a_from_regs<true>{G, 1.f}, V, nullptr);
+    lbc::causal_mask<false>(dA, r0);
+    float Q[8][4] = {};
+    warp_mma<ldx, false, true, 8, KX>(Q, a_from_regs<true>{G, 1.f}, Sh, Sl);
+    warp_mma<ld, true, true, 8>(Q, a_from_regs<true>{dA, 1.f}, Ph, Pl);
+    for_fragment_pairs<8>(Q, r0, 0, [&](int i, int d, float x0, float x1) {
+      if (i >= rows) return;
+      const index_t t = start + c0 + i;
+      float y0 = 0.f, y1 = 0.f;
+      if (valid[i] != 0.f) {
+        const float2 x = lbm_load2<Dev>(f.q, f.q_stride, batch, t, hq, d);
+        y0 = f.scale * x0 * phi_derivative<Policy::phi>(x.x, apply_feature_map<Policy::phi>(x.x));
+        y1 = f.scale * x1 * phi_derivative<Policy::phi>(x.y, apply_feature_map<Policy::phi>(x.y));
+      }
+      lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, t, hq, d, y0, y1);
+    });
+    __syncthreads();  // [g | delta] is staged
+
+    // The chunk's R^T [g | delta] (sums over its query rows).
+    warp_mma<ldx, true, true, NX>(ds, a_from_tile_t<ld, true>{Rh, Rl, r0}, Gh, Gl);
+    __syncthreads();  // R and [g | delta] are free for the next head
+  }
+  float* out = dstate + slot * SS;
+  for_fragment_pairs<NX>(ds, r0, 0, [&](int d, int e, float x0, float x1) {
+    if (e < D)
+      *reinterpret_cast<float2*>(out + d * D + e) = make_float2(x0, x1);
+    else if (e == D)
+      out[D * D + d] = x0;
+  });
+}
+
+// CTA (chunk c, KV head h, sequence n): dk and dv of the chunk's keys (dstate: the gradient of
+// the state after each chunk; gbuf, delta_buf: the query kernel's g and delta).
+template <class Policy>
+__global__ void __launch_bounds__(lbc::threads)
+    linear_bwd_causal_key_mma_kernel(const linear_backward_params bp, const int* chunk_offsets,
+                                     const float* dstate, const float* gbuf,
+                                     const float* delta_buf) {
+  using namespace lbc;
+  using Dev = __nv_bfloat16;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  split_op* Ph = reinterpret_cast<split_op*>(smem_raw);  // [C][ld] phi(k), two parts
+  split_op* Pl = Ph + tile;
+  split_op* Rh = Pl + tile;  // [C][ld] scale phi(q), two parts
+  split_op* Rl = Rh + tile;
+  split_op* V = Rl + tile;    // [C][ldx] v | valid
+  split_op* dSh = V + xtile;  // [D][ldx] dS | dz, two parts
+  split_op* dSl = dSh + xtile;
+  split_op* Gh = dSl + xtile;  // [C][ldx] g | delta, two parts
+  split_op* Gl = Gh + xtile;
+  float* valid = reinterpret_cast<float*>(Gl + xtile);  // [C]
+  const linear_kernel_params& f = bp.f;
+  const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  const int r0 = 16 * (threadIdx.x / 32);
+  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
+  index_t batch, start, length;
+  f.sequence(n, batch, start, length);
+  const index_t c0 = index_t(c) * C, c1 = min(length, c0 + C);
+  const int rows = int(c1 - c0);
+
+  stage_valid(f, batch, start + c0, rows, valid);
+  stage_state<true>(dSh, dSl, dstate + (index_t(chunk_offsets[n] + c) * f.kv_heads + h) * SS);
+  __syncthreads();
+  lbm_tile_loads<Dev, D, C, threads> kn, vn, qn;
+  kn.fetch(f, f.k, f.k_stride, batch, start, c0, c1, h);
+  vn.fetch(f, f.v, f.v_stride, batch, start, c0, c1, h);
+  qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, h * f.group);
+  stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
+  __syncthreads();
+
+  // e = [V | 1] [dS | dz]^T, dv = phi(K) dS, then the chunk's own query rows.
+  const a_from_tile<ld, true> pa{Ph, Pl, r0};
+  float E[8][4] = {}, DV[8][4] = {};
+  warp_mma<ldx, false, true, 8, KX>(E, a_from_tile<ldx, false>{V, nullptr, r0}, dSh, dSl);
+  warp_mma<ldx, true, true, 8>(DV, pa, dSh, dSl);
+  for (int hq = h * f.group; hq < (h + 1) * f.group; ++hq) {
+#pragma unroll
+    for (int i = 0; i < qn.count; ++i) {
+      const int t = qn.row(i), at = t * ld + 8 * qn.piece(i);
+      lbm_phi8<Dev, Policy>(qn.raw[i], f.scale, valid[t] != 0.f, Rh + at, Rl + at);
+    }
+    if (hq + 1 < (h + 1) * f.group) qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq + 1);
+    // [g | delta | 0] of the chunk's rows, two parts (0 past the end; g = delta = 0 at pads).
+    for (int idx = threadIdx.x; idx < C * X / 2; idx += threads) {
+      const int i = 2 * idx / X, e = 2 * idx % X;
+      float x0 = 0.f, x1 = 0.f;
+      if (i < rows) {
+        const index_t row = (batch * f.tokens + start + c0 + i) * f.q_heads + hq;
+        if (e < D) {
+          const float2 g = *reinterpret_cast<const float2*>(gbuf + row * D + e);
+          x0 = g.x, x1 = g.y;
+        } else if (e == D) {
+          x0 = delta_buf[row];
+        }
+      }
+      split2(x0, x1, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
+             *reinterpret_cast<std::uint32_t*>(Gl + i * ldx + e));
+    }
+    __syncthreads();
+
+    // A^T = P R^T and dA^T = [V | 1] [g | delta]^T on i >= j; e += dA^T R, dv += A^T g.
+    float At[8][4] = {}, dAt[8][4] = {};
+    warp_mma<ld, false, true, 8>(At, pa, Rh, Rl);
+    lbc::causal_mask<true>(At, r0);
+    warp_mma<ldx, false, true, 8, KX>(dAt, a_from_tile<ldx, false>{V, nullptr, r0}, Gh, Gl);
+    lbc::causal_mask<true>(dAt, r0);
+    warp_mma<ld, true, true, 8>(E, a_from_regs<true>{dAt, 1.f}, Rh, Rl);
+    warp_mma<ldx, true, true, 8>(DV, a_from_regs<true>{At, 1.f}, Gh, Gl);
+    __syncthreads();  // R and [g | delta] are free for the next head
+  }
+
+  for_fragment_pairs<8>(E, r0, 0, [&](int j, int d, float x0, float x1) {
+    if (j >= rows) return;
+    const index_t t = start + c0 + j;
+    float y0 = 0.f, y1 = 0.f;
+    if (valid[j] != 0.f) {
+      const float2 x = lbm_load2<Dev>(f.k, f.k_stride, batch, t, h, d);
+      y0 = x0 * phi_derivative<Policy::phi>(x.x, apply_feature_map<Policy::phi>(x.x));
+      y1 = x1 * phi_derivative<Policy::phi>(x.y, apply_feature_map<Policy::phi>(x.y));
+    }
+    lbm_store2<Dev>(bp.dk, bp.dk_stride, batch, t, h, d, y0, y1);
+  });
+  for_fragment_pairs<8>(DV, r0, 0, [&](int j, int e, float x0, float x1) {
+    if (j >= rows) return;
+    const bool ok = valid[j] != 0.f;
+    lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, start + c0 + j, h, e, ok ? x0 : 0.f, ok ? x1 : 0.f);
+  });
+}
+
+}  // namespace cuda
+}  // namespace detail
+}  // namespace attnmix
