@@ -186,3 +186,11 @@ BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::bla, attnmix::bla_pol
 BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::bla, attnmix::bla_policy, true)
     ->Name("bla_forward_backward")
     ->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::linear_causal,
+                   attnmix::linear_causal_policy, false)
+    ->Name("linear_causal_backward")
+    ->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::linear_causal,
+                   attnmix::linear_causal_policy, true)
+    ->Name("linear_causal_forward_backward")
+    ->Apply(causal_shapes);
