@@ -106,7 +106,7 @@ TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
     CHECK(p.chunk == 64);
     CHECK(p.max_chunks == 16);
     CHECK(p.chunk_grid == launch_grid{16, 2, 2});
-    CHECK(p.scan_grid == launch_grid{2, 2, 1});
+    CHECK(p.scan_grid == launch_grid{33, 2, 2});  // 4160 state elements, 128 a CTA
     CHECK(std::size_t(p.causal_k_smem) <= h200().smem_per_block_optin);
     CHECK(p.scratch.g - p.scratch.dstate == padded_bytes(std::size_t(32 * 2) * (64 * 64 + 64) * 4));
     CHECK(p.scratch.bytes == p.scratch.delta + padded_bytes(2 * 1000 * 4 * 4));

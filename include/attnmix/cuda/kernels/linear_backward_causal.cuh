@@ -32,40 +32,51 @@ __global__ void __launch_bounds__(linear_bwd_threads)
   state_sums<Dev, Policy>(bp, n, batch, start, h, t0, t1, nullptr, smem, out);
 }
 
-// CTA (KV head h, sequence n): slot c <- state_in + sum of the slots before c.
-__global__ void __launch_bounds__(linear_bwd_threads)
+// Thread (element idx of [S | z], KV head h, sequence n) of both scans below: walks the slots of
+// one state element, `linear_bwd_scan_batch` loads in flight before their stores (one slot's
+// elements sit across the CTAs of grid.x, so each step is coalesced and the walk's latency is
+// shared by D * Dv / 128 CTAs a head instead of one). `acc` is the running sum on entry; slot c
+// gets the sum before it, in chunk order (Forward) or from the end.
+template <bool Forward>
+__device__ __forceinline__ float scan_slots(float* base, index_t stride, int first, int count,
+                                            float acc) {
+  constexpr int U = linear_bwd_scan_batch;
+  for (int i = 0; i < count; i += U) {
+    float own[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = Forward ? first + i + u : first + count - 1 - i - u;
+      own[u] = i + u < count ? base[index_t(c) * stride] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = Forward ? first + i + u : first + count - 1 - i - u;
+      if (i + u < count) base[index_t(c) * stride] = acc;
+      acc += own[u];
+    }
+  }
+  return acc;
+}
+
+// Thread (idx, KV head h, sequence n): slot c <- state_in + sum of the slots before c.
+__global__ void __launch_bounds__(linear_bwd_scan_threads)
     linear_bwd_scan_kernel(const linear_backward_params bp, const int* chunk_offsets,
                            float* state) {
-  constexpr int R = linear_bwd_state_regs;
   const linear_kernel_params& f = bp.f;
-  const int h = blockIdx.x, n = blockIdx.y, D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int idx = threadIdx.x + r * linear_bwd_threads;
-    float x = 0.f;
-    if (idx < D * Dv) {
-      if (f.S_in != nullptr)
-        x = f.S_in[n * f.S_in_stride[0] + h * f.S_in_stride[1] + (idx / Dv) * f.S_in_stride[2] +
-                   (idx % Dv) * f.S_in_stride[3]];
-    } else if (idx < SS) {
-      if (f.z_in != nullptr)
-        x = f.z_in[n * f.z_in_stride[0] + h * f.z_in_stride[1] + (idx - D * Dv) * f.z_in_stride[2]];
-    }
-    acc[r] = x;
+  const int idx = blockIdx.x * linear_bwd_scan_threads + threadIdx.x, h = blockIdx.y,
+            n = blockIdx.z, D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
+  if (idx >= SS) return;
+  float x = 0.f;
+  if (idx < D * Dv) {
+    if (f.S_in != nullptr)
+      x = f.S_in[n * f.S_in_stride[0] + h * f.S_in_stride[1] + (idx / Dv) * f.S_in_stride[2] +
+                 (idx % Dv) * f.S_in_stride[3]];
+  } else if (f.z_in != nullptr) {
+    x = f.z_in[n * f.z_in_stride[0] + h * f.z_in_stride[1] + (idx - D * Dv) * f.z_in_stride[2]];
   }
-  for (int c = chunk_offsets[n]; c < chunk_offsets[n + 1]; ++c) {
-    float* slot = state + (index_t(c) * f.kv_heads + h) * SS;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int idx = threadIdx.x + r * linear_bwd_threads;
-      if (idx < SS) {
-        const float own = slot[idx];
-        slot[idx] = acc[r];
-        acc[r] += own;
-      }
-    }
-  }
+  const int first = chunk_offsets[n];
+  scan_slots<true>(state + (index_t(first) * f.kv_heads + h) * SS + idx, index_t(f.kv_heads) * SS,
+                   0, chunk_offsets[n + 1] - first, x);
 }
 
 // CTA (chunk c, KV head h, sequence n): for every query head of h's group and every row i of
@@ -215,54 +226,35 @@ __global__ void __launch_bounds__(linear_bwd_threads)
   }
 }
 
-// CTA (KV head h, sequence n): slot c <- dstate_out + sum of the slots after c; dstate_in gets
-// dstate_out + the sum of every slot.
-__global__ void __launch_bounds__(linear_bwd_threads)
+// Thread (idx, KV head h, sequence n): slot c <- dstate_out + sum of the slots after c;
+// dstate_in gets dstate_out + the sum of every slot.
+__global__ void __launch_bounds__(linear_bwd_scan_threads)
     linear_bwd_reverse_scan_kernel(const linear_backward_params bp, const int* chunk_offsets,
                                    float* dstate) {
-  constexpr int R = linear_bwd_state_regs;
   const linear_kernel_params& f = bp.f;
-  const int h = blockIdx.x, n = blockIdx.y, D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int idx = threadIdx.x + r * linear_bwd_threads;
-    float x = 0.f;
-    if (idx < D * Dv) {
-      if (bp.dS_out != nullptr)
-        x = bp.dS_out[n * bp.dS_out_stride[0] + h * bp.dS_out_stride[1] +
-                      (idx / Dv) * bp.dS_out_stride[2] + (idx % Dv) * bp.dS_out_stride[3]];
-    } else if (idx < SS) {
-      if (bp.dz_out != nullptr)
-        x = bp.dz_out[n * bp.dz_out_stride[0] + h * bp.dz_out_stride[1] +
-                      (idx - D * Dv) * bp.dz_out_stride[2]];
-    }
-    acc[r] = x;
+  const int idx = blockIdx.x * linear_bwd_scan_threads + threadIdx.x, h = blockIdx.y,
+            n = blockIdx.z, D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
+  if (idx >= SS) return;
+  const bool s_part = idx < D * Dv;
+  float x = 0.f;
+  if (s_part) {
+    if (bp.dS_out != nullptr)
+      x = bp.dS_out[n * bp.dS_out_stride[0] + h * bp.dS_out_stride[1] +
+                    (idx / Dv) * bp.dS_out_stride[2] + (idx % Dv) * bp.dS_out_stride[3]];
+  } else if (bp.dz_out != nullptr) {
+    x = bp.dz_out[n * bp.dz_out_stride[0] + h * bp.dz_out_stride[1] +
+                  (idx - D * Dv) * bp.dz_out_stride[2]];
   }
-  for (int c = chunk_offsets[n + 1] - 1; c >= chunk_offsets[n]; --c) {
-    float* slot = dstate + (index_t(c) * f.kv_heads + h) * SS;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int idx = threadIdx.x + r * linear_bwd_threads;
-      if (idx < SS) {
-        const float own = slot[idx];
-        slot[idx] = acc[r];
-        acc[r] += own;
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int idx = threadIdx.x + r * linear_bwd_threads;
-    if (idx < D * Dv) {
-      if (bp.dS_in != nullptr)
-        bp.dS_in[n * bp.dS_in_stride[0] + h * bp.dS_in_stride[1] + (idx / Dv) * bp.dS_in_stride[2] +
-                 (idx % Dv) * bp.dS_in_stride[3]] = acc[r];
-    } else if (idx < SS) {
-      if (bp.dz_in != nullptr)
-        bp.dz_in[n * bp.dz_in_stride[0] + h * bp.dz_in_stride[1] +
-                 (idx - D * Dv) * bp.dz_in_stride[2]] = acc[r];
-    }
+  const int first = chunk_offsets[n];
+  x = scan_slots<false>(dstate + (index_t(first) * f.kv_heads + h) * SS + idx,
+                        index_t(f.kv_heads) * SS, 0, chunk_offsets[n + 1] - first, x);
+  if (s_part) {
+    if (bp.dS_in != nullptr)
+      bp.dS_in[n * bp.dS_in_stride[0] + h * bp.dS_in_stride[1] + (idx / Dv) * bp.dS_in_stride[2] +
+               (idx % Dv) * bp.dS_in_stride[3]] = x;
+  } else if (bp.dz_in != nullptr) {
+    bp.dz_in[n * bp.dz_in_stride[0] + h * bp.dz_in_stride[1] +
+             (idx - D * Dv) * bp.dz_in_stride[2]] = x;
   }
 }
 

@@ -15,9 +15,9 @@
 #include "attnmix/core/tags.hpp"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/kernels/linear_backward_causal.cuh"
-#include "attnmix/cuda/kernels/sm80_linear_backward_causal.cuh"
 #include "attnmix/cuda/kernels/linear_backward_simt.cuh"
 #include "attnmix/cuda/kernels/sm80_linear_backward.cuh"
+#include "attnmix/cuda/kernels/sm80_linear_backward_causal.cuh"
 #include "attnmix/cuda/launch/linear.cuh"
 #include "attnmix/cuda/plan/linear_backward.hpp"
 #include "attnmix/cuda/runtime.cuh"
@@ -305,7 +305,8 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       }
       check(cudaGetLastError(), "linear_bwd_chunk_sums_kernel launch");
     }
-    linear_bwd_scan_kernel<<<as_dim3(plan.scan_grid), threads, 0, stream>>>(bp, offsets, state);
+    linear_bwd_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0, stream>>>(
+        bp, offsets, state);
     check(cudaGetLastError(), "linear_bwd_scan_kernel launch");
     if (shape.total_chunks > 0) {
       if (mma) {
@@ -323,8 +324,8 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       }
       check(cudaGetLastError(), "linear_bwd_causal_query_kernel launch");
     }
-    linear_bwd_reverse_scan_kernel<<<as_dim3(plan.scan_grid), threads, 0, stream>>>(bp, offsets,
-                                                                                    dstate);
+    linear_bwd_reverse_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0, stream>>>(
+        bp, offsets, dstate);
     check(cudaGetLastError(), "linear_bwd_reverse_scan_kernel launch");
     if (shape.total_chunks > 0) {
       if (mma) {

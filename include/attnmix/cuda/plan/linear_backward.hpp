@@ -31,6 +31,9 @@ namespace cuda {
 // registers: ceil((128 * 128 + 128) / 256) a thread.
 constexpr int linear_bwd_threads = 256;
 constexpr index_t linear_bwd_max_dim = 128;
+// The scans of the causal backward: threads a CTA (one state element each) and slots loaded
+// ahead of their stores.
+constexpr int linear_bwd_scan_threads = 128, linear_bwd_scan_batch = 8;
 constexpr int linear_bwd_state_regs =
     int((linear_bwd_max_dim * linear_bwd_max_dim + linear_bwd_max_dim + linear_bwd_threads - 1) /
         linear_bwd_threads);
@@ -125,7 +128,8 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
   const unsigned n_grid = unsigned(std::max<index_t>(N, 1));
   p.stats_grid = {unsigned(std::max<index_t>(s.gate_heads, 1)), n_grid, 1};
   p.combine_grid = {unsigned(H), n_grid, 1};
-  p.scan_grid = {unsigned(H), n_grid, 1};
+  p.scan_grid = {unsigned((p.state_size + linear_bwd_scan_threads - 1) / linear_bwd_scan_threads),
+                 unsigned(H), n_grid};
   const index_t tile = p.tile;
   p.reduce_smem = int(linear_bwd_reduce_floats(tile, D, Dv) * 4);
   p.pass_a_smem = int(linear_bwd_pass_a_floats(tile, D, Dv) * 4);
