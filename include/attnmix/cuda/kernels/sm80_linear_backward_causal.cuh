@@ -38,14 +38,22 @@ constexpr int threads = 128;
 constexpr int SS = D * D + D;  // floats of a state slot: S row-major, then z
 
 // A state slot [S | z] (z = 0 without the normaliser) into hi and lo [D][ldx]: S and z in
-// columns 0 .. 64, zeros to 79.
+// columns 0 .. 64, zeros to 79. Every load is issued before the first split (one round trip).
 template <bool WithZ>
 __device__ void stage_state(split_op* hi, split_op* lo, const float* state) {
-  for (int i = threadIdx.x; i < D * X / 2; i += threads) {
-    const int d = 2 * i / X, e = 2 * i % X;
-    const float x0 = e < D ? state[d * D + e] : e == D && WithZ ? state[D * D + d] : 0.f;
-    const float x1 = e < D ? state[d * D + e + 1] : 0.f;
-    split2(x0, x1, *reinterpret_cast<std::uint32_t*>(hi + d * ldx + e),
+  constexpr int per = D * X / 2 / threads;
+  static_assert(D * X / 2 % threads == 0, "whole pairs a thread");
+  float2 x[per];
+#pragma unroll
+  for (int r = 0; r < per; ++r) {
+    const int i = threadIdx.x + r * threads, d = 2 * i / X, e = 2 * i % X;
+    x[r] = e < D ? *reinterpret_cast<const float2*>(state + d * D + e)
+                 : make_float2(e == D && WithZ ? state[D * D + d] : 0.f, 0.f);
+  }
+#pragma unroll
+  for (int r = 0; r < per; ++r) {
+    const int i = threadIdx.x + r * threads, d = 2 * i / X, e = 2 * i % X;
+    split2(x[r].x, x[r].y, *reinterpret_cast<std::uint32_t*>(hi + d * ldx + e),
            *reinterpret_cast<std::uint32_t*>(lo + d * ldx + e));
   }
 }
@@ -163,13 +171,13 @@ __global__ void __launch_bounds__(lbc::threads)
   const int rows = int(c1 - c0);
   const index_t slot = index_t(chunk_offsets[n] + c) * f.kv_heads + h;
 
-  stage_valid(f, batch, start + c0, rows, valid);
-  stage_state<normalize>(Sh, Sl, state + slot * SS);
-  __syncthreads();
-  lbm_tile_loads<Dev, D, C, threads> kn, vn, qn;
+  lbm_tile_loads<Dev, D, C, threads> kn, vn, qn;  // in flight while the state is staged
   kn.fetch(f, f.k, f.k_stride, batch, start, c0, c1, h);
   vn.fetch(f, f.v, f.v_stride, batch, start, c0, c1, h);
   qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, h * f.group);
+  stage_valid(f, batch, start + c0, rows, valid);
+  stage_state<normalize>(Sh, Sl, state + slot * SS);
+  __syncthreads();
   stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
 
   float ds[NX][4] = {};  // the chunk's R^T [g | delta], state rows r0 ..
@@ -292,13 +300,13 @@ __global__ void __launch_bounds__(lbc::threads)
   const index_t c0 = index_t(c) * C, c1 = min(length, c0 + C);
   const int rows = int(c1 - c0);
 
-  stage_valid(f, batch, start + c0, rows, valid);
-  stage_state<true>(dSh, dSl, dstate + (index_t(chunk_offsets[n] + c) * f.kv_heads + h) * SS);
-  __syncthreads();
-  lbm_tile_loads<Dev, D, C, threads> kn, vn, qn;
+  lbm_tile_loads<Dev, D, C, threads> kn, vn, qn;  // in flight while the state is staged
   kn.fetch(f, f.k, f.k_stride, batch, start, c0, c1, h);
   vn.fetch(f, f.v, f.v_stride, batch, start, c0, c1, h);
   qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, h * f.group);
+  stage_valid(f, batch, start + c0, rows, valid);
+  stage_state<true>(dSh, dSl, dstate + (index_t(chunk_offsets[n] + c) * f.kv_heads + h) * SS);
+  __syncthreads();
   stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
   __syncthreads();
 
@@ -314,21 +322,25 @@ __global__ void __launch_bounds__(lbc::threads)
       lbm_phi8<Dev, Policy>(qn.raw[i], f.scale, valid[t] != 0.f, Rh + at, Rl + at);
     }
     if (hq + 1 < (h + 1) * f.group) qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq + 1);
-    // [g | delta | 0] of the chunk's rows, two parts (0 past the end; g = delta = 0 at pads).
-    for (int idx = threadIdx.x; idx < C * X / 2; idx += threads) {
-      const int i = 2 * idx / X, e = 2 * idx % X;
-      float x0 = 0.f, x1 = 0.f;
-      if (i < rows) {
+    // [g | delta | 0] of the chunk's rows, two parts (0 past the end; g = delta = 0 at pads),
+    // every load issued before the first split.
+    {
+      constexpr int per = C * X / 2 / threads;
+      float2 x[per];
+#pragma unroll
+      for (int r = 0; r < per; ++r) {
+        const int idx = threadIdx.x + r * threads, i = 2 * idx / X, e = 2 * idx % X;
         const index_t row = (batch * f.tokens + start + c0 + i) * f.q_heads + hq;
-        if (e < D) {
-          const float2 g = *reinterpret_cast<const float2*>(gbuf + row * D + e);
-          x0 = g.x, x1 = g.y;
-        } else if (e == D) {
-          x0 = delta_buf[row];
-        }
+        x[r] = i >= rows ? make_float2(0.f, 0.f)
+               : e < D   ? *reinterpret_cast<const float2*>(gbuf + row * D + e)
+                         : make_float2(e == D ? delta_buf[row] : 0.f, 0.f);
       }
-      split2(x0, x1, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
-             *reinterpret_cast<std::uint32_t*>(Gl + i * ldx + e));
+#pragma unroll
+      for (int r = 0; r < per; ++r) {
+        const int idx = threadIdx.x + r * threads, i = 2 * idx / X, e = 2 * idx % X;
+        split2(x[r].x, x[r].y, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
+               *reinterpret_cast<std::uint32_t*>(Gl + i * ldx + e));
+      }
     }
     __syncthreads();
 
