@@ -50,11 +50,13 @@ def sdpa_ms(backend, B, T, H, D, causal, calls=1):
 
 
 def shaped_rows(benchmarks):
-    """(kind, B, T, H, ms, MB or None) of each benchmark named kind/B:../T:../H:.."""
+    """(kind, B, T, H, ms, MB or None) of each benchmark named kind/B:../T:../H:..; the medians
+    where the run had repetitions (--benchmark_repetitions)."""
     rows = []
-    for b in benchmarks:
-        m = re.match(r"(\w+)/B:(\d+)/T:(\d+)/H:(\d+)", b["name"])
-        if not m or b.get("run_type") == "aggregate":
+    medians = [b for b in benchmarks if b.get("aggregate_name") == "median"]
+    for b in medians or benchmarks:
+        m = re.match(r"(\w+)/B:(\d+)/T:(\d+)/H:(\d+)", b.get("run_name", b["name"]))
+        if not m or (not medians and b.get("run_type") == "aggregate"):
             continue
         kind, B, T, H = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
         ms = b["real_time"] if b["time_unit"] == "ms" else b["real_time"] / 1e6
