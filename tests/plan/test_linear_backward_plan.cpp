@@ -51,7 +51,8 @@ TEST_CASE("linear backward: bidirectional token ranges", "[plan][linear_backward
     CHECK(p.parts * p.part_tokens >= 8192);
     CHECK(p.reduce_grid == launch_grid{5, 16, 8});
     CHECK(p.pass_grid == p.reduce_grid);
-    CHECK(p.combine_grid == launch_grid{16, 8, 1});
+    CHECK(p.combine_grid == launch_grid{16, 8, 17});  // (64 * 64 + 64) / 256 slices
+    CHECK(p.jac_grid == launch_grid{16, 8, 1});
     CHECK(p.stats_grid == launch_grid{1, 8, 1});
   }
   SECTION("one long sequence: at most linear_bwd_max_parts ranges") {

@@ -240,24 +240,37 @@ __global__ void __launch_bounds__(linear_bwd_threads)
                           Policy::gate != key_gate::off ? stats : nullptr, smem, out);
 }
 
-// CTA (KV head h, sequence n): dst[n, h] = sum over q < parts of src[n, q, h], in q order.
+// CTA (KV head h, sequence n, slice z): elements z * blockDim .. of dst[n, h] = sum over
+// q < parts of src[n, q, h], in q order (the loads of several parts in flight at once).
 __global__ void __launch_bounds__(linear_bwd_threads)
     linear_bwd_combine_kernel(const float* src, index_t parts, int heads, index_t SS, float* dst) {
   const int h = blockIdx.x, n = blockIdx.y;
-  for (index_t idx = threadIdx.x; idx < SS; idx += blockDim.x) {
-    float s = 0.f;
-    for (index_t q = 0; q < parts; ++q) s += src[((index_t(n) * parts + q) * heads + h) * SS + idx];
-    dst[(index_t(n) * heads + h) * SS + idx] = s;
+  const index_t idx = index_t(blockIdx.z) * blockDim.x + threadIdx.x;
+  if (idx >= SS) return;
+  const float* p = src + (index_t(n) * parts * heads + h) * SS + idx;
+  const index_t step = index_t(heads) * SS;
+  float s = 0.f;
+  index_t q = 0;
+  for (; q + 8 <= parts; q += 8) {
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = p[(q + i) * step];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s += x[i];
   }
+  for (; q < parts; ++q) s += p[q * step];
+  dst[(index_t(n) * heads + h) * SS + idx] = s;
 }
 
-// CTA (KV head h, sequence n): the forward's saved S, z (z = 0 when absent) into dst[n, h].
+// CTA (KV head h, sequence n, slice z): the forward's saved S, z (z = 0 when absent) into
+// dst[n, h].
 __global__ void __launch_bounds__(linear_bwd_threads)
     linear_bwd_load_saved_kernel(const linear_backward_params bp, float* dst) {
   const int h = blockIdx.x, n = blockIdx.y;
   const int D = bp.f.head_dim, Dv = bp.f.value_dim;
   const index_t SS = index_t(D) * Dv + D;
-  for (index_t idx = threadIdx.x; idx < SS; idx += blockDim.x) {
+  for (index_t idx = index_t(blockIdx.z) * blockDim.x + threadIdx.x; idx < SS;
+       idx += index_t(gridDim.z) * blockDim.x) {
     float x = 0.f;
     if (idx < index_t(D) * Dv) {
       const index_t d = idx / Dv, c = idx % Dv;
@@ -600,27 +613,44 @@ __global__ void __launch_bounds__(linear_bwd_threads)
   bp.da[batch * bp.da_stride[0] + ta * bp.da_stride[1]] = s;
 }
 
-// One CTA: dgamma from `groups` partial rows of [HQ][Dv], summed in group order (and over the
-// heads in head order for norm_weight::shared).
-template <class Policy>
+// Column sums of a [rows x cols] float matrix whose row r sits at m + r * stride * cols, in a
+// fixed order: CTA (x, y) sums runs y, y + gridDim.y, .. of linear_fold_run rows, columns 32 x ..,
+// into each run's first row, or, when `out` is given (one run), into out[c * out_stride] (zeros
+// for no rows). Passes of it fold the partial dgamma terms (the launcher's fold_dgamma).
+constexpr index_t linear_fold_run = 64;
 __global__ void __launch_bounds__(linear_bwd_threads)
-    linear_bwd_fold_dgamma_kernel(const linear_backward_params bp, const float* parts,
-                                  index_t groups) {
-  const int HQ = bp.f.q_heads, Dv = bp.f.value_dim;
-  constexpr bool per_head = Policy::weight == norm_weight::per_head;
-  const int count = per_head ? HQ * Dv : Dv;
-  for (int e = threadIdx.x; e < count; e += blockDim.x) {
+    linear_bwd_fold_columns_kernel(float* m, index_t rows, index_t cols, index_t stride, float* out,
+                                   index_t out_stride) {
+  constexpr int lanes = linear_bwd_threads / 32, per_lane = int(linear_fold_run) / lanes;
+  __shared__ float part[lanes][32];
+  const int cx = threadIdx.x % 32, ly = threadIdx.x / 32;
+  const index_t c = index_t(blockIdx.x) * 32 + cx, pitch = stride * cols;
+  const index_t runs = rows > 0 ? (rows + linear_fold_run - 1) / linear_fold_run : 1;
+  for (index_t run = blockIdx.y; run < runs; run += gridDim.y) {
+    const index_t r0 = run * linear_fold_run;
     float s = 0.f;
-    if (per_head) {
-      for (index_t g = 0; g < groups; ++g) s += parts[g * HQ * Dv + e];
-    } else {
-      for (int hq = 0; hq < HQ; ++hq) {
-        float sh = 0.f;
-        for (index_t g = 0; g < groups; ++g) sh += parts[(g * HQ + hq) * Dv + e];
-        s += sh;
+    if (c < cols) {
+      float x[per_lane];
+#pragma unroll
+      for (int i = 0; i < per_lane; ++i) {
+        const index_t r = r0 + i * lanes + ly;
+        x[i] = r < rows ? m[r * pitch + c] : 0.f;
       }
+#pragma unroll
+      for (int i = 0; i < per_lane; ++i) s += x[i];
     }
-    bp.dgamma[e * bp.dgamma_stride] = s;
+    part[ly][cx] = s;
+    __syncthreads();
+    if (ly == 0 && c < cols) {
+      float t = 0.f;
+#pragma unroll
+      for (int i = 0; i < lanes; ++i) t += part[i][cx];
+      if (out != nullptr)
+        out[c * out_stride] = t;
+      else
+        m[r0 * pitch + c] = t;
+    }
+    __syncthreads();
   }
 }
 

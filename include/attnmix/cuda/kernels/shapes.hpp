@@ -42,11 +42,13 @@ struct linear_bwd_mma_layout {
   static constexpr int ld_d = D + 8;      // [rows][D] tiles
   static constexpr int ld_v = Dv + 24;    // [*][Dv | z | 15 zeros] tiles and states
   static constexpr int ntv = Dv / 8 + 1;  // n-tiles of [x | z]
+  // CTAs a multiprocessor each pass is compiled for (its registers: 65536 / (threads ctas)).
+  static constexpr int reduce_ctas = 4, query_ctas = 3, key_ctas = 3;
   // Shared bytes of each kernel (16-bit elements, then the floats and flags). A state in two
   // parts (high and low); half inputs keep v in two bfloat16 parts as well (SplitV).
   static constexpr int state_elems = D * ld_v, d_tile = rows * ld_d, v_tile = rows * ld_v;
   static constexpr int query_smem =
-      2 * (2 * state_elems + 3 * d_tile + 2 * v_tile) + 4 * (warps * Dv + D + rows);
+      2 * (2 * state_elems + 3 * d_tile + 2 * v_tile) + 4 * (warps * Dv + D + rows + Dv);
   static constexpr int key_smem(bool split_v) {
     return 2 * (2 * state_elems + 2 * d_tile + (split_v ? 2 : 1) * v_tile) + 8 * rows;
   }

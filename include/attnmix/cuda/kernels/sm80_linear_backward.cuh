@@ -92,7 +92,7 @@ __device__ __forceinline__ void lbm_stage_v_tail(lbm_op* V, lbm_op* Vl, int t, i
 // The gate activation and its derivative.
 template <class Policy>
 __device__ __forceinline__ void lbm_gate(float g, float& act, float& dact) {
-  const float s = 1.f / (1.f + __expf(-g));
+  const float s = __fdividef(1.f, 1.f + __expf(-g));  // 0 once exp(-g) passes 2^126
   if constexpr (Policy::activation == gate_activation::silu) {
     act = g * s;
     dact = s + act * (1.f - s);
@@ -107,7 +107,8 @@ __device__ __forceinline__ void lbm_gate(float g, float& act, float& dact) {
 // CTA (part, KV head h, sequence n): the partial [S | z] of tokens [part * part_tokens, ...) with
 // the gate weights of `stats` (none: 1 at valid tokens).
 template <class Dev, class Policy, int D, int Dv>
-__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
+__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
+                                  linear_bwd_mma_layout<D, Dv>::reduce_ctas)
     linear_bwd_reduce_mma_kernel(const linear_backward_params bp, index_t part_tokens,
                                  index_t parts, const float* stats, float* partial) {
   using L = linear_bwd_mma_layout<D, Dv>;
@@ -196,7 +197,8 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
 // CTA (part, KV head h, sequence n): what linear_bwd_query_kernel computes, for every query head
 // of h's group and every row of the part.
 template <class Dev, class Policy, int D, int Dv>
-__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
+__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
+                                  linear_bwd_mma_layout<D, Dv>::query_ctas)
     linear_bwd_query_mma_kernel(const linear_backward_params bp, index_t part_tokens, index_t parts,
                                 const float* state, float* partial, float* dgamma_part) {
   using L = linear_bwd_mma_layout<D, Dv>;
@@ -215,6 +217,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
   float* red = reinterpret_cast<float*>(Gl + L::v_tile);  // [warps][Dv] dgamma terms
   float* zf = red + L::warps * Dv;                        // [D] z
   int* okr = reinterpret_cast<int*>(zf + D);              // [TR] row valid
+  float* gms = reinterpret_cast<float*>(okr + TR);        // [Dv] the query head's gamma
   const linear_kernel_params& f = bp.f;
   const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
@@ -250,6 +253,12 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
       if (threadIdx.x < TR)
         okr[threadIdx.x] =
             int(int(threadIdx.x) < rows && f.valid(batch, start + base + threadIdx.x));
+      if (normed && step % tiles == 0)  // a query head's first tile
+        for (int c = threadIdx.x; c < Dv; c += L::threads)
+          gms[c] = f.gamma == nullptr
+                       ? 1.f
+                       : f.gamma[(Policy::weight == norm_weight::per_head ? hq * Dv + c : c) *
+                                 f.gamma_stride];
       __syncthreads();
 #pragma unroll
       for (int i = 0; i < qn.count; ++i) {
@@ -309,12 +318,6 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
           return ok ? lbm_load2<Dev>(f.gate, f.gate_stride, batch, t, hq, c)
                     : make_float2(0.f, 0.f);
         };
-        auto gamma = [&](int c) {
-          return f.gamma == nullptr
-                     ? 1.f
-                     : f.gamma[(Policy::weight == norm_weight::per_head ? hq * Dv + c : c) *
-                               f.gamma_stride];
-        };
         // xg = gate_first ? o act : o; the row's sum of squares.
         float ssa = 0.f, ssb = 0.f;
 #pragma unroll
@@ -342,7 +345,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
           const int c = 8 * j + c2;
           const float2 ga = gate2(ta, c, oka), gb = gate2(tb, c, okb);
           const float gv[4] = {ga.x, ga.y, gb.x, gb.y};
-          const float gm[2] = {gamma(c), gamma(c + 1)};
+          const float gm[2] = {gms[c], gms[c + 1]};
           float dgt[4], dgm[4];
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
@@ -518,7 +521,8 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
 
 // CTA (part, KV head h, sequence n): what linear_bwd_key_kernel computes.
 template <class Dev, class Policy, int D, int Dv>
-__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads)
+__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
+                                  linear_bwd_mma_layout<D, Dv>::key_ctas)
     linear_bwd_key_mma_kernel(const linear_backward_params bp, index_t part_tokens,
                               const float* stats, const float* dstate, const float* jac,
                               float* da_heads) {

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -46,6 +47,38 @@ void launch_pass(Kernel kernel, const char* name, dim3 grid, int threads, int sm
   allow_dynamic_smem(kernel, smem);
   kernel<<<grid, dim3(unsigned(threads)), smem, stream>>>(args...);
   check(cudaGetLastError(), (std::string(name) + " launch").c_str());
+}
+
+// A tensor-core pass: all of the SM's shared memory for it (their CTAs a multiprocessor are
+// bounded by shared memory and registers together).
+template <class Kernel, class... Args>
+void launch_mma_pass(Kernel kernel, const char* name, dim3 grid, int threads, int smem,
+                     cudaStream_t stream, const Args&... args) {
+  prefer_shared_memory(kernel);
+  launch_pass(kernel, name, grid, threads, smem, stream, args...);
+}
+
+// dgamma from `groups` partial rows of [HQ][Dv] terms (norm_weight::shared sums the heads too):
+// column sums in passes of linear_fold_run rows, each pass folding a run into its first row.
+template <class Policy>
+void fold_dgamma(const linear_backward_params& bp, float* parts, index_t groups,
+                 cudaStream_t stream) {
+  constexpr bool per_head = Policy::weight == norm_weight::per_head;
+  const index_t HQ = bp.f.q_heads, Dv = bp.f.value_dim;
+  const index_t cols = per_head ? HQ * Dv : Dv;
+  index_t rows = per_head ? groups : groups * HQ, stride = 1;
+  const unsigned gx = unsigned((cols + 31) / 32);
+  const dim3 threads(linear_bwd_threads);
+  for (; rows > linear_fold_run; stride *= linear_fold_run) {
+    const index_t runs = (rows + linear_fold_run - 1) / linear_fold_run;
+    linear_bwd_fold_columns_kernel<<<dim3(gx, unsigned(std::min<index_t>(runs, 65535))), threads, 0,
+                                     stream>>>(parts, rows, cols, stride, nullptr, 0);
+    check(cudaGetLastError(), "linear_bwd_fold_columns_kernel launch");
+    rows = runs;
+  }
+  linear_bwd_fold_columns_kernel<<<dim3(gx, 1), threads, 0, stream>>>(parts, rows, cols, stride,
+                                                                      bp.dgamma, bp.dgamma_stride);
+  check(cudaGetLastError(), "linear_bwd_fold_columns_kernel launch");
 }
 
 // fn(std::integral_constant<int, 64>) for a plan on tensor cores (16-bit only: the other types
@@ -181,9 +214,9 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       if (plan.mma)
         with_mma_dim<Dev>(plan, [&](auto dim) {
           constexpr int Dm = decltype(dim)::value;
-          launch_pass(linear_bwd_reduce_mma_kernel<Dev, Policy, Dm, Dm>,
-                      "linear_bwd_reduce_mma_kernel", grid, plan.mma_threads, plan.reduce_smem,
-                      stream, bp, plan.part_tokens, plan.parts, stats, partial);
+          launch_mma_pass(linear_bwd_reduce_mma_kernel<Dev, Policy, Dm, Dm>,
+                          "linear_bwd_reduce_mma_kernel", grid, plan.mma_threads, plan.reduce_smem,
+                          stream, bp, plan.part_tokens, plan.parts, stats, partial);
         });
       else
         launch_pass(linear_bwd_reduce_kernel<Dev, Policy>, "linear_bwd_reduce_kernel", grid,
@@ -197,9 +230,10 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
     if (plan.mma)
       with_mma_dim<Dev>(plan, [&](auto dim) {
         constexpr int Dm = decltype(dim)::value;
-        launch_pass(linear_bwd_query_mma_kernel<Dev, Policy, Dm, Dm>, "linear_bwd_query_mma_kernel",
-                    pass_grid, plan.mma_threads, plan.pass_a_smem, stream, bp, plan.part_tokens,
-                    plan.parts, state, partial, dgamma_part);
+        launch_mma_pass(linear_bwd_query_mma_kernel<Dev, Policy, Dm, Dm>,
+                        "linear_bwd_query_mma_kernel", pass_grid, plan.mma_threads,
+                        plan.pass_a_smem, stream, bp, plan.part_tokens, plan.parts, state, partial,
+                        dgamma_part);
       });
     else
       launch_pass(linear_bwd_query_kernel<Dev, Policy>, "linear_bwd_query_kernel", pass_grid,
@@ -209,16 +243,16 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
         partial, plan.parts, int(H), SS, dstate);
     check(cudaGetLastError(), "linear_bwd_combine_kernel launch");
     if constexpr (gated) {
-      linear_bwd_jac_kernel<<<as_dim3(plan.combine_grid), threads, 0, stream>>>(state, dstate,
-                                                                                int(H), SS, jac);
+      linear_bwd_jac_kernel<<<as_dim3(plan.jac_grid), threads, 0, stream>>>(state, dstate, int(H),
+                                                                            SS, jac);
       check(cudaGetLastError(), "linear_bwd_jac_kernel launch");
     }
     if (plan.mma)
       with_mma_dim<Dev>(plan, [&](auto dim) {
         constexpr int Dm = decltype(dim)::value;
-        launch_pass(linear_bwd_key_mma_kernel<Dev, Policy, Dm, Dm>, "linear_bwd_key_mma_kernel",
-                    pass_grid, plan.mma_threads, plan.pass_b_smem, stream, bp, plan.part_tokens,
-                    stats, dstate, jac, da_heads);
+        launch_mma_pass(linear_bwd_key_mma_kernel<Dev, Policy, Dm, Dm>, "linear_bwd_key_mma_kernel",
+                        pass_grid, plan.mma_threads, plan.pass_b_smem, stream, bp, plan.part_tokens,
+                        stats, dstate, jac, da_heads);
       });
     else
       launch_pass(linear_bwd_key_kernel<Dev, Policy>, "linear_bwd_key_kernel", pass_grid,
@@ -231,9 +265,7 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       check(cudaGetLastError(), "linear_bwd_fold_da_kernel launch");
     }
     if (normed && a.dgamma.has_value()) {  // with no tokens it writes zeros
-      linear_bwd_fold_dgamma_kernel<Policy>
-          <<<1, threads, 0, stream>>>(bp, dgamma_part, N * plan.parts);
-      check(cudaGetLastError(), "linear_bwd_fold_dgamma_kernel launch");
+      fold_dgamma<Policy>(bp, dgamma_part, N * plan.parts, stream);
     }
   } else {
     int* offsets = reinterpret_cast<int*>(base + sc.chunk_offsets);
@@ -278,9 +310,7 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
         check(cudaGetLastError(), "linear_bwd_norm_kernel launch");
       }
       if (a.dgamma.has_value()) {  // with no tokens (tiles == 0) it writes zeros
-        linear_bwd_fold_dgamma_kernel<Policy>
-            <<<1, threads, 0, stream>>>(bp, dgamma_part, N * tiles);
-        check(cudaGetLastError(), "linear_bwd_fold_dgamma_kernel launch");
+        fold_dgamma<Policy>(bp, dgamma_part, N * tiles, stream);
       }
       bp.dout = dO;
       bp.dout_stride[0] = Tn * HQ * Dv, bp.dout_stride[1] = HQ * Dv, bp.dout_stride[2] = Dv;

@@ -33,7 +33,7 @@ constexpr int linear_bwd_threads = 256;
 constexpr index_t linear_bwd_max_dim = 128;
 // The scans of the causal backward: threads a CTA (one state element each) and slots loaded
 // ahead of their stores.
-constexpr int linear_bwd_scan_threads = 128, linear_bwd_scan_batch = 8;
+constexpr int linear_bwd_scan_threads = 128, linear_bwd_scan_batch = 16;
 constexpr int linear_bwd_state_regs =
     int((linear_bwd_max_dim * linear_bwd_max_dim + linear_bwd_max_dim + linear_bwd_threads - 1) /
         linear_bwd_threads);
@@ -81,7 +81,9 @@ struct linear_backward_plan {
   bool mma = false;
   int mma_threads = 0;
   int pass_a_smem = 0, pass_b_smem = 0, reduce_smem = 0, causal_q_smem = 0, causal_k_smem = 0;
-  launch_grid stats_grid, reduce_grid, combine_grid, pass_grid, chunk_grid, scan_grid;
+  // combine_grid: a thread per state element of each (head, sequence) (the combines, the saved
+  // state's load); jac_grid: a CTA per (head, sequence).
+  launch_grid stats_grid, reduce_grid, combine_grid, jac_grid, pass_grid, chunk_grid, scan_grid;
   linear_backward_scratch scratch;
 };
 
@@ -127,7 +129,9 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
   p.state_size = D * Dv + D;
   const unsigned n_grid = unsigned(std::max<index_t>(N, 1));
   p.stats_grid = {unsigned(std::max<index_t>(s.gate_heads, 1)), n_grid, 1};
-  p.combine_grid = {unsigned(H), n_grid, 1};
+  p.combine_grid = {unsigned(H), n_grid,
+                    unsigned((p.state_size + linear_bwd_threads - 1) / linear_bwd_threads)};
+  p.jac_grid = {unsigned(H), n_grid, 1};
   p.scan_grid = {unsigned((p.state_size + linear_bwd_scan_threads - 1) / linear_bwd_scan_threads),
                  unsigned(H), n_grid};
   const index_t tile = p.tile;
