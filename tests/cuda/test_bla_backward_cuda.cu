@@ -24,6 +24,24 @@ TEST_CASE("CUDA BLA and GBLA backward: one small case each (float)",
   }
 }
 
+TEST_CASE("CUDA BLA and GBLA backward on tensor cores: a small case each (16-bit)",
+          "[cuda][linear_backward][small_mma]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  // Packed sequences shorter and longer than a tile (GQA); a padded batch with holes.
+  const linear_case packed{1, 300, 2, 1, 64, 64, {0, 40, 300}};
+  const linear_case holes{2, 150, 2, 2, 64, 64, {}, padding::holes};
+  {
+    INFO("gbla bfloat16 " << packed.describe());
+    check_errors(run_cuda_backward<gbla, attnmix::gbla_policy, attnmix::bfloat16>(packed, 13, {}),
+                 grad_tolerance<attnmix::bfloat16>());
+  }
+  {
+    INFO("bla half " << holes.describe());
+    check_errors(run_cuda_backward<bla, attnmix::bla_policy, attnmix::half>(holes, 14, {}),
+                 grad_tolerance<attnmix::half>());
+  }
+}
+
 TEST_CASE("CUDA GBLA backward gives the same bits on a second run", "[cuda][linear_backward]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   auto same = [](const grad_bits& x, const grad_bits& y) {

@@ -78,7 +78,13 @@ struct lbm_tile_loads {
   }
 };
 
-// A pair of activations at (b, t, h, d..d+1) (4-byte aligned), as floats.
+// A pair of activations at (b, t, h, d..d+1) (4-byte aligned): raw bits, and as floats.
+template <class Dev>
+__device__ __forceinline__ std::uint32_t lbm_raw2(const void* base, const index_t* st, index_t b,
+                                                  index_t t, int h, int d) {
+  return __ldg(reinterpret_cast<const std::uint32_t*>(static_cast<const Dev*>(base) + b * st[0] +
+                                                      t * st[1] + h * st[2] + d));
+}
 template <class Dev>
 __device__ __forceinline__ float2 lbm_load2(const void* base, const index_t* st, index_t b,
                                             index_t t, int h, int d) {

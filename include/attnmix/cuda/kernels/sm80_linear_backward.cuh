@@ -249,6 +249,24 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
     const index_t base = t0 + (step % tiles) * TR;
     {
       const int rows = int(min(index_t(TR), t1 - base));
+      const int ra = r0 + g, rb = ra + 8;
+      const index_t ta = start + base + ra, tb = start + base + rb;
+      // The warp's pairs of dout (and of the gate) in the accumulators' layout, asked for before
+      // the products, which then run while they arrive. Pad rows are selected away below.
+      std::uint32_t dyr[NV][2] = {}, gtr[normed ? NV : 1][2] = {};
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        if (ra < rows)
+          dyr[j][0] = lbm_raw2<Dev>(bp.dout, bp.dout_stride, batch, ta, hq, 8 * j + c2);
+        if (rb < rows)
+          dyr[j][1] = lbm_raw2<Dev>(bp.dout, bp.dout_stride, batch, tb, hq, 8 * j + c2);
+        if constexpr (normed) {
+          if (ra < rows)
+            gtr[j][0] = lbm_raw2<Dev>(f.gate, f.gate_stride, batch, ta, hq, 8 * j + c2);
+          if (rb < rows)
+            gtr[j][1] = lbm_raw2<Dev>(f.gate, f.gate_stride, batch, tb, hq, 8 * j + c2);
+        }
+      }
       __syncthreads();  // the previous tile's readers are done
       if (threadIdx.x < TR)
         okr[threadIdx.x] =
@@ -293,9 +311,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
           mma_pairs(o, a, b, jp);
         }
       }
-      const int ra = r0 + g, rb = ra + 8;
       const bool oka = okr[ra] != 0, okb = okr[rb] != 0;
-      const index_t ta = start + base + ra, tb = start + base + rb;
       // den: columns Dv and Dv + 1 (z's two parts) of the lane with c2 = 0.
       const float den_a = __shfl_sync(0xffffffffu, o[NT - 1][0] + o[NT - 1][1], lane & ~3);
       const float den_b = __shfl_sync(0xffffffffu, o[NT - 1][2] + o[NT - 1][3], lane & ~3);
@@ -306,17 +322,14 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         o[j][0] *= inv_a, o[j][1] *= inv_a, o[j][2] *= inv_b, o[j][3] *= inv_b;
-        const float2 ya = oka ? lbm_load2<Dev>(bp.dout, bp.dout_stride, batch, ta, hq, 8 * j + c2)
-                              : make_float2(0.f, 0.f);
-        const float2 yb = okb ? lbm_load2<Dev>(bp.dout, bp.dout_stride, batch, tb, hq, 8 * j + c2)
-                              : make_float2(0.f, 0.f);
+        const float2 ya = oka ? unpack2<Dev>(dyr[j][0]) : make_float2(0.f, 0.f);
+        const float2 yb = okb ? unpack2<Dev>(dyr[j][1]) : make_float2(0.f, 0.f);
         dy[j][0] = ya.x, dy[j][1] = ya.y, dy[j][2] = yb.x, dy[j][3] = yb.y;
       }
       if constexpr (normed) {
         // The per-head gated RMSNorm's backward (norm_row_backward) on the fragments: dy -> do.
-        auto gate2 = [&](index_t t, int c, bool ok) {
-          return ok ? lbm_load2<Dev>(f.gate, f.gate_stride, batch, t, hq, c)
-                    : make_float2(0.f, 0.f);
+        auto gate2 = [&](int j, int r, bool ok) {
+          return ok ? unpack2<Dev>(gtr[j][r]) : make_float2(0.f, 0.f);
         };
         // xg = gate_first ? o act : o; the row's sum of squares.
         float ssa = 0.f, ssb = 0.f;
@@ -324,7 +337,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
         for (int j = 0; j < NV; ++j) {
           float xg[4] = {o[j][0], o[j][1], o[j][2], o[j][3]};
           if constexpr (gate_first) {
-            const float2 ga = gate2(ta, 8 * j + c2, oka), gb = gate2(tb, 8 * j + c2, okb);
+            const float2 ga = gate2(j, 0, oka), gb = gate2(j, 1, okb);
             const float gv[4] = {ga.x, ga.y, gb.x, gb.y};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -343,7 +356,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
           const int c = 8 * j + c2;
-          const float2 ga = gate2(ta, c, oka), gb = gate2(tb, c, okb);
+          const float2 ga = gate2(j, 0, oka), gb = gate2(j, 1, okb);
           const float gv[4] = {ga.x, ga.y, gb.x, gb.y};
           const float gm[2] = {gms[c], gms[c + 1]};
           float dgt[4], dgm[4];
@@ -386,7 +399,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
         for (int j = 0; j < NV; ++j) {
           const int c = 8 * j + c2;
           float dgt[4];
-          const float2 ga = gate2(ta, c, oka), gb = gate2(tb, c, okb);
+          const float2 ga = gate2(j, 0, oka), gb = gate2(j, 1, okb);
           const float gv[4] = {ga.x, ga.y, gb.x, gb.y};
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
