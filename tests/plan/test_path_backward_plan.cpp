@@ -59,7 +59,9 @@ TEST_CASE("PaTH backward plan: grids and shared memory", "[plan][path][backward]
   CHECK(p.gate_grid.y == 2u);
   CHECK(p.fits);
   CHECK(p.query_smem == 4 * (4 * 64 * 65 + 5 * 64 * 65 + 4 * 64));
-  CHECK(p.chunk_smem == 4 * (4 * 64 * 65 + 4 * 64 * 65 + 64));
+  // The tiled chunk kernel: dK~ / Lbar, dW, dU, dM, WW, XK and beta (two CTAs an SM).
+  CHECK(p.chunk_smem == 4 * (6 * 64 * 65 + 64));
+  CHECK(2 * (p.chunk_smem + 1024) <= 228 * 1024);
   // D = 128 fits an H200's 227 KB but not an sm_80 device's 163 KB.
   CHECK(plan_path_backward(shape(1, 100, 1, 1, 128, 128), false, h200()).fits);
   device_properties small = h200();
@@ -127,10 +129,12 @@ TEST_CASE("PaTH backward plan: the query kernel, tiled unless the SIMT one is as
             .query_kernel == path_backward_kernel::tiled);
   const path_backward_plan f = plan_path_backward(s, true, h200(), path_backward_kernel::simt);
   CHECK(f.query_kernel == path_backward_kernel::simt);
-  // Forcing a kernel changes nothing else: the same grids, shared memory and scratch.
+  // Forcing a kernel changes nothing else: the same grids, shared memory and scratch (but the
+  // SIMT chunk kernel's own layout).
   CHECK(f.slices == a.slices);
   CHECK(f.query_smem == a.query_smem);
-  CHECK(f.chunk_smem == a.chunk_smem);
+  CHECK(f.chunk_smem == path_backward_chunk_smem(64));
+  CHECK(a.chunk_smem == path_backward_chunk_tiled_smem(64));
   CHECK(f.scratch_bytes == a.scratch_bytes);
   CHECK(f.query_grid.x == a.query_grid.x);
   // The launcher's override starts automatic.

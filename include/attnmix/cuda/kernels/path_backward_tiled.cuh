@@ -363,24 +363,25 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
 // ---- the chunks, back through the UT transform -----------------------------------------------
 // path_backward_chunk_kernel with its two n x n x D passes (the Gram products of W with dK~, W
 // and K, and Lbar) through tile_product; the rest as there. Shared memory as
-// path_backward_chunk_smem: ld = D + 1, lc = C + 1.
+// path_backward_chunk_tiled_smem (ld = D + 1, lc = C + 1): two CTAs a multiprocessor at D = 64,
+// as Lbar takes dK~'s tile once dK~ is read, and dK = dk_diag + dK~ is summed again (the same
+// sum, the same bits) in the last pass instead of kept.
 template <class T>
-__global__ void __launch_bounds__(path_tile_threads, 1)
+__global__ void __launch_bounds__(path_tile_threads, 2)
     path_backward_chunk_tiled_kernel(const path_backward_params p) {
   constexpr int C = path_chunk;
   constexpr int lc = C + 1;
   extern __shared__ float smem[];
   const path_kernel_params& kp = p.kp;
   const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + 1;
-  float* dK = smem;           // [C][ld]
-  float* dKt = dK + C * ld;   // [C][ld]
-  float* dW = dKt + C * ld;   // [C][ld]
-  float* dU = dW + C * ld;    // [C][ld], solved in place into Rbar_U
-  float* dM = dU + C * ld;    // [C][lc], solved in place into Rbar_M
-  float* ww = dM + C * lc;    // W W^T [C][lc]
-  float* lbar = ww + C * lc;  // [C][lc]
-  float* xk = lbar + C * lc;  // stril(W K^T) [C][lc]
-  float* sb = xk + C * lc;    // beta [C]
+  float* dKt = smem;                          // [C][ld], then Lbar [C][lc]
+  float* dW = dKt + C * (ld > lc ? ld : lc);  // [C][ld]
+  float* dU = dW + C * ld;                    // [C][ld], solved in place into Rbar_U
+  float* dM = dU + C * ld;                    // [C][lc], solved in place into Rbar_M
+  float* ww = dM + C * lc;                    // W W^T [C][lc]
+  float* xk = ww + C * lc;                    // stril(W K^T) [C][lc]
+  float* sb = xk + C * lc;                    // beta [C]
+  float* lbar = dKt;                          // [C][lc], once dK~ is read
 
   const int h = blockIdx.y;
   index_t batch, start, length;
@@ -397,18 +398,22 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
   const T* K = static_cast<const T*>(kp.a.k) + batch * kp.a.k_stride[0] + t0 * kp.a.k_stride[1] +
                h * kp.a.k_stride[2];
   const index_t ks1 = kp.a.k_stride[1];
+  // dK~ of row a, element d: the slices' sums in slice order.
+  auto dkt_sum = [&](index_t at) {
+    float kt = 0.f;
+    for (int sl = 0; sl < p.slices; ++sl) kt += p.dkt[sl * p.slice_d + at];
+    return kt;
+  };
 
   // The slices' sums, in slice order.
   for_tile(n, D, [&](int a, int d) {
     const index_t at = (row0 + a) * D + d;
-    float kt = 0.f, w = 0.f, u = 0.f;
+    float w = 0.f, u = 0.f;
     for (int sl = 0; sl < p.slices; ++sl) {
-      kt += p.dkt[sl * p.slice_d + at];
       w += p.dws[sl * p.slice_d + at];
       u += p.dus[sl * p.slice_d + at];
     }
-    dK[a * ld + d] = p.dk_diag[at] + kt;  // dK += dK~
-    dKt[a * ld + d] = kt, dW[a * ld + d] = w, dU[a * ld + d] = u;
+    dKt[a * ld + d] = dkt_sum(at), dW[a * ld + d] = w, dU[a * ld + d] = u;
   });
   for_tile(n, Dv, [&](int a, int e) {
     const index_t at = (row0 + a) * Dv + e;
@@ -495,8 +500,9 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
   });
   __syncthreads();
   for_tile(n, D, [&](int a, int d) {
+    const index_t at = (row0 + a) * D + d;
     float w = dW[a * ld + d] + sb[a] * dU[a * ld + d];
-    float k = dK[a * ld + d];
+    float k = p.dk_diag[at] + dkt_sum(at);  // dK = dk_diag + dK~
     for (int b = 0; b < n; ++b) {
       const float wb = staged ? ww[b * lc + d] : W[b * ws1 + d];
       const float kb = staged ? xk[b * lc + d] : to_float(K[b * ks1 + d]);

@@ -140,6 +140,7 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
     auto kernel = tiled ? path_backward_chunk_tiled_kernel<Dev> : path_backward_chunk_kernel<Dev>;
     const int smem = static_cast<int>(plan.chunk_smem);
     allow_dynamic_smem(kernel, smem);
+    if (tiled) prefer_shared_memory(kernel);  // two CTAs a multiprocessor at D = 64
     const dim3 grid(plan.chunk_grid.x, plan.chunk_grid.y, plan.chunk_grid.z);
     kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
     check(cudaGetLastError(),

@@ -48,6 +48,14 @@ inline std::size_t path_backward_chunk_smem(index_t D) {
   constexpr std::size_t C = path_chunk;
   return sizeof(float) * (4 * C * std::size_t(D + 1) + 4 * C * (C + 1) + C);
 }
+// The tiled chunk kernel keeps no dK and puts Lbar in dK~'s tile: dK~ then Lbar (C x max(D+1,
+// C+1)), dW, dU (C x (D+1)); dM, WW, XK (C x (C+1)); beta (C). Two CTAs a multiprocessor at
+// D = 64.
+inline std::size_t path_backward_chunk_tiled_smem(index_t D) {
+  constexpr std::size_t C = path_chunk;
+  const std::size_t first = C * std::max(std::size_t(D + 1), C + 1);
+  return sizeof(float) * (first + 2 * C * std::size_t(D + 1) + 3 * C * (C + 1) + C);
+}
 
 // Scratch offsets (bytes, each part 256-byte aligned) beyond the forward's chunk data.
 // rows = B * H * tokens (rows of the [B, H, tokens, .] layout); per slice: dK~, dW, dU, the scan
@@ -111,7 +119,9 @@ inline path_backward_plan plan_path_backward(
   p.query_smem = p.query_kernel == path_backward_kernel::mma
                      ? std::size_t(path_bwd_mma_layout::smem)
                      : path_backward_query_smem(s.head_dim);
-  p.chunk_smem = path_backward_chunk_smem(s.head_dim);
+  p.chunk_smem = p.query_kernel == path_backward_kernel::simt
+                     ? path_backward_chunk_smem(s.head_dim)
+                     : path_backward_chunk_tiled_smem(s.head_dim);
   p.fits = std::max(p.query_smem, p.chunk_smem) <= d.smem_per_block_optin;
 
   const auto rows = static_cast<std::size_t>(s.batch * s.kv_heads * s.tokens);
