@@ -35,52 +35,19 @@
 #include "attnmix/train/optimizer.hpp"
 #include "attnmix/train/progress.hpp"
 #include "attnmix/train/schedule.hpp"
+#include "attnmix/train/tasks.hpp"
 
 namespace {
 
 using attnmix::index_t;
 
-// Tokens: the three instructions and the two bits.
-enum token : std::int32_t { write = 0, read = 1, ignore = 2, bit0 = 3, bit1 = 4, vocab = 5 };
+// The task's tokens and its batches (train/tasks.hpp): (instruction, bit) pairs; `scored` marks
+// the positions whose label is a read bit, where the error is measured.
+using attnmix::train::task_batch;
+using attnmix::train::flip_flop::vocab;
 
-// A batch of flip-flop sequences: (instruction, bit) pairs, the first a write and the last a
-// read; the other instructions are ignore with probability p_ignore, else write or read. Labels
-// are the next tokens (the language-modelling objective on every token); reads[] marks the
-// positions whose label is a read bit, where the error is measured.
-struct batch {
-  std::vector<std::int32_t> tokens, labels;
-  std::vector<char> reads;
-};
-
-batch flip_flop(std::mt19937_64& gen, index_t B, index_t T, double p_ignore) {
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  batch b{std::vector<std::int32_t>(B * T), std::vector<std::int32_t>(B * T),
-          std::vector<char>(B * T, 0)};
-  for (index_t s = 0; s < B; ++s) {
-    std::int32_t* t = b.tokens.data() + s * T;
-    std::int32_t last = bit0;
-    for (index_t p = 0; p + 1 < T; p += 2) {
-      std::int32_t op = ignore;
-      if (p == 0) {
-        op = write;
-      } else if (p + 2 >= T) {
-        op = read;
-      } else {
-        const double x = u(gen);
-        op = x < p_ignore ? ignore : x < p_ignore + (1 - p_ignore) / 2 ? write : read;
-      }
-      const std::int32_t random_bit = u(gen) < 0.5 ? bit0 : bit1;
-      t[p] = op;
-      t[p + 1] = op == read ? last : random_bit;
-      if (op == write) last = random_bit;
-    }
-    if (T % 2 == 1) t[T - 1] = ignore;
-    for (index_t p = 0; p < T; ++p) {
-      b.labels[s * T + p] = p + 1 < T ? t[p + 1] : attnmix::train::ignore_label;
-      b.reads[s * T + p] = p + 1 < T && t[p] == read;
-    }
-  }
-  return b;
+task_batch flip_flop(std::mt19937_64& gen, index_t B, index_t T, double p_ignore) {
+  return attnmix::train::flip_flop::make(gen, B, T, p_ignore);
 }
 
 // The SA row of the paper uses RoPE.
@@ -138,12 +105,12 @@ double read_error(const Model& model, std::uint64_t seed, const options& o, doub
   logits_buffer<Backend> logits;
   for (index_t done = 0; done < o.eval; done += chunk) {
     const index_t B = std::min(chunk, o.eval - done);
-    const batch b = flip_flop(gen, B, o.length, p);
+    const task_batch b = flip_flop(gen, B, o.length, p);
     model.forward(attnmix::tensor_view<const std::int32_t, 2>(b.tokens.data(), {B, o.length}),
                   logits.view(B, o.length), be);
     const float* all = logits.read();
     for (index_t r = 0; r < B * o.length; ++r) {
-      if (!b.reads[r]) continue;
+      if (!b.scored[r]) continue;
       const float* z = all + r * vocab;
       const std::int32_t guess = static_cast<std::int32_t>(std::max_element(z, z + vocab) - z);
       wrong += guess != b.labels[r];
@@ -165,7 +132,7 @@ errors train(Model& model, const std::string& name, int seed, const options& o, 
   attnmix::train::progress bar(o.steps, o.batch * o.length, o.every, stdout,
                                "  " + name + " seed " + std::to_string(seed) + ": ");
   for (index_t step = 1; step <= o.steps; ++step) {
-    const batch b = flip_flop(gen, o.batch, o.length, 0.8);
+    const task_batch b = flip_flop(gen, o.batch, o.length, 0.8);
     attnmix::train::adamw<Backend>::zero_grad(model);
     const double loss = model.loss(
         attnmix::tensor_view<const std::int32_t, 2>(b.tokens.data(), {o.batch, o.length}),
