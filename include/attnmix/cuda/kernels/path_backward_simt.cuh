@@ -3,7 +3,7 @@
 // (cpu/detail/path_backward.hpp) mapped onto CTAs, in float, with no atomics:
 //
 //   0. path_backward_gate_kernel (PaTH-FoX): the gate cumsum G in double and each token's last
-//      hard reset, a thread per (sequence, query head), serially, as the CPU.
+//      hard reset, a warp per (sequence, query head), 32 tokens a step.
 //   1. path_prepare_kernel (path_simt.cuh, the forward's): per chunk U, M, K~ in float.
 //   2. path_backward_query_kernel: a CTA per (slice, KV head, sequence). A slice is a contiguous
 //      range of query chunks of about equal work (the CPU's cut). For each query head of the
@@ -171,53 +171,85 @@ __device__ __forceinline__ void for_tile(int rows, int cols, F&& f) {
 }
 
 // ---- 0. the gate cumsum with hard resets ---------------------------------------------------
-__global__ void __launch_bounds__(128)
+// Lane i's inclusive segmented sum over lanes 0 .. i (v, with `reset` starting a segment at its
+// lane) and whether lanes 0 .. i hold a reset.
+__device__ __forceinline__ double warp_segmented_sum(double v, bool& reset) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const double up = __shfl_up_sync(0xffffffffu, v, off);
+    const bool up_reset = __shfl_up_sync(0xffffffffu, int(reset), off) != 0;
+    if (lane >= off) {
+      if (!reset) v += up;
+      reset = reset || up_reset;
+    }
+  }
+  return v;
+}
+
+// A warp per (sequence, query head), 32 tokens a step: a segmented inclusive scan over the lanes
+// (a hard reset starts a segment) plus the sum carried from the steps before, in double.
+__global__ void __launch_bounds__(32 * path_gate_warps)
     path_backward_gate_kernel(const float* g, index_t g_s0, index_t g_s1, index_t g_s2,
                               const attention_kernel_params a, double* G, std::int32_t* reset) {
-  const int hq = blockIdx.x * 128 + threadIdx.x;
-  if (hq >= a.q_heads) return;
+  const int lane = threadIdx.x % 32;
+  const int hq = blockIdx.x * path_gate_warps + threadIdx.x / 32;
+  if (hq >= a.q_heads) return;  // whole warps
   index_t batch, start, length;
   a.sequence(blockIdx.y, batch, start, length);
-  double sum = 0;
+  double carry = 0;
   std::int32_t last = 0;
-  for (index_t t = 0; t < length; ++t) {
-    const double x = static_cast<double>(g[batch * g_s0 + (start + t) * g_s1 + hq * g_s2]);
-    const index_t at = (batch * a.tokens + start + t) * a.q_heads + hq;
-    if (isinf(x) && x < 0) {
-      sum = 0;
-      last = static_cast<std::int32_t>(t);
-    } else {
-      sum += x;
+  for (index_t t0 = 0; t0 < length; t0 += 32) {
+    const index_t t = t0 + lane;
+    const double x =
+        t < length ? static_cast<double>(g[batch * g_s0 + (start + t) * g_s1 + hq * g_s2]) : 0.0;
+    bool hard = t < length && isinf(x) && x < 0;
+    std::int32_t at_reset = hard ? static_cast<std::int32_t>(t) : -1;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2)
+      at_reset = max(at_reset, __shfl_up_sync(0xffffffffu, at_reset, off));
+    const double sum = warp_segmented_sum(hard ? 0.0 : x, hard);
+    const double total = hard ? sum : carry + sum;
+    const std::int32_t latest = max(last, at_reset);
+    if (t < length) {
+      const index_t at = (batch * a.tokens + start + t) * a.q_heads + hq;
+      G[at] = total;
+      reset[at] = latest;
     }
-    G[at] = sum;
-    reset[at] = last;
+    carry = __shfl_sync(0xffffffffu, total, 31);
+    last = __shfl_sync(0xffffffffu, latest, 31);
   }
 }
 
 // ---- 4. dg = reverse cumsum of dG ----------------------------------------------------------
-__global__ void __launch_bounds__(128)
+// A warp per (sequence, query head), 32 tokens a step from the end, as the gate kernel.
+__global__ void __launch_bounds__(32 * path_gate_warps)
     path_backward_dg_kernel(const float* g, index_t g_s0, index_t g_s1, index_t g_s2,
                             const attention_kernel_params a, const double* dgate,
                             index_t slice_gate, int slices, float* dg, index_t dg_s0, index_t dg_s1,
                             index_t dg_s2) {
-  const int hq = blockIdx.x * 128 + threadIdx.x;
-  if (hq >= a.q_heads) return;
+  const int lane = threadIdx.x % 32;
+  const int hq = blockIdx.x * path_gate_warps + threadIdx.x / 32;
+  if (hq >= a.q_heads) return;  // whole warps
   index_t batch, start, length;
   a.sequence(blockIdx.y, batch, start, length);
-  double sum = 0;
-  for (index_t t = length - 1; t >= 0; --t) {
-    const double x = static_cast<double>(g[batch * g_s0 + (start + t) * g_s1 + hq * g_s2]);
-    const index_t at = (batch * a.tokens + start + t) * a.q_heads + hq;
-    float* out = dg + batch * dg_s0 + (start + t) * dg_s1 + hq * dg_s2;
-    if (isinf(x) && x < 0) {
-      sum = 0;
-      *out = 0.f;
-      continue;
-    }
+  double carry = 0;
+  for (index_t top = length - 1; top >= 0; top -= 32) {
+    const index_t t = top - lane;  // lanes walk the tokens backwards
+    bool hard = false;
     double d = 0;
-    for (int s = 0; s < slices; ++s) d += dgate[s * slice_gate + at];
-    sum += d;
-    *out = static_cast<float>(sum);
+    if (t >= 0) {
+      const double x = static_cast<double>(g[batch * g_s0 + (start + t) * g_s1 + hq * g_s2]);
+      hard = isinf(x) && x < 0;
+      const index_t at = (batch * a.tokens + start + t) * a.q_heads + hq;
+      if (!hard)
+        for (int s = 0; s < slices; ++s) d += dgate[s * slice_gate + at];
+    }
+    const bool own = hard;
+    const double sum = warp_segmented_sum(d, hard);
+    const double total = hard ? sum : carry + sum;
+    if (t >= 0) dg[batch * dg_s0 + (start + t) * dg_s1 + hq * dg_s2] = own ? 0.f : float(total);
+    carry = __shfl_sync(0xffffffffu, total, 31);
   }
 }
 

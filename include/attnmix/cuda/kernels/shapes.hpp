@@ -16,6 +16,8 @@ constexpr int gate_part = 256, gate_warps = gate_part / 32;
 
 // ---- PaTH ----------------------------------------------------------------------------------
 constexpr int path_chunk = 64;  // positions of a chunk (the UT transform's C)
+// The PaTH-FoX backward's gate scans: warps a CTA, one a (sequence, query head).
+constexpr int path_gate_warps = 4;
 
 // ---- linear attention, CUDA cores (linear_simt.cuh, linear_causal.cuh) ---------------------
 // The state of a block of tokens: S_p (D x Dv), z_p (D), and for the key gate the block max

@@ -101,7 +101,7 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   if (gated) {
     auto* G = reinterpret_cast<double*>(base + l.gate);
     auto* reset = reinterpret_cast<std::int32_t*>(base + l.reset);
-    path_backward_gate_kernel<<<gate_grid, 128, 0, stream>>>(
+    path_backward_gate_kernel<<<gate_grid, 32 * path_gate_warps, 0, stream>>>(
         a.g.data(), a.g.stride(0), a.g.stride(1), a.g.stride(2), kp.a, G, reset);
     check(cudaGetLastError(), "path_backward_gate_kernel launch");
     bp.G = G, bp.reset = reset, bp.coef = gate_coef;
@@ -147,7 +147,7 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
           tiled ? "path_backward_chunk_tiled_kernel launch" : "path_backward_chunk_kernel launch");
   }
   if (gated) {
-    path_backward_dg_kernel<<<gate_grid, 128, 0, stream>>>(
+    path_backward_dg_kernel<<<gate_grid, 32 * path_gate_warps, 0, stream>>>(
         a.g.data(), a.g.stride(0), a.g.stride(1), a.g.stride(2), kp.a, bp.dgate, bp.slice_gate,
         bp.slices, a.dg.data(), a.dg.stride(0), a.dg.stride(1), a.dg.stride(2));
     check(cudaGetLastError(), "path_backward_dg_kernel launch");

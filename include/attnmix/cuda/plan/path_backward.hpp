@@ -82,7 +82,7 @@ struct path_backward_plan {
   path_backward_kernel query_kernel = path_backward_kernel::simt;
   launch_grid query_grid;  // (slice, KV head, sequence)
   launch_grid chunk_grid;  // (chunk, KV head, sequence)
-  launch_grid gate_grid;   // (query-head blocks of 128, sequence)
+  launch_grid gate_grid;   // (query-head blocks of path_gate_warps, sequence)
   std::size_t query_smem = 0, chunk_smem = 0;
   bool fits = false;  // both kernels' shared memory fits the device
   path_plan forward;  // its preparation kernel and chunk data (float)
@@ -115,7 +115,8 @@ inline path_backward_plan plan_path_backward(
   p.query_grid = {unsigned(p.slices), unsigned(s.kv_heads), unsigned(s.sequences)};
   p.chunk_grid = {unsigned(std::max<index_t>(chunks, 1)), unsigned(s.kv_heads),
                   unsigned(s.sequences)};
-  p.gate_grid = {unsigned((s.q_heads + 127) / 128), unsigned(s.sequences)};
+  p.gate_grid = {unsigned((s.q_heads + path_gate_warps - 1) / path_gate_warps),
+                 unsigned(s.sequences)};
   p.query_smem = p.query_kernel == path_backward_kernel::mma
                      ? std::size_t(path_bwd_mma_layout::smem)
                      : path_backward_query_smem(s.head_dim);
