@@ -46,10 +46,6 @@ using attnmix::index_t;
 using attnmix::train::task_batch;
 using attnmix::train::flip_flop::vocab;
 
-task_batch flip_flop(std::mt19937_64& gen, index_t B, index_t T, double p_ignore) {
-  return attnmix::train::flip_flop::make(gen, B, T, p_ignore);
-}
-
 // The SA row of the paper uses RoPE.
 struct causal_sa_rope_policy : attnmix::layers::causal_sa_layer_policy {
   static constexpr bool rope = true;
@@ -105,7 +101,7 @@ double read_error(const Model& model, std::uint64_t seed, const options& o, doub
   logits_buffer<Backend> logits;
   for (index_t done = 0; done < o.eval; done += chunk) {
     const index_t B = std::min(chunk, o.eval - done);
-    const task_batch b = flip_flop(gen, B, o.length, p);
+    const task_batch b = attnmix::train::flip_flop::make(gen, B, o.length, p);
     model.forward(attnmix::tensor_view<const std::int32_t, 2>(b.tokens.data(), {B, o.length}),
                   logits.view(B, o.length), be);
     const float* all = logits.read();
@@ -132,7 +128,7 @@ errors train(Model& model, const std::string& name, int seed, const options& o, 
   attnmix::train::progress bar(o.steps, o.batch * o.length, o.every, stdout,
                                "  " + name + " seed " + std::to_string(seed) + ": ");
   for (index_t step = 1; step <= o.steps; ++step) {
-    const task_batch b = flip_flop(gen, o.batch, o.length, 0.8);
+    const task_batch b = attnmix::train::flip_flop::make(gen, o.batch, o.length, 0.8);
     attnmix::train::adamw<Backend>::zero_grad(model);
     const double loss = model.loss(
         attnmix::tensor_view<const std::int32_t, 2>(b.tokens.data(), {o.batch, o.length}),

@@ -21,6 +21,13 @@
 #include "attnmix/train/language_model.hpp"
 
 namespace attnmix {
+namespace detail {
+inline void check_task_shape(const char* fn, index_t B, index_t T) {
+  require(B > 0, fn, "batch", "must be positive, got ", B);
+  require(T > 0, fn, "length", "must be positive, got ", T);
+}
+}  // namespace detail
+
 namespace train {
 
 // B sequences of T tokens each, row-major, with the next-token labels and the scored positions.
@@ -29,13 +36,6 @@ struct task_batch {
   std::vector<std::int32_t> tokens, labels;
   std::vector<char> scored;
 };
-
-namespace detail_tasks {
-inline void check_shape(const char* fn, index_t B, index_t T) {
-  detail::require(B > 0, fn, "batch", "must be positive, got ", B);
-  detail::require(T > 0, fn, "length", "must be positive, got ", T);
-}
-}  // namespace detail_tasks
 
 namespace flip_flop {
 
@@ -49,7 +49,7 @@ enum token : std::int32_t { write = 0, read = 1, ignore = 2, bit0 = 3, bit1 = 4,
 // bit. An odd T ends with an ignore; T is at least 4.
 inline task_batch make(std::mt19937_64& gen, index_t B, index_t T, double p_ignore) {
   const char* fn = "attnmix::train::flip_flop::make";
-  detail_tasks::check_shape(fn, B, T);
+  detail::check_task_shape(fn, B, T);
   detail::require(T >= 4, fn, "length", "must be at least 4 (a write and a read), got ", T);
   detail::require(p_ignore >= 0.0 && p_ignore <= 1.0, fn, "p_ignore", "must be in [0, 1], got ",
                   p_ignore);
@@ -133,7 +133,7 @@ inline std::int32_t compose(std::int32_t a, std::int32_t b) {
 // Words of T uniformly drawn elements; the label at position p is the product of the word's
 // elements 0 .. p applied in order (each one after the ones before). Every position is scored.
 inline task_batch make(std::mt19937_64& gen, index_t B, index_t T) {
-  detail_tasks::check_shape("attnmix::train::a5::make", B, T);
+  detail::check_task_shape("attnmix::train::a5::make", B, T);
   std::uniform_int_distribution<std::int32_t> pick(0, order - 1);
   task_batch b{B, T, std::vector<std::int32_t>(B * T), std::vector<std::int32_t>(B * T),
                std::vector<char>(B * T, 1)};

@@ -78,7 +78,9 @@ struct lbm_tile_loads {
   }
 };
 
-// A pair of activations at (b, t, h, d..d+1) (4-byte aligned): raw bits, and as floats.
+// A pair of activations at (b, t, h, d..d+1) (4-byte aligned): raw bits through the read-only
+// cache (the loads a pass asks for early), and as floats by a plain load (through __ldg the
+// causal query kernel spills 100 bytes more).
 template <class Dev>
 __device__ __forceinline__ std::uint32_t lbm_raw2(const void* base, const index_t* st, index_t b,
                                                   index_t t, int h, int d) {

@@ -256,11 +256,11 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
       // is read where it is used (asked for early it ran 6 % slower at T = 32768). Pad rows are
       // selected away below.
       std::uint32_t dyr[NV][2] = {}, gtr[normed ? NV : 1][2] = {};
-      auto pairs = [&](auto& x, const void* base, const index_t* st) {
+      auto pairs = [&](auto& x, const void* src, const index_t* st) {
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
-          if (ra < rows) x[j][0] = lbm_raw2<Dev>(base, st, batch, ta, hq, 8 * j + c2);
-          if (rb < rows) x[j][1] = lbm_raw2<Dev>(base, st, batch, tb, hq, 8 * j + c2);
+          if (ra < rows) x[j][0] = lbm_raw2<Dev>(src, st, batch, ta, hq, 8 * j + c2);
+          if (rb < rows) x[j][1] = lbm_raw2<Dev>(src, st, batch, tb, hq, 8 * j + c2);
         }
       };
       if constexpr (normed) {
