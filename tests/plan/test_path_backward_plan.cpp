@@ -150,12 +150,24 @@ TEST_CASE("PaTH backward plan: the tensor-core query kernel for 16-bit inputs at
   CHECK(m.query_smem == std::size_t(path_bwd_mma_layout::smem));
   CHECK(m.query_smem <= 227 * 1024);
   CHECK(m.fits);
-  // The same grids and scratch as the tiled kernels; the chunk kernel's shared memory too.
+  // The same grids as the tiled kernels, the chunk kernel's shared memory too; the scratch adds
+  // the chunks' transitions (once) and their gradients (per slice, zeroed) after the others.
   const path_backward_plan t = plan_path_backward(s, true, h200(), path_backward_kernel::tiled);
   CHECK(t.query_kernel == path_backward_kernel::tiled);
-  CHECK(t.scratch_bytes == m.scratch_bytes);
   CHECK(t.chunk_smem == m.chunk_smem);
   CHECK(t.query_grid.x == m.query_grid.x);
+  CHECK(t.layout.trans == 0);
+  CHECK(t.layout.dtrans == 0);
+  const path_backward_layout& l = m.layout;
+  const auto S = std::size_t(m.slices);
+  CHECK(m.scratch_bytes == t.scratch_bytes + (S + 1) * l.slice_d);
+  CHECK(l.dtrans % 256 == 0);
+  CHECK(l.trans % 256 == 0);
+  CHECK(l.dtrans >= l.zeroed);
+  CHECK(l.dtrans + S * l.slice_d <= l.zeroed + l.zeroed_bytes);
+  CHECK(l.trans >= l.zeroed + l.zeroed_bytes);
+  CHECK(l.trans + l.slice_d <= m.scratch_bytes);
+  CHECK(l.dtrans + S * l.slice_d <= l.trans);
   CHECK(plan_path_backward(s, true, h200(), path_backward_kernel::simt).query_kernel ==
         path_backward_kernel::simt);
   // Elsewhere the tiled ones, forced or not: float, D = 128, D != Dv, a device before sm_80 or

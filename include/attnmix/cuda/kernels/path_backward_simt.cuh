@@ -65,6 +65,11 @@ struct path_backward_params {
   // Sums ([B, H, tokens, .] rows): slice s of a [rows, D] part at + s * slice_d (elements).
   float *dkt, *dws, *dus, *states, *e, *dvs, *dk_diag, *dm;
   index_t slice_d, slice_dv;
+  // The tensor-core query kernel's chunk transitions: N = W^T U of each chunk (P = I - N), D x D
+  // at the chunk's rows of a [rows, D] part, and the slices' sums of dP (same layout, per slice);
+  // null for the other query kernels.
+  float* trans;
+  float* dtrans;
 };
 
 // Query chunks [lo, hi) of slice s of a (sequence, KV head) of `chunks` chunks: the CPU's cut
@@ -102,6 +107,8 @@ struct path_backward_cta {
   // diagonal tiles.
   float *dkt = nullptr, *dws = nullptr, *dus = nullptr, *states = nullptr, *es = nullptr,
         *dvs = nullptr, *dkd = nullptr, *dm = nullptr;
+  const float* NN = nullptr;  // chunk transitions N = W^T U (tensor-core kernel only)
+  float* dP = nullptr;        // the slice's dP of each chunk transition (idem)
 
   __device__ explicit path_backward_cta(const path_backward_params& p) {
     constexpr int C = path_chunk;
@@ -133,6 +140,7 @@ struct path_backward_cta {
     dvs = p.dvs + slice * p.slice_dv + row0 * Dv;
     dkd = p.dk_diag + row0 * D;
     dm = p.dm + row0 * C;
+    if (p.trans != nullptr) NN = p.trans + row0 * D, dP = p.dtrans + slice * p.slice_d + row0 * D;
   }
 };
 

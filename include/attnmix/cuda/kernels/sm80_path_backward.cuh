@@ -1,18 +1,23 @@
 #pragma once
 // The query kernel of the PaTH / PaTH-FoX backward on tensor cores (mma.sync m16n8k16, float
 // accumulation) for half and bfloat16 inputs at D = Dv = 64: the work, grid, scratch and sums of
-// path_backward_query_tiled_kernel (path_backward_tiled.cuh), whose chunk kernel then runs
-// unchanged. Per query chunk: the diagonal tile, the forward's right-to-left walk through the
-// earlier chunks (keeping each chunk's scan state and e = dZ K~), the left-to-right adjoint
-// through the chunk products, and the chunk's own transform back to dq.
+// path_backward_query_tiled_kernel (path_backward_tiled.cuh), whose chunk kernel then runs with
+// the transitions' gradients folded in. Per query chunk: the diagonal tile, the forward's
+// right-to-left walk through the earlier chunks (keeping each chunk's scan state and e = dZ K~),
+// the left-to-right adjoint through the chunk products, and the chunk's own transform back to dq.
+//
+// An earlier chunk's product P = I - W^T U is applied as the dense D x D N = W^T U
+// (path_backward_transitions_kernel makes it once): one product a step where the rank-C form
+// takes two, and the adjoint sums dP = r^T rbar over the query rows (one product) where dW and dU
+// would take four; the chunk kernel turns dP into dW = -U dP^T and dU = -W dP once per chunk.
 //
 // A CTA has 8 warps; warp w owns query rows 16 (w % 4) .. + 15 and columns 32 (w / 4) .. + 31 of
 // every [64 x 64] result, and keeps that part of the running query r, its adjoint rbar, the
 // scores and dP in registers (float). The operands of every product are read from shared memory:
-// r, rbar, P, dZ and the transitions' X are stored there (split) as they change, so the two warps
-// of a row block read whole rows. The products that sum over the chunk's query rows (what keys and
-// transitions receive: dv, dK~, dW, dU, and the diagonal tile's dk and dM) are added to the
-// slice's float sums, one thread an element, in a fixed order (the same bits on every run).
+// r, rbar, P and dZ are stored there (split) as they change, so the two warps of a row block read
+// whole rows. The products that sum over the chunk's query rows (what keys and transitions
+// receive: dv, dK~, dP, and the diagonal tile's dk, dM, dW and dU) are added to the slice's float
+// sums, one thread an element, in a fixed order (the same bits on every run).
 // Operands are bfloat16 in two parts (collective/split_mma.cuh); inputs in bfloat16 take one, half
 // inputs two (11 bits do not fit one bfloat16).
 
@@ -174,6 +179,11 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     pm::stage<true>(
         hi(L::u), lo(L::u), [&](int r, int c) { return cta.UU[(j0 + r) * D + c]; }, rows, D);
   };
+  // Chunk j0's transition N = W^T U (full chunks after the first), D x D, row-major [k][n].
+  const auto stage_n = [&](index_t j0) {
+    pm::stage<true>(
+        hi(L::w), lo(L::w), [&](int r, int c) { return cta.NN[(j0 + r) * D + c]; }, D, D);
+  };
   const auto stage_v = [&](index_t j0, int rows) {
     pm::stage<in_lo>(
         hi(L::v), lo(L::v), [&](int r, int c) { return to_float(cta.V[(j0 + r) * cta.vs1 + c]); },
@@ -183,18 +193,15 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   const auto prefetch_walk = [&](index_t j0) {
     pm::prefetch_rows(cta.KT + j0 * D, D, C, D);
     pm::prefetch_rows(cta.V + j0 * cta.vs1, cta.vs1, C, Dv);
-    pm::prefetch_rows(cta.W + j0 * cta.ws1, cta.ws1, C, D);
-    pm::prefetch_rows(cta.UU + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.NN + j0 * D, D, D, D);
     pm::prefetch_rows(cta.dvs + j0 * Dv, Dv, C, Dv);
     pm::prefetch_rows(cta.dkt + j0 * D, D, C, D);
   };
   const auto prefetch_adjoint = [&](index_t j0) {
-    pm::prefetch_rows(cta.W + j0 * cta.ws1, cta.ws1, C, D);
-    pm::prefetch_rows(cta.UU + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.NN + j0 * D, D, D, D);
     pm::prefetch_rows(cta.states + j0 * D, D, C, D);
     pm::prefetch_rows(cta.es + j0 * D, D, C, D);
-    pm::prefetch_rows(cta.dus + j0 * D, D, C, D);
-    pm::prefetch_rows(cta.dws + j0 * D, D, C, D);
+    pm::prefetch_rows(cta.dP + j0 * D, D, D, D);
   };
   // Operands: rows m0 .. of a slot (Neg: negated), and the transposed rows of a slot.
   const auto rows_of = [&](int s) {
@@ -378,10 +385,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           pm::stage<true>(
               hi(L::k), lo(L::k), [&](int rr, int c) { return cta.KT[(j0 + rr) * D + c]; }, C, D);
           stage_v(j0, C);
-          if (cj > 0) {
-            stage_w(j0, C);
-            stage_u(j0, C);
-          }
+          if (cj > 0) stage_n(j0);
           stage_gate(j0, C);
           if (cj > 0) prefetch_walk(j0 - C);
           pm::save_rows(r, cta.states + j0 * D, D, m0, n0, n);
@@ -405,23 +409,17 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(L::k), lo(L::k), n0);
             pm::save_rows(e, cta.es + j0 * D, D, m0, n0, n);
           }
-          if (cj > 0) {  // X = r W^T (into m)
-            part xx;
-            pm::zero(xx);
-            warp_mma<ld, false, true, 4>(xx, rows_of(L::e3), hi(L::w), lo(L::w), n0);
-            pm::store_split(xx, hi(L::m), lo(L::m), m0, n0, n);
-          }
           cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + j0 * Dv, Dv, C, 1.f);  // dv
           cross(L::e2, hi(L::e3), lo(L::e3), split_b{}, cta.dkt + j0 * D, D, C, 1.f);     // dK~
-          if (cj > 0) {       // r <- r P_cj = r - X U
-            __syncthreads();  // X whole; r (e3) read
-            warp_mma<ld, true, true, 4>(r, neg_rows_of(L::m), hi(L::u), lo(L::u), n0);
+          if (cj > 0) {  // r <- r P_cj = r - r N
+            warp_mma<ld, true, true, 4>(r, neg_rows_of(L::e3), hi(L::w), lo(L::w), n0);
+            __syncthreads();  // r (e3) read
             pm::store_split(r, hi(L::e3), lo(L::e3), m0, n0, n);
           }
         }
 
-        // ---- 3. the adjoint: rbar_cj = e_cj + rbar_(cj-1) P_cj^T with P = I - W^T U;
-        // dU -= (r W^T)^T rbar, dW -= (rbar U^T)^T r ----
+        // ---- 3. the adjoint: rbar_cj = e_cj + rbar_(cj-1) P_cj^T with P = I - N; the
+        // transition's gradient dP += r^T rbar (dW and dU follow from it in the chunk kernel) ----
         part rbar;
         pm::load_rows(rbar, cta.es, D, m0, n0, n);
         __syncthreads();  // the walk's dZ (e2) read
@@ -429,8 +427,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         for (index_t cj = 1; cj < ci; ++cj) {
           const index_t j0 = cj * C;
           __syncthreads();
-          stage_w(j0, C);
-          stage_u(j0, C);
+          stage_n(j0);
           if (cj + 1 < ci) prefetch_adjoint(j0 + C);
           {
             part rr;
@@ -438,18 +435,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             pm::store_split(rr, hi(L::e3), lo(L::e3), m0, n0, n);
           }
           __syncthreads();
-          {
-            part xs, y;
-            pm::zero(xs);
-            warp_mma<ld, false, true, 4>(xs, rows_of(L::e3), hi(L::w), lo(L::w), n0);
-            pm::store_split(xs, hi(L::e1), lo(L::e1), m0, n0, n);
-            pm::zero(y);
-            warp_mma<ld, false, true, 4>(y, rows_of(L::e2), hi(L::u), lo(L::u), n0);
-            pm::store_split(y, hi(L::k), lo(L::k), m0, n0, n);
-          }
-          __syncthreads();  // r W^T, rbar U^T whole
-          cross(L::e1, hi(L::e2), lo(L::e2), split_b{}, cta.dus + j0 * D, D, C, -1.f);  // dU
-          cross(L::k, hi(L::e3), lo(L::e3), split_b{}, cta.dws + j0 * D, D, C, -1.f);   // dW
+          cross(L::e3, hi(L::e2), lo(L::e2), split_b{}, cta.dP + j0 * D, D, D, 1.f);  // dP
           {
             part e;
             pm::load_rows(e, cta.es + j0 * D, D, m0, n0, n);
@@ -458,7 +444,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
 #pragma unroll
               for (int jj = 0; jj < 4; ++jj) rbar[i][jj] += e[i][jj];
           }
-          warp_mma<ld, true, true, 4>(rbar, neg_rows_of(L::k), hi(L::w), lo(L::w), n0);
+          warp_mma<ld, false, true, 4>(rbar, neg_rows_of(L::e2), hi(L::w), lo(L::w), n0);
           __syncthreads();  // rbar (e2) read
           pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n0, n);
         }
@@ -466,8 +452,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         // ---- the chunk's own transform, Q~ = Qs - tril(Qs W^T) U: dQs += rbar,
         // dX = -tril(rbar U^T), dU -= X^T rbar; then dQs += dX W and dW += dX^T Qs ----
         __syncthreads();
-        stage_w(c0, n);
-        stage_u(c0, n);
+        stage_w(c0, n);  // the walk left U and X of this chunk in place
         __syncthreads();
         pm::load_rows(dq, cta.states + c0 * D, D, m0, n0, n);
 #pragma unroll

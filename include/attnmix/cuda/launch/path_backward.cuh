@@ -1,7 +1,8 @@
 #pragma once
 // Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_simt.cuh): the scratch
-// that plan/path_backward.hpp lays out, the forward's float chunk preparation, then the query
-// kernel, the chunk kernel and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
+// that plan/path_backward.hpp lays out, the forward's float chunk preparation (with the tensor-
+// core query kernel: the chunks' dense transitions too), then the query kernel, the chunk kernel
+// and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
 // The query kernel is the plan's (tensor cores where they apply, else register-blocked), the chunk
 // kernel the register-blocked one; path_backward_kernel_override() may ask for either set.
 
@@ -95,6 +96,8 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   bp.dk_diag = floats(l.dk), bp.dm = floats(l.dm);
   bp.slice_d = static_cast<index_t>(l.slice_d / sizeof(float));
   bp.slice_dv = static_cast<index_t>(l.slice_dv / sizeof(float));
+  const bool mma = plan.query_kernel == path_backward_kernel::mma;
+  if (mma) bp.trans = floats(l.trans), bp.dtrans = floats(l.dtrans);
   check(cudaMemsetAsync(base + l.zeroed, 0, l.zeroed_bytes, stream), "cudaMemsetAsync");
 
   const dim3 gate_grid(plan.gate_grid.x, plan.gate_grid.y);
@@ -110,6 +113,11 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   }
 
   launch_path_prepare<Dev, float, float>(kp, plan.forward, stream);
+  const dim3 chunk_grid(plan.chunk_grid.x, plan.chunk_grid.y, plan.chunk_grid.z);
+  if (mma) {
+    path_backward_transitions_kernel<Dev><<<chunk_grid, path_tile_threads, 0, stream>>>(bp);
+    check(cudaGetLastError(), "path_backward_transitions_kernel launch");
+  }
 
   {
     static_assert(path_backward_threads == path_tile_threads,
@@ -117,7 +125,7 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
     const path_backward_kernel k = plan.query_kernel;
     const int smem = static_cast<int>(plan.query_smem);
     const dim3 grid(plan.query_grid.x, plan.query_grid.y, plan.query_grid.z);
-    if (k == path_backward_kernel::mma) {
+    if (mma) {
       if constexpr (std::is_same_v<T, float>) {
         require(false, fn, "q", "is float, but the tensor-core PaTH backward takes 16-bit inputs");
       } else {
@@ -141,8 +149,7 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
     const int smem = static_cast<int>(plan.chunk_smem);
     allow_dynamic_smem(kernel, smem);
     if (tiled) prefer_shared_memory(kernel);  // two CTAs a multiprocessor at D = 64
-    const dim3 grid(plan.chunk_grid.x, plan.chunk_grid.y, plan.chunk_grid.z);
-    kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
+    kernel<<<chunk_grid, path_backward_threads, smem, stream>>>(bp);
     check(cudaGetLastError(),
           tiled ? "path_backward_chunk_tiled_kernel launch" : "path_backward_chunk_kernel launch");
   }

@@ -61,11 +61,14 @@ inline std::size_t path_backward_chunk_tiled_smem(index_t D) {
 // rows = B * H * tokens (rows of the [B, H, tokens, .] layout); per slice: dK~, dW, dU, the scan
 // states and their dZ K~ ([rows, D] each) and dv ([rows, Dv]); once: the diagonal tiles' dk
 // ([rows, D]) and dM ([rows, C]); the gate cumsum G (double), its resets (int32) and the
-// per-slice dG (double), each [B, tokens, HQ].
+// per-slice dG (double), each [B, tokens, HQ]. The tensor-core query kernel adds the chunks'
+// transitions N = W^T U (once) and their gradients dP (per slice), D x D at each chunk's rows
+// of a [rows, D] part.
 struct path_backward_layout {
   std::size_t dkt = 0, dw = 0, du = 0, states = 0, e = 0, dv = 0;  // slice 0; slices follow
   std::size_t slice_d = 0, slice_dv = 0;  // bytes between slices of a [rows, D] / [rows, Dv] part
   std::size_t dk = 0, dm = 0, gate = 0, reset = 0, dgate = 0, slice_gate = 0;
+  std::size_t trans = 0, dtrans = 0;  // tensor-core query kernel only (else 0)
   std::size_t zeroed = 0, zeroed_bytes = 0;  // the sums that start at 0: one contiguous range
   std::size_t bytes = 0;
 };
@@ -141,6 +144,8 @@ inline path_backward_plan plan_path_backward(
   l.dv = at, at += S * l.slice_dv;
   l.dk = at, at += padded_bytes(rows * D * sizeof(float));
   l.dm = at, at += padded_bytes(rows * std::size_t(path_chunk) * sizeof(float));
+  const bool mma_sums = p.query_kernel == path_backward_kernel::mma;
+  if (mma_sums) l.dtrans = at, at += S * l.slice_d;
   if (gated) {
     l.slice_gate = padded_bytes(gate_elems * sizeof(double));
     l.dgate = at, at += S * l.slice_gate;
@@ -148,6 +153,7 @@ inline path_backward_plan plan_path_backward(
   l.zeroed_bytes = at - l.zeroed;
   l.states = at, at += S * l.slice_d;
   l.e = at, at += S * l.slice_d;
+  if (mma_sums) l.trans = at, at += l.slice_d;
   if (gated) {
     l.gate = at, at += padded_bytes(gate_elems * sizeof(double));
     l.reset = at, at += padded_bytes(gate_elems * sizeof(std::int32_t));
