@@ -360,29 +360,6 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
   }
 }
 
-// N = W^T U, the dense form of the product P = I - W^T U of each chunk that the tensor-core
-// query kernel (sm80_path_backward.cuh) walks through: full chunks after the first but not the
-// last of their sequence. D x D at the chunk's rows of p.trans (D <= C). Grid: the chunk kernel's.
-template <class T>
-__global__ void __launch_bounds__(path_tile_threads)
-    path_backward_transitions_kernel(const path_backward_params p) {
-  constexpr int C = path_chunk;
-  const path_kernel_params& kp = p.kp;
-  const int D = kp.a.head_dim, h = blockIdx.y;
-  index_t batch, start, length;
-  kp.a.sequence(blockIdx.z, batch, start, length);
-  const index_t c0 = static_cast<index_t>(blockIdx.x) * C;
-  if (c0 == 0 || c0 + C >= length) return;
-  const index_t t0 = start + c0, row0 = kp.row(batch, h, t0);
-  const float* UU = static_cast<const float*>(kp.u) + row0 * D;
-  const float* W = kp.w + batch * kp.w_stride[0] + t0 * kp.w_stride[1] + h * kp.w_stride[2];
-  const index_t ws1 = kp.w_stride[1];
-  float* N = p.trans + row0 * D;
-  tile_product(
-      D, D, C, [&](int i, int t) { return W[t * ws1 + i]; },
-      [&](int t, int j) { return UU[t * D + j]; }, [&](int i, int j, float acc) { N[i * D + j] = acc; });
-}
-
 // ---- the chunks, back through the UT transform -----------------------------------------------
 // path_backward_chunk_kernel with its two n x n x D passes (the Gram products of W with dK~, W
 // and K, and Lbar) through tile_product; the rest as there. Shared memory as
@@ -450,23 +427,6 @@ __global__ void __launch_bounds__(path_tile_threads, 2)
     sb[a] =
         kp.beta[batch * kp.beta_stride[0] + (t0 + a) * kp.beta_stride[1] + h * kp.beta_stride[2]];
   __syncthreads();
-  // The tensor-core query kernel's transition gradients dP (the slices' sums in slice order):
-  // P = I - W^T U gives dW -= U dP^T, dU -= W dP. Only chunks it walks through have them.
-  if (p.dtrans != nullptr && c0 > 0 && c0 + C < length) {
-    const auto dP = [&](int i, int j) {
-      const index_t at = (row0 + i) * D + j;
-      float x = 0.f;
-      for (int sl = 0; sl < p.slices; ++sl) x += p.dtrans[sl * p.slice_d + at];
-      return x;
-    };
-    tile_product(
-        n, D, D, [&](int a, int j) { return UU[a * D + j]; }, [&](int j, int i) { return dP(i, j); },
-        [&](int a, int i, float acc) { dW[a * ld + i] -= acc; });
-    tile_product(
-        n, D, D, [&](int a, int i) { return W[a * ws1 + i]; }, [&](int i, int j) { return dP(i, j); },
-        [&](int a, int j, float acc) { dU[a * ld + j] -= acc; });
-    __syncthreads();
-  }
 
   // K~ = K - M^T W: dM -= W dK~^T (strictly lower kept), dW -= M dK~. Gram products.
   // W dK~^T computed transposed (dK~ on the row side, from shared memory).

@@ -89,6 +89,7 @@ struct path_bwd_mma_layout {
   static constexpr int tile = C * ld;
   enum slot : int { q, dout, k, v, w, u, m, x, e1, e2, e3, slots };
   static constexpr int smem = 2 * (2 * slots * tile) + 4 * (C * lf + 8 * C);
+  static constexpr int fold_smem = 2 * (2 * 3 * tile);  // the transitions' kernels: three tiles
 };
 
 // linear_read_kernel: query rows a CTA, and its shared memory in floats.

@@ -9,7 +9,8 @@
 // An earlier chunk's product P = I - W^T U is applied as the dense D x D N = W^T U
 // (path_backward_transitions_kernel makes it once): one product a step where the rank-C form
 // takes two, and the adjoint sums dP = r^T rbar over the query rows (one product) where dW and dU
-// would take four; the chunk kernel turns dP into dW = -U dP^T and dU = -W dP once per chunk.
+// would take four; path_backward_fold_transitions_kernel turns dP into dW = -U dP^T and
+// dU = -W dP once per chunk.
 //
 // A CTA has 8 warps; warp w owns query rows 16 (w % 4) .. + 15 and columns 32 (w / 4) .. + 31 of
 // every [64 x 64] result, and keeps that part of the running query r, its adjoint rbar, the
@@ -137,6 +138,85 @@ __device__ __forceinline__ void zero(float (&acc)[4][4]) {
 }
 
 }  // namespace path_bwd_mma
+
+// The chunk transitions' own work, a CTA a chunk (the chunk kernel's grid), for the chunks the
+// query kernel walks through (full, after the first, not the last of their sequence): before it,
+// N = W^T U; after it, the slices' dP (summed in slice order) folded into slice 0's dW -= U dP^T
+// and dU -= W dP. Three split [64 x 64] tiles of shared memory (path_bwd_mma_layout::fold_smem).
+struct path_transition_chunk {
+  bool active = false;
+  index_t row0 = 0, ws1 = 0;
+  const float *W = nullptr, *U = nullptr;
+
+  __device__ explicit path_transition_chunk(const path_kernel_params& kp) {
+    constexpr int C = path_bwd_mma_layout::C;
+    index_t batch, start, length;
+    kp.a.sequence(blockIdx.z, batch, start, length);
+    const index_t c0 = static_cast<index_t>(blockIdx.x) * C;
+    if (c0 == 0 || c0 + C >= length) return;
+    active = true;
+    const index_t t0 = start + c0;
+    row0 = kp.row(batch, blockIdx.y, t0);
+    U = static_cast<const float*>(kp.u) + row0 * C;
+    W = kp.w + batch * kp.w_stride[0] + t0 * kp.w_stride[1] + blockIdx.y * kp.w_stride[2];
+    ws1 = kp.w_stride[1];
+  }
+};
+
+template <class T>
+__global__ void __launch_bounds__(path_bwd_mma_layout::threads)
+    path_backward_transitions_kernel(const path_backward_params p) {
+  namespace pm = path_bwd_mma;
+  using L = path_bwd_mma_layout;
+  constexpr int C = L::C, ld = L::ld;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
+  const path_transition_chunk ch(p.kp);
+  if (!ch.active) return;
+  const int warp = threadIdx.x / 32, m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
+  split_op *wh = tiles, *wl = tiles + L::tile, *uh = tiles + 2 * L::tile, *ul = tiles + 3 * L::tile;
+  pm::stage<true>(wh, wl, [&](int r, int c) { return ch.W[r * ch.ws1 + c]; }, C, C);
+  pm::stage<true>(uh, ul, [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
+  __syncthreads();
+  float acc[4][4];
+  pm::zero(acc);
+  warp_mma<ld, true, true, 4>(acc, a_from_tile_t<ld, true>{wh, wl, m0}, uh, ul, n0);  // W^T U
+  pm::save_rows(acc, p.trans + ch.row0 * C, C, m0, n0, C);
+}
+
+template <class T>
+__global__ void __launch_bounds__(path_bwd_mma_layout::threads)
+    path_backward_fold_transitions_kernel(const path_backward_params p) {
+  namespace pm = path_bwd_mma;
+  using L = path_bwd_mma_layout;
+  constexpr int C = L::C, ld = L::ld;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
+  const path_transition_chunk ch(p.kp);
+  if (!ch.active) return;
+  const int warp = threadIdx.x / 32, m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
+  const auto hi = [&](int s) { return tiles + 2 * s * L::tile; };
+  const auto lo = [&](int s) { return tiles + (2 * s + 1) * L::tile; };
+  const float* dP = p.dtrans + ch.row0 * C;
+  pm::stage<true>(
+      hi(0), lo(0),
+      [&](int r, int c) {
+        float x = 0.f;
+        for (int sl = 0; sl < p.slices; ++sl) x += dP[sl * p.slice_d + r * C + c];
+        return x;
+      },
+      C, C);
+  pm::stage<true>(hi(1), lo(1), [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
+  pm::stage<true>(hi(2), lo(2), [&](int r, int c) { return ch.W[r * ch.ws1 + c]; }, C, C);
+  __syncthreads();
+  float acc[4][4];
+  pm::zero(acc);
+  warp_mma<ld, false, true, 4>(acc, a_from_tile<ld, true>{hi(1), lo(1), m0}, hi(0), lo(0), n0);
+  pm::add_rows(acc, p.dws + ch.row0 * C, C, m0, n0, C, -1.f);  // dW -= U dP^T
+  pm::zero(acc);
+  warp_mma<ld, true, true, 4>(acc, a_from_tile<ld, true>{hi(2), lo(2), m0}, hi(0), lo(0), n0);
+  pm::add_rows(acc, p.dus + ch.row0 * C, C, m0, n0, C, -1.f);  // dU -= W dP
+}
 
 template <class T>
 __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)

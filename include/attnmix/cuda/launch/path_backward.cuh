@@ -1,8 +1,9 @@
 #pragma once
 // Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_simt.cuh): the scratch
-// that plan/path_backward.hpp lays out, the forward's float chunk preparation (with the tensor-
-// core query kernel: the chunks' dense transitions too), then the query kernel, the chunk kernel
-// and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
+// that plan/path_backward.hpp lays out, the forward's float chunk preparation, then the query
+// kernel, the chunk kernel and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
+// The tensor-core query kernel has the chunks' dense transitions made before it and their
+// gradients folded into dW and dU after it.
 // The query kernel is the plan's (tensor cores where they apply, else register-blocked), the chunk
 // kernel the register-blocked one; path_backward_kernel_override() may ask for either set.
 
@@ -114,8 +115,11 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
 
   launch_path_prepare<Dev, float, float>(kp, plan.forward, stream);
   const dim3 chunk_grid(plan.chunk_grid.x, plan.chunk_grid.y, plan.chunk_grid.z);
+  constexpr int fold_smem = path_bwd_mma_layout::fold_smem;
   if (mma) {
-    path_backward_transitions_kernel<Dev><<<chunk_grid, path_tile_threads, 0, stream>>>(bp);
+    allow_dynamic_smem(path_backward_transitions_kernel<Dev>, fold_smem);
+    path_backward_transitions_kernel<Dev>
+        <<<chunk_grid, path_bwd_mma_layout::threads, fold_smem, stream>>>(bp);
     check(cudaGetLastError(), "path_backward_transitions_kernel launch");
   }
 
@@ -142,6 +146,12 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
       check(cudaGetLastError(), tiled ? "path_backward_query_tiled_kernel launch"
                                       : "path_backward_query_kernel launch");
     }
+  }
+  if (mma) {
+    allow_dynamic_smem(path_backward_fold_transitions_kernel<Dev>, fold_smem);
+    path_backward_fold_transitions_kernel<Dev>
+        <<<chunk_grid, path_bwd_mma_layout::threads, fold_smem, stream>>>(bp);
+    check(cudaGetLastError(), "path_backward_fold_transitions_kernel launch");
   }
   {
     const bool tiled = plan.query_kernel != path_backward_kernel::simt;
