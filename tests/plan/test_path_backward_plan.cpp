@@ -158,16 +158,29 @@ TEST_CASE("PaTH backward plan: the tensor-core query kernel for 16-bit inputs at
   CHECK(t.query_grid.x == m.query_grid.x);
   CHECK(t.layout.trans == 0);
   CHECK(t.layout.dtrans == 0);
+  CHECK(t.layout.khat == 0);
+  CHECK(t.layout.dpis == 0);
   const path_backward_layout& l = m.layout;
   const auto S = std::size_t(m.slices);
-  CHECK(m.scratch_bytes == t.scratch_bytes + (S + 1) * l.slice_d);
-  CHECK(l.dtrans % 256 == 0);
-  CHECK(l.trans % 256 == 0);
-  CHECK(l.dtrans >= l.zeroed);
-  CHECK(l.dtrans + S * l.slice_d <= l.zeroed + l.zeroed_bytes);
-  CHECK(l.trans >= l.zeroed + l.zeroed_bytes);
-  CHECK(l.trans + l.slice_d <= m.scratch_bytes);
-  CHECK(l.dtrans + S * l.slice_d <= l.trans);
+  CHECK(m.scratch_bytes == t.scratch_bytes + 3 * (S + 1) * l.slice_d);
+  // Per slice and zeroed: dP, dK^, dPi; once, after the zeroed range: N, K^, I - Pi.
+  std::vector<std::pair<std::size_t, std::size_t>> parts = {
+      {l.dtrans, S * l.slice_d}, {l.dkhat, S * l.slice_d}, {l.dpis, S * l.slice_d},
+      {l.trans, l.slice_d},      {l.khat, l.slice_d},      {l.pis, l.slice_d}};
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    CHECK(parts[i].first % 256 == 0);
+    CHECK(parts[i].first + parts[i].second <= m.scratch_bytes);
+    if (i < 3) CHECK(parts[i].first >= l.zeroed);
+    if (i < 3) CHECK(parts[i].first + parts[i].second <= l.zeroed + l.zeroed_bytes);
+    if (i >= 3) CHECK(parts[i].first >= l.zeroed + l.zeroed_bytes);
+    for (std::size_t k = 0; k < i; ++k)
+      CHECK((parts[k].first + parts[k].second <= parts[i].first ||
+             parts[i].first + parts[i].second <= parts[k].first));
+  }
+  // Super-chunks of four chunks: 1100 tokens are 18 chunks, 5 super-chunks.
+  CHECK(m.super_grid.x == 5u);
+  CHECK(m.super_grid.y == 2u);
+  CHECK(m.super_grid.z == 2u);
   CHECK(plan_path_backward(s, true, h200(), path_backward_kernel::simt).query_kernel ==
         path_backward_kernel::simt);
   // Elsewhere the tiled ones, forced or not: float, D = 128, D != Dv, a device before sm_80 or

@@ -70,6 +70,13 @@ struct path_backward_params {
   // null for the other query kernels.
   float* trans;
   float* dtrans;
+  // Its super-chunks (path_bwd_mma_layout::super chunks): the keys of each chunk transformed to
+  // the end of their super-chunk, K^ [rows, D]; each super-chunk's product as I - Pi (D x D at
+  // the rows of the sequence's chunk s for super-chunk s); and the slices' sums of dK^ and dPi.
+  float* khat;
+  float* pis;
+  float* dkhat;
+  float* dpis;
 };
 
 // Query chunks [lo, hi) of slice s of a (sequence, KV head) of `chunks` chunks: the CPU's cut
@@ -109,6 +116,8 @@ struct path_backward_cta {
         *dvs = nullptr, *dkd = nullptr, *dm = nullptr;
   const float* NN = nullptr;  // chunk transitions N = W^T U (tensor-core kernel only)
   float* dP = nullptr;        // the slice's dP of each chunk transition (idem)
+  const float *KH = nullptr, *PIS = nullptr;  // K^ and the super-chunks' I - Pi (idem)
+  float *dKH = nullptr, *dPI = nullptr;       // the slice's dK^ and dPi (idem)
 
   __device__ explicit path_backward_cta(const path_backward_params& p) {
     constexpr int C = path_chunk;
@@ -140,7 +149,11 @@ struct path_backward_cta {
     dvs = p.dvs + slice * p.slice_dv + row0 * Dv;
     dkd = p.dk_diag + row0 * D;
     dm = p.dm + row0 * C;
-    if (p.trans != nullptr) NN = p.trans + row0 * D, dP = p.dtrans + slice * p.slice_d + row0 * D;
+    if (p.trans != nullptr) {
+      NN = p.trans + row0 * D, dP = p.dtrans + slice * p.slice_d + row0 * D;
+      KH = p.khat + row0 * D, PIS = p.pis + row0 * D;
+      dKH = p.dkhat + slice * p.slice_d + row0 * D, dPI = p.dpis + slice * p.slice_d + row0 * D;
+    }
   }
 };
 

@@ -90,6 +90,10 @@ struct path_bwd_mma_layout {
   enum slot : int { q, dout, k, v, w, u, m, x, e1, e2, e3, slots };
   static constexpr int smem = 2 * (2 * slots * tile) + 4 * (C * lf + 8 * C);
   static constexpr int fold_smem = 2 * (2 * 3 * tile);  // the transitions' kernels: three tiles
+  // Super-chunks: the query kernel scores the keys of earlier super-chunks transformed to their
+  // super-chunk's end, and steps through a super-chunk's product at once.
+  static constexpr int super = 4;                        // chunks a super-chunk
+  static constexpr int super_smem = 2 * (2 * 8 * tile);  // path_backward_super_fold_kernel
 };
 
 // linear_read_kernel: query rows a CTA, and its shared memory in floats.

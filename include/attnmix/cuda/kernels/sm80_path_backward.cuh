@@ -218,6 +218,176 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   pm::add_rows(acc, p.dus + ch.row0 * C, C, m0, n0, C, -1.f);  // dU -= W dP
 }
 
+// A super-chunk s of a sequence: chunks S s .. S s + S - 1 (S = path_bwd_mma_layout::super),
+// CTA (s, KV head, sequence). The query kernel walks through it at once when a chunk follows it
+// (then its chunks are all full): P_c = I - N_c, and, for the walk's order (r <- r P_c after
+// chunk c is scored, from the last chunk down), A_j = P_(S s + S - 1) ... P_(S s + j + 1) takes the
+// super-chunk's top state to chunk S s + j's (A_(S - 1) = I) and Pi = A_0 P_(S s) through the
+// whole super-chunk (needed for s > 0 only).
+struct path_super_chunk {
+  static constexpr int C = path_bwd_mma_layout::C, S = path_bwd_mma_layout::super;
+  bool active = false, has_pi = false;
+  index_t row0 = 0;  // row of the super-chunk's first token
+  index_t pi0 = 0;   // row of its Pi, dPi (the sequence's chunk s)
+  __device__ explicit path_super_chunk(const path_kernel_params& kp) {
+    index_t batch, start, length;
+    kp.a.sequence(blockIdx.z, batch, start, length);
+    const index_t chunks = (length + C - 1) / C, s = blockIdx.x;
+    if (S * s + S >= chunks) return;
+    active = true, has_pi = s > 0;
+    const index_t seq0 = kp.row(batch, blockIdx.y, start);
+    row0 = seq0 + S * s * C, pi0 = seq0 + s * C;
+  }
+};
+
+namespace path_bwd_mma {
+
+// A_(j - 1) = A_j - A_j N (A_j in float registers and split in slot a; N split in slot n).
+template <class Hi, class Lo>
+__device__ __forceinline__ void step_product(float (&acc)[4][4], Hi hi, Lo lo, int a, int n,
+                                             int m0, int n0) {
+  warp_mma<L::ld, true, true, 4>(acc, a_from_tile<L::ld, true, true>{hi(a), lo(a), m0}, hi(n),
+                                 lo(n), n0);
+}
+
+__device__ __forceinline__ void identity(float (&acc)[4][4], int m0, int n0) {
+  for_fragment_pairs<4>(acc, m0, n0, [](int r, int c, float& x0, float& x1) {
+    x0 = r == c ? 1.f : 0.f;
+    x1 = r == c + 1 ? 1.f : 0.f;
+  });
+}
+
+}  // namespace path_bwd_mma
+
+// Before the query kernel: K^ = K~ A_j^T of each chunk of a super-chunk the query kernel walks
+// through at once, and its I - Pi. Three split tiles (fold_smem).
+template <class T>
+__global__ void __launch_bounds__(path_bwd_mma_layout::threads)
+    path_backward_super_kernel(const path_backward_params p) {
+  namespace pm = path_bwd_mma;
+  using L = path_bwd_mma_layout;
+  constexpr int C = L::C, ld = L::ld, S = L::super;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
+  const path_super_chunk sc(p.kp);
+  if (!sc.active) return;
+  const int warp = threadIdx.x / 32, m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
+  const auto hi = [&](int s) { return tiles + 2 * s * L::tile; };
+  const auto lo = [&](int s) { return tiles + (2 * s + 1) * L::tile; };
+  enum { sa, sn, sk };
+  const float* KT = static_cast<const float*>(p.kp.kt) + sc.row0 * C;
+  const float* NN = p.trans + sc.row0 * C;
+  float* KH = p.khat + sc.row0 * C;
+  // The last chunk's keys are at the end already.
+  for (int i = threadIdx.x; i < C * C; i += L::threads) KH[(S - 1) * C * C + i] = KT[(S - 1) * C * C + i];
+  float a[4][4];
+  pm::identity(a, m0, n0);
+  pm::store_split(a, hi(sa), lo(sa), m0, n0, C);
+  for (int j = S - 2; j >= (sc.has_pi ? -1 : 0); --j) {
+    const int c = j + 1;  // A_j = A_(j + 1) P_c
+    pm::stage<true>(hi(sn), lo(sn), [&](int r, int col) { return NN[(c * C + r) * C + col]; }, C, C);
+    __syncthreads();  // A_(j + 1), N whole
+    pm::step_product(a, hi, lo, sa, sn, m0, n0);
+    __syncthreads();  // A_(j + 1) read
+    if (j >= 0) {
+      pm::store_split(a, hi(sa), lo(sa), m0, n0, C);
+      pm::stage<true>(hi(sk), lo(sk), [&](int r, int col) { return KT[(j * C + r) * C + col]; }, C, C);
+      __syncthreads();
+      float kh[4][4];
+      pm::zero(kh);
+      warp_mma<ld, false, true, 4>(kh, a_from_tile<ld, true>{hi(sk), lo(sk), m0}, hi(sa), lo(sa), n0);
+      pm::save_rows(kh, KH + j * C * C, C, m0, n0, C);
+    } else {  // Pi = A_0 P_(S s): store I - Pi
+      float id[4][4];
+      pm::identity(id, m0, n0);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[i][e] = id[i][e] - a[i][e];
+      pm::save_rows(a, p.pis + sc.pi0 * C, C, m0, n0, C);
+    }
+  }
+}
+
+// After the query kernel: the slices' dK^ and dPi of a super-chunk back to its chunks, into slice
+// 0's dK~ (dK~ += dK^ A_j) and dP of each chunk transition (before their fold): with
+// U_0 = dPi and U_(j + 1) = dA_j, dP_(S s + j) += A_j^T U_j and
+// dA_j = U_j P_(S s + j)^T + dK^_j^T K~_j. Eight split tiles (super_smem).
+template <class T>
+__global__ void __launch_bounds__(path_bwd_mma_layout::threads)
+    path_backward_super_fold_kernel(const path_backward_params p) {
+  namespace pm = path_bwd_mma;
+  using L = path_bwd_mma_layout;
+  constexpr int C = L::C, ld = L::ld, S = L::super;
+  static_assert(S == 4, "A_0 .. A_3 take slots 0 .. 3");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
+  const path_super_chunk sc(p.kp);
+  if (!sc.active) return;
+  const int warp = threadIdx.x / 32, m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
+  const auto hi = [&](int s) { return tiles + 2 * s * L::tile; };
+  const auto lo = [&](int s) { return tiles + (2 * s + 1) * L::tile; };
+  enum { sn = 4, sk, sdk, su };  // A_j in slot j
+  const float* KT = static_cast<const float*>(p.kp.kt) + sc.row0 * C;
+  const float* NN = p.trans + sc.row0 * C;
+  const float* dKH = p.dkhat + sc.row0 * C;
+  float* dKT = p.dkt + sc.row0 * C;     // slice 0
+  float* dTR = p.dtrans + sc.row0 * C;  // slice 0
+  const auto stage_n = [&](int c) {
+    pm::stage<true>(hi(sn), lo(sn), [&](int r, int col) { return NN[(c * C + r) * C + col]; }, C, C);
+  };
+  // A_3 .. A_0.
+  float a[4][4];
+  pm::identity(a, m0, n0);
+  pm::store_split(a, hi(S - 1), lo(S - 1), m0, n0, C);
+  for (int j = S - 2; j >= 0; --j) {
+    stage_n(j + 1);
+    __syncthreads();
+    pm::step_product(a, hi, lo, j + 1, sn, m0, n0);
+    pm::store_split(a, hi(j), lo(j), m0, n0, C);
+    __syncthreads();  // N read
+  }
+  // U_0 = dPi (the slices' sums), 0 without.
+  float u[4][4];
+  for_fragment_pairs<4>(u, m0, n0, [&](int r, int c, float& x0, float& x1) {
+    x0 = x1 = 0.f;
+    if (!sc.has_pi) return;
+    for (int sl = 0; sl < p.slices; ++sl) {
+      const float* at = p.dpis + sl * p.slice_d + sc.pi0 * C + r * C + c;
+      x0 += at[0], x1 += at[1];
+    }
+  });
+  pm::store_split(u, hi(su), lo(su), m0, n0, C);
+  for (int j = 0; j < S; ++j) {
+    if (j < S - 1) stage_n(j);
+    pm::stage<true>(hi(sk), lo(sk), [&](int r, int col) { return KT[(j * C + r) * C + col]; }, C, C);
+    pm::stage<true>(
+        hi(sdk), lo(sdk),
+        [&](int r, int col) {
+          float x = 0.f;
+          for (int sl = 0; sl < p.slices; ++sl) x += dKH[sl * p.slice_d + (j * C + r) * C + col];
+          return x;
+        },
+        C, C);
+    __syncthreads();
+    float acc[4][4];
+    if (j > 0 || sc.has_pi) {  // dP += A_j^T U_j
+      pm::zero(acc);
+      warp_mma<ld, true, true, 4>(acc, a_from_tile_t<ld, true>{hi(j), lo(j), m0}, hi(su), lo(su), n0);
+      pm::add_rows(acc, dTR + j * C * C, C, m0, n0, C, 1.f);
+    }
+    pm::zero(acc);  // dK~ += dK^ A_j
+    warp_mma<ld, true, true, 4>(acc, a_from_tile<ld, true>{hi(sdk), lo(sdk), m0}, hi(j), lo(j), n0);
+    pm::add_rows(acc, dKT + j * C * C, C, m0, n0, C, 1.f);
+    if (j == S - 1) break;
+    // dA_j = U_j - U_j N^T + dK^^T K~
+    warp_mma<ld, false, true, 4>(u, a_from_tile<ld, true, true>{hi(su), lo(su), m0}, hi(sn), lo(sn), n0);
+    warp_mma<ld, true, true, 4>(u, a_from_tile_t<ld, true>{hi(sdk), lo(sdk), m0}, hi(sk), lo(sk), n0);
+    __syncthreads();  // U_j, N, K~, dK^ read
+    pm::store_split(u, hi(su), lo(su), m0, n0, C);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     path_backward_query_mma_kernel(const path_backward_params p) {
@@ -450,7 +620,12 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
       pm::save_rows(dq, cta.states + c0 * D, D, m0, n0, n);
 
       if (ci > 0) {
-        // ---- 2. the forward's walk, keeping each chunk's scan state r and e = dZ K~ ----
+        // ---- 2. the forward's walk: the chunks of the query's own super-chunk one at a time,
+        // keeping each one's scan state r and e = dZ K~; then each earlier super-chunk at once,
+        // its keys as K^ (at the super-chunk's end) against its top state, kept with
+        // e = sum dZ K^ at its first chunk's rows; then r <- r Pi ----
+        constexpr index_t SC = L::super;
+        const index_t own0 = (ci / SC) * SC;  // the own super-chunk's first chunk
         part r;
         for_fragment_pairs<4>(r, m0, n0, [&](int a, int c, float& x0, float& x1) {
           x0 = a < n ? scale * to_float(qr.Q[(c0 + a) * qr.qs1 + c]) : 0.f;
@@ -459,7 +634,34 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         warp_mma<ld, true, true, 4>(r, neg_rows_of(L::x), hi(L::u), lo(L::u), n0);
         __syncthreads();  // dX (e3) read
         pm::store_split(r, hi(L::e3), lo(L::e3), m0, n0, n);
-        for (index_t cj = ci - 1; cj >= 0; --cj) {
+        // P and dZ of the keys in slot k (staged, with v and the gate) against r (e3); then
+        // dv += P^T dO and dkeys += dZ^T r.
+        const auto scores = [&](index_t j0) {
+          part s, dp;
+          pm::zero(s);
+          warp_mma<ld, false, true, 4>(s, rows_of(L::e3), hi(L::k), lo(L::k), n0);
+          pm::zero(dp);
+          warp_mma<ld, false, in_lo, 4>(dp, doa, hi(L::v), lo(L::v), n0);
+          softmax_bwd(s, dp, j0, C, false);
+          pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
+          pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
+          gate_parts(dp);
+          __syncthreads();  // P, dZ whole
+          gate_sums(j0, C);
+        };
+        const auto key_sums = [&](index_t j0, float* dkeys) {
+          cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + j0 * Dv, Dv, C, 1.f);
+          cross(L::e2, hi(L::e3), lo(L::e3), split_b{}, dkeys + j0 * D, D, C, 1.f);
+        };
+        const auto prefetch_next = [&](index_t j0) {  // the walk's step after chunk j0's
+          if (j0 == 0) return;
+          if (j0 / C - 1 >= own0) return prefetch_walk(j0 - C);
+          pm::prefetch_rows(cta.KH + (j0 - C) * D, D, C, D);
+          pm::prefetch_rows(cta.V + (j0 - C) * cta.vs1, cta.vs1, C, Dv);
+          pm::prefetch_rows(cta.dvs + (j0 - C) * Dv, Dv, C, Dv);
+          pm::prefetch_rows(cta.dKH + (j0 - C) * D, D, C, D);
+        };
+        for (index_t cj = ci - 1; cj >= own0; --cj) {
           const index_t j0 = cj * C;  // earlier chunks are full
           __syncthreads();
           pm::stage<true>(
@@ -467,55 +669,70 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           stage_v(j0, C);
           if (cj > 0) stage_n(j0);
           stage_gate(j0, C);
-          if (cj > 0) prefetch_walk(j0 - C);
+          prefetch_next(j0);
           pm::save_rows(r, cta.states + j0 * D, D, m0, n0, n);
           __syncthreads();
-          {
-            part s, dp;
-            pm::zero(s);
-            warp_mma<ld, false, true, 4>(s, rows_of(L::e3), hi(L::k), lo(L::k), n0);
-            pm::zero(dp);
-            warp_mma<ld, false, in_lo, 4>(dp, doa, hi(L::v), lo(L::v), n0);
-            softmax_bwd(s, dp, j0, C, false);
-            pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
-            pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
-            gate_parts(dp);
-          }
-          __syncthreads();  // P, dZ whole
-          gate_sums(j0, C);
+          scores(j0);
           {  // e = dZ K~
             part e;
             pm::zero(e);
             warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(L::k), lo(L::k), n0);
             pm::save_rows(e, cta.es + j0 * D, D, m0, n0, n);
           }
-          cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + j0 * Dv, Dv, C, 1.f);  // dv
-          cross(L::e2, hi(L::e3), lo(L::e3), split_b{}, cta.dkt + j0 * D, D, C, 1.f);     // dK~
+          key_sums(j0, cta.dkt);
           if (cj > 0) {  // r <- r P_cj = r - r N
             warp_mma<ld, true, true, 4>(r, neg_rows_of(L::e3), hi(L::w), lo(L::w), n0);
             __syncthreads();  // r (e3) read
             pm::store_split(r, hi(L::e3), lo(L::e3), m0, n0, n);
           }
         }
+        for (index_t sg = own0 / SC - 1; sg >= 0; --sg) {
+          const index_t s0 = sg * SC * C;  // the super-chunk's first token
+          pm::save_rows(r, cta.states + s0 * D, D, m0, n0, n);
+          part e;
+          pm::zero(e);
+          for (index_t cj = (sg + 1) * SC - 1; cj >= sg * SC; --cj) {
+            const index_t j0 = cj * C;
+            __syncthreads();
+            pm::stage<true>(
+                hi(L::k), lo(L::k), [&](int rr, int c) { return cta.KH[(j0 + rr) * D + c]; }, C,
+                D);
+            stage_v(j0, C);
+            if (sg > 0 && cj == (sg + 1) * SC - 1)  // I - Pi, read after the super-chunk
+              pm::stage<true>(
+                  hi(L::w), lo(L::w),
+                  [&](int rr, int c) { return cta.PIS[(sg * C + rr) * D + c]; }, D, D);
+            stage_gate(j0, C);
+            prefetch_next(j0);
+            __syncthreads();
+            scores(j0);
+            warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(L::k), lo(L::k), n0);  // e += dZ K^
+            key_sums(j0, cta.dKH);
+          }
+          pm::save_rows(e, cta.es + s0 * D, D, m0, n0, n);
+          if (sg > 0) {  // r <- r Pi = r - r (I - Pi)
+            warp_mma<ld, true, true, 4>(r, neg_rows_of(L::e3), hi(L::w), lo(L::w), n0);
+            __syncthreads();  // r (e3) read
+            pm::store_split(r, hi(L::e3), lo(L::e3), m0, n0, n);
+          }
+        }
 
-        // ---- 3. the adjoint: rbar_cj = e_cj + rbar_(cj-1) P_cj^T with P = I - N; the
-        // transition's gradient dP += r^T rbar (dW and dU follow from it in the chunk kernel) ----
+        // ---- 3. the adjoint: rbar_cj = e_cj + rbar_(cj-1) P_cj^T with P = I - N, and the
+        // transition's gradient dP += r^T rbar (dW and dU follow from it once per chunk); the
+        // same a super-chunk at once with Pi ----
         part rbar;
         pm::load_rows(rbar, cta.es, D, m0, n0, n);
         __syncthreads();  // the walk's dZ (e2) read
         pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n0, n);
-        for (index_t cj = 1; cj < ci; ++cj) {
-          const index_t j0 = cj * C;
-          __syncthreads();
-          stage_n(j0);
-          if (cj + 1 < ci) prefetch_adjoint(j0 + C);
+        // One step: the transition (I - its product) in slot w, the state at j0 into e3.
+        const auto adjoint_step = [&](index_t j0, float* dtrans) {
           {
             part rr;
             pm::load_rows(rr, cta.states + j0 * D, D, m0, n0, n);
             pm::store_split(rr, hi(L::e3), lo(L::e3), m0, n0, n);
           }
           __syncthreads();
-          cross(L::e3, hi(L::e2), lo(L::e2), split_b{}, cta.dP + j0 * D, D, D, 1.f);  // dP
+          cross(L::e3, hi(L::e2), lo(L::e2), split_b{}, dtrans, D, D, 1.f);
           {
             part e;
             pm::load_rows(e, cta.es + j0 * D, D, m0, n0, n);
@@ -527,6 +744,21 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           warp_mma<ld, false, true, 4>(rbar, neg_rows_of(L::e2), hi(L::w), lo(L::w), n0);
           __syncthreads();  // rbar (e2) read
           pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n0, n);
+        };
+        for (index_t sg = 1; sg < own0 / SC; ++sg) {
+          const index_t s0 = sg * SC * C;
+          __syncthreads();
+          pm::stage<true>(
+              hi(L::w), lo(L::w), [&](int rr, int c) { return cta.PIS[(sg * C + rr) * D + c]; },
+              D, D);
+          adjoint_step(s0, cta.dPI + sg * C * D);
+        }
+        for (index_t cj = own0 > 1 ? own0 : 1; cj < ci; ++cj) {
+          const index_t j0 = cj * C;
+          __syncthreads();
+          stage_n(j0);
+          if (cj + 1 < ci) prefetch_adjoint(j0 + C);
+          adjoint_step(j0, cta.dP + j0 * D);
         }
 
         // ---- the chunk's own transform, Q~ = Qs - tril(Qs W^T) U: dQs += rbar,

@@ -2,8 +2,8 @@
 // Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_simt.cuh): the scratch
 // that plan/path_backward.hpp lays out, the forward's float chunk preparation, then the query
 // kernel, the chunk kernel and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
-// The tensor-core query kernel has the chunks' dense transitions made before it and their
-// gradients folded into dW and dU after it.
+// The tensor-core query kernel has the chunks' dense transitions and its super-chunks' keys and
+// products made before it, and their gradients folded into dK~, dW and dU after it.
 // The query kernel is the plan's (tensor cores where they apply, else register-blocked), the chunk
 // kernel the register-blocked one; path_backward_kernel_override() may ask for either set.
 
@@ -98,7 +98,11 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   bp.slice_d = static_cast<index_t>(l.slice_d / sizeof(float));
   bp.slice_dv = static_cast<index_t>(l.slice_dv / sizeof(float));
   const bool mma = plan.query_kernel == path_backward_kernel::mma;
-  if (mma) bp.trans = floats(l.trans), bp.dtrans = floats(l.dtrans);
+  if (mma) {
+    bp.trans = floats(l.trans), bp.dtrans = floats(l.dtrans);
+    bp.khat = floats(l.khat), bp.pis = floats(l.pis);
+    bp.dkhat = floats(l.dkhat), bp.dpis = floats(l.dpis);
+  }
   check(cudaMemsetAsync(base + l.zeroed, 0, l.zeroed_bytes, stream), "cudaMemsetAsync");
 
   const dim3 gate_grid(plan.gate_grid.x, plan.gate_grid.y);
@@ -115,12 +119,17 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
 
   launch_path_prepare<Dev, float, float>(kp, plan.forward, stream);
   const dim3 chunk_grid(plan.chunk_grid.x, plan.chunk_grid.y, plan.chunk_grid.z);
+  const dim3 super_grid(plan.super_grid.x, plan.super_grid.y, plan.super_grid.z);
   constexpr int fold_smem = path_bwd_mma_layout::fold_smem;
   if (mma) {
     allow_dynamic_smem(path_backward_transitions_kernel<Dev>, fold_smem);
     path_backward_transitions_kernel<Dev>
         <<<chunk_grid, path_bwd_mma_layout::threads, fold_smem, stream>>>(bp);
     check(cudaGetLastError(), "path_backward_transitions_kernel launch");
+    allow_dynamic_smem(path_backward_super_kernel<Dev>, fold_smem);
+    path_backward_super_kernel<Dev>
+        <<<super_grid, path_bwd_mma_layout::threads, fold_smem, stream>>>(bp);
+    check(cudaGetLastError(), "path_backward_super_kernel launch");
   }
 
   {
@@ -148,6 +157,11 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
     }
   }
   if (mma) {
+    constexpr int super_smem = path_bwd_mma_layout::super_smem;
+    allow_dynamic_smem(path_backward_super_fold_kernel<Dev>, super_smem);
+    path_backward_super_fold_kernel<Dev>
+        <<<super_grid, path_bwd_mma_layout::threads, super_smem, stream>>>(bp);
+    check(cudaGetLastError(), "path_backward_super_fold_kernel launch");
     allow_dynamic_smem(path_backward_fold_transitions_kernel<Dev>, fold_smem);
     path_backward_fold_transitions_kernel<Dev>
         <<<chunk_grid, path_bwd_mma_layout::threads, fold_smem, stream>>>(bp);

@@ -63,12 +63,14 @@ inline std::size_t path_backward_chunk_tiled_smem(index_t D) {
 // ([rows, D]) and dM ([rows, C]); the gate cumsum G (double), its resets (int32) and the
 // per-slice dG (double), each [B, tokens, HQ]. The tensor-core query kernel adds the chunks'
 // transitions N = W^T U (once) and their gradients dP (per slice), D x D at each chunk's rows
-// of a [rows, D] part.
+// of a [rows, D] part; its super-chunks' keys K^ and products I - Pi (once) and their
+// gradients (per slice), [rows, D] parts too (Pi at the rows of chunk s for super-chunk s).
 struct path_backward_layout {
   std::size_t dkt = 0, dw = 0, du = 0, states = 0, e = 0, dv = 0;  // slice 0; slices follow
   std::size_t slice_d = 0, slice_dv = 0;  // bytes between slices of a [rows, D] / [rows, Dv] part
   std::size_t dk = 0, dm = 0, gate = 0, reset = 0, dgate = 0, slice_gate = 0;
-  std::size_t trans = 0, dtrans = 0;  // tensor-core query kernel only (else 0)
+  // Tensor-core query kernel only (else 0).
+  std::size_t trans = 0, dtrans = 0, khat = 0, pis = 0, dkhat = 0, dpis = 0;
   std::size_t zeroed = 0, zeroed_bytes = 0;  // the sums that start at 0: one contiguous range
   std::size_t bytes = 0;
 };
@@ -85,6 +87,7 @@ struct path_backward_plan {
   path_backward_kernel query_kernel = path_backward_kernel::simt;
   launch_grid query_grid;  // (slice, KV head, sequence)
   launch_grid chunk_grid;  // (chunk, KV head, sequence)
+  launch_grid super_grid;  // (super-chunk, KV head, sequence): the tensor-core kernel's
   launch_grid gate_grid;   // (query-head blocks of path_gate_warps, sequence)
   std::size_t query_smem = 0, chunk_smem = 0;
   bool fits = false;  // both kernels' shared memory fits the device
@@ -118,6 +121,9 @@ inline path_backward_plan plan_path_backward(
   p.query_grid = {unsigned(p.slices), unsigned(s.kv_heads), unsigned(s.sequences)};
   p.chunk_grid = {unsigned(std::max<index_t>(chunks, 1)), unsigned(s.kv_heads),
                   unsigned(s.sequences)};
+  p.super_grid = {unsigned(std::max<index_t>(
+                       (chunks + path_bwd_mma_layout::super - 1) / path_bwd_mma_layout::super, 1)),
+                   unsigned(s.kv_heads), unsigned(s.sequences)};
   p.gate_grid = {unsigned((s.q_heads + path_gate_warps - 1) / path_gate_warps),
                  unsigned(s.sequences)};
   p.query_smem = p.query_kernel == path_backward_kernel::mma
@@ -145,7 +151,11 @@ inline path_backward_plan plan_path_backward(
   l.dk = at, at += padded_bytes(rows * D * sizeof(float));
   l.dm = at, at += padded_bytes(rows * std::size_t(path_chunk) * sizeof(float));
   const bool mma_sums = p.query_kernel == path_backward_kernel::mma;
-  if (mma_sums) l.dtrans = at, at += S * l.slice_d;
+  if (mma_sums) {
+    l.dtrans = at, at += S * l.slice_d;
+    l.dkhat = at, at += S * l.slice_d;
+    l.dpis = at, at += S * l.slice_d;
+  }
   if (gated) {
     l.slice_gate = padded_bytes(gate_elems * sizeof(double));
     l.dgate = at, at += S * l.slice_gate;
@@ -153,7 +163,11 @@ inline path_backward_plan plan_path_backward(
   l.zeroed_bytes = at - l.zeroed;
   l.states = at, at += S * l.slice_d;
   l.e = at, at += S * l.slice_d;
-  if (mma_sums) l.trans = at, at += l.slice_d;
+  if (mma_sums) {
+    l.trans = at, at += l.slice_d;
+    l.khat = at, at += l.slice_d;
+    l.pis = at, at += l.slice_d;
+  }
   if (gated) {
     l.gate = at, at += padded_bytes(gate_elems * sizeof(double));
     l.reset = at, at += padded_bytes(gate_elems * sizeof(std::int32_t));
