@@ -389,8 +389,8 @@ TEST_CASE("CUDA PaTH-FoX backward on tensor cores, a small case for compute-sani
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   backward_case<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(
       {1, 200, 4, 2, 64, 64, {0, 1, 70, 200}}, 39003, {100});
-  // Three super-chunks walked at once.
-  backward_case<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>({1, 900, 2, 1, 64, 64},
+  // Two super-chunks walked at once, the second through its product Pi.
+  backward_case<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>({1, 1100, 2, 1, 64, 64},
                                                                        39004, {300});
 }
 
@@ -439,8 +439,8 @@ TEMPLATE_TEST_CASE("CUDA PaTH backward: the tensor-core query kernel matches the
       {1, 150, 2, 1, 64, 64, {}, beta_range::uniform, 0, -0.2, -0.01, 0.3},  // another scale
       {1, 1100, 2, 1, 64, 64},                                               // several slices
       {1, 600, 4, 2, 64, 64},  // GQA through super-chunks
-      // Super-chunks in varlen: 9 and 13 chunks around a length-1 sequence.
-      {1, 1300, 2, 1, 64, 64, {0, 530, 531, 1300}},
+      // Super-chunks in varlen: 18 and 10 chunks around a length-1 sequence.
+      {1, 1700, 2, 1, 64, 64, {0, 1090, 1091, 1700}},
   };
   for (const path_case& c : cases) {
     for (int kind = 0; kind < 3; ++kind) {

@@ -312,14 +312,13 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
 // After the query kernel: the slices' dK^ and dPi of a super-chunk back to its chunks, into slice
 // 0's dK~ (dK~ += dK^ A_j) and dP of each chunk transition (before their fold): with
 // U_0 = dPi and U_(j + 1) = dA_j, dP_(S s + j) += A_j^T U_j and
-// dA_j = U_j P_(S s + j)^T + dK^_j^T K~_j. Eight split tiles (super_smem).
+// dA_j = U_j P_(S s + j)^T + dK^_j^T K~_j. S + 4 split tiles (super_smem).
 template <class T>
 __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
     path_backward_super_fold_kernel(const path_backward_params p) {
   namespace pm = path_bwd_mma;
   using L = path_bwd_mma_layout;
   constexpr int C = L::C, ld = L::ld, S = L::super;
-  static_assert(S == 4, "A_0 .. A_3 take slots 0 .. 3");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
   const path_super_chunk sc(p.kp);
@@ -327,7 +326,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   const int warp = threadIdx.x / 32, m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
   const auto hi = [&](int s) { return tiles + 2 * s * L::tile; };
   const auto lo = [&](int s) { return tiles + (2 * s + 1) * L::tile; };
-  enum { sn = 4, sk, sdk, su };  // A_j in slot j
+  enum { sn = S, sk, sdk, su };  // A_j in slot j
   const float* KT = static_cast<const float*>(p.kp.kt) + sc.row0 * C;
   const float* NN = p.trans + sc.row0 * C;
   const float* dKH = p.dkhat + sc.row0 * C;
@@ -386,6 +385,212 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
     __syncthreads();  // U_j, N, K~, dK^ read
     pm::store_split(u, hi(su), lo(su), m0, n0, C);
   }
+}
+
+// The chunk kernel on tensor cores: path_backward_chunk_tiled_kernel's algebra, a CTA a chunk,
+// back through K~ = K - M^T W and the UT transform [U, M] = (I + L)^-1 diag(beta) [W, stril(W K^T)]
+// with L = stril(diag(beta) W W^T), to dk, dw and dbeta. Every [64 x 64 x 64] product on mma.sync
+// from split tiles; the triangular solve with (I + L)^T in float, in blocks of 16 rows (the
+// updates between blocks in parallel, the 16-row solves a thread a column). Warp w owns rows
+// 16 (w % 4) .., columns 32 (w / 4) .. of each product, and keeps its part of dW in registers.
+template <class T>
+__global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
+    path_backward_chunk_mma_kernel(const path_backward_params p) {
+  namespace pm = path_bwd_mma;
+  using L = path_bwd_mma_layout;
+  constexpr int C = L::C, D = C, ld = L::ld, lf = L::lf;
+  constexpr bool in_lo = std::is_same_v<T, __half>;
+  using part = float[4][4];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
+  const auto hi = [&](int s) { return tiles + 2 * s * L::tile; };
+  const auto lo = [&](int s) { return tiles + (2 * s + 1) * L::tile; };
+  enum { sw, sk, su, sm, sg, sx };  // W, K, U then Lsym, M then dM', dK~ then dU', dM'
+  float* fdU = reinterpret_cast<float*>(tiles + 2 * L::chunk_slots * L::tile);  // [C][lf]
+  float* fdM = fdU + C * lf;
+  float* fww = fdM + C * lf;  // W W^T, then -beta_a lbar
+  float* fxk = fww + C * lf;  // stril(W K^T)
+  float* sb = fxk + C * lf;   // beta [C]
+  float* rowsum = sb + C;     // [2][C]
+
+  const path_kernel_params& kp = p.kp;
+  const int h = blockIdx.y;
+  index_t batch, start, length;
+  kp.a.sequence(blockIdx.z, batch, start, length);
+  const index_t c0 = static_cast<index_t>(blockIdx.x) * C;
+  if (c0 >= length) return;
+  const int n = length - c0 < C ? static_cast<int>(length - c0) : C;
+  const index_t t0 = start + c0, row0 = kp.row(batch, h, t0);
+  const float* UU = static_cast<const float*>(kp.u) + row0 * D;
+  const float* MM = static_cast<const float*>(kp.m) + row0 * C;
+  const float* W = kp.w + batch * kp.w_stride[0] + t0 * kp.w_stride[1] + h * kp.w_stride[2];
+  const index_t ws1 = kp.w_stride[1];
+  const T* K = static_cast<const T*>(kp.a.k) + batch * kp.a.k_stride[0] + t0 * kp.a.k_stride[1] +
+               h * kp.a.k_stride[2];
+  const index_t ks1 = kp.a.k_stride[1];
+  const int warp = threadIdx.x / 32, half = warp / 4, m0 = 16 * (warp % 4), n0 = 32 * half;
+  const auto rows_of = [&](int s) { return a_from_tile<ld, true>{hi(s), lo(s), m0}; };
+  const auto neg_rows_of = [&](int s) { return a_from_tile<ld, true, true>{hi(s), lo(s), m0}; };
+  // The slices' sum of a [rows, D] part at element `at` of slice 0, in slice order.
+  const auto sum = [&](const float* base, index_t at, index_t stride) {
+    float x = 0.f;
+    for (int sl = 0; sl < p.slices; ++sl) x += base[sl * stride + at];
+    return x;
+  };
+
+  for (int i = threadIdx.x; i < n * C; i += L::threads) {  // dv
+    const int a = i / C, e = i % C;
+    static_cast<T*>(p.dv)[batch * p.dv_stride[0] + (t0 + a) * p.dv_stride[1] +
+                          h * p.dv_stride[2] + e] =
+        from_float<T>(sum(p.dvs, (row0 + a) * C + e, p.slice_dv));
+  }
+  pm::stage<true>(hi(sw), lo(sw), [&](int r, int c) { return W[r * ws1 + c]; }, n, D);
+  pm::stage<in_lo>(hi(sk), lo(sk), [&](int r, int c) { return to_float(K[r * ks1 + c]); }, n, D);
+  pm::stage<true>(hi(su), lo(su), [&](int r, int c) { return UU[r * D + c]; }, n, D);
+  pm::stage<true>(
+      hi(sm), lo(sm), [&](int r, int c) { return c < r ? MM[r * C + c] : 0.f; }, n, C);
+  pm::stage<true>(
+      hi(sg), lo(sg), [&](int r, int c) { return sum(p.dkt, (row0 + r) * D + c, p.slice_d); }, n,
+      D);
+  for (int i = threadIdx.x; i < C * C; i += L::threads) {
+    const int a = i / C, c = i % C;
+    fdU[a * lf + c] = a < n ? sum(p.dus, (row0 + a) * D + c, p.slice_d) : 0.f;
+    fdM[a * lf + c] = a < n && c < a ? p.dm[(row0 + a) * C + c] : 0.f;
+  }
+  for (int a = threadIdx.x; a < C; a += L::threads)
+    sb[a] = a < n ? kp.beta[batch * kp.beta_stride[0] + (t0 + a) * kp.beta_stride[1] +
+                            h * kp.beta_stride[2]]
+                  : 0.f;
+  part dw;
+  for_fragment_pairs<4>(dw, m0, n0, [&](int a, int c, float& x0, float& x1) {
+    x0 = a < n ? sum(p.dws, (row0 + a) * D + c, p.slice_d) : 0.f;
+    x1 = a < n ? sum(p.dws, (row0 + a) * D + c + 1, p.slice_d) : 0.f;
+  });
+  __syncthreads();
+
+  // K~ = K - M^T W: dM -= stril(W dK~^T), dW -= M dK~; the Gram products W W^T, stril(W K^T).
+  {
+    part x;
+    pm::zero(x);
+    warp_mma<ld, false, true, 4>(x, rows_of(sw), hi(sg), lo(sg), n0);
+    for_fragment_pairs<4>(x, m0, n0, [&](int a, int c, float x0, float x1) {
+      if (c < a) fdM[a * lf + c] -= x0;
+      if (c + 1 < a) fdM[a * lf + c + 1] -= x1;
+    });
+    warp_mma<ld, true, true, 4>(dw, neg_rows_of(sm), hi(sg), lo(sg), n0);
+    pm::zero(x);
+    warp_mma<ld, false, true, 4>(x, rows_of(sw), hi(sw), lo(sw), n0);
+    const auto keep = [&](float* dst) {  // lf is odd: one float at a time
+      for_fragment_pairs<4>(x, m0, n0, [&](int a, int c, float x0, float x1) {
+        dst[a * lf + c] = x0;
+        dst[a * lf + c + 1] = x1;
+      });
+    };
+    keep(fww);
+    pm::zero(x);
+    warp_mma<ld, false, in_lo, 4>(x, rows_of(sw), hi(sk), lo(sk), n0);
+    for_fragment_pairs<4>(x, m0, n0, [&](int a, int c, float& x0, float& x1) {
+      if (c >= a) x0 = 0.f;
+      if (c + 1 >= a) x1 = 0.f;
+    });
+    keep(fxk);
+  }
+  __syncthreads();
+
+  // [dU, dM] <- (I + L)^-T [dU, dM]: (I + L^T) X = G, L^T[a][b] = beta_b (w_b . w_a) for b > a;
+  // bottom-up in blocks of 16 rows.
+  const auto col = [&](int a, int c) -> float& {
+    return c < D ? fdU[a * lf + c] : fdM[a * lf + c - D];
+  };
+  for (int blk = C / 16 - 1; blk >= 0; --blk) {
+    const int r0 = 16 * blk, r1 = r0 + 16;
+    if (r1 < C) {
+      for (int i = threadIdx.x; i < 16 * 2 * C; i += L::threads) {
+        const int c = i % (2 * C), a = r0 + i / (2 * C);
+        float acc = 0.f;
+        for (int b = r1; b < C; ++b) acc += sb[b] * fww[b * lf + a] * col(b, c);
+        col(a, c) -= acc;
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x < 2 * C) {
+      const int c = threadIdx.x;
+      for (int a = r1 - 2; a >= r0; --a) {
+        float acc = 0.f;
+        for (int b = a + 1; b < r1; ++b) acc += sb[b] * fww[b * lf + a] * col(b, c);
+        col(a, c) -= acc;
+      }
+    }
+    __syncthreads();
+  }
+
+  // Lbar = stril(dU U^T + dM M^T); dbeta = dU . w + dM . xk - Lbar . ww (rows).
+  pm::stage<true>(hi(sg), lo(sg), [&](int r, int c) { return fdU[r * lf + c]; }, C, D);
+  pm::stage<true>(hi(sx), lo(sx), [&](int r, int c) { return fdM[r * lf + c]; }, C, C);
+  __syncthreads();
+  part lb;
+  pm::zero(lb);
+  warp_mma<ld, false, true, 4>(lb, rows_of(sg), hi(su), lo(su), n0);
+  warp_mma<ld, false, true, 4>(lb, rows_of(sx), hi(sm), lo(sm), n0);
+  {
+    const int lane = threadIdx.x % 32, g = lane >> 2;
+    float rs[2] = {0.f, 0.f};
+    for_fragment_pairs<4>(lb, m0, n0, [&](int a, int c, float& x0, float& x1) {
+      if (!(c < a && a < n)) x0 = 0.f;
+      if (!(c + 1 < a && a < n)) x1 = 0.f;
+      rs[a - m0 - g == 0 ? 0 : 1] += x0 * fww[a * lf + c] + x1 * fww[a * lf + c + 1];
+    });
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      rs[0] += __shfl_xor_sync(0xffffffffu, rs[0], o);
+      rs[1] += __shfl_xor_sync(0xffffffffu, rs[1], o);
+    }
+    if ((lane & 3) == 0)
+      rowsum[half * C + m0 + g] = rs[0], rowsum[half * C + m0 + g + 8] = rs[1];
+  }
+  __syncthreads();  // Lbar . ww summed; ww, M, U read
+  for (int a = threadIdx.x; a < n; a += L::threads) {
+    float acc = 0.f, am = 0.f;
+    for (int d = 0; d < D; ++d) acc += fdU[a * lf + d] * W[a * ws1 + d];
+    for (int b = 0; b < a; ++b) am += fdM[a * lf + b] * fxk[a * lf + b];
+    p.dbeta[batch * p.dbeta_stride[0] + (t0 + a) * p.dbeta_stride[1] + h * p.dbeta_stride[2]] =
+        acc + am - (rowsum[a] + rowsum[C + a]);
+  }
+  // -beta_a Lbar into ww's tile; dM beta_a (strictly lower) into M's slot; dW += beta dU.
+  for_fragment_pairs<4>(lb, m0, n0, [&](int a, int c, float x0, float x1) {
+    fww[a * lf + c] = -sb[a] * x0;
+    fww[a * lf + c + 1] = -sb[a] * x1;
+  });
+  pm::stage<true>(
+      hi(sm), lo(sm), [&](int r, int c) { return c < r ? sb[r] * fdM[r * lf + c] : 0.f; }, C, C);
+  for_fragment_pairs<4>(dw, m0, n0, [&](int a, int c, float& x0, float& x1) {
+    x0 += sb[a] * fdU[a * lf + c];
+    x1 += sb[a] * fdU[a * lf + c + 1];
+  });
+  __syncthreads();
+  pm::stage<true>(
+      hi(su), lo(su), [&](int r, int c) { return fww[r * lf + c] + fww[c * lf + r]; }, C, C);
+  __syncthreads();
+
+  // dW += (Lbar + Lbar^T) W + dM K; dK = dk_diag + dK~ + dM^T W.
+  warp_mma<ld, true, true, 4>(dw, rows_of(su), hi(sw), lo(sw), n0);
+  warp_mma<ld, true, in_lo, 4>(dw, rows_of(sm), hi(sk), lo(sk), n0);
+  part dk;
+  pm::zero(dk);
+  warp_mma<ld, true, true, 4>(dk, a_from_tile_t<ld, true>{hi(sm), lo(sm), m0}, hi(sw), lo(sw), n0);
+  for_fragment_pairs<4>(dw, m0, n0, [&](int a, int c, float x0, float x1) {
+    if (a >= n) return;
+    float* at = p.dw + batch * p.dw_stride[0] + (t0 + a) * p.dw_stride[1] + h * p.dw_stride[2] + c;
+    at[0] = x0, at[1] = x1;
+  });
+  for_fragment_pairs<4>(dk, m0, n0, [&](int a, int c, float x0, float x1) {
+    if (a >= n) return;
+    const index_t r = (row0 + a) * D + c;
+    T* at = static_cast<T*>(p.dk) + batch * p.dk_stride[0] + (t0 + a) * p.dk_stride[1] +
+            h * p.dk_stride[2] + c;
+    at[0] = from_float<T>(p.dk_diag[r] + sum(p.dkt, r, p.slice_d) + x0);
+    at[1] = from_float<T>(p.dk_diag[r + 1] + sum(p.dkt, r + 1, p.slice_d) + x1);
+  });
 }
 
 template <class T>

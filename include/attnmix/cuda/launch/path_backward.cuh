@@ -168,14 +168,17 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
     check(cudaGetLastError(), "path_backward_fold_transitions_kernel launch");
   }
   {
-    const bool tiled = plan.query_kernel != path_backward_kernel::simt;
-    auto kernel = tiled ? path_backward_chunk_tiled_kernel<Dev> : path_backward_chunk_kernel<Dev>;
+    const bool tiled = plan.query_kernel == path_backward_kernel::tiled;
+    auto kernel = mma     ? path_backward_chunk_mma_kernel<Dev>
+                  : tiled ? path_backward_chunk_tiled_kernel<Dev>
+                          : path_backward_chunk_kernel<Dev>;
     const int smem = static_cast<int>(plan.chunk_smem);
     allow_dynamic_smem(kernel, smem);
     if (tiled) prefer_shared_memory(kernel);  // two CTAs a multiprocessor at D = 64
     kernel<<<chunk_grid, path_backward_threads, smem, stream>>>(bp);
-    check(cudaGetLastError(),
-          tiled ? "path_backward_chunk_tiled_kernel launch" : "path_backward_chunk_kernel launch");
+    check(cudaGetLastError(), mma     ? "path_backward_chunk_mma_kernel launch"
+                              : tiled ? "path_backward_chunk_tiled_kernel launch"
+                                      : "path_backward_chunk_kernel launch");
   }
   if (gated) {
     path_backward_dg_kernel<<<gate_grid, 32 * path_gate_warps, 0, stream>>>(

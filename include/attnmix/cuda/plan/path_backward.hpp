@@ -22,10 +22,10 @@ namespace cuda {
 constexpr int path_backward_threads = 256;
 constexpr int path_backward_max_slices = 8;
 
-// Which query and chunk kernels run, all with the same grids and scratch: the query kernel on
-// tensor cores (kernels/sm80_path_backward.cuh: 16-bit inputs, D = Dv = 64, sm_80 and later)
-// with the register-blocked chunk kernel; the register-blocked ones (kernels/
-// path_backward_tiled.cuh, about 3.3x faster than SIMT); or the plain SIMT ones
+// Which query and chunk kernels run, all with the same grids: the query and chunk kernels on
+// tensor cores (kernels/sm80_path_backward.cuh: 16-bit inputs, D = Dv = 64, sm_80 and later; with
+// their chunk transitions and super-chunks, and the scratch for them); the register-blocked ones
+// (kernels/path_backward_tiled.cuh, about 3.3x faster than SIMT); or the plain SIMT ones
 // (kernels/path_backward_simt.cuh). The last two are float on CUDA cores with the same sums in
 // the same order. `automatic` lets the plan choose: the first that applies.
 enum class path_backward_kernel { automatic, simt, tiled, mma };
@@ -129,8 +129,9 @@ inline path_backward_plan plan_path_backward(
   p.query_smem = p.query_kernel == path_backward_kernel::mma
                      ? std::size_t(path_bwd_mma_layout::smem)
                      : path_backward_query_smem(s.head_dim);
-  p.chunk_smem = p.query_kernel == path_backward_kernel::simt
-                     ? path_backward_chunk_smem(s.head_dim)
+  p.chunk_smem = p.query_kernel == path_backward_kernel::simt ? path_backward_chunk_smem(s.head_dim)
+                 : p.query_kernel == path_backward_kernel::mma
+                     ? std::size_t(path_bwd_mma_layout::chunk_smem)
                      : path_backward_chunk_tiled_smem(s.head_dim);
   p.fits = std::max(p.query_smem, p.chunk_smem) <= d.smem_per_block_optin;
 
