@@ -200,13 +200,15 @@ void backward_simt_shapes(benchmark::internal::Benchmark* b) {
 }
 
 // The backward's extra device memory (the plan's scratch: chunk data, per-slice sums, gate sums)
-// on this GPU, reported as counters without running anything; args: B, T, H (HQ = H, D = 64).
+// on this GPU for bf16 inputs, reported as counters without running anything; args: B, T, H
+// (HQ = H, D = 64).
 void BM_path_backward_memory(benchmark::State& state) {
   namespace cu = attnmix::detail::cuda;
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = 64;
   cu::path_shape s;
   s.batch = B, s.tokens = Tn, s.head_dim = D, s.value_dim = D, s.max_len = Tn;
   s.q_heads = H, s.kv_heads = H, s.sequences = B;
+  s.sixteen_bit = true;  // bf16 inputs: the tensor-core kernels' plan
   const cu::path_backward_plan plan = cu::plan_path_backward(s, true, cu::current_properties());
   for (auto _ : state) benchmark::DoNotOptimize(plan.scratch_bytes);
   const double inputs = double(B) * Tn * H * D * 2.0;  // one bf16 [B, T, H, D] tensor
