@@ -150,8 +150,7 @@ TEST_CASE("PaTH backward plan: the tensor-core query kernel for 16-bit inputs at
   CHECK(m.query_smem == std::size_t(path_bwd_mma_layout::smem));
   CHECK(m.query_smem <= 227 * 1024);
   CHECK(m.fits);
-  // The same grids as the tiled kernels; the scratch adds
-  // the chunks' transitions (once) and their gradients (per slice, zeroed) after the others.
+  // The same grids as the tiled kernels.
   const path_backward_plan t = plan_path_backward(s, true, h200(), path_backward_kernel::tiled);
   CHECK(t.query_kernel == path_backward_kernel::tiled);
   CHECK(m.chunk_smem == std::size_t(path_bwd_mma_layout::chunk_smem));
@@ -163,11 +162,18 @@ TEST_CASE("PaTH backward plan: the tensor-core query kernel for 16-bit inputs at
   CHECK(t.layout.dpis == 0);
   const path_backward_layout& l = m.layout;
   const auto S = std::size_t(m.slices);
-  CHECK(m.scratch_bytes == t.scratch_bytes + 3 * (S + 1) * l.slice_d);
-  // Per slice and zeroed: dP, dK^, dPi; once, after the zeroed range: N, K^, I - Pi.
+  // Slices cut at super-chunks: one copy of dK~, dW, dU (and dP), where the tiled kernels keep one
+  // a slice; dPi in rows / 8 + 64 rows.
+  CHECK(l.own_copies == 1);
+  CHECK(t.layout.own_copies == int(S));
+  CHECK(l.slice_pi == padded_bytes((2 * 2 * 1100 / 8 + 64) * 64 * 4));
+  CHECK(m.scratch_bytes + 3 * (S - 1) * l.slice_d ==
+        t.scratch_bytes + (S + 3) * l.slice_d + (S + 1) * l.slice_pi);
+  CHECK(l.dw - l.dkt == l.slice_d);
+  // Zeroed: dP, dK^ (a slice), dPi (a slice); once, after the zeroed range: N, K^, I - Pi.
   std::vector<std::pair<std::size_t, std::size_t>> parts = {
-      {l.dtrans, S * l.slice_d}, {l.dkhat, S * l.slice_d}, {l.dpis, S * l.slice_d},
-      {l.trans, l.slice_d},      {l.khat, l.slice_d},      {l.pis, l.slice_d}};
+      {l.dtrans, l.slice_d},   {l.dkhat, S * l.slice_d}, {l.dpis, S * l.slice_pi},
+      {l.trans, l.slice_d},    {l.khat, l.slice_d},      {l.pis, l.slice_pi}};
   for (std::size_t i = 0; i < parts.size(); ++i) {
     CHECK(parts[i].first % 256 == 0);
     CHECK(parts[i].first + parts[i].second <= m.scratch_bytes);

@@ -65,6 +65,11 @@ struct path_backward_params {
   // Sums ([B, H, tokens, .] rows): slice s of a [rows, D] part at + s * slice_d (elements).
   float *dkt, *dws, *dus, *states, *e, *dvs, *dk_diag, *dm;
   index_t slice_d, slice_dv;
+  // dK~, dW, dU (and dP below): own_slices copies slice_own elements apart. The tensor-core
+  // kernels cut slices at super-chunks (slice_align chunks), so that only one slice writes each
+  // chunk's rows of these: one copy (slice_own = 0). Else one a slice, as the other sums.
+  int own_slices, slice_align;
+  index_t slice_own;
   // The tensor-core query kernel's chunk transitions: N = W^T U of each chunk (P = I - N), D x D
   // at the chunk's rows of a [rows, D] part, and the slices' sums of dP (same layout, per slice);
   // null for the other query kernels.
@@ -72,17 +77,26 @@ struct path_backward_params {
   float* dtrans;
   // Its super-chunks (path_bwd_mma_layout::super chunks): the keys of each chunk transformed to
   // the end of their super-chunk, K^ [rows, D]; each super-chunk's product as I - Pi (D x D at
-  // the rows of the sequence's chunk s for super-chunk s); and the slices' sums of dK^ and dPi.
+  // path_super_pi_row), and the slices' sums of dK^ and dPi (slice_pi elements apart).
   float* khat;
   float* pis;
   float* dkhat;
   float* dpis;
+  index_t slice_pi;
 };
 
+// Row of the D x D Pi of the super-chunk whose first token is at row `first` of the [rows, .]
+// layout: first / S. Walked super-chunks start more than S chunks apart (a chunk follows each),
+// so their C rows there do not overlap; a part of rows / S + C rows holds them all.
+__host__ __device__ inline index_t path_super_pi_row(index_t first) {
+  return first / path_bwd_mma_layout::super;
+}
+
 // Query chunks [lo, hi) of slice s of a (sequence, KV head) of `chunks` chunks: the CPU's cut
-// (cpu/detail/path_backward.hpp), where query chunk ci costs ci + 1 tiles.
+// (cpu/detail/path_backward.hpp), where query chunk ci costs ci + 1 tiles, each cut moved to the
+// nearest multiple of `align` chunks (a slice may then be empty).
 __device__ inline void path_backward_slice(index_t chunks, int slices, int s, index_t& lo,
-                                           index_t& hi) {
+                                           index_t& hi, int align) {
   index_t count = chunks / 4 > 1 ? chunks / 4 : 1;
   count = count < slices ? count : slices;
   lo = hi = 0;
@@ -94,6 +108,8 @@ __device__ inline void path_backward_slice(index_t chunks, int slices, int s, in
     while (end < chunks &&
            (k == count || 0.5 * double(end) * double(end + 1) < total * double(k) / double(count)))
       ++end;
+    end = k == count ? chunks : (end + align / 2) / align * align;
+    if (end > chunks) end = chunks;
     lo = at, hi = end;
     at = end;
   }
@@ -118,6 +134,12 @@ struct path_backward_cta {
   float* dP = nullptr;        // the slice's dP of each chunk transition (idem)
   const float *KH = nullptr, *PIS = nullptr;  // K^ and the super-chunks' I - Pi (idem)
   float *dKH = nullptr, *dPI = nullptr;       // the slice's dK^ and dPi (idem)
+  index_t seq_row = 0;                        // the sequence's first row
+  // Row offset (elements) of super-chunk s's Pi and dPi from PIS and dPI.
+  __device__ index_t pi_at(index_t s) const {
+    return path_super_pi_row(seq_row + s * path_bwd_mma_layout::super * path_chunk) *
+           path_bwd_mma_layout::C;
+  }
 
   __device__ explicit path_backward_cta(const path_backward_params& p) {
     constexpr int C = path_chunk;
@@ -126,7 +148,7 @@ struct path_backward_cta {
     const index_t D = kp.a.head_dim, Dv = kp.a.value_dim;
     kp.a.sequence(blockIdx.z, batch, start, length);
     if (length <= 0) return;
-    path_backward_slice((length + C - 1) / C, p.slices, slice, lo, hi);
+    path_backward_slice((length + C - 1) / C, p.slices, slice, lo, hi, p.slice_align);
     if (lo >= hi) return;
     active = true;
     const index_t row0 = kp.row(batch, h, start);  // [B, H, tokens, .] row of token 0
@@ -141,18 +163,19 @@ struct path_backward_cta {
     V = static_cast<const T*>(kp.a.v) + batch * kp.a.v_stride[0] + start * kp.a.v_stride[1] +
         h * kp.a.v_stride[2];
     vs1 = kp.a.v_stride[1];
-    dkt = p.dkt + slice * p.slice_d + row0 * D;
-    dws = p.dws + slice * p.slice_d + row0 * D;
-    dus = p.dus + slice * p.slice_d + row0 * D;
+    dkt = p.dkt + slice * p.slice_own + row0 * D;
+    dws = p.dws + slice * p.slice_own + row0 * D;
+    dus = p.dus + slice * p.slice_own + row0 * D;
     states = p.states + slice * p.slice_d + row0 * D;
     es = p.e + slice * p.slice_d + row0 * D;
     dvs = p.dvs + slice * p.slice_dv + row0 * Dv;
     dkd = p.dk_diag + row0 * D;
     dm = p.dm + row0 * C;
     if (p.trans != nullptr) {
-      NN = p.trans + row0 * D, dP = p.dtrans + slice * p.slice_d + row0 * D;
-      KH = p.khat + row0 * D, PIS = p.pis + row0 * D;
-      dKH = p.dkhat + slice * p.slice_d + row0 * D, dPI = p.dpis + slice * p.slice_d + row0 * D;
+      NN = p.trans + row0 * D, dP = p.dtrans + slice * p.slice_own + row0 * D;
+      KH = p.khat + row0 * D, PIS = p.pis;
+      dKH = p.dkhat + slice * p.slice_d + row0 * D, dPI = p.dpis + slice * p.slice_pi;
+      seq_row = row0;
     }
   }
 };

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
       hi(0), lo(0),
       [&](int r, int c) {
         float x = 0.f;
-        for (int sl = 0; sl < p.slices; ++sl) x += dP[sl * p.slice_d + r * C + c];
+        for (int sl = 0; sl < p.own_slices; ++sl) x += dP[sl * p.slice_own + r * C + c];
         return x;
       },
       C, C);
@@ -228,7 +228,7 @@ struct path_super_chunk {
   static constexpr int C = path_bwd_mma_layout::C, S = path_bwd_mma_layout::super;
   bool active = false, has_pi = false;
   index_t row0 = 0;  // row of the super-chunk's first token
-  index_t pi0 = 0;   // row of its Pi, dPi (the sequence's chunk s)
+  index_t pi0 = 0;   // row of its Pi, dPi (path_super_pi_row)
   __device__ explicit path_super_chunk(const path_kernel_params& kp) {
     index_t batch, start, length;
     kp.a.sequence(blockIdx.z, batch, start, length);
@@ -236,7 +236,7 @@ struct path_super_chunk {
     if (S * s + S >= chunks) return;
     active = true, has_pi = s > 0;
     const index_t seq0 = kp.row(batch, blockIdx.y, start);
-    row0 = seq0 + S * s * C, pi0 = seq0 + s * C;
+    row0 = seq0 + S * s * C, pi0 = path_super_pi_row(row0);
   }
 };
 
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
     x0 = x1 = 0.f;
     if (!sc.has_pi) return;
     for (int sl = 0; sl < p.slices; ++sl) {
-      const float* at = p.dpis + sl * p.slice_d + sc.pi0 * C + r * C + c;
+      const float* at = p.dpis + sl * p.slice_pi + sc.pi0 * C + r * C + c;
       x0 += at[0], x1 += at[1];
     }
   });
@@ -431,10 +431,16 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   const int warp = threadIdx.x / 32, half = warp / 4, m0 = 16 * (warp % 4), n0 = 32 * half;
   const auto rows_of = [&](int s) { return a_from_tile<ld, true>{hi(s), lo(s), m0}; };
   const auto neg_rows_of = [&](int s) { return a_from_tile<ld, true, true>{hi(s), lo(s), m0}; };
-  // The slices' sum of a [rows, D] part at element `at` of slice 0, in slice order.
+  // The slices' sum of a [rows, Dv] part at element `at` of slice 0, in slice order; of dK~, dW
+  // or dU (their copies).
   const auto sum = [&](const float* base, index_t at, index_t stride) {
     float x = 0.f;
     for (int sl = 0; sl < p.slices; ++sl) x += base[sl * stride + at];
+    return x;
+  };
+  const auto own = [&](const float* base, index_t at) {
+    float x = 0.f;
+    for (int sl = 0; sl < p.own_slices; ++sl) x += base[sl * p.slice_own + at];
     return x;
   };
 
@@ -450,11 +456,10 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   pm::stage<true>(
       hi(sm), lo(sm), [&](int r, int c) { return c < r ? MM[r * C + c] : 0.f; }, n, C);
   pm::stage<true>(
-      hi(sg), lo(sg), [&](int r, int c) { return sum(p.dkt, (row0 + r) * D + c, p.slice_d); }, n,
-      D);
+      hi(sg), lo(sg), [&](int r, int c) { return own(p.dkt, (row0 + r) * D + c); }, n, D);
   for (int i = threadIdx.x; i < C * C; i += L::threads) {
     const int a = i / C, c = i % C;
-    fdU[a * lf + c] = a < n ? sum(p.dus, (row0 + a) * D + c, p.slice_d) : 0.f;
+    fdU[a * lf + c] = a < n ? own(p.dus, (row0 + a) * D + c) : 0.f;
     fdM[a * lf + c] = a < n && c < a ? p.dm[(row0 + a) * C + c] : 0.f;
   }
   for (int a = threadIdx.x; a < C; a += L::threads)
@@ -463,8 +468,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
                   : 0.f;
   part dw;
   for_fragment_pairs<4>(dw, m0, n0, [&](int a, int c, float& x0, float& x1) {
-    x0 = a < n ? sum(p.dws, (row0 + a) * D + c, p.slice_d) : 0.f;
-    x1 = a < n ? sum(p.dws, (row0 + a) * D + c + 1, p.slice_d) : 0.f;
+    x0 = a < n ? own(p.dws, (row0 + a) * D + c) : 0.f;
+    x1 = a < n ? own(p.dws, (row0 + a) * D + c + 1) : 0.f;
   });
   __syncthreads();
 
@@ -588,8 +593,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     const index_t r = (row0 + a) * D + c;
     T* at = static_cast<T*>(p.dk) + batch * p.dk_stride[0] + (t0 + a) * p.dk_stride[1] +
             h * p.dk_stride[2] + c;
-    at[0] = from_float<T>(p.dk_diag[r] + sum(p.dkt, r, p.slice_d) + x0);
-    at[1] = from_float<T>(p.dk_diag[r + 1] + sum(p.dkt, r + 1, p.slice_d) + x1);
+    at[0] = from_float<T>(p.dk_diag[r] + own(p.dkt, r) + x0);
+    at[1] = from_float<T>(p.dk_diag[r + 1] + own(p.dkt, r + 1) + x1);
   });
 }
 
@@ -906,7 +911,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             if (sg > 0 && cj == (sg + 1) * SC - 1)  // I - Pi, read after the super-chunk
               pm::stage<true>(
                   hi(L::w), lo(L::w),
-                  [&](int rr, int c) { return cta.PIS[(sg * C + rr) * D + c]; }, D, D);
+                  [&](int rr, int c) { return cta.PIS[cta.pi_at(sg) + rr * D + c]; }, D, D);
             stage_gate(j0, C);
             prefetch_next(j0);
             __syncthreads();
@@ -954,9 +959,9 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           const index_t s0 = sg * SC * C;
           __syncthreads();
           pm::stage<true>(
-              hi(L::w), lo(L::w), [&](int rr, int c) { return cta.PIS[(sg * C + rr) * D + c]; },
+              hi(L::w), lo(L::w), [&](int rr, int c) { return cta.PIS[cta.pi_at(sg) + rr * D + c]; },
               D, D);
-          adjoint_step(s0, cta.dPI + sg * C * D);
+          adjoint_step(s0, cta.dPI + cta.pi_at(sg));
         }
         for (index_t cj = own0 > 1 ? own0 : 1; cj < ci; ++cj) {
           const index_t j0 = cj * C;

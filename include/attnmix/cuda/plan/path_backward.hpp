@@ -71,6 +71,8 @@ struct path_backward_layout {
   std::size_t dk = 0, dm = 0, gate = 0, reset = 0, dgate = 0, slice_gate = 0;
   // Tensor-core query kernel only (else 0).
   std::size_t trans = 0, dtrans = 0, khat = 0, pis = 0, dkhat = 0, dpis = 0;
+  std::size_t slice_pi = 0;  // bytes between slices' dPi (rows / super + C rows of D)
+  int own_copies = 0;        // copies of dK~, dW, dU (and dP): 1 with the tensor-core kernels
   std::size_t zeroed = 0, zeroed_bytes = 0;  // the sums that start at 0: one contiguous range
   std::size_t bytes = 0;
 };
@@ -143,19 +145,25 @@ inline path_backward_plan plan_path_backward(
   l.slice_d = padded_bytes(rows * D * sizeof(float));
   l.slice_dv = padded_bytes(rows * Dv * sizeof(float));
   std::size_t at = padded_bytes(p.forward.chunks.bytes);
-  // Zeroed: dK~, dW, dU, dv of every slice, dk, dM and the per-slice dG.
+  // Zeroed: dK~, dW, dU, dv of every slice, dk, dM and the per-slice dG. With the tensor-core
+  // kernels, slices cut at super-chunks: one copy of dK~, dW, dU and dP (one slice writes each
+  // chunk's rows).
+  const bool mma_sums = p.query_kernel == path_backward_kernel::mma;
+  l.own_copies = mma_sums ? 1 : p.slices;
+  const auto So = static_cast<std::size_t>(l.own_copies);
+  l.slice_pi = padded_bytes(
+      (rows / path_bwd_mma_layout::super + std::size_t(path_chunk)) * D * sizeof(float));
   l.zeroed = at;
-  l.dkt = at, at += S * l.slice_d;
-  l.dw = at, at += S * l.slice_d;
-  l.du = at, at += S * l.slice_d;
+  l.dkt = at, at += So * l.slice_d;
+  l.dw = at, at += So * l.slice_d;
+  l.du = at, at += So * l.slice_d;
   l.dv = at, at += S * l.slice_dv;
   l.dk = at, at += padded_bytes(rows * D * sizeof(float));
   l.dm = at, at += padded_bytes(rows * std::size_t(path_chunk) * sizeof(float));
-  const bool mma_sums = p.query_kernel == path_backward_kernel::mma;
   if (mma_sums) {
-    l.dtrans = at, at += S * l.slice_d;
+    l.dtrans = at, at += l.slice_d;
     l.dkhat = at, at += S * l.slice_d;
-    l.dpis = at, at += S * l.slice_d;
+    l.dpis = at, at += S * l.slice_pi;
   }
   if (gated) {
     l.slice_gate = padded_bytes(gate_elems * sizeof(double));
@@ -167,7 +175,7 @@ inline path_backward_plan plan_path_backward(
   if (mma_sums) {
     l.trans = at, at += l.slice_d;
     l.khat = at, at += l.slice_d;
-    l.pis = at, at += l.slice_d;
+    l.pis = at, at += l.slice_pi;
   }
   if (gated) {
     l.gate = at, at += padded_bytes(gate_elems * sizeof(double));
