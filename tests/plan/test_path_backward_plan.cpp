@@ -172,8 +172,8 @@ TEST_CASE("PaTH backward plan: the tensor-core query kernel for 16-bit inputs at
   CHECK(l.dw - l.dkt == l.slice_d);
   // Zeroed: dP, dK^ (a slice), dPi (a slice); once, after the zeroed range: N, K^, I - Pi.
   std::vector<std::pair<std::size_t, std::size_t>> parts = {
-      {l.dtrans, l.slice_d},   {l.dkhat, S * l.slice_d}, {l.dpis, S * l.slice_pi},
-      {l.trans, l.slice_d},    {l.khat, l.slice_d},      {l.pis, l.slice_pi}};
+      {l.dtrans, l.slice_d}, {l.dkhat, S * l.slice_d}, {l.dpis, S * l.slice_pi},
+      {l.trans, l.slice_d},  {l.khat, l.slice_d},      {l.pis, l.slice_pi}};
   for (std::size_t i = 0; i < parts.size(); ++i) {
     CHECK(parts[i].first % 256 == 0);
     CHECK(parts[i].first + parts[i].second <= m.scratch_bytes);

@@ -92,8 +92,9 @@ struct path_bwd_mma_layout {
   static constexpr int fold_smem = 2 * (2 * 3 * tile);  // the transitions' kernels: three tiles
   // Super-chunks: the query kernel scores the keys of earlier super-chunks transformed to their
   // super-chunk's end, and steps through a super-chunk's product at once.
-  static constexpr int super = 8;                                // chunks a super-chunk
-  static constexpr int super_smem = 2 * (2 * (super + 4) * tile);  // path_backward_super_fold_kernel
+  static constexpr int super = 8;  // chunks a super-chunk
+  static constexpr int super_smem =
+      2 * (2 * (super + 4) * tile);  // path_backward_super_fold_kernel
   // path_backward_chunk_mma_kernel: six split tiles, four float [C][lf], beta and two row sums.
   static constexpr int chunk_slots = 6;
   static constexpr int chunk_smem = 2 * (2 * chunk_slots * tile) + 4 * (4 * C * lf + 3 * C);

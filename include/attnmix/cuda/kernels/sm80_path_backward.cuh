@@ -137,6 +137,19 @@ __device__ __forceinline__ void zero(float (&acc)[4][4]) {
   for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
+// The split tiles (hi, lo) of slot s in dynamic shared memory, and this warp's part of a
+// [64 x 64] result: rows m0 .., columns n0 .. (warp w: m0 = 16 (w % 4), n0 = 32 (w / 4)).
+struct cta_tiles {
+  split_op* base;
+  int m0, n0;
+  __device__ explicit cta_tiles(unsigned char* raw)
+      : base(reinterpret_cast<split_op*>(raw)),
+        m0(16 * (int(threadIdx.x) / 32 % 4)),
+        n0(32 * (int(threadIdx.x) / 32 / 4)) {}
+  __device__ split_op* hi(int s) const { return base + 2 * s * L::tile; }
+  __device__ split_op* lo(int s) const { return base + (2 * s + 1) * L::tile; }
+};
+
 }  // namespace path_bwd_mma
 
 // The chunk transitions' own work, a CTA a chunk (the chunk kernel's grid), for the chunks the
@@ -170,13 +183,15 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   using L = path_bwd_mma_layout;
   constexpr int C = L::C, ld = L::ld;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
   const path_transition_chunk ch(p.kp);
   if (!ch.active) return;
-  const int warp = threadIdx.x / 32, m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
-  split_op *wh = tiles, *wl = tiles + L::tile, *uh = tiles + 2 * L::tile, *ul = tiles + 3 * L::tile;
-  pm::stage<true>(wh, wl, [&](int r, int c) { return ch.W[r * ch.ws1 + c]; }, C, C);
-  pm::stage<true>(uh, ul, [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
+  const pm::cta_tiles t(smem_raw);
+  const int m0 = t.m0, n0 = t.n0;
+  split_op *wh = t.hi(0), *wl = t.lo(0), *uh = t.hi(1), *ul = t.lo(1);
+  pm::stage<true>(
+      wh, wl, [&](int r, int c) { return ch.W[r * ch.ws1 + c]; }, C, C);
+  pm::stage<true>(
+      uh, ul, [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
   __syncthreads();
   float acc[4][4];
   pm::zero(acc);
@@ -191,12 +206,16 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   using L = path_bwd_mma_layout;
   constexpr int C = L::C, ld = L::ld;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
   const path_transition_chunk ch(p.kp);
   if (!ch.active) return;
-  const int warp = threadIdx.x / 32, m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
-  const auto hi = [&](int s) { return tiles + 2 * s * L::tile; };
-  const auto lo = [&](int s) { return tiles + (2 * s + 1) * L::tile; };
+  const pm::cta_tiles t(smem_raw);
+  const int m0 = t.m0, n0 = t.n0;
+  const auto hi = [&](int s) {
+    return t.hi(s);
+  };
+  const auto lo = [&](int s) {
+    return t.lo(s);
+  };
   const float* dP = p.dtrans + ch.row0 * C;
   pm::stage<true>(
       hi(0), lo(0),
@@ -206,8 +225,10 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
         return x;
       },
       C, C);
-  pm::stage<true>(hi(1), lo(1), [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
-  pm::stage<true>(hi(2), lo(2), [&](int r, int c) { return ch.W[r * ch.ws1 + c]; }, C, C);
+  pm::stage<true>(
+      hi(1), lo(1), [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
+  pm::stage<true>(
+      hi(2), lo(2), [&](int r, int c) { return ch.W[r * ch.ws1 + c]; }, C, C);
   __syncthreads();
   float acc[4][4];
   pm::zero(acc);
@@ -244,8 +265,8 @@ namespace path_bwd_mma {
 
 // A_(j - 1) = A_j - A_j N (A_j in float registers and split in slot a; N split in slot n).
 template <class Hi, class Lo>
-__device__ __forceinline__ void step_product(float (&acc)[4][4], Hi hi, Lo lo, int a, int n,
-                                             int m0, int n0) {
+__device__ __forceinline__ void step_product(float (&acc)[4][4], Hi hi, Lo lo, int a, int n, int m0,
+                                             int n0) {
   warp_mma<L::ld, true, true, 4>(acc, a_from_tile<L::ld, true, true>{hi(a), lo(a), m0}, hi(n),
                                  lo(n), n0);
 }
@@ -268,34 +289,42 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   using L = path_bwd_mma_layout;
   constexpr int C = L::C, ld = L::ld, S = L::super;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
   const path_super_chunk sc(p.kp);
   if (!sc.active) return;
-  const int warp = threadIdx.x / 32, m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
-  const auto hi = [&](int s) { return tiles + 2 * s * L::tile; };
-  const auto lo = [&](int s) { return tiles + (2 * s + 1) * L::tile; };
+  const pm::cta_tiles t(smem_raw);
+  const int m0 = t.m0, n0 = t.n0;
+  const auto hi = [&](int s) {
+    return t.hi(s);
+  };
+  const auto lo = [&](int s) {
+    return t.lo(s);
+  };
   enum { sa, sn, sk };
   const float* KT = static_cast<const float*>(p.kp.kt) + sc.row0 * C;
   const float* NN = p.trans + sc.row0 * C;
   float* KH = p.khat + sc.row0 * C;
   // The last chunk's keys are at the end already.
-  for (int i = threadIdx.x; i < C * C; i += L::threads) KH[(S - 1) * C * C + i] = KT[(S - 1) * C * C + i];
+  for (int i = threadIdx.x; i < C * C; i += L::threads)
+    KH[(S - 1) * C * C + i] = KT[(S - 1) * C * C + i];
   float a[4][4];
   pm::identity(a, m0, n0);
   pm::store_split(a, hi(sa), lo(sa), m0, n0, C);
   for (int j = S - 2; j >= (sc.has_pi ? -1 : 0); --j) {
     const int c = j + 1;  // A_j = A_(j + 1) P_c
-    pm::stage<true>(hi(sn), lo(sn), [&](int r, int col) { return NN[(c * C + r) * C + col]; }, C, C);
+    pm::stage<true>(
+        hi(sn), lo(sn), [&](int r, int col) { return NN[(c * C + r) * C + col]; }, C, C);
     __syncthreads();  // A_(j + 1), N whole
     pm::step_product(a, hi, lo, sa, sn, m0, n0);
     __syncthreads();  // A_(j + 1) read
     if (j >= 0) {
       pm::store_split(a, hi(sa), lo(sa), m0, n0, C);
-      pm::stage<true>(hi(sk), lo(sk), [&](int r, int col) { return KT[(j * C + r) * C + col]; }, C, C);
+      pm::stage<true>(
+          hi(sk), lo(sk), [&](int r, int col) { return KT[(j * C + r) * C + col]; }, C, C);
       __syncthreads();
       float kh[4][4];
       pm::zero(kh);
-      warp_mma<ld, false, true, 4>(kh, a_from_tile<ld, true>{hi(sk), lo(sk), m0}, hi(sa), lo(sa), n0);
+      warp_mma<ld, false, true, 4>(kh, a_from_tile<ld, true>{hi(sk), lo(sk), m0}, hi(sa), lo(sa),
+                                   n0);
       pm::save_rows(kh, KH + j * C * C, C, m0, n0, C);
     } else {  // Pi = A_0 P_(S s): store I - Pi
       float id[4][4];
@@ -314,18 +343,22 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
 // U_0 = dPi and U_(j + 1) = dA_j, dP_(S s + j) += A_j^T U_j and
 // dA_j = U_j P_(S s + j)^T + dK^_j^T K~_j. S + 4 split tiles (super_smem).
 template <class T>
-__global__ void __launch_bounds__(path_bwd_mma_layout::threads)
+__global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)  // super_smem: one an SM
     path_backward_super_fold_kernel(const path_backward_params p) {
   namespace pm = path_bwd_mma;
   using L = path_bwd_mma_layout;
   constexpr int C = L::C, ld = L::ld, S = L::super;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
   const path_super_chunk sc(p.kp);
   if (!sc.active) return;
-  const int warp = threadIdx.x / 32, m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
-  const auto hi = [&](int s) { return tiles + 2 * s * L::tile; };
-  const auto lo = [&](int s) { return tiles + (2 * s + 1) * L::tile; };
+  const pm::cta_tiles t(smem_raw);
+  const int m0 = t.m0, n0 = t.n0;
+  const auto hi = [&](int s) {
+    return t.hi(s);
+  };
+  const auto lo = [&](int s) {
+    return t.lo(s);
+  };
   enum { sn = S, sk, sdk, su };  // A_j in slot j
   const float* KT = static_cast<const float*>(p.kp.kt) + sc.row0 * C;
   const float* NN = p.trans + sc.row0 * C;
@@ -333,7 +366,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   float* dKT = p.dkt + sc.row0 * C;     // slice 0
   float* dTR = p.dtrans + sc.row0 * C;  // slice 0
   const auto stage_n = [&](int c) {
-    pm::stage<true>(hi(sn), lo(sn), [&](int r, int col) { return NN[(c * C + r) * C + col]; }, C, C);
+    pm::stage<true>(
+        hi(sn), lo(sn), [&](int r, int col) { return NN[(c * C + r) * C + col]; }, C, C);
   };
   // A_3 .. A_0.
   float a[4][4];
@@ -359,7 +393,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   pm::store_split(u, hi(su), lo(su), m0, n0, C);
   for (int j = 0; j < S; ++j) {
     if (j < S - 1) stage_n(j);
-    pm::stage<true>(hi(sk), lo(sk), [&](int r, int col) { return KT[(j * C + r) * C + col]; }, C, C);
+    pm::stage<true>(
+        hi(sk), lo(sk), [&](int r, int col) { return KT[(j * C + r) * C + col]; }, C, C);
     pm::stage<true>(
         hi(sdk), lo(sdk),
         [&](int r, int col) {
@@ -372,7 +407,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
     float acc[4][4];
     if (j > 0 || sc.has_pi) {  // dP += A_j^T U_j
       pm::zero(acc);
-      warp_mma<ld, true, true, 4>(acc, a_from_tile_t<ld, true>{hi(j), lo(j), m0}, hi(su), lo(su), n0);
+      warp_mma<ld, true, true, 4>(acc, a_from_tile_t<ld, true>{hi(j), lo(j), m0}, hi(su), lo(su),
+                                  n0);
       pm::add_rows(acc, dTR + j * C * C, C, m0, n0, C, 1.f);
     }
     pm::zero(acc);  // dK~ += dK^ A_j
@@ -380,8 +416,10 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
     pm::add_rows(acc, dKT + j * C * C, C, m0, n0, C, 1.f);
     if (j == S - 1) break;
     // dA_j = U_j - U_j N^T + dK^^T K~
-    warp_mma<ld, false, true, 4>(u, a_from_tile<ld, true, true>{hi(su), lo(su), m0}, hi(sn), lo(sn), n0);
-    warp_mma<ld, true, true, 4>(u, a_from_tile_t<ld, true>{hi(sdk), lo(sdk), m0}, hi(sk), lo(sk), n0);
+    warp_mma<ld, false, true, 4>(u, a_from_tile<ld, true, true>{hi(su), lo(su), m0}, hi(sn), lo(sn),
+                                 n0);
+    warp_mma<ld, true, true, 4>(u, a_from_tile_t<ld, true>{hi(sdk), lo(sdk), m0}, hi(sk), lo(sk),
+                                n0);
     __syncthreads();  // U_j, N, K~, dK^ read
     pm::store_split(u, hi(su), lo(su), m0, n0, C);
   }
@@ -403,8 +441,12 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   using part = float[4][4];
   extern __shared__ __align__(16) unsigned char smem_raw[];
   split_op* tiles = reinterpret_cast<split_op*>(smem_raw);
-  const auto hi = [&](int s) { return tiles + 2 * s * L::tile; };
-  const auto lo = [&](int s) { return tiles + (2 * s + 1) * L::tile; };
+  const auto hi = [&](int s) {
+    return tiles + 2 * s * L::tile;
+  };
+  const auto lo = [&](int s) {
+    return tiles + (2 * s + 1) * L::tile;
+  };
   enum { sw, sk, su, sm, sg, sx };  // W, K, U then Lsym, M then dM', dK~ then dU', dM'
   float* fdU = reinterpret_cast<float*>(tiles + 2 * L::chunk_slots * L::tile);  // [C][lf]
   float* fdM = fdU + C * lf;
@@ -429,8 +471,12 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
                h * kp.a.k_stride[2];
   const index_t ks1 = kp.a.k_stride[1];
   const int warp = threadIdx.x / 32, half = warp / 4, m0 = 16 * (warp % 4), n0 = 32 * half;
-  const auto rows_of = [&](int s) { return a_from_tile<ld, true>{hi(s), lo(s), m0}; };
-  const auto neg_rows_of = [&](int s) { return a_from_tile<ld, true, true>{hi(s), lo(s), m0}; };
+  const auto rows_of = [&](int s) {
+    return a_from_tile<ld, true>{hi(s), lo(s), m0};
+  };
+  const auto neg_rows_of = [&](int s) {
+    return a_from_tile<ld, true, true>{hi(s), lo(s), m0};
+  };
   // The slices' sum of a [rows, Dv] part at element `at` of slice 0, in slice order; of dK~, dW
   // or dU (their copies).
   const auto sum = [&](const float* base, index_t at, index_t stride) {
@@ -446,13 +492,16 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
 
   for (int i = threadIdx.x; i < n * C; i += L::threads) {  // dv
     const int a = i / C, e = i % C;
-    static_cast<T*>(p.dv)[batch * p.dv_stride[0] + (t0 + a) * p.dv_stride[1] +
-                          h * p.dv_stride[2] + e] =
+    static_cast<T*>(
+        p.dv)[batch * p.dv_stride[0] + (t0 + a) * p.dv_stride[1] + h * p.dv_stride[2] + e] =
         from_float<T>(sum(p.dvs, (row0 + a) * C + e, p.slice_dv));
   }
-  pm::stage<true>(hi(sw), lo(sw), [&](int r, int c) { return W[r * ws1 + c]; }, n, D);
-  pm::stage<in_lo>(hi(sk), lo(sk), [&](int r, int c) { return to_float(K[r * ks1 + c]); }, n, D);
-  pm::stage<true>(hi(su), lo(su), [&](int r, int c) { return UU[r * D + c]; }, n, D);
+  pm::stage<true>(
+      hi(sw), lo(sw), [&](int r, int c) { return W[r * ws1 + c]; }, n, D);
+  pm::stage<in_lo>(
+      hi(sk), lo(sk), [&](int r, int c) { return to_float(K[r * ks1 + c]); }, n, D);
+  pm::stage<true>(
+      hi(su), lo(su), [&](int r, int c) { return UU[r * D + c]; }, n, D);
   pm::stage<true>(
       hi(sm), lo(sm), [&](int r, int c) { return c < r ? MM[r * C + c] : 0.f; }, n, C);
   pm::stage<true>(
@@ -530,8 +579,10 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   }
 
   // Lbar = stril(dU U^T + dM M^T); dbeta = dU . w + dM . xk - Lbar . ww (rows).
-  pm::stage<true>(hi(sg), lo(sg), [&](int r, int c) { return fdU[r * lf + c]; }, C, D);
-  pm::stage<true>(hi(sx), lo(sx), [&](int r, int c) { return fdM[r * lf + c]; }, C, C);
+  pm::stage<true>(
+      hi(sg), lo(sg), [&](int r, int c) { return fdU[r * lf + c]; }, C, D);
+  pm::stage<true>(
+      hi(sx), lo(sx), [&](int r, int c) { return fdM[r * lf + c]; }, C, C);
   __syncthreads();
   part lb;
   pm::zero(lb);
@@ -550,8 +601,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
       rs[0] += __shfl_xor_sync(0xffffffffu, rs[0], o);
       rs[1] += __shfl_xor_sync(0xffffffffu, rs[1], o);
     }
-    if ((lane & 3) == 0)
-      rowsum[half * C + m0 + g] = rs[0], rowsum[half * C + m0 + g + 8] = rs[1];
+    if ((lane & 3) == 0) rowsum[half * C + m0 + g] = rs[0], rowsum[half * C + m0 + g + 8] = rs[1];
   }
   __syncthreads();  // Lbar . ww summed; ww, M, U read
   for (int a = threadIdx.x; a < n; a += L::threads) {
@@ -905,8 +955,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             const index_t j0 = cj * C;
             __syncthreads();
             pm::stage<true>(
-                hi(L::k), lo(L::k), [&](int rr, int c) { return cta.KH[(j0 + rr) * D + c]; }, C,
-                D);
+                hi(L::k), lo(L::k), [&](int rr, int c) { return cta.KH[(j0 + rr) * D + c]; }, C, D);
             stage_v(j0, C);
             if (sg > 0 && cj == (sg + 1) * SC - 1)  // I - Pi, read after the super-chunk
               pm::stage<true>(
@@ -959,8 +1008,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           const index_t s0 = sg * SC * C;
           __syncthreads();
           pm::stage<true>(
-              hi(L::w), lo(L::w), [&](int rr, int c) { return cta.PIS[cta.pi_at(sg) + rr * D + c]; },
-              D, D);
+              hi(L::w), lo(L::w),
+              [&](int rr, int c) { return cta.PIS[cta.pi_at(sg) + rr * D + c]; }, D, D);
           adjoint_step(s0, cta.dPI + cta.pi_at(sg));
         }
         for (index_t cj = own0 > 1 ? own0 : 1; cj < ci; ++cj) {

@@ -124,16 +124,18 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   launch_path_prepare<Dev, float, float>(kp, plan.forward, stream);
   const dim3 chunk_grid(plan.chunk_grid.x, plan.chunk_grid.y, plan.chunk_grid.z);
   const dim3 super_grid(plan.super_grid.x, plan.super_grid.y, plan.super_grid.z);
+  // The tensor-core set's transition and super-chunk kernels: a CTA a chunk or super-chunk.
+  const auto launch_mma_part = [&](auto kernel, dim3 grid, int smem, const char* what) {
+    allow_dynamic_smem(kernel, smem);
+    kernel<<<grid, path_bwd_mma_layout::threads, smem, stream>>>(bp);
+    check(cudaGetLastError(), what);
+  };
   constexpr int fold_smem = path_bwd_mma_layout::fold_smem;
   if (mma) {
-    allow_dynamic_smem(path_backward_transitions_kernel<Dev>, fold_smem);
-    path_backward_transitions_kernel<Dev>
-        <<<chunk_grid, path_bwd_mma_layout::threads, fold_smem, stream>>>(bp);
-    check(cudaGetLastError(), "path_backward_transitions_kernel launch");
-    allow_dynamic_smem(path_backward_super_kernel<Dev>, fold_smem);
-    path_backward_super_kernel<Dev>
-        <<<super_grid, path_bwd_mma_layout::threads, fold_smem, stream>>>(bp);
-    check(cudaGetLastError(), "path_backward_super_kernel launch");
+    launch_mma_part(path_backward_transitions_kernel<Dev>, chunk_grid, fold_smem,
+                    "path_backward_transitions_kernel launch");
+    launch_mma_part(path_backward_super_kernel<Dev>, super_grid, fold_smem,
+                    "path_backward_super_kernel launch");
   }
 
   {
@@ -161,15 +163,10 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
     }
   }
   if (mma) {
-    constexpr int super_smem = path_bwd_mma_layout::super_smem;
-    allow_dynamic_smem(path_backward_super_fold_kernel<Dev>, super_smem);
-    path_backward_super_fold_kernel<Dev>
-        <<<super_grid, path_bwd_mma_layout::threads, super_smem, stream>>>(bp);
-    check(cudaGetLastError(), "path_backward_super_fold_kernel launch");
-    allow_dynamic_smem(path_backward_fold_transitions_kernel<Dev>, fold_smem);
-    path_backward_fold_transitions_kernel<Dev>
-        <<<chunk_grid, path_bwd_mma_layout::threads, fold_smem, stream>>>(bp);
-    check(cudaGetLastError(), "path_backward_fold_transitions_kernel launch");
+    launch_mma_part(path_backward_super_fold_kernel<Dev>, super_grid,
+                    path_bwd_mma_layout::super_smem, "path_backward_super_fold_kernel launch");
+    launch_mma_part(path_backward_fold_transitions_kernel<Dev>, chunk_grid, fold_smem,
+                    "path_backward_fold_transitions_kernel launch");
   }
   {
     const bool tiled = plan.query_kernel == path_backward_kernel::tiled;

@@ -124,8 +124,8 @@ inline path_backward_plan plan_path_backward(
   p.chunk_grid = {unsigned(std::max<index_t>(chunks, 1)), unsigned(s.kv_heads),
                   unsigned(s.sequences)};
   p.super_grid = {unsigned(std::max<index_t>(
-                       (chunks + path_bwd_mma_layout::super - 1) / path_bwd_mma_layout::super, 1)),
-                   unsigned(s.kv_heads), unsigned(s.sequences)};
+                      (chunks + path_bwd_mma_layout::super - 1) / path_bwd_mma_layout::super, 1)),
+                  unsigned(s.kv_heads), unsigned(s.sequences)};
   p.gate_grid = {unsigned((s.q_heads + path_gate_warps - 1) / path_gate_warps),
                  unsigned(s.sequences)};
   p.query_smem = p.query_kernel == path_backward_kernel::mma
@@ -151,8 +151,8 @@ inline path_backward_plan plan_path_backward(
   const bool mma_sums = p.query_kernel == path_backward_kernel::mma;
   l.own_copies = mma_sums ? 1 : p.slices;
   const auto So = static_cast<std::size_t>(l.own_copies);
-  l.slice_pi = padded_bytes(
-      (rows / path_bwd_mma_layout::super + std::size_t(path_chunk)) * D * sizeof(float));
+  l.slice_pi = padded_bytes((rows / path_bwd_mma_layout::super + std::size_t(path_chunk)) * D *
+                            sizeof(float));
   l.zeroed = at;
   l.dkt = at, at += So * l.slice_d;
   l.dw = at, at += So * l.slice_d;
