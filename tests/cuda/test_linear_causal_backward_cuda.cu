@@ -118,6 +118,34 @@ TEST_CASE("CUDA causal linear backward on tensor cores (bfloat16, D = Dv = 64)",
   tensor_core_sweep<causal_head_norm>(1400, "per-head norm, gate then norm, sigmoid");
 }
 
+// The tensor-core passes walk several chunks a CTA where the problem has enough of them; force
+// walks of three chunks on the cases above (partial walks, walks across empty and one-token
+// sequences and pads, the state and its gradient carried in every direction).
+struct force_walk {
+  explicit force_walk(int chunks) { attnmix::detail::cuda::linear_backward_force_super() = chunks; }
+  ~force_walk() { attnmix::detail::cuda::linear_backward_force_super() = 0; }
+};
+
+TEST_CASE("CUDA causal linear backward on tensor cores, walks of three chunks",
+          "[cuda][linear_backward][linear_causal][tensor_cores]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const force_walk walk(3);
+  tensor_core_sweep<causal_default>(1500, "linear_causal_policy");
+  tensor_core_sweep<causal_identity_raw>(1600, "identity, no normaliser");
+  tensor_core_sweep<causal_head_norm>(1700, "per-head norm, gate then norm, sigmoid");
+  // Enough (sequence, head) pairs that the plan itself walks two chunks a CTA (18 chunks of 32
+  // pairs: 288 CTAs on the H200's 132 SMs), with and without grouped queries.
+  bwd_options dso;
+  dso.dstate_out = true;
+  const force_walk own(0);
+  for (linear_case c : {linear_case{4, 1100, 8, 8, 64, 64}, linear_case{4, 1100, 16, 8, 64, 64}}) {
+    c.with_state_in = true;
+    INFO("seed " << test_seed() << " " << c.describe());
+    check_errors(run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 1800, dso),
+                 grad_tolerance<attnmix::bfloat16>());
+  }
+}
+
 TEST_CASE("CUDA causal linear backward on tensor cores: the same bits twice, a small case",
           "[cuda][linear_backward][linear_causal][tensor_cores][small]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
@@ -134,6 +162,15 @@ TEST_CASE("CUDA causal linear backward on tensor cores: the same bits twice, a s
   CHECK(bitwise_equal(x.dv, y.dv));
   CHECK(bitwise_equal(x.dS_in, y.dS_in));
   CHECK(bitwise_equal(x.dz_in, y.dz_in));
+  const force_walk walk(2);
+  grad_bits u, w;
+  check_errors(run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &u),
+               grad_tolerance<attnmix::bfloat16>());
+  run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &w);
+  CHECK(bitwise_equal(u.dq, w.dq));
+  CHECK(bitwise_equal(u.dk, w.dk));
+  CHECK(bitwise_equal(u.dv, w.dv));
+  CHECK(bitwise_equal(u.dS_in, w.dS_in));
 }
 
 TEST_CASE("CUDA linear backward: worst errors seen", "[cuda][linear_backward]") {

@@ -101,7 +101,7 @@ TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
   s.causal = true;
   s.batch = 2, s.tokens = 1000, s.head_dim = s.value_dim = 64, s.max_len = 1000;
   s.sequences = 2, s.kv_heads = 2, s.q_heads = 4;
-  s.total_chunks = 2 * 16;
+  s.total_slots = 2 * 16;
   SECTION("64-token chunks when the opt-in shared memory holds them") {
     const linear_backward_plan p = plan_linear_backward(s, h200());
     CHECK(p.chunk == 64);
@@ -118,12 +118,41 @@ TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
     CHECK(p.mma);
     CHECK(p.mma_threads == 128);
     CHECK(p.reduce_smem == (2 * 64 * 72 + 64 * 88) * 2 + 64 * 4);
-    CHECK(p.causal_q_smem == (4 * 64 * 72 + 5 * 64 * 88) * 2 + 64 * 4);
+    // and the running state's 40 floats a thread
+    CHECK(p.causal_q_smem == (4 * 64 * 72 + 5 * 64 * 88) * 2 + 64 * 4 + 40 * 128 * 4);
     CHECK(p.causal_k_smem == p.causal_q_smem);
+    // Two sequences and two heads: walks of one chunk keep the most CTAs (64 < 2 * 132).
+    CHECK(p.super == 1);
     CHECK(p.chunk_grid == launch_grid{16, 2, 2});
     CHECK_FALSE(plan_linear_backward(s, small_smem()).mma);  // 32-token chunks there
     s.head_dim = 32;
     CHECK_FALSE(plan_linear_backward(s, h200()).mma);
+  }
+  SECTION("tensor-core walks: the longest that leaves two CTAs an SM, or the forced one") {
+    s.mma_inputs = true;
+    s.batch = s.sequences = 8, s.kv_heads = s.q_heads = 16, s.tokens = s.max_len = 8192;
+    linear_bwd_causal_layout l = causal_layout(s, h200());
+    CHECK(l.mma);
+    CHECK(l.super == 8);  // 16 slots x 128 (sequence, head) pairs
+    CHECK(l.slot_tokens() == 512);
+    s.total_slots = 8 * 16;
+    linear_backward_plan p = plan_linear_backward(s, h200());
+    CHECK(p.super == 8);
+    CHECK(p.chunk_grid == launch_grid{16, 16, 8});
+    CHECK(p.scratch.g - p.scratch.dstate ==
+          padded_bytes(std::size_t(8 * 16 * 16) * (64 * 64 + 64) * 4));
+    s.batch = s.sequences = 1, s.tokens = s.max_len = 2048;  // 32 chunks, 16 heads
+    CHECK(causal_layout(s, h200()).super == 1);
+    s.tokens = s.max_len = 8192;  // 128 chunks: 16 slots of 8 x 16 = 256, 32 of 4 x 16 = 512
+    CHECK(causal_layout(s, h200()).super == 4);
+    s.force_super = 3;
+    CHECK(causal_layout(s, h200()).super == 3);
+    s.total_slots = (128 + 2) / 3;
+    p = plan_linear_backward(s, h200());
+    CHECK(p.chunk_grid == launch_grid{43, 16, 1});
+    s.mma_inputs = false;  // CUDA cores: a slot a chunk, whatever is forced
+    CHECK(causal_layout(s, h200()).super == 1);
+    CHECK(causal_layout(s, h200()).slot_tokens() == 64);
   }
   SECTION("shorter chunks where a block has 48 KiB") {
     CHECK(linear_bwd_causal_chunk(64, 64, small_smem()) == 32);

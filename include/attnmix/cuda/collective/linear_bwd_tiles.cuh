@@ -100,6 +100,32 @@ __device__ __forceinline__ void lbm_store2(void* base, const index_t* st, index_
                                     d) = pack2<Dev>(x, y);
 }
 
+// The raw pairs of a 16-bit activation at this thread's positions of a warp's 16 x 64 accumulator
+// (rows r0 + g and r0 + g + 8 of a chunk that starts at token t0, columns 8 nt + 2 (lane % 4)):
+// x[nt][0] for the first row, x[nt][1] for the second. Every load is issued before any is used
+// (one round trip, where a load a pair in the epilogue's branches took sixteen); rows at or past
+// `rows` (>= 1) read the chunk's last row, which the caller does not use.
+template <class Dev>
+__device__ __forceinline__ void lbm_fragment_pairs(std::uint32_t (&x)[8][2], const void* base,
+                                                   const index_t* st, index_t b, index_t t0,
+                                                   int rows, int h, int r0) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
+  const int i0 = min(r0 + g, rows - 1), i1 = min(r0 + g + 8, rows - 1);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    x[nt][0] = lbm_raw2<Dev>(base, st, b, t0 + i0, h, 8 * nt + c2);
+    x[nt][1] = lbm_raw2<Dev>(base, st, b, t0 + i1, h, 8 * nt + c2);
+  }
+}
+
+// x, hidden from the compiler's loop analysis. A walk's chunk index passes through it, so that
+// the addresses of each chunk's rows are computed where they are used instead of carried from
+// chunk to chunk as induction variables (which spilled 800 bytes a thread in the key pass).
+__device__ __forceinline__ index_t lbm_opaque(index_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);

@@ -171,6 +171,19 @@ __device__ __forceinline__ void for_fragment_pairs(float (&acc)[NT][4], int r0, 
   }
 }
 
+// As for_fragment_pairs, with each pair's place in the fragment as well, f(row, col, x0, x1, nt,
+// half) (half 1: row r0 + g + 8): arrays indexed by it stay in registers, where an index worked
+// out from (row, col) puts them in local memory.
+template <int NT, class F>
+__device__ __forceinline__ void for_fragment_pairs_at(float (&acc)[NT][4], int r0, int c0, F&& f) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, c = c0 + 2 * (lane & 3);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    f(r0 + g, 8 * nt + c, acc[nt][0], acc[nt][1], nt, 0);
+    f(r0 + g + 8, 8 * nt + c, acc[nt][2], acc[nt][3], nt, 1);
+  }
+}
+
 }  // namespace cuda
 }  // namespace detail
 }  // namespace attnmix

@@ -8,7 +8,8 @@
 //                                   dstate_out); the total is dstate_in
 //   linear_bwd_causal_key_kernel    dk, dv
 //   linear_bwd_norm_kernel          (a gated norm) do and dgate from the recomputed output
-// Chunk c of sequence n is state slot chunk_offsets[n] + c. Sums run in a fixed order.
+// Chunk c of sequence n is state slot slot_offsets[n] + c (a slot a chunk on CUDA cores; the
+// tensor-core kernels of sm80_linear_backward_causal.cuh walk several). Sums run in a fixed order.
 
 #include "attnmix/cuda/kernels/linear_backward_simt.cuh"
 
@@ -20,15 +21,15 @@ namespace cuda {
 template <class Dev, class Policy>
 __global__ void __launch_bounds__(linear_bwd_threads)
     linear_bwd_chunk_sums_kernel(const linear_backward_params bp, index_t chunk,
-                                 const int* chunk_offsets, float* state) {
+                                 const int* slot_offsets, float* state) {
   extern __shared__ __align__(16) float smem[];
   const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
-  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
+  if (c >= slot_offsets[n + 1] - slot_offsets[n]) return;
   index_t batch, start, length;
   bp.f.sequence(n, batch, start, length);
   const index_t t0 = index_t(c) * chunk, t1 = min(length, t0 + chunk);
   const index_t SS = index_t(bp.f.head_dim) * bp.f.value_dim + bp.f.head_dim;
-  float* out = state + (index_t(chunk_offsets[n] + c) * bp.f.kv_heads + h) * SS;
+  float* out = state + (index_t(slot_offsets[n] + c) * bp.f.kv_heads + h) * SS;
   state_sums<Dev, Policy>(bp, n, batch, start, h, t0, t1, nullptr, smem, out);
 }
 
@@ -60,7 +61,7 @@ __device__ __forceinline__ float scan_slots(float* base, index_t stride, int fir
 
 // Thread (idx, KV head h, sequence n): slot c <- state_in + sum of the slots before c.
 __global__ void __launch_bounds__(linear_bwd_scan_threads)
-    linear_bwd_scan_kernel(const linear_backward_params bp, const int* chunk_offsets,
+    linear_bwd_scan_kernel(const linear_backward_params bp, const int* slot_offsets,
                            float* state) {
   const linear_kernel_params& f = bp.f;
   const int idx = blockIdx.x * linear_bwd_scan_threads + threadIdx.x, h = blockIdx.y,
@@ -74,9 +75,9 @@ __global__ void __launch_bounds__(linear_bwd_scan_threads)
   } else if (f.z_in != nullptr) {
     x = f.z_in[n * f.z_in_stride[0] + h * f.z_in_stride[1] + (idx - D * Dv) * f.z_in_stride[2]];
   }
-  const int first = chunk_offsets[n];
+  const int first = slot_offsets[n];
   scan_slots<true>(state + (index_t(first) * f.kv_heads + h) * SS + idx, index_t(f.kv_heads) * SS,
-                   0, chunk_offsets[n + 1] - first, x);
+                   0, slot_offsets[n + 1] - first, x);
 }
 
 // CTA (chunk c, KV head h, sequence n): for every query head of h's group and every row i of
@@ -89,7 +90,7 @@ __global__ void __launch_bounds__(linear_bwd_scan_threads)
 template <class Dev, class Policy>
 __global__ void __launch_bounds__(linear_bwd_threads)
     linear_bwd_causal_query_kernel(const linear_backward_params bp, index_t chunk,
-                                   const int* chunk_offsets, const float* state, float* dstate,
+                                   const int* slot_offsets, const float* state, float* dstate,
                                    float* gbuf, float* delta_buf) {
   constexpr int TT = int(linear_bwd_tile), R = linear_bwd_state_regs;
   constexpr bool normalize = Policy::normalize;
@@ -97,7 +98,7 @@ __global__ void __launch_bounds__(linear_bwd_threads)
   const linear_kernel_params& f = bp.f;
   const int D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D, C = int(chunk);
   const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
-  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
+  if (c >= slot_offsets[n + 1] - slot_offsets[n]) return;
   float* P = smem;           // [C][D]  phi(k), 0 at pads
   float* V = P + C * D;      // [C][Dv]
   float* Q = V + C * Dv;     // [TT][D]
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(linear_bwd_threads)
   f.sequence(n, batch, start, length);
   const index_t c0 = index_t(c) * C;
   const int rows_c = int(min(index_t(C), length - c0));
-  const index_t slot = index_t(chunk_offsets[n] + c) * f.kv_heads + h;
+  const index_t slot = index_t(slot_offsets[n] + c) * f.kv_heads + h;
   const float* S = state + slot * SS;
   const float* z = S + D * Dv;
 
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(linear_bwd_threads)
 // Thread (idx, KV head h, sequence n): slot c <- dstate_out + sum of the slots after c;
 // dstate_in gets dstate_out + the sum of every slot.
 __global__ void __launch_bounds__(linear_bwd_scan_threads)
-    linear_bwd_reverse_scan_kernel(const linear_backward_params bp, const int* chunk_offsets,
+    linear_bwd_reverse_scan_kernel(const linear_backward_params bp, const int* slot_offsets,
                                    float* dstate) {
   const linear_kernel_params& f = bp.f;
   const int idx = blockIdx.x * linear_bwd_scan_threads + threadIdx.x, h = blockIdx.y,
@@ -245,9 +246,9 @@ __global__ void __launch_bounds__(linear_bwd_scan_threads)
     x = bp.dz_out[n * bp.dz_out_stride[0] + h * bp.dz_out_stride[1] +
                   (idx - D * Dv) * bp.dz_out_stride[2]];
   }
-  const int first = chunk_offsets[n];
+  const int first = slot_offsets[n];
   x = scan_slots<false>(dstate + (index_t(first) * f.kv_heads + h) * SS + idx,
-                        index_t(f.kv_heads) * SS, 0, chunk_offsets[n + 1] - first, x);
+                        index_t(f.kv_heads) * SS, 0, slot_offsets[n + 1] - first, x);
   if (s_part) {
     if (bp.dS_in != nullptr)
       bp.dS_in[n * bp.dS_in_stride[0] + h * bp.dS_in_stride[1] + (idx / Dv) * bp.dS_in_stride[2] +
@@ -265,14 +266,14 @@ __global__ void __launch_bounds__(linear_bwd_scan_threads)
 template <class Dev, class Policy>
 __global__ void __launch_bounds__(linear_bwd_threads)
     linear_bwd_causal_key_kernel(const linear_backward_params bp, index_t chunk,
-                                 const int* chunk_offsets, const float* dstate, const float* gbuf,
+                                 const int* slot_offsets, const float* dstate, const float* gbuf,
                                  const float* delta_buf) {
   constexpr int TT = int(linear_bwd_tile);
   extern __shared__ __align__(16) float smem[];
   const linear_kernel_params& f = bp.f;
   const int D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D, C = int(chunk);
   const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
-  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
+  if (c >= slot_offsets[n + 1] - slot_offsets[n]) return;
   float* P = smem;           // [C][D]
   float* V = P + C * D;      // [C][Dv]
   float* E = V + C * Dv;     // [C][D]
@@ -286,7 +287,7 @@ __global__ void __launch_bounds__(linear_bwd_threads)
   f.sequence(n, batch, start, length);
   const index_t c0 = index_t(c) * C;
   const int rows_c = int(min(index_t(C), length - c0));
-  const float* dS = dstate + (index_t(chunk_offsets[n] + c) * f.kv_heads + h) * SS;
+  const float* dS = dstate + (index_t(slot_offsets[n] + c) * f.kv_heads + h) * SS;
   const float* dz = dS + D * Dv;
 
   for (int e = threadIdx.x; e < C * D; e += blockDim.x) {

@@ -75,10 +75,15 @@ inline int linear_bwd_mma_smem(linear_bwd_pass pass, bool split_v) {
 
 // The tensor-core causal backward kernels (sm80_linear_backward_causal.cuh) at D = Dv = 64 with
 // 64-token chunks: 16-bit tiles [64][72] (phi(k), r: two parts each) and [64][88] (v | 1, the
-// state and [g | delta] in two parts), then the chunk's row flags.
+// state and [g | delta] in two parts), then the chunk's row flags; the query and key passes also
+// keep the running state (its gradient) of their walk in float, 40 a thread.
 constexpr int linear_bwd_causal_mma_threads = 128;
 constexpr int linear_bwd_causal_mma_sums_smem = (2 * 64 * 72 + 64 * 88) * 2 + 64 * 4;
-constexpr int linear_bwd_causal_mma_smem = (4 * 64 * 72 + 5 * 64 * 88) * 2 + 64 * 4;
+constexpr int linear_bwd_causal_mma_smem =
+    (4 * 64 * 72 + 5 * 64 * 88) * 2 + 64 * 4 + 40 * linear_bwd_causal_mma_threads * 4;
+// Chunks a CTA of the tensor-core passes walks at most (a state slot's span; fewer where that
+// would leave SMs idle).
+constexpr int linear_bwd_causal_max_super = 8;
 
 // The tensor-core PaTH / PaTH-FoX backward query kernel (kernels/sm80_path_backward.cuh) at
 // D = Dv = C = 64: eleven tiles [C][ld] of 16-bit elements in two parts (slot s: hi at 2 s, lo at

@@ -10,6 +10,11 @@
 //               [dS | dz] += R^T [g | delta] over the group's heads
 //   key:        e = [V | 1] [dS | dz]^T + dA^T R, dv = phi(K) dS + A^T g over the chunk's query
 //               rows i >= j of every head of the group; dk = e phi'(k)
+// A CTA walks the `walk` chunks of one state slot: the sums and query kernels forward, carrying
+// the state past each chunk, the key kernel backward, carrying the state's gradient (the slot
+// holds its value after the slot's last chunk; each chunk adds its R^T [g | delta] on the way
+// down). The running sum sits in float in shared memory, in the accumulators' layout, and as two
+// bfloat16 parts in the tile the products read; the scans between the kernels move a slot a walk.
 // Warp w of four owns rows 16 w .. 16 w + 15 of the chunk (queries in the query kernel, keys in
 // the key kernel) and state rows d = 16 w .. in the sums over tokens. [x | z] operands carry z (or
 // delta, or a row's 1) in column 64 of an 80-wide tile. Every operand that is not a bfloat16
@@ -37,25 +42,54 @@ constexpr int tile = C * ld, xtile = C * ldx;  // elements of a [C][ld] and a [C
 constexpr int threads = 128;
 constexpr int SS = D * D + D;  // floats of a state slot: S row-major, then z
 
-// A state slot [S | z] (z = 0 without the normaliser) into hi and lo [D][ldx]: S and z in
-// columns 0 .. 64, zeros to 79. Every load is issued before the first split (one round trip).
+// The chunks [first, last) of state slot s of a sequence of `length` tokens; false if none.
+__device__ __forceinline__ bool walk_range(int s, int walk, index_t length, index_t& first,
+                                           index_t& last) {
+  first = index_t(s) * walk;
+  last = min((length + C - 1) / C, first + walk);
+  return first < last;
+}
+
+// A global slot [S | z] into this warp's accumulators (state rows r0 ..; columns past z zero).
+__device__ __forceinline__ void slot_to_acc(float (&acc)[NX][4], const float* slot, int r0) {
+  for_fragment_pairs<NX>(acc, r0, 0, [&](int d, int e, float& x0, float& x1) {
+    if (e < D) {
+      const float2 x = *reinterpret_cast<const float2*>(slot + d * D + e);
+      x0 = x.x, x1 = x.y;
+    } else {
+      x0 = e == D ? slot[D * D + d] : 0.f, x1 = 0.f;
+    }
+  });
+}
+__device__ __forceinline__ void acc_to_slot(float* slot, float (&acc)[NX][4], int r0) {
+  for_fragment_pairs<NX>(acc, r0, 0, [&](int d, int e, float x0, float x1) {
+    if (e < D)
+      *reinterpret_cast<float2*>(slot + d * D + e) = make_float2(x0, x1);
+    else if (e == D)
+      slot[D * D + d] = x0;
+  });
+}
+
+// The running sum of a walk in shared memory: element k of thread t at run[k * threads + t].
+__device__ __forceinline__ void load_run(float (&acc)[NX][4], const float* run) {
+#pragma unroll
+  for (int k = 0; k < 4 * NX; ++k) acc[k / 4][k % 4] = run[k * threads + threadIdx.x];
+}
+__device__ __forceinline__ void store_run(float* run, const float (&acc)[NX][4]) {
+#pragma unroll
+  for (int k = 0; k < 4 * NX; ++k) run[k * threads + threadIdx.x] = acc[k / 4][k % 4];
+}
+
+// The warp's state rows into the hi and lo [D][ldx] tiles the products read (z dropped unless
+// WithZ: the unnormalised query pass).
 template <bool WithZ>
-__device__ void stage_state(split_op* hi, split_op* lo, const float* state) {
-  constexpr int per = D * X / 2 / threads;
-  static_assert(D * X / 2 % threads == 0, "whole pairs a thread");
-  float2 x[per];
-#pragma unroll
-  for (int r = 0; r < per; ++r) {
-    const int i = threadIdx.x + r * threads, d = 2 * i / X, e = 2 * i % X;
-    x[r] = e < D ? *reinterpret_cast<const float2*>(state + d * D + e)
-                 : make_float2(e == D && WithZ ? state[D * D + d] : 0.f, 0.f);
-  }
-#pragma unroll
-  for (int r = 0; r < per; ++r) {
-    const int i = threadIdx.x + r * threads, d = 2 * i / X, e = 2 * i % X;
-    split2(x[r].x, x[r].y, *reinterpret_cast<std::uint32_t*>(hi + d * ldx + e),
+__device__ __forceinline__ void split_acc(split_op* hi, split_op* lo, float (&acc)[NX][4],
+                                          int r0) {
+  for_fragment_pairs<NX>(acc, r0, 0, [&](int d, int e, float x0, float x1) {
+    if (!WithZ && e == D) x0 = 0.f;
+    split2(x0, x1, *reinterpret_cast<std::uint32_t*>(hi + d * ldx + e),
            *reinterpret_cast<std::uint32_t*>(lo + d * ldx + e));
-  }
+  });
 }
 
 // Row flags of the chunk: 1 for a real token of it, 0 for pads and rows past its end.
@@ -105,11 +139,11 @@ __device__ __forceinline__ void causal_mask(float (&x)[8][4], int r0) {
 }
 }  // namespace lbc
 
-// CTA (chunk c, KV head h, sequence n): the chunk's own [S | z] to state's slot.
+// CTA (slot s, KV head h, sequence n): the slot's own [S | z], summed over its chunks.
 template <class Policy>
 __global__ void __launch_bounds__(lbc::threads)
-    linear_bwd_chunk_sums_mma_kernel(const linear_backward_params bp, const int* chunk_offsets,
-                                     float* state) {
+    linear_bwd_chunk_sums_mma_kernel(const linear_backward_params bp, const int* slot_offsets,
+                                     const int walk, float* state) {
   using namespace lbc;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   split_op* Ph = reinterpret_cast<split_op*>(smem_raw);  // [C][ld] phi(k), two parts
@@ -117,36 +151,37 @@ __global__ void __launch_bounds__(lbc::threads)
   split_op* V = Pl + tile;                             // [C][ldx] v | valid
   float* valid = reinterpret_cast<float*>(V + xtile);  // [C]
   const linear_kernel_params& f = bp.f;
-  const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z, r0 = 16 * (threadIdx.x / 32);
-  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
-  index_t batch, start, length;
+  const int s = blockIdx.x, h = blockIdx.y, n = blockIdx.z, r0 = 16 * (threadIdx.x / 32);
+  index_t batch, start, length, first, last;
   f.sequence(n, batch, start, length);
-  const index_t c0 = index_t(c) * C, c1 = min(length, c0 + C);
-  stage_valid(f, batch, start + c0, int(c1 - c0), valid);
-  __syncthreads();
-  lbm_tile_loads<__nv_bfloat16, D, C, threads> kn, vn;
-  kn.fetch(f, f.k, f.k_stride, batch, start, c0, c1, h);
-  vn.fetch(f, f.v, f.v_stride, batch, start, c0, c1, h);
-  stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
-  __syncthreads();
+  if (!walk_range(s, walk, length, first, last)) return;
+  lbm_tile_loads<__nv_bfloat16, D, C, threads> kn, vn;  // the next chunk's, a chunk ahead
+  kn.fetch(f, f.k, f.k_stride, batch, start, first * C, min(length, first * C + C), h);
+  vn.fetch(f, f.v, f.v_stride, batch, start, first * C, min(length, first * C + C), h);
   float acc[NX][4] = {};
-  warp_mma<ldx, true, false, NX>(acc, a_from_tile_t<ld, true>{Ph, Pl, r0}, V, nullptr);
-  float* out = state + (index_t(chunk_offsets[n] + c) * f.kv_heads + h) * SS;
-  for_fragment_pairs<NX>(acc, r0, 0, [&](int d, int e, float x0, float x1) {
-    if (e < D)
-      *reinterpret_cast<float2*>(out + d * D + e) = make_float2(x0, x1);
-    else if (e == D)
-      out[D * D + d] = x0;
-  });
+  for (index_t c = first; c < last; ++c) {
+    const index_t c0 = c * C, c1 = min(length, c0 + C);
+    if (c > first) __syncthreads();  // the chunk before is multiplied
+    stage_valid(f, batch, start + c0, int(c1 - c0), valid);
+    __syncthreads();
+    stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
+    if (c + 1 < last) {
+      kn.fetch(f, f.k, f.k_stride, batch, start, c1, min(length, c1 + C), h);
+      vn.fetch(f, f.v, f.v_stride, batch, start, c1, min(length, c1 + C), h);
+    }
+    __syncthreads();
+    warp_mma<ldx, true, false, NX>(acc, a_from_tile_t<ld, true>{Ph, Pl, r0}, V, nullptr);
+  }
+  acc_to_slot(state + (index_t(slot_offsets[n] + s) * f.kv_heads + h) * SS, acc, r0);
 }
 
-// CTA (chunk c, KV head h, sequence n): dq, g and delta of every query head of h's group, and
-// the chunk's R^T [g | delta] to dstate's slot (state: the state before each chunk).
+// CTA (slot s, KV head h, sequence n): dq, g and delta of every query head of h's group over the
+// slot's chunks, and the slot's R^T [g | delta] to dstate (state: the state before each slot).
 template <class Policy>
 __global__ void __launch_bounds__(lbc::threads)
-    linear_bwd_causal_query_mma_kernel(const linear_backward_params bp, const int* chunk_offsets,
-                                       const float* state, float* dstate, float* gbuf,
-                                       float* delta_buf) {
+    linear_bwd_causal_query_mma_kernel(const linear_backward_params bp, const int* slot_offsets,
+                                       const int walk, const float* state, float* dstate,
+                                       float* gbuf, float* delta_buf) {
   using namespace lbc;
   using Dev = __nv_bfloat16;
   constexpr bool normalize = Policy::normalize;
@@ -161,122 +196,144 @@ __global__ void __launch_bounds__(lbc::threads)
   split_op* Gh = Sl + xtile;  // [C][ldx] g | delta, two parts
   split_op* Gl = Gh + xtile;
   float* valid = reinterpret_cast<float*>(Gl + xtile);  // [C]
+  float* run = valid + C;                               // the running [S | z], in float
   const linear_kernel_params& f = bp.f;
-  const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  const int s = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int r0 = 16 * (threadIdx.x / 32);
-  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
-  index_t batch, start, length;
+  index_t batch, start, length, first, last;
   f.sequence(n, batch, start, length);
-  const index_t c0 = index_t(c) * C, c1 = min(length, c0 + C);
-  const int rows = int(c1 - c0);
-  const index_t slot = index_t(chunk_offsets[n] + c) * f.kv_heads + h;
+  if (!walk_range(s, walk, length, first, last)) return;
+  const index_t slot = index_t(slot_offsets[n] + s) * f.kv_heads + h;
+  const int hq0 = h * f.group, hq1 = hq0 + f.group;
 
   lbm_tile_loads<Dev, D, C, threads> kn, vn, qn;  // in flight while the state is staged
-  kn.fetch(f, f.k, f.k_stride, batch, start, c0, c1, h);
-  vn.fetch(f, f.v, f.v_stride, batch, start, c0, c1, h);
-  qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, h * f.group);
-  stage_valid(f, batch, start + c0, rows, valid);
-  stage_state<normalize>(Sh, Sl, state + slot * SS);
-  __syncthreads();
-  stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
-
-  float ds[NX][4] = {};  // the chunk's R^T [g | delta], state rows r0 ..
-  for (int hq = h * f.group; hq < (h + 1) * f.group; ++hq) {
-#pragma unroll
-    for (int i = 0; i < qn.count; ++i) {
-      const int t = qn.row(i), at = t * ld + 8 * qn.piece(i);
-      lbm_phi8<Dev, Policy>(qn.raw[i], f.scale, valid[t] != 0.f, Rh + at, Rl + at);
-    }
-    if (hq + 1 < (h + 1) * f.group) qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq + 1);
-    __syncthreads();
-
-    // A = R phi(K)^T on j <= i; [num | den] = R [S | z] + A [V | 1].
-    const a_from_tile<ld, true> ra{Rh, Rl, r0};
-    float A[8][4] = {};
-    warp_mma<ld, false, true, 8>(A, ra, Ph, Pl);
-    lbc::causal_mask<false>(A, r0);
-    float N[NX][4] = {};
-    warp_mma<ldx, true, true, NX>(N, ra, Sh, Sl);
-    warp_mma<ldx, true, false, NX>(N, a_from_regs<true>{A, 1.f}, V, nullptr);
-
-    // g = do / den, delta = -(do . num) / den^2 on the accumulator rows (a row in one quad).
-    const int lane = threadIdx.x % 32, gi = lane >> 2, c2 = 2 * (lane & 3);
-    float G[NX][4] = {};
-    float inv[2], dot[2] = {0.f, 0.f};
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = r0 + gi + 8 * half;
-      const bool ok = valid[i] != 0.f;
-      const float den = __shfl_sync(0xffffffffu, N[NX - 2][2 * half], lane & ~3) + f.eps;
-      inv[half] = normalize ? 1.f / den : 1.f;
-      if (!ok) continue;  // g = delta = 0
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const float2 o =
-            lbm_load2<Dev>(bp.dout, bp.dout_stride, batch, start + c0 + i, hq, 8 * nt + c2);
-        dot[half] += o.x * N[nt][2 * half] + o.y * N[nt][2 * half + 1];
-        G[nt][2 * half] = o.x * inv[half], G[nt][2 * half + 1] = o.y * inv[half];
-      }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = r0 + gi + 8 * half;
-      const float s = quad_sum(dot[half]);
-      const float delta = normalize && valid[i] != 0.f ? -s * inv[half] * inv[half] : 0.f;
-      if (c2 == 0) G[NX - 2][2 * half] = delta;  // column D
-      if (i < rows) {
-        const index_t row = (batch * f.tokens + start + c0 + i) * f.q_heads + hq;
-        if (c2 == 0) delta_buf[row] = delta;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          *reinterpret_cast<float2*>(gbuf + row * D + 8 * nt + c2) =
-              make_float2(G[nt][2 * half], G[nt][2 * half + 1]);
-      }
-    }
-    for_fragment_pairs<NX>(G, r0, 0, [&](int i, int e, float x0, float x1) {
-      split2(x0, x1, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
-             *reinterpret_cast<std::uint32_t*>(Gl + i * ldx + e));
-    });
-
-    // dA = [g | delta] [V | 1]^T on j <= i; dq = scale phi'(q) ([g | delta] [S | z]^T + dA P).
-    float dA[8][4] = {};
-    warp_mma<ldx, false, false, 8, KX>(dA, a_from_regs<true>{G, 1.f}, V, nullptr);
-    lbc::causal_mask<false>(dA, r0);
-    float Q[8][4] = {};
-    warp_mma<ldx, false, true, 8, KX>(Q, a_from_regs<true>{G, 1.f}, Sh, Sl);
-    warp_mma<ld, true, true, 8>(Q, a_from_regs<true>{dA, 1.f}, Ph, Pl);
-    for_fragment_pairs<8>(Q, r0, 0, [&](int i, int d, float x0, float x1) {
-      if (i >= rows) return;
-      const index_t t = start + c0 + i;
-      float y0 = 0.f, y1 = 0.f;
-      if (valid[i] != 0.f) {
-        const float2 x = lbm_load2<Dev>(f.q, f.q_stride, batch, t, hq, d);
-        y0 = f.scale * x0 * phi_derivative<Policy::phi>(x.x, apply_feature_map<Policy::phi>(x.x));
-        y1 = f.scale * x1 * phi_derivative<Policy::phi>(x.y, apply_feature_map<Policy::phi>(x.y));
-      }
-      lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, t, hq, d, y0, y1);
-    });
-    __syncthreads();  // [g | delta] is staged
-
-    // The chunk's R^T [g | delta] (sums over its query rows).
-    warp_mma<ldx, true, true, NX>(ds, a_from_tile_t<ld, true>{Rh, Rl, r0}, Gh, Gl);
-    __syncthreads();  // R and [g | delta] are free for the next head
+  {
+    const index_t c0 = first * C, c1 = min(length, c0 + C);
+    kn.fetch(f, f.k, f.k_stride, batch, start, c0, c1, h);
+    vn.fetch(f, f.v, f.v_stride, batch, start, c0, c1, h);
+    qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq0);
+    float acc[NX][4];
+    slot_to_acc(acc, state + slot * SS, r0);
+    store_run(run, acc);
+    split_acc<normalize>(Sh, Sl, acc, r0);
   }
-  float* out = dstate + slot * SS;
-  for_fragment_pairs<NX>(ds, r0, 0, [&](int d, int e, float x0, float x1) {
-    if (e < D)
-      *reinterpret_cast<float2*>(out + d * D + e) = make_float2(x0, x1);
-    else if (e == D)
-      out[D * D + d] = x0;
-  });
+
+  float ds[NX][4] = {};  // the slot's R^T [g | delta], state rows r0 ..
+  for (index_t c = first; c < last; ++c) {
+    const index_t c0 = c * C, c1 = min(length, c0 + C);
+    const int rows = int(c1 - c0);
+    if (c > first) __syncthreads();  // the chunk before has carried the state
+    stage_valid(f, batch, start + c0, rows, valid);
+    __syncthreads();
+    stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
+
+    for (int hq = hq0; hq < hq1; ++hq) {
+#pragma unroll
+      for (int i = 0; i < qn.count; ++i) {
+        const int t = qn.row(i), at = t * ld + 8 * qn.piece(i);
+        lbm_phi8<Dev, Policy>(qn.raw[i], f.scale, valid[t] != 0.f, Rh + at, Rl + at);
+      }
+      if (hq + 1 < hq1)
+        qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq + 1);
+      else if (c + 1 < last)
+        qn.fetch(f, f.q, f.q_stride, batch, start, c1, min(length, c1 + C), hq0);
+      __syncthreads();
+
+      // A = R phi(K)^T on j <= i; [num | den] = R [S | z] + A [V | 1].
+      const a_from_tile<ld, true> ra{Rh, Rl, r0};
+      float A[8][4] = {};
+      warp_mma<ld, false, true, 8>(A, ra, Ph, Pl);
+      lbc::causal_mask<false>(A, r0);
+      float N[NX][4] = {};
+      warp_mma<ldx, true, true, NX>(N, ra, Sh, Sl);
+      warp_mma<ldx, true, false, NX>(N, a_from_regs<true>{A, 1.f}, V, nullptr);
+
+      // g = do / den, delta = -(do . num) / den^2 on the accumulator rows (a row in one quad).
+      const int lane = threadIdx.x % 32, gi = lane >> 2, c2 = 2 * (lane & 3);
+      std::uint32_t dout[8][2];
+      lbm_fragment_pairs<Dev>(dout, bp.dout, bp.dout_stride, batch, start + c0, rows, hq, r0);
+      float G[NX][4] = {};
+      float inv[2], dot[2] = {0.f, 0.f};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = r0 + gi + 8 * half;
+        const bool ok = valid[i] != 0.f;
+        const float den = __shfl_sync(0xffffffffu, N[NX - 2][2 * half], lane & ~3) + f.eps;
+        inv[half] = normalize ? 1.f / den : 1.f;
+        if (!ok) continue;  // g = delta = 0
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const float2 o = unpack2<Dev>(dout[nt][half]);
+          dot[half] += o.x * N[nt][2 * half] + o.y * N[nt][2 * half + 1];
+          G[nt][2 * half] = o.x * inv[half], G[nt][2 * half + 1] = o.y * inv[half];
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = r0 + gi + 8 * half;
+        const float sum = quad_sum(dot[half]);
+        const float delta = normalize && valid[i] != 0.f ? -sum * inv[half] * inv[half] : 0.f;
+        if (c2 == 0) G[NX - 2][2 * half] = delta;  // column D
+        if (i < rows) {
+          const index_t row = (batch * f.tokens + start + c0 + i) * f.q_heads + hq;
+          if (c2 == 0) delta_buf[row] = delta;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+            *reinterpret_cast<float2*>(gbuf + row * D + 8 * nt + c2) =
+                make_float2(G[nt][2 * half], G[nt][2 * half + 1]);
+        }
+      }
+      for_fragment_pairs<NX>(G, r0, 0, [&](int i, int e, float x0, float x1) {
+        split2(x0, x1, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
+               *reinterpret_cast<std::uint32_t*>(Gl + i * ldx + e));
+      });
+
+      // dA = [g | delta] [V | 1]^T on j <= i; dq = scale phi'(q) ([g | delta] [S | z]^T + dA P).
+      float dA[8][4] = {};
+      warp_mma<ldx, false, false, 8, KX>(dA, a_from_regs<true>{G, 1.f}, V, nullptr);
+      lbc::causal_mask<false>(dA, r0);
+      float Q[8][4] = {};
+      warp_mma<ldx, false, true, 8, KX>(Q, a_from_regs<true>{G, 1.f}, Sh, Sl);
+      warp_mma<ld, true, true, 8>(Q, a_from_regs<true>{dA, 1.f}, Ph, Pl);
+      std::uint32_t qraw[8][2];
+      lbm_fragment_pairs<Dev>(qraw, f.q, f.q_stride, batch, start + c0, rows, hq, r0);
+      for_fragment_pairs_at<8>(Q, r0, 0, [&](int i, int d, float x0, float x1, int nt, int half) {
+        if (i >= rows) return;
+        const index_t t = start + c0 + i;
+        float y0 = 0.f, y1 = 0.f;
+        if (valid[i] != 0.f) {
+          const float2 x = unpack2<Dev>(qraw[nt][half]);
+          y0 = f.scale * x0 * phi_derivative<Policy::phi>(x.x, apply_feature_map<Policy::phi>(x.x));
+          y1 = f.scale * x1 * phi_derivative<Policy::phi>(x.y, apply_feature_map<Policy::phi>(x.y));
+        }
+        lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, t, hq, d, y0, y1);
+      });
+      __syncthreads();  // [g | delta] is staged
+
+      // The chunk's R^T [g | delta] (sums over its query rows).
+      warp_mma<ldx, true, true, NX>(ds, a_from_tile_t<ld, true>{Rh, Rl, r0}, Gh, Gl);
+      __syncthreads();  // R, [g | delta] and the state tiles are free
+    }
+    if (c + 1 < last) {  // the state past the chunk: [S | z] += phi(K)^T [V | 1]
+      // (the next chunk's keys asked for here: held over the products, they would spill)
+      kn.fetch(f, f.k, f.k_stride, batch, start, c1, min(length, c1 + C), h);
+      vn.fetch(f, f.v, f.v_stride, batch, start, c1, min(length, c1 + C), h);
+      float acc[NX][4];
+      load_run(acc, run);
+      warp_mma<ldx, true, false, NX>(acc, a_from_tile_t<ld, true>{Ph, Pl, r0}, V, nullptr);
+      store_run(run, acc);
+      split_acc<normalize>(Sh, Sl, acc, r0);
+    }
+  }
+  acc_to_slot(dstate + slot * SS, ds, r0);
 }
 
-// CTA (chunk c, KV head h, sequence n): dk and dv of the chunk's keys (dstate: the gradient of
-// the state after each chunk; gbuf, delta_buf: the query kernel's g and delta).
+// CTA (slot s, KV head h, sequence n): dk and dv of the slot's keys, last chunk first (dstate: the
+// gradient of the state after each slot; gbuf, delta_buf: the query kernel's g and delta).
 template <class Policy>
 __global__ void __launch_bounds__(lbc::threads)
-    linear_bwd_causal_key_mma_kernel(const linear_backward_params bp, const int* chunk_offsets,
-                                     const float* dstate, const float* gbuf,
+    linear_bwd_causal_key_mma_kernel(const linear_backward_params bp, const int* slot_offsets,
+                                     const int walk, const float* dstate, const float* gbuf,
                                      const float* delta_buf) {
   using namespace lbc;
   using Dev = __nv_bfloat16;
@@ -291,86 +348,124 @@ __global__ void __launch_bounds__(lbc::threads)
   split_op* Gh = dSl + xtile;  // [C][ldx] g | delta, two parts
   split_op* Gl = Gh + xtile;
   float* valid = reinterpret_cast<float*>(Gl + xtile);  // [C]
+  float* run = valid + C;                               // the running [dS | dz], in float
   const linear_kernel_params& f = bp.f;
-  const int c = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
+  const int s = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int r0 = 16 * (threadIdx.x / 32);
-  if (c >= chunk_offsets[n + 1] - chunk_offsets[n]) return;
-  index_t batch, start, length;
+  index_t batch, start, length, first, last;
   f.sequence(n, batch, start, length);
-  const index_t c0 = index_t(c) * C, c1 = min(length, c0 + C);
-  const int rows = int(c1 - c0);
+  if (!walk_range(s, walk, length, first, last)) return;
+  const int hq0 = h * f.group, hq1 = hq0 + f.group;
 
   lbm_tile_loads<Dev, D, C, threads> kn, vn, qn;  // in flight while the state is staged
-  kn.fetch(f, f.k, f.k_stride, batch, start, c0, c1, h);
-  vn.fetch(f, f.v, f.v_stride, batch, start, c0, c1, h);
-  qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, h * f.group);
-  stage_valid(f, batch, start + c0, rows, valid);
-  stage_state<true>(dSh, dSl, dstate + (index_t(chunk_offsets[n] + c) * f.kv_heads + h) * SS);
-  __syncthreads();
-  stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
-  __syncthreads();
-
-  // e = [V | 1] [dS | dz]^T, dv = phi(K) dS, then the chunk's own query rows.
-  const a_from_tile<ld, true> pa{Ph, Pl, r0};
-  float E[8][4] = {}, DV[8][4] = {};
-  warp_mma<ldx, false, true, 8, KX>(E, a_from_tile<ldx, false>{V, nullptr, r0}, dSh, dSl);
-  warp_mma<ldx, true, true, 8>(DV, pa, dSh, dSl);
-  for (int hq = h * f.group; hq < (h + 1) * f.group; ++hq) {
-#pragma unroll
-    for (int i = 0; i < qn.count; ++i) {
-      const int t = qn.row(i), at = t * ld + 8 * qn.piece(i);
-      lbm_phi8<Dev, Policy>(qn.raw[i], f.scale, valid[t] != 0.f, Rh + at, Rl + at);
-    }
-    if (hq + 1 < (h + 1) * f.group) qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq + 1);
-    // [g | delta | 0] of the chunk's rows, two parts (0 past the end; g = delta = 0 at pads),
-    // every load issued before the first split.
-    {
-      constexpr int per = C * X / 2 / threads;
-      float2 x[per];
-#pragma unroll
-      for (int r = 0; r < per; ++r) {
-        const int idx = threadIdx.x + r * threads, i = 2 * idx / X, e = 2 * idx % X;
-        const index_t row = (batch * f.tokens + start + c0 + i) * f.q_heads + hq;
-        x[r] = i >= rows ? make_float2(0.f, 0.f)
-               : e < D   ? *reinterpret_cast<const float2*>(gbuf + row * D + e)
-                         : make_float2(e == D ? delta_buf[row] : 0.f, 0.f);
-      }
-#pragma unroll
-      for (int r = 0; r < per; ++r) {
-        const int idx = threadIdx.x + r * threads, i = 2 * idx / X, e = 2 * idx % X;
-        split2(x[r].x, x[r].y, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
-               *reinterpret_cast<std::uint32_t*>(Gl + i * ldx + e));
-      }
-    }
-    __syncthreads();
-
-    // A^T = P R^T and dA^T = [V | 1] [g | delta]^T on i >= j; e += dA^T R, dv += A^T g.
-    float At[8][4] = {}, dAt[8][4] = {};
-    warp_mma<ld, false, true, 8>(At, pa, Rh, Rl);
-    lbc::causal_mask<true>(At, r0);
-    warp_mma<ldx, false, true, 8, KX>(dAt, a_from_tile<ldx, false>{V, nullptr, r0}, Gh, Gl);
-    lbc::causal_mask<true>(dAt, r0);
-    warp_mma<ld, true, true, 8>(E, a_from_regs<true>{dAt, 1.f}, Rh, Rl);
-    warp_mma<ldx, true, true, 8>(DV, a_from_regs<true>{At, 1.f}, Gh, Gl);
-    __syncthreads();  // R and [g | delta] are free for the next head
+  {
+    const index_t c0 = (last - 1) * C, c1 = min(length, c0 + C);
+    kn.fetch(f, f.k, f.k_stride, batch, start, c0, c1, h);
+    vn.fetch(f, f.v, f.v_stride, batch, start, c0, c1, h);
+    qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq0);
+    float acc[NX][4];
+    slot_to_acc(acc, dstate + (index_t(slot_offsets[n] + s) * f.kv_heads + h) * SS, r0);
+    store_run(run, acc);
+    split_acc<true>(dSh, dSl, acc, r0);
   }
 
-  for_fragment_pairs<8>(E, r0, 0, [&](int j, int d, float x0, float x1) {
-    if (j >= rows) return;
-    const index_t t = start + c0 + j;
-    float y0 = 0.f, y1 = 0.f;
-    if (valid[j] != 0.f) {
-      const float2 x = lbm_load2<Dev>(f.k, f.k_stride, batch, t, h, d);
-      y0 = x0 * phi_derivative<Policy::phi>(x.x, apply_feature_map<Policy::phi>(x.x));
-      y1 = x1 * phi_derivative<Policy::phi>(x.y, apply_feature_map<Policy::phi>(x.y));
+  for (index_t walked = last - 1; walked >= first; --walked) {
+    const index_t c = lbm_opaque(walked), c0 = c * C, c1 = min(length, c0 + C);
+    const int rows = int(c1 - c0);
+    if (c + 1 < last) __syncthreads();  // the chunk after is done and dS carried past it
+    stage_valid(f, batch, start + c0, rows, valid);
+    __syncthreads();
+    stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
+    __syncthreads();
+
+    // e = [V | 1] [dS | dz]^T, dv = phi(K) dS, then the chunk's own query rows.
+    const a_from_tile<ld, true> pa{Ph, Pl, r0};
+    float E[8][4] = {}, DV[8][4] = {};
+    warp_mma<ldx, false, true, 8, KX>(E, a_from_tile<ldx, false>{V, nullptr, r0}, dSh, dSl);
+    warp_mma<ldx, true, true, 8>(DV, pa, dSh, dSl);
+    for (int hq = hq0; hq < hq1; ++hq) {
+#pragma unroll
+      for (int i = 0; i < qn.count; ++i) {
+        const int t = qn.row(i), at = t * ld + 8 * qn.piece(i);
+        lbm_phi8<Dev, Policy>(qn.raw[i], f.scale, valid[t] != 0.f, Rh + at, Rl + at);
+      }
+      if (hq + 1 < hq1)
+        qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq + 1);
+      else if (c > first)
+        qn.fetch(f, f.q, f.q_stride, batch, start, c0 - C, c0, hq0);
+      // [g | delta | 0] of the chunk's rows, two parts (0 past the end; g = delta = 0 at pads),
+      // every load issued before the first split.
+      {
+        constexpr int per = C * X / 2 / threads;
+        float2 x[per];
+#pragma unroll
+        for (int r = 0; r < per; ++r) {
+          const int idx = threadIdx.x + r * threads, i = 2 * idx / X, e = 2 * idx % X;
+          const index_t row = (batch * f.tokens + start + c0 + i) * f.q_heads + hq;
+          x[r] = i >= rows ? make_float2(0.f, 0.f)
+                 : e < D   ? *reinterpret_cast<const float2*>(gbuf + row * D + e)
+                           : make_float2(e == D ? delta_buf[row] : 0.f, 0.f);
+        }
+#pragma unroll
+        for (int r = 0; r < per; ++r) {
+          const int idx = threadIdx.x + r * threads, i = 2 * idx / X, e = 2 * idx % X;
+          split2(x[r].x, x[r].y, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
+                 *reinterpret_cast<std::uint32_t*>(Gl + i * ldx + e));
+        }
+      }
+      __syncthreads();
+
+      // A^T = P R^T and dA^T = [V | 1] [g | delta]^T on i >= j; dv += A^T g, e += dA^T R (one
+      // score tile live at a time).
+      {
+        float At[8][4] = {};
+        warp_mma<ld, false, true, 8>(At, pa, Rh, Rl);
+        lbc::causal_mask<true>(At, r0);
+        warp_mma<ldx, true, true, 8>(DV, a_from_regs<true>{At, 1.f}, Gh, Gl);
+      }
+      {
+        float dAt[8][4] = {};
+        warp_mma<ldx, false, true, 8, KX>(dAt, a_from_tile<ldx, false>{V, nullptr, r0}, Gh, Gl);
+        lbc::causal_mask<true>(dAt, r0);
+        warp_mma<ld, true, true, 8>(E, a_from_regs<true>{dAt, 1.f}, Rh, Rl);
+      }
+      if (c > first) {  // the gradient of the state before the chunk: += R^T [g | delta]
+        float acc[NX][4];
+        load_run(acc, run);
+        warp_mma<ldx, true, true, NX>(acc, a_from_tile_t<ld, true>{Rh, Rl, r0}, Gh, Gl);
+        store_run(run, acc);
+      }
+      __syncthreads();  // R and [g | delta] are free for the next head
     }
-    lbm_store2<Dev>(bp.dk, bp.dk_stride, batch, t, h, d, y0, y1);
-  });
-  for_fragment_pairs<8>(DV, r0, 0, [&](int j, int e, float x0, float x1) {
-    if (j >= rows) return;
-    const bool ok = valid[j] != 0.f;
-    lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, start + c0 + j, h, e, ok ? x0 : 0.f, ok ? x1 : 0.f);
-  });
+
+    std::uint32_t kraw[8][2];
+    lbm_fragment_pairs<Dev>(kraw, f.k, f.k_stride, batch, start + c0, rows, h, r0);
+    for_fragment_pairs_at<8>(E, r0, 0, [&](int j, int d, float x0, float x1, int nt, int half) {
+      if (j >= rows) return;
+      const index_t t = start + c0 + j;
+      float y0 = 0.f, y1 = 0.f;
+      if (valid[j] != 0.f) {
+        const float2 x = unpack2<Dev>(kraw[nt][half]);
+        y0 = x0 * phi_derivative<Policy::phi>(x.x, apply_feature_map<Policy::phi>(x.x));
+        y1 = x1 * phi_derivative<Policy::phi>(x.y, apply_feature_map<Policy::phi>(x.y));
+      }
+      lbm_store2<Dev>(bp.dk, bp.dk_stride, batch, t, h, d, y0, y1);
+    });
+    for_fragment_pairs<8>(DV, r0, 0, [&](int j, int e, float x0, float x1) {
+      if (j >= rows) return;
+      const bool ok = valid[j] != 0.f;
+      lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, start + c0 + j, h, e, ok ? x0 : 0.f,
+                      ok ? x1 : 0.f);
+    });
+    if (c > first) {  // every warp is past its products with dS (the head loop's last barrier)
+      // (the chunk before's keys asked for here: held over the products, they would spill)
+      kn.fetch(f, f.k, f.k_stride, batch, start, c0 - C, c0, h);
+      vn.fetch(f, f.v, f.v_stride, batch, start, c0 - C, c0, h);
+      float acc[NX][4];
+      load_run(acc, run);
+      split_acc<true>(dSh, dSl, acc, r0);
+    }
+  }
 }
 
 }  // namespace cuda

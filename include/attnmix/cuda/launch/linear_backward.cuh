@@ -33,6 +33,12 @@ inline bool& linear_backward_force_simt() {
   static bool forced = false;
   return forced;
 }
+// Causal tensor-core calls walk this many chunks a CTA where it is positive (the tests' long walks
+// on short sequences). Not thread-safe either.
+inline int& linear_backward_force_super() {
+  static int forced = 0;
+  return forced;
+}
 
 // The policy of a causal gated norm's core (the forward that recomputes o).
 template <class Policy>
@@ -129,15 +135,16 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
   }
   shape.half_inputs = std::is_same_v<Dev, __half>;
   shape.force_simt = linear_backward_force_simt();
-  std::vector<int> chunk_offsets;
+  shape.force_super = linear_backward_force_super();
+  std::vector<int> slot_offsets;  // causal: the first state slot of each sequence
   if constexpr (causal) {
-    const index_t chunk = linear_bwd_causal_chunk(D, Dv, props);
-    chunk_offsets.resize(std::size_t(N + 1));
-    chunk_offsets[0] = 0;
+    const index_t span = causal_layout(shape, props).slot_tokens();
+    slot_offsets.resize(std::size_t(N + 1));
+    slot_offsets[0] = 0;
     for (index_t n = 0; n < N; ++n)
-      chunk_offsets[std::size_t(n + 1)] =
-          chunk_offsets[std::size_t(n)] + int((p.seq(n).length + chunk - 1) / chunk);
-    shape.total_chunks = chunk_offsets.back();
+      slot_offsets[std::size_t(n + 1)] =
+          slot_offsets[std::size_t(n)] + int((p.seq(n).length + span - 1) / span);
+    shape.total_slots = slot_offsets.back();
   }
   const linear_backward_plan plan = plan_linear_backward(shape, props);
   const linear_backward_scratch& sc = plan.scratch;
@@ -268,10 +275,10 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       fold_dgamma<Policy>(bp, dgamma_part, N * plan.parts, stream);
     }
   } else {
-    int* offsets = reinterpret_cast<int*>(base + sc.chunk_offsets);
-    check(cudaMemcpyAsync(offsets, chunk_offsets.data(), chunk_offsets.size() * sizeof(int),
+    int* offsets = reinterpret_cast<int*>(base + sc.slot_offsets);
+    check(cudaMemcpyAsync(offsets, slot_offsets.data(), slot_offsets.size() * sizeof(int),
                           cudaMemcpyHostToDevice, stream),
-          "cudaMemcpyAsync(chunk offsets)");
+          "cudaMemcpyAsync(slot offsets)");
     float* state = at(sc.state);
     float* dstate = at(sc.dstate);
     float* gbuf = at(sc.g);
@@ -321,12 +328,14 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
     constexpr bool bf16 = std::is_same_v<Dev, __nv_bfloat16>;
     const bool mma = bf16 && plan.mma;
     const dim3 chunk_threads(unsigned(mma ? plan.mma_threads : linear_bwd_threads));
-    if (shape.total_chunks > 0) {
+    const int walk = int(plan.super);  // chunks a tensor-core CTA walks
+    if (shape.total_slots > 0) {
       if (mma) {
         if constexpr (bf16) {
           auto kernel = linear_bwd_chunk_sums_mma_kernel<Policy>;
           allow_dynamic_smem(kernel, plan.reduce_smem);
-          kernel<<<chunk_grid, chunk_threads, plan.reduce_smem, stream>>>(bp, offsets, state);
+          kernel<<<chunk_grid, chunk_threads, plan.reduce_smem, stream>>>(bp, offsets, walk,
+                                                                           state);
         }
       } else {
         auto sums = linear_bwd_chunk_sums_kernel<Dev, Policy>;
@@ -338,13 +347,13 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
     linear_bwd_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0, stream>>>(
         bp, offsets, state);
     check(cudaGetLastError(), "linear_bwd_scan_kernel launch");
-    if (shape.total_chunks > 0) {
+    if (shape.total_slots > 0) {
       if (mma) {
         if constexpr (bf16) {
           auto kernel = linear_bwd_causal_query_mma_kernel<Policy>;
           allow_dynamic_smem(kernel, plan.causal_q_smem);
-          kernel<<<chunk_grid, chunk_threads, plan.causal_q_smem, stream>>>(bp, offsets, state,
-                                                                            dstate, gbuf, delta);
+          kernel<<<chunk_grid, chunk_threads, plan.causal_q_smem, stream>>>(
+              bp, offsets, walk, state, dstate, gbuf, delta);
         }
       } else {
         auto query = linear_bwd_causal_query_kernel<Dev, Policy>;
@@ -357,13 +366,13 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
     linear_bwd_reverse_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0, stream>>>(
         bp, offsets, dstate);
     check(cudaGetLastError(), "linear_bwd_reverse_scan_kernel launch");
-    if (shape.total_chunks > 0) {
+    if (shape.total_slots > 0) {
       if (mma) {
         if constexpr (bf16) {
           auto kernel = linear_bwd_causal_key_mma_kernel<Policy>;
           allow_dynamic_smem(kernel, plan.causal_k_smem);
-          kernel<<<chunk_grid, chunk_threads, plan.causal_k_smem, stream>>>(bp, offsets, dstate,
-                                                                            gbuf, delta);
+          kernel<<<chunk_grid, chunk_threads, plan.causal_k_smem, stream>>>(
+              bp, offsets, walk, dstate, gbuf, delta);
         }
       } else {
         auto key = linear_bwd_causal_key_kernel<Dev, Policy>;

@@ -9,9 +9,12 @@
 //   -> combine -> pass A over query rows (dq, the gated norm's backward, partial dS, dz) ->
 //   combine -> <dS, S> + <dz, z> -> pass B over keys (dk, dv, da) -> folds (dgamma, a shared
 //   gate's da over the heads). With `saved` the reduce and its combine are skipped.
-// Causal: per chunk of `chunk` tokens its own sum P^T V -> an exclusive scan over the chunks ->
-//   the query pass of each chunk (dq, g = do / den, delta, the chunk's sum R^T g) -> a reverse
-//   scan (the gradient of the state after each chunk) -> the key pass of each chunk (dk, dv).
+// Causal: state slots of `super` chunks of `chunk` tokens (one chunk on CUDA cores): each slot's
+//   own sum P^T V -> an exclusive scan over the slots -> the query pass (dq, g = do / den, delta,
+//   the slot's sum R^T g) -> a reverse scan (the gradient of the state after each slot) -> the key
+//   pass (dk, dv). A tensor-core CTA walks the chunks of its slot with the running state (forward)
+//   or its gradient (backward) in shared memory, so the slots and scans move 1 / super of the
+//   bytes of a slot a chunk.
 // Every sum over tokens, chunks or parts runs in an order fixed by the problem alone.
 
 #include <algorithm>
@@ -54,7 +57,8 @@ struct linear_backward_shape {
   index_t head_dim = 0, value_dim = 0;  // D, Dv
   index_t max_len = 0;                  // longest sequence
   index_t sequences = 0, kv_heads = 0, q_heads = 0, gate_heads = 0;
-  index_t total_chunks = 0;       // causal: sum over sequences of ceil(len / chunk)
+  index_t total_slots = 0;  // causal: sum over sequences of ceil(len / slot tokens)
+  int force_super = 0;      // causal tensor cores: chunks a slot, 0 = the plan picks
   std::size_t offsets_bytes = 0;  // the cu_seqlens copy (0 for a dense batch)
   // Bidirectional on tensor cores (sm80_linear_backward.cuh, D = Dv = 64): 16-bit inputs on sm_80+,
   // q, k, v rows 16-byte aligned and the other activations' rows 4-byte aligned; and not forced to
@@ -66,7 +70,7 @@ struct linear_backward_shape {
 
 // Byte offsets of the scratch parts (each 256-byte aligned) and the total.
 struct linear_backward_scratch {
-  std::size_t offsets = 0, chunk_offsets = 0, stats = 0, state = 0, partial = 0, dstate = 0,
+  std::size_t offsets = 0, slot_offsets = 0, stats = 0, state = 0, partial = 0, dstate = 0,
               jac = 0, dgamma = 0, da_heads = 0, g = 0, delta = 0, bytes = 0;
 };
 
@@ -74,8 +78,8 @@ struct linear_backward_plan {
   index_t state_size = 0;  // D * Dv + D
   // Bidirectional.
   index_t parts = 1, part_tokens = 1;
-  // Causal: tokens a chunk, and the largest chunk count of a sequence.
-  index_t chunk = 64, max_chunks = 0;
+  // Causal: tokens a chunk, chunks a state slot, the largest chunk count of a sequence.
+  index_t chunk = 64, super = 1, max_chunks = 0;
   index_t tile = linear_bwd_tile;
   // The reduce (causal: chunk sums), query and key passes on tensor cores (threads a CTA).
   bool mma = false;
@@ -120,6 +124,37 @@ inline index_t linear_bwd_causal_chunk(index_t D, index_t Dv, const device_prope
     if (std::max(q, k) <= limit) return c;
   }
   return 8;
+}
+
+// Causal: the chunk, whether the tensor-core passes run, and the chunks of a state slot (the
+// tokens of a slot are chunk * super: the launcher counts the slots of its sequences with them
+// before planning the rest).
+struct linear_bwd_causal_layout {
+  index_t chunk = 64, super = 1;
+  bool mma = false;
+  index_t slot_tokens() const { return chunk * super; }
+};
+
+inline linear_bwd_causal_layout causal_layout(const linear_backward_shape& s,
+                                              const device_properties& props) {
+  linear_bwd_causal_layout l;
+  l.chunk = linear_bwd_causal_chunk(s.head_dim, s.value_dim, props);
+  // Tensor cores for bfloat16 at D = Dv = 64 with 64-token chunks.
+  l.mma = s.mma_inputs && !s.half_inputs && !s.force_simt && s.head_dim == 64 &&
+          s.value_dim == 64 && l.chunk == 64 &&
+          std::size_t(linear_bwd_causal_mma_smem) <=
+              std::max(props.smem_per_block_optin, props.smem_per_block);
+  if (!l.mma) return l;
+  if (s.force_super > 0) {
+    l.super = s.force_super;
+    return l;
+  }
+  // The longest walk that still gives every SM two CTAs.
+  const index_t chunks = (s.max_len + l.chunk - 1) / l.chunk;
+  const index_t want = 2 * index_t(props.sms);
+  for (l.super = linear_bwd_causal_max_super; l.super > 1; l.super /= 2)
+    if ((chunks + l.super - 1) / l.super * s.kv_heads * s.sequences >= want) break;
+  return l;
 }
 
 inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
@@ -178,13 +213,9 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
     if (s.normed) take(sc.dgamma, std::size_t(N * p.parts * s.q_heads * Dv) * sizeof(float));
     if (s.shared_gate_sum) take(sc.da_heads, std::size_t(H * s.batch * s.tokens) * sizeof(float));
   } else {
-    p.chunk = linear_bwd_causal_chunk(D, Dv, props);
+    const linear_bwd_causal_layout l = causal_layout(s, props);
+    p.chunk = l.chunk, p.super = l.super, p.mma = l.mma;
     p.max_chunks = (s.max_len + p.chunk - 1) / p.chunk;
-    // Tensor cores for bfloat16 at D = Dv = 64 with 64-token chunks.
-    p.mma = s.mma_inputs && !s.half_inputs && !s.force_simt && D == 64 && Dv == 64 &&
-            p.chunk == 64 &&
-            std::size_t(linear_bwd_causal_mma_smem) <=
-                std::max(props.smem_per_block_optin, props.smem_per_block);
     if (p.mma) {
       p.mma_threads = linear_bwd_causal_mma_threads;
       p.reduce_smem = linear_bwd_causal_mma_sums_smem;
@@ -193,10 +224,11 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
       p.causal_q_smem = int(linear_bwd_causal_q_floats(p.chunk, tile, D, Dv) * 4);
       p.causal_k_smem = int(linear_bwd_causal_k_floats(p.chunk, tile, D, Dv) * 4);
     }
-    p.chunk_grid = {unsigned(std::max<index_t>(p.max_chunks, 1)), unsigned(H), n_grid};
-    take(sc.chunk_offsets, std::size_t(N + 1) * sizeof(int));
-    take(sc.state, std::size_t(s.total_chunks * H) * state_bytes);
-    take(sc.dstate, std::size_t(s.total_chunks * H) * state_bytes);
+    const index_t max_slots = (p.max_chunks + p.super - 1) / p.super;
+    p.chunk_grid = {unsigned(std::max<index_t>(max_slots, 1)), unsigned(H), n_grid};
+    take(sc.slot_offsets, std::size_t(N + 1) * sizeof(int));
+    take(sc.state, std::size_t(s.total_slots * H) * state_bytes);
+    take(sc.dstate, std::size_t(s.total_slots * H) * state_bytes);
     const std::size_t rows = std::size_t(s.batch * s.tokens * s.q_heads);
     take(sc.g, rows * std::size_t(Dv) * sizeof(float));
     take(sc.delta, rows * sizeof(float));
