@@ -1,6 +1,7 @@
 // CUDA backward of causal linear attention against the CPU backward: a small case first, the
 // rejected key gate, bit-identical reruns, then with and without state_in and dstate_out, the
-// other knobs in float, the gated norm in bfloat16, and every knob on the tensor-core kernels. The harness: linear_backward_harness.cuh.
+// other knobs in float, the gated norm in bfloat16, and every knob on the tensor-core kernels. The
+// harness: linear_backward_harness.cuh.
 
 #include "cuda/linear_backward_harness.cuh"
 
@@ -98,8 +99,7 @@ template <class Policy>
 void tensor_core_sweep(std::uint64_t salt, const char* what) {
   bwd_options dso;
   dso.dstate_out = true;
-  const double tol =
-      grad_tolerance<attnmix::bfloat16>(Policy::norm != attnmix::gated_norm::off);
+  const double tol = grad_tolerance<attnmix::bfloat16>(Policy::norm != attnmix::gated_norm::off);
   for (const linear_case& c : tensor_core_cases())
     for (const bwd_options& opt : {bwd_options{}, dso}) {
       INFO("seed " << test_seed() << " " << c.describe() << " policy " << what << " dstate_out "
@@ -154,8 +154,9 @@ TEST_CASE("CUDA causal linear backward on tensor cores: the same bits twice, a s
   bwd_options dso;
   dso.dstate_out = true;
   grad_bits x, y;
-  check_errors(run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &x),
-               grad_tolerance<attnmix::bfloat16>());
+  check_errors(
+      run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &x),
+      grad_tolerance<attnmix::bfloat16>());
   run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &y);
   CHECK(bitwise_equal(x.dq, y.dq));
   CHECK(bitwise_equal(x.dk, y.dk));
@@ -164,8 +165,9 @@ TEST_CASE("CUDA causal linear backward on tensor cores: the same bits twice, a s
   CHECK(bitwise_equal(x.dz_in, y.dz_in));
   const force_walk walk(2);
   grad_bits u, w;
-  check_errors(run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &u),
-               grad_tolerance<attnmix::bfloat16>());
+  check_errors(
+      run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &u),
+      grad_tolerance<attnmix::bfloat16>());
   run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &w);
   CHECK(bitwise_equal(u.dq, w.dq));
   CHECK(bitwise_equal(u.dk, w.dk));

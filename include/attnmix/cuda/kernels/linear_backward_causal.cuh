@@ -61,8 +61,7 @@ __device__ __forceinline__ float scan_slots(float* base, index_t stride, int fir
 
 // Thread (idx, KV head h, sequence n): slot c <- state_in + sum of the slots before c.
 __global__ void __launch_bounds__(linear_bwd_scan_threads)
-    linear_bwd_scan_kernel(const linear_backward_params bp, const int* slot_offsets,
-                           float* state) {
+    linear_bwd_scan_kernel(const linear_backward_params bp, const int* slot_offsets, float* state) {
   const linear_kernel_params& f = bp.f;
   const int idx = blockIdx.x * linear_bwd_scan_threads + threadIdx.x, h = blockIdx.y,
             n = blockIdx.z, D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;

@@ -83,8 +83,7 @@ __device__ __forceinline__ void store_run(float* run, const float (&acc)[NX][4])
 // The warp's state rows into the hi and lo [D][ldx] tiles the products read (z dropped unless
 // WithZ: the unnormalised query pass).
 template <bool WithZ>
-__device__ __forceinline__ void split_acc(split_op* hi, split_op* lo, float (&acc)[NX][4],
-                                          int r0) {
+__device__ __forceinline__ void split_acc(split_op* hi, split_op* lo, float (&acc)[NX][4], int r0) {
   for_fragment_pairs<NX>(acc, r0, 0, [&](int d, int e, float x0, float x1) {
     if (!WithZ && e == D) x0 = 0.f;
     split2(x0, x1, *reinterpret_cast<std::uint32_t*>(hi + d * ldx + e),

@@ -334,8 +334,7 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
         if constexpr (bf16) {
           auto kernel = linear_bwd_chunk_sums_mma_kernel<Policy>;
           allow_dynamic_smem(kernel, plan.reduce_smem);
-          kernel<<<chunk_grid, chunk_threads, plan.reduce_smem, stream>>>(bp, offsets, walk,
-                                                                           state);
+          kernel<<<chunk_grid, chunk_threads, plan.reduce_smem, stream>>>(bp, offsets, walk, state);
         }
       } else {
         auto sums = linear_bwd_chunk_sums_kernel<Dev, Policy>;
@@ -371,8 +370,8 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
         if constexpr (bf16) {
           auto kernel = linear_bwd_causal_key_mma_kernel<Policy>;
           allow_dynamic_smem(kernel, plan.causal_k_smem);
-          kernel<<<chunk_grid, chunk_threads, plan.causal_k_smem, stream>>>(
-              bp, offsets, walk, dstate, gbuf, delta);
+          kernel<<<chunk_grid, chunk_threads, plan.causal_k_smem, stream>>>(bp, offsets, walk,
+                                                                            dstate, gbuf, delta);
         }
       } else {
         auto key = linear_bwd_causal_key_kernel<Dev, Policy>;

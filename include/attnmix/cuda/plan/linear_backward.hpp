@@ -57,8 +57,8 @@ struct linear_backward_shape {
   index_t head_dim = 0, value_dim = 0;  // D, Dv
   index_t max_len = 0;                  // longest sequence
   index_t sequences = 0, kv_heads = 0, q_heads = 0, gate_heads = 0;
-  index_t total_slots = 0;  // causal: sum over sequences of ceil(len / slot tokens)
-  int force_super = 0;      // causal tensor cores: chunks a slot, 0 = the plan picks
+  index_t total_slots = 0;        // causal: sum over sequences of ceil(len / slot tokens)
+  int force_super = 0;            // causal tensor cores: chunks a slot, 0 = the plan picks
   std::size_t offsets_bytes = 0;  // the cu_seqlens copy (0 for a dense batch)
   // Bidirectional on tensor cores (sm80_linear_backward.cuh, D = Dv = 64): 16-bit inputs on sm_80+,
   // q, k, v rows 16-byte aligned and the other activations' rows 4-byte aligned; and not forced to
@@ -70,8 +70,8 @@ struct linear_backward_shape {
 
 // Byte offsets of the scratch parts (each 256-byte aligned) and the total.
 struct linear_backward_scratch {
-  std::size_t offsets = 0, slot_offsets = 0, stats = 0, state = 0, partial = 0, dstate = 0,
-              jac = 0, dgamma = 0, da_heads = 0, g = 0, delta = 0, bytes = 0;
+  std::size_t offsets = 0, slot_offsets = 0, stats = 0, state = 0, partial = 0, dstate = 0, jac = 0,
+              dgamma = 0, da_heads = 0, g = 0, delta = 0, bytes = 0;
 };
 
 struct linear_backward_plan {
