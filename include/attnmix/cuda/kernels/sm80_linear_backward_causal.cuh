@@ -125,6 +125,18 @@ __device__ void stage_keys(const lbm_tile_loads<__nv_bfloat16, D, C, threads>& k
   }
 }
 
+// scale phi(q) of the chunk in two parts (0 at pads), from pieces loaded by lbm_tile_loads.
+template <class Policy>
+__device__ __forceinline__ void stage_queries(
+    const lbm_tile_loads<__nv_bfloat16, D, C, threads>& qn, float scale, const float* valid,
+    split_op* Rh, split_op* Rl) {
+#pragma unroll
+  for (int i = 0; i < qn.count; ++i) {
+    const int t = qn.row(i), at = t * ld + 8 * qn.piece(i);
+    lbm_phi8<__nv_bfloat16, Policy>(qn.raw[i], scale, valid[t] != 0.f, Rh + at, Rl + at);
+  }
+}
+
 // x[i][j] = 0 where the causal mask drops the pair: j > i (Transposed: i < j, the warp's rows j).
 template <bool Transposed>
 __device__ __forceinline__ void causal_mask(float (&x)[8][4], int r0) {
@@ -227,11 +239,7 @@ __global__ void __launch_bounds__(lbc::threads)
     stage_keys<Policy>(kn, vn, valid, Ph, Pl, V);
 
     for (int hq = hq0; hq < hq1; ++hq) {
-#pragma unroll
-      for (int i = 0; i < qn.count; ++i) {
-        const int t = qn.row(i), at = t * ld + 8 * qn.piece(i);
-        lbm_phi8<Dev, Policy>(qn.raw[i], f.scale, valid[t] != 0.f, Rh + at, Rl + at);
-      }
+      stage_queries<Policy>(qn, f.scale, valid, Rh, Rl);
       if (hq + 1 < hq1)
         qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq + 1);
       else if (c + 1 < last)
@@ -383,11 +391,7 @@ __global__ void __launch_bounds__(lbc::threads)
     warp_mma<ldx, false, true, 8, KX>(E, a_from_tile<ldx, false>{V, nullptr, r0}, dSh, dSl);
     warp_mma<ldx, true, true, 8>(DV, pa, dSh, dSl);
     for (int hq = hq0; hq < hq1; ++hq) {
-#pragma unroll
-      for (int i = 0; i < qn.count; ++i) {
-        const int t = qn.row(i), at = t * ld + 8 * qn.piece(i);
-        lbm_phi8<Dev, Policy>(qn.raw[i], f.scale, valid[t] != 0.f, Rh + at, Rl + at);
-      }
+      stage_queries<Policy>(qn, f.scale, valid, Rh, Rl);
       if (hq + 1 < hq1)
         qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq + 1);
       else if (c > first)
