@@ -1,6 +1,6 @@
 #pragma once
 // Warp-level tensor-core and copy primitives (sm_80+): mma.sync m16n8k16 and m16n8k8 (tf32),
-// ldmatrix, cp.async, L2 prefetch.
+// ldmatrix, cp.async, L2 prefetch, global reductions.
 // Fragment layouts follow the PTX ISA ("Matrix fragments for mma.m16n8k16"); with g = lane / 4
 // and c = 2 * (lane % 4):
 //   A 16x16: a0 = (g, c..c+1), a1 = (g+8, c..), a2 = (g, c+8..), a3 = (g+8, c+8..)
@@ -56,6 +56,22 @@ __device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], std::ui
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], const void* smem) {
   ldmatrix_x4_trans(r, smem_address(smem));
+}
+
+// *p += (x, y) in global memory, fire and forget (two floats, 8-byte aligned p). Reductions a
+// thread issues to one address are applied in its program order, so a sum that only one thread
+// of the grid adds to gets the bits of load, add, store -- without waiting for the load.
+__device__ __forceinline__ void red_add2(float* p, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(y) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void red_add(double* p, double x) {
+  asm volatile("red.global.add.f64 [%0], %1;\n" ::"l"(p), "d"(x) : "memory");
 }
 
 // d += a * b with 16-bit inputs (T = __half or __nv_bfloat16) and float accumulators.

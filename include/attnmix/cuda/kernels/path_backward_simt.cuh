@@ -76,13 +76,15 @@ struct path_backward_params {
   float* trans;
   float* dtrans;
   // Its super-chunks (path_bwd_mma_layout::super chunks): the keys of each chunk transformed to
-  // the end of their super-chunk, K^ [rows, D]; each super-chunk's product as I - Pi (D x D at
-  // path_super_pi_row), and the slices' sums of dK^ and dPi (slice_pi elements apart).
+  // the end of their super-chunk, K^ [rows, D] (in two bfloat16 parts, each row's hi then lo in
+  // its float row's bytes); each super-chunk's product as I - Pi (D x D at path_super_pi_row),
+  // and the slices' sums of dK^ and dPi (slice_pi elements apart).
   float* khat;
   float* pis;
   float* dkhat;
   float* dpis;
   index_t slice_pi;
+  bool v_vectors;  // v rows 16-byte aligned (the tensor-core query kernel copies them so)
 };
 
 // Row of the D x D Pi of the super-chunk whose first token is at row `first` of the [rows, .]

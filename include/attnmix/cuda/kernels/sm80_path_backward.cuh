@@ -18,7 +18,9 @@
 // r, rbar, P and dZ are stored there (split) as they change, so the two warps of a row block read
 // whole rows. The products that sum over the chunk's query rows (what keys and transitions
 // receive: dv, dK~, dP, and the diagonal tile's dk, dM, dW and dU) are added to the slice's float
-// sums, one thread an element, in a fixed order (the same bits on every run).
+// sums, one thread an element, in a fixed order (the same bits on every run), as reductions that
+// no thread waits for. In the walk through earlier super-chunks, the next step's keys (and v) are
+// copied into a second buffer (cp.async) while a step computes.
 // Operands are bfloat16 in two parts (collective/split_mma.cuh); inputs in bfloat16 take one, half
 // inputs two (11 bits do not fit one bfloat16).
 
@@ -40,21 +42,24 @@ namespace path_bwd_mma {
 using L = path_bwd_mma_layout;
 constexpr int C = L::C, ld = L::ld;
 
-// The CTA stages a [C][64] tile into (hi, lo): element (r, c) = at(r, c) for r < rows and
-// c < cols, else 0; lo (when Lo) holds what hi's rounding left. Every load is issued before the
-// first conversion, so that they are in flight together.
-template <bool Lo, class F>
-__device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int rows, int cols) {
-  constexpr int per_thread = C * 32 / L::threads;
-  float x[per_thread][2];
+// The CTA stages [C][64] tiles into (hi, lo) in two halves: load_tile reads this thread's
+// elements (r, c) = at(r, c) for r < rows and c < cols, else 0; store_tile writes them, lo (when
+// Lo) holding what hi's rounding left. Loads of several tiles issued before the first store are in
+// flight together (a store to shared memory keeps the compiler from moving a later load above it).
+using tile_regs = float[C * 32 / L::threads][2];
+template <class F>
+__device__ __forceinline__ void load_tile(tile_regs& x, F&& at, int rows, int cols) {
 #pragma unroll
-  for (int k = 0; k < per_thread; ++k) {
+  for (int k = 0; k < C * 32 / L::threads; ++k) {
     const int i = int(threadIdx.x) + k * L::threads, r = i >> 5, c = 2 * (i & 31);
     x[k][0] = r < rows && c < cols ? at(r, c) : 0.f;
     x[k][1] = r < rows && c + 1 < cols ? at(r, c + 1) : 0.f;
   }
+}
+template <bool Lo>
+__device__ __forceinline__ void store_tile(const tile_regs& x, split_op* hi, split_op* lo) {
 #pragma unroll
-  for (int k = 0; k < per_thread; ++k) {
+  for (int k = 0; k < C * 32 / L::threads; ++k) {
     const int i = int(threadIdx.x) + k * L::threads, r = i >> 5, c = 2 * (i & 31);
     std::uint32_t h, l;
     if constexpr (Lo) {
@@ -65,6 +70,12 @@ __device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int ro
     }
     *reinterpret_cast<std::uint32_t*>(hi + r * ld + c) = h;
   }
+}
+template <bool Lo, class F>
+__device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int rows, int cols) {
+  tile_regs x;
+  load_tile(x, at, rows, cols);
+  store_tile<Lo>(x, hi, lo);
 }
 
 // A warp's part of a tile (16 x 32: rows r0 .., columns c0 ..) into (hi, lo); rows from `rows`
@@ -79,29 +90,26 @@ __device__ __forceinline__ void store_split(float (&acc)[4][4], split_op* hi, sp
   });
 }
 
-// dst[r][c] += sign * acc for the rows r < rows of a warp's part (dst rows of ldd floats). Every
-// load is issued before the first store, so that they are in flight together.
+// dst[r][c] += sign * acc for the rows r < rows of a warp's part (dst rows of ldd floats), as
+// reductions that nothing waits for. Each element of a sum has one thread of the grid adding to
+// it (a slice's sums are its CTA's; a warp's part is the same at every step), so the bits are
+// those of a load, add and store in program order.
 __device__ __forceinline__ void add_rows(float (&acc)[4][4], float* dst, int ldd, int r0, int c0,
                                          int rows, float sign) {
-  const int lane = threadIdx.x % 32, g = lane >> 2, c = c0 + 2 * (lane & 3);
-  float2 old[4][2];
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = r0 + g + 8 * hh;
-      old[nt][hh] = r < rows ? *reinterpret_cast<const float2*>(dst + r * ldd + 8 * nt + c)
-                             : make_float2(0.f, 0.f);
-    }
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = r0 + g + 8 * hh;
-      if (r < rows)
-        *reinterpret_cast<float2*>(dst + r * ldd + 8 * nt + c) = make_float2(
-            old[nt][hh].x + sign * acc[nt][2 * hh], old[nt][hh].y + sign * acc[nt][2 * hh + 1]);
-    }
+  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
+    if (r < rows) red_add2(dst + r * ldd + c, sign * x0, sign * x1);
+  });
+}
+
+// A warp's part into rows of a split tile kept in global memory for 16-byte copies: row r holds
+// hi (C elements) then lo (C elements), the 256 bytes of a float row.
+__device__ __forceinline__ void save_split_rows(float (&acc)[4][4], split_op* dst, int r0, int c0) {
+  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
+    std::uint32_t h, l;
+    split2(x0, x1, h, l);
+    *reinterpret_cast<std::uint32_t*>(dst + r * 2 * C + c) = h;
+    *reinterpret_cast<std::uint32_t*>(dst + r * 2 * C + C + c) = l;
+  });
 }
 
 // A warp's part to / from float rows (rows r < rows; others read as 0).
@@ -281,7 +289,8 @@ __device__ __forceinline__ void identity(float (&acc)[4][4], int m0, int n0) {
 }  // namespace path_bwd_mma
 
 // Before the query kernel: K^ = K~ A_j^T of each chunk of a super-chunk the query kernel walks
-// through at once, and its I - Pi. Three split tiles (fold_smem).
+// through at once (split, rows as save_split_rows writes them), and its I - Pi. Three split tiles
+// (fold_smem).
 template <class T>
 __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
     path_backward_super_kernel(const path_backward_params p) {
@@ -302,10 +311,14 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   enum { sa, sn, sk };
   const float* KT = static_cast<const float*>(p.kp.kt) + sc.row0 * C;
   const float* NN = p.trans + sc.row0 * C;
-  float* KH = p.khat + sc.row0 * C;
+  split_op* KH = reinterpret_cast<split_op*>(p.khat + sc.row0 * C);  // rows of 2 C
   // The last chunk's keys are at the end already.
-  for (int i = threadIdx.x; i < C * C; i += L::threads)
-    KH[(S - 1) * C * C + i] = KT[(S - 1) * C * C + i];
+  for (int i = threadIdx.x; i < C * C / 2; i += L::threads) {
+    const int r = (S - 1) * C + i / (C / 2), c = 2 * (i % (C / 2));
+    const float2 x = *reinterpret_cast<const float2*>(KT + r * C + c);
+    split2(x.x, x.y, *reinterpret_cast<std::uint32_t*>(KH + r * 2 * C + c),
+           *reinterpret_cast<std::uint32_t*>(KH + r * 2 * C + C + c));
+  }
   float a[4][4];
   pm::identity(a, m0, n0);
   pm::store_split(a, hi(sa), lo(sa), m0, n0, C);
@@ -325,7 +338,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
       pm::zero(kh);
       warp_mma<ld, false, true, 4>(kh, a_from_tile<ld, true>{hi(sk), lo(sk), m0}, hi(sa), lo(sa),
                                    n0);
-      pm::save_rows(kh, KH + j * C * C, C, m0, n0, C);
+      pm::save_split_rows(kh, KH + j * C * 2 * C, m0, n0);
     } else {  // Pi = A_0 P_(S s): store I - Pi
       float id[4][4];
       pm::identity(id, m0, n0);
@@ -653,7 +666,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     path_backward_query_mma_kernel(const path_backward_params p) {
   namespace pm = path_bwd_mma;
   using L = path_bwd_mma_layout;
-  constexpr int C = L::C, D = C, Dv = C, ld = L::ld, lf = L::lf;
+  constexpr int C = L::C, D = C, Dv = C, ld = L::ld;
   constexpr bool in_lo = std::is_same_v<T, __half>;  // half inputs: two bfloat16 parts
   using part = float[4][4];                          // a warp's 16 x 32 part of a tile
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -664,13 +677,14 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   const auto lo = [&](int s) {
     return tiles + (2 * s + 1) * L::tile;
   };
-  float* dzf = reinterpret_cast<float*>(tiles + 2 * L::slots * L::tile);  // [C][lf]
-  float* lse_s = dzf + C * lf;
+  // [4][C]: the four row blocks' column sums of dZ
+  float* colsum = reinterpret_cast<float*>(tiles + 2 * L::slots * L::tile);
+  float* lse_s = colsum + 4 * C;
   float* delta_s = lse_s + C;
   float* gi_s = delta_s + C;
   int* reset_s = reinterpret_cast<int*>(gi_s + C);
-  float* gj_s = reinterpret_cast<float*>(reset_s + C);
-  float* rowsum = gj_s + C;  // [2][C]: the two column halves' row sums of dZ
+  float* gj_s = reinterpret_cast<float*>(reset_s + C);  // [2][C]: the keys' gate terms, two buffers
+  float* rowsum = gj_s + 2 * C;  // [2][C]: the two column halves' row sums of dZ
 
   const path_kernel_params& kp = p.kp;
   const int warp = threadIdx.x / 32, half = warp / 4, m0 = 16 * (warp % 4), n0 = 32 * half;
@@ -680,24 +694,29 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   const float scale = p.scale;
   const index_t HQ = kp.a.q_heads;
 
-  // Tiles of a chunk starting at token j0 with `rows` rows.
-  const auto stage_w = [&](index_t j0, int rows) {
-    pm::stage<true>(
-        hi(L::w), lo(L::w), [&](int r, int c) { return cta.W[(j0 + r) * cta.ws1 + c]; }, rows, D);
+  // Tiles of a chunk starting at token j0 with `rows` rows: this thread's elements loaded
+  // (pm::load_tile), later stored split into their slot (pm::store_tile).
+  const auto load_w = [&](pm::tile_regs& x, index_t j0, int rows) {
+    pm::load_tile(
+        x, [&](int r, int c) { return cta.W[(j0 + r) * cta.ws1 + c]; }, rows, D);
   };
-  const auto stage_u = [&](index_t j0, int rows) {
-    pm::stage<true>(
-        hi(L::u), lo(L::u), [&](int r, int c) { return cta.UU[(j0 + r) * D + c]; }, rows, D);
+  const auto load_u = [&](pm::tile_regs& x, index_t j0, int rows) {
+    pm::load_tile(
+        x, [&](int r, int c) { return cta.UU[(j0 + r) * D + c]; }, rows, D);
   };
   // Chunk j0's transition N = W^T U (full chunks after the first), D x D, row-major [k][n].
-  const auto stage_n = [&](index_t j0) {
-    pm::stage<true>(
-        hi(L::w), lo(L::w), [&](int r, int c) { return cta.NN[(j0 + r) * D + c]; }, D, D);
+  const auto load_n = [&](pm::tile_regs& x, index_t j0) {
+    pm::load_tile(
+        x, [&](int r, int c) { return cta.NN[(j0 + r) * D + c]; }, D, D);
+  };
+  const auto load_v = [&](pm::tile_regs& x, index_t j0, int rows) {
+    pm::load_tile(
+        x, [&](int r, int c) { return to_float(cta.V[(j0 + r) * cta.vs1 + c]); }, rows, Dv);
   };
   const auto stage_v = [&](index_t j0, int rows) {
-    pm::stage<in_lo>(
-        hi(L::v), lo(L::v), [&](int r, int c) { return to_float(cta.V[(j0 + r) * cta.vs1 + c]); },
-        rows, Dv);
+    pm::tile_regs x;
+    load_v(x, j0, rows);
+    pm::store_tile<in_lo>(x, hi(L::v), lo(L::v));
   };
   // What the walk's and the adjoint's step at chunk j0 read: asked of L2 a step ahead.
   const auto prefetch_walk = [&](index_t j0) {
@@ -740,7 +759,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           gj_s[j] = j < cols ? static_cast<float>(p.coef * (qr.G[(j0 + j) * HQ] - g_ref)) : 0.f;
       };
       // p and dZ of a warp's part of a tile in place of its scores s and dP; diag: causal.
-      const auto softmax_bwd = [&](part& s, part& dp, index_t j0, int cols, bool diag) {
+      const auto softmax_bwd = [&](part& s, part& dp, index_t j0, int cols, bool diag,
+                                   const float* gj) {
         const int lane = threadIdx.x % 32, g = lane >> 2, c2 = n0 + 2 * (lane & 3);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
@@ -750,7 +770,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             float pv = 0.f, dzv = 0.f;
             if (a < n && j < cols && (!diag || j <= a) && j0 + j >= reset_s[a]) {
               float z = s[nt][e];
-              if (qr.G != nullptr) z += gi_s[a] - gj_s[j];
+              if (qr.G != nullptr) z += gi_s[a] - gj[j];
               pv = expf(z - lse_s[a]);
               dzv = pv * (dp[nt][e] - delta_s[a]);
             }
@@ -758,38 +778,50 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             dp[nt][e] = dzv;
           }
       };
-      // dG: each warp leaves its part's row sums and its dZ in shared memory (before a barrier);
-      // then thread t adds row t's sum and takes key t's, in that order (the diagonal tile's
-      // keys are its rows).
+      // dG: each warp leaves its part's row sums and column sums in shared memory (before a
+      // barrier); then thread t adds row t's sum and takes key t's, in that order (the
+      // diagonal tile's keys are its rows), as reductions (thread t is the only one that adds
+      // to these elements of dG).
       const auto gate_parts = [&](part& dz) {
         if (qr.dG == nullptr) return;
         const int lane = threadIdx.x % 32, g = lane >> 2;
-        float rs[2] = {0.f, 0.f};
+        float rs[2] = {0.f, 0.f}, cs[4][2];
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           rs[0] += dz[nt][0] + dz[nt][1];
           rs[1] += dz[nt][2] + dz[nt][3];
+          cs[nt][0] = dz[nt][0] + dz[nt][2];
+          cs[nt][1] = dz[nt][1] + dz[nt][3];
         }
 #pragma unroll
         for (int o = 1; o < 4; o <<= 1) {
           rs[0] += __shfl_xor_sync(0xffffffffu, rs[0], o);
           rs[1] += __shfl_xor_sync(0xffffffffu, rs[1], o);
         }
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            cs[nt][0] += __shfl_xor_sync(0xffffffffu, cs[nt][0], o);
+            cs[nt][1] += __shfl_xor_sync(0xffffffffu, cs[nt][1], o);
+          }
         if ((lane & 3) == 0)
           rowsum[half * C + m0 + g] = rs[0], rowsum[half * C + m0 + g + 8] = rs[1];
-        for_fragment_pairs<4>(dz, m0, n0, [&](int r, int c, float x0, float x1) {
-          dzf[r * lf + c] = x0;
-          dzf[r * lf + c + 1] = x1;
-        });
+        if (g == 0)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            float* at = colsum + (m0 / 16) * C + n0 + 8 * nt + 2 * lane;
+            at[0] = cs[nt][0], at[1] = cs[nt][1];
+          }
       };
       const auto gate_sums = [&](index_t j0, int cols) {
         if (qr.dG == nullptr) return;
         const int t = threadIdx.x;
-        if (t < n) qr.dG[(c0 + t) * HQ] += p.coef * static_cast<double>(rowsum[t] + rowsum[C + t]);
+        if (t < n)
+          red_add(qr.dG + (c0 + t) * HQ, p.coef * static_cast<double>(rowsum[t] + rowsum[C + t]));
         if (t < cols) {
-          float cs = 0.f;
-          for (int a = 0; a < n; ++a) cs += dzf[a * lf + t];
-          qr.dG[(j0 + t) * HQ] -= p.coef * static_cast<double>(cs);
+          const float cs = colsum[t] + colsum[C + t] + colsum[2 * C + t] + colsum[3 * C + t];
+          red_add(qr.dG + (j0 + t) * HQ, -(p.coef * static_cast<double>(cs)));
         }
       };
       const auto tril_mask = [&](part& x) {  // keep (a, c) for c <= a < n
@@ -823,20 +855,27 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         }
         delta_s[a] = dl, lse_s[a] = l, gi_s[a] = gg, reset_s[a] = rs;
       }
-      pm::stage<true>(
-          hi(L::q), lo(L::q),
-          [&](int r, int c) { return scale * to_float(qr.Q[(c0 + r) * qr.qs1 + c]); }, n, D);
-      pm::stage<in_lo>(
-          hi(L::dout), lo(L::dout),
-          [&](int r, int c) { return to_float(qr.dO[(c0 + r) * qr.dos1 + c]); }, n, Dv);
-      pm::stage<in_lo>(
-          hi(L::k), lo(L::k), [&](int r, int c) { return to_float(cta.K[(c0 + r) * cta.ks1 + c]); },
-          n, D);
-      stage_v(c0, n);
-      stage_w(c0, n);
-      stage_u(c0, n);
-      pm::stage<true>(
-          hi(L::m), lo(L::m), [&](int r, int c) { return cta.MM[(c0 + r) * C + c]; }, n, n);
+      {  // the chunk's tiles, in two batches of loads
+        pm::tile_regs x0, x1, x2, x3;
+        pm::load_tile(
+            x0, [&](int r, int c) { return scale * to_float(qr.Q[(c0 + r) * qr.qs1 + c]); }, n, D);
+        pm::load_tile(
+            x1, [&](int r, int c) { return to_float(qr.dO[(c0 + r) * qr.dos1 + c]); }, n, Dv);
+        pm::load_tile(
+            x2, [&](int r, int c) { return to_float(cta.K[(c0 + r) * cta.ks1 + c]); }, n, D);
+        load_v(x3, c0, n);
+        pm::store_tile<true>(x0, hi(L::q), lo(L::q));
+        pm::store_tile<in_lo>(x1, hi(L::dout), lo(L::dout));
+        pm::store_tile<in_lo>(x2, hi(L::k), lo(L::k));
+        pm::store_tile<in_lo>(x3, hi(L::v), lo(L::v));
+        load_w(x0, c0, n);
+        load_u(x1, c0, n);
+        pm::load_tile(
+            x2, [&](int r, int c) { return cta.MM[(c0 + r) * C + c]; }, n, n);
+        pm::store_tile<true>(x0, hi(L::w), lo(L::w));
+        pm::store_tile<true>(x1, hi(L::u), lo(L::u));
+        pm::store_tile<true>(x2, hi(L::m), lo(L::m));
+      }
       stage_gate(c0, n);
       if (ci > 0) prefetch_walk(c0 - C);
       __syncthreads();
@@ -855,7 +894,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         warp_mma<ld, false, in_lo, 4>(dp, doa, hi(L::v), lo(L::v), n0);
         __syncthreads();  // X whole
         warp_mma<ld, true, true, 4>(s, neg_rows_of(L::x), hi(L::m), lo(L::m), n0);
-        softmax_bwd(s, dp, c0, n, true);
+        softmax_bwd(s, dp, c0, n, true, gj_s);
         pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
         pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
         gate_parts(dp);
@@ -894,15 +933,15 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         warp_mma<ld, true, true, 4>(r, neg_rows_of(L::x), hi(L::u), lo(L::u), n0);
         __syncthreads();  // dX (e3) read
         pm::store_split(r, hi(L::e3), lo(L::e3), m0, n0, n);
-        // P and dZ of the keys in slot k (staged, with v and the gate) against r (e3); then
-        // dv += P^T dO and dkeys += dZ^T r.
-        const auto scores = [&](index_t j0) {
+        // P and dZ of the keys in slot ks (v's first part at vh, their gate terms at gj) against
+        // r (e3); then dv += P^T dO and dkeys += dZ^T r.
+        const auto scores = [&](index_t j0, int ks, const split_op* vh, const float* gj) {
           part s, dp;
           pm::zero(s);
-          warp_mma<ld, false, true, 4>(s, rows_of(L::e3), hi(L::k), lo(L::k), n0);
+          warp_mma<ld, false, true, 4>(s, rows_of(L::e3), hi(ks), lo(ks), n0);
           pm::zero(dp);
-          warp_mma<ld, false, in_lo, 4>(dp, doa, hi(L::v), lo(L::v), n0);
-          softmax_bwd(s, dp, j0, C, false);
+          warp_mma<ld, false, in_lo, 4>(dp, doa, vh, lo(L::v), n0);
+          softmax_bwd(s, dp, j0, C, false, gj);
           pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
           pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
           gate_parts(dp);
@@ -924,15 +963,21 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         for (index_t cj = ci - 1; cj >= own0; --cj) {
           const index_t j0 = cj * C;  // earlier chunks are full
           __syncthreads();
-          pm::stage<true>(
-              hi(L::k), lo(L::k), [&](int rr, int c) { return cta.KT[(j0 + rr) * D + c]; }, C, D);
-          stage_v(j0, C);
-          if (cj > 0) stage_n(j0);
+          {  // K~, v and N, their loads in flight together
+            pm::tile_regs kx, vx, nx;
+            pm::load_tile(
+                kx, [&](int rr, int c) { return cta.KT[(j0 + rr) * D + c]; }, C, D);
+            load_v(vx, j0, C);
+            if (cj > 0) load_n(nx, j0);
+            pm::store_tile<true>(kx, hi(L::k), lo(L::k));
+            pm::store_tile<in_lo>(vx, hi(L::v), lo(L::v));
+            if (cj > 0) pm::store_tile<true>(nx, hi(L::w), lo(L::w));
+          }
           stage_gate(j0, C);
           prefetch_next(j0);
           pm::save_rows(r, cta.states + j0 * D, D, m0, n0, n);
           __syncthreads();
-          scores(j0);
+          scores(j0, L::k, hi(L::v), gj_s);
           {  // e = dZ K~
             part e;
             pm::zero(e);
@@ -946,35 +991,88 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             pm::store_split(r, hi(L::e3), lo(L::e3), m0, n0, n);
           }
         }
-        for (index_t sg = own0 / SC - 1; sg >= 0; --sg) {
-          const index_t s0 = sg * SC * C;  // the super-chunk's first token
-          pm::save_rows(r, cta.states + s0 * D, D, m0, n0, n);
-          part e;
-          pm::zero(e);
-          for (index_t cj = (sg + 1) * SC - 1; cj >= sg * SC; --cj) {
-            const index_t j0 = cj * C;
-            __syncthreads();
-            pm::stage<true>(
-                hi(L::k), lo(L::k), [&](int rr, int c) { return cta.KH[(j0 + rr) * D + c]; }, C, D);
-            stage_v(j0, C);
-            if (sg > 0 && cj == (sg + 1) * SC - 1)  // I - Pi, read after the super-chunk
-              pm::stage<true>(
-                  hi(L::w), lo(L::w),
-                  [&](int rr, int c) { return cta.PIS[cta.pi_at(sg) + rr * D + c]; }, D, D);
-            stage_gate(j0, C);
-            prefetch_next(j0);
-            __syncthreads();
-            scores(j0);
-            warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(L::k), lo(L::k), n0);  // e += dZ K^
-            key_sums(j0, cta.dKH);
+        // The earlier super-chunks, a step a chunk from own0 - 1 down to 0. Step t's K^ (kept
+        // split in global memory) and, where v rows take 16-byte copies (bfloat16), its v are
+        // copied into buffer t % 2 while step t - 1 computes: K^ into slot k or m (M is the
+        // diagonal tile's only), v into the first or second part of slot v (one part suffices);
+        // its gate terms wait in a register, then in gate buffer t % 2.
+        const bool async_v = !in_lo && p.v_vectors;
+        const split_op* KHs = reinterpret_cast<const split_op*>(cta.KH);  // rows of 2 D
+        const auto kslot = [](int b) {
+          return b ? int(L::m) : int(L::k);
+        };
+        const auto vbuf = [&](int b) {
+          return async_v && b ? lo(L::v) : hi(L::v);
+        };
+        const auto issue = [&](index_t j0, int b) {
+          for (int i = threadIdx.x; i < C * 16; i += L::threads) {  // 8 pieces of hi, 8 of lo
+            const int rr = i >> 4, piece = i & 15;
+            split_op* dst = (piece < 8 ? hi(kslot(b)) : lo(kslot(b))) + rr * ld + 8 * (piece & 7);
+            cp_async_16(dst, KHs + (j0 + rr) * 2 * D + 8 * piece, true);
           }
-          pm::save_rows(e, cta.es + s0 * D, D, m0, n0, n);
-          if (sg > 0) {  // r <- r Pi = r - r (I - Pi)
-            warp_mma<ld, true, true, 4>(r, neg_rows_of(L::e3), hi(L::w), lo(L::w), n0);
-            __syncthreads();  // r (e3) read
-            pm::store_split(r, hi(L::e3), lo(L::e3), m0, n0, n);
+          if (async_v)
+            for (int i = threadIdx.x; i < C * 8; i += L::threads) {
+              const int rr = i >> 3, piece = i & 7;
+              cp_async_16(vbuf(b) + rr * ld + 8 * piece, cta.V + (j0 + rr) * cta.vs1 + 8 * piece,
+                          true);
+            }
+          cp_async_commit();
+        };
+        const auto gate_of = [&](index_t j0) {  // key threadIdx.x's gate term (threads < C)
+          return qr.G != nullptr
+                     ? static_cast<float>(p.coef * (qr.G[(j0 + threadIdx.x) * HQ] - g_ref))
+                     : 0.f;
+        };
+        if (own0 > 0) {
+          __syncthreads();  // the own super-chunk's walk is done with slots k, v and the gate
+          issue((own0 - 1) * C, 0);
+          if (threadIdx.x < C) gj_s[threadIdx.x] = gate_of((own0 - 1) * C);
+        }
+        part e;
+        for (index_t cj = own0 - 1; cj >= 0; --cj) {
+          const index_t j0 = cj * C, sg = cj / SC, s0 = sg * SC * C;
+          const int b = int((own0 - 1 - cj) & 1);
+          if (cj == (sg + 1) * SC - 1) {  // the super-chunk's first step
+            pm::save_rows(r, cta.states + s0 * D, D, m0, n0, n);
+            pm::zero(e);
+          }
+          __syncthreads();  // step t - 1 is done with buffer 1 - b
+          if (cj > 0)
+            issue(j0 - C, 1 - b);
+          else
+            cp_async_commit();  // an empty group: one a step
+          const float g_next = cj > 0 && threadIdx.x < C ? gate_of(j0 - C) : 0.f;
+          if (sg > 0 && cj == (sg + 1) * SC - 1)  // I - Pi, read after the super-chunk
+            pm::stage<true>(
+                hi(L::w), lo(L::w),
+                [&](int rr, int c) { return cta.PIS[cta.pi_at(sg) + rr * D + c]; }, D, D);
+          if (!async_v) stage_v(j0, C);
+          if (cj >= 2) {  // asked of L2: the copies of the step after next, this one's sums
+            pm::prefetch_rows(cta.KH + (j0 - 2 * C) * D, D, C, D);
+            if (async_v) pm::prefetch_rows(cta.V + (j0 - 2 * C) * cta.vs1, cta.vs1, C, Dv);
+          }
+          if (cj >= 1) {
+            if (!async_v) pm::prefetch_rows(cta.V + (j0 - C) * cta.vs1, cta.vs1, C, Dv);
+            pm::prefetch_rows(cta.dvs + (j0 - C) * Dv, Dv, C, Dv);
+            pm::prefetch_rows(cta.dKH + (j0 - C) * D, D, C, D);
+          }
+          cp_async_wait<1>();
+          __syncthreads();  // K^ and v of this step whole
+          scores(j0, kslot(b), vbuf(b), gj_s + b * C);
+          warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(kslot(b)), lo(kslot(b)),
+                                      n0);  // e += dZ K^
+          key_sums(j0, cta.dKH);
+          if (threadIdx.x < C) gj_s[(1 - b) * C + threadIdx.x] = g_next;
+          if (cj == sg * SC) {  // the super-chunk's last step
+            pm::save_rows(e, cta.es + s0 * D, D, m0, n0, n);
+            if (sg > 0) {  // r <- r Pi = r - r (I - Pi)
+              warp_mma<ld, true, true, 4>(r, neg_rows_of(L::e3), hi(L::w), lo(L::w), n0);
+              __syncthreads();  // r (e3) read
+              pm::store_split(r, hi(L::e3), lo(L::e3), m0, n0, n);
+            }
           }
         }
+        cp_async_wait<0>();
 
         // ---- 3. the adjoint: rbar_cj = e_cj + rbar_(cj-1) P_cj^T with P = I - N, and the
         // transition's gradient dP += r^T rbar (dW and dU follow from it once per chunk); the
@@ -983,47 +1081,46 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         pm::load_rows(rbar, cta.es, D, m0, n0, n);
         __syncthreads();  // the walk's dZ (e2) read
         pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n0, n);
-        // One step: the transition (I - its product) in slot w, the state at j0 into e3.
-        const auto adjoint_step = [&](index_t j0, float* dtrans) {
+        // One step: the transition (I - its product, D x D rows at trans) into slot w, the
+        // state at j0 into e3, and e at j0 added, their loads in flight together.
+        const auto adjoint_step = [&](index_t j0, const float* trans, float* dtrans) {
+          __syncthreads();  // the step before is done with slots w and e3
           {
-            part rr;
+            pm::tile_regs tx;
+            part rr, e;
+            pm::load_tile(
+                tx, [&](int r0, int c) { return trans[r0 * D + c]; }, D, D);
             pm::load_rows(rr, cta.states + j0 * D, D, m0, n0, n);
-            pm::store_split(rr, hi(L::e3), lo(L::e3), m0, n0, n);
-          }
-          __syncthreads();
-          cross(L::e3, hi(L::e2), lo(L::e2), split_b{}, dtrans, D, D, 1.f);
-          {
-            part e;
             pm::load_rows(e, cta.es + j0 * D, D, m0, n0, n);
+            pm::store_tile<true>(tx, hi(L::w), lo(L::w));
+            pm::store_split(rr, hi(L::e3), lo(L::e3), m0, n0, n);
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
               for (int jj = 0; jj < 4; ++jj) rbar[i][jj] += e[i][jj];
           }
+          __syncthreads();
+          cross(L::e3, hi(L::e2), lo(L::e2), split_b{}, dtrans, D, D, 1.f);
           warp_mma<ld, false, true, 4>(rbar, neg_rows_of(L::e2), hi(L::w), lo(L::w), n0);
           __syncthreads();  // rbar (e2) read
           pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n0, n);
         };
-        for (index_t sg = 1; sg < own0 / SC; ++sg) {
-          const index_t s0 = sg * SC * C;
-          __syncthreads();
-          pm::stage<true>(
-              hi(L::w), lo(L::w),
-              [&](int rr, int c) { return cta.PIS[cta.pi_at(sg) + rr * D + c]; }, D, D);
-          adjoint_step(s0, cta.dPI + cta.pi_at(sg));
-        }
+        for (index_t sg = 1; sg < own0 / SC; ++sg)
+          adjoint_step(sg * SC * C, cta.PIS + cta.pi_at(sg), cta.dPI + cta.pi_at(sg));
         for (index_t cj = own0 > 1 ? own0 : 1; cj < ci; ++cj) {
           const index_t j0 = cj * C;
-          __syncthreads();
-          stage_n(j0);
           if (cj + 1 < ci) prefetch_adjoint(j0 + C);
-          adjoint_step(j0, cta.dP + j0 * D);
+          adjoint_step(j0, cta.NN + j0 * D, cta.dP + j0 * D);
         }
 
         // ---- the chunk's own transform, Q~ = Qs - tril(Qs W^T) U: dQs += rbar,
         // dX = -tril(rbar U^T), dU -= X^T rbar; then dQs += dX W and dW += dX^T Qs ----
         __syncthreads();
-        stage_w(c0, n);  // the walk left U and X of this chunk in place
+        {
+          pm::tile_regs x;  // the walk left U and X of this chunk in place
+          load_w(x, c0, n);
+          pm::store_tile<true>(x, hi(L::w), lo(L::w));
+        }
         __syncthreads();
         pm::load_rows(dq, cta.states + c0 * D, D, m0, n0, n);
 #pragma unroll

@@ -106,6 +106,7 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
     bp.trans = floats(l.trans), bp.dtrans = floats(l.dtrans);
     bp.khat = floats(l.khat), bp.pis = floats(l.pis);
     bp.dkhat = floats(l.dkhat), bp.dpis = floats(l.dpis);
+    bp.v_vectors = aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2), 8);
   }
   check(cudaMemsetAsync(base + l.zeroed, 0, l.zeroed_bytes, stream), "cudaMemsetAsync");
 
