@@ -153,26 +153,21 @@ TEST_CASE("CUDA causal linear backward on tensor cores: the same bits twice, a s
   c.with_state_in = true;
   bwd_options dso;
   dso.dstate_out = true;
-  grad_bits x, y;
-  check_errors(
-      run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &x),
-      grad_tolerance<attnmix::bfloat16>());
-  run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &y);
-  CHECK(bitwise_equal(x.dq, y.dq));
-  CHECK(bitwise_equal(x.dk, y.dk));
-  CHECK(bitwise_equal(x.dv, y.dv));
-  CHECK(bitwise_equal(x.dS_in, y.dS_in));
-  CHECK(bitwise_equal(x.dz_in, y.dz_in));
+  const auto same_bits_twice = [&] {
+    grad_bits x, y;
+    check_errors(
+        run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &x),
+        grad_tolerance<attnmix::bfloat16>());
+    run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &y);
+    CHECK(bitwise_equal(x.dq, y.dq));
+    CHECK(bitwise_equal(x.dk, y.dk));
+    CHECK(bitwise_equal(x.dv, y.dv));
+    CHECK(bitwise_equal(x.dS_in, y.dS_in));
+    CHECK(bitwise_equal(x.dz_in, y.dz_in));
+  };
+  same_bits_twice();
   const force_walk walk(2);
-  grad_bits u, w;
-  check_errors(
-      run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &u),
-      grad_tolerance<attnmix::bfloat16>());
-  run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &w);
-  CHECK(bitwise_equal(u.dq, w.dq));
-  CHECK(bitwise_equal(u.dk, w.dk));
-  CHECK(bitwise_equal(u.dv, w.dv));
-  CHECK(bitwise_equal(u.dS_in, w.dS_in));
+  same_bits_twice();
 }
 
 TEST_CASE("CUDA linear backward: worst errors seen", "[cuda][linear_backward]") {

@@ -148,6 +148,28 @@ __device__ __forceinline__ void causal_mask(float (&x)[8][4], int r0) {
     }
   });
 }
+
+// dx = mul * acc * phi'(x) of the warp's rows r0 .. (tokens t0 + row of head hh; 0 at pads) into
+// out: the chunk's dq (x = q, mul = scale) or dk (x = k, mul = 1). The inputs are loaded in one
+// round trip (lbm_fragment_pairs).
+template <class Policy, class Dev>
+__device__ __forceinline__ void store_phi_grad(float (&acc)[8][4], const void* x, const index_t* xs,
+                                               void* out, const index_t* os, index_t batch,
+                                               index_t t0, int rows, int hh, int r0,
+                                               const float* valid, float mul) {
+  std::uint32_t raw[8][2];
+  lbm_fragment_pairs<Dev>(raw, x, xs, batch, t0, rows, hh, r0);
+  for_fragment_pairs_at<8>(acc, r0, 0, [&](int i, int d, float x0, float x1, int nt, int half) {
+    if (i >= rows) return;
+    float y0 = 0.f, y1 = 0.f;
+    if (valid[i] != 0.f) {
+      const float2 v = unpack2<Dev>(raw[nt][half]);
+      y0 = mul * x0 * phi_derivative<Policy::phi>(v.x, apply_feature_map<Policy::phi>(v.x));
+      y1 = mul * x1 * phi_derivative<Policy::phi>(v.y, apply_feature_map<Policy::phi>(v.y));
+    }
+    lbm_store2<Dev>(out, os, batch, t0 + i, hh, d, y0, y1);
+  });
+}
 }  // namespace lbc
 
 // CTA (slot s, KV head h, sequence n): the slot's own [S | z], summed over its chunks.
@@ -302,19 +324,8 @@ __global__ void __launch_bounds__(lbc::threads)
       float Q[8][4] = {};
       warp_mma<ldx, false, true, 8, KX>(Q, a_from_regs<true>{G, 1.f}, Sh, Sl);
       warp_mma<ld, true, true, 8>(Q, a_from_regs<true>{dA, 1.f}, Ph, Pl);
-      std::uint32_t qraw[8][2];
-      lbm_fragment_pairs<Dev>(qraw, f.q, f.q_stride, batch, start + c0, rows, hq, r0);
-      for_fragment_pairs_at<8>(Q, r0, 0, [&](int i, int d, float x0, float x1, int nt, int half) {
-        if (i >= rows) return;
-        const index_t t = start + c0 + i;
-        float y0 = 0.f, y1 = 0.f;
-        if (valid[i] != 0.f) {
-          const float2 x = unpack2<Dev>(qraw[nt][half]);
-          y0 = f.scale * x0 * phi_derivative<Policy::phi>(x.x, apply_feature_map<Policy::phi>(x.x));
-          y1 = f.scale * x1 * phi_derivative<Policy::phi>(x.y, apply_feature_map<Policy::phi>(x.y));
-        }
-        lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, t, hq, d, y0, y1);
-      });
+      store_phi_grad<Policy, Dev>(Q, f.q, f.q_stride, bp.dq, bp.dq_stride, batch, start + c0, rows,
+                                  hq, r0, valid, f.scale);
       __syncthreads();  // [g | delta] is staged
 
       // The chunk's R^T [g | delta] (sums over its query rows).
@@ -441,19 +452,8 @@ __global__ void __launch_bounds__(lbc::threads)
       __syncthreads();  // R and [g | delta] are free for the next head
     }
 
-    std::uint32_t kraw[8][2];
-    lbm_fragment_pairs<Dev>(kraw, f.k, f.k_stride, batch, start + c0, rows, h, r0);
-    for_fragment_pairs_at<8>(E, r0, 0, [&](int j, int d, float x0, float x1, int nt, int half) {
-      if (j >= rows) return;
-      const index_t t = start + c0 + j;
-      float y0 = 0.f, y1 = 0.f;
-      if (valid[j] != 0.f) {
-        const float2 x = unpack2<Dev>(kraw[nt][half]);
-        y0 = x0 * phi_derivative<Policy::phi>(x.x, apply_feature_map<Policy::phi>(x.x));
-        y1 = x1 * phi_derivative<Policy::phi>(x.y, apply_feature_map<Policy::phi>(x.y));
-      }
-      lbm_store2<Dev>(bp.dk, bp.dk_stride, batch, t, h, d, y0, y1);
-    });
+    store_phi_grad<Policy, Dev>(E, f.k, f.k_stride, bp.dk, bp.dk_stride, batch, start + c0, rows, h,
+                                r0, valid, 1.f);
     for_fragment_pairs<8>(DV, r0, 0, [&](int j, int e, float x0, float x1) {
       if (j >= rows) return;
       const bool ok = valid[j] != 0.f;
