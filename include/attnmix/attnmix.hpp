@@ -26,6 +26,7 @@
 #include "attnmix/cpu/bla.hpp"
 #include "attnmix/cpu/fox.hpp"
 #include "attnmix/cpu/gbla.hpp"
+#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/cpu/linear_causal.hpp"
 #include "attnmix/cpu/path.hpp"
 #include "attnmix/cpu/softmax.hpp"

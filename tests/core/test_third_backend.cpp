@@ -1,6 +1,7 @@
 // The test-only serial backend (support/serial_backend.hpp) through the front doors: attention,
 // linear attention, the PaTH key cache, prefill and decoding give the cpu backend's bits, and the
-// memory-space checks name it.
+// memory-space checks name it; a language model of every mixer kind trains on it as on the cpu
+// backend, bit for bit; the traits that say whether a backend's layer operations are complete.
 
 #include <cstdint>
 #include <string>
@@ -8,6 +9,8 @@
 #include <vector>
 
 #include "attnmix/attnmix.hpp"
+#include "attnmix/train/language_model.hpp"
+#include "attnmix/train/optimizer.hpp"
 #include "support/catch.hpp"
 #include "support/serial_backend.hpp"
 #include "support/testing.hpp"
@@ -20,6 +23,23 @@ using test_backend::serial;
 static_assert(attnmix::is_backend_v<serial>);
 static_assert(attnmix::space_of_v<serial> == attnmix::memory_space::host);
 static_assert(attnmix::is_implemented_v<attnmix::kind::path_fox, serial>);
+static_assert(attnmix::is_backward_implemented_v<attnmix::kind::gbla, serial>);
+static_assert(attnmix::layers::has_layer_ops_v<serial>);
+static_assert(attnmix::layers::has_training_ops_v<serial>);
+
+// A backend whose ops<> has only its handles: the traits say so instead of failing to compile.
+namespace test_backend {
+struct bare {
+  using memory_space = attnmix::host_space;
+  static constexpr const char* name = "bare";
+};
+}  // namespace test_backend
+template <>
+struct attnmix::layers::ops<test_backend::bare> {
+  struct handles {};
+};
+static_assert(!attnmix::layers::has_layer_ops_v<test_backend::bare>);
+static_assert(!attnmix::layers::has_training_ops_v<test_backend::bare>);
 
 namespace {
 
@@ -133,4 +153,59 @@ TEST_CASE("the front doors check a new backend's memory space by its tag", "[cor
                                      "memory") != std::string::npos);
   }
   CHECK(out(0, 0, 0, 0) == 42.0f);
+}
+
+// Every mixer kind, with an MLP block: embeddings -> stack -> head, cross-entropy, AdamW with
+// clipping. The serial backend forwards to the CPU's kernels on one thread, whose sums do not
+// depend on the thread count, so the losses and weights are the cpu backend's bits.
+TEST_CASE("a language model of every mixer kind trains on the serial backend as on the cpu one",
+          "[third_backend][train]") {
+  namespace L = attnmix::layers;
+  using host_stack = attnmix::stack<float, attnmix::layer::sa, attnmix::layer::fox,
+                                    attnmix::layer::path, attnmix::layer::path_fox,
+                                    attnmix::layer::bla, attnmix::layer::gbla,
+                                    attnmix::layer::linear_causal>;
+  using host_lm = attnmix::train::language_model<host_stack>;
+  using serial_lm =
+      attnmix::train::language_model<attnmix::stack_on<host_stack, serial, float>>;
+  L::config c;
+  c.hidden_size = 16;
+  c.num_heads = 2;
+  c.intermediate_size = 24;
+  const index_t Bn = 2, Tn = 11, V = 13;
+  rng r(test_seed() ^ 4100);
+  std::vector<std::int32_t> tokens, labels;
+  for (index_t i = 0; i < Bn * Tn; ++i) tokens.push_back(std::int32_t(r.integer(0, V - 1)));
+  for (index_t i = 0; i < Bn * Tn; ++i)
+    labels.push_back(i % Tn + 1 < Tn ? tokens[std::size_t(i + 1)] : attnmix::train::ignore_label);
+  const attnmix::tensor_view<const std::int32_t, 2> tok(tokens.data(), {Bn, Tn}),
+      lab(labels.data(), {Bn, Tn});
+
+  host_lm host(c, V);
+  L::randomize_parameters(host, test_seed() ^ 4101, 0.2);
+  serial_lm ser(host);
+  attnmix::train::adamw_config oc;
+  oc.clip_norm = 0.5;
+  attnmix::train::adamw<attnmix::backend::cpu> host_opt(oc);
+  attnmix::train::adamw<serial> serial_opt(oc);
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    host_opt.zero_grad(host);
+    serial_opt.zero_grad(ser);
+    const double lh = host.loss(tok, lab, true, attnmix::backend::cpu{3});
+    const double ls = ser.loss(tok, lab, true, serial{});
+    CHECK(ls == lh);
+    CHECK(serial_opt.step(ser, 1e-2, serial{}) == host_opt.step(host, 1e-2, attnmix::backend::cpu{3}));
+  }
+  std::vector<double> want, got;
+  host.visit_parameters([&](const std::string&, const auto& p) {
+    want.insert(want.end(), p.data.begin(), p.data.end());
+  });
+  ser.visit_parameters([&](const std::string&, const auto& p) {
+    got.insert(got.end(), p.data.begin(), p.data.end());
+  });
+  REQUIRE(got.size() == want.size());
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) differ += got[i] != want[i];
+  CHECK(differ == 0);
 }

@@ -665,5 +665,7 @@ struct ops<backend::cpu> {
   }
 };
 
+static_assert(has_training_ops_v<backend::cpu>, "ops<backend::cpu> lacks an operation");
+
 }  // namespace layers
 }  // namespace attnmix

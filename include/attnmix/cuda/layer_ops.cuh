@@ -412,5 +412,7 @@ struct ops<backend::cuda> {
   };
 };
 
+static_assert(has_training_ops_v<backend::cuda>, "ops<backend::cuda> lacks an operation");
+
 }  // namespace layers
 }  // namespace attnmix

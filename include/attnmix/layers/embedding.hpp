@@ -6,7 +6,6 @@
 #include <string>
 
 #include "attnmix/core/scalar.hpp"
-#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/layers/common.hpp"
 #include "attnmix/layers/ops.hpp"
 

@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/layers/common.hpp"
 #include "attnmix/layers/linear.hpp"
 #include "attnmix/layers/ops.hpp"

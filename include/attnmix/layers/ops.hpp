@@ -129,6 +129,80 @@ view3<S> as_rows(S* p, const token_layout& L, index_t width) {
   return view3<S>(p, {L.batch, L.tokens, width}, space_of_v<Backend>);
 }
 
+// Whether ops<Backend> has every operation listed at the top of this file, called with float
+// rows: has_layer_ops_v the forward half (what a stack's forward calls; for_each, which only host
+// backends have, for their decoding loops, is not asked for), has_training_ops_v the backward
+// half and the training steps as well. Each backend checks itself with them where it specialises
+// ops<>; stacks, models and optimisers check the backend they are given, so that a missing
+// operation is named once instead of deep in a layer.
+namespace detail {
+template <class B, class = void>
+struct has_layer_ops : std::false_type {};
+template <class B, class = void>
+struct has_training_ops : std::false_type {};
+
+template <class T>
+T&& val();  // declval, without <utility>
+
+template <class B, class O = ops<B>, class C = const context<B>&, class F = float>
+using layer_ops_calls = decltype(
+    O::gemm(val<C>(), val<const F*>(), index_t{}, index_t{}, val<const F*>(), index_t{},
+            index_t{}, val<const F*>(), val<F*>(), index_t{}),
+    O::norm(val<C>(), val<const F*>(), val<F*>(), index_t{}, index_t{}, val<const float*>(), true,
+            index_t{}, true, 1.0),
+    O::short_conv(val<C>(), val<const F*>(), val<F*>(), index_t{}, val<const float*>(),
+                  index_t{}, true),
+    O::rope(val<C>(), val<F*>(), index_t{}, index_t{}, index_t{}, 1.0),
+    O::template map<fn::plus>(val<C>(), val<F*>(), val<const F*>(), val<const F*>(), index_t{}),
+    O::move_rows(val<C>(), val<const F*>(), val<F*>(), val<const std::int64_t*>(),
+                 val<const std::int64_t*>(), index_t{}, index_t{}),
+    O::positions(val<const B&>(), val<std::int32_t*>(), val<const token_layout&>()),
+    O::upload(val<const B&>(), val<F*>(), val<const F*>(), index_t{}),
+    O::zero(val<const B&>(), val<F*>(), index_t{}),
+    O::check_memory(val<const char*>(), val<const char*>(), val<const view3<const F>&>()),
+    val<typename O::scratch&>().template take<F>(index_t{}),
+    typename O::scratch(val<const B&>(), std::size_t{}),
+    val<typename O::timer&>().start(), double(val<typename O::timer&>().seconds()),
+    typename O::timer(val<const B&>(), true),
+    std::integral_constant<bool, O::template computes<F>>{});
+
+template <class B, class O = ops<B>, class C = const context<B>&, class F = float>
+using training_ops_calls = decltype(
+    O::gemm_dx(val<C>(), val<const F*>(), index_t{}, index_t{}, val<const F*>(), index_t{},
+               index_t{}, val<F*>(), index_t{}, true),
+    O::gemm_dw(val<C>(), val<const F*>(), index_t{}, index_t{}, val<const F*>(), index_t{},
+               index_t{}, index_t{}, val<F*>(), val<F*>()),
+    O::norm_backward(val<C>(), val<const F*>(), val<const F*>(), val<F*>(), index_t{}, index_t{},
+                     val<const float*>(), true, index_t{}, true, 1.0, val<float*>(), true),
+    O::short_conv_backward(val<C>(), val<const F*>(), val<const F*>(), val<F*>(), index_t{},
+                           val<const float*>(), index_t{}, true, val<float*>(), true),
+    O::rope_backward(val<C>(), val<F*>(), index_t{}, index_t{}, index_t{}, 1.0),
+    O::template map_backward<fn::plus>(val<C>(), val<const F*>(), val<const F*>(),
+                                       val<const F*>(), val<F*>(), val<F*>(), index_t{}, true),
+    O::gather_rows(val<C>(), val<const F*>(), val<const std::int32_t*>(), index_t{}, index_t{},
+                   val<F*>()),
+    O::scatter_add_rows(val<C>(), val<const F*>(), val<const std::int32_t*>(), index_t{},
+                        index_t{}, val<float*>()),
+    double(O::cross_entropy(val<C>(), val<const F*>(), index_t{}, index_t{}, index_t{},
+                            val<const std::int32_t*>(), std::int32_t{}, val<F*>(), index_t{},
+                            1.0)),
+    O::adamw(val<const B&>(), val<float*>(), val<const float*>(), val<double*>(), val<double*>(),
+             index_t{}, 1.0, 1.0, 1.0, 1.0, 1.0, index_t{}),
+    double(O::sum_squares(val<const B&>(), val<const float*>(), index_t{})),
+    O::scale(val<const B&>(), val<float*>(), index_t{}, 1.0));
+
+template <class B>
+struct has_layer_ops<B, std::void_t<layer_ops_calls<B>>> : std::true_type {};
+template <class B>
+struct has_training_ops<B, std::void_t<layer_ops_calls<B>, training_ops_calls<B>>>
+    : std::true_type {};
+}  // namespace detail
+
+template <class Backend>
+inline constexpr bool has_layer_ops_v = detail::has_layer_ops<Backend>::value;
+template <class Backend>
+inline constexpr bool has_training_ops_v = detail::has_training_ops<Backend>::value;
+
 // Where a layer's forward leaves what its backward will need (the training issue fills these
 // in); forwards take `saved* = nullptr` and write nothing to it yet.
 struct no_saved {};

@@ -23,8 +23,6 @@
 #include "attnmix/attention/attention_backward.hpp"
 #include "attnmix/attention/path_cache.hpp"
 #include "attnmix/core/policy.hpp"
-#include "attnmix/cpu/layer_ops.hpp"
-#include "attnmix/cpu/path.hpp"
 #include "attnmix/layers/cache_layout.hpp"
 #include "attnmix/layers/common.hpp"
 #include "attnmix/layers/linear.hpp"

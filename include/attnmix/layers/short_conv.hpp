@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "attnmix/core/scalar.hpp"
-#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/layers/common.hpp"
 #include "attnmix/layers/ops.hpp"
 

@@ -170,6 +170,9 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   static_assert(sizeof...(Layers) >= 1, "attnmix::stack: a stack needs at least one layer");
   static_assert(is_backend_v<Backend>,
                 "attnmix::stack: Backend must be a backend tag (a name and a memory_space)");
+  static_assert(layers::has_layer_ops_v<Backend>,
+                "attnmix::stack: layers::ops<Backend> lacks an operation of its forward half "
+                "(the list is in attnmix/layers/ops.hpp)");
   static_assert(layers::ops<Backend>::template computes<T>,
                 "attnmix::stack: the layers do not compute in this type on this backend (the CPU "
                 "layers compute in float or double; the CUDA ones in float, half or bfloat16)");
@@ -354,6 +357,9 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   // Throws attnmix::error on bad arguments.
   void backward(const view3<const T>& dout, const view3<T>& dx, const saved_type& sv,
                 const Backend& be = Backend{}) {
+    static_assert(layers::has_training_ops_v<Backend>,
+                  "attnmix::stack::backward: layers::ops<Backend> lacks an operation of its "
+                  "backward half (the list is in attnmix/layers/ops.hpp)");
     const std::string fn = "attnmix::stack::backward";
     const index_t D = cfg_.hidden_size;
     attnmix::detail::require(sv.made_by != std::array<index_t, 7>{}, fn, "saved",

@@ -89,6 +89,9 @@ class language_model {
   // id out of range, a bad layout or mismatched shapes.
   double loss(const ids_view& tokens, const ids_view& labels, bool backward = true,
               const Backend& be = Backend{}) {
+    static_assert(layers::has_training_ops_v<Backend>,
+                  "attnmix::train::language_model::loss: layers::ops<Backend> lacks a training "
+                  "operation (the list is in attnmix/layers/ops.hpp)");
     const std::string fn = "attnmix::train::language_model::loss";
     check_members(fn);
     check_ids_layout(fn, "tokens", tokens);

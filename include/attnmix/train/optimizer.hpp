@@ -16,7 +16,6 @@
 #include "attnmix/core/error.hpp"
 #include "attnmix/core/scalar.hpp"
 #include "attnmix/core/tags.hpp"
-#include "attnmix/cpu/layer_ops.hpp"
 #include "attnmix/layers/common.hpp"
 #include "attnmix/layers/ops.hpp"
 
@@ -37,6 +36,9 @@ struct adamw_config {
 // host_opt) after host_opt.init(host_model), then io::save(host_opt, ...); and back.
 template <class Backend = backend::cpu>
 class adamw {
+  static_assert(layers::has_training_ops_v<Backend>,
+                "attnmix::train::adamw: layers::ops<Backend> lacks a training operation (the list "
+                "is in attnmix/layers/ops.hpp)");
   using O = layers::ops<Backend>;
   using state = layers::parameter<double, typename Backend::memory_space>;
 
