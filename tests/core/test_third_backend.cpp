@@ -161,13 +161,12 @@ TEST_CASE("the front doors check a new backend's memory space by its tag", "[cor
 TEST_CASE("a language model of every mixer kind trains on the serial backend as on the cpu one",
           "[third_backend][train]") {
   namespace L = attnmix::layers;
-  using host_stack = attnmix::stack<float, attnmix::layer::sa, attnmix::layer::fox,
-                                    attnmix::layer::path, attnmix::layer::path_fox,
-                                    attnmix::layer::bla, attnmix::layer::gbla,
-                                    attnmix::layer::linear_causal>;
+  using host_stack =
+      attnmix::stack<float, attnmix::layer::sa, attnmix::layer::fox, attnmix::layer::path,
+                     attnmix::layer::path_fox, attnmix::layer::bla, attnmix::layer::gbla,
+                     attnmix::layer::linear_causal>;
   using host_lm = attnmix::train::language_model<host_stack>;
-  using serial_lm =
-      attnmix::train::language_model<attnmix::stack_on<host_stack, serial, float>>;
+  using serial_lm = attnmix::train::language_model<attnmix::stack_on<host_stack, serial, float>>;
   L::config c;
   c.hidden_size = 16;
   c.num_heads = 2;
@@ -195,7 +194,8 @@ TEST_CASE("a language model of every mixer kind trains on the serial backend as 
     const double lh = host.loss(tok, lab, true, attnmix::backend::cpu{3});
     const double ls = ser.loss(tok, lab, true, serial{});
     CHECK(ls == lh);
-    CHECK(serial_opt.step(ser, 1e-2, serial{}) == host_opt.step(host, 1e-2, attnmix::backend::cpu{3}));
+    CHECK(serial_opt.step(ser, 1e-2, serial{}) ==
+          host_opt.step(host, 1e-2, attnmix::backend::cpu{3}));
   }
   std::vector<double> want, got;
   host.visit_parameters([&](const std::string&, const auto& p) {

@@ -109,41 +109,29 @@ struct ops<test_backend::serial> {
     timer(const test_backend::serial&, bool on) : cpu::timer(one_thread(), on) {}
   };
 
-  template <class C, class... A>
-  static void gemm(const C& c, A... a) {
-    cpu::gemm(on_cpu(c).ctx, a...);
+// Each operation that takes a call's context runs the CPU one on a one-thread context; each that
+// takes the backend, the CPU one on one thread.
+#define ATTNMIX_SERIAL_ON_CONTEXT(op)    \
+  template <class C, class... A>         \
+  static auto op(const C& c, A... a) {   \
+    return cpu::op(on_cpu(c).ctx, a...); \
   }
-  template <class C, class... A>
-  static void norm(const C& c, A... a) {
-    cpu::norm(on_cpu(c).ctx, a...);
+#define ATTNMIX_SERIAL_ON_BACKEND(op)                   \
+  template <class... A>                                 \
+  static auto op(const test_backend::serial&, A... a) { \
+    return cpu::op(one_thread(), a...);                 \
   }
-  template <class C, class... A>
-  static void short_conv(const C& c, A... a) {
-    cpu::short_conv(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void rope(const C& c, A... a) {
-    cpu::rope(on_cpu(c).ctx, a...);
-  }
+  ATTNMIX_SERIAL_ON_CONTEXT(gemm)
+  ATTNMIX_SERIAL_ON_CONTEXT(norm)
+  ATTNMIX_SERIAL_ON_CONTEXT(short_conv)
+  ATTNMIX_SERIAL_ON_CONTEXT(rope)
+  ATTNMIX_SERIAL_ON_CONTEXT(move_rows)
+  ATTNMIX_SERIAL_ON_BACKEND(positions)
+  ATTNMIX_SERIAL_ON_BACKEND(upload)
+  ATTNMIX_SERIAL_ON_BACKEND(zero)
   template <class Fn, class C, class... A>
   static void map(const C& c, A... a) {
     cpu::map<Fn>(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void move_rows(const C& c, A... a) {
-    cpu::move_rows(on_cpu(c).ctx, a...);
-  }
-  template <class... A>
-  static void positions(const test_backend::serial&, A&&... a) {
-    cpu::positions(one_thread(), a...);
-  }
-  template <class S>
-  static void upload(const test_backend::serial&, S* dst, const S* src, index_t n) {
-    cpu::upload(one_thread(), dst, src, n);
-  }
-  template <class S>
-  static void zero(const test_backend::serial&, S* p, index_t n) {
-    cpu::zero(one_thread(), p, n);
   }
   template <class V>
   static void check_memory(const std::string&, const char*, const V&) {}
@@ -153,54 +141,23 @@ struct ops<test_backend::serial> {
   }
 
   // The backward half and the training steps.
-  template <class C, class... A>
-  static void gemm_dx(const C& c, A... a) {
-    cpu::gemm_dx(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void gemm_dw(const C& c, A... a) {
-    cpu::gemm_dw(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void norm_backward(const C& c, A... a) {
-    cpu::norm_backward(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void short_conv_backward(const C& c, A... a) {
-    cpu::short_conv_backward(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void rope_backward(const C& c, A... a) {
-    cpu::rope_backward(on_cpu(c).ctx, a...);
-  }
+  ATTNMIX_SERIAL_ON_CONTEXT(gemm_dx)
+  ATTNMIX_SERIAL_ON_CONTEXT(gemm_dw)
+  ATTNMIX_SERIAL_ON_CONTEXT(norm_backward)
+  ATTNMIX_SERIAL_ON_CONTEXT(short_conv_backward)
+  ATTNMIX_SERIAL_ON_CONTEXT(rope_backward)
+  ATTNMIX_SERIAL_ON_CONTEXT(gather_rows)
+  ATTNMIX_SERIAL_ON_CONTEXT(scatter_add_rows)
+  ATTNMIX_SERIAL_ON_CONTEXT(cross_entropy)
+  ATTNMIX_SERIAL_ON_BACKEND(adamw)
+  ATTNMIX_SERIAL_ON_BACKEND(sum_squares)
+  ATTNMIX_SERIAL_ON_BACKEND(scale)
   template <class Fn, class C, class... A>
   static void map_backward(const C& c, A... a) {
     cpu::map_backward<Fn>(on_cpu(c).ctx, a...);
   }
-  template <class C, class... A>
-  static void gather_rows(const C& c, A... a) {
-    cpu::gather_rows(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static void scatter_add_rows(const C& c, A... a) {
-    cpu::scatter_add_rows(on_cpu(c).ctx, a...);
-  }
-  template <class C, class... A>
-  static double cross_entropy(const C& c, A... a) {
-    return cpu::cross_entropy(on_cpu(c).ctx, a...);
-  }
-  template <class... A>
-  static void adamw(const test_backend::serial&, A... a) {
-    cpu::adamw(one_thread(), a...);
-  }
-  template <class G>
-  static double sum_squares(const test_backend::serial&, const G* g, index_t n) {
-    return cpu::sum_squares(one_thread(), g, n);
-  }
-  template <class G>
-  static void scale(const test_backend::serial&, G* g, index_t n, double factor) {
-    cpu::scale(one_thread(), g, n, factor);
-  }
+#undef ATTNMIX_SERIAL_ON_CONTEXT
+#undef ATTNMIX_SERIAL_ON_BACKEND
 };
 }  // namespace layers
 }  // namespace attnmix

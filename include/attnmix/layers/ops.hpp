@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "attnmix/core/error.hpp"
 #include "attnmix/core/memory_space.hpp"
@@ -141,55 +142,70 @@ struct has_layer_ops : std::false_type {};
 template <class B, class = void>
 struct has_training_ops : std::false_type {};
 
-template <class T>
-T&& val();  // declval, without <utility>
-
 template <class B, class O = ops<B>, class C = const context<B>&, class F = float>
 using layer_ops_calls = decltype(
-    O::gemm(val<C>(), val<const F*>(), index_t{}, index_t{}, val<const F*>(), index_t{},
-            index_t{}, val<const F*>(), val<F*>(), index_t{}),
-    O::norm(val<C>(), val<const F*>(), val<F*>(), index_t{}, index_t{}, val<const float*>(), true,
-            index_t{}, true, 1.0),
-    O::short_conv(val<C>(), val<const F*>(), val<F*>(), index_t{}, val<const float*>(),
-                  index_t{}, true),
-    O::rope(val<C>(), val<F*>(), index_t{}, index_t{}, index_t{}, 1.0),
-    O::template map<fn::plus>(val<C>(), val<F*>(), val<const F*>(), val<const F*>(), index_t{}),
-    O::move_rows(val<C>(), val<const F*>(), val<F*>(), val<const std::int64_t*>(),
-                 val<const std::int64_t*>(), index_t{}, index_t{}),
-    O::positions(val<const B&>(), val<std::int32_t*>(), val<const token_layout&>()),
-    O::upload(val<const B&>(), val<F*>(), val<const F*>(), index_t{}),
-    O::zero(val<const B&>(), val<F*>(), index_t{}),
-    O::check_memory(val<const char*>(), val<const char*>(), val<const view3<const F>&>()),
-    val<typename O::scratch&>().template take<F>(index_t{}),
-    typename O::scratch(val<const B&>(), std::size_t{}),
-    val<typename O::timer&>().start(), double(val<typename O::timer&>().seconds()),
-    typename O::timer(val<const B&>(), true),
+    O::gemm(std::declval<C>(), std::declval<const F*>(), index_t{}, index_t{},
+            std::declval<const F*>(), index_t{}, index_t{}, std::declval<const F*>(),
+            std::declval<F*>(), index_t{}),
+    O::norm(std::declval<C>(), std::declval<const F*>(), std::declval<F*>(), index_t{}, index_t{},
+            std::declval<const float*>(), true, index_t{}, true, 1.0),
+    O::short_conv(std::declval<C>(), std::declval<const F*>(), std::declval<F*>(), index_t{},
+                  std::declval<const float*>(), index_t{}, true),
+    O::rope(std::declval<C>(), std::declval<F*>(), index_t{}, index_t{}, index_t{}, 1.0),
+    O::template map<fn::plus>(std::declval<C>(), std::declval<F*>(), std::declval<const F*>(),
+                              std::declval<const F*>(), index_t{}),
+    O::move_rows(std::declval<C>(), std::declval<const F*>(), std::declval<F*>(),
+                 std::declval<const std::int64_t*>(), std::declval<const std::int64_t*>(),
+                 index_t{}, index_t{}),
+    O::positions(std::declval<const B&>(), std::declval<std::int32_t*>(),
+                 std::declval<const token_layout&>()),
+    O::upload(std::declval<const B&>(), std::declval<F*>(), std::declval<const F*>(), index_t{}),
+    O::zero(std::declval<const B&>(), std::declval<F*>(), index_t{}),
+    O::check_memory(std::declval<const char*>(), std::declval<const char*>(),
+                    std::declval<const view3<const F>&>()),
+    std::declval<typename O::scratch&>().template take<F>(index_t{}),
+    typename O::scratch(std::declval<const B&>(), std::size_t{}),
+    std::declval<typename O::timer&>().start(),
+    double(std::declval<typename O::timer&>().seconds()),
+    typename O::timer(std::declval<const B&>(), true),
     std::integral_constant<bool, O::template computes<F>>{});
 
 template <class B, class O = ops<B>, class C = const context<B>&, class F = float>
-using training_ops_calls = decltype(
-    O::gemm_dx(val<C>(), val<const F*>(), index_t{}, index_t{}, val<const F*>(), index_t{},
-               index_t{}, val<F*>(), index_t{}, true),
-    O::gemm_dw(val<C>(), val<const F*>(), index_t{}, index_t{}, val<const F*>(), index_t{},
-               index_t{}, index_t{}, val<F*>(), val<F*>()),
-    O::norm_backward(val<C>(), val<const F*>(), val<const F*>(), val<F*>(), index_t{}, index_t{},
-                     val<const float*>(), true, index_t{}, true, 1.0, val<float*>(), true),
-    O::short_conv_backward(val<C>(), val<const F*>(), val<const F*>(), val<F*>(), index_t{},
-                           val<const float*>(), index_t{}, true, val<float*>(), true),
-    O::rope_backward(val<C>(), val<F*>(), index_t{}, index_t{}, index_t{}, 1.0),
-    O::template map_backward<fn::plus>(val<C>(), val<const F*>(), val<const F*>(),
-                                       val<const F*>(), val<F*>(), val<F*>(), index_t{}, true),
-    O::gather_rows(val<C>(), val<const F*>(), val<const std::int32_t*>(), index_t{}, index_t{},
-                   val<F*>()),
-    O::scatter_add_rows(val<C>(), val<const F*>(), val<const std::int32_t*>(), index_t{},
-                        index_t{}, val<float*>()),
-    double(O::cross_entropy(val<C>(), val<const F*>(), index_t{}, index_t{}, index_t{},
-                            val<const std::int32_t*>(), std::int32_t{}, val<F*>(), index_t{},
-                            1.0)),
-    O::adamw(val<const B&>(), val<float*>(), val<const float*>(), val<double*>(), val<double*>(),
-             index_t{}, 1.0, 1.0, 1.0, 1.0, 1.0, index_t{}),
-    double(O::sum_squares(val<const B&>(), val<const float*>(), index_t{})),
-    O::scale(val<const B&>(), val<float*>(), index_t{}, 1.0));
+using training_ops_calls =
+    decltype(O::gemm_dx(std::declval<C>(), std::declval<const F*>(), index_t{}, index_t{},
+                        std::declval<const F*>(), index_t{}, index_t{}, std::declval<F*>(),
+                        index_t{}, true),
+             O::gemm_dw(std::declval<C>(), std::declval<const F*>(), index_t{}, index_t{},
+                        std::declval<const F*>(), index_t{}, index_t{}, index_t{},
+                        std::declval<F*>(), std::declval<F*>()),
+             O::norm_backward(std::declval<C>(), std::declval<const F*>(), std::declval<const F*>(),
+                              std::declval<F*>(), index_t{}, index_t{},
+                              std::declval<const float*>(), true, index_t{}, true, 1.0,
+                              std::declval<float*>(), true),
+             O::short_conv_backward(std::declval<C>(), std::declval<const F*>(),
+                                    std::declval<const F*>(), std::declval<F*>(), index_t{},
+                                    std::declval<const float*>(), index_t{}, true,
+                                    std::declval<float*>(), true),
+             O::rope_backward(std::declval<C>(), std::declval<F*>(), index_t{}, index_t{},
+                              index_t{}, 1.0),
+             O::template map_backward<fn::plus>(
+                 std::declval<C>(), std::declval<const F*>(), std::declval<const F*>(),
+                 std::declval<const F*>(), std::declval<F*>(), std::declval<F*>(), index_t{}, true),
+             O::gather_rows(std::declval<C>(), std::declval<const F*>(),
+                            std::declval<const std::int32_t*>(), index_t{}, index_t{},
+                            std::declval<F*>()),
+             O::scatter_add_rows(std::declval<C>(), std::declval<const F*>(),
+                                 std::declval<const std::int32_t*>(), index_t{}, index_t{},
+                                 std::declval<float*>()),
+             double(O::cross_entropy(std::declval<C>(), std::declval<const F*>(), index_t{},
+                                     index_t{}, index_t{}, std::declval<const std::int32_t*>(),
+                                     std::int32_t{}, std::declval<F*>(), index_t{}, 1.0)),
+             O::adamw(std::declval<const B&>(), std::declval<float*>(),
+                      std::declval<const float*>(), std::declval<double*>(),
+                      std::declval<double*>(), index_t{}, 1.0, 1.0, 1.0, 1.0, 1.0, index_t{}),
+             double(
+                 O::sum_squares(std::declval<const B&>(), std::declval<const float*>(), index_t{})),
+             O::scale(std::declval<const B&>(), std::declval<float*>(), index_t{}, 1.0));
 
 template <class B>
 struct has_layer_ops<B, std::void_t<layer_ops_calls<B>>> : std::true_type {};
