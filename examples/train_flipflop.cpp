@@ -7,13 +7,15 @@
 //   train_flipflop [--kinds path,path_fox,fox,sa_rope] [--seeds 3] [--first-seed 0]
 //                  [--steps 1000] [--batch 16] [--length 512] [--eval 256] [--lr 3e-3]
 //                  [--threads 0] [--jobs 1] [--every 100] [--device cpu|cuda]
+//                  [--precision float|bf16]
 //
 // --jobs N trains N of the (kind, seed) runs at a time, each on its own model and (unless
 // --threads says otherwise) one thread: the small model keeps one core busy at most, so on the
 // CPU that is the faster way to use several. The results do not depend on N.
 // --device cuda (when built by nvcc: train_flipflop_cuda) trains the same model, from the same
-// initial weights, on the GPU in float. Prints a progress line per run and the table beside the
-// paper's figures.
+// initial weights, on the GPU in float, or with --precision bf16 in mixed precision (bfloat16
+// projections and activations, float residual stream and master weights). Prints a progress line
+// per run and the table beside the paper's figures.
 
 #include <algorithm>
 #include <atomic>
@@ -61,33 +63,36 @@ struct options {
   index_t steps = 1000, batch = 16, length = 512, eval = 256, every = 100;
   double lr = 3e-3;
   int threads = 0, jobs = 1;
-  std::string device = "cpu";
+  std::string device = "cpu", precision = "float";
 };
 
 struct errors {
   double in_dist, sparse, dense;
 };
 
-// The logits of a batch in host memory: written there on host backends, copied back from the
-// device otherwise.
-template <class Backend>
+// The logits of a batch (in the model's type T) in host memory as float: written there on host
+// backends, copied back from the device otherwise.
+template <class Backend, class T>
 struct logits_buffer {
-  std::vector<float> host;
-  attnmix::layers::buffer<float, typename Backend::memory_space> mem;
-  attnmix::view3<float> view(index_t B, index_t T) {
-    host.resize(static_cast<std::size_t>(B * T * vocab));
-    if constexpr (attnmix::layers::on_host_v<Backend>) return {host.data(), {B, T, vocab}};
-    mem.resize(B * T * vocab);
-    return {mem.data(), {B, T, vocab}, attnmix::memory_space::device};
+  std::vector<T> host;
+  std::vector<float> out;
+  attnmix::layers::buffer<T, typename Backend::memory_space> mem;
+  attnmix::view3<T> view(index_t B, index_t Tn) {
+    host.resize(static_cast<std::size_t>(B * Tn * vocab));
+    if constexpr (attnmix::layers::on_host_v<Backend>) return {host.data(), {B, Tn, vocab}};
+    mem.resize(B * Tn * vocab);
+    return {mem.data(), {B, Tn, vocab}, attnmix::memory_space::device};
   }
   const float* read() {
 #ifdef __CUDACC__
     if constexpr (!attnmix::layers::on_host_v<Backend>)
       attnmix::detail::cuda::check(
-          cudaMemcpy(host.data(), mem.data(), host.size() * sizeof(float), cudaMemcpyDeviceToHost),
+          cudaMemcpy(host.data(), mem.data(), host.size() * sizeof(T), cudaMemcpyDeviceToHost),
           "cudaMemcpy(logits)");
 #endif
-    return host.data();
+    out.resize(host.size());
+    for (std::size_t i = 0; i < host.size(); ++i) out[i] = static_cast<float>(host[i]);
+    return out.data();
   }
 };
 
@@ -98,7 +103,7 @@ double read_error(const Model& model, std::uint64_t seed, const options& o, doub
   std::mt19937_64 gen(seed);
   index_t wrong = 0, total = 0;
   const index_t chunk = std::min<index_t>(o.eval, 32);
-  logits_buffer<Backend> logits;
+  logits_buffer<Backend, typename Model::scalar> logits;
   for (index_t done = 0; done < o.eval; done += chunk) {
     const index_t B = std::min(chunk, o.eval - done);
     const task_batch b = attnmix::train::flip_flop::make(gen, B, o.length, p);
@@ -116,12 +121,16 @@ double read_error(const Model& model, std::uint64_t seed, const options& o, doub
   return total > 0 ? double(wrong) / double(total) : 0.0;
 }
 
-// Trains `model` on `be` and measures its read errors.
-template <class Model, class Backend>
-errors train(Model& model, const std::string& name, int seed, const options& o, const Backend& be) {
+// Trains `model` (made from the float `start`) on `be` and measures its read errors.
+template <class Model, class Start, class Backend>
+errors train(Model& model, const Start& start, const std::string& name, int seed,
+             const options& o, const Backend& be) {
   attnmix::train::adamw_config ac;
   ac.beta2 = 0.98, ac.weight_decay = 0.1, ac.clip_norm = 1.0;
   attnmix::train::adamw<Backend> opt(ac);
+  opt.init(model);
+  auto weights = opt.master_weights(model);  // 16-bit weights: float masters from `start`
+  attnmix::layers::transfer_parameters(start, weights);
   const attnmix::train::warmup_cosine lr{std::max<index_t>(1, o.steps / 20), o.steps, o.lr,
                                          o.lr / 10};
   std::mt19937_64 gen(seed);
@@ -151,12 +160,17 @@ errors run(const std::string& name, int seed, const options& o) {
   attnmix::train::language_model<host_stack> model(c, vocab);
   attnmix::layers::randomize_parameters(model, 1000 + seed, 0.02);
 #ifdef __CUDACC__
+  if (o.device == "cuda" && o.precision == "bf16") {
+    attnmix::train::language_model<attnmix::device_stack<host_stack, attnmix::bfloat16>> gpu(
+        model);
+    return train(gpu, model, name, seed, o, attnmix::backend::cuda{});
+  }
   if (o.device == "cuda") {
     attnmix::train::language_model<attnmix::device_stack<host_stack, float>> gpu(model);
-    return train(gpu, name, seed, o, attnmix::backend::cuda{});
+    return train(gpu, model, name, seed, o, attnmix::backend::cuda{});
   }
 #endif
-  return train(model, name, seed, o, attnmix::backend::cpu{o.threads});
+  return train(model, model, name, seed, o, attnmix::backend::cpu{o.threads});
 }
 
 errors run_kind(const std::string& kind, int seed, const options& o) {
@@ -172,7 +186,8 @@ errors run_kind(const std::string& kind, int seed, const options& o) {
 const char* usage =
     "usage: train_flipflop [--kinds path,path_fox,fox,sa_rope] [--seeds 3] [--first-seed 0]\n"
     "                      [--steps 1000] [--batch 16] [--length 512] [--eval 256] [--lr 3e-3]\n"
-    "                      [--threads 0] [--jobs 1] [--every 100] [--device cpu|cuda]\n";
+    "                      [--threads 0] [--jobs 1] [--every 100] [--device cpu|cuda]\n"
+    "                      [--precision float|bf16]\n";
 
 options parse(int argc, char** argv) {
   options o;
@@ -213,6 +228,8 @@ options parse(int argc, char** argv) {
       o.every = std::atol(v.c_str());
     } else if (k == "--device") {
       o.device = v;
+    } else if (k == "--precision") {
+      o.precision = v;
     } else {
       std::fprintf(stderr, "unknown option %s\n%s", k.c_str(), usage);
       std::exit(2);
@@ -235,6 +252,10 @@ options parse(int argc, char** argv) {
   }
   if (o.steps < 1 || o.batch < 1 || o.length < 4 || o.eval < 1 || o.seeds < 1 || o.jobs < 1) {
     std::fprintf(stderr, "steps, batch, eval, seeds and jobs must be >= 1 and length >= 4\n");
+    std::exit(2);
+  }
+  if (o.precision != "float" && !(o.precision == "bf16" && o.device == "cuda")) {
+    std::fprintf(stderr, "--precision is float, or bf16 on the GPU (--device cuda)\n");
     std::exit(2);
   }
   if (o.jobs > 1 && o.device != "cpu") {
@@ -263,10 +284,10 @@ int main(int argc, char** argv) {
   const options o = parse(argc, argv);
   std::printf(
       "flip-flop: 1 layer, 2 heads, width 64; %lld steps of %lld x %lld tokens, ignore "
-      "0.8; read error on %lld sequences each; on the %s\n",
+      "0.8; read error on %lld sequences each; on the %s in %s\n",
       static_cast<long long>(o.steps), static_cast<long long>(o.batch),
       static_cast<long long>(o.length), static_cast<long long>(o.eval),
-      o.device == "cuda" ? "GPU" : "CPU");
+      o.device == "cuda" ? "GPU" : "CPU", o.precision == "bf16" ? "bfloat16" : "float");
   struct row {
     std::string kind;
     std::vector<errors> e;

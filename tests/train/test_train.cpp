@@ -63,6 +63,27 @@ struct other {
   }
 };
 
+// Mixed precision: a bfloat16 weight and a float bias; and float models of the same names.
+struct mixed_toy {
+  attnmix::layers::parameter<attnmix::bfloat16> w{{2, 3}};
+  attnmix::layers::parameter<float> b{{2}};
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("w", w), f("b", b);
+  }
+};
+struct float_toy {
+  attnmix::layers::parameter<float> w{{2, 3}}, b{{2}};
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("w", w), f("b", b);
+  }
+  template <class F>
+  void visit_parameters(F&& f) const {
+    f("w", w), f("b", b);
+  }
+};
+
 }  // namespace
 
 TEST_CASE("cross_entropy: loss and gradient of the logits", "[train]") {
@@ -134,6 +155,76 @@ TEST_CASE("adamw: the formula, decay of matrices only, and clipping", "[train]")
     for (std::size_t i = 0; i < 3; ++i) CHECK(m.b.data[i] == Approx(ref.b.data[i]).epsilon(1e-14));
   }
   CHECK(opt.steps() == 4);
+}
+
+// Mixed precision: a bfloat16 weight and a float bias. The weight's float master takes every
+// update (also those below the bfloat16 spacing) and is rounded into the weight after each step;
+// the float bias has no master. master_weights(model) shows the model with the masters in place
+// of its 16-bit weights, to move them in and out by name.
+TEST_CASE("adamw: float master weights of 16-bit parameters", "[train]") {
+  using bf16 = attnmix::bfloat16;
+  mixed_toy m;
+  for (std::size_t i = 0; i < 6; ++i) m.w.data[i] = bf16(1.0f + 0.25f * float(i));
+  attnmix::train::adamw_config cfg;
+  cfg.weight_decay = 0;
+  attnmix::train::adamw<> opt(cfg);
+  opt.init(m);
+  std::vector<std::string> names;
+  std::vector<double> master;
+  const auto master_of_w = [&] {
+    opt.master_weights(m).visit_parameters([&](const std::string& name, const auto& p) {
+      if (name == "w") p.get_values(master);
+    });
+  };
+  opt.master_weights(m).visit_parameters([&](const std::string& name, const auto& p) {
+    names.push_back(name);
+    CHECK(std::is_same_v<typename std::decay_t<decltype(p.data)>::value_type, float>);
+  });
+  REQUIRE(names == std::vector<std::string>{"w", "b"});
+  master_of_w();
+  for (std::size_t i = 0; i < 6; ++i) CHECK(master[i] == 1.0 + 0.25 * double(i));
+
+  // Steps of 1e-3 each (Adam's first steps move by lr): far below the bfloat16 spacing at 1
+  // (2^-7), so the weight stays while the master moves; after 40 steps the weight is the master
+  // rounded.
+  const auto step = [&] {
+    m.w.zero_grad(), m.b.zero_grad();
+    for (auto& g : m.w.grad) g = 1.0f;
+    for (auto& g : m.b.grad) g = -1.0f;
+    opt.step(m, 1e-3);
+  };
+  step();
+  CHECK(float(m.w.data[0]) == 1.0f);
+  CHECK(m.b.data[0] == Approx(1e-3).epsilon(1e-5));
+  for (int t = 1; t < 40; ++t) step();
+  master_of_w();
+  for (std::size_t i = 0; i < 6; ++i) {
+    INFO("i = " << i);
+    CHECK(master[i] == Approx(1.0 + 0.25 * double(i) - 0.04).epsilon(1e-4));
+    CHECK(float(m.w.data[i]) == float(bf16(float(master[i]))));
+  }
+  CHECK(float(m.w.data[0]) != 1.0f);
+
+  // The masters and the bias into a float model (a float checkpoint), and back from one.
+  float_toy f;
+  attnmix::layers::transfer_parameters(opt.master_weights(m), f);
+  for (std::size_t i = 0; i < 6; ++i) CHECK(double(f.w.data[i]) == master[i]);
+  CHECK(f.b.data[0] == m.b.data[0]);
+  for (std::size_t i = 0; i < 6; ++i) f.w.data[i] = 0.5f + 1e-4f * float(i);
+  f.b.data[1] = 7.0f;
+  auto view = opt.master_weights(m);
+  attnmix::layers::transfer_parameters(f, view);
+  master_of_w();
+  for (std::size_t i = 0; i < 6; ++i) CHECK(master[i] == double(f.w.data[i]));
+  CHECK(m.b.data[1] == 7.0f);
+
+  // A state made for the float model is refused for the mixed one (no master).
+  attnmix::train::adamw<> plain(cfg);
+  float_toy af;
+  plain.init(af);
+  CHECK_THROWS_AS(plain.step(m, 1e-3), attnmix::error);
+  auto plain_view = plain.master_weights(m);
+  CHECK_THROWS_AS(attnmix::layers::transfer_parameters(f, plain_view), attnmix::error);
 }
 
 TEST_CASE("adamw: a checkpoint of weights and state resumes bit for bit", "[train]") {

@@ -543,9 +543,11 @@ struct ops<backend::cpu> {
   }
   // One AdamW step on n values (PyTorch's torch.optim.AdamW): p *= 1 - lr wd; m, v the moving
   // moments of g; p -= lr m^ / (sqrt(v^) + eps) with the bias corrections of step `step` (>= 1).
-  template <class P, class G, class S>
+  // With `copy`, the new p is also written there in Q (a 16-bit copy of float master weights).
+  template <class P, class G, class S, class Q = P>
   static void adamw(const backend::cpu&, P* p, const G* g, S* m, S* v, index_t n, double lr,
-                    double beta1, double beta2, double eps, double wd, index_t step) {
+                    double beta1, double beta2, double eps, double wd, index_t step,
+                    Q* copy = nullptr) {
     const double c1 = 1 - std::pow(beta1, double(step)), c2 = 1 - std::pow(beta2, double(step));
     for (index_t i = 0; i < n; ++i) {
       const double gi = double(g[i]);
@@ -555,6 +557,7 @@ struct ops<backend::cpu> {
       v[i] = static_cast<S>(vi);
       const double pi = double(p[i]) * (1 - lr * wd);
       p[i] = static_cast<P>(pi - lr * (mi / c1) / (std::sqrt(vi / c2) + eps));
+      if (copy != nullptr) copy[i] = static_cast<Q>(p[i]);
     }
   }
   // sum of g[i]^2 in double (gradient clipping).

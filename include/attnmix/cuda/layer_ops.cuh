@@ -350,11 +350,13 @@ struct ops<backend::cuda> {
     return attnmix::detail::cuda::cross_entropy(logits, ld, rows, V, labels, ignore, dlogits, ldd,
                                                 scale, stream(c.be));
   }
-  template <class P, class G, class S>
+  template <class P, class G, class S, class Q = P>
   static void adamw(const backend::cuda& be, P* p, const G* g, S* m, S* v, index_t n, double lr,
-                    double beta1, double beta2, double eps, double wd, index_t step) {
+                    double beta1, double beta2, double eps, double wd, index_t step,
+                    Q* copy = nullptr) {
     const double c1 = 1 - std::pow(beta1, double(step)), c2 = 1 - std::pow(beta2, double(step));
-    attnmix::detail::cuda::adamw(p, g, m, v, n, lr, beta1, beta2, eps, wd, c1, c2, stream(be));
+    attnmix::detail::cuda::adamw(p, g, m, v, n, lr, beta1, beta2, eps, wd, c1, c2, copy,
+                                 stream(be));
   }
   // Waits for the stream.
   template <class G>

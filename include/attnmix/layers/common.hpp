@@ -146,13 +146,23 @@ struct parameter<T, host_space> {
   // transfer_parameters moves between a host and a device model.
   void get_values(std::vector<double>& out) const {
     out.resize(data.size());
-    for (std::size_t i = 0; i < data.size(); ++i) out[i] = static_cast<double>(data[i]);
+    for (std::size_t i = 0; i < data.size(); ++i) {
+      if constexpr (std::is_arithmetic_v<T>)
+        out[i] = static_cast<double>(data[i]);
+      else  // half, bfloat16: exactly through float
+        out[i] = static_cast<double>(static_cast<float>(data[i]));
+    }
   }
   void set_values(const std::vector<double>& in) {
     attnmix::detail::require(in.size() == data.size(), "attnmix::layers::parameter::set_values",
                              "values", "has ", in.size(), " values but the parameter holds ",
                              data.size());
-    for (std::size_t i = 0; i < in.size(); ++i) data[i] = static_cast<T>(in[i]);
+    for (std::size_t i = 0; i < in.size(); ++i) {
+      if constexpr (std::is_arithmetic_v<T>)
+        data[i] = static_cast<T>(in[i]);
+      else  // half, bfloat16: rounded from float (a double rounds once to float first)
+        data[i] = static_cast<T>(static_cast<float>(in[i]));
+    }
   }
 };
 

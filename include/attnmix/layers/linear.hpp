@@ -4,7 +4,9 @@
 // Runs on ops<Backend>::gemm (Eigen per block of rows on the CPU, cuBLAS on the GPU). A linear
 // on another backend or in another type is made from a host one by copying its weights once.
 
+#include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "attnmix/core/scalar.hpp"
 #include "attnmix/layers/common.hpp"
@@ -62,6 +64,17 @@ class linear {
   void backward(const context<Backend>& c, const T* x, index_t rows, const T* dy, T* dx,
                 bool accumulate = false) {
     backward(c, x, in_, rows, dy, out_, dx, in_, accumulate);
+  }
+  // The same with dy in another type (in mixed precision, the float gradient of gate logits):
+  // rounded to T first, as every gradient that meets T's weights in a product.
+  template <class G, std::enable_if_t<!std::is_same_v<G, T>, int> = 0>
+  void backward(const context<Backend>& c, const T* x, index_t rows, const G* dy, T* dx,
+                bool accumulate = false) {
+    typename ops<Backend>::scratch s(c.be, scratch_bytes<T>(rows * out_));
+    T* d = s.template take<T>(rows * out_);
+    const std::int64_t* same = nullptr;
+    ops<Backend>::move_rows(c, dy, d, same, same, rows, out_);
+    backward(c, x, rows, d, dx, accumulate);
   }
   void backward(const context<Backend>& c, const T* x, index_t ldx, index_t rows, const T* dy,
                 index_t lddy, T* dx, index_t lddx, bool accumulate = false) {

@@ -51,8 +51,10 @@ class rms_norm {
     apply(context<Backend>{be, L, nullptr, h}, x, rows, y);
   }
   // Backward of apply, from the forward's input x: weight.grad += (dy x / rms) summed over the
-  // rows, dx written (or added with `accumulate`); dx may be dy.
-  void backward(const context<Backend>& c, const T* x, index_t rows, const T* dy, T* dx,
+  // rows, dx written (or added with `accumulate`); dx may be dy. x, dy and dx in T, or (a stack's
+  // residual stream in mixed precision) in accum_t<T>.
+  template <class X, class G>
+  void backward(const context<Backend>& c, const X* x, index_t rows, const G* dy, G* dx,
                 bool accumulate = false) {
     ops<Backend>::norm_backward(c, x, dy, dx, rows, width_, weight.ptr(), false, 1, true, eps_,
                                 weight.grad_ptr(), accumulate);

@@ -29,7 +29,9 @@
 //                                                             embeddings and their backward
 // and the training steps:
 //   cross_entropy(c, logits, ld, rows, V, labels, ignore, dlogits, ldd, scale) -> summed loss
-//   adamw(be, p, g, m, v, n, lr, beta1, beta2, eps, wd, step)   one AdamW step in place
+//   adamw(be, p, g, m, v, n, lr, beta1, beta2, eps, wd, step[, copy])
+//                                                             one AdamW step in place (and the
+//                                                             new p rounded into copy)
 //   sum_squares(be, g, n) -> double, scale(be, g, n, factor)    gradient clipping
 // The CPU specialisation is in attnmix/cpu/layer_ops.hpp, the CUDA one in
 // attnmix/cuda/layer_ops.cuh; a new backend specialises ops<> (and the attention front doors'

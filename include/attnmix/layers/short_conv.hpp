@@ -8,7 +8,9 @@
 // backends for now). The taps are in accum_t<T>.
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attnmix/core/scalar.hpp"
@@ -102,6 +104,17 @@ class short_conv {
                 bool accumulate = false) {
     ops<Backend>::short_conv_backward(c, x, dy, dx, channels_, weight.ptr(), kernel_, silu_,
                                       weight.grad_ptr(), accumulate);
+  }
+  // The same with dy in another type (in mixed precision, a float gradient): rounded to T first.
+  template <class G, std::enable_if_t<!std::is_same_v<G, T>, int> = 0>
+  void backward(const context<Backend>& c, const T* x, const G* dy, T* dx,
+                bool accumulate = false) {
+    const index_t n = c.rows() * channels_;
+    typename ops<Backend>::scratch s(c.be, scratch_bytes<T>(n));
+    T* d = s.template take<T>(n);
+    const std::int64_t* same = nullptr;
+    ops<Backend>::move_rows(c, dy, d, same, same, c.rows(), channels_);
+    backward(c, x, d, dx, accumulate);
   }
 
   // One decoding step for N sequences: x, y [N, C]; `state` moves on by one token (host).

@@ -303,8 +303,6 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
   // backward() reads. (on_layer is not called.)
   void forward(const view3<const T>& x, const view3<T>& out, saved_type& sv,
                const stack_inputs& in = {}, const Backend& be = Backend{}) const {
-    static_assert(std::is_same_v<R, T>,
-                  "attnmix::stack: training runs with the residual stream in the compute type");
     const std::string fn = "attnmix::stack::forward";
     const index_t D = cfg_.hidden_size;
     check_rows(fn, x, out);
@@ -384,20 +382,44 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     if (src != nullptr) O::zero(be, dx.data(), dx.size());
     if (rows == 0) return;
     const layers::context<Backend> c{be, L, sv.positions.data(), handles_};
-    typename O::scratch s(be, layers::scratch_bytes<R>(n) + layers::scratch_bytes<T>(n) * 2);
+    // The gradient of the residual stream, dh, is in R; the layers take and give T. In mixed
+    // precision (T 16-bit, R float) it is rounded to T for each layer, and a layer's dx is
+    // widened to R before the norm's backward adds it to dh.
+    constexpr bool mixed = !std::is_same_v<R, T>;
+    typename O::scratch s(be, layers::scratch_bytes<R>(n) * (mixed ? 2 : 1) +
+                                  layers::scratch_bytes<T>(n) * (mixed ? 3 : 2));
     R* dh = s.template take<R>(n);
     T *dt = s.template take<T>(n), *dm = s.template take<T>(n);
+    R* dr = mixed ? s.template take<R>(n) : nullptr;
+    T* dh_t = mixed ? s.template take<T>(n) : nullptr;
+    const std::int64_t* same = nullptr;  // move_rows without a row map: a copy that converts
+    const auto wide = [&](const T* g) -> const R* {
+      if constexpr (mixed) {
+        O::move_rows(c, g, dr, same, same, rows, D);
+        return dr;
+      } else {
+        return g;
+      }
+    };
+    const auto narrow = [&](const R* g) -> const T* {
+      if constexpr (mixed) {
+        O::move_rows(c, g, dh_t, same, same, rows, D);
+        return dh_t;
+      } else {
+        return g;
+      }
+    };
     const T* dy = dout.data();
     if (src != nullptr) {
-      O::move_rows(c, dout.data(), dm, src, static_cast<const std::int64_t*>(nullptr), rows, D);
+      O::move_rows(c, dout.data(), dm, src, same, rows, D);
       dy = dm;
     }
-    norm.backward(c, sv.h[num_layers].data(), rows, dy, dh);
+    norm.backward(c, sv.h[num_layers].data(), rows, wide(dy), dh);
     for_each_block_and_saved_reversed(sv, [&](auto& b, const auto& bs, std::size_t i) {
-      b.mlp.backward(c, bs.mlp_in.data(), rows, dh, dt, bs.mlp);
-      b.mlp_norm.backward(c, bs.mid.data(), rows, dt, dh, true);
-      b.attn.backward_rows(c, bs.attn_in.data(), dh, dt, bs.attn);
-      b.attn_norm.backward(c, sv.h[i].data(), rows, dt, dh, true);
+      b.mlp.backward(c, bs.mlp_in.data(), rows, narrow(dh), dt, bs.mlp);
+      b.mlp_norm.backward(c, bs.mid.data(), rows, wide(dt), dh, true);
+      b.attn.backward_rows(c, bs.attn_in.data(), narrow(dh), dt, bs.attn);
+      b.attn_norm.backward(c, sv.h[i].data(), rows, wide(dt), dh, true);
     });
     O::move_rows(c, dh, dx.data(), static_cast<const std::int64_t*>(nullptr), src, rows, D);
   }

@@ -33,6 +33,9 @@ class language_model {
   using ids_view = tensor_view<const std::int32_t, 2>;
 
  public:
+  using scalar = T;  // the compute type of the stack: its activations and logits
+  using backend_type = Backend;
+
   // Throws attnmix::error for vocab < 1 or a table too large to address (before any member is
   // built), and for a config the stack rejects.
   language_model(const layers::config& c, index_t vocab)

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -34,6 +35,15 @@ struct adamw_config {
 // into the weight), in the backend's memory beside the parameters (the step count on the host).
 // On a device the state is saved through a host optimiser: layers::transfer_parameters(gpu_opt,
 // host_opt) after host_opt.init(host_model), then io::save(host_opt, ...); and back.
+//
+// Mixed precision: for every parameter stored in 16 bits (bfloat16 or half, as a device stack in
+// that type holds its projections) the optimiser keeps float master weights. A step updates the
+// master and rounds it into the parameter, so that updates smaller than the 16-bit spacing
+// accumulate. init() makes the masters from the parameters' values; master_weights(model) is the
+// model's weights with the masters in place of the 16-bit ones, for layers::transfer_parameters:
+// from a float host model (a run that starts from float weights, or resumes from a checkpoint of
+// them), and into one (to save the float weights with io::save). Parameters of 32 or 64 bits
+// have no master.
 template <class Backend = backend::cpu>
 class adamw {
   static_assert(layers::has_training_ops_v<Backend>,
@@ -41,6 +51,10 @@ class adamw {
                 "is in attnmix/layers/ops.hpp)");
   using O = layers::ops<Backend>;
   using state = layers::parameter<double, typename Backend::memory_space>;
+  using master = layers::parameter<float, typename Backend::memory_space>;
+  template <class P>
+  static constexpr bool needs_master =
+      sizeof(std::remove_cv_t<std::remove_pointer_t<decltype(std::declval<P&>().ptr())>>) == 2;
 
  public:
   // The largest step count: every count up to it is a double exactly.
@@ -59,9 +73,45 @@ class adamw {
   void init(Model& model) {
     moments_.clear();
     model.visit_parameters([&](const std::string& name, auto& p) {
-      moments_.push_back({name, state(p.shape), state(p.shape)});
+      moments_.push_back({name, state(p.shape), state(p.shape), {}});
+      if constexpr (needs_master<std::decay_t<decltype(p)>>) {
+        std::vector<double> values;
+        p.get_values(values);
+        moments_.back().w = master(p.shape);
+        moments_.back().w.set_values(values);
+      }
     });
     step_.data[0] = 0;
+  }
+
+  // `model`'s weights at full precision, as a model for layers::transfer_parameters in either
+  // direction: under each parameter's name its float master where it is 16-bit, else the
+  // parameter itself. Visiting it throws attnmix::error when the state was not made for `model`
+  // (call init first).
+  template <class Self, class Model>
+  struct weights_view {
+    Self* self;
+    Model* model;
+    template <class F>
+    void visit_parameters(F&& f) const {
+      std::size_t i = 0;
+      model->visit_parameters([&](const std::string& name, auto& p) {
+        self->check_entry("attnmix::train::adamw::master_weights", i, name, p);
+        if constexpr (needs_master<std::decay_t<decltype(p)>>)
+          f(name, self->moments_[i].w);
+        else
+          f(name, p);
+        ++i;
+      });
+    }
+  };
+  template <class Model>
+  weights_view<adamw, Model> master_weights(Model& model) {
+    return {this, &model};
+  }
+  template <class Model>
+  weights_view<const adamw, const Model> master_weights(const Model& model) const {
+    return {this, &model};
   }
 
   // Zeroes every gradient of `model`.
@@ -84,10 +134,7 @@ class adamw {
     double ss = 0;
     std::size_t i = 0;
     model.visit_parameters([&](const std::string& name, auto& p) {
-      detail::require(i < moments_.size() && moments_[i].name == name &&
-                          moments_[i].m.numel() == p.numel() && moments_[i].v.numel() == p.numel(),
-                      fn, "model", "has parameter '", name,
-                      "', which the optimiser state was not made for (call init)");
+      check_entry(fn, i, name, p);
       ss += O::sum_squares(be, p.grad_ptr(), p.numel());
       ++i;
     });
@@ -102,8 +149,12 @@ class adamw {
       const index_t n = p.numel();
       if (factor != 1.0) O::scale(be, p.grad_ptr(), n, factor);
       const double wd = p.shape.size() >= 2 ? cfg_.weight_decay : 0.0;
-      O::adamw(be, p.ptr(), p.grad_ptr(), s.m.ptr(), s.v.ptr(), n, lr, cfg_.beta1, cfg_.beta2,
-               cfg_.eps, wd, t);
+      if constexpr (needs_master<std::decay_t<decltype(p)>>)
+        O::adamw(be, s.w.ptr(), p.grad_ptr(), s.m.ptr(), s.v.ptr(), n, lr, cfg_.beta1, cfg_.beta2,
+                 cfg_.eps, wd, t, p.ptr());
+      else
+        O::adamw(be, p.ptr(), p.grad_ptr(), s.m.ptr(), s.v.ptr(), n, lr, cfg_.beta1, cfg_.beta2,
+                 cfg_.eps, wd, t);
     });
     step_.data[0] = double(t);
     return norm;
@@ -143,9 +194,21 @@ class adamw {
   }
 
  private:
+  // Entry i of the state is parameter `name`, p, of the model.
+  template <class P>
+  void check_entry(const std::string& fn, std::size_t i, const std::string& name,
+                   const P& p) const {
+    detail::require(i < moments_.size() && moments_[i].name == name &&
+                        moments_[i].m.numel() == p.numel() && moments_[i].v.numel() == p.numel() &&
+                        moments_[i].w.empty() != needs_master<P>,
+                    fn, "model", "has parameter '", name,
+                    "', which the optimiser state was not made for (call init)");
+  }
+
   struct moment {
     std::string name;
     state m, v;
+    master w;  // 16-bit parameters only: the float master weights
   };
 
   static bool is_step_count(double x) {

@@ -371,10 +371,11 @@ __global__ void sum_part_kernel(const G* v, index_t n, double* part) {
 }
 
 // ---- optimiser -----------------------------------------------------------------------------
-// One AdamW step (PyTorch's), in double as the CPU one: c1, c2 the bias corrections.
-template <class P, class G, class S>
+// One AdamW step (PyTorch's), in double as the CPU one: c1, c2 the bias corrections; with
+// `copy`, the new weights also rounded into it (the 16-bit copy of float master weights).
+template <class P, class G, class S, class Q>
 __global__ void adamw_kernel(P* p, const G* g, S* m, S* v, index_t n, double lr, double beta1,
-                             double beta2, double eps, double wd, double c1, double c2) {
+                             double beta2, double eps, double wd, double c1, double c2, Q* copy) {
   for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
        i += index_t(gridDim.x) * blockDim.x) {
     const double gi = to_double(g[i]);
@@ -383,7 +384,9 @@ __global__ void adamw_kernel(P* p, const G* g, S* m, S* v, index_t n, double lr,
     m[i] = from_double<S>(mi);
     v[i] = from_double<S>(vi);
     const double pi = to_double(p[i]) * (1 - lr * wd);
-    p[i] = from_double<P>(pi - lr * (mi / c1) / (sqrt(vi / c2) + eps));
+    const P next = from_double<P>(pi - lr * (mi / c1) / (sqrt(vi / c2) + eps));
+    p[i] = next;
+    if (copy != nullptr) copy[i] = from_float<Q>(to_float(next));
   }
 }
 

@@ -178,12 +178,12 @@ double cross_entropy(const T* logits, index_t ld, index_t rows, index_t V,
   return sum_values<false>(loss, rows, stream);
 }
 
-template <class P, class G, class S>
+template <class P, class G, class S, class Q>
 void adamw(P* p, const G* g, S* m, S* v, index_t n, double lr, double beta1, double beta2,
-           double eps, double wd, double c1, double c2, cudaStream_t stream) {
+           double eps, double wd, double c1, double c2, Q* copy, cudaStream_t stream) {
   if (n == 0) return;
   adamw_kernel<<<grid_for(n, 256), 256, 0, stream>>>(dev(p), dev(g), dev(m), dev(v), n, lr, beta1,
-                                                     beta2, eps, wd, c1, c2);
+                                                     beta2, eps, wd, c1, c2, dev(copy));
   check(cudaGetLastError(), "attnmix AdamW kernel launch");
 }
 
