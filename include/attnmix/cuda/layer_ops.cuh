@@ -264,15 +264,13 @@ struct ops<backend::cuda> {
   }
 
   // Each row's position in its sequence: computed on the device for a dense batch; a packed one
-  // uploads them (a copy from pageable memory, which waits for the stream).
+  // uploads them.
   static void positions(const backend::cuda& be, std::int32_t* pos, const token_layout& L) {
     namespace k = attnmix::detail::cuda;
     if (L.packed()) {
       std::vector<std::int32_t> p;
       for (const index_t v : layers::detail::positions(L)) p.push_back(std::int32_t(v));
-      k::check(cudaMemcpyAsync(pos, p.data(), p.size() * sizeof(std::int32_t),
-                               cudaMemcpyHostToDevice, stream(be)),
-               "cudaMemcpyAsync");
+      k::upload_host(pos, p.data(), p.size() * sizeof(std::int32_t), stream(be), "cudaMemcpyAsync");
     } else {
       k::dense_positions(pos, L.rows(), L.tokens, stream(be));
     }
@@ -280,9 +278,8 @@ struct ops<backend::cuda> {
   template <class S>
   static void upload(const backend::cuda& be, S* dst, const S* src, index_t n) {
     if (n == 0) return;  // dst and src may be null then
-    attnmix::detail::cuda::check(
-        cudaMemcpyAsync(dst, src, std::size_t(n) * sizeof(S), cudaMemcpyHostToDevice, stream(be)),
-        "cudaMemcpyAsync");
+    attnmix::detail::cuda::upload_host(dst, src, std::size_t(n) * sizeof(S), stream(be),
+                                       "cudaMemcpyAsync");
   }
   template <class S>
   static void zero(const backend::cuda& be, S* p, index_t n) {

@@ -118,10 +118,8 @@ struct path_cache_impl<backend::cuda> {
     cudaStream_t stream = static_cast<cudaStream_t>(backend.stream);
     const std::vector<std::int32_t> slot_host(where.begin(), where.end());
     cuda::stream_buffer slot_dev(slot_host.size() * sizeof(std::int32_t), stream);
-    cuda::check(
-        cudaMemcpyAsync(slot_dev.get(), slot_host.data(), slot_host.size() * sizeof(std::int32_t),
-                        cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync(slots)");
+    cuda::upload_host(slot_dev.get(), slot_host.data(), slot_host.size() * sizeof(std::int32_t),
+                      stream, "cudaMemcpyAsync(slots)");
     cuda::key_cache_target<DevStore> target;
     target.keys = reinterpret_cast<DevStore*>(path_cache_access::keys(cache));
     target.stride[0] = cache.capacity() * prob.kv_heads * prob.head_dim;

@@ -276,9 +276,8 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
     }
   } else {
     int* offsets = reinterpret_cast<int*>(base + sc.slot_offsets);
-    check(cudaMemcpyAsync(offsets, slot_offsets.data(), slot_offsets.size() * sizeof(int),
-                          cudaMemcpyHostToDevice, stream),
-          "cudaMemcpyAsync(slot offsets)");
+    upload_host(offsets, slot_offsets.data(), slot_offsets.size() * sizeof(int), stream,
+                "cudaMemcpyAsync(slot offsets)");
     float* state = at(sc.state);
     float* dstate = at(sc.dstate);
     float* gbuf = at(sc.g);

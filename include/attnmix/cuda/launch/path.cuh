@@ -274,8 +274,7 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
   p.part_ml = reinterpret_cast<float*>(work.get());
   p.part_o = reinterpret_cast<float*>(work.get() + plan.ml_bytes);
   auto* rows_dev = reinterpret_cast<std::int32_t*>(work.get() + plan.ml_bytes + plan.o_bytes);
-  check(cudaMemcpyAsync(rows_dev, cache.rows.data(), rows_bytes, cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync(rows)");
+  upload_host(rows_dev, cache.rows.data(), rows_bytes, stream, "cudaMemcpyAsync(rows)");
   p.rows = rows_dev;
 
   p.q = a.q.data(), p.k = a.k.data(), p.v = a.v.data();

@@ -1,12 +1,16 @@
 #pragma once
-// The sequence offsets of a packed batch on the device: how long the longest sequence is, how
-// many scratch bytes the copy of cu_seqlens takes, and the stream-ordered copy itself.
+// Host arrays on the device: the copy every launcher uploads with (upload_host), and the
+// sequence offsets of a packed batch: how long the longest sequence is, how many scratch bytes
+// the copy of cu_seqlens takes, and the stream-ordered copy itself.
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
 
 #include "attnmix/config.hpp"
 #include "attnmix/cuda/plan/scratch.hpp"
@@ -15,6 +19,35 @@
 namespace attnmix {
 namespace detail {
 namespace cuda {
+
+// Copies `bytes` of host memory at src to dst on `stream`, reading src now, as an eager call
+// does: a copy from pageable memory stages its bytes before it returns, so the caller's array
+// (often a temporary) may go at once. A copy captured into a CUDA graph would instead read src
+// at every replay, long after a temporary is gone; so while `stream` captures, the bytes are
+// copied into a host buffer that the graph owns (a user object, freed with the graph) and the
+// graph copies from there.
+inline void upload_host(void* dst, const void* src, std::size_t bytes, cudaStream_t stream,
+                        const char* what) {
+  if (bytes == 0) return;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaGraph_t graph = nullptr;
+  check(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph), "cudaStreamGetCaptureInfo");
+  if (status == cudaStreamCaptureStatusActive) {
+    void* copy = std::malloc(bytes);
+    if (copy == nullptr) throw std::bad_alloc();
+    std::memcpy(copy, src, bytes);
+    cudaUserObject_t owner{};
+    const cudaError_t made = cudaUserObjectCreate(
+        &owner, copy, [](void* p) { std::free(p); }, 1, cudaUserObjectNoDestructorSync);
+    if (made != cudaSuccess) std::free(copy);
+    check(made, "cudaUserObjectCreate");
+    const cudaError_t kept = cudaGraphRetainUserObject(graph, owner, 1, cudaGraphUserObjectMove);
+    if (kept != cudaSuccess) (void)cudaUserObjectRelease(owner, 1);
+    check(kept, "cudaGraphRetainUserObject");
+    src = copy;
+  }
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), what);
+}
 
 // The longest sequence of a problem (attention_problem or linear_attention_problem).
 template <class Problem>
@@ -37,10 +70,9 @@ std::size_t offsets_bytes(const Problem& p) {
 template <class Problem>
 const std::int32_t* upload_offsets(unsigned char* dst, const Problem& p, cudaStream_t stream) {
   if (p.cu_seqlens == nullptr) return nullptr;
-  check(cudaMemcpyAsync(dst, p.cu_seqlens,
-                        static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t),
-                        cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync(cu_seqlens)");
+  upload_host(dst, p.cu_seqlens,
+              static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t), stream,
+              "cudaMemcpyAsync(cu_seqlens)");
   return reinterpret_cast<const std::int32_t*>(dst);
 }
 
