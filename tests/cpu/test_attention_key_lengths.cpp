@@ -1,15 +1,17 @@
 // Softmax and FoX with keys of other lengths than the queries (decoding and chunked prefill
 // against a cache, cross-attention) and with keys read from the slots of a cache (key_slots,
-// key_lengths) on the CPU: against the float64 oracle, against the full-length call, and every
-// check of the new arguments.
+// key_lengths) on the CPU: forward and backward against the float64 oracles, against the
+// full-length call, and every check of the new arguments.
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "attnmix/attnmix.hpp"
+#include "reference/softmax_backward_reference.hpp"
 #include "reference/softmax_reference.hpp"
 #include "support/catch.hpp"
 #include "support/errors.hpp"
@@ -435,24 +437,223 @@ TEST_CASE("keys of other lengths: bad calls are rejected", "[errors][cpu][key_le
                                        offsets({0, 5, 12}, {0, 6, 12}));
 }
 
-TEST_CASE("the backward takes no keys of other lengths", "[errors][cpu][key_lengths]") {
-  const index_t T = 12;
-  host_tensor<float, 4> q({1, T, 2, 8}, 0.5f), dq({1, T, 2, 8}, 42.0f);
-  host_tensor<float, 4> dk({1, T, 2, 8}, 42.0f), dv({1, T, 2, 8}, 42.0f);
-  host_tensor<float, 3> lse({1, T, 2}, 1.0f);
+namespace {
+
+// The library's forward (out, lse) and backward on the case's keys, against the float64 reverse
+// pass; with `resets`, the log gate is -inf at those key tokens of every row and head.
+struct key_grads {
+  std::vector<double> dq, dk, dv, dg;
+};
+
+template <class Kind, class Policy, class T>
+key_grads backward_of(const key_case& c, const key_inputs& in, const host_tensor<double, 4>& dout) {
+  using A = attnmix::accum_t<T>;
+  constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+  const host_tensor<T, 4> q = as<T>(in.q), k = as<T>(in.k), v = as<T>(in.v), dO = as<T>(dout);
+  host_tensor<A, 3> g({c.B, c.Tk, c.HQ});
+  for (std::size_t i = 0; i < g.storage().size(); ++i)
+    g.storage()[i] = static_cast<A>(in.g.storage()[i]);
+  host_tensor<T, 4> out({c.B, c.T, c.HQ, c.Dv});
+  host_tensor<A, 3> lse({c.B, c.T, c.HQ});
+  const attnmix::attention_params p = params_of(c);
+  const attnmix::backend::cpu be{c.threads};
+  attnmix::attention_args<T> a{q.view(), k.view(), v.view(), out.view()};
+  if constexpr (gated) a.g = g.view();
+  a.lse = lse.view();
+  attnmix::attention<Kind, Policy>(a, p, be);
+
+  host_tensor<T, 4> dq(q.shape()), dk(k.shape()), dv(v.shape());
+  host_tensor<A, 3> dg(g.shape());
+  poison(dq), poison(dk), poison(dv), poison(dg);
+  attnmix::attention_grad_args<T> ga;
+  ga.q = q.view(), ga.k = k.view(), ga.v = v.view(), ga.out = out.view(), ga.lse = lse.view();
+  ga.dout = dO.view(), ga.dq = dq.view(), ga.dk = dk.view(), ga.dv = dv.view();
+  if constexpr (gated) ga.g = g.view(), ga.dg = dg.view();
+  attnmix::attention_backward<Kind, Policy>(ga, p, be);
+  return {to_double(dq.storage()), to_double(dk.storage()), to_double(dv.storage()),
+          gated ? to_double(dg.storage()) : std::vector<double>{}};
+}
+
+template <class Kind, class Policy>
+attnmix_ref::softmax_gradients backward_oracle(const key_case& c, const key_inputs& in,
+                                               const host_tensor<double, 4>& dout) {
+  attnmix_ref::softmax_problem p{c.B, c.T, c.HQ, c.H, c.D, c.Dv, 1.0 / std::sqrt(double(c.D))};
+  p.causal = Policy::mask == attnmix::mask_type::causal;
+  p.window = c.window;
+  p.Tk = c.Tk;
+  p.cu_seqlens.assign(c.cu.begin(), c.cu.end());
+  p.cu_seqlens_k.assign(c.cu_k.begin(), c.cu_k.end());
+  if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
+    p.gate = Policy::gate == attnmix::gate_scaling::after_scale
+                 ? attnmix_ref::softmax_problem::gate_after_scale
+                 : attnmix_ref::softmax_problem::gate_before_scale;
+  return attnmix_ref::softmax_attention_backward(p, in.q.storage(), in.k.storage(), in.v.storage(),
+                                                 in.g.storage(), dout.storage());
+}
+
+// The backward's tolerance (its sums are longer than the forward's; as test_softmax_backward).
+template <class T>
+constexpr double grad_tolerance() {
+  return sizeof(T) >= 8 ? 1e-10 : 1e-5;
+}
+
+template <class Kind, class Policy, class T>
+void backward_sweep(const std::vector<key_case>& cases, std::uint64_t salt,
+                    const std::vector<index_t>& resets = {}) {
+  constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+  for (const key_case& c : cases) {
+    INFO("seed " << test_seed() << " " << c.describe() << " " << Kind::name << " mask "
+                 << attnmix::to_string(Policy::mask) << " resets " << resets.size());
+    key_inputs in = random_inputs(c, ++salt);
+    for (const index_t t : resets)
+      for (index_t b = 0; b < c.B; ++b)
+        for (index_t h = 0; h < c.HQ; ++h)
+          if (t < c.Tk) in.g(b, t, h) = -std::numeric_limits<double>::infinity();
+    host_tensor<double, 4> dout({c.B, c.T, c.HQ, c.Dv});
+    rng(salt * 31 + 7).fill_normal(dout);
+    const key_grads got = backward_of<Kind, Policy, T>(c, in, dout);
+    const auto ref = backward_oracle<Kind, Policy>(c, in, dout);
+    CHECK(rel_error(got.dq, ref.dq) <= grad_tolerance<T>());
+    CHECK(rel_error(got.dk, ref.dk) <= grad_tolerance<T>());
+    CHECK(rel_error(got.dv, ref.dv) <= grad_tolerance<T>());
+    if (gated) CHECK(rel_error(got.dg, ref.dg) <= grad_tolerance<T>());
+  }
+}
+
+// Keys much longer than the queries, so that a head's keys are split into several runs whose dq
+// and gate sums are added afterwards (one KV head, few sequences).
+std::vector<key_case> long_key_cases() {
+  return {
+      {1, 40, 700, 2, 1, 16, 8},
+      {1, 100, 640, 3, 1, 8, 8, 0, {0, 1, 100}, {0, 300, 640}},
+      {1, 90, 600, 2, 1, 8, 8, 50},
+  };
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the softmax backward with keys of other lengths matches the float64 oracle",
+                   "[softmax][cpu][key_lengths][backward]", float, double) {
+  backward_sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(causal_cases(), 100);
+  backward_sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, TestType>(
+      bidirectional_cases(), 200);
+  backward_sweep<attnmix::kind::softmax, tiny_tiles, TestType>(causal_cases(), 300);
+  backward_sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(long_key_cases(), 400);
+  backward_sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, TestType>(
+      long_key_cases(), 500);
+}
+
+TEMPLATE_TEST_CASE("the FoX backward with keys of other lengths matches the float64 oracle",
+                   "[fox][cpu][key_lengths][backward]", float, double) {
+  backward_sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(causal_cases(), 600);
+  backward_sweep<attnmix::kind::fox, fox_gate_before_scale, TestType>(causal_cases(), 700);
+  backward_sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(long_key_cases(), 800);
+  // Hard resets before, inside and after the queries' keys.
+  backward_sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(causal_cases(), 900,
+                                                                    {3, 60, 250, 690});
+  backward_sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(long_key_cases(), 1000,
+                                                                    {3, 60, 250, 690});
+}
+
+TEST_CASE("the backward with keys of other lengths: the same bits for every thread count",
+          "[cpu][key_lengths][backward]") {
+  for (key_case c : long_key_cases()) {
+    INFO("seed " << test_seed() << " " << c.describe());
+    const key_inputs in = random_inputs(c, 1100);
+    host_tensor<double, 4> dout({c.B, c.T, c.HQ, c.Dv});
+    rng(1101).fill_normal(dout);
+    c.threads = 1;
+    const key_grads one = backward_of<attnmix::kind::fox, attnmix::fox_policy, float>(c, in, dout);
+    c.threads = 3;
+    const key_grads three =
+        backward_of<attnmix::kind::fox, attnmix::fox_policy, float>(c, in, dout);
+    CHECK(bitwise_equal(one.dq, three.dq));
+    CHECK(bitwise_equal(one.dk, three.dk));
+    CHECK(bitwise_equal(one.dv, three.dv));
+    CHECK(bitwise_equal(one.dg, three.dg));
+  }
+}
+
+namespace keys_test {
+// A host backend whose softmax backward takes no keys of other lengths (as a backend that has not
+// written that path yet): the front door must refuse such a call before it reaches the backend.
+struct equal_keys_only {
+  using memory_space = attnmix::host_space;
+  static constexpr const char* name = "equal_keys_only";
+};
+}  // namespace keys_test
+
+namespace attnmix {
+template <>
+struct is_backward_implemented<kind::softmax, keys_test::equal_keys_only> : std::true_type {};
+namespace detail {
+template <class Policy>
+struct attention_backward_impl<kind::softmax, keys_test::equal_keys_only, Policy> {
+  template <class T>
+  static void run(const attention_grad_args<T>& a, const attention_problem& p,
+                  const keys_test::equal_keys_only&) {
+    attention_backward_impl<kind::softmax, backend::cpu, Policy>::run(a, p, backend::cpu{1});
+  }
+};
+}  // namespace detail
+}  // namespace attnmix
+
+TEST_CASE("the backward checks keys of other lengths", "[errors][cpu][key_lengths]") {
+  const index_t T = 12, Tk = 20;
+  host_tensor<float, 4> q({1, T, 2, 8}, 0.5f), k({1, Tk, 2, 8}, 0.25f), dq({1, T, 2, 8}, 42.0f);
+  host_tensor<float, 4> dk({1, Tk, 2, 8}, 42.0f), dv({1, Tk, 2, 8}, 42.0f);
+  host_tensor<float, 4> short_dk(q.shape()), short_dv(q.shape());
+  host_tensor<float, 3> lse({1, T, 2}, 1.0f), g({1, Tk, 2}, -0.1f), dg({1, Tk, 2}, 42.0f);
+  host_tensor<float, 3> short_g({1, T, 2}, -0.1f);
   attnmix::attention_grad_args<float> a;
-  a.q = a.k = a.v = a.out = a.dout = q.view();
+  a.q = a.out = a.dout = q.view();
+  a.k = a.v = k.view();
   a.lse = lse.view();
   a.dq = dq.view(), a.dk = dk.view(), a.dv = dv.view();
-  const std::vector<std::int32_t> cu{0, 5, 12}, cu_k{0, 6, 12};
+  const std::vector<std::int32_t> cu{0, 5, 12}, cu_k{0, 6, 20};
   attnmix::attention_params p;
   p.cu_seqlens = {cu.data(), {3}};
   p.cu_seqlens_k = {cu_k.data(), {3}};
-  expect_error("attnmix::attention_backward<softmax>", "cu_seqlens_k", "the backward does not take",
-               [&] { attnmix::attention_backward<attnmix::kind::softmax>(a, p); });
-  CHECK(bitwise_equal(dq.storage(), std::vector<float>(dq.storage().size(), 42.0f)));
-  p.cu_seqlens_k = {cu.data(), {3}};  // the queries' own offsets: accepted
+  const auto untouched = [&] {
+    CHECK(bitwise_equal(dq.storage(), std::vector<float>(dq.storage().size(), 42.0f)));
+    CHECK(bitwise_equal(dk.storage(), std::vector<float>(dk.storage().size(), 42.0f)));
+  };
+  const std::string sa = "attnmix::attention_backward<softmax>";
   CHECK_NOTHROW(attnmix::attention_backward<attnmix::kind::softmax>(a, p));
+  dq.fill(42.0f), dk.fill(42.0f);
+  // Gradients of the keys have the keys' shape.
+  a.dk = short_dk.view();
+  expect_error(sa, "dk", "[B, Tk, H, D] = [1, 20, 2, 8]",
+               [&] { attnmix::attention_backward<attnmix::kind::softmax>(a, p); });
+  a.dk = dk.view();
+  untouched();
+  // FoX's gate and its gradient: one value a key.
+  a.g = short_g.view(), a.dg = dg.view();
+  expect_error("attnmix::attention_backward<fox>", "g", "[B, Tk, HQ] = [1, 20, 2]",
+               [&] { attnmix::attention_backward<attnmix::kind::fox>(a, p); });
+  untouched();
+  a.g = g.view(), a.dg = short_g.view();
+  expect_error("attnmix::attention_backward<fox>", "dg", "[B, Tk, HQ] = [1, 20, 2]",
+               [&] { attnmix::attention_backward<attnmix::kind::fox>(a, p); });
+  untouched();
+  a.g = {}, a.dg = {};
+  // Causal queries need as many keys as they are.
+  const std::vector<std::int32_t> few{0, 4, 20};
+  p.cu_seqlens_k = {few.data(), {3}};
+  expect_error(sa, "k", "gives 4 keys for the 5 queries of sequence 0",
+               [&] { attnmix::attention_backward<attnmix::kind::softmax>(a, p); });
+  untouched();
+  // A backend without takes_key_lengths_backward refuses them, by argument.
+  p.cu_seqlens_k = {cu_k.data(), {3}};
+  expect_error(
+      sa, "cu_seqlens_k", "which the backward of softmax does not take on equal_keys_only", [&] {
+        attnmix::attention_backward<attnmix::kind::softmax>(a, p, keys_test::equal_keys_only{});
+      });
+  untouched();
+  p.cu_seqlens_k = {cu.data(), {3}};  // the queries' own offsets: the same problem as none
+  a.k = a.v = q.view(), a.dk = short_dk.view(), a.dv = short_dv.view();
+  CHECK_NOTHROW(
+      attnmix::attention_backward<attnmix::kind::softmax>(a, p, keys_test::equal_keys_only{}));
 }
 
 TEST_CASE("keys from the slots of a cache: bad calls are rejected", "[errors][cpu][key_lengths]") {

@@ -106,7 +106,7 @@ TEST_CASE("attention_backward: missing and unexpected tensors", "[errors][backwa
 
 TEST_CASE("attention_backward: wrongly shaped gradients name both sizes",
           "[errors][backward][cpu]") {
-  expect_rejected<fox>("dk", "has shape [2, 17, 4, 8] but must be [B, T, H, D] = [2, 17, 2, 8]",
+  expect_rejected<fox>("dk", "has shape [2, 17, 4, 8] but must be [B, Tk, H, D] = [2, 17, 2, 8]",
                        [](auto& f, auto& a, auto&) {
                          a.dk = view4<float>(f.spare.data(), {B, T, HQ, D});
                        });

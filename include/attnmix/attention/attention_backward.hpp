@@ -69,32 +69,33 @@ attention_problem validate_attention_backward(const std::string& fn,
   arg_list args = attention_backward_arg_list<Kind>(a, p);
   check_presence(fn, args);
   check_placement(fn, args, space::value, Backend::name);
-  const qkv_sizes s = resolve_qkv(fn, args);  // k, v and out (entry 3)
-  find_arg(args, "g")->expect("[B, T, HQ]", s.B, s.T, s.HQ);
+  // As in the forward, softmax and FoX keys may have another length than the queries.
+  const key_shape keys =
+      kind_traits<Kind>::uses_householder ? key_shape::queries : key_shape::other_lengths;
+  const key_shape_names names = names_of(keys);
+  const qkv_sizes s = resolve_qkv(fn, args, keys);  // k, v and out (entry 3)
+  find_arg(args, "g")->expect(names.g, s.B, s.Tk, s.HQ);
   find_arg(args, "w")->expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
   find_arg(args, "beta")->expect("[B, T, H]", s.B, s.T, s.H);
   find_arg(args, "lse")->expect("[B, T, HQ]", s.B, s.T, s.HQ);
   find_arg(args, "dout")->expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
   find_arg(args, "dq")->expect("[B, T, HQ, D]", s.B, s.T, s.HQ, s.D);
-  find_arg(args, "dk")->expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
-  find_arg(args, "dv")->expect("[B, T, H, Dv]", s.B, s.T, s.H, s.Dv);
-  find_arg(args, "dg")->expect("[B, T, HQ]", s.B, s.T, s.HQ);
+  find_arg(args, "dk")->expect(names.k, s.B, s.Tk, s.H, s.D);
+  find_arg(args, "dv")->expect(names.v, s.B, s.Tk, s.H, s.Dv);
+  find_arg(args, "dg")->expect(names.g, s.B, s.Tk, s.HQ);
   find_arg(args, "dw")->expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
   find_arg(args, "dbeta")->expect("[B, T, H]", s.B, s.T, s.H);
   check_shapes(fn, args);
   check_outputs(fn, args);
-  if (p.cu_seqlens_k.has_value()) {
-    bool same = p.cu_seqlens.has_value() && p.cu_seqlens_k.extent(0) == p.cu_seqlens.extent(0);
-    for (index_t n = 0; same && n < p.cu_seqlens.extent(0); ++n)
-      same = p.cu_seqlens_k(n) == p.cu_seqlens(n);
-    require(same, fn, "cu_seqlens_k",
-            "gives keys of other lengths than the queries, which the backward does not take");
-  }
   require(!p.key_lengths.has_value(), fn, "key_lengths",
           "reads keys from a cache, which the backward does not take");
   require(!p.key_slots.has_value(), fn, "key_slots",
           "reads keys from a cache, which the backward does not take");
   const attention_problem prob = resolve_attention_problem<Kind, T>(fn, s, p, causal);
+  require(prob.keys_match_queries() || takes_key_lengths_backward<Kind, Backend>::value, fn,
+          p.cu_seqlens_k.has_value() ? "cu_seqlens_k" : "k",
+          "gives keys of other lengths than the queries (Tk = ", s.Tk, ", T = ", s.T,
+          "), which the backward of ", Kind::name, " does not take on ", Backend::name);
   pointer_check<space>::run(fn, args);
   return prob;
 }

@@ -21,6 +21,13 @@ inline constexpr bool is_implemented_v = is_implemented<Kind, Backend>::value;
 template <class Kind, class Backend>
 struct takes_key_lengths : std::false_type {};
 
+// true where the backward of (Kind, Backend) takes keys of other lengths than the queries (k, v
+// and g of another Tk, or packed with cu_seqlens_k): training cross-attention, or a block of
+// queries against a longer prefix. Keys read from a cache (key_lengths, key_slots) are a forward
+// matter: no backward takes them.
+template <class Kind, class Backend>
+struct takes_key_lengths_backward : std::false_type {};
+
 // true once the backward of (Kind, Backend) is implemented (the same headers specialise it).
 template <class Kind, class Backend>
 struct is_backward_implemented : std::false_type {};

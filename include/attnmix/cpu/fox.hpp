@@ -19,6 +19,8 @@ template <>
 struct is_backward_implemented<kind::fox, backend::cpu> : std::true_type {};
 template <>
 struct takes_key_lengths<kind::fox, backend::cpu> : std::true_type {};
+template <>
+struct takes_key_lengths_backward<kind::fox, backend::cpu> : std::true_type {};
 
 namespace detail {
 namespace cpu {
@@ -68,16 +70,16 @@ gate_prefix gate_cumsum(const view3<const T>& g, const attention_problem& p) {
 
 // The backward of gate_cumsum: dg_t = sum of dG_i over the tokens i >= t of t's reset segment
 // (a reverse cumsum per sequence and query head); 0 at a hard reset (-inf gate), whose keys'
-// weights do not depend on it. dG is laid out like g ([B, T, HQ], contiguous).
+// weights do not depend on it. dG is laid out like g ([B, Tk, HQ], contiguous, a value a key).
 template <class T>
 void gate_cumsum_backward(const std::vector<double>& dG, const view3<const T>& g,
                           const view3<T>& dg, const attention_problem& p) {
   for (index_t n = 0; n < p.num_sequences; ++n) {
-    const sequence s = p.seq(n);
+    const sequence s = p.key_seq(n);
     for (index_t hq = 0; hq < p.q_heads; ++hq) {
       double sum = 0;
       for (index_t t = s.start + s.length - 1; t >= s.start; --t) {
-        const auto at = static_cast<std::size_t>((s.batch * p.tokens + t) * p.q_heads + hq);
+        const auto at = static_cast<std::size_t>((s.batch * p.key_tokens + t) * p.q_heads + hq);
         if (static_cast<double>(g(s.batch, t, hq)) == -std::numeric_limits<double>::infinity()) {
           dg(s.batch, t, hq) = T(0);
           sum = 0;
@@ -102,8 +104,8 @@ struct attention_impl<kind::fox, backend::cpu, Policy> {
   }
 };
 
-// dq: [B,T,HQ,D], dk: [B,T,H,D], dv: [B,T,H,Dv] and dg: [B,T,HQ] from the forward's inputs, its
-// out and lse, and dout: [B,T,HQ,Dv]. The gradient of the gate cumsum G comes from the row and
+// dq: [B,T,HQ,D], dk: [B,Tk,H,D], dv: [B,Tk,H,Dv] and dg: [B,Tk,HQ] from the forward's inputs,
+// its out and lse, and dout: [B,T,HQ,Dv]. The gradient of the gate cumsum G comes from the row and
 // column sums of dS; dg is its reverse cumsum per sequence, 0 at a hard reset.
 template <class Policy>
 struct attention_backward_impl<kind::fox, backend::cpu, Policy> {

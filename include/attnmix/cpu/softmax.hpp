@@ -17,6 +17,8 @@ template <>
 struct is_backward_implemented<kind::softmax, backend::cpu> : std::true_type {};
 template <>
 struct takes_key_lengths<kind::softmax, backend::cpu> : std::true_type {};
+template <>
+struct takes_key_lengths_backward<kind::softmax, backend::cpu> : std::true_type {};
 
 namespace detail {
 
@@ -29,7 +31,7 @@ struct attention_impl<kind::softmax, backend::cpu, Policy> {
   }
 };
 
-// dq: [B,T,HQ,D], dk: [B,T,H,D], dv: [B,T,H,Dv] from q, k, v, the forward's out and lse, and
+// dq: [B,T,HQ,D], dk: [B,Tk,H,D], dv: [B,Tk,H,Dv] from q, k, v, the forward's out and lse, and
 // dout: [B,T,HQ,Dv]; causal or bidirectional by Policy::mask, with the params' window.
 template <class Policy>
 struct attention_backward_impl<kind::softmax, backend::cpu, Policy> {

@@ -10,6 +10,9 @@
 // run of a head accumulates them into the output and the others into their own buffers, added in
 // a fixed order afterwards. How a head is split depends on the problem only, so the result has
 // the same bits on every run and for every thread count.
+// Keys may have other lengths than the queries (cross-attention, a prompt against a longer
+// prefix): query row i sits at key position i + key_offset, as in the forward, and masks and the
+// gate use that position.
 
 #include <algorithm>
 #include <cstddef>
@@ -40,19 +43,22 @@ struct flash_backward_scratch {
   std::vector<double> gi, gj;
 };
 
-// The query rows [lo, hi) of a sequence of `length` tokens that see some key of [j0, j1).
+// The query rows [lo, hi) of a sequence of `length` queries, the first at key position `offset`,
+// that see some key of [j0, j1) (possibly none: lo == hi).
 struct row_range {
   index_t lo, hi;
 };
-inline row_range rows_seeing(index_t j0, index_t j1, index_t length, index_t window, bool causal) {
-  const index_t lo = causal ? j0 : (window > 0 ? std::max<index_t>(0, j0 - window + 1) : 0);
-  const index_t hi = window > 0 ? std::min(length, j1 + window - 1) : length;
-  return {lo, hi};
+inline row_range rows_seeing(index_t j0, index_t j1, index_t length, index_t offset, index_t window,
+                             bool causal) {
+  const index_t lo = causal ? j0 : (window > 0 ? j0 - window + 1 : offset);
+  const index_t hi = window > 0 ? j1 + window - 1 : offset + length;
+  const index_t r_lo = std::clamp<index_t>(lo - offset, 0, length);
+  return {r_lo, std::clamp<index_t>(hi - offset, r_lo, length)};
 }
 
 // The gradients of one (sequence, KV head) restricted to its keys [k0, k1). Pointers address
-// token 0 of the sequence and, for q, out, dout and lse, the group's first query head; the
-// next head is *_head elements on.
+// token 0 of the sequence (k, v, dk, dv, dG and the gate: of its keys) and, for q, out, dout and
+// lse, the group's first query head; the next head is *_head elements on.
 template <class T>
 struct flash_grad_task {
   const T *q, *k, *v, *out, *dout, *lse;
@@ -60,29 +66,30 @@ struct flash_grad_task {
   index_t q_head, out_head, dout_head, lse_head;
   T *dk, *dv;
   index_t dk_stride, dv_stride;
-  // dq of head g, row i: dq[g * dq_head + (i - row0) * dq_stride]; dG likewise (no gate: unused).
-  // Rows [zero_lo, zero_hi) of both are zeroed first.
+  // dq of head g, row i: dq[g * dq_head + (i - row0) * dq_stride], rows [zero_lo, zero_hi) zeroed
+  // first. dG of head g, key position j: dG[g * dG_head + (j - pos0) * dG_stride], positions
+  // [pos0, pos1) zeroed first (no gate: unused).
   T* dq;
   index_t dq_head, dq_stride;
   double* dG;
   index_t dG_head, dG_stride;
-  index_t row0, zero_lo, zero_hi;
-  index_t group, length, head_dim, value_dim, k0, k1, window;
+  index_t row0, zero_lo, zero_hi, pos0, pos1;
+  index_t group, length, key_offset, head_dim, value_dim, k0, k1, window;
   T scale;
   bool causal;
   gate_bias gate;  // of the first query head, the next one element on; cumsum == nullptr: no gate
 
   T* dq_at(index_t g, index_t i) const { return dq + g * dq_head + (i - row0) * dq_stride; }
-  double& dG_at(index_t g, index_t i) const { return dG[g * dG_head + (i - row0) * dG_stride]; }
+  double& dG_at(index_t g, index_t j) const { return dG[g * dG_head + (j - pos0) * dG_stride]; }
 };
 
 // dk and dv of keys [k0, k1); dq and dG contributions of those keys added to the zeroed rows.
 template <class T>
 void flash_backward_task(const flash_grad_task<T>& t, index_t block_q, index_t block_k,
                          flash_backward_scratch<T>& ws) {
-  const index_t L = t.length, W = t.window, D = t.head_dim, Dv = t.value_dim;
+  const index_t L = t.length, off = t.key_offset, W = t.window, D = t.head_dim, Dv = t.value_dim;
   const bool gated = t.gate.cumsum != nullptr;
-  const row_range all = rows_seeing(t.k0, t.k1, L, W, t.causal);
+  const row_range all = rows_seeing(t.k0, t.k1, L, off, W, t.causal);
   const index_t n_rows = all.hi - all.lo;
 
   // delta of every row the task reads, per query head.
@@ -97,12 +104,12 @@ void flash_backward_task(const flash_grad_task<T>& t, index_t block_q, index_t b
     if (t.zero_hi > t.zero_lo)
       rows_of(t.dq_at(g, t.zero_lo), t.zero_hi - t.zero_lo, D, t.dq_stride).setZero();
     if (gated)
-      for (index_t i = t.zero_lo; i < t.zero_hi; ++i) t.dG_at(g, i) = 0;
+      for (index_t j = t.pos0; j < t.pos1; ++j) t.dG_at(g, j) = 0;
   }
 
   for (index_t j0 = t.k0; j0 < t.k1; j0 += block_k) {
     const index_t j1 = std::min(j0 + block_k, t.k1), cols = j1 - j0;
-    const row_range rr = rows_seeing(j0, j1, L, W, t.causal);
+    const row_range rr = rows_seeing(j0, j1, L, off, W, t.causal);
     // Scaled keys serve both the scores and dq = scale dS k.
     ws.ks.noalias() = t.scale * rows_of(t.k + j0 * t.k_stride, cols, D, t.k_stride);
     const auto vj = rows_of(t.v + j0 * t.v_stride, cols, Dv, t.v_stride);
@@ -124,8 +131,9 @@ void flash_backward_task(const flash_grad_task<T>& t, index_t block_q, index_t b
 
       for (index_t i0 = rr.lo; i0 < rr.hi; i0 += block_q) {
         const index_t i1 = std::min(i0 + block_q, rr.hi), rows = i1 - i0;
+        const index_t p0 = i0 + off, p1 = i1 + off;  // key positions of the rows
         // Resets only move forward: once a tile's first row is cut off these keys, so is the rest.
-        if (gate.reset != nullptr && gate.reset[i0 * gate.stride] >= j1) break;
+        if (gate.reset != nullptr && gate.reset[p0 * gate.stride] >= j1) break;
         const auto qi = rows_of(q + i0 * t.q_stride, rows, D, t.q_stride);
         const auto doi = rows_of(dout + i0 * t.dout_stride, rows, Dv, t.dout_stride);
         ws.lse.resize(rows);
@@ -139,7 +147,7 @@ void flash_backward_task(const flash_grad_task<T>& t, index_t block_q, index_t b
           // sequence while the differences that matter stay small.
           ws.gi.resize(static_cast<std::size_t>(rows));
           for (index_t r = 0; r < rows; ++r)
-            ws.gi[r] = gate.coef * gate.cumsum[(i0 + r) * gate.stride] - double(ws.lse(r));
+            ws.gi[r] = gate.coef * gate.cumsum[(p0 + r) * gate.stride] - double(ws.lse(r));
           for (index_t r = 0; r < rows; ++r) {
             T* row = ws.s.row(r).data();
             const double a = ws.gi[r];
@@ -154,13 +162,13 @@ void flash_backward_task(const flash_grad_task<T>& t, index_t block_q, index_t b
         if (gate.reset != nullptr)
           for (index_t r = 0; r < rows; ++r)
             ws.s.row(r)
-                .head(std::clamp<index_t>(gate.reset[(i0 + r) * gate.stride] - j0, 0, cols))
+                .head(std::clamp<index_t>(gate.reset[(p0 + r) * gate.stride] - j0, 0, cols))
                 .setZero();
-        const bool cut_right = t.causal ? (j1 - 1 > i0) : (W > 0 && (j1 - 1) - i0 >= W);
-        const bool cut_left = W > 0 && (i1 - 1) - j0 >= W;
+        const bool cut_right = t.causal ? (j1 - 1 > p0) : (W > 0 && (j1 - 1) - p0 >= W);
+        const bool cut_left = W > 0 && (p1 - 1) - j0 >= W;
         if (cut_right || cut_left) {
           for (index_t r = 0; r < rows; ++r) {
-            const index_t i = i0 + r;
+            const index_t i = p0 + r;
             const index_t lo = W > 0 ? i - W + 1 : j0;
             const index_t hi = t.causal ? i : (W > 0 ? i + W - 1 : j1 - 1);
             const index_t c_lo = std::clamp<index_t>(lo - j0, 0, cols);
@@ -180,7 +188,7 @@ void flash_backward_task(const flash_grad_task<T>& t, index_t block_q, index_t b
         rows_of(t.dq_at(g, i0), rows, D, t.dq_stride).noalias() += ws.dp * ws.ks;
         if (gated) {
           ws.rowsum = ws.dp.rowwise().sum().array();
-          for (index_t r = 0; r < rows; ++r) t.dG_at(g, i0 + r) += gate.coef * double(ws.rowsum(r));
+          for (index_t r = 0; r < rows; ++r) t.dG_at(g, p0 + r) += gate.coef * double(ws.rowsum(r));
           ws.colsum += ws.dp.colwise().sum().transpose().array();
         }
       }
@@ -193,8 +201,9 @@ void flash_backward_task(const flash_grad_task<T>& t, index_t block_q, index_t b
 }
 
 // Writes dq, dk, dv of every token, and dG (the gradient of the gate cumsum, laid out like g:
-// [B, T, HQ] contiguous) when `cumsum` (the gate cumsum in that layout) is given; dG must then
-// hold B*T*HQ elements. coef is the factor of G_i - G_j in the logits; reset as in flash_forward.
+// [B, Tk, HQ] contiguous, one value a key token) when `cumsum` (the gate cumsum in that layout)
+// is given; dG must then hold B*Tk*HQ elements. coef is the factor of G_i - G_j in the logits;
+// reset as in flash_forward. Keys come from key_seq(n) (other lengths, not cache slots).
 template <class Policy, class T>
 void flash_backward(const attention_grad_args<T>& a, const attention_problem& p,
                     const backend::cpu& be, const double* cumsum = nullptr, double coef = 0,
@@ -205,8 +214,8 @@ void flash_backward(const attention_grad_args<T>& a, const attention_problem& p,
   const index_t G = p.group(), W = p.window;
   const bool gated = cumsum != nullptr;
 
-  index_t heads = 0;  // (sequence, KV head) pairs with tokens
-  for (index_t n = 0; n < p.num_sequences; ++n) heads += p.seq(n).length > 0 ? p.kv_heads : 0;
+  index_t heads = 0;  // (sequence, KV head) pairs with keys
+  for (index_t n = 0; n < p.num_sequences; ++n) heads += p.key_seq(n).length > 0 ? p.kv_heads : 0;
   const index_t runs_wanted = std::clamp<index_t>(
       (backward_task_target + heads - 1) / std::max<index_t>(heads, 1), 1, max_key_runs);
 
@@ -217,14 +226,14 @@ void flash_backward(const attention_grad_args<T>& a, const attention_problem& p,
   std::vector<task> tasks;
   std::vector<index_t> first_run;  // index into tasks of each head's first run
   for (index_t n = 0; n < p.num_sequences; ++n) {
-    const index_t L = p.seq(n).length;
-    if (L == 0) continue;
-    const index_t tiles = (L + bk - 1) / bk;
+    const index_t L = p.seq(n).length, Lk = p.key_seq(n).length, off = Lk - L;
+    if (Lk == 0) continue;  // then L == 0 too (the front door gives every query a key)
+    const index_t tiles = (Lk + bk - 1) / bk;
     const index_t runs = std::clamp<index_t>(tiles / 2, 1, runs_wanted);
     std::vector<index_t> cost(static_cast<std::size_t>(tiles));
     index_t total = 0;
     for (index_t j = 0; j < tiles; ++j) {
-      const row_range rr = rows_seeing(j * bk, std::min(L, (j + 1) * bk), L, W, causal);
+      const row_range rr = rows_seeing(j * bk, std::min(Lk, (j + 1) * bk), L, off, W, causal);
       total += cost[j] = (rr.hi - rr.lo) * G;
     }
     for (index_t h = 0; h < p.kv_heads; ++h) {
@@ -237,7 +246,7 @@ void flash_backward(const attention_grad_args<T>& a, const attention_problem& p,
         while (j < tiles - (runs - 1 - r) &&
                (r == runs - 1 || j == begin || (sum + cost[j]) * runs <= total * (r + 1)))
           sum += cost[j++];
-        tasks.push_back({n, h, begin * bk, std::min(L, j * bk), r, sum - c0});
+        tasks.push_back({n, h, begin * bk, std::min(Lk, j * bk), r, sum - c0});
       }
     }
   }
@@ -247,7 +256,19 @@ void flash_backward(const attention_grad_args<T>& a, const attention_problem& p,
     return tasks[static_cast<std::size_t>(x)].cost > tasks[static_cast<std::size_t>(y)].cost;
   });
 
-  // Buffers of the later runs: dq [G, rows, D] and dG [G, rows] over the rows the run reads.
+  // What a later run adds: dq [G, rows, D] over the rows that see its keys, and dG [G, positions]
+  // over those rows' key positions and its own keys.
+  struct part_range {
+    row_range rows;
+    index_t pos0, pos1;
+  };
+  const auto part_of = [&](const task& tk) {
+    const index_t L = p.seq(tk.seq).length, off = p.key_seq(tk.seq).length - L;
+    const row_range rr = rows_seeing(tk.k0, tk.k1, L, off, W, causal);
+    const index_t pos0 = rr.hi > rr.lo ? std::min(tk.k0, rr.lo + off) : tk.k0;
+    const index_t pos1 = rr.hi > rr.lo ? std::max(tk.k1, rr.hi + off) : tk.k1;
+    return part_range{rr, pos0, pos1};
+  };
   std::vector<std::vector<T>> dq_part(tasks.size());
   std::vector<std::vector<double>> dG_part(tasks.size());
 
@@ -256,40 +277,42 @@ void flash_backward(const attention_grad_args<T>& a, const attention_problem& p,
   parallel_for(static_cast<index_t>(order.size()), workers, [&](index_t o, int worker) {
     const std::size_t id = static_cast<std::size_t>(order[static_cast<std::size_t>(o)]);
     const task& tk = tasks[id];
-    const sequence s = p.seq(tk.seq);
+    const sequence s = p.seq(tk.seq), ks = p.key_seq(tk.seq);
     const index_t hq = tk.head * G;
     flash_grad_task<T> t{};
     t.q = &a.q(s.batch, s.start, hq, 0), t.q_stride = a.q.stride(1), t.q_head = a.q.stride(2);
-    t.k = &a.k(s.batch, s.start, tk.head, 0), t.k_stride = a.k.stride(1);
-    t.v = &a.v(s.batch, s.start, tk.head, 0), t.v_stride = a.v.stride(1);
+    t.k = &a.k(ks.batch, ks.start, tk.head, 0), t.k_stride = a.k.stride(1);
+    t.v = &a.v(ks.batch, ks.start, tk.head, 0), t.v_stride = a.v.stride(1);
     t.out = &a.out(s.batch, s.start, hq, 0), t.out_stride = a.out.stride(1);
     t.out_head = a.out.stride(2);
     t.dout = &a.dout(s.batch, s.start, hq, 0), t.dout_stride = a.dout.stride(1);
     t.dout_head = a.dout.stride(2);
     t.lse = &a.lse(s.batch, s.start, hq), t.lse_stride = a.lse.stride(1);
     t.lse_head = a.lse.stride(2);
-    t.dk = &a.dk(s.batch, s.start, tk.head, 0), t.dk_stride = a.dk.stride(1);
-    t.dv = &a.dv(s.batch, s.start, tk.head, 0), t.dv_stride = a.dv.stride(1);
-    t.group = G, t.length = s.length, t.head_dim = p.head_dim, t.value_dim = p.value_dim;
+    t.dk = &a.dk(ks.batch, ks.start, tk.head, 0), t.dk_stride = a.dk.stride(1);
+    t.dv = &a.dv(ks.batch, ks.start, tk.head, 0), t.dv_stride = a.dv.stride(1);
+    t.group = G, t.length = s.length, t.key_offset = ks.length - s.length;
+    t.head_dim = p.head_dim, t.value_dim = p.value_dim;
     t.k0 = tk.k0, t.k1 = tk.k1, t.window = W, t.scale = static_cast<T>(p.scale), t.causal = causal;
-    const index_t at = (s.batch * p.tokens + s.start) * p.q_heads + hq;
+    const index_t at = (ks.batch * p.key_tokens + ks.start) * p.q_heads + hq;
     if (gated) t.gate = {cumsum + at, p.q_heads, coef, reset != nullptr ? reset + at : nullptr};
     if (tk.run == 0) {
-      // The first run owns the head's rows of dq and dG: it zeroes all of them.
+      // The first run owns the head's rows of dq and its keys' dG: it zeroes all of them.
       t.dq = &a.dq(s.batch, s.start, hq, 0), t.dq_head = a.dq.stride(2),
       t.dq_stride = a.dq.stride(1);
       if (gated) t.dG = dG + at, t.dG_head = 1, t.dG_stride = p.q_heads;
-      t.row0 = 0, t.zero_lo = 0, t.zero_hi = s.length;
+      t.row0 = 0, t.zero_lo = 0, t.zero_hi = s.length, t.pos0 = 0, t.pos1 = ks.length;
     } else {
-      const row_range rr = rows_seeing(tk.k0, tk.k1, s.length, W, causal);
-      const index_t rows = rr.hi - rr.lo;
+      const part_range pr = part_of(tk);
+      const index_t rows = pr.rows.hi - pr.rows.lo, span = pr.pos1 - pr.pos0;
       dq_part[id].resize(static_cast<std::size_t>(G * rows * p.head_dim));
       t.dq = dq_part[id].data(), t.dq_head = rows * p.head_dim, t.dq_stride = p.head_dim;
       if (gated) {
-        dG_part[id].resize(static_cast<std::size_t>(G * rows));
-        t.dG = dG_part[id].data(), t.dG_head = rows, t.dG_stride = 1;
+        dG_part[id].resize(static_cast<std::size_t>(G * span));
+        t.dG = dG_part[id].data(), t.dG_head = span, t.dG_stride = 1;
       }
-      t.row0 = rr.lo, t.zero_lo = rr.lo, t.zero_hi = rr.hi;
+      t.row0 = pr.rows.lo, t.zero_lo = pr.rows.lo, t.zero_hi = pr.rows.hi;
+      t.pos0 = pr.pos0, t.pos1 = pr.pos1;
     }
     flash_backward_task(t, bq, bk, scratch[static_cast<std::size_t>(worker)]);
   });
@@ -299,17 +322,18 @@ void flash_backward(const attention_grad_args<T>& a, const attention_problem& p,
     for (std::size_t id = static_cast<std::size_t>(first_run[static_cast<std::size_t>(f)]) + 1;
          id < tasks.size() && tasks[id].run > 0; ++id) {
       const task& tk = tasks[id];
-      const sequence s = p.seq(tk.seq);
-      const row_range rr = rows_seeing(tk.k0, tk.k1, s.length, W, causal);
-      const index_t rows = rr.hi - rr.lo;
+      const sequence s = p.seq(tk.seq), ks = p.key_seq(tk.seq);
+      const part_range pr = part_of(tk);
+      const index_t rows = pr.rows.hi - pr.rows.lo, span = pr.pos1 - pr.pos0;
       for (index_t g = 0; g < G; ++g) {
         const index_t hq = tk.head * G + g;
-        rows_of(&a.dq(s.batch, s.start + rr.lo, hq, 0), rows, p.head_dim, a.dq.stride(1)) +=
-            rows_of(dq_part[id].data() + g * rows * p.head_dim, rows, p.head_dim, p.head_dim);
+        if (rows > 0)
+          rows_of(&a.dq(s.batch, s.start + pr.rows.lo, hq, 0), rows, p.head_dim, a.dq.stride(1)) +=
+              rows_of(dq_part[id].data() + g * rows * p.head_dim, rows, p.head_dim, p.head_dim);
         if (gated)
-          for (index_t r = 0; r < rows; ++r)
-            dG[(s.batch * p.tokens + s.start + rr.lo + r) * p.q_heads + hq] +=
-                dG_part[id][static_cast<std::size_t>(g * rows + r)];
+          for (index_t j = 0; j < span; ++j)
+            dG[(ks.batch * p.key_tokens + ks.start + pr.pos0 + j) * p.q_heads + hq] +=
+                dG_part[id][static_cast<std::size_t>(g * span + j)];
       }
       std::vector<T>().swap(dq_part[id]);
     }
