@@ -34,6 +34,7 @@
 // Layers and hybrid stacks (CPU). Weights in and out: <attnmix/io/safetensors.hpp>, which
 // needs nlohmann-json, so it is not part of this umbrella.
 #include "attnmix/layers/attention_layer.hpp"
+#include "attnmix/layers/cross_attention_layer.hpp"
 #include "attnmix/layers/linear_layer.hpp"
 #include "attnmix/layers/mlp.hpp"
 #include "attnmix/layers/path_layer.hpp"

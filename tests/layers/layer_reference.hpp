@@ -156,6 +156,26 @@ inline vec attention_mixer(const params& p, const std::string& pre, const vec& x
   return proj(p, pre + "o_proj", o, rows, m.HQ * m.d);
 }
 
+// Cross-attention: the queries of x (layout L) against the keys and values of the memory
+// (layout M, as many sequences), every memory token of a sequence visible to its queries.
+inline vec cross_attention_mixer(const params& p, const std::string& pre, const vec& x,
+                                 const vec& memory, const dims& m, const layout& L, const layout& M,
+                                 bool qk_norm = false) {
+  const long rows = L.B * L.T, mrows = M.B * M.T;
+  vec q = proj(p, pre + "q_proj", x, rows, m.D), k = proj(p, pre + "k_proj", memory, mrows, m.D),
+      v = proj(p, pre + "v_proj", memory, mrows, m.D);
+  if (qk_norm) {
+    q = rms(q, m.d, get(p, pre + "q_norm.weight"), m.head_eps);
+    k = rms(k, m.d, get(p, pre + "k_norm.weight"), m.head_eps);
+  }
+  auto prob = sp(m, L);
+  prob.causal = false;
+  prob.Tk = M.T;
+  prob.cu_seqlens_k = M.cu;
+  const vec o = attnmix_ref::softmax_attention(prob, q, k, v).out;
+  return proj(p, pre + "o_proj", o, rows, m.HQ * m.d);
+}
+
 // PaTH / PaTH-FoX mixer (fla path_attn).
 inline vec path_mixer(const params& p, const std::string& pre, const vec& x, const dims& m,
                       const layout& L, bool gated) {
