@@ -283,4 +283,26 @@ inline vec stack(const params& p, const std::vector<std::string>& names, const v
   return rms(h, m.D, get(p, "norm.weight"), m.norm_eps);
 }
 
+// A decoder: blocks of causal self-attention, cross-attention to the memory (layout M) and the
+// MLP, pre-norm residual, then the final norm.
+inline vec decoder(const params& p, long layers, const vec& x, const vec& memory, const dims& m,
+                   const layout& L, const layout& M) {
+  const long rows = L.B * L.T;
+  vec h = x;
+  const auto add = [&](const vec& y) {
+    for (std::size_t j = 0; j < h.size(); ++j) h[j] += y[j];
+  };
+  for (long i = 0; i < layers; ++i) {
+    const std::string pre = "layers." + std::to_string(i) + ".";
+    add(attention_mixer(p, pre + "attn.", rms(h, m.D, get(p, pre + "attn_norm.weight"), m.norm_eps),
+                        m, L, true, false));
+    add(cross_attention_mixer(p, pre + "cross_attn.",
+                              rms(h, m.D, get(p, pre + "cross_attn_norm.weight"), m.norm_eps),
+                              memory, m, L, M));
+    add(mlp(p, pre + "mlp.", rms(h, m.D, get(p, pre + "mlp_norm.weight"), m.norm_eps), rows, m.D,
+            false));
+  }
+  return rms(h, m.D, get(p, "norm.weight"), m.norm_eps);
+}
+
 }  // namespace layer_ref

@@ -104,7 +104,8 @@ void check_backward(const L::config& c, std::uint64_t salt) {
     const auto y_of = [&](const std::vector<double>& xs, const std::vector<double>& ms) {
       host_tensor<double, 3> xv(x.shape()), mv(mem.shape()), y(x.shape());
       xv.storage() = xs, mv.storage() = ms;
-      m.forward(xv.view(), mv.view(), y.view(), s.cu_view(), s.cu_m_view());
+      m.forward(xv.view(), mv.view(), y.view(), s.cu_view(), s.cu_m_view(),
+                attnmix::backend::cpu{1});
       return y.storage();
     };
     typename cross<double, Policy>::saved_type saved;

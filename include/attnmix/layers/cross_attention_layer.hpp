@@ -113,7 +113,7 @@ class cross_attention_layer {
                const view1<const std::int32_t>& cu_seqlens_memory = {},
                const Backend& be = Backend{}) const {
     const std::string fn = std::string("attnmix::layers::") + name + "::forward";
-    const layouts L = check(fn, x, memory, out, "out", cu_seqlens, cu_seqlens_memory);
+    const call_layouts L = check_call(fn, x, memory, out, "out", cu_seqlens, cu_seqlens_memory);
     with_context(L.x, be, [&](const context<Backend>& c) {
       forward_rows(c, x.data(), {memory.data(), L.memory}, out.data());
     });
@@ -124,7 +124,7 @@ class cross_attention_layer {
                const view1<const std::int32_t>& cu_seqlens_memory = {},
                const Backend& be = Backend{}) const {
     const std::string fn = std::string("attnmix::layers::") + name + "::forward";
-    const layouts L = check(fn, x, memory, out, "out", cu_seqlens, cu_seqlens_memory);
+    const call_layouts L = check_call(fn, x, memory, out, "out", cu_seqlens, cu_seqlens_memory);
     with_context(L.x, be, [&](const context<Backend>& c) {
       forward_rows(c, x.data(), {memory.data(), L.memory}, out.data(), &saved);
     });
@@ -138,7 +138,7 @@ class cross_attention_layer {
                 const view1<const std::int32_t>& cu_seqlens_memory = {},
                 const Backend& be = Backend{}) {
     const std::string fn = std::string("attnmix::layers::") + name + "::backward";
-    const layouts L = check(fn, x, memory, dx, "dx", cu_seqlens, cu_seqlens_memory);
+    const call_layouts L = check_call(fn, x, memory, dx, "dx", cu_seqlens, cu_seqlens_memory);
     detail::check_activation(fn, "dout", dout, D_, space_of_v<Backend>, Backend::name);
     detail::check_same_shape(fn, dout, x, "dout");
     detail::check_activation(fn, "dmemory", dmemory, D_, space_of_v<Backend>, Backend::name);
@@ -190,6 +190,54 @@ class cross_attention_layer {
   void attend(const view3<const T>& x, const view3<T>& out, const cache_type& cache,
               const cache_slots& slots, const Backend& be = Backend{}) const {
     attend_impl(x, out, cache, slots.slots, be);
+  }
+
+  // The layouts of x and the memory of a call, as check_call resolves them.
+  struct call_layouts {
+    token_layout x, memory;
+  };
+  // Checks x, memory and the output `out` (named `arg`) of a call of `fn` and returns both
+  // layouts: x dense with memory of as many batch rows, or both packed with as many sequences,
+  // each sequence of queries with at least one memory token. (A decoder checks its calls here.)
+  call_layouts check_call(const std::string& fn, const view3<const T>& x,
+                          const view3<const T>& memory, const view3<T>& out, const char* arg,
+                          const view1<const std::int32_t>& cu,
+                          const view1<const std::int32_t>& cu_m) const {
+    using attnmix::detail::require;
+    for (const auto& [n, v] : {std::pair<const char*, view3<const T>>{"x", x}, {"memory", memory}})
+      detail::check_activation(fn, n, v, D_, space_of_v<Backend>, Backend::name);
+    detail::check_activation(fn, arg, out, D_, space_of_v<Backend>, Backend::name);
+    detail::check_same_shape(fn, out, x, arg);
+    attnmix::detail::check_no_alias(fn, arg, out, "x", x);
+    attnmix::detail::check_no_alias(fn, arg, out, "memory", memory);
+    O::check_memory(fn, "x", x);
+    O::check_memory(fn, "memory", memory);
+    O::check_memory(fn, arg, out);
+    require(cu.has_value() == cu_m.has_value(), fn,
+            cu.has_value() ? "cu_seqlens_memory" : "cu_seqlens", "must be given with '",
+            cu.has_value() ? "cu_seqlens" : "cu_seqlens_memory",
+            "': x and memory are packed together or not at all");
+    call_layouts L{detail::make_layout(fn, x, cu), {}};
+    if (cu_m.has_value()) {
+      attnmix::detail::check_space(fn, "cu_seqlens_memory", cu_m, memory_space::host,
+                                   "offset validation");
+      require(memory.extent(0) == 1, fn, "memory",
+              "must have B = 1 when cu_seqlens_memory is given but has B = ", memory.extent(0));
+      require(cu_m.extent(0) == cu.extent(0), fn, "cu_seqlens_memory", "holds ", cu_m.extent(0),
+              " offsets but cu_seqlens holds ", cu.extent(0),
+              ": one memory sequence for each sequence of x");
+      L.memory = detail::make_layout(fn, memory, {});
+      attnmix::detail::check_offsets(fn, "cu_seqlens_memory", cu_m, memory.extent(1));
+      for (index_t i = 0; i < cu_m.extent(0); ++i) L.memory.cu_seqlens.push_back(cu_m(i));
+    } else {
+      require(memory.extent(0) == x.extent(0), fn, "memory", "has B = ", memory.extent(0),
+              " but x has B = ", x.extent(0), ": one memory sequence for each batch row of x");
+      L.memory = detail::make_layout(fn, memory, {});
+    }
+    for (index_t n = 0; n < L.x.num_sequences(); ++n)
+      require(L.x.seq(n).length == 0 || L.memory.seq(n).length > 0, fn, "memory",
+              "holds no token for the ", L.x.seq(n).length, " queries of sequence ", n);
+    return L;
   }
 
   // ---- On rows ----------------------------------------------------------------------------
@@ -346,10 +394,6 @@ class cross_attention_layer {
   head_rms_norm<T, Backend> q_norm, k_norm;
 
  private:
-  struct layouts {
-    token_layout x, memory;
-  };
-
   template <class Self, class F>
   static void visit(Self& s, F& f, const std::string& prefix) {
     s.q_proj.visit_parameters(f, prefix + "q_proj.");
@@ -395,49 +439,6 @@ class cross_attention_layer {
       k_norm.apply(c, k, rows, k);
     }
     (void)sv;
-  }
-
-  // Checks x, memory and the output `out` (named `arg`) and returns both layouts: x dense with
-  // memory of as many batch rows, or both packed with as many sequences, each sequence of
-  // queries with at least one memory token.
-  layouts check(const std::string& fn, const view3<const T>& x, const view3<const T>& memory,
-                const view3<T>& out, const char* arg, const view1<const std::int32_t>& cu,
-                const view1<const std::int32_t>& cu_m) const {
-    using attnmix::detail::require;
-    for (const auto& [n, v] : {std::pair<const char*, view3<const T>>{"x", x}, {"memory", memory}})
-      detail::check_activation(fn, n, v, D_, space_of_v<Backend>, Backend::name);
-    detail::check_activation(fn, arg, out, D_, space_of_v<Backend>, Backend::name);
-    detail::check_same_shape(fn, out, x, arg);
-    attnmix::detail::check_no_alias(fn, arg, out, "x", x);
-    attnmix::detail::check_no_alias(fn, arg, out, "memory", memory);
-    O::check_memory(fn, "x", x);
-    O::check_memory(fn, "memory", memory);
-    O::check_memory(fn, arg, out);
-    require(cu.has_value() == cu_m.has_value(), fn,
-            cu.has_value() ? "cu_seqlens_memory" : "cu_seqlens", "must be given with '",
-            cu.has_value() ? "cu_seqlens" : "cu_seqlens_memory",
-            "': x and memory are packed together or not at all");
-    layouts L{detail::make_layout(fn, x, cu), {}};
-    if (cu_m.has_value()) {
-      attnmix::detail::check_space(fn, "cu_seqlens_memory", cu_m, memory_space::host,
-                                   "offset validation");
-      require(memory.extent(0) == 1, fn, "memory",
-              "must have B = 1 when cu_seqlens_memory is given but has B = ", memory.extent(0));
-      require(cu_m.extent(0) == cu.extent(0), fn, "cu_seqlens_memory", "holds ", cu_m.extent(0),
-              " offsets but cu_seqlens holds ", cu.extent(0),
-              ": one memory sequence for each sequence of x");
-      L.memory = detail::make_layout(fn, memory, {});
-      attnmix::detail::check_offsets(fn, "cu_seqlens_memory", cu_m, memory.extent(1));
-      for (index_t i = 0; i < cu_m.extent(0); ++i) L.memory.cu_seqlens.push_back(cu_m(i));
-    } else {
-      require(memory.extent(0) == x.extent(0), fn, "memory", "has B = ", memory.extent(0),
-              " but x has B = ", x.extent(0), ": one memory sequence for each batch row of x");
-      L.memory = detail::make_layout(fn, memory, {});
-    }
-    for (index_t n = 0; n < L.x.num_sequences(); ++n)
-      require(L.x.seq(n).length == 0 || L.memory.seq(n).length > 0, fn, "memory",
-              "holds no token for the ", L.x.seq(n).length, " queries of sequence ", n);
-    return L;
   }
 
   void attend_impl(const view3<const T>& x, const view3<T>& out, const cache_type& cache,
