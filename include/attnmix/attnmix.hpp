@@ -38,4 +38,5 @@
 #include "attnmix/layers/linear_layer.hpp"
 #include "attnmix/layers/mlp.hpp"
 #include "attnmix/layers/path_layer.hpp"
+#include "attnmix/stack/decoder.hpp"
 #include "attnmix/stack/stack.hpp"
