@@ -2,7 +2,8 @@
 // codes of semantic IDs): every parameter's gradient against finite differences of its loss in
 // double; its recommendations as wide as the catalogue against every item's probability under
 // teacher forcing; a small model learns a task and recommends its answers; saved and loaded
-// beside its semantic IDs, it recommends the same; bad input.
+// beside its semantic IDs, it recommends the same; on a third backend it trains and recommends as
+// on the CPU, bit for bit; bad input.
 
 #include <algorithm>
 #include <cmath>
@@ -19,6 +20,7 @@
 #include "attnmix/train/optimizer.hpp"
 #include "support/catch.hpp"
 #include "support/errors.hpp"
+#include "support/serial_backend.hpp"
 #include "support/testing.hpp"
 #include "train/gradcheck.hpp"
 
@@ -210,6 +212,47 @@ TEST_CASE("generative retrieval: saved and loaded, the same recommendations",
        {"items.table.weight", "items.projection.weight", "encoder.layers.0.attn.q_proj.weight",
         "codes.weight", "decoder.layers.0.cross_attn.k_proj.weight", "head.weight"})
     CHECK(std::find(names.begin(), names.end(), n) != names.end());
+}
+
+TEST_CASE("generative retrieval trains and recommends on a third backend as on the cpu one",
+          "[retrieval][generative][third_backend]") {
+  // The serial test backend forwards to the CPU's kernels on one thread, whose sums do not
+  // depend on the thread count: the same losses, weights and recommendations, bit for bit.
+  using serial = test_backend::serial;
+  using host_encoder = encoder<float>;
+  using serial_model = attnmix::generative_retrieval<attnmix::stack_on<host_encoder, serial>>;
+  const attnmix::semantic_ids ids = catalogue(16, 6, 8);
+  attnmix::retrieval_config rc;
+  rc.depth = ids.depth(), rc.codes = ids.codes, rc.buckets = 11, rc.hashes = 2;
+  const L::config c = config_of(16, 2, 8, 24);
+  model<float> host(c, rc);
+  serial_model ser(c, rc);
+  L::randomize_parameters(host, test_seed() ^ 8, 0.2, 0.2);
+  L::transfer_parameters(host, ser);
+  histories h;
+  h.add({item_id(1), item_id(5), item_id(9)});
+  h.add({item_id(4), item_id(2)});
+  std::vector<std::int32_t> next;
+  for (const index_t i : {7, 12}) next.insert(next.end(), ids.of(i), ids.of(i) + ids.depth());
+  const attnmix::tensor_view<const std::int32_t, 2> codes(next.data(), {2, ids.depth()});
+  attnmix::train::adamw<attnmix::backend::cpu> host_opt;
+  attnmix::train::adamw<serial> serial_opt;
+  for (int step = 0; step < 2; ++step) {
+    INFO("seed " << test_seed() << " step " << step);
+    host_opt.zero_grad(host);
+    serial_opt.zero_grad(ser);
+    CHECK(ser.loss(h.view(), codes, true, serial{}) ==
+          host.loss(h.view(), codes, true, attnmix::backend::cpu{3}));
+    serial_opt.step(ser, 1e-2, serial{});
+    host_opt.step(host, 1e-2, attnmix::backend::cpu{3});
+  }
+  const auto want = host.recommend(h.view(), ids, 5, 5, attnmix::backend::cpu{3});
+  const auto got = ser.recommend(h.view(), ids, 5, 5, serial{});
+  REQUIRE(got.size() == want.size());
+  for (std::size_t u = 0; u < want.size(); ++u) {
+    CHECK(got[u].items == want[u].items);
+    CHECK(bitwise_equal(got[u].scores, want[u].scores));
+  }
 }
 
 TEST_CASE("generative retrieval rejects bad input", "[retrieval][generative][errors]") {

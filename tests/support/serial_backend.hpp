@@ -25,6 +25,9 @@ template <class Kind>
 struct is_implemented<Kind, test_backend::serial> : is_implemented<Kind, backend::cpu> {};
 template <class Kind>
 struct takes_key_lengths<Kind, test_backend::serial> : takes_key_lengths<Kind, backend::cpu> {};
+template <class Kind>
+struct takes_key_lengths_backward<Kind, test_backend::serial>
+    : takes_key_lengths_backward<Kind, backend::cpu> {};
 namespace detail {
 template <class Kind, class Policy>
 struct attention_impl<Kind, test_backend::serial, Policy> {

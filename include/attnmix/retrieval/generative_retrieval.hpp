@@ -1,8 +1,9 @@
 #pragma once
 // The GBLA paper's generative-retrieval recommender: a user's history of item IDs is hashed into
-// embeddings (layers::hash_embedding) and read by a bidirectional encoder (any attnmix::stack,
-// e.g. [SA, GBLA, GBLA] x 3); a decoder (attnmix::decoder) generates the semantic ID of the next
-// item (retrieval/semantic_ids.hpp) code by code, reading the encoder's output:
+// embeddings (layers::hash_embedding) and read by an encoder (any attnmix::stack; the paper's are
+// bidirectional, e.g. [SA, GBLA, GBLA] x 3, beside a causal SA one); a decoder (attnmix::decoder)
+// generates the semantic ID of the next item (retrieval/semantic_ids.hpp) code by code, reading
+// the encoder's output:
 //   memory     = encoder( items(history) )
 //   tokens     = BOS, then the codes of levels 0 .. depth-2 (token 1 + level * codes + code)
 //   logits(l)  = head( decoder(tokens, memory) )[l] over the columns of level l
@@ -66,9 +67,6 @@ class generative_retrieval {
   using T = scalar;
   using Backend = backend_type;
   using O = layers::ops<Backend>;
-  static_assert(!Encoder::causal,
-                "attnmix::generative_retrieval: the encoder reads the history in both directions "
-                "(a stack of bidirectional layers)");
 
  public:
   // Throws attnmix::error on a bad config.
