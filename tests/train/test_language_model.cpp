@@ -72,6 +72,37 @@ TEST_CASE("language_model: gradients of the loss match finite differences", "[tr
       lm, [&] { return std::vector<double>{lm.loss(t, l, false)}; }, {1.0}, 1e-6);
 }
 
+TEST_CASE("language_model: the head in blocks of rows gives the loss and gradients of one block",
+          "[train][lm]") {
+  using lm_t = attnmix::train::language_model<attnmix::stack<double, attnmix::layer::causal_sa>>;
+  lm_t lm(tiny_config(8, 2), 7);
+  randomize(lm, 52, 0.4);
+  const std::vector<std::int32_t> tok{0, 3, 1, 4, 2, 6, 1, 0, 4, 3, 5, 5},
+      lab{3, 1, -100, 2, 2, 1, 0, 6, -100, 0, 4, 2};
+  const ids t(tok.data(), {2, 6}), l(lab.data(), {2, 6});
+  const auto grads = [&](index_t block, double& loss) {
+    lm.logits_rows = block;
+    attnmix::train::adamw<>::zero_grad(lm);
+    loss = lm.loss(t, l);
+    std::vector<double> g;
+    lm.visit_parameters([&](const std::string&, const auto& p) {
+      g.insert(g.end(), p.grad.begin(), p.grad.end());
+    });
+    return g;
+  };
+  double whole = 0;
+  const std::vector<double> want = grads(12, whole);
+  for (const index_t block : {1, 5, 11, 0, 100}) {
+    INFO("logits_rows " << block);
+    double loss = 0;
+    const std::vector<double> got = grads(block, loss);
+    CHECK(loss == Approx(whole).epsilon(1e-14));
+    CHECK(attnmix_test::rel_error(got, want) < 1e-14);
+  }
+  lm.logits_rows = -1;
+  CHECK_ERROR(lm.loss(t, l), "argument 'logits_rows' must be >= 0");
+}
+
 TEST_CASE("language_model: ids outside the vocabulary are rejected, nothing changes",
           "[train][lm][errors]") {
   attnmix::train::language_model<attnmix::stack<float, attnmix::layer::fox>> lm(tiny_config(8, 2),

@@ -45,7 +45,10 @@ class language_model {
   // weight copied (and rounded) once, as the stack's converting constructor does.
   template <class Other>
   explicit language_model(const language_model<Other>& other)
-      : stack(other.stack), embeddings(other.embeddings), lm_head(other.lm_head) {}
+      : logits_rows(other.logits_rows),
+        stack(other.stack),
+        embeddings(other.embeddings),
+        lm_head(other.lm_head) {}
 
   index_t vocab() const { return embeddings.vocab(); }
   index_t hidden_size() const { return stack.hidden_size(); }
@@ -97,6 +100,8 @@ class language_model {
                   "operation (the list is in attnmix/layers/ops.hpp)");
     const std::string fn = "attnmix::train::language_model::loss";
     check_members(fn);
+    detail::require(logits_rows >= 0, fn, "logits_rows",
+                    "must be >= 0 (0: every row at once) but is ", logits_rows);
     check_ids_layout(fn, "tokens", tokens);
     check_ids_layout(fn, "labels", labels);
     detail::require(labels.shape() == tokens.shape(), fn, "labels", "has shape ",
@@ -109,13 +114,17 @@ class language_model {
     index_t count = 0;
     for (const std::int32_t y : labels_host) count += y != ignore_label;
     if (count == 0) return 0.0;
+    // The head and the cross-entropy run on blocks of logits_rows rows: with a large vocabulary
+    // [rows, V] logits need not exist at once (32k tokens of a 32k vocabulary are 2^30 of them).
+    const index_t block = logits_block(rows);
     typename O::scratch s(be, layers::scratch_bytes<std::int32_t>(rows) * 2 +
                                   layers::scratch_bytes<T>(rows * D) * 2 +
-                                  layers::scratch_bytes<T>(rows * V) * 2);
+                                  layers::scratch_bytes<T>(block * V) * (backward ? 2 : 1));
     std::int32_t *ids = s.template take<std::int32_t>(rows),
                  *ys = s.template take<std::int32_t>(rows);
     T *x = s.template take<T>(rows * D), *h = s.template take<T>(rows * D);
-    T *logits = s.template take<T>(rows * V), *dlogits = s.template take<T>(rows * V);
+    T* logits = s.template take<T>(block * V);
+    T* dlogits = backward ? s.template take<T>(block * V) : nullptr;
     const layers::token_layout L{1, rows, {}};
     const layers::context<Backend> c{be, L, nullptr, handles_};
     O::upload(be, ids, ids_host.data(), rows);
@@ -128,11 +137,15 @@ class language_model {
       stack.forward(xv, hv, saved, {}, be);
     else
       stack.forward(xv, hv, {}, be);
-    lm_head.apply(c, h, rows, logits);
-    const double sum = O::cross_entropy(c, logits, V, rows, V, ys, ignore_label,
-                                        backward ? dlogits : nullptr, V, 1.0 / double(count));
+    double sum = 0;
+    for (index_t r0 = 0; r0 < rows; r0 += block) {
+      const index_t n = std::min(block, rows - r0);
+      lm_head.apply(c, h + r0 * D, n, logits);
+      sum += O::cross_entropy(c, logits, V, n, V, ys + r0, ignore_label, dlogits, V,
+                              1.0 / double(count));
+      if (backward) lm_head.backward(c, h + r0 * D, n, dlogits, x + r0 * D);  // d(stack output)
+    }
     if (backward) {
-      lm_head.backward(c, h, rows, dlogits, x);  // d(stack output) into x's room
       stack.backward(view3<const T>(x, {B, Tn, D}, space_of_v<Backend>), hv, saved, be);
       embeddings.backward(c, ids, rows, h);  // h holds d(embeddings) now
     }
@@ -148,11 +161,21 @@ class language_model {
     visit(*this, f, prefix);
   }
 
+  // Rows of logits that loss() forms at once (the head and the cross-entropy run a block of rows
+  // at a time, so that [rows, vocab] logits need not exist together); 0, the default: all rows.
+  // Any count gives the same loss and gradients up to the rounding of the head's weight
+  // gradient, summed a block at a time.
+  index_t logits_rows = 0;
+
   Stack stack;
   layers::embedding<T, Backend> embeddings;
   layers::linear<T, Backend> lm_head;
 
  private:
+  index_t logits_block(index_t rows) const {
+    return std::max<index_t>(1, logits_rows > 0 ? std::min(rows, logits_rows) : rows);
+  }
+
   typename O::handles handles_{};  // the embedding's and the head's (cuBLAS on the GPU)
 
   template <class Self, class F>
