@@ -1,6 +1,7 @@
 // The synthetic tasks' generators (train/tasks.hpp) against a direct simulation of each task:
 // flip-flop's read bits are the last written bits, A5's labels the running composition of
-// permutations applied one after another.
+// permutations applied one after another, MQRAR-N's answers the values assigned N assignments of
+// their key ago.
 
 #include <array>
 #include <cstdint>
@@ -136,4 +137,53 @@ TEST_CASE("task generators reject bad sizes and rates", "[train][tasks][errors]"
                [&] { attnmix::train::flip_flop::make(gen, 2, 8, 1.5); });
   expect_error("attnmix::train::a5::make", "length", "0",
                [&] { attnmix::train::a5::make(gen, 2, 0); });
+}
+
+TEST_CASE("MQRAR-N batches: a query's answer is its key's value N assignments ago",
+          "[train][tasks]") {
+  namespace mq = attnmix::train::mqrar;
+  std::mt19937_64 gen(attnmix_test::test_seed() + 13);
+  for (const int n : {1, 2, 4})
+    for (const double pq : {0.0, 0.25, 0.9, 1.0}) {
+      INFO("N " << n << " p_query " << pq);
+      const index_t K = 8, V = 5, T = 200;
+      const attnmix::train::task_batch b = mq::make(gen, 4, T, n, K, V, pq);
+      REQUIRE(b.tokens.size() == std::size_t(4 * T));
+      index_t queries = 0, pairs = 0;
+      for (index_t s = 0; s < 4; ++s) {
+        std::vector<std::vector<std::int32_t>> values(K);  // the simulated assignments
+        for (index_t p = 0; p < T; p += 2, ++pairs) {
+          const std::int32_t k = b.tokens[s * T + p], v = b.tokens[s * T + p + 1];
+          REQUIRE(k >= 0);
+          REQUIRE(k < 2 * K);
+          REQUIRE(v >= 2 * K);
+          REQUIRE(v < mq::vocab(K, V));
+          CHECK(b.labels[s * T + p + 1] == attnmix::train::ignore_label);
+          CHECK(b.scored[s * T + p + 1] == 0);
+          if (k < K) {  // an assignment
+            values[std::size_t(k)].push_back(v);
+            CHECK(b.labels[s * T + p] == attnmix::train::ignore_label);
+            CHECK(b.scored[s * T + p] == 0);
+          } else {  // a query
+            const auto& h = values[std::size_t(k - K)];
+            REQUIRE(h.size() >= std::size_t(n));
+            CHECK(v == h[h.size() - std::size_t(n)]);
+            CHECK(b.labels[s * T + p] == v);
+            CHECK(b.scored[s * T + p] == 1);
+            ++queries;
+          }
+        }
+      }
+      if (pq == 0.0) CHECK(queries == 0);
+      if (pq >= 0.25) CHECK(queries > 0);
+      if (pq == 1.0) CHECK(queries > pairs / 2);  // every pair once a key is ready
+    }
+  std::mt19937_64 g1(5), g2(5);
+  CHECK(mq::make(g1, 3, 64, 2, 4, 4).tokens == mq::make(g2, 3, 64, 2, 4, 4).tokens);
+  std::mt19937_64 g(1);
+  const char* fn = "attnmix::train::mqrar::make";
+  expect_error(fn, "length", "must be even", [&] { mq::make(g, 1, 7, 1, 4, 4); });
+  expect_error(fn, "n_back", "at least 1", [&] { mq::make(g, 1, 8, 0, 4, 4); });
+  expect_error(fn, "keys", "at least 1", [&] { mq::make(g, 1, 8, 1, 0, 4); });
+  expect_error(fn, "p_query", "in [0, 1]", [&] { mq::make(g, 1, 8, 1, 4, 4, 1.5); });
 }

@@ -329,6 +329,8 @@ class decoder {
     layers::detail::check_activation(fn, "out", out, D, space_of_v<Backend>, Backend::name);
     layers::detail::check_same_shape(fn, out, x);
     attnmix::detail::check_no_alias(fn, "out", out, "x", x);
+    O::check_memory(fn, "x", x);
+    O::check_memory(fn, "out", out);
     check_memory_cache(fn, cache);
     const index_t N = x.extent(0);
     require(index_t(slots.size()) == N, fn, "slots", "holds ", slots.size(),

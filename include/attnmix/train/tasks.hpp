@@ -6,6 +6,8 @@
 //   a5: words over the alternating group A5 (the 60 even permutations of 5 items); the label at
 //     each position is the composition of the word so far, a task no fixed-depth model of
 //     commuting steps solves (the paper's Figure 3).
+//   mqrar: multi-query repeated associative recall, N-back: keys are assigned values again and
+//     again; a query of a key asks for the value assigned to it N assignments of that key ago.
 // Labels are -100 (train::ignore_label) where there is nothing to predict; `scored` marks the
 // positions a task's error is measured at. Deterministic for a given generator state.
 
@@ -150,5 +152,68 @@ inline task_batch make(std::mt19937_64& gen, index_t B, index_t T) {
 }
 
 }  // namespace a5
+
+namespace mqrar {
+
+// Tokens: `keys` assignment keys [0, keys), as many query keys [keys, 2 keys) and `values`
+// values [2 keys, 2 keys + values).
+inline std::int32_t vocab(index_t keys, index_t values) {
+  return std::int32_t(2 * keys + values);
+}
+
+// Sequences of T / 2 (key, value) pairs. A pair is a query, with probability p_query once some
+// key has been assigned n_back times: the query key of such a key (drawn uniformly among them),
+// then the value assigned to that key n_back assignments of it ago (1: the latest). Otherwise it
+// assigns a uniformly drawn value to a uniformly drawn key. The label at a query key is the
+// answer (scored there); every other label is ignore_label, as MQAR trains on its answers only.
+// T is even and at least 4; keys, values and n_back are at least 1.
+inline task_batch make(std::mt19937_64& gen, index_t B, index_t T, int n_back, index_t keys,
+                       index_t values, double p_query = 0.25) {
+  const char* fn = "attnmix::train::mqrar::make";
+  detail::check_task_shape(fn, B, T);
+  detail::require(T >= 4 && T % 2 == 0, fn, "length",
+                  "must be even and at least 4 (an assignment and a query), got ", T);
+  detail::require(n_back >= 1, fn, "n_back", "must be at least 1 (the latest value), got ", n_back);
+  detail::require(keys >= 1, fn, "keys", "must be at least 1, got ", keys);
+  detail::require(values >= 1, fn, "values", "must be at least 1, got ", values);
+  detail::require(2 * keys + values <= INT32_MAX, fn, "values", "and keys make ", 2 * keys + values,
+                  " tokens, more than an int32 counts");
+  detail::require(p_query >= 0.0 && p_query <= 1.0, fn, "p_query", "must be in [0, 1], got ",
+                  p_query);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::uniform_int_distribution<index_t> key(0, keys - 1), value(0, values - 1);
+  task_batch b{B, T, std::vector<std::int32_t>(B * T),
+               std::vector<std::int32_t>(B * T, ignore_label), std::vector<char>(B * T, 0)};
+  std::vector<std::vector<std::int32_t>> assigned(static_cast<std::size_t>(keys));
+  std::vector<index_t> ready;  // keys assigned n_back times or more
+  for (index_t s = 0; s < B; ++s) {
+    for (auto& a : assigned) a.clear();
+    ready.clear();
+    for (index_t p = 0; p < T; p += 2) {
+      const index_t at = s * T + p;
+      if (!ready.empty() && u(gen) < p_query) {
+        const index_t k = ready[std::size_t(
+            std::uniform_int_distribution<std::size_t>(0, ready.size() - 1)(gen))];
+        const auto& a = assigned[std::size_t(k)];
+        const std::int32_t answer = a[a.size() - std::size_t(n_back)];
+        b.tokens[at] = std::int32_t(keys + k);
+        b.tokens[at + 1] = answer;
+        b.labels[at] = answer;
+        b.scored[at] = 1;
+      } else {
+        const index_t k = key(gen);
+        const std::int32_t v = std::int32_t(2 * keys + value(gen));
+        auto& a = assigned[std::size_t(k)];
+        a.push_back(v);
+        if (a.size() == std::size_t(n_back)) ready.push_back(k);
+        b.tokens[at] = std::int32_t(k);
+        b.tokens[at + 1] = v;
+      }
+    }
+  }
+  return b;
+}
+
+}  // namespace mqrar
 }  // namespace train
 }  // namespace attnmix
