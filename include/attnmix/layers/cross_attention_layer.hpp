@@ -240,6 +240,32 @@ class cross_attention_layer {
     return L;
   }
 
+  // The slot each of N rows of `tokens` queries reads: slots[n] (host int32, any slot of
+  // `cache`, repeats allowed) or, without slots, n; each must hold memory when tokens > 0. Throws
+  // attnmix::error naming 'slots', 'x' or 'cache'. (A decoder checks its rows here.)
+  std::vector<index_t> reading_slots(const std::string& fn, const view1<const std::int32_t>& slots,
+                                     index_t N, index_t tokens, const cache_type& cache) const {
+    using attnmix::detail::require;
+    if (slots.has_value()) {
+      attnmix::detail::check_space(fn, "slots", slots, memory_space::host, "slot validation");
+      require(slots.extent(0) == N, fn, "slots", "holds ", slots.extent(0),
+              " slots but x has N = ", N, " sequences");
+    } else {
+      require(N <= cache.sequences(), fn, "x", "has N = ", N, " sequences but the cache holds ",
+              cache.sequences());
+    }
+    std::vector<index_t> where(static_cast<std::size_t>(N));
+    for (index_t n = 0; n < N; ++n) {
+      const index_t s = slots.has_value() ? index_t{slots(n)} : n;
+      require(s >= 0 && s < cache.sequences(), fn, "slots", "[", n, "] is ", s,
+              ", not a slot of the cache (", cache.sequences(), " slots)");
+      require(tokens == 0 || cache.length(s) > 0, fn, "cache", "slot ", s,
+              " holds no memory for the queries of row ", n);
+      where[static_cast<std::size_t>(n)] = s;
+    }
+    return where;
+  }
+
   // ---- On rows ----------------------------------------------------------------------------
   // y = cross_attn(x, m) on c.layout's rows (x, y: [rows, D], distinct); with `saved`, also what
   // backward_rows needs. m.layout has the sequences of c.layout (checked by the front door).
@@ -443,7 +469,6 @@ class cross_attention_layer {
 
   void attend_impl(const view3<const T>& x, const view3<T>& out, const cache_type& cache,
                    const view1<const std::int32_t>& slots, const Backend& be) const {
-    using attnmix::detail::require;
     const std::string fn = std::string("attnmix::layers::") + name + "::attend";
     detail::check_activation(fn, "x", x, D_, space_of_v<Backend>, Backend::name);
     detail::check_activation(fn, "out", out, D_, space_of_v<Backend>, Backend::name);
@@ -452,25 +477,8 @@ class cross_attention_layer {
     O::check_memory(fn, "x", x);
     O::check_memory(fn, "out", out);
     check_cache(fn, "cache", "the cache", cache);
-    const index_t N = x.extent(0);
-    std::vector<index_t> where(static_cast<std::size_t>(N));
-    if (slots.has_value()) {
-      attnmix::detail::check_space(fn, "slots", slots, memory_space::host, "slot validation");
-      require(slots.extent(0) == N, fn, "slots", "holds ", slots.extent(0),
-              " slots but x has N = ", N, " sequences");
-    } else {
-      require(N <= cache.sequences(), fn, "x", "has N = ", N, " sequences but the cache holds ",
-              cache.sequences());
-    }
-    for (index_t n = 0; n < N; ++n) {
-      const index_t s = slots.has_value() ? index_t{slots(n)} : n;
-      require(s >= 0 && s < cache.sequences(), fn, "slots", "[", n, "] is ", s,
-              ", not a slot of the cache (", cache.sequences(), " slots)");
-      require(x.extent(1) == 0 || cache.length(s) > 0, fn, "cache", "slot ", s,
-              " holds no memory for the queries of row ", n);
-      where[static_cast<std::size_t>(n)] = s;
-    }
-    const token_layout L{N, x.extent(1), {}};
+    const std::vector<index_t> where = reading_slots(fn, slots, x.extent(0), x.extent(1), cache);
+    const token_layout L{x.extent(0), x.extent(1), {}};
     with_context(L, be, [&](const context<Backend>& c) {
       attend_rows(c, x.data(), out.data(), cache, where);
     });

@@ -322,7 +322,6 @@ class decoder {
                const std::vector<std::int32_t>& slots, const Backend& be = Backend{}) const {
     static_assert(layers::on_host_v<Backend>,
                   "attnmix::decoder: decoding from a remembered memory runs on the host for now");
-    using attnmix::detail::require;
     const std::string fn = "attnmix::decoder::forward";
     const index_t D = cfg_.hidden_size;
     layers::detail::check_activation(fn, "x", x, D, space_of_v<Backend>, Backend::name);
@@ -333,17 +332,9 @@ class decoder {
     O::check_memory(fn, "out", out);
     check_memory_cache(fn, cache);
     const index_t N = x.extent(0);
-    require(index_t(slots.size()) == N, fn, "slots", "holds ", slots.size(),
-            " slots but x has N = ", N, " sequences");
-    std::vector<index_t> where(slots.size());
-    for (index_t i = 0; i < N; ++i) {
-      const index_t sl = slots[std::size_t(i)];
-      require(sl >= 0 && sl < cache[0].sequences(), fn, "slots", "[", i, "] is ", sl,
-              ", not a slot of the cache (", cache[0].sequences(), " slots)");
-      require(x.extent(1) == 0 || cache[0].length(sl) > 0, fn, "cache", "slot ", sl,
-              " holds no memory for the queries of row ", i);
-      where[std::size_t(i)] = sl;
-    }
+    const std::vector<index_t> where = blocks.front().cross_attn.reading_slots(
+        fn, view1<const std::int32_t>(slots.data(), {index_t(slots.size())}), N, x.extent(1),
+        cache[0]);
     const layers::token_layout L{N, x.extent(1), {}};
     const index_t rows = L.rows(), n = rows * D;
     if (rows == 0) return;
