@@ -37,20 +37,12 @@
 #include "attnmix/train/progress.hpp"
 #include "attnmix/train/schedule.hpp"
 #include "attnmix/train/tasks.hpp"
+#include "sa_rope.hpp"
 
 namespace {
 
 using attnmix::index_t;
 using attnmix::train::task_batch;
-
-// The SA row of the paper uses RoPE.
-struct causal_sa_rope_policy : attnmix::layers::causal_sa_layer_policy {
-  static constexpr bool rope = true;
-  static constexpr const char* name = "sa_rope";
-};
-template <class T, class Backend = attnmix::backend::cpu>
-using sa_rope_mixer = attnmix::layers::attention_layer<T, causal_sa_rope_policy, Backend>;
-using sa_rope = attnmix::layer::custom<attnmix::kind::softmax, sa_rope_mixer>;
 
 struct options {
   std::string task;

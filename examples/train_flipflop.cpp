@@ -38,6 +38,7 @@
 #include "attnmix/train/progress.hpp"
 #include "attnmix/train/schedule.hpp"
 #include "attnmix/train/tasks.hpp"
+#include "sa_rope.hpp"
 
 namespace {
 
@@ -47,15 +48,6 @@ using attnmix::index_t;
 // the positions whose label is a read bit, where the error is measured.
 using attnmix::train::task_batch;
 using attnmix::train::flip_flop::vocab;
-
-// The SA row of the paper uses RoPE.
-struct causal_sa_rope_policy : attnmix::layers::causal_sa_layer_policy {
-  static constexpr bool rope = true;
-  static constexpr const char* name = "sa_rope";
-};
-template <class T, class Backend = attnmix::backend::cpu>
-using sa_rope_mixer = attnmix::layers::attention_layer<T, causal_sa_rope_policy, Backend>;
-using sa_rope = attnmix::layer::custom<attnmix::kind::softmax, sa_rope_mixer>;
 
 struct options {
   std::vector<std::string> kinds{"path", "path_fox", "fox", "sa_rope"};
@@ -123,8 +115,8 @@ double read_error(const Model& model, std::uint64_t seed, const options& o, doub
 
 // Trains `model` (made from the float `start`) on `be` and measures its read errors.
 template <class Model, class Start, class Backend>
-errors train(Model& model, const Start& start, const std::string& name, int seed,
-             const options& o, const Backend& be) {
+errors train(Model& model, const Start& start, const std::string& name, int seed, const options& o,
+             const Backend& be) {
   attnmix::train::adamw_config ac;
   ac.beta2 = 0.98, ac.weight_decay = 0.1, ac.clip_norm = 1.0;
   attnmix::train::adamw<Backend> opt(ac);
@@ -161,8 +153,7 @@ errors run(const std::string& name, int seed, const options& o) {
   attnmix::layers::randomize_parameters(model, 1000 + seed, 0.02);
 #ifdef __CUDACC__
   if (o.device == "cuda" && o.precision == "bf16") {
-    attnmix::train::language_model<attnmix::device_stack<host_stack, attnmix::bfloat16>> gpu(
-        model);
+    attnmix::train::language_model<attnmix::device_stack<host_stack, attnmix::bfloat16>> gpu(model);
     return train(gpu, model, name, seed, o, attnmix::backend::cuda{});
   }
   if (o.device == "cuda") {

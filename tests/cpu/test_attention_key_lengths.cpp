@@ -93,8 +93,9 @@ std::pair<std::vector<T>, std::vector<attnmix::accum_t<T>>> run(const key_case& 
   return {out.storage(), lse.storage()};
 }
 
+// The oracles' description of a case under Kind and Policy.
 template <class Kind, class Policy>
-attnmix_ref::attention_result oracle(const key_case& c, const key_inputs& in) {
+attnmix_ref::softmax_problem oracle_problem(const key_case& c) {
   attnmix_ref::softmax_problem p{c.B, c.T, c.HQ, c.H, c.D, c.Dv, 1.0 / std::sqrt(double(c.D))};
   p.causal = Policy::mask == attnmix::mask_type::causal;
   p.window = c.window;
@@ -105,8 +106,13 @@ attnmix_ref::attention_result oracle(const key_case& c, const key_inputs& in) {
     p.gate = Policy::gate == attnmix::gate_scaling::after_scale
                  ? attnmix_ref::softmax_problem::gate_after_scale
                  : attnmix_ref::softmax_problem::gate_before_scale;
-  return attnmix_ref::softmax_attention(p, in.q.storage(), in.k.storage(), in.v.storage(),
-                                        in.g.storage());
+  return p;
+}
+
+template <class Kind, class Policy>
+attnmix_ref::attention_result oracle(const key_case& c, const key_inputs& in) {
+  return attnmix_ref::softmax_attention(oracle_problem<Kind, Policy>(c), in.q.storage(),
+                                        in.k.storage(), in.v.storage(), in.g.storage());
 }
 
 // Causal shapes: every sequence has at least as many keys as queries.
@@ -477,18 +483,9 @@ key_grads backward_of(const key_case& c, const key_inputs& in, const host_tensor
 template <class Kind, class Policy>
 attnmix_ref::softmax_gradients backward_oracle(const key_case& c, const key_inputs& in,
                                                const host_tensor<double, 4>& dout) {
-  attnmix_ref::softmax_problem p{c.B, c.T, c.HQ, c.H, c.D, c.Dv, 1.0 / std::sqrt(double(c.D))};
-  p.causal = Policy::mask == attnmix::mask_type::causal;
-  p.window = c.window;
-  p.Tk = c.Tk;
-  p.cu_seqlens.assign(c.cu.begin(), c.cu.end());
-  p.cu_seqlens_k.assign(c.cu_k.begin(), c.cu_k.end());
-  if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
-    p.gate = Policy::gate == attnmix::gate_scaling::after_scale
-                 ? attnmix_ref::softmax_problem::gate_after_scale
-                 : attnmix_ref::softmax_problem::gate_before_scale;
-  return attnmix_ref::softmax_attention_backward(p, in.q.storage(), in.k.storage(), in.v.storage(),
-                                                 in.g.storage(), dout.storage());
+  return attnmix_ref::softmax_attention_backward(oracle_problem<Kind, Policy>(c), in.q.storage(),
+                                                 in.k.storage(), in.v.storage(), in.g.storage(),
+                                                 dout.storage());
 }
 
 // The backward's tolerance (its sums are longer than the forward's; as test_softmax_backward).

@@ -112,22 +112,14 @@ class cross_attention_layer {
                const view1<const std::int32_t>& cu_seqlens = {},
                const view1<const std::int32_t>& cu_seqlens_memory = {},
                const Backend& be = Backend{}) const {
-    const std::string fn = std::string("attnmix::layers::") + name + "::forward";
-    const call_layouts L = check_call(fn, x, memory, out, "out", cu_seqlens, cu_seqlens_memory);
-    with_context(L.x, be, [&](const context<Backend>& c) {
-      forward_rows(c, x.data(), {memory.data(), L.memory}, out.data());
-    });
+    forward_impl(x, memory, out, nullptr, cu_seqlens, cu_seqlens_memory, be);
   }
   // Training: the same forward, also keeping in `saved` what backward() reads.
   void forward(const view3<const T>& x, const view3<const T>& memory, const view3<T>& out,
                saved_type& saved, const view1<const std::int32_t>& cu_seqlens = {},
                const view1<const std::int32_t>& cu_seqlens_memory = {},
                const Backend& be = Backend{}) const {
-    const std::string fn = std::string("attnmix::layers::") + name + "::forward";
-    const call_layouts L = check_call(fn, x, memory, out, "out", cu_seqlens, cu_seqlens_memory);
-    with_context(L.x, be, [&](const context<Backend>& c) {
-      forward_rows(c, x.data(), {memory.data(), L.memory}, out.data(), &saved);
-    });
+    forward_impl(x, memory, out, &saved, cu_seqlens, cu_seqlens_memory, be);
   }
   // Training: from the forward's x, memory and `saved` (forward(x, memory, out, saved, ...) with
   // the same offsets) and dout = dL/d(out), writes dL/dx into dx and dL/d(memory) into dmemory,
@@ -465,6 +457,16 @@ class cross_attention_layer {
       k_norm.apply(c, k, rows, k);
     }
     (void)sv;
+  }
+
+  void forward_impl(const view3<const T>& x, const view3<const T>& memory, const view3<T>& out,
+                    saved_type* saved, const view1<const std::int32_t>& cu,
+                    const view1<const std::int32_t>& cu_m, const Backend& be) const {
+    const std::string fn = std::string("attnmix::layers::") + name + "::forward";
+    const call_layouts L = check_call(fn, x, memory, out, "out", cu, cu_m);
+    with_context(L.x, be, [&](const context<Backend>& c) {
+      forward_rows(c, x.data(), {memory.data(), L.memory}, out.data(), saved);
+    });
   }
 
   void attend_impl(const view3<const T>& x, const view3<T>& out, const cache_type& cache,

@@ -31,6 +31,7 @@
 #include "attnmix/layers/mlp.hpp"
 #include "attnmix/layers/norm.hpp"
 #include "attnmix/layers/ops.hpp"
+#include "attnmix/stack/residual.hpp"
 
 namespace attnmix {
 
@@ -127,23 +128,10 @@ class decoder {
                const decoder_inputs& in = {}, const Backend& be = Backend{}) const {
     const std::string fn = "attnmix::decoder::forward";
     const layouts L = check(fn, x, memory, out, "out", in);
-    const index_t rows = L.x.rows(), n = rows * cfg_.hidden_size;
-    if (rows == 0) return;
-    using layers::scratch_bytes;
-    typename O::scratch s(
-        be, scratch_bytes<R>(n) + scratch_bytes<T>(n) * 2 + scratch_bytes<std::int32_t>(rows));
-    R* h = s.template take<R>(n);
-    T *t = s.template take<T>(n), *m = s.template take<T>(n);
-    std::int32_t* pos = s.template take<std::int32_t>(rows);
-    O::positions(be, pos, L.x);
-    const layers::context<Backend> c{be, L.x, pos, handles_};
-    const std::int64_t* same = nullptr;
-    O::move_rows(c, x.data(), h, same, same, rows, cfg_.hidden_size);
-    for (const block& b : blocks)
-      run_block(c, b, h, t, m, [&](const T* in_rows, T* out_rows) {
-        b.cross_attn.forward_rows(c, in_rows, {memory.data(), L.memory}, out_rows);
-      });
-    norm.apply(c, h, rows, out.data());
+    run(L.x, be, x.data(), out.data(),
+        [&](std::size_t i, const layers::context<Backend>& c, const T* in_rows, T* out_rows) {
+          blocks[i].cross_attn.forward_rows(c, in_rows, {memory.data(), L.memory}, out_rows);
+        });
   }
 
   // ---- Training ---------------------------------------------------------------------------
@@ -241,15 +229,13 @@ class decoder {
     attnmix::detail::check_no_alias(fn, "dmemory", dmemory, "dx", dx);
     const layers::token_layout& L = sv.layout;
     const index_t rows = L.rows(), n = rows * D, mn = sv.memory_layout.rows() * D;
-    // The memory's gradient sums over the blocks in R.
-    constexpr bool mixed = !std::is_same_v<R, T>;
-    typename O::scratch s(be, layers::scratch_bytes<R>(n) * (mixed ? 2 : 1) +
-                                  layers::scratch_bytes<T>(n) * (mixed ? 2 : 1) +
-                                  layers::scratch_bytes<R>(mn) + layers::scratch_bytes<T>(mn));
+    // The residual gradient dh and the memory's, summed over the blocks, in R.
+    using grad = detail::residual_grad<T, R, Backend>;
+    typename O::scratch s(be, layers::scratch_bytes<R>(n) + layers::scratch_bytes<T>(n) +
+                                  grad::scratch_bytes(n) + layers::scratch_bytes<R>(mn) +
+                                  layers::scratch_bytes<T>(mn));
     R* dh = s.template take<R>(n);
     T* dt = s.template take<T>(n);
-    R* dr = mixed ? s.template take<R>(n) : nullptr;
-    T* dh_t = mixed ? s.template take<T>(n) : nullptr;
     R* dmem = s.template take<R>(mn);
     T* dmem_t = s.template take<T>(mn);
     O::zero(be, dmem, mn);
@@ -259,35 +245,20 @@ class decoder {
       return;
     }
     const layers::context<Backend> c{be, L, sv.positions.data(), handles_};
+    const grad rg(c, rows, D, s);
     const std::int64_t* same = nullptr;  // move_rows without a row map: a copy that converts
-    const auto wide = [&](const T* g) -> const R* {
-      if constexpr (mixed) {
-        O::move_rows(c, g, dr, same, same, rows, D);
-        return dr;
-      } else {
-        return g;
-      }
-    };
-    const auto narrow = [&](const R* g) -> const T* {
-      if constexpr (mixed) {
-        O::move_rows(c, g, dh_t, same, same, rows, D);
-        return dh_t;
-      } else {
-        return g;
-      }
-    };
-    norm.backward(c, sv.h[blocks.size()].data(), rows, wide(dout.data()), dh);
+    norm.backward(c, sv.h[blocks.size()].data(), rows, rg.wide(dout.data()), dh);
     for (std::size_t i = blocks.size(); i-- > 0;) {
       block& b = blocks[i];
       const block_saved& bs = sv.blocks[i];
-      b.mlp.backward(c, bs.mlp_in.data(), rows, narrow(dh), dt, bs.mlp);
-      b.mlp_norm.backward(c, bs.mid2.data(), rows, wide(dt), dh, true);
+      b.mlp.backward(c, bs.mlp_in.data(), rows, rg.narrow(dh), dt, bs.mlp);
+      b.mlp_norm.backward(c, bs.mid2.data(), rows, rg.wide(dt), dh, true);
       b.cross_attn.backward_rows(c, bs.cross_in.data(), {memory.data(), sv.memory_layout},
-                                 narrow(dh), dt, dmem_t, bs.cross_attn);
+                                 rg.narrow(dh), dt, dmem_t, bs.cross_attn);
       O::template map<layers::fn::plus>(c, dmem, dmem, dmem_t, mn);
-      b.cross_attn_norm.backward(c, bs.mid.data(), rows, wide(dt), dh, true);
-      b.attn.backward_rows(c, bs.attn_in.data(), narrow(dh), dt, bs.attn);
-      b.attn_norm.backward(c, sv.h[i].data(), rows, wide(dt), dh, true);
+      b.cross_attn_norm.backward(c, bs.mid.data(), rows, rg.wide(dt), dh, true);
+      b.attn.backward_rows(c, bs.attn_in.data(), rg.narrow(dh), dt, bs.attn);
+      b.attn_norm.backward(c, sv.h[i].data(), rows, rg.wide(dt), dh, true);
     }
     O::move_rows(c, dh, dx.data(), same, same, rows, D);
     O::move_rows(c, dmem, dmemory.data(), same, same, sv.memory_layout.rows(), D);
@@ -335,24 +306,10 @@ class decoder {
     const std::vector<index_t> where = blocks.front().cross_attn.reading_slots(
         fn, view1<const std::int32_t>(slots.data(), {index_t(slots.size())}), N, x.extent(1),
         cache[0]);
-    const layers::token_layout L{N, x.extent(1), {}};
-    const index_t rows = L.rows(), n = rows * D;
-    if (rows == 0) return;
-    using layers::scratch_bytes;
-    typename O::scratch s(
-        be, scratch_bytes<R>(n) + scratch_bytes<T>(n) * 2 + scratch_bytes<std::int32_t>(rows));
-    R* h = s.template take<R>(n);
-    T *t = s.template take<T>(n), *m = s.template take<T>(n);
-    std::int32_t* pos = s.template take<std::int32_t>(rows);
-    O::positions(be, pos, L);
-    const layers::context<Backend> c{be, L, pos, handles_};
-    const std::int64_t* same = nullptr;
-    O::move_rows(c, x.data(), h, same, same, rows, D);
-    for (std::size_t i = 0; i < blocks.size(); ++i)
-      run_block(c, blocks[i], h, t, m, [&](const T* in_rows, T* out_rows) {
-        blocks[i].cross_attn.attend_rows(c, in_rows, out_rows, cache[i], where);
-      });
-    norm.apply(c, h, rows, out.data());
+    run(layers::token_layout{N, x.extent(1), {}}, be, x.data(), out.data(),
+        [&](std::size_t i, const layers::context<Backend>& c, const T* in_rows, T* out_rows) {
+          blocks[i].cross_attn.attend_rows(c, in_rows, out_rows, cache[i], where);
+        });
   }
 
   // Visits every parameter as f(name, parameter&).
@@ -393,20 +350,36 @@ class decoder {
     s.norm.visit_parameters(f, prefix + "norm.");
   }
 
-  // One block on the residual stream h (in place); cross(in, out) runs its cross-attention.
+  // Every block, then the final norm, on x's rows (layout L) into out; cross(i, c, in, out) runs
+  // block i's cross-attention. The residual stream h is updated in place.
   template <class Cross>
-  void run_block(const layers::context<Backend>& c, const block& b, R* h, T* t, T* m,
-                 Cross&& cross) const {
-    const index_t rows = c.rows(), n = rows * cfg_.hidden_size;
-    b.attn_norm.apply(c, h, rows, t);
-    b.attn.forward_rows(c, t, m);
-    O::template map<layers::fn::plus>(c, h, h, m, n);
-    b.cross_attn_norm.apply(c, h, rows, t);
-    cross(t, m);
-    O::template map<layers::fn::plus>(c, h, h, m, n);
-    b.mlp_norm.apply(c, h, rows, t);
-    b.mlp.apply(c, t, rows, m);
-    O::template map<layers::fn::plus>(c, h, h, m, n);
+  void run(const layers::token_layout& L, const Backend& be, const T* x, T* out,
+           Cross&& cross) const {
+    const index_t rows = L.rows(), n = rows * cfg_.hidden_size;
+    if (rows == 0) return;
+    using layers::scratch_bytes;
+    typename O::scratch s(
+        be, scratch_bytes<R>(n) + scratch_bytes<T>(n) * 2 + scratch_bytes<std::int32_t>(rows));
+    R* h = s.template take<R>(n);
+    T *t = s.template take<T>(n), *m = s.template take<T>(n);
+    std::int32_t* pos = s.template take<std::int32_t>(rows);
+    O::positions(be, pos, L);
+    const layers::context<Backend> c{be, L, pos, handles_};
+    const std::int64_t* same = nullptr;
+    O::move_rows(c, x, h, same, same, rows, cfg_.hidden_size);
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      const block& b = blocks[i];
+      b.attn_norm.apply(c, h, rows, t);
+      b.attn.forward_rows(c, t, m);
+      O::template map<layers::fn::plus>(c, h, h, m, n);
+      b.cross_attn_norm.apply(c, h, rows, t);
+      cross(i, c, t, m);
+      O::template map<layers::fn::plus>(c, h, h, m, n);
+      b.mlp_norm.apply(c, h, rows, t);
+      b.mlp.apply(c, t, rows, m);
+      O::template map<layers::fn::plus>(c, h, h, m, n);
+    }
+    norm.apply(c, h, rows, out);
   }
 
   // x, memory and out (named `arg`) through the cross-attention's checks (the first block's: they

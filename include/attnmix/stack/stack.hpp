@@ -41,6 +41,7 @@
 #include "attnmix/layers/norm.hpp"
 #include "attnmix/layers/ops.hpp"
 #include "attnmix/layers/path_layer.hpp"
+#include "attnmix/stack/residual.hpp"
 
 namespace attnmix {
 
@@ -385,41 +386,24 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     // The gradient of the residual stream, dh, is in R; the layers take and give T. In mixed
     // precision (T 16-bit, R float) it is rounded to T for each layer, and a layer's dx is
     // widened to R before the norm's backward adds it to dh.
-    constexpr bool mixed = !std::is_same_v<R, T>;
-    typename O::scratch s(be, layers::scratch_bytes<R>(n) * (mixed ? 2 : 1) +
-                                  layers::scratch_bytes<T>(n) * (mixed ? 3 : 2));
+    using grad = detail::residual_grad<T, R, Backend>;
+    typename O::scratch s(
+        be, layers::scratch_bytes<R>(n) + layers::scratch_bytes<T>(n) * 2 + grad::scratch_bytes(n));
     R* dh = s.template take<R>(n);
     T *dt = s.template take<T>(n), *dm = s.template take<T>(n);
-    R* dr = mixed ? s.template take<R>(n) : nullptr;
-    T* dh_t = mixed ? s.template take<T>(n) : nullptr;
-    const std::int64_t* same = nullptr;  // move_rows without a row map: a copy that converts
-    const auto wide = [&](const T* g) -> const R* {
-      if constexpr (mixed) {
-        O::move_rows(c, g, dr, same, same, rows, D);
-        return dr;
-      } else {
-        return g;
-      }
-    };
-    const auto narrow = [&](const R* g) -> const T* {
-      if constexpr (mixed) {
-        O::move_rows(c, g, dh_t, same, same, rows, D);
-        return dh_t;
-      } else {
-        return g;
-      }
-    };
+    const grad rg(c, rows, D, s);
+    const std::int64_t* same = nullptr;  // move_rows without a row map
     const T* dy = dout.data();
     if (src != nullptr) {
       O::move_rows(c, dout.data(), dm, src, same, rows, D);
       dy = dm;
     }
-    norm.backward(c, sv.h[num_layers].data(), rows, wide(dy), dh);
+    norm.backward(c, sv.h[num_layers].data(), rows, rg.wide(dy), dh);
     for_each_block_and_saved_reversed(sv, [&](auto& b, const auto& bs, std::size_t i) {
-      b.mlp.backward(c, bs.mlp_in.data(), rows, narrow(dh), dt, bs.mlp);
-      b.mlp_norm.backward(c, bs.mid.data(), rows, wide(dt), dh, true);
-      b.attn.backward_rows(c, bs.attn_in.data(), narrow(dh), dt, bs.attn);
-      b.attn_norm.backward(c, sv.h[i].data(), rows, wide(dt), dh, true);
+      b.mlp.backward(c, bs.mlp_in.data(), rows, rg.narrow(dh), dt, bs.mlp);
+      b.mlp_norm.backward(c, bs.mid.data(), rows, rg.wide(dt), dh, true);
+      b.attn.backward_rows(c, bs.attn_in.data(), rg.narrow(dh), dt, bs.attn);
+      b.attn_norm.backward(c, sv.h[i].data(), rows, rg.wide(dt), dh, true);
     });
     O::move_rows(c, dh, dx.data(), static_cast<const std::int64_t*>(nullptr), src, rows, D);
   }
