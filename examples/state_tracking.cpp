@@ -37,7 +37,6 @@
 #include "attnmix/train/progress.hpp"
 #include "attnmix/train/schedule.hpp"
 #include "attnmix/train/tasks.hpp"
-#include "sa_rope.hpp"
 
 namespace {
 
@@ -134,7 +133,7 @@ double run_kind(const std::string& kind, int layers, int variant, int seed, cons
   if (kind == "path") return run_layers<layer::path>(kind, layers, variant, seed, o);
   if (kind == "path_fox") return run_layers<layer::path_fox>(kind, layers, variant, seed, o);
   if (kind == "fox") return run_layers<layer::fox>(kind, layers, variant, seed, o);
-  return run_layers<sa_rope>(kind, layers, variant, seed, o);
+  return run_layers<attnmix::layer::causal_sa_rope>(kind, layers, variant, seed, o);
 }
 
 const char* usage =

@@ -38,7 +38,6 @@
 #include "attnmix/train/progress.hpp"
 #include "attnmix/train/schedule.hpp"
 #include "attnmix/train/tasks.hpp"
-#include "sa_rope.hpp"
 
 namespace {
 
@@ -130,7 +129,7 @@ errors train(Model& model, const Start& start, const std::string& name, int seed
                                "  " + name + " seed " + std::to_string(seed) + ": ");
   for (index_t step = 1; step <= o.steps; ++step) {
     const task_batch b = attnmix::train::flip_flop::make(gen, o.batch, o.length, 0.8);
-    attnmix::train::adamw<Backend>::zero_grad(model);
+    attnmix::train::adamw<Backend>::zero_grad(model, be);
     const double loss = model.loss(
         attnmix::tensor_view<const std::int32_t, 2>(b.tokens.data(), {o.batch, o.length}),
         attnmix::tensor_view<const std::int32_t, 2>(b.labels.data(), {o.batch, o.length}), true,
@@ -169,7 +168,7 @@ errors run_kind(const std::string& kind, int seed, const options& o) {
   if (kind == "path") return run<layer::path>(kind, seed, o);
   if (kind == "path_fox") return run<layer::path_fox>(kind, seed, o);
   if (kind == "fox") return run<layer::fox>(kind, seed, o);
-  if (kind == "sa_rope") return run<sa_rope>(kind, seed, o);
+  if (kind == "sa_rope") return run<attnmix::layer::causal_sa_rope>(kind, seed, o);
   std::fprintf(stderr, "unknown kind '%s' (path, path_fox, fox, sa_rope)\n", kind.c_str());
   std::exit(2);
 }

@@ -50,6 +50,11 @@ struct causal_sa_layer_policy : sa_layer_policy {
   static constexpr mask_type mask = mask_type::causal;
   static constexpr const char* name = "causal_sa";
 };
+// The PaTH and FoX papers' softmax baseline: causal, with RoPE (config.rope_theta).
+struct causal_sa_rope_layer_policy : causal_sa_layer_policy {
+  static constexpr bool rope = true;
+  static constexpr const char* name = "causal_sa_rope";
+};
 struct fox_layer_policy : sa_layer_policy {
   using kind = attnmix::kind::fox;
   static constexpr mask_type mask = mask_type::causal;

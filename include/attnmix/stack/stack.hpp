@@ -68,6 +68,8 @@ namespace layer {
 ATTNMIX_DEFINE_LAYER(sa, attnmix::kind::softmax, layers::attention_layer, layers::sa_layer_policy);
 ATTNMIX_DEFINE_LAYER(causal_sa, attnmix::kind::softmax, layers::attention_layer,
                      layers::causal_sa_layer_policy);
+ATTNMIX_DEFINE_LAYER(causal_sa_rope, attnmix::kind::softmax, layers::attention_layer,
+                     layers::causal_sa_rope_layer_policy);
 ATTNMIX_DEFINE_LAYER(fox, attnmix::kind::fox, layers::attention_layer, layers::fox_layer_policy);
 ATTNMIX_DEFINE_LAYER(path, attnmix::kind::path, layers::path_layer, layers::path_layer_policy);
 ATTNMIX_DEFINE_LAYER(path_fox, attnmix::kind::path_fox, layers::path_layer,
