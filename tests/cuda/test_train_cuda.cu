@@ -338,8 +338,19 @@ TEST_CASE("ops<cuda>::gather_rows and scatter_add_rows match ops<cpu>", "[cuda][
   CHECK(bitwise_equal(gdw2.to_host(), first));
 }
 
-// ---- cross_entropy, adamw, sum_squares, scale
-// ----------------------------------------------------
+// ---- cross_entropy, adamw, sum_squares, clip, download ------------------------------------
+// A device total: `start` uploaded, and read back.
+struct device_total {
+  device_buffer<double> d;
+  explicit device_total(double start = 0.0) : d(std::vector<double>{start}) {}
+  double* get() { return d.get(); }
+  double read() {
+    double x = 0;
+    gpu_ops::download(gpu_be{}, &x, static_cast<const double*>(d.get()), 1);
+    return x;
+  }
+};
+
 TEST_CASE("ops<cuda>::cross_entropy matches ops<cpu>", "[cuda][train][ops]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   INFO("seed " << test_seed());
@@ -357,23 +368,25 @@ TEST_CASE("ops<cuda>::cross_entropy matches ops<cpu>", "[cuda][train][ops]") {
     }
     const double scale = 1.0 / double(count);
     std::vector<float> want(static_cast<std::size_t>(rows * V));
-    const double want_loss = cpu_ops::cross_entropy(k.cpu(), logits.data(), V, rows, V,
-                                                    labels.data(), -100, want.data(), V, scale);
+    double want_loss = 0;
+    cpu_ops::cross_entropy(k.cpu(), logits.data(), V, rows, V, labels.data(), -100, want.data(), V,
+                           scale, &want_loss);
     device_buffer<float> gz(logits), gd(static_cast<std::size_t>(rows * V));
     device_buffer<std::int32_t> gl(labels);
-    const double loss = gpu_ops::cross_entropy(k.gpu(), static_cast<const float*>(gz.get()), V,
-                                               rows, V, gl.get(), -100, gd.get(), V, scale);
+    device_total total, added(2.5);
+    gpu_ops::cross_entropy(k.gpu(), static_cast<const float*>(gz.get()), V, rows, V, gl.get(), -100,
+                           gd.get(), V, scale, total.get());
+    const double loss = total.read();
     INFO("loss " << loss << " against " << want_loss);
     CHECK(std::abs(loss - want_loss) <= float_tol * std::abs(want_loss));
     expect_close("dlogits", gd.to_host(), want, float_tol);
-    const double again =
-        gpu_ops::cross_entropy(k.gpu(), static_cast<const float*>(gz.get()), V, rows, V, gl.get(),
-                               -100, static_cast<float*>(nullptr), V, scale);
-    CHECK(again == loss);  // the same bits, without dlogits too
+    gpu_ops::cross_entropy(k.gpu(), static_cast<const float*>(gz.get()), V, rows, V, gl.get(), -100,
+                           static_cast<float*>(nullptr), V, scale, added.get());
+    CHECK(added.read() == 2.5 + loss);  // added to the total; the same bits without dlogits
   }
 }
 
-TEST_CASE("ops<cuda>::adamw, sum_squares and scale match ops<cpu>", "[cuda][train][ops]") {
+TEST_CASE("ops<cuda>::adamw, sum_squares and clip match ops<cpu>", "[cuda][train][ops]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   INFO("seed " << test_seed());
   rng r(600);
@@ -396,15 +409,30 @@ TEST_CASE("ops<cuda>::adamw, sum_squares and scale match ops<cpu>", "[cuda][trai
     CHECK(em <= 1e-12);
     CHECK(ev <= 1e-12);
   }
-  const double want = cpu_ops::sum_squares(cpu_be{}, g.data(), n);
-  const double got = gpu_ops::sum_squares(gpu_be{}, static_cast<const float*>(gg.get()), n);
+  double want = 0;
+  cpu_ops::sum_squares(cpu_be{}, g.data(), n, &want);
+  device_total total, twice;
+  gpu_ops::sum_squares(gpu_be{}, static_cast<const float*>(gg.get()), n, total.get());
+  const double got = total.read();
   INFO("sum_squares " << got << " against " << want);
   CHECK(std::abs(got - want) <= 1e-12 * want);
-  CHECK(gpu_ops::sum_squares(gpu_be{}, static_cast<const float*>(gg.get()), n) == got);
-  cpu_ops::scale(cpu_be{}, g.data(), n, 0.37);
-  gpu_ops::scale(gpu_be{}, gg.get(), n, 0.37);
-  sync("scale");
-  expect_close("scale", gg.to_host(), g, 0.0);
+  for (int i = 0; i < 2; ++i)
+    gpu_ops::sum_squares(gpu_be{}, static_cast<const float*>(gg.get()), n, twice.get());
+  CHECK(twice.read() == got + got);  // the same bits each time, added
+  // Clipping to a norm above the gradient's changes nothing; below it, scales as the CPU does
+  // from the same sum of squares.
+  device_total ss(got);
+  const double norm = std::sqrt(got);
+  gpu_ops::clip(gpu_be{}, gg.get(), n, static_cast<const double*>(ss.get()), 1.01 * norm);
+  sync("clip");
+  CHECK(bitwise_equal(gg.to_host(), g));
+  cpu_ops::clip(cpu_be{}, g.data(), n, &got, 0.37 * norm);
+  gpu_ops::clip(gpu_be{}, gg.get(), n, static_cast<const double*>(ss.get()), 0.37 * norm);
+  sync("clip");
+  expect_close("clip", gg.to_host(), g, 0.0);
+  double clipped = 0;
+  cpu_ops::sum_squares(cpu_be{}, g.data(), n, &clipped);
+  CHECK(std::sqrt(clipped) == Approx(0.37 * norm).epsilon(1e-5));
 }
 
 // ---- stacks -----------------------------------------------------------------------------------

@@ -154,7 +154,8 @@ struct ops<test_backend::serial> {
   ATTNMIX_SERIAL_ON_CONTEXT(cross_entropy)
   ATTNMIX_SERIAL_ON_BACKEND(adamw)
   ATTNMIX_SERIAL_ON_BACKEND(sum_squares)
-  ATTNMIX_SERIAL_ON_BACKEND(scale)
+  ATTNMIX_SERIAL_ON_BACKEND(clip)
+  ATTNMIX_SERIAL_ON_BACKEND(download)
   template <class Fn, class C, class... A>
   static void map_backward(const C& c, A... a) {
     cpu::map_backward<Fn>(on_cpu(c).ctx, a...);

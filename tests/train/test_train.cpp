@@ -96,8 +96,17 @@ TEST_CASE("cross_entropy: loss and gradient of the logits", "[train]") {
   std::vector<std::int32_t> y(rows);
   for (index_t i = 0; i < rows; ++i) y[i] = i % 5 == 0 ? -100 : std::int32_t(r.integer(0, V - 1));
   vec dz(rows * V, 7.0);
-  const double loss =
-      O::cross_entropy(k.c(), z.data(), V, rows, V, y.data(), -100, dz.data(), V, 0.5);
+  // The summed loss is added to a total.
+  const auto summed = [&](const call& on, const vec& x, double* dx, double scale) {
+    double total = 0;
+    O::cross_entropy(on.c(), x.data(), V, rows, V, y.data(), -100, dx, V, scale, &total);
+    return total;
+  };
+  const double loss = summed(k, z, dz.data(), 0.5);
+  double added = 1.5;
+  O::cross_entropy(k.c(), z.data(), V, rows, V, y.data(), -100, static_cast<double*>(nullptr), V,
+                   0.5, &added);
+  CHECK(added == 1.5 + loss);
   double expect = 0;
   for (index_t i = 0; i < rows; ++i) {
     if (y[i] < 0) continue;
@@ -107,16 +116,11 @@ TEST_CASE("cross_entropy: loss and gradient of the logits", "[train]") {
   }
   CHECK(loss == Approx(expect).epsilon(1e-13));
   const vec fd = attnmix_ref::finite_difference(
-      [&](const vec& x) {
-        return 0.5 * O::cross_entropy(k.c(), x.data(), V, rows, V, y.data(), -100,
-                                      static_cast<double*>(nullptr), V, 1.0);
-      },
-      z);
+      [&](const vec& x) { return 0.5 * summed(k, x, nullptr, 1.0); }, z);
   CHECK(attnmix_ref::relative_error(dz, fd) < 1e-7);    // FD rounding: |loss| ~ 1e3
   for (index_t c = 0; c < V; ++c) CHECK(dz[c] == 0.0);  // row 0 is ignored
   call one{{1}, {1, rows, {}}};
-  CHECK(O::cross_entropy(one.c(), z.data(), V, rows, V, y.data(), -100,
-                         static_cast<double*>(nullptr), V, 1.0) == loss);
+  CHECK(summed(one, z, nullptr, 1.0) == loss);
 }
 
 TEST_CASE("adamw: the formula, decay of matrices only, and clipping", "[train]") {

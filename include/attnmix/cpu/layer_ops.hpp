@@ -535,11 +535,11 @@ struct ops<backend::cpu> {
 
   // ---- Training (see layers/ops.hpp) ----
   template <class C, class T>
-  static double cross_entropy(const C& c, const T* logits, index_t ld, index_t rows, index_t V,
-                              const std::int32_t* labels, std::int32_t ignore, T* dlogits,
-                              index_t ldd, double scale) {
-    return attnmix::detail::cpu::cross_entropy_rows(logits, ld, rows, V, labels, ignore, dlogits,
-                                                    ldd, scale, c.be);
+  static void cross_entropy(const C& c, const T* logits, index_t ld, index_t rows, index_t V,
+                            const std::int32_t* labels, std::int32_t ignore, T* dlogits,
+                            index_t ldd, double scale, double* total) {
+    *total += attnmix::detail::cpu::cross_entropy_rows(logits, ld, rows, V, labels, ignore, dlogits,
+                                                       ldd, scale, c.be);
   }
   // One AdamW step on n values (PyTorch's torch.optim.AdamW): p *= 1 - lr wd; m, v the moving
   // moments of g; p -= lr m^ / (sqrt(v^) + eps) with the bias corrections of step `step` (>= 1).
@@ -560,17 +560,25 @@ struct ops<backend::cpu> {
       if (copy != nullptr) copy[i] = static_cast<Q>(p[i]);
     }
   }
-  // sum of g[i]^2 in double (gradient clipping).
+  // *total += the sum of g[i]^2 in double (gradient clipping).
   template <class G>
-  static double sum_squares(const backend::cpu&, const G* g, index_t n) {
+  static void sum_squares(const backend::cpu&, const G* g, index_t n, double* total) {
     double s = 0;
     for (index_t i = 0; i < n; ++i) s += double(g[i]) * double(g[i]);
-    return s;
+    *total += s;
   }
-  // g *= factor.
+  // g *= max_norm / (norm + 1e-6) when norm = sqrt(*sum_squares) exceeds max_norm.
   template <class G>
-  static void scale(const backend::cpu&, G* g, index_t n, double factor) {
+  static void clip(const backend::cpu&, G* g, index_t n, const double* sum_squares,
+                   double max_norm) {
+    const double norm = std::sqrt(*sum_squares);
+    if (!(norm > max_norm)) return;
+    const double factor = max_norm / (norm + 1e-6);
     for (index_t i = 0; i < n; ++i) g[i] = static_cast<G>(double(g[i]) * factor);
+  }
+  template <class S>
+  static void download(const backend::cpu&, S* dst, const S* src, index_t n) {
+    std::copy_n(src, n, dst);
   }
 
   // y[r, :] = W[ids[r], :] for r < rows (W: [V, width]); ids already checked to be in [0, V).

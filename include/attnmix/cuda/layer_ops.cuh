@@ -339,13 +339,13 @@ struct ops<backend::cuda> {
   }
 
   // ---- Training (see layers/ops.hpp) ----
-  // The summed loss (double, fixed order); waits for the stream.
+  // Adds the summed loss (double, fixed order) to *total (device memory); reads nothing back.
   template <class C, class T>
-  static double cross_entropy(const C& c, const T* logits, index_t ld, index_t rows, index_t V,
-                              const std::int32_t* labels, std::int32_t ignore, T* dlogits,
-                              index_t ldd, double scale) {
-    return attnmix::detail::cuda::cross_entropy(logits, ld, rows, V, labels, ignore, dlogits, ldd,
-                                                scale, stream(c.be));
+  static void cross_entropy(const C& c, const T* logits, index_t ld, index_t rows, index_t V,
+                            const std::int32_t* labels, std::int32_t ignore, T* dlogits,
+                            index_t ldd, double scale, double* total) {
+    attnmix::detail::cuda::cross_entropy(logits, ld, rows, V, labels, ignore, dlogits, ldd, scale,
+                                         total, stream(c.be));
   }
   template <class P, class G, class S, class Q = P>
   static void adamw(const backend::cuda& be, P* p, const G* g, S* m, S* v, index_t n, double lr,
@@ -355,14 +355,19 @@ struct ops<backend::cuda> {
     attnmix::detail::cuda::adamw(p, g, m, v, n, lr, beta1, beta2, eps, wd, c1, c2, copy,
                                  stream(be));
   }
-  // Waits for the stream.
   template <class G>
-  static double sum_squares(const backend::cuda& be, const G* g, index_t n) {
-    return attnmix::detail::cuda::sum_values<true>(g, n, stream(be));
+  static void sum_squares(const backend::cuda& be, const G* g, index_t n, double* total) {
+    attnmix::detail::cuda::sum_values<true>(g, n, total, stream(be));
   }
   template <class G>
-  static void scale(const backend::cuda& be, G* g, index_t n, double factor) {
-    attnmix::detail::cuda::scale(g, n, factor, stream(be));
+  static void clip(const backend::cuda& be, G* g, index_t n, const double* sum_squares,
+                   double max_norm) {
+    attnmix::detail::cuda::clip(g, n, sum_squares, max_norm, stream(be));
+  }
+  // Waits for the stream.
+  template <class S>
+  static void download(const backend::cuda& be, S* dst, const S* src, index_t n) {
+    attnmix::detail::cuda::download(dst, src, n, stream(be));
   }
   template <class C, class W, class Y>
   static void gather_rows(const C& c, const W* w, const std::int32_t* ids, index_t rows,

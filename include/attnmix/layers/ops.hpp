@@ -28,11 +28,16 @@
 //   gather_rows(c, W, ids, rows, width, y), scatter_add_rows(c, dy, ids, rows, width, dW)
 //                                                             embeddings and their backward
 // and the training steps:
-//   cross_entropy(c, logits, ld, rows, V, labels, ignore, dlogits, ldd, scale) -> summed loss
+//   cross_entropy(c, logits, ld, rows, V, labels, ignore, dlogits, ldd, scale, total)
+//                                                             *total += the summed loss
 //   adamw(be, p, g, m, v, n, lr, beta1, beta2, eps, wd, step[, copy])
 //                                                             one AdamW step in place (and the
 //                                                             new p rounded into copy)
-//   sum_squares(be, g, n) -> double, scale(be, g, n, factor)    gradient clipping
+//   sum_squares(be, g, n, total), clip(be, g, n, sum_squares, max_norm)
+//                                                             gradient clipping
+//   download(be, dst, src, n)                                 n values to the host (waits)
+// Totals (double) stay in the backend's memory, so that a training step reads a device value
+// only where it returns one: the loss, the gradient norm.
 // The CPU specialisation is in attnmix/cpu/layer_ops.hpp, the CUDA one in
 // attnmix/cuda/layer_ops.cuh; a new backend specialises ops<> (and the attention front doors'
 // implementations) and runs every layer and stack.
@@ -199,15 +204,18 @@ using training_ops_calls =
              O::scatter_add_rows(std::declval<C>(), std::declval<const F*>(),
                                  std::declval<const std::int32_t*>(), index_t{}, index_t{},
                                  std::declval<float*>()),
-             double(O::cross_entropy(std::declval<C>(), std::declval<const F*>(), index_t{},
-                                     index_t{}, index_t{}, std::declval<const std::int32_t*>(),
-                                     std::int32_t{}, std::declval<F*>(), index_t{}, 1.0)),
+             O::cross_entropy(std::declval<C>(), std::declval<const F*>(), index_t{}, index_t{},
+                              index_t{}, std::declval<const std::int32_t*>(), std::int32_t{},
+                              std::declval<F*>(), index_t{}, 1.0, std::declval<double*>()),
              O::adamw(std::declval<const B&>(), std::declval<float*>(),
                       std::declval<const float*>(), std::declval<double*>(),
                       std::declval<double*>(), index_t{}, 1.0, 1.0, 1.0, 1.0, 1.0, index_t{}),
-             double(
-                 O::sum_squares(std::declval<const B&>(), std::declval<const float*>(), index_t{})),
-             O::scale(std::declval<const B&>(), std::declval<float*>(), index_t{}, 1.0));
+             O::sum_squares(std::declval<const B&>(), std::declval<const float*>(), index_t{},
+                            std::declval<double*>()),
+             O::clip(std::declval<const B&>(), std::declval<float*>(), index_t{},
+                     std::declval<const double*>(), 1.0),
+             O::download(std::declval<const B&>(), std::declval<double*>(),
+                         std::declval<const double*>(), index_t{}));
 
 template <class B>
 struct has_layer_ops<B, std::void_t<layer_ops_calls<B>>> : std::true_type {};

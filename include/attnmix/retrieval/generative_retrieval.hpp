@@ -121,7 +121,7 @@ class generative_retrieval {
     typename O::scratch s(be, scratch_bytes<std::int32_t>(hist * rc_.hashes) +
                                   scratch_bytes<std::int32_t>(rows) * 2 +
                                   scratch_bytes<T>(hist * D) * 3 + scratch_bytes<T>(rows * D) * 3 +
-                                  scratch_bytes<T>(rows * V) * 2);
+                                  scratch_bytes<T>(rows * V) * 2 + scratch_bytes<double>(1));
     std::int32_t* dbuckets = s.template take<std::int32_t>(hist * rc_.hashes);
     std::int32_t *dtokens = s.template take<std::int32_t>(rows),
                  *dlabels = s.template take<std::int32_t>(rows);
@@ -130,6 +130,7 @@ class generative_retrieval {
     T *y = s.template take<T>(rows * D), *z = s.template take<T>(rows * D),
       *dz = s.template take<T>(rows * D);
     T *logits = s.template take<T>(rows * V), *dlogits = s.template take<T>(rows * V);
+    double* total = s.template take<double>(1);
     O::upload(be, dbuckets, buckets.data(), index_t(buckets.size()));
     O::upload(be, dtokens, tokens.data(), rows);
     O::upload(be, dlabels, labels.data(), rows);
@@ -159,11 +160,11 @@ class generative_retrieval {
     head.apply(cd, z, rows, logits);
     // Level l's rows are rows u * depth + l: logits from column l * C, every depth-th row.
     if (backward) O::zero(be, dlogits, rows * V);
-    double sum = 0;
+    O::zero(be, total, 1);
     for (index_t l = 0; l < depth; ++l)
-      sum += O::cross_entropy(cd, logits + l * V + l * C, depth * V, users, C, dlabels + l * users,
-                              -1, backward ? dlogits + l * V + l * C : nullptr, depth * V,
-                              1.0 / double(rows));
+      O::cross_entropy(cd, logits + l * V + l * C, depth * V, users, C, dlabels + l * users, -1,
+                       backward ? dlogits + l * V + l * C : nullptr, depth * V, 1.0 / double(rows),
+                       total);
     if (backward) {
       head.backward(cd, z, rows, dlogits, dz);
       dec.backward(mv, view3<const T>(dz, {1, rows, D}, space_of_v<Backend>), yv,
@@ -173,6 +174,8 @@ class generative_retrieval {
                        be);
       items.backward(ch, dbuckets, hist, x);  // x holds d(item embeddings) now
     }
+    double sum = 0;
+    O::download(be, &sum, total, 1);
     return sum / double(rows);
   }
 

@@ -132,25 +132,32 @@ class language_model {
     const view3<const T> xv(x, {B, Tn, D}, space_of_v<Backend>);
     const view3<T> hv(h, {B, Tn, D}, space_of_v<Backend>);
     embeddings.apply(c, ids, rows, x);
-    typename Stack::saved_type saved;
     if (backward)
-      stack.forward(xv, hv, saved, {}, be);
+      stack.forward(xv, hv, saved_, {}, be);
     else
       stack.forward(xv, hv, {}, be);
-    double sum = 0;
+    total_.resize(1);
+    O::zero(be, total_.data(), 1);
     for (index_t r0 = 0; r0 < rows; r0 += block) {
       const index_t n = std::min(block, rows - r0);
       lm_head.apply(c, h + r0 * D, n, logits);
-      sum += O::cross_entropy(c, logits, V, n, V, ys + r0, ignore_label, dlogits, V,
-                              1.0 / double(count));
+      O::cross_entropy(c, logits, V, n, V, ys + r0, ignore_label, dlogits, V, 1.0 / double(count),
+                       total_.data());
       if (backward) lm_head.backward(c, h + r0 * D, n, dlogits, x + r0 * D);  // d(stack output)
     }
     if (backward) {
-      stack.backward(view3<const T>(x, {B, Tn, D}, space_of_v<Backend>), hv, saved, be);
+      stack.backward(view3<const T>(x, {B, Tn, D}, space_of_v<Backend>), hv, saved_, be);
       embeddings.backward(c, ids, rows, h);  // h holds d(embeddings) now
     }
+    double sum = 0;  // the call's one read of a device value, after the whole backward is queued
+    O::download(be, &sum, total_.data(), 1);
     return sum / double(count);
   }
+
+  // loss() keeps what the training forward saves (the activations of every layer) from one call
+  // to the next and grows it as needed, so that steps after the first allocate nothing; this
+  // frees it.
+  void release_activations() { saved_ = typename Stack::saved_type{}; }
 
   template <class F>
   void visit_parameters(F&& f, const std::string& prefix = "") {
@@ -176,7 +183,9 @@ class language_model {
     return std::max<index_t>(1, logits_rows > 0 ? std::min(rows, logits_rows) : rows);
   }
 
-  typename O::handles handles_{};  // the embedding's and the head's (cuBLAS on the GPU)
+  typename O::handles handles_{};     // the embedding's and the head's (cuBLAS on the GPU)
+  typename Stack::saved_type saved_;  // loss()'s training forward, kept (release_activations)
+  layers::buffer<double, typename Backend::memory_space> total_;  // loss()'s summed loss
 
   template <class Self, class F>
   static void visit(Self& s, F& f, const std::string& prefix) {

@@ -114,15 +114,24 @@ class adamw {
     return {this, &model};
   }
 
-  // Zeroes every gradient of `model`.
+  // Zeroes every gradient of `model`; with a backend, on its stream (the gradients are
+  // allocated, zero, where they were not yet).
   template <class Model>
   static void zero_grad(Model& model) {
     model.visit_parameters([](const std::string&, auto& p) { p.zero_grad(); });
   }
+  template <class Model>
+  static void zero_grad(Model& model, const Backend& be) {
+    model.visit_parameters([&](const std::string&, auto& p) {
+      if (p.numel() > 0) O::zero(be, p.grad_ptr(), p.numel());
+    });
+  }
 
   // One step at learning rate `lr` (finite, >= 0) over every parameter of `model` from its
-  // .grad. Returns the global gradient norm before clipping. Throws attnmix::error, and changes
-  // nothing, for a bad lr or a state sized for another model.
+  // .grad. Returns the global gradient norm before clipping: the step's one read of a device
+  // value, after every update is queued (the norm and the clipping factor stay in the backend's
+  // memory until then). Throws attnmix::error, and changes nothing, for a bad lr or a state sized
+  // for another model.
   template <class Model>
   double step(Model& model, double lr, const Backend& be = Backend{}) {
     const std::string fn = "attnmix::train::adamw::step";
@@ -131,23 +140,21 @@ class adamw {
     detail::require(double(t) <= max_steps, fn, "this", "has taken ", t - 1,
                     " steps, the most its step count holds");
     if (moments_.empty()) init(model);
-    double ss = 0;
     std::size_t i = 0;
-    model.visit_parameters([&](const std::string& name, auto& p) {
-      check_entry(fn, i, name, p);
-      ss += O::sum_squares(be, p.grad_ptr(), p.numel());
-      ++i;
-    });
+    model.visit_parameters(
+        [&](const std::string& name, auto& p) { check_entry(fn, i++, name, p); });
     detail::require(i == moments_.size(), fn, "model", "has ", i,
                     " parameters but the optimiser state holds ", moments_.size());
-    const double norm = std::sqrt(ss);
-    const double factor =
-        cfg_.clip_norm > 0 && norm > cfg_.clip_norm ? cfg_.clip_norm / (norm + 1e-6) : 1.0;
+    sum_squares_.resize(1);
+    double* ss = sum_squares_.data();
+    O::zero(be, ss, 1);
+    model.visit_parameters(
+        [&](const std::string&, auto& p) { O::sum_squares(be, p.grad_ptr(), p.numel(), ss); });
     i = 0;
     model.visit_parameters([&](const std::string&, auto& p) {
       auto& s = moments_[i++];
       const index_t n = p.numel();
-      if (factor != 1.0) O::scale(be, p.grad_ptr(), n, factor);
+      if (cfg_.clip_norm > 0) O::clip(be, p.grad_ptr(), n, ss, cfg_.clip_norm);
       const double wd = p.shape.size() >= 2 ? cfg_.weight_decay : 0.0;
       if constexpr (needs_master<std::decay_t<decltype(p)>>)
         O::adamw(be, s.w.ptr(), p.grad_ptr(), s.m.ptr(), s.v.ptr(), n, lr, cfg_.beta1, cfg_.beta2,
@@ -157,7 +164,9 @@ class adamw {
                  cfg_.eps, wd, t);
     });
     step_.data[0] = double(t);
-    return norm;
+    double norm2 = 0;
+    O::download(be, &norm2, ss, 1);
+    return std::sqrt(norm2);
   }
 
   // The state as named tensors: "<parameter>.exp_avg", "<parameter>.exp_avg_sq" and "step".
@@ -241,6 +250,8 @@ class adamw {
   adamw_config cfg_;
   std::vector<moment> moments_;
   layers::parameter<double> step_;
+  // The step's sum of squared gradients, in the backend's memory (not part of the state).
+  layers::buffer<double, typename Backend::memory_space> sum_squares_;
 };
 
 }  // namespace train

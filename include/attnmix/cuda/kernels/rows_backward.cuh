@@ -356,9 +356,9 @@ __global__ void cross_entropy_rows_kernel(const T* logits, index_t ld, index_t r
 
 // ---- sums in double ------------------------------------------------------------------------
 // part[b] = sum of f(v[i]) over the values of block b of a fixed grid-stride loop (grid `blocks`,
-// reduce_threads each), f = x (Square = false) or x^2.
+// reduce_threads each), f = x (Square = false) or x^2; with `add`, added to part[b] instead.
 template <bool Square, class G>
-__global__ void sum_part_kernel(const G* v, index_t n, double* part) {
+__global__ void sum_part_kernel(const G* v, index_t n, double* part, bool add) {
   __shared__ double sh[reduce_threads];
   double s = 0.0;
   for (index_t i = blockIdx.x * index_t(reduce_threads) + threadIdx.x; i < n;
@@ -367,7 +367,7 @@ __global__ void sum_part_kernel(const G* v, index_t n, double* part) {
     s += Square ? x * x : x;
   }
   s = block_sum(s, sh);
-  if (threadIdx.x == 0) part[blockIdx.x] = s;
+  if (threadIdx.x == 0) part[blockIdx.x] = add ? part[blockIdx.x] + s : s;
 }
 
 // ---- optimiser -----------------------------------------------------------------------------
@@ -390,9 +390,13 @@ __global__ void adamw_kernel(P* p, const G* g, S* m, S* v, index_t n, double lr,
   }
 }
 
-// g[i] *= factor (in double).
+// Gradient clipping: g[i] *= max_norm / (norm + 1e-6) when norm = sqrt(*sum_squares) exceeds
+// max_norm (in double, the factor as the host computes it), else nothing.
 template <class G>
-__global__ void scale_kernel(G* g, index_t n, double factor) {
+__global__ void clip_kernel(G* g, index_t n, const double* sum_squares, double max_norm) {
+  const double norm = sqrt(*sum_squares);
+  if (!(norm > max_norm)) return;
+  const double factor = max_norm / (norm + 1e-6);
   for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
        i += index_t(gridDim.x) * blockDim.x)
     g[i] = from_double<G>(to_double(g[i]) * factor);

@@ -141,41 +141,35 @@ void scatter_add_rows(const Y* dy, const std::int32_t* ids, index_t rows, index_
   check(cudaGetLastError(), "attnmix embedding backward kernel launch");
 }
 
-// The sum over n values of v (or of their squares) in double, in a fixed order: a fixed grid
-// of partial sums, then one block over them. Waits for the stream (the result is read back).
+// Adds the sum over n values of v (or of their squares) to *total (device memory), in double, in
+// a fixed order: a fixed grid of partial sums, then one block over them. Reads nothing back.
 template <bool Square, class G>
-double sum_values(const G* v, index_t n, cudaStream_t stream) {
-  if (n == 0) return 0.0;
+void sum_values(const G* v, index_t n, double* total, cudaStream_t stream) {
+  if (n == 0) return;
   constexpr index_t most_blocks = 1024;  // a fixed grid: the order does not depend on the device
   const index_t want = (n + reduce_threads - 1) / reduce_threads;
   const index_t blocks = want < most_blocks ? want : most_blocks;
-  stream_buffer buf(scratch_bytes_of<double>(blocks) + scratch_bytes_of<double>(1), stream);
+  stream_buffer buf(scratch_bytes_of<double>(blocks), stream);
   double* part = reinterpret_cast<double*>(buf.get());
-  double* total = reinterpret_cast<double*>(buf.get() + scratch_bytes_of<double>(blocks));
-  sum_part_kernel<Square><<<unsigned(blocks), reduce_threads, 0, stream>>>(dev(v), n, part);
+  sum_part_kernel<Square><<<unsigned(blocks), reduce_threads, 0, stream>>>(dev(v), n, part, false);
   check(cudaGetLastError(), "attnmix sum kernel launch");
-  sum_part_kernel<false><<<1, reduce_threads, 0, stream>>>(part, blocks, total);
+  sum_part_kernel<false><<<1, reduce_threads, 0, stream>>>(part, blocks, total, true);
   check(cudaGetLastError(), "attnmix sum kernel launch");
-  double out = 0.0;
-  check(cudaMemcpyAsync(&out, total, sizeof(double), cudaMemcpyDeviceToHost, stream),
-        "cudaMemcpyAsync");
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-  return out;
 }
 
-// Softmax cross-entropy of rows of logits; returns the summed loss (double, rows in order).
-// Waits for the stream.
+// Softmax cross-entropy of rows of logits; adds the summed loss (double, rows in order) to *total
+// (device memory). Reads nothing back.
 template <class T>
-double cross_entropy(const T* logits, index_t ld, index_t rows, index_t V,
-                     const std::int32_t* labels, std::int32_t ignore, T* dlogits, index_t ldd,
-                     double scale, cudaStream_t stream) {
-  if (rows == 0) return 0.0;
+void cross_entropy(const T* logits, index_t ld, index_t rows, index_t V, const std::int32_t* labels,
+                   std::int32_t ignore, T* dlogits, index_t ldd, double scale, double* total,
+                   cudaStream_t stream) {
+  if (rows == 0) return;
   stream_buffer buf(scratch_bytes_of<double>(rows), stream);
   double* loss = reinterpret_cast<double*>(buf.get());
   cross_entropy_rows_kernel<<<unsigned(rows), reduce_threads, 0, stream>>>(
       dev(logits), ld, rows, V, labels, ignore, dev(dlogits), ldd, float(scale), loss);
   check(cudaGetLastError(), "attnmix cross-entropy kernel launch");
-  return sum_values<false>(loss, rows, stream);
+  sum_values<false>(loss, rows, total, stream);
 }
 
 template <class P, class G, class S, class Q>
@@ -188,10 +182,21 @@ void adamw(P* p, const G* g, S* m, S* v, index_t n, double lr, double beta1, dou
 }
 
 template <class G>
-void scale(G* g, index_t n, double factor, cudaStream_t stream) {
+void clip(G* g, index_t n, const double* sum_squares, double max_norm, cudaStream_t stream) {
   if (n == 0) return;
-  scale_kernel<<<grid_for(n, 256), 256, 0, stream>>>(dev(g), n, factor);
-  check(cudaGetLastError(), "attnmix scale kernel launch");
+  clip_kernel<<<grid_for(n, 256), 256, 0, stream>>>(dev(g), n, sum_squares, max_norm);
+  check(cudaGetLastError(), "attnmix clip kernel launch");
+}
+
+// Copies n values of device memory at src to the host at dst, and waits for them: the one read
+// of a device value a training step makes.
+template <class S>
+void download(S* dst, const S* src, index_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  ++counts().waits;
+  check(cudaMemcpyAsync(dst, src, std::size_t(n) * sizeof(S), cudaMemcpyDeviceToHost, stream),
+        "cudaMemcpyAsync");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 }
 
 }  // namespace cuda

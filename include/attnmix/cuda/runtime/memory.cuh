@@ -3,7 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 
 #include "attnmix/cuda/runtime/device.cuh"
@@ -13,6 +15,16 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
+// What a training step promises and a test counts: attnmix's cudaMalloc calls (device_memory)
+// and its reads of device values that wait for a stream (download), since the program started.
+struct runtime_counts {
+  std::atomic<std::uint64_t> allocations{0}, waits{0};
+};
+inline runtime_counts& counts() {
+  static runtime_counts c;
+  return c;
+}
+
 // Device memory from cudaMalloc, freed when the owner goes; movable, not copyable.
 class device_memory {
  public:
@@ -20,7 +32,10 @@ class device_memory {
   // Throws cuda_error (naming `what`) when the allocation fails.
   device_memory(std::size_t bytes, const char* what) {
     void* p = nullptr;
-    if (bytes > 0) check(cudaMalloc(&p, bytes), what);
+    if (bytes > 0) {
+      ++counts().allocations;
+      check(cudaMalloc(&p, bytes), what);
+    }
     ptr_.reset(p);
   }
   void* get() const { return ptr_.get(); }
