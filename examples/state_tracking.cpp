@@ -13,11 +13,13 @@
 //                  [--first-seed 0] [--nback 1,2,3,4] [--layers 1,2,3,4] [--steps 2000]
 //                  [--batch 32] [--length 768 | 128] [--width 256 | 128] [--heads 2]
 //                  [--keys 32] [--values 32] [--eval 256] [--lr 1e-3] [--threads 0] [--jobs 1]
-//                  [--every 200]
+//                  [--every 200] [--device cpu|cuda] [--precision float|bf16]
 //
 // The defaults are the paper's settings as far as it states them (mqrar: --layers 2); at that
 // size a run takes hours on a CPU. --jobs N trains N models at a time (each on one thread unless
-// --threads says otherwise). Prints a progress line per run and the accuracy table.
+// --threads says otherwise). --device cuda (the nvcc build, state_tracking_cuda) trains on the GPU,
+// in float or in bfloat16 mixed precision (--precision bf16). Prints a progress line per run and
+// the accuracy table.
 
 #include <algorithm>
 #include <atomic>
@@ -37,6 +39,7 @@
 #include "attnmix/train/progress.hpp"
 #include "attnmix/train/schedule.hpp"
 #include "attnmix/train/tasks.hpp"
+#include "host_logits.hpp"
 
 namespace {
 
@@ -51,6 +54,7 @@ struct options {
   index_t steps = 2000, batch = 32, length = 0, width = 0, heads = 2, keys = 32, values = 32;
   index_t eval = 256, every = 200;
   double lr = 1e-3;
+  std::string device = "cpu", precision = "float";
 };
 
 // One batch of the task; `variant` is N for mqrar.
@@ -64,54 +68,72 @@ std::int32_t vocab(const options& o) {
                            : std::int32_t(attnmix::train::a5::order);
 }
 
-// Trains a model of `Layers` blocks of Layer and returns its accuracy on the scored positions of
-// fresh sequences.
-template <int Layers, class Layer>
-double run(const std::string& name, int variant, int seed, const options& o) {
-  using stack = attnmix::stack<float, attnmix::repeat<Layers, Layer>>;
-  attnmix::layers::config c;
-  c.hidden_size = o.width;
-  c.num_heads = o.heads;
-  const std::int32_t V = vocab(o);
-  attnmix::train::language_model<stack> model(c, V);
-  attnmix::layers::randomize_parameters(model, 1000 + std::uint64_t(seed), 0.02);
+// Trains `model` (made from the float `start`, its masters from start's weights) on `be` and
+// returns its accuracy on the scored positions of fresh sequences.
+template <class Model, class Start, class Backend>
+double train(Model& model, const Start& start, const std::string& label, int variant, int seed,
+             const options& o, const Backend& be) {
   attnmix::train::adamw_config ac;
   ac.beta2 = 0.98, ac.weight_decay = 0.1, ac.clip_norm = 1.0;
-  attnmix::train::adamw<> opt(ac);
-  const attnmix::backend::cpu be{o.threads};
+  attnmix::train::adamw<Backend> opt(ac);
+  opt.init(model);
+  auto weights = opt.master_weights(model);  // 16-bit weights: float masters from `start`
+  attnmix::layers::transfer_parameters(start, weights);
   const attnmix::train::warmup_cosine lr{std::max<index_t>(1, o.steps / 20), o.steps, o.lr,
                                          o.lr / 10};
   std::mt19937_64 gen(std::uint64_t(seed) * 1000003 + std::uint64_t(variant));
-  attnmix::train::progress bar(o.steps, o.batch * o.length, o.every, stdout,
-                               "  " + name + " x" + std::to_string(Layers) +
-                                   (o.task == "mqrar" ? " N=" + std::to_string(variant) : "") +
-                                   " seed " + std::to_string(seed) + ": ");
+  attnmix::train::progress bar(o.steps, o.batch * o.length, o.every, stdout, label);
   using ids = attnmix::tensor_view<const std::int32_t, 2>;
   for (index_t step = 1; step <= o.steps; ++step) {
     const task_batch b = make(o, gen, o.batch, variant);
-    attnmix::train::adamw<>::zero_grad(model);
+    attnmix::train::adamw<Backend>::zero_grad(model, be);
     const double loss = model.loss(ids(b.tokens.data(), {o.batch, o.length}),
                                    ids(b.labels.data(), {o.batch, o.length}), true, be);
     opt.step(model, lr(step), be);
     bar.step(step, loss);
   }
   std::mt19937_64 eval(7777 + std::uint64_t(seed) * 31 + std::uint64_t(variant));
+  const index_t V = vocab(o);
   index_t right = 0, total = 0;
-  std::vector<float> logits;
+  host_logits<Backend, typename Model::scalar> logits(V);
   for (index_t done = 0; done < o.eval; done += 16) {
     const index_t B = std::min<index_t>(16, o.eval - done);
     const task_batch b = make(o, eval, B, variant);
-    logits.resize(std::size_t(B * o.length * V));
-    model.forward(ids(b.tokens.data(), {B, o.length}),
-                  attnmix::view3<float>(logits.data(), {B, o.length, V}), be);
+    model.forward(ids(b.tokens.data(), {B, o.length}), logits.view(B, o.length), be);
+    const float* all = logits.read();
     for (index_t r = 0; r < B * o.length; ++r) {
       if (!b.scored[std::size_t(r)]) continue;
-      const float* z = logits.data() + r * V;
+      const float* z = all + r * V;
       right += std::int32_t(std::max_element(z, z + V) - z) == b.labels[std::size_t(r)];
       ++total;
     }
   }
   return total > 0 ? double(right) / double(total) : 0.0;
+}
+
+// A model of `Layers` blocks of Layer, trained on the chosen device; its accuracy.
+template <int Layers, class Layer>
+double run(const std::string& name, int variant, int seed, const options& o) {
+  using stack = attnmix::stack<float, attnmix::repeat<Layers, Layer>>;
+  attnmix::layers::config c;
+  c.hidden_size = o.width;
+  c.num_heads = o.heads;
+  attnmix::train::language_model<stack> model(c, vocab(o));
+  attnmix::layers::randomize_parameters(model, 1000 + std::uint64_t(seed), 0.02);
+  const std::string label = "  " + name + " x" + std::to_string(Layers) +
+                            (o.task == "mqrar" ? " N=" + std::to_string(variant) : "") + " seed " +
+                            std::to_string(seed) + ": ";
+#ifdef __CUDACC__
+  if (o.device == "cuda" && o.precision == "bf16") {
+    attnmix::train::language_model<attnmix::device_stack<stack, attnmix::bfloat16>> gpu(model);
+    return train(gpu, model, label, variant, seed, o, attnmix::backend::cuda{});
+  }
+  if (o.device == "cuda") {
+    attnmix::train::language_model<attnmix::device_stack<stack, float>> gpu(model);
+    return train(gpu, model, label, variant, seed, o, attnmix::backend::cuda{});
+  }
+#endif
+  return train(model, model, label, variant, seed, o, attnmix::backend::cpu{o.threads});
 }
 
 template <class Layer>
@@ -141,7 +163,7 @@ const char* usage =
     "                      [--first-seed 0] [--nback 1,2,3,4] [--layers 1,2,3,4] [--steps 2000]\n"
     "                      [--batch 32] [--length T] [--width D] [--heads 2] [--keys 32]\n"
     "                      [--values 32] [--eval 256] [--lr 1e-3] [--threads 0] [--jobs 1]\n"
-    "                      [--every 200]\n";
+    "                      [--every 200] [--device cpu|cuda] [--precision float|bf16]\n";
 
 template <class V>
 std::vector<V> split(const std::string& s) {
@@ -208,6 +230,10 @@ options parse(int argc, char** argv) {
       o.jobs = int(n);
     else if (k == "--every")
       o.every = n;
+    else if (k == "--device")
+      o.device = v;
+    else if (k == "--precision")
+      o.precision = v;
     else
       fail("unknown option " + k);
   }
@@ -232,6 +258,14 @@ options parse(int argc, char** argv) {
   if (o.steps < 1 || o.batch < 1 || o.eval < 1 || o.seeds < 1 || o.jobs < 1 || o.heads < 1 ||
       o.width < o.heads || o.kinds.empty() || o.layers.empty() || o.nback.empty())
     fail("steps, batch, eval, seeds, jobs and heads must be >= 1, width >= heads");
+#ifdef __CUDACC__
+  if (o.device != "cpu" && o.device != "cuda") fail("--device is cpu or cuda");
+#else
+  if (o.device != "cpu") fail("--device is cpu (cuda needs the nvcc build, state_tracking_cuda)");
+#endif
+  if (o.precision != "float" && !(o.precision == "bf16" && o.device == "cuda"))
+    fail("--precision is float, or bf16 on the GPU (--device cuda)");
+  if (o.jobs > 1 && o.device != "cpu") fail("--jobs runs several trainings on the CPU only");
   if (o.jobs > 1 && o.threads == 0) o.threads = 1;
   return o;
 }
@@ -243,10 +277,11 @@ int main(int argc, char** argv) {
   const bool mq = o.task == "mqrar";
   std::printf(
       "%s: width %lld, %lld heads; %lld steps of %lld x %lld tokens; accuracy on %lld "
-      "sequences\n",
+      "sequences; on the %s in %s\n",
       mq ? "MQRAR-N" : "A5", static_cast<long long>(o.width), static_cast<long long>(o.heads),
       static_cast<long long>(o.steps), static_cast<long long>(o.batch),
-      static_cast<long long>(o.length), static_cast<long long>(o.eval));
+      static_cast<long long>(o.length), static_cast<long long>(o.eval),
+      o.device == "cuda" ? "GPU" : "CPU", o.precision == "bf16" ? "bfloat16" : "float");
   // Columns: N (mqrar, at the first --layers) or the layer counts (a5).
   struct cell {
     std::string kind;

@@ -38,6 +38,7 @@
 #include "attnmix/train/progress.hpp"
 #include "attnmix/train/schedule.hpp"
 #include "attnmix/train/tasks.hpp"
+#include "host_logits.hpp"
 
 namespace {
 
@@ -61,32 +62,6 @@ struct errors {
   double in_dist, sparse, dense;
 };
 
-// The logits of a batch (in the model's type T) in host memory as float: written there on host
-// backends, copied back from the device otherwise.
-template <class Backend, class T>
-struct logits_buffer {
-  std::vector<T> host;
-  std::vector<float> out;
-  attnmix::layers::buffer<T, typename Backend::memory_space> mem;
-  attnmix::view3<T> view(index_t B, index_t Tn) {
-    host.resize(static_cast<std::size_t>(B * Tn * vocab));
-    if constexpr (attnmix::layers::on_host_v<Backend>) return {host.data(), {B, Tn, vocab}};
-    mem.resize(B * Tn * vocab);
-    return {mem.data(), {B, Tn, vocab}, attnmix::memory_space::device};
-  }
-  const float* read() {
-#ifdef __CUDACC__
-    if constexpr (!attnmix::layers::on_host_v<Backend>)
-      attnmix::detail::cuda::check(
-          cudaMemcpy(host.data(), mem.data(), host.size() * sizeof(T), cudaMemcpyDeviceToHost),
-          "cudaMemcpy(logits)");
-#endif
-    out.resize(host.size());
-    for (std::size_t i = 0; i < host.size(); ++i) out[i] = static_cast<float>(host[i]);
-    return out.data();
-  }
-};
-
 // Read-bit error of `model` on `n` fresh sequences of ignore probability p.
 template <class Model, class Backend>
 double read_error(const Model& model, std::uint64_t seed, const options& o, double p,
@@ -94,7 +69,7 @@ double read_error(const Model& model, std::uint64_t seed, const options& o, doub
   std::mt19937_64 gen(seed);
   index_t wrong = 0, total = 0;
   const index_t chunk = std::min<index_t>(o.eval, 32);
-  logits_buffer<Backend, typename Model::scalar> logits;
+  host_logits<Backend, typename Model::scalar> logits(vocab);
   for (index_t done = 0; done < o.eval; done += chunk) {
     const index_t B = std::min(chunk, o.eval - done);
     const task_batch b = attnmix::train::flip_flop::make(gen, B, o.length, p);
