@@ -125,7 +125,7 @@ TEST_CASE("softmax plans: wgmma on Hopper, mma.sync elsewhere, CUDA cores otherw
 }
 
 TEST_CASE("softmax scratch: offsets, gate cumsum, part sums, work counter", "[plan]") {
-  attnmix::attention_problem p{2, 1000, 8, 2, 64, 64, 0.125, -1, nullptr, 2, 1000, nullptr};
+  attnmix::attention_problem p{2, 1000, 8, 2, 64, 64, 0.125, -1, nullptr, 2, 1000, nullptr, 2};
   const attention_scratch_layout plain(p, false, 1000);
   CHECK(plain.gate == 0);
   CHECK(plain.part_sums == 0);
@@ -139,8 +139,37 @@ TEST_CASE("softmax scratch: offsets, gate cumsum, part sums, work counter", "[pl
   CHECK(gated.bytes == 192000 + 1024 + 256);
   CHECK(gate_cumsum_grid(p, gated.gate_parts) == grid(4, 1, 2));
   const std::int32_t cu[] = {0, 10, 1000};
-  p.cu_seqlens = cu;
+  p.cu_seqlens = p.cu_seqlens_k = cu;
   CHECK(attention_scratch_layout(p, false, 990).gate == 256);  // 3 offsets, padded
+}
+
+TEST_CASE("softmax scratch with keys of their own layout", "[plan]") {
+  // Three sequences of 4 queries reading slots of a cache of 5 rows of 600 keys (k [5, 600]).
+  const std::int32_t slots[] = {4, 0, 4}, lengths[] = {10, 600, 33};
+  attnmix::attention_problem p{3, 4, 8, 2, 64, 64, 0.125, 0, nullptr, 3, 600, nullptr, 5};
+  p.key_slots = slots;
+  const attention_scratch_layout slotted(p, true, 4);
+  CHECK(slotted.cu_k == 0);
+  CHECK(slotted.lengths == 256);  // 3 slots, padded
+  CHECK(slotted.gate == 256);
+  CHECK(slotted.gate_parts == 3);  // 600 keys a row
+  CHECK(slotted.reset == 256 + 5 * 600 * 8 * 8);
+  CHECK(slotted.part_sums == slotted.reset + 5 * 600 * 8 * 4);
+  CHECK(slotted.counter == slotted.part_sums + 2048);  // 5 rows x 3 parts x 8 heads, padded
+  CHECK(gate_cumsum_grid(p, slotted.gate_parts) == grid(3, 1, 5));
+  p.key_lengths = lengths;
+  CHECK(attention_scratch_layout(p, true, 4).gate == 512);
+  // Packed queries and keys with offsets of their own: a scan a sequence of keys, the longest
+  // of 900.
+  const std::int32_t cu[] = {0, 2, 2, 12}, cu_k[] = {0, 900, 905, 1205};
+  attnmix::attention_problem q{1, 12, 8, 2, 64, 64, 0.125, 0, cu, 3, 1205, cu_k, 1};
+  const attention_scratch_layout packed(q, true, 10);
+  CHECK(packed.cu_k == 256);
+  CHECK(packed.slots == 512);
+  CHECK(packed.gate == 512);
+  CHECK(packed.gate_parts == 4);
+  CHECK(packed.counter == packed.part_sums + 3 * 4 * 8 * 16);
+  CHECK(gate_cumsum_grid(q, packed.gate_parts) == grid(4, 1, 3));
 }
 
 TEST_CASE("PaTH plans: the forward and a decoding step", "[plan]") {
@@ -412,7 +441,9 @@ TEST_CASE("causal linear-attention plans", "[plan]") {
     CHECK(p.segment_tokens == 704);
     CHECK(p.causal_grid == grid(3, 16, 8));
     CHECK(p.reduce == linear_reduce_variant::sm80_mma);
-    const auto variant = [](linear_shape x) { return plan_linear(x, h200()).causal; };
+    const auto variant = [](linear_shape x) {
+      return plan_linear(x, h200()).causal;
+    };
     linear_shape other = s;
     other.bf16 = false;  // half
     CHECK(variant(other) == linear_causal_variant::simt);

@@ -15,6 +15,10 @@ template <>
 struct is_implemented<kind::fox, backend::cuda> : std::true_type {};
 template <>
 struct is_backward_implemented<kind::fox, backend::cuda> : std::true_type {};
+// The forward reads keys of other lengths than the queries (cu_seqlens_k, Tk, a cache's
+// key_slots and key_lengths); the backward not yet.
+template <>
+struct takes_key_lengths<kind::fox, backend::cuda> : std::true_type {};
 
 namespace detail {
 

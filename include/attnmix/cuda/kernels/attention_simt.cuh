@@ -23,12 +23,15 @@ __global__ void attention_simt_kernel(const attention_kernel_params p) {
   const index_t i = static_cast<index_t>(blockIdx.x) * rows_per_block + warp;
   if (i >= length) return;
   const int hkv = hq / p.group;
+  index_t kbatch, kstart, klength;  // the keys; query i at key position at
+  p.key_sequence(seq, kbatch, kstart, klength);
+  const index_t at = i + klength - length;
 
   const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + i) * p.q_stride[1] +
                hq * p.q_stride[2];
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
+  const T* k = static_cast<const T*>(p.k) + kbatch * p.k_stride[0] + kstart * p.k_stride[1] +
                hkv * p.k_stride[2];
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
+  const T* v = static_cast<const T*>(p.v) + kbatch * p.v_stride[0] + kstart * p.v_stride[1] +
                hkv * p.v_stride[2];
 
   float qr[MaxChunks], o[MaxChunks];
@@ -38,14 +41,13 @@ __global__ void attention_simt_kernel(const attention_kernel_params p) {
     qr[c] = d < p.head_dim ? to_float(q[d]) * p.scale_log2 : 0.f;
     o[c] = 0.f;
   }
-  const double* G = p.gate_cumsum != nullptr
-                        ? p.gate_cumsum + (batch * p.tokens + start) * p.q_heads + hq
-                        : nullptr;
-  const double g_i = G != nullptr ? G[i * p.q_heads] : 0.0;
+  const index_t keys_at = (kbatch * p.key_layout_tokens() + kstart) * p.q_heads + hq;
+  const double* G = p.gate_cumsum != nullptr ? p.gate_cumsum + keys_at : nullptr;
+  const double g_i = G != nullptr ? G[at * p.q_heads] : 0.0;
 
   index_t lo, hi;
-  p.key_range(i, length, lo, hi);
-  lo = max(lo, p.reset_lo((batch * p.tokens + start + i) * p.q_heads + hq));
+  p.key_range(i, length, klength, lo, hi);
+  if (p.gate_reset != nullptr) lo = max(lo, index_t(p.gate_reset[keys_at + at * p.q_heads]));
   float m = -INFINITY, l = 0.f;
   for (index_t j = lo; j <= hi; ++j) {
     const T* kj = k + j * p.k_stride[1];

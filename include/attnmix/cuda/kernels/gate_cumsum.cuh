@@ -10,8 +10,9 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-// G is computed in parts of gate_part tokens of a sequence, a CTA per (part, 32 query heads,
-// sequence), in two passes: gate_part_sum_kernel summarises each part, gate_cumsum_kernel combines
+// G is computed over the keys' layout (the queries' unless keys differ: attention_kernel_params::
+// key_row), in parts of gate_part tokens of a row, a CTA per (part, 32 query heads, row), in two
+// passes: gate_part_sum_kernel summarises each part, gate_cumsum_kernel combines
 // the summaries of the parts before its own and scans it. A warp takes 32 tokens with the heads
 // across its lanes, so that each read takes a token's neighbouring heads at once (g is [B, T, HQ],
 // heads innermost), and a thread holds its 32 gates in registers.
@@ -40,7 +41,7 @@ __device__ __forceinline__ gate_span gate_segment(const A* g, index_t g_stride0,
                                                   A (&v)[32]) {
   const int h = blockIdx.y * 32 + threadIdx.x % 32, warp = threadIdx.x / 32;
   const bool head = h < p.q_heads;
-  p.sequence(blockIdx.z, batch, start, length);
+  p.key_row(blockIdx.z, batch, start, length);
   t0 = static_cast<index_t>(blockIdx.x) * gate_part + warp * 32;
   const A* gs = g + batch * g_stride0 + start * g_stride1 + (head ? h : 0) * g_stride2;
   gate_span span;
@@ -99,8 +100,8 @@ __global__ void __launch_bounds__(gate_part)
     running.then(s);
   }
   for (int w = 0; w < warp; ++w) running.then(warp_span[w][lane]);
-  double* Gs = G + (batch * p.tokens + start) * p.q_heads + h;
-  int* Rs = reset + (batch * p.tokens + start) * p.q_heads + h;
+  double* Gs = G + (batch * p.key_layout_tokens() + start) * p.q_heads + h;
+  int* Rs = reset + (batch * p.key_layout_tokens() + start) * p.q_heads + h;
   double run = running.sum;
   index_t last = running.reset < 0 ? 0 : running.reset;
 #pragma unroll

@@ -120,15 +120,15 @@ __global__ void __launch_bounds__(32 * Warps)
   // share one head's K and V in L2).
   attention_work w{};
   if (!w.decode<Br, Bc>(p, static_cast<int>(blockIdx.x), row_tiles)) return;
-  const index_t batch = w.batch, start = w.start, length = w.length, i0 = w.i0, rows = w.rows;
+  const index_t batch = w.batch, start = w.start, i0 = w.i0, rows = w.rows;
   const index_t j_lo = w.j_lo, j_hi = w.j_hi, lo_last = w.lo_last, hi_first = w.hi_first;
   const int hq = w.hq, key_tiles = w.key_tiles;
 
   const T* q = static_cast<const T*>(p.q) + batch * p.q_stride[0] + (start + i0) * p.q_stride[1] +
                hq * p.q_stride[2];
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride[0] + start * p.k_stride[1] +
+  const T* k = static_cast<const T*>(p.k) + w.kbatch * p.k_stride[0] + w.kstart * p.k_stride[1] +
                w.hkv * p.k_stride[2];
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
+  const T* v = static_cast<const T*>(p.v) + w.kbatch * p.v_stride[0] + w.kstart * p.v_stride[1] +
                w.hkv * p.v_stride[2];
 
   {
@@ -159,8 +159,7 @@ __global__ void __launch_bounds__(32 * Warps)
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const index_t i = i0 + row_of(mt, h) < length ? i0 + row_of(mt, h) : length - 1;
-        gate_row[mt][h] = p.gate_coef_log2 * static_cast<float>(G[i * p.q_heads] - g_ref);
+        gate_row[mt][h] = w.gate(p, i0 + row_of(mt, h));
       }
   }
 
@@ -176,8 +175,7 @@ __global__ void __launch_bounds__(32 * Warps)
     cp_async_commit();
     const index_t j0 = j_lo + static_cast<index_t>(t) * Bc;
     if (G != nullptr && threadIdx.x < Bc) {
-      const index_t j = j0 + threadIdx.x < length ? j0 + threadIdx.x : length - 1;
-      gate_col[threadIdx.x] = p.gate_coef_log2 * static_cast<float>(G[j * p.q_heads] - g_ref);
+      gate_col[threadIdx.x] = gate_term(p, G, g_ref, j0 + threadIdx.x, w.klength);
     }
     cp_async_wait<1>();
     __syncthreads();

@@ -161,10 +161,10 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
       if (!w.decode<Br, Bc>(p, n, row_tiles)) continue;
       const T* q = static_cast<const T*>(p.q) + w.batch * p.q_stride[0] +
                    (w.start + w.i0) * p.q_stride[1] + w.hq * p.q_stride[2];
-      const T* k = static_cast<const T*>(p.k) + w.batch * p.k_stride[0] + w.start * p.k_stride[1] +
-                   w.hkv * p.k_stride[2];
-      const T* v = static_cast<const T*>(p.v) + w.batch * p.v_stride[0] + w.start * p.v_stride[1] +
-                   w.hkv * p.v_stride[2];
+      const T* k = static_cast<const T*>(p.k) + w.kbatch * p.k_stride[0] +
+                   w.kstart * p.k_stride[1] + w.hkv * p.k_stride[2];
+      const T* v = static_cast<const T*>(p.v) + w.kbatch * p.v_stride[0] +
+                   w.kstart * p.v_stride[1] + w.hkv * p.v_stride[2];
       if (done > 0) mbarrier_wait(q_empty, (done - 1) & 1);
       load_tile<Br, D>(sq, q, p.q_stride[1], w.rows, q, thread);
       publish_q(n);
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(128 * (WGs + 1), 1)
         const unsigned buf = counted % Stages;
         const index_t j0 = w.j_lo + static_cast<index_t>(t) * Bc;
         gate_fetch gate;
-        if (w.G != nullptr && thread < Bc) gate.load(p, w.G, j0 + thread, w.length);
+        if (w.G != nullptr && thread < Bc) gate.load(p, w.G, j0 + thread, w.klength);
         if (counted >= Stages) mbarrier_wait(empty + buf, (counted / Stages - 1) & 1);
         load_tile<Bc, D>(sk + buf * tile::k_elems, k + j0 * p.k_stride[1], p.k_stride[1],
                          w.j_hi + 1 - j0, k, thread);

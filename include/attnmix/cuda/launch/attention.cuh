@@ -65,7 +65,8 @@ void launch_simt(const attention_kernel_params& kp, const attention_plan& plan,
 }
 
 // Everything a softmax-family kernel reads, set up on `stream`: the kernel parameters, the
-// device copy of cu_seqlens and, with a gate, its cumsum G in double (gate_coef: the factor of
+// device copies of cu_seqlens and of the keys' offsets, slots and lengths where they differ from
+// the queries', and, with a gate, its cumsum G over the keys in double (gate_coef: the factor of
 // G_i - G_j). The scratch lives as long as the object (stream-ordered, so kernels launched before
 // it goes are safe).
 struct attention_setup {
@@ -98,6 +99,21 @@ struct attention_setup {
     if (max_len == 0) return;
     kp.cu_seqlens = upload_offsets(scratch.get(), p, stream);
     kp.work_counter = reinterpret_cast<int*>(scratch.get() + layout.counter);
+    if (!p.keys_match_queries()) {
+      const auto put = [&](std::size_t at, const std::int32_t* src, index_t n) {
+        upload_host(scratch.get() + at, src, static_cast<std::size_t>(n) * sizeof(std::int32_t),
+                    stream, "cudaMemcpyAsync(keys)");
+        return reinterpret_cast<const std::int32_t*>(scratch.get() + at);
+      };
+      const index_t N = p.num_sequences;
+      kp.keys_differ = true;
+      kp.key_tokens = p.key_tokens;
+      kp.cu_seqlens_k = p.cu_seqlens_k == nullptr        ? nullptr
+                        : p.cu_seqlens_k == p.cu_seqlens ? kp.cu_seqlens
+                                                         : put(layout.cu_k, p.cu_seqlens_k, N + 1);
+      kp.key_slots = p.key_slots == nullptr ? nullptr : put(layout.slots, p.key_slots, N);
+      kp.key_lengths = p.key_lengths == nullptr ? nullptr : put(layout.lengths, p.key_lengths, N);
+    }
     if (!a.g.has_value()) return;
     auto* G = reinterpret_cast<double*>(scratch.get() + layout.gate);
     auto* reset = reinterpret_cast<int*>(scratch.get() + layout.reset);

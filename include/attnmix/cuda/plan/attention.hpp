@@ -103,31 +103,53 @@ inline attention_plan plan_attention(const attention_shape& s, const device_prop
   return p;
 }
 
-// Scratch of a softmax-family call: the cu_seqlens copy, with a gate its cumsum G (double), each
-// token's last hard reset (int) and the parts' summaries (two doubles: the sum since the part's
-// last reset, and that reset or -1), then the work counter of the persistent kernels; each part
-// padded to 256 bytes.
+// The keys' layout, which the gate cumsum scans: its rows (packed sequences, or rows of k) and
+// the longest (max_len: the queries' longest sequence, the answer when keys match them).
+inline index_t key_layout_rows(const attention_problem& p) {
+  if (p.keys_match_queries() || p.cu_seqlens_k != nullptr) return p.num_sequences;
+  return p.key_batch;
+}
+inline index_t longest_key_row(const attention_problem& p, index_t max_len) {
+  if (p.keys_match_queries()) return max_len;
+  if (p.cu_seqlens_k == nullptr) return p.key_tokens;
+  index_t longest = 0;
+  for (index_t n = 0; n < p.num_sequences; ++n)
+    longest = std::max<index_t>(longest, p.cu_seqlens_k[n + 1] - p.cu_seqlens_k[n]);
+  return longest;
+}
+
+// Scratch of a softmax-family call: the cu_seqlens copy; where the keys differ from the queries
+// the copies of their offsets, slots and lengths; with a gate its cumsum G over the keys' layout
+// (double), each key's last hard reset (int) and the parts' summaries (two doubles: the sum since
+// the part's last reset, and that reset or -1); then the work counter of the persistent kernels;
+// each part padded to 256 bytes.
 struct attention_scratch_layout {
+  std::size_t cu_k = 0, slots = 0, lengths = 0;  // offsets of the keys' arrays
   std::size_t gate = 0, reset = 0, part_sums = 0, counter = 0, bytes = 0;  // offsets, the total
-  index_t gate_parts = 1;  // parts of gate_part tokens of the longest sequence
+  index_t gate_parts = 1;  // parts of gate_part tokens of the longest row of keys
   attention_scratch_layout(const attention_problem& p, bool gated, index_t max_len) {
-    gate_parts = std::max<index_t>(1, (max_len + gate_part - 1) / gate_part);
-    gate = p.cu_seqlens == nullptr ? 0 : cu_seqlens_scratch_bytes(p.num_sequences);
-    const std::size_t rows = static_cast<std::size_t>(p.batch * p.tokens * p.q_heads);
+    gate_parts = std::max<index_t>(1, (longest_key_row(p, max_len) + gate_part - 1) / gate_part);
+    const bool own_offsets = p.cu_seqlens_k != nullptr && p.cu_seqlens_k != p.cu_seqlens;
+    const std::size_t per_sequence =
+        padded_bytes(static_cast<std::size_t>(p.num_sequences) * sizeof(std::int32_t));
+    cu_k = p.cu_seqlens == nullptr ? 0 : cu_seqlens_scratch_bytes(p.num_sequences);
+    slots = cu_k + (own_offsets ? cu_seqlens_scratch_bytes(p.num_sequences) : 0);
+    lengths = slots + (p.key_slots != nullptr ? per_sequence : 0);
+    gate = lengths + (p.key_lengths != nullptr ? per_sequence : 0);
+    const std::size_t rows = static_cast<std::size_t>(p.key_batch * p.key_tokens * p.q_heads);
     reset = gate + (gated ? padded_bytes(rows * sizeof(double)) : 0);
     part_sums = reset + (gated ? padded_bytes(rows * sizeof(int)) : 0);
-    counter =
-        part_sums +
-        (gated ? padded_bytes(static_cast<std::size_t>(p.num_sequences * gate_parts * p.q_heads) *
-                              2 * sizeof(double))
-               : 0);
+    counter = part_sums + (gated ? padded_bytes(static_cast<std::size_t>(key_layout_rows(p) *
+                                                                         gate_parts * p.q_heads) *
+                                                2 * sizeof(double))
+                                 : 0);
     bytes = counter + scratch_alignment;
   }
 };
 
-// The two gate-cumsum kernels' grid: (part, 32 query heads, sequence).
+// The two gate-cumsum kernels' grid: (part, 32 query heads, row of the keys' layout).
 inline launch_grid gate_cumsum_grid(const attention_problem& p, index_t gate_parts) {
-  return {unsigned(gate_parts), unsigned((p.q_heads + 31) / 32), unsigned(p.num_sequences)};
+  return {unsigned(gate_parts), unsigned((p.q_heads + 31) / 32), unsigned(key_layout_rows(p))};
 }
 
 }  // namespace cuda

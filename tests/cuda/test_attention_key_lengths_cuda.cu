@@ -1,0 +1,189 @@
+// CUDA softmax attention and FoX with keys of other lengths than the queries: a block of queries
+// against a longer prefix, cross-attention with fewer or more keys, packed batches with offsets
+// of their own for the keys, and keys read from the slots of a cache (key_slots, key_lengths);
+// against the CPU path in double on the same rounded inputs, on every kernel (Hopper, the
+// portable tensor-core kernel, CUDA cores).
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attnmix/cuda.cuh"
+#include "support/catch.hpp"
+#include "support/cuda_testing.cuh"
+#include "support/testing.hpp"
+
+using namespace attnmix_test;
+using attnmix::index_t;
+
+namespace {
+
+// Queries [B, T, HQ, D]; keys and values [Bk, Tk, H, D / Dv] and gates [Bk, Tk, HQ] (Bk = B
+// unless slots are given). Packed (cu non-empty): B = Bk = 1, the queries' offsets in cu and the
+// keys' in cu_k. With slots, sequence n reads row slots[n] of k (and the first lengths[n] keys).
+struct key_case {
+  index_t B, T, Tk, HQ, H, D, Dv;
+  index_t window = 0;
+  std::vector<std::int32_t> cu{}, cu_k{};
+  index_t Bk = 0;
+  std::vector<std::int32_t> slots{}, lengths{};
+  index_t reset_at = -1;  // >= 0: a hard reset (g = -inf) at this key of row 0, every head
+
+  index_t key_rows() const { return Bk > 0 ? Bk : B; }
+  std::string describe() const {
+    std::ostringstream os;
+    os << "B=" << B << " T=" << T << " Tk=" << Tk << " HQ=" << HQ << " H=" << H << " D=" << D
+       << " Dv=" << Dv << " window=" << window << " packed=" << cu.size() << " Bk=" << Bk
+       << " slots=" << slots.size() << " lengths=" << lengths.size() << " reset=" << reset_at;
+    return os.str();
+  }
+};
+
+// Every sequence has at least as many keys as queries.
+std::vector<key_case> causal_cases() {
+  return {
+      {2, 1, 300, 4, 2, 64, 64},                                              // a decoding step
+      {1, 70, 333, 8, 2, 64, 64, 0, {}, {}, 0, {}, {}, 40},                   // a prefill chunk
+      {2, 64, 64, 2, 2, 64, 64},                                              // equal lengths
+      {1, 70, 300, 2, 1, 64, 64, 32},                                         // window
+      {1, 12, 320, 4, 2, 64, 64, 0, {0, 1, 1, 6, 12}, {0, 50, 60, 66, 320}},  // packed
+      {1, 200, 700, 4, 2, 128, 128, 0, {0, 150, 150, 200}, {0, 500, 520, 700}, 0, {}, {}, 90},
+      {3, 4, 600, 4, 2, 64, 64, 0, {}, {}, 5, {4, 0, 4}, {10, 600, 333}, 7},  // a cache's slots
+      {2, 1, 260, 2, 2, 64, 64, 0, {}, {}, 4, {3, 3}, {1, 259}},              // beams of one slot
+      {1, 20, 90, 2, 1, 96, 40},  // head dims the tensor-core kernels do not tile
+  };
+}
+
+// Bidirectional queries may have fewer keys than queries (cross-attention).
+std::vector<key_case> bidirectional_cases() {
+  std::vector<key_case> cases = causal_cases();
+  cases.push_back({2, 90, 7, 2, 1, 64, 64});
+  cases.push_back({1, 30, 12, 2, 2, 64, 64, 0, {0, 25, 25, 30}, {0, 1, 11, 12}});
+  cases.push_back({2, 130, 20, 4, 4, 128, 64, 0, {}, {}, 3, {2, 0}, {5, 20}});
+  return cases;
+}
+
+attnmix::attention_params params_of(const key_case& c) {
+  attnmix::attention_params p;
+  p.window = c.window;
+  const auto view = [](const std::vector<std::int32_t>& x) {
+    return attnmix::view1<const std::int32_t>(x.data(), {index_t(x.size())});
+  };
+  if (!c.cu.empty()) p.cu_seqlens = view(c.cu);
+  if (!c.cu_k.empty()) p.cu_seqlens_k = view(c.cu_k);
+  if (!c.slots.empty()) p.key_slots = view(c.slots);
+  if (!c.lengths.empty()) p.key_lengths = view(c.lengths);
+  return p;
+}
+
+struct result {
+  double error, plain_error, lse_error;
+};
+
+// One call of Kind on the GPU in T against the CPU path in double (and in float, rounded to T:
+// what a float-accumulated computation in T gets) on the same rounded inputs.
+template <class Kind, class Policy, class T>
+result run_case(const key_case& c, std::uint64_t salt, const attnmix::backend::cuda& be) {
+  constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
+  rng r(salt);
+  const index_t Bk = c.key_rows();
+  std::vector<float> qf(std::size_t(c.B * c.T * c.HQ * c.D)),
+      kf(std::size_t(Bk * c.Tk * c.H * c.D)), vf(std::size_t(Bk * c.Tk * c.H * c.Dv)),
+      gf(std::size_t(Bk * c.Tk * c.HQ));
+  for (auto* x : {&qf, &kf, &vf})
+    for (float& e : *x) e = float(r.normal());
+  for (float& e : gf) e = float(r.uniform(-0.3, -0.01));
+  if (c.reset_at >= 0)
+    for (index_t h = 0; h < c.HQ; ++h)
+      gf[std::size_t(c.reset_at * c.HQ + h)] = -std::numeric_limits<float>::infinity();
+  const auto q = convert_all<T>(qf), k = convert_all<T>(kf), v = convert_all<T>(vf);
+  const attnmix::attention_params params = params_of(c);
+  const auto dev = attnmix::memory_space::device;
+  const std::size_t outs = std::size_t(c.B * c.T * c.HQ);
+
+  device_buffer<T> dq(q), dk(k), dv(v), dout(outs * std::size_t(c.Dv));
+  device_buffer<float> dg(gf), dlse(outs);
+  attnmix::attention_args<T> a{attnmix::view4<const T>(dq.get(), {c.B, c.T, c.HQ, c.D}, dev),
+                               attnmix::view4<const T>(dk.get(), {Bk, c.Tk, c.H, c.D}, dev),
+                               attnmix::view4<const T>(dv.get(), {Bk, c.Tk, c.H, c.Dv}, dev),
+                               attnmix::view4<T>(dout.get(), {c.B, c.T, c.HQ, c.Dv}, dev)};
+  if constexpr (gated) a.g = attnmix::view3<const float>(dg.get(), {Bk, c.Tk, c.HQ}, dev);
+  a.lse = attnmix::view3<float>(dlse.get(), {c.B, c.T, c.HQ}, dev);
+  attnmix::attention<Kind, Policy>(a, params, be);
+  attnmix::detail::cuda::check(cudaDeviceSynchronize(), "kernel");
+  const auto out = convert_all<double>(dout.to_host());
+  const auto lse = convert_all<double>(dlse.to_host());
+
+  // The CPU path in double and in float on the rounded inputs.
+  const auto host_call = [&](auto zero) {
+    using E = decltype(zero);
+    const auto qe = convert_all<E>(q), ke = convert_all<E>(k), ve = convert_all<E>(v);
+    const auto ge = convert_all<E>(gf);
+    std::vector<E> o(outs * std::size_t(c.Dv)), l(outs);
+    attnmix::attention_args<E> h{attnmix::view4<const E>(qe.data(), {c.B, c.T, c.HQ, c.D}),
+                                 attnmix::view4<const E>(ke.data(), {Bk, c.Tk, c.H, c.D}),
+                                 attnmix::view4<const E>(ve.data(), {Bk, c.Tk, c.H, c.Dv}),
+                                 attnmix::view4<E>(o.data(), {c.B, c.T, c.HQ, c.Dv})};
+    if constexpr (gated) h.g = attnmix::view3<const E>(ge.data(), {Bk, c.Tk, c.HQ});
+    h.lse = attnmix::view3<E>(l.data(), {c.B, c.T, c.HQ});
+    attnmix::attention<Kind, Policy>(h, params);
+    return std::make_pair(convert_all<double>(o), convert_all<double>(l));
+  };
+  const auto [ref, ref_lse] = host_call(0.0);
+  const auto plain = host_call(0.f).first;
+  const auto plain_rounded = convert_all<double>(convert_all<T>(plain));
+  return {rel_error(out, ref), rel_error(plain_rounded, ref), lse_error(lse, ref_lse)};
+}
+
+template <class Kind, class Policy, class T>
+void sweep(const std::vector<key_case>& cases, std::uint64_t salt,
+           const attnmix::backend::cuda& be = {}) {
+  for (const key_case& c : cases) {
+    INFO("seed " << test_seed() << " " << c.describe() << " dtype "
+                 << attnmix::scalar_traits<T>::name << " portable " << be.portable);
+    const result r = run_case<Kind, Policy, T>(c, ++salt, be);
+    CAPTURE(r.error, r.plain_error, r.lse_error);
+    CHECK(r.error <= tolerance<T>());
+    if constexpr (sizeof(T) == 2) CHECK(r.error <= 2 * r.plain_error);
+    CHECK(r.lse_error <= (sizeof(T) == 2 ? 1e-2 : 1e-5));
+  }
+}
+
+template <class T>
+void all_kinds(std::uint64_t salt, const attnmix::backend::cuda& be = {}) {
+  sweep<attnmix::kind::softmax, attnmix::softmax_policy, T>(causal_cases(), salt, be);
+  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, T>(bidirectional_cases(),
+                                                                          salt + 100, be);
+  sweep<attnmix::kind::fox, attnmix::fox_policy, T>(causal_cases(), salt + 200, be);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("CUDA attention with keys of other lengths matches the CPU path", "[cuda][keys]",
+                   float, attnmix::bfloat16, attnmix::half) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  all_kinds<TestType>(1000);
+}
+
+TEST_CASE("CUDA attention with keys of other lengths on the portable tensor-core kernel",
+          "[cuda][keys]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  attnmix::backend::cuda portable{};
+  portable.portable = true;
+  all_kinds<attnmix::bfloat16>(2000, portable);
+}
+
+TEST_CASE("CUDA attention with keys of other lengths, a small sweep for compute-sanitizer",
+          "[cuda][keys_small]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const std::vector<key_case> cases{causal_cases()[1], causal_cases()[4], causal_cases()[6]};
+  sweep<attnmix::kind::fox, attnmix::fox_policy, attnmix::bfloat16>(cases, 3000);
+  sweep<attnmix::kind::fox, attnmix::fox_policy, float>(cases, 3100);
+  attnmix::backend::cuda portable{};
+  portable.portable = true;
+  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, attnmix::bfloat16>(
+      bidirectional_cases(), 3200, portable);
+}
