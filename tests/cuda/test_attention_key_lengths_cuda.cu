@@ -2,8 +2,10 @@
 // against a longer prefix, cross-attention with fewer or more keys, packed batches with offsets
 // of their own for the keys, and keys read from the slots of a cache (key_slots, key_lengths);
 // against the CPU path in double on the same rounded inputs, on every kernel (Hopper, the
-// portable tensor-core kernel, CUDA cores).
+// portable tensor-core kernel, CUDA cores). The softmax backward with keys of other lengths
+// (Tk, cu_seqlens_k) against the CPU backward in double; FoX's is refused.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -186,4 +188,185 @@ TEST_CASE("CUDA attention with keys of other lengths, a small sweep for compute-
   portable.portable = true;
   sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, attnmix::bfloat16>(
       bidirectional_cases(), 3200, portable);
+}
+
+// ---- backward ------------------------------------------------------------------------------
+namespace {
+
+// max |x - ref| / max |ref| (absolute when ref is all 0); NaN or inf in x gives +inf.
+template <class X>
+double max_rel(const std::vector<X>& x, const std::vector<double>& ref) {
+  if (x.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double o = attnmix::convert<double>(x[i]);
+    if (!std::isfinite(o)) return std::numeric_limits<double>::infinity();
+    num = std::max(num, std::abs(o - ref[i]));
+    den = std::max(den, std::abs(ref[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+template <class T>
+constexpr double unit_roundoff() {
+  return std::is_same_v<T, attnmix::bfloat16> ? 0x1p-8
+         : std::is_same_v<T, attnmix::half>   ? 0x1p-11
+                                              : 0x1p-24;
+}
+
+// Keys of other lengths without a cache (what a backward takes), including a sequence of keys
+// with no query (its keys' gradients are zero).
+std::vector<key_case> backward_causal_cases() {
+  return {
+      {2, 1, 300, 4, 2, 64, 64},
+      {1, 70, 333, 8, 2, 64, 64},
+      {1, 70, 300, 2, 1, 64, 64, 32},
+      {1, 12, 320, 4, 2, 64, 64, 0, {0, 1, 1, 6, 12}, {0, 50, 60, 66, 320}},
+      {1, 200, 700, 4, 2, 128, 128, 0, {0, 150, 150, 200}, {0, 500, 520, 700}},
+      {1, 20, 90, 2, 1, 96, 40},
+  };
+}
+std::vector<key_case> backward_bidirectional_cases() {
+  std::vector<key_case> cases = backward_causal_cases();
+  cases.push_back({2, 90, 7, 2, 1, 64, 64});
+  cases.push_back({1, 30, 12, 2, 2, 64, 64, 0, {0, 25, 25, 30}, {0, 1, 11, 12}});
+  cases.push_back({2, 33, 130, 4, 4, 64, 32, 9});
+  return cases;
+}
+
+template <class Policy, class T>
+void check_backward(const key_case& c, std::uint64_t salt) {
+  using softmax = attnmix::kind::softmax;
+  INFO("seed " << test_seed() << " " << c.describe() << " dtype "
+               << attnmix::scalar_traits<T>::name);
+  rng r(salt);
+  const index_t B = c.B, Bk = c.key_rows();
+  const std::size_t nq = std::size_t(B * c.T * c.HQ), nk = std::size_t(Bk * c.Tk * c.H);
+  std::vector<float> qf(nq * std::size_t(c.D)), kf(nk * std::size_t(c.D)),
+      vf(nk * std::size_t(c.Dv)), df(nq * std::size_t(c.Dv));
+  for (auto* x : {&qf, &kf, &vf, &df})
+    for (float& e : *x) e = float(r.normal());
+  const auto q = convert_all<T>(qf), k = convert_all<T>(kf), v = convert_all<T>(vf),
+             dout = convert_all<T>(df);
+  const attnmix::attention_params params = params_of(c);
+
+  // out and lse of the CPU forward in double on the rounded inputs; the backward in E.
+  const auto views = [&](const auto& qe, const auto& ke, const auto& ve, auto& oe) {
+    using E = std::decay_t<decltype(qe[0])>;
+    return attnmix::attention_args<E>{attnmix::view4<const E>(qe.data(), {B, c.T, c.HQ, c.D}),
+                                      attnmix::view4<const E>(ke.data(), {Bk, c.Tk, c.H, c.D}),
+                                      attnmix::view4<const E>(ve.data(), {Bk, c.Tk, c.H, c.Dv}),
+                                      attnmix::view4<E>(oe.data(), {B, c.T, c.HQ, c.Dv})};
+  };
+  const auto qd = convert_all<double>(q), kd = convert_all<double>(k), vd = convert_all<double>(v);
+  std::vector<double> out_d(nq * std::size_t(c.Dv)), lse_d(nq);
+  {
+    auto a = views(qd, kd, vd, out_d);
+    a.lse = attnmix::view3<double>(lse_d.data(), {B, c.T, c.HQ});
+    attnmix::attention<softmax, Policy>(a, params);
+  }
+  const auto out = convert_all<T>(out_d);
+  const auto lse = convert_all<float>(lse_d);
+  struct grads {
+    std::vector<double> dq, dk, dv;
+  };
+  const auto cpu_backward = [&](auto zero) {
+    using E = decltype(zero);
+    const auto qe = convert_all<E>(q), ke = convert_all<E>(k), ve = convert_all<E>(v),
+               oe = convert_all<E>(out), de = convert_all<E>(dout), le = convert_all<E>(lse);
+    std::vector<E> dq(qe.size()), dk(ke.size()), dv(ve.size());
+    attnmix::attention_grad_args<E> g{attnmix::view4<const E>(qe.data(), {B, c.T, c.HQ, c.D}),
+                                      attnmix::view4<const E>(ke.data(), {Bk, c.Tk, c.H, c.D}),
+                                      attnmix::view4<const E>(ve.data(), {Bk, c.Tk, c.H, c.Dv})};
+    g.out = attnmix::view4<const E>(oe.data(), {B, c.T, c.HQ, c.Dv});
+    g.lse = attnmix::view3<const E>(le.data(), {B, c.T, c.HQ});
+    g.dout = attnmix::view4<const E>(de.data(), {B, c.T, c.HQ, c.Dv});
+    g.dq = attnmix::view4<E>(dq.data(), {B, c.T, c.HQ, c.D});
+    g.dk = attnmix::view4<E>(dk.data(), {Bk, c.Tk, c.H, c.D});
+    g.dv = attnmix::view4<E>(dv.data(), {Bk, c.Tk, c.H, c.Dv});
+    attnmix::attention_backward<softmax, Policy>(g, params);
+    return grads{convert_all<double>(dq), convert_all<double>(dk), convert_all<double>(dv)};
+  };
+  const grads ref = cpu_backward(0.0), plain = cpu_backward(0.f);
+
+  const auto dev = attnmix::memory_space::device;
+  const auto gpu = [&] {
+    device_buffer<T> gq(q), gk(k), gv(v), go(out), gd(dout), dq(q.size()), dk(k.size()),
+        dv(v.size());
+    device_buffer<float> gl(lse);
+    attnmix::attention_grad_args<T> g{
+        attnmix::view4<const T>(gq.get(), {B, c.T, c.HQ, c.D}, dev),
+        attnmix::view4<const T>(gk.get(), {Bk, c.Tk, c.H, c.D}, dev),
+        attnmix::view4<const T>(gv.get(), {Bk, c.Tk, c.H, c.Dv}, dev)};
+    g.out = attnmix::view4<const T>(go.get(), {B, c.T, c.HQ, c.Dv}, dev);
+    g.lse = attnmix::view3<const float>(gl.get(), {B, c.T, c.HQ}, dev);
+    g.dout = attnmix::view4<const T>(gd.get(), {B, c.T, c.HQ, c.Dv}, dev);
+    g.dq = attnmix::view4<T>(dq.get(), {B, c.T, c.HQ, c.D}, dev);
+    g.dk = attnmix::view4<T>(dk.get(), {Bk, c.Tk, c.H, c.D}, dev);
+    g.dv = attnmix::view4<T>(dv.get(), {Bk, c.Tk, c.H, c.Dv}, dev);
+    attnmix::attention_backward<softmax, Policy>(g, params, attnmix::backend::cuda{});
+    attnmix::detail::cuda::check(cudaDeviceSynchronize(), "backward kernels");
+    return std::vector<std::vector<T>>{dq.to_host(), dk.to_host(), dv.to_host()};
+  };
+  const auto got = gpu(), again = gpu();
+  const std::vector<double>* refs[] = {&ref.dq, &ref.dk, &ref.dv};
+  const std::vector<double>* plains[] = {&plain.dq, &plain.dk, &plain.dv};
+  const char* names[] = {"dq", "dk", "dv"};
+  for (int i = 0; i < 3; ++i) {
+    const double error = max_rel(got[std::size_t(i)], *refs[i]),
+                 base = max_rel(convert_all<T>(*plains[i]), *refs[i]);
+    INFO("gradient " << names[i] << ": max error " << error << " (plain " << base << ")");
+    if constexpr (std::is_same_v<T, float>) {
+      CHECK(error <= 1e-5);
+    } else {
+      CHECK(error <= 2 * base + unit_roundoff<T>());
+      CHECK(error <= 2e-2);
+    }
+    CHECK(bitwise_equal(got[std::size_t(i)], again[std::size_t(i)]));
+  }
+}
+
+template <class T>
+void backward_sweep(std::uint64_t salt) {
+  for (const key_case& c : backward_causal_cases())
+    check_backward<attnmix::softmax_policy, T>(c, ++salt);
+  for (const key_case& c : backward_bidirectional_cases())
+    check_backward<attnmix::bidirectional_softmax_policy, T>(c, ++salt);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("CUDA softmax backward with keys of other lengths matches the CPU path",
+                   "[cuda][keys][backward]", float, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  backward_sweep<TestType>(4000);
+}
+
+TEST_CASE("CUDA FoX backward refuses keys of other lengths", "[cuda][keys][backward]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const index_t T = 4, Tk = 9, H = 1, D = 64;
+  device_buffer<float> q(std::size_t(T * H * D)), k(std::size_t(Tk * H * D)),
+      v(std::size_t(Tk * H * D)), out(std::size_t(T * H * D)), dout(std::size_t(T * H * D)),
+      lse(std::size_t(T * H)), g(std::size_t(Tk * H)), dq(std::size_t(T * H * D)),
+      dk(std::size_t(Tk * H * D)), dv(std::size_t(Tk * H * D)), dg(std::size_t(Tk * H));
+  const auto dev = attnmix::memory_space::device;
+  attnmix::attention_grad_args<float> a{attnmix::view4<const float>(q.get(), {1, T, H, D}, dev),
+                                        attnmix::view4<const float>(k.get(), {1, Tk, H, D}, dev),
+                                        attnmix::view4<const float>(v.get(), {1, Tk, H, D}, dev)};
+  a.out = attnmix::view4<const float>(out.get(), {1, T, H, D}, dev);
+  a.lse = attnmix::view3<const float>(lse.get(), {1, T, H}, dev);
+  a.dout = attnmix::view4<const float>(dout.get(), {1, T, H, D}, dev);
+  a.g = attnmix::view3<const float>(g.get(), {1, Tk, H}, dev);
+  a.dq = attnmix::view4<float>(dq.get(), {1, T, H, D}, dev);
+  a.dk = attnmix::view4<float>(dk.get(), {1, Tk, H, D}, dev);
+  a.dv = attnmix::view4<float>(dv.get(), {1, Tk, H, D}, dev);
+  a.dg = attnmix::view3<float>(dg.get(), {1, Tk, H}, dev);
+  try {
+    attnmix::attention_backward<attnmix::kind::fox>(a, {}, attnmix::backend::cuda{});
+    FAIL("accepted");
+  } catch (const attnmix::error& e) {
+    INFO(e.what());
+    CHECK(std::string(e.what()).find("argument 'k'") != std::string::npos);
+  }
+  for (float x : dq.to_host()) CHECK(std::isnan(x));  // untouched
 }

@@ -190,3 +190,27 @@ TEST_CASE("softmax backward scratch: offsets, delta, gate sums, G and resets", "
   packed.batch = 1, packed.tokens = 200, packed.cu_seqlens = offsets;
   CHECK(attention_backward_scratch_layout(packed, true).delta == 256);
 }
+
+TEST_CASE("softmax backward with keys of other lengths: CUDA cores, key tiles of the keys",
+          "[plan]") {
+  attention_backward_shape s = shape(2, 37, 4, 2, 64, 64);
+  s.sixteen_bit = s.aligned = true;
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma_v2);
+  s.keys_differ = true, s.max_key_len = 300;
+  s.forced = true, s.force = attention_backward_variant::sm80_mma;
+  const attention_backward_plan p = plan_attention_backward(s, h200());
+  CHECK(p.variant == attention_backward_variant::simt);
+  CHECK(p.dkdv == launch_grid{10, 2, 2});  // 300 keys in tiles of 32
+  CHECK(p.dq == launch_grid{2, 4, 2});     // 37 queries
+  // The keys' own offsets are copied after the queries'.
+  const std::int32_t cu[] = {0, 10, 37}, cu_k[] = {0, 100, 300};
+  attnmix::attention_problem q{};
+  q.batch = 1, q.tokens = 37, q.q_heads = 4, q.kv_heads = 2, q.head_dim = q.value_dim = 64;
+  q.num_sequences = 2, q.cu_seqlens = cu, q.cu_seqlens_k = cu_k, q.key_tokens = 300;
+  q.key_batch = 1;
+  const attention_backward_scratch_layout l(q, false);
+  CHECK(l.keys == 256);
+  CHECK(l.delta == 512);
+  q.cu_seqlens_k = cu;  // the same offsets: one copy
+  CHECK(attention_backward_scratch_layout(q, false).delta == 256);
+}

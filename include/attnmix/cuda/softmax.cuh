@@ -15,10 +15,12 @@ template <>
 struct is_implemented<kind::softmax, backend::cuda> : std::true_type {};
 template <>
 struct is_backward_implemented<kind::softmax, backend::cuda> : std::true_type {};
-// The forward reads keys of other lengths than the queries (cu_seqlens_k, Tk, a cache's
-// key_slots and key_lengths); the backward not yet.
+// Keys of other lengths than the queries: the forward reads them (cu_seqlens_k, Tk, a cache's
+// key_slots and key_lengths), the backward too (Tk, cu_seqlens_k; on CUDA cores for now).
 template <>
 struct takes_key_lengths<kind::softmax, backend::cuda> : std::true_type {};
+template <>
+struct takes_key_lengths_backward<kind::softmax, backend::cuda> : std::true_type {};
 
 namespace detail {
 

@@ -168,13 +168,15 @@ __device__ void load_key_gates(const attention_backward_params& p, const backwar
                             : 0.0;
 }
 
-// P and dS of the staged rows [i0, i0 + rows) and keys [j0, j0 + cols) into t.p and t.ds; 0
-// outside the tile and where a key is masked (window, causal, a hard reset before the row). A
-// thread takes key c = tid % B of rows tid / B + (256 / B) m, so that it reads each of its key's
-// elements once for all its rows.
+// P and dS of the staged rows [i0, i0 + rows) and keys [j0, j0 + cols) (of `length` queries and
+// `keys` keys: row i at key position i + keys - length) into t.p and t.ds; 0 outside the tile and
+// where a key is masked (window, causal, a hard reset before the row). A thread takes key c = tid %
+// B of rows tid / B + (256 / B) m, so that it reads each of its key's elements once for all its
+// rows.
 template <int B>
 __device__ void scores_to_ds(const attention_backward_params& p, const backward_tiles<B>& t,
-                             index_t length, index_t i0, int rows, index_t j0, int cols) {
+                             index_t length, index_t keys, index_t i0, int rows, index_t j0,
+                             int cols) {
   constexpr int NT = attention_backward_threads, per = B * B / NT, step = NT / B;
   static_assert(per * NT == B * B && step * B == NT, "a whole tile of scores a pass");
   const int D = p.f.head_dim, Dv = p.f.value_dim;
@@ -189,7 +191,7 @@ __device__ void scores_to_ds(const attention_backward_params& p, const backward_
     if (r < rows && c < cols) {
       index_t lo, hi;
       const index_t j = j0 + c;
-      p.f.key_range(i0 + r, length, lo, hi);
+      p.f.key_range(i0 + r, length, keys, lo, hi);
       seen[m] = j >= lo && j <= hi && j >= t.reset[r];
     }
   }
@@ -235,18 +237,21 @@ __global__ void __launch_bounds__(attention_backward_threads)
   const int D = p.f.head_dim, Dv = p.f.value_dim, group = p.f.group;
   const backward_tiles<B> t(backward_smem, D, Dv);
   const int h = blockIdx.y, tid = threadIdx.x, lane = tid % 32, w = tid / 32;
-  index_t batch, start, length;
+  index_t batch, start, length, kbatch, kstart, keys;
   p.f.sequence(blockIdx.z, batch, start, length);
+  p.f.key_sequence(blockIdx.z, kbatch, kstart, keys);
   const index_t j0 = static_cast<index_t>(blockIdx.x) * B;
-  if (j0 >= length) return;
-  const int cols = length - j0 < B ? static_cast<int>(length - j0) : B;
+  if (j0 >= keys) return;
+  const int cols = keys - j0 < B ? static_cast<int>(keys - j0) : B;
 
-  // The query rows [lo, hi) that see some key of the tile.
-  const index_t W = p.f.window, j1 = j0 + cols;
-  const index_t lo = p.f.causal ? j0 : (W > 0 ? (j0 - W + 1 > 0 ? j0 - W + 1 : 0) : 0);
-  const index_t hi = W > 0 ? (j1 + W - 1 < length ? j1 + W - 1 : length) : length;
+  // The query rows [lo, hi) that see some key of the tile (row i at key position i + off).
+  const index_t W = p.f.window, j1 = j0 + cols, off = keys - length;
+  index_t lo = p.f.causal ? j0 - off : (W > 0 ? j0 - W + 1 - off : 0);
+  lo = lo > 0 ? lo : 0;
+  index_t hi = W > 0 ? (j1 + W - 1 - off < length ? j1 + W - 1 - off : length) : length;
+  hi = hi > lo ? hi : lo;
 
-  load_keys<T>(p, t, batch, start, j0, cols, h);
+  load_keys<T>(p, t, kbatch, kstart, j0, cols, h);
   float dk[RM][Chunks], dv[RM][Chunks];
 #pragma unroll
   for (int m = 0; m < RM; ++m)
@@ -255,13 +260,13 @@ __global__ void __launch_bounds__(attention_backward_threads)
 
   for (int g = 0; g < group; ++g) {
     const int hq = h * group + g;
-    load_key_gates(p, t, batch, start, j0, cols, hq);
+    load_key_gates(p, t, kbatch, kstart, j0, cols, hq);
     float colsum = 0.f;  // of key tid (tid < B)
     for (index_t i0 = lo; i0 < hi; i0 += B) {
       const int rows = hi - i0 < B ? static_cast<int>(hi - i0) : B;
       load_query_rows<T>(p, t, batch, start, i0, rows, hq);
       __syncthreads();
-      scores_to_ds(p, t, length, i0, rows, j0, cols);
+      scores_to_ds(p, t, length, keys, i0, rows, j0, cols);
       __syncthreads();
       for (int r = 0; r < rows; ++r) {
         float pr[RM], dsr[RM];
@@ -287,13 +292,13 @@ __global__ void __launch_bounds__(attention_backward_threads)
         for (int r = 0; r < rows; ++r) colsum += t.ds[r * t.ps + tid];
       __syncthreads();  // before the next rows (and the next head's key gates) overwrite tiles
     }
-    if (p.gated() && tid < cols) p.colsum[p.at(batch, start, j0 + tid, hq)] = colsum;
+    if (p.gated() && tid < cols) p.colsum[p.at(kbatch, kstart, j0 + tid, hq)] = colsum;
     __syncthreads();
   }
 
-  T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_stride[0] + (start + j0) * p.dk_stride[1] +
+  T* dk_out = static_cast<T*>(p.dk) + kbatch * p.dk_stride[0] + (kstart + j0) * p.dk_stride[1] +
               h * p.dk_stride[2];
-  T* dv_out = static_cast<T*>(p.dv) + batch * p.dv_stride[0] + (start + j0) * p.dv_stride[1] +
+  T* dv_out = static_cast<T*>(p.dv) + kbatch * p.dv_stride[0] + (kstart + j0) * p.dv_stride[1] +
               h * p.dv_stride[2];
 #pragma unroll
   for (int m = 0; m < RM; ++m) {
@@ -321,16 +326,17 @@ __global__ void __launch_bounds__(attention_backward_threads)
   const int D = p.f.head_dim, Dv = p.f.value_dim;
   const backward_tiles<B> t(backward_smem, D, Dv);
   const int hq = blockIdx.y, h = hq / p.f.group, tid = threadIdx.x, lane = tid % 32, w = tid / 32;
-  index_t batch, start, length;
+  index_t batch, start, length, kbatch, kstart, keys;
   p.f.sequence(blockIdx.z, batch, start, length);
   const index_t i0 = static_cast<index_t>(blockIdx.x) * B;
   if (i0 >= length) return;
+  p.f.key_sequence(blockIdx.z, kbatch, kstart, keys);
   const int rows = length - i0 < B ? static_cast<int>(length - i0) : B;
 
   // Keys [j_lo, j_hi] that some row of the tile sees; a row's last reset only moves forward.
   index_t j_lo, j_hi, unused;
-  p.f.key_range(i0, length, j_lo, unused);
-  p.f.key_range(i0 + rows - 1, length, unused, j_hi);
+  p.f.key_range(i0, length, keys, j_lo, unused);
+  p.f.key_range(i0 + rows - 1, length, keys, unused, j_hi);
   if (p.gated()) {
     const index_t r = p.reset[p.at(batch, start, i0, hq)];
     j_lo = r > j_lo ? r : j_lo;
@@ -346,10 +352,10 @@ __global__ void __launch_bounds__(attention_backward_threads)
 
   for (index_t j0 = j_lo; j0 <= j_hi; j0 += B) {
     const int cols = j_hi + 1 - j0 < B ? static_cast<int>(j_hi + 1 - j0) : B;
-    load_keys<T>(p, t, batch, start, j0, cols, h);
-    load_key_gates(p, t, batch, start, j0, cols, hq);
+    load_keys<T>(p, t, kbatch, kstart, j0, cols, h);
+    load_key_gates(p, t, kbatch, kstart, j0, cols, hq);
     __syncthreads();
-    scores_to_ds(p, t, length, i0, rows, j0, cols);
+    scores_to_ds(p, t, length, keys, i0, rows, j0, cols);
     __syncthreads();
     for (int c = 0; c < cols; ++c) {
       float dsr[RM];

@@ -17,6 +17,7 @@
 #include "attnmix/cuda/kernels/attention_backward_simt.cuh"
 #include "attnmix/cuda/kernels/sm80_attention_backward.cuh"
 #include "attnmix/cuda/kernels/sm80_attention_backward_v2.cuh"
+#include "attnmix/cuda/plan/attention.hpp"
 #include "attnmix/cuda/plan/attention_backward.hpp"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -43,6 +44,7 @@ void launch_backward_kernels(DkDv dkdv, Dq dq, const attention_backward_params& 
   const dim3 g1(plan.dkdv.x, plan.dkdv.y, plan.dkdv.z), g2(plan.dq.x, plan.dq.y, plan.dq.z);
   dkdv<<<g1, plan.threads, plan.smem_bytes, stream>>>(kp);
   check(cudaGetLastError(), "attention backward dk/dv kernel launch");
+  if (g2.x == 0) return;  // keys but no query (they get zero gradients above)
   dq<<<g2, plan.threads, plan.smem_bytes, stream>>>(kp);
   check(cudaGetLastError(), "attention backward dq kernel launch");
 }
@@ -65,8 +67,8 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
                             const attention_problem& p, const backend::cuda& be, double gate_coef) {
   using Dev = device_t<T>;
   check_launch_sizes(fn, p, 256, "softmax backward kernels");
-  const index_t max_len = longest_sequence(p);
-  if (max_len == 0) return;  // no token: nothing to write
+  const index_t max_len = longest_sequence(p), max_keys = longest_key_row(p, max_len);
+  if (max_keys == 0) return;  // no key (so no query): nothing to write
   cudaStream_t stream = static_cast<cudaStream_t>(be.stream);
   const bool gated = a.g.has_value();
 
@@ -85,6 +87,8 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
       aligned_for_vectors(a.dv.data(), a.dv.stride(0), a.dv.stride(1), a.dv.stride(2), 2);
   shape.forced = backward_variant_override().forced;
   shape.force = backward_variant_override().variant;
+  shape.keys_differ = !p.keys_match_queries();
+  shape.max_key_len = max_keys;
   const attention_backward_plan plan = plan_attention_backward(shape, current_properties());
   require(plan.fits, fn, "q", "has head dims D = ", p.head_dim, ", Dv = ", p.value_dim,
           " whose backward tiles need ", plan.smem_bytes,
@@ -110,6 +114,19 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
   f.window = p.window;
   f.causal = Policy::mask == mask_type::causal;
   f.cu_seqlens = upload_offsets(scratch.get(), p, stream);
+  if (shape.keys_differ) {  // Tk, or cu_seqlens_k (the front door passes no slots or lengths)
+    f.keys_differ = true;
+    f.key_tokens = p.key_tokens;
+    f.cu_seqlens_k = p.cu_seqlens_k;
+    if (p.cu_seqlens_k == p.cu_seqlens) {
+      f.cu_seqlens_k = f.cu_seqlens;
+    } else if (p.cu_seqlens_k != nullptr) {
+      upload_host(scratch.get() + layout.keys, p.cu_seqlens_k,
+                  static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t), stream,
+                  "cudaMemcpyAsync(cu_seqlens_k)");
+      f.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(scratch.get() + layout.keys);
+    }
+  }
   kp.lse = a.lse.data(), kp.dout = a.dout.data();
   kp.dq = a.dq.data(), kp.dk = a.dk.data(), kp.dv = a.dv.data();
   kp.scale = static_cast<float>(p.scale);
@@ -125,8 +142,10 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
   }
 
   const dim3 pre(plan.preprocess.x, plan.preprocess.y, plan.preprocess.z);
-  attention_backward_delta_kernel<Dev><<<pre, attention_backward_threads, 0, stream>>>(kp);
-  check(cudaGetLastError(), "attention_backward_delta_kernel launch");
+  if (max_len > 0) {
+    attention_backward_delta_kernel<Dev><<<pre, attention_backward_threads, 0, stream>>>(kp);
+    check(cudaGetLastError(), "attention_backward_delta_kernel launch");
+  }
   const dim3 gate(plan.gate.x, plan.gate.y, plan.gate.z);
   if (gated) {
     attention_backward_gate_cumsum_kernel<attention_backward_threads>

@@ -16,7 +16,8 @@
 //   sm80_mma: half and bfloat16 with D and Dv multiples of 32 up to 128: the products of a tile
 //             pair on tensor cores (mma.sync), the rest as simt's.
 //   simt:     CUDA cores, float accumulation, any dtype and head dims up to 256; tiles of 32 (16
-//             for head dims over 128) staged in shared memory as float.
+//             for head dims over 128) staged in shared memory as float; the one that takes keys
+//             of other lengths than the queries (for now).
 
 #include <algorithm>
 #include <cstddef>
@@ -48,6 +49,10 @@ struct attention_backward_shape {
   // plan's own choice.
   bool forced = false;
   attention_backward_variant force = attention_backward_variant::simt;
+  // Keys of other lengths than the queries (softmax): the simt kernels, over key tiles of the
+  // longest key sequence.
+  bool keys_differ = false;
+  index_t max_key_len = 0;
 };
 
 // Head dims the tensor-core backward tiles: multiples of 32 (its 8 warps take 8-column tiles
@@ -92,6 +97,7 @@ inline attention_backward_plan plan_attention_backward(const attention_backward_
   if (s.forced && (s.force == attention_backward_variant::simt ||
                    (s.force == attention_backward_variant::sm80_mma && mma)))
     p.variant = s.force;
+  if (s.keys_differ) p.variant = attention_backward_variant::simt;
   if (p.variant == attention_backward_variant::sm80_mma_v2) {
     p.tile = attention_backward_v2_fixed;
     p.threads = attention_backward_v2_threads;
@@ -106,21 +112,25 @@ inline attention_backward_plan plan_attention_backward(const attention_backward_
   p.preprocess = {unsigned((s.max_len + attention_backward_preprocess_rows - 1) /
                            attention_backward_preprocess_rows),
                   unsigned(s.q_heads), unsigned(s.sequences)};
-  p.dkdv = {tiles, unsigned(s.kv_heads), unsigned(s.sequences)};
+  const auto key_tiles = s.keys_differ ? unsigned((s.max_key_len + p.tile - 1) / p.tile) : tiles;
+  p.dkdv = {key_tiles, unsigned(s.kv_heads), unsigned(s.sequences)};
   p.dq = {tiles, unsigned(s.q_heads), unsigned(s.sequences)};
   p.gate = {unsigned((s.q_heads + 31) / 32), unsigned(s.sequences), 1};
   return p;
 }
 
-// Scratch of a backward call: the cu_seqlens copy; delta [B*T*HQ] (float); with a gate the
+// Scratch of a backward call: the cu_seqlens copy (and cu_seqlens_k's, keys of their own
+// offsets); delta [B*T*HQ] (float); with a gate the
 // column and row sums of dS [B*T*HQ] (float), the gate cumsum G [B*T*HQ] (double, restarting at
 // hard resets) and the position of the last reset [B*T*HQ] (int32). Each part padded to 256
 // bytes. Laid out like g ([B, T, HQ], heads innermost).
 struct attention_backward_scratch_layout {
-  std::size_t delta = 0, colsum = 0, rowsum = 0, gate = 0, reset = 0, bytes = 0;
+  std::size_t keys = 0, delta = 0, colsum = 0, rowsum = 0, gate = 0, reset = 0, bytes = 0;
   attention_backward_scratch_layout(const attention_problem& p, bool gated) {
     const auto n = static_cast<std::size_t>(p.batch * p.tokens * p.q_heads);
-    delta = p.cu_seqlens == nullptr ? 0 : cu_seqlens_scratch_bytes(p.num_sequences);
+    keys = p.cu_seqlens == nullptr ? 0 : cu_seqlens_scratch_bytes(p.num_sequences);
+    const bool own_offsets = p.cu_seqlens_k != nullptr && p.cu_seqlens_k != p.cu_seqlens;
+    delta = keys + (own_offsets ? cu_seqlens_scratch_bytes(p.num_sequences) : 0);
     colsum = delta + padded_bytes(n * sizeof(float));
     rowsum = colsum + (gated ? padded_bytes(n * sizeof(float)) : 0);
     gate = rowsum + (gated ? padded_bytes(n * sizeof(float)) : 0);
