@@ -300,6 +300,10 @@ int main(int argc, char** argv) {
         cell& c = cells[i / std::size_t(o.seeds)];
         const int s = int(i % std::size_t(o.seeds));
         c.acc[std::size_t(s)] = run_kind(c.kind, c.layers, c.variant, o.first_seed + s, o);
+        std::printf("  %s x%d%s seed %d: accuracy %.1f %%\n", c.kind.c_str(), c.layers,
+                    mq ? (" N=" + std::to_string(c.variant)).c_str() : "", o.first_seed + s,
+                    100.0 * c.acc[std::size_t(s)]);
+        std::fflush(stdout);
       }
     };
     std::vector<std::thread> pool;
