@@ -47,27 +47,6 @@ struct bwd_case {
   }
 };
 
-// max |x - ref| / max |ref| (absolute when ref is all 0); NaN or inf in x gives +inf.
-template <class X>
-double max_rel(const std::vector<X>& x, const std::vector<double>& ref) {
-  if (x.size() != ref.size()) return std::numeric_limits<double>::infinity();
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    const double o = attnmix::convert<double>(x[i]);
-    if (!std::isfinite(o)) return std::numeric_limits<double>::infinity();
-    num = std::max(num, std::abs(o - ref[i]));
-    den = std::max(den, std::abs(ref[i]));
-  }
-  return den > 0 ? num / den : num;
-}
-
-template <class T>
-constexpr double unit_roundoff() {
-  return std::is_same_v<T, attnmix::bfloat16> ? 0x1p-8
-         : std::is_same_v<T, attnmix::half>   ? 0x1p-11
-                                              : 0x1p-24;
-}
-
 // The tensors of a backward call, as flat vectors of one element type (E) and accumulator (A).
 template <class E, class A>
 struct grad_buffers {

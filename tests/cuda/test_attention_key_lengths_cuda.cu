@@ -193,27 +193,6 @@ TEST_CASE("CUDA attention with keys of other lengths, a small sweep for compute-
 // ---- backward ------------------------------------------------------------------------------
 namespace {
 
-// max |x - ref| / max |ref| (absolute when ref is all 0); NaN or inf in x gives +inf.
-template <class X>
-double max_rel(const std::vector<X>& x, const std::vector<double>& ref) {
-  if (x.size() != ref.size()) return std::numeric_limits<double>::infinity();
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    const double o = attnmix::convert<double>(x[i]);
-    if (!std::isfinite(o)) return std::numeric_limits<double>::infinity();
-    num = std::max(num, std::abs(o - ref[i]));
-    den = std::max(den, std::abs(ref[i]));
-  }
-  return den > 0 ? num / den : num;
-}
-
-template <class T>
-constexpr double unit_roundoff() {
-  return std::is_same_v<T, attnmix::bfloat16> ? 0x1p-8
-         : std::is_same_v<T, attnmix::half>   ? 0x1p-11
-                                              : 0x1p-24;
-}
-
 // Keys of other lengths without a cache (what a backward takes), including a sequence of keys
 // with no query (its keys' gradients are zero).
 std::vector<key_case> backward_causal_cases() {

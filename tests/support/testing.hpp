@@ -9,6 +9,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attnmix/core/host_tensor.hpp"
@@ -129,6 +130,28 @@ double lse_error(const std::vector<T>& out, const std::vector<double>& ref) {
 template <class T>
 bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// max |x - ref| / max |ref| (absolute when ref is all 0); NaN or inf in x gives +inf.
+template <class X>
+double max_rel(const std::vector<X>& x, const std::vector<double>& ref) {
+  if (x.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double o = attnmix::convert<double>(x[i]);
+    if (!std::isfinite(o)) return std::numeric_limits<double>::infinity();
+    num = std::max(num, std::abs(o - ref[i]));
+    den = std::max(den, std::abs(ref[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+// The unit roundoff of T (of 16-bit types: what one rounding to T may lose, relatively).
+template <class T>
+constexpr double unit_roundoff() {
+  return std::is_same_v<T, attnmix::bfloat16> ? 0x1p-8
+         : std::is_same_v<T, attnmix::half>   ? 0x1p-11
+                                              : 0x1p-24;
 }
 
 // DESIGN.md tolerances for relative error against a float64 oracle.
