@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cuda_bench.cuh"
+#include "encoder_flops.hpp"
 
 namespace {
 
@@ -53,30 +54,22 @@ void BM_gemm_bf16(benchmark::State& state) {
   attnmix_bench::device_array<bf16> x(std::size_t(n * n), 1), w(std::size_t(n * n), 2),
       y(std::size_t(n * n), 3);
   attnmix::detail::cuda::blas_handle h;
-  const auto call = [&] {
-    attnmix::detail::cuda::gemm_rows(h.get(), nullptr, x.ptr, n, n, w.ptr, n, n, y.ptr, n);
+  const auto ten = [&] {
+    for (int i = 0; i < 10; ++i)
+      attnmix::detail::cuda::gemm_rows(h.get(), nullptr, x.ptr, n, n, w.ptr, n, n, y.ptr, n);
   };
-  attnmix_bench::time_with_events(state, call, 10);
-  // time_with_events reports the mean time of a call; recompute the rate from one more run.
-  const double ms = timed_ms([&] {
-                      for (int i = 0; i < 10; ++i) call();
-                    }) /
-                    10;
+  ten();  // warm-up: cuBLAS picks its kernel
+  double ms = 0;
+  for (auto _ : state) {
+    const double t = timed_ms(ten) / 10;
+    ms += t;
+    state.SetIterationTime(t * 1e-3);
+  }
+  ms /= double(state.iterations());
   gemm_tflops = 2.0 * double(n) * double(n) * double(n) / (ms * 1e-3) / 1e12;
   state.counters["TFLOPs"] = gemm_tflops;
 }
-BENCHMARK(BM_gemm_bf16)->Iterations(20)->UseManualTime()->Unit(benchmark::kMillisecond);
-
-// Forward matrix FLOPs of one block over one sequence of n tokens: the projections (q, k, v, o
-// for every kind; GBLA's gate and norm projections as encoder_flops counts them), the SwiGLU MLP,
-// and the attention's products (4 n^2 inner bidirectional, half of it causal).
-double block_flops(bool attention, bool causal, const L::config& c, double n) {
-  const double D = double(c.hidden_size), I = double(L::mlp_width(c, L::mlp_kind::swiglu));
-  const double inner = double(c.num_heads * c.dim()), d = double(c.dim());
-  const double mlp = 6.0 * D * I * n;
-  if (attention) return 8.0 * D * inner * n + (causal ? 2.0 : 4.0) * n * n * inner + mlp;
-  return 8.0 * D * n + 2.0 * D * (5 * inner + 1) * n + 4.0 * n * inner * d + mlp;
-}
+BENCHMARK(BM_gemm_bf16)->Iterations(5)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 L::config paper_config() {
   L::config c;
@@ -130,10 +123,10 @@ void BM_encoder_step(benchmark::State& state) {
     }
   }
   th /= double(state.iterations()), ts /= double(state.iterations());
-  const double fh =
-      3.0 * double(B) *
-      (3 * block_flops(true, false, c, double(T)) + 6 * block_flops(false, false, c, double(T)));
-  const double fs = 3.0 * double(B) * 9 * block_flops(true, false, c, double(T));
+  const double fh = 3.0 * double(B) *
+                    (3 * attnmix_bench::block_flops(true, c, double(T)) +
+                     6 * attnmix_bench::block_flops(false, c, double(T)));
+  const double fs = 3.0 * double(B) * 9 * attnmix_bench::block_flops(true, c, double(T));
   state.counters["hybrid_ms"] = th;
   state.counters["sa_only_ms"] = ts;
   state.counters["speedup"] = ts / th;
@@ -188,9 +181,9 @@ void BM_lm_step(benchmark::State& state) {
     }
   }
   ms /= double(state.iterations());
-  const double flops =
-      3.0 * double(B) *
-      (12 * block_flops(true, true, c, double(T)) + 2.0 * double(c.hidden_size) * V * double(T));
+  const double flops = 3.0 * double(B) *
+                       (12 * attnmix_bench::block_flops(true, c, double(T), true) +
+                        2.0 * double(c.hidden_size) * V * double(T));
   state.counters["step_ms"] = ms;
   state.counters["tokens_per_s"] = double(B * T) / (ms * 1e-3);
   state.counters["model_TFLOPs"] = flops / (ms * 1e-3) / 1e12;

@@ -35,11 +35,8 @@
 
 #include "attnmix/attnmix.hpp"
 #include "attnmix/train/language_model.hpp"
-#include "attnmix/train/optimizer.hpp"
-#include "attnmix/train/progress.hpp"
-#include "attnmix/train/schedule.hpp"
 #include "attnmix/train/tasks.hpp"
-#include "host_logits.hpp"
+#include "task_training.hpp"
 
 namespace {
 
@@ -68,50 +65,8 @@ std::int32_t vocab(const options& o) {
                            : std::int32_t(attnmix::train::a5::order);
 }
 
-// Trains `model` (made from the float `start`, its masters from start's weights) on `be` and
-// returns its accuracy on the scored positions of fresh sequences.
-template <class Model, class Start, class Backend>
-double train(Model& model, const Start& start, const std::string& label, int variant, int seed,
-             const options& o, const Backend& be) {
-  attnmix::train::adamw_config ac;
-  ac.beta2 = 0.98, ac.weight_decay = 0.1, ac.clip_norm = 1.0;
-  attnmix::train::adamw<Backend> opt(ac);
-  opt.init(model);
-  auto weights = opt.master_weights(model);  // 16-bit weights: float masters from `start`
-  attnmix::layers::transfer_parameters(start, weights);
-  const attnmix::train::warmup_cosine lr{std::max<index_t>(1, o.steps / 20), o.steps, o.lr,
-                                         o.lr / 10};
-  std::mt19937_64 gen(std::uint64_t(seed) * 1000003 + std::uint64_t(variant));
-  attnmix::train::progress bar(o.steps, o.batch * o.length, o.every, stdout, label);
-  using ids = attnmix::tensor_view<const std::int32_t, 2>;
-  for (index_t step = 1; step <= o.steps; ++step) {
-    const task_batch b = make(o, gen, o.batch, variant);
-    attnmix::train::adamw<Backend>::zero_grad(model, be);
-    const double loss = model.loss(ids(b.tokens.data(), {o.batch, o.length}),
-                                   ids(b.labels.data(), {o.batch, o.length}), true, be);
-    opt.step(model, lr(step), be);
-    bar.step(step, loss);
-  }
-  std::mt19937_64 eval(7777 + std::uint64_t(seed) * 31 + std::uint64_t(variant));
-  const index_t V = vocab(o);
-  index_t right = 0, total = 0;
-  host_logits<Backend, typename Model::scalar> logits(V);
-  for (index_t done = 0; done < o.eval; done += 16) {
-    const index_t B = std::min<index_t>(16, o.eval - done);
-    const task_batch b = make(o, eval, B, variant);
-    model.forward(ids(b.tokens.data(), {B, o.length}), logits.view(B, o.length), be);
-    const float* all = logits.read();
-    for (index_t r = 0; r < B * o.length; ++r) {
-      if (!b.scored[std::size_t(r)]) continue;
-      const float* z = all + r * V;
-      right += std::int32_t(std::max_element(z, z + V) - z) == b.labels[std::size_t(r)];
-      ++total;
-    }
-  }
-  return total > 0 ? double(right) / double(total) : 0.0;
-}
-
-// A model of `Layers` blocks of Layer, trained on the chosen device; its accuracy.
+// A model of `Layers` blocks of Layer, trained on the chosen device; its accuracy on the scored
+// positions of o.eval fresh sequences.
 template <int Layers, class Layer>
 double run(const std::string& name, int variant, int seed, const options& o) {
   using stack = attnmix::stack<float, attnmix::repeat<Layers, Layer>>;
@@ -123,17 +78,20 @@ double run(const std::string& name, int variant, int seed, const options& o) {
   const std::string label = "  " + name + " x" + std::to_string(Layers) +
                             (o.task == "mqrar" ? " N=" + std::to_string(variant) : "") + " seed " +
                             std::to_string(seed) + ": ";
-#ifdef __CUDACC__
-  if (o.device == "cuda" && o.precision == "bf16") {
-    attnmix::train::language_model<attnmix::device_stack<stack, attnmix::bfloat16>> gpu(model);
-    return train(gpu, model, label, variant, seed, o, attnmix::backend::cuda{});
-  }
-  if (o.device == "cuda") {
-    attnmix::train::language_model<attnmix::device_stack<stack, float>> gpu(model);
-    return train(gpu, model, label, variant, seed, o, attnmix::backend::cuda{});
-  }
-#endif
-  return train(model, model, label, variant, seed, o, attnmix::backend::cpu{o.threads});
+  return on_chosen_device(model, o, [&](auto& trained, const auto& be) {
+    std::mt19937_64 gen(std::uint64_t(seed) * 1000003 + std::uint64_t(variant));
+    train_on_task(
+        trained, model, o, gen, [&](std::mt19937_64& g) { return make(o, g, o.batch, variant); },
+        label, be);
+    std::mt19937_64 eval(7777 + std::uint64_t(seed) * 31 + std::uint64_t(variant));
+    scored_predictions<std::decay_t<decltype(trained)>, std::decay_t<decltype(be)>> count(trained,
+                                                                                          be);
+    for (index_t done = 0; done < o.eval; done += 16) {
+      const index_t B = std::min<index_t>(16, o.eval - done);
+      count.add(make(o, eval, B, variant), B, o.length);
+    }
+    return count.scored > 0 ? double(count.right) / double(count.scored) : 0.0;
+  });
 }
 
 template <class Layer>

@@ -30,15 +30,9 @@
 #include <vector>
 
 #include "attnmix/attnmix.hpp"
-#ifdef __CUDACC__
-#include "attnmix/cuda.cuh"
-#endif
 #include "attnmix/train/language_model.hpp"
-#include "attnmix/train/optimizer.hpp"
-#include "attnmix/train/progress.hpp"
-#include "attnmix/train/schedule.hpp"
 #include "attnmix/train/tasks.hpp"
-#include "host_logits.hpp"
+#include "task_training.hpp"
 
 namespace {
 
@@ -62,59 +56,18 @@ struct errors {
   double in_dist, sparse, dense;
 };
 
-// Read-bit error of `model` on `n` fresh sequences of ignore probability p.
+// Read-bit error of `model` on o.eval fresh sequences of ignore probability p.
 template <class Model, class Backend>
 double read_error(const Model& model, std::uint64_t seed, const options& o, double p,
                   const Backend& be) {
   std::mt19937_64 gen(seed);
-  index_t wrong = 0, total = 0;
   const index_t chunk = std::min<index_t>(o.eval, 32);
-  host_logits<Backend, typename Model::scalar> logits(vocab);
+  scored_predictions<Model, Backend> count(model, be);
   for (index_t done = 0; done < o.eval; done += chunk) {
     const index_t B = std::min(chunk, o.eval - done);
-    const task_batch b = attnmix::train::flip_flop::make(gen, B, o.length, p);
-    model.forward(attnmix::tensor_view<const std::int32_t, 2>(b.tokens.data(), {B, o.length}),
-                  logits.view(B, o.length), be);
-    const float* all = logits.read();
-    for (index_t r = 0; r < B * o.length; ++r) {
-      if (!b.scored[r]) continue;
-      const float* z = all + r * vocab;
-      const std::int32_t guess = static_cast<std::int32_t>(std::max_element(z, z + vocab) - z);
-      wrong += guess != b.labels[r];
-      ++total;
-    }
+    count.add(attnmix::train::flip_flop::make(gen, B, o.length, p), B, o.length);
   }
-  return total > 0 ? double(wrong) / double(total) : 0.0;
-}
-
-// Trains `model` (made from the float `start`) on `be` and measures its read errors.
-template <class Model, class Start, class Backend>
-errors train(Model& model, const Start& start, const std::string& name, int seed, const options& o,
-             const Backend& be) {
-  attnmix::train::adamw_config ac;
-  ac.beta2 = 0.98, ac.weight_decay = 0.1, ac.clip_norm = 1.0;
-  attnmix::train::adamw<Backend> opt(ac);
-  opt.init(model);
-  auto weights = opt.master_weights(model);  // 16-bit weights: float masters from `start`
-  attnmix::layers::transfer_parameters(start, weights);
-  const attnmix::train::warmup_cosine lr{std::max<index_t>(1, o.steps / 20), o.steps, o.lr,
-                                         o.lr / 10};
-  std::mt19937_64 gen(seed);
-  attnmix::train::progress bar(o.steps, o.batch * o.length, o.every, stdout,
-                               "  " + name + " seed " + std::to_string(seed) + ": ");
-  for (index_t step = 1; step <= o.steps; ++step) {
-    const task_batch b = attnmix::train::flip_flop::make(gen, o.batch, o.length, 0.8);
-    attnmix::train::adamw<Backend>::zero_grad(model, be);
-    const double loss = model.loss(
-        attnmix::tensor_view<const std::int32_t, 2>(b.tokens.data(), {o.batch, o.length}),
-        attnmix::tensor_view<const std::int32_t, 2>(b.labels.data(), {o.batch, o.length}), true,
-        be);
-    opt.step(model, lr(step), be);
-    bar.step(step, loss);
-  }
-  const std::uint64_t eval_seed = 7777 + std::uint64_t(seed);
-  return {read_error(model, eval_seed, o, 0.8, be), read_error(model, eval_seed + 1, o, 0.98, be),
-          read_error(model, eval_seed + 2, o, 0.1, be)};
+  return count.scored > 0 ? double(count.scored - count.right) / double(count.scored) : 0.0;
 }
 
 template <class Layer>
@@ -125,17 +78,19 @@ errors run(const std::string& name, int seed, const options& o) {
   c.num_heads = 2;
   attnmix::train::language_model<host_stack> model(c, vocab);
   attnmix::layers::randomize_parameters(model, 1000 + seed, 0.02);
-#ifdef __CUDACC__
-  if (o.device == "cuda" && o.precision == "bf16") {
-    attnmix::train::language_model<attnmix::device_stack<host_stack, attnmix::bfloat16>> gpu(model);
-    return train(gpu, model, name, seed, o, attnmix::backend::cuda{});
-  }
-  if (o.device == "cuda") {
-    attnmix::train::language_model<attnmix::device_stack<host_stack, float>> gpu(model);
-    return train(gpu, model, name, seed, o, attnmix::backend::cuda{});
-  }
-#endif
-  return train(model, model, name, seed, o, attnmix::backend::cpu{o.threads});
+  return on_chosen_device(model, o, [&](auto& trained, const auto& be) {
+    std::mt19937_64 gen(seed);
+    train_on_task(
+        trained, model, o, gen,
+        [&](std::mt19937_64& g) {
+          return attnmix::train::flip_flop::make(g, o.batch, o.length, 0.8);
+        },
+        "  " + name + " seed " + std::to_string(seed) + ": ", be);
+    const std::uint64_t eval_seed = 7777 + std::uint64_t(seed);
+    return errors{read_error(trained, eval_seed, o, 0.8, be),
+                  read_error(trained, eval_seed + 1, o, 0.98, be),
+                  read_error(trained, eval_seed + 2, o, 0.1, be)};
+  });
 }
 
 errors run_kind(const std::string& kind, int seed, const options& o) {

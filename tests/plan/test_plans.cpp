@@ -125,7 +125,8 @@ TEST_CASE("softmax plans: wgmma on Hopper, mma.sync elsewhere, CUDA cores otherw
 }
 
 TEST_CASE("softmax scratch: offsets, gate cumsum, part sums, work counter", "[plan]") {
-  attnmix::attention_problem p{2, 1000, 8, 2, 64, 64, 0.125, -1, nullptr, 2, 1000, nullptr, 2};
+  attnmix::attention_problem p{2,       1000, 8,    2,       64, 64,      0.125,  -1,
+                               nullptr, 2,    1000, nullptr, 2,  nullptr, nullptr};
   const attention_scratch_layout plain(p, false, 1000);
   CHECK(plain.gate == 0);
   CHECK(plain.part_sums == 0);
@@ -146,7 +147,8 @@ TEST_CASE("softmax scratch: offsets, gate cumsum, part sums, work counter", "[pl
 TEST_CASE("softmax scratch with keys of their own layout", "[plan]") {
   // Three sequences of 4 queries reading slots of a cache of 5 rows of 600 keys (k [5, 600]).
   const std::int32_t slots[] = {4, 0, 4}, lengths[] = {10, 600, 33};
-  attnmix::attention_problem p{3, 4, 8, 2, 64, 64, 0.125, 0, nullptr, 3, 600, nullptr, 5};
+  attnmix::attention_problem p{3,       4, 8,   2,       64, 64,      0.125,  0,
+                               nullptr, 3, 600, nullptr, 5,  nullptr, nullptr};
   p.key_slots = slots;
   const attention_scratch_layout slotted(p, true, 4);
   CHECK(slotted.cu_k == 0);
@@ -162,7 +164,8 @@ TEST_CASE("softmax scratch with keys of their own layout", "[plan]") {
   // Packed queries and keys with offsets of their own: a scan a sequence of keys, the longest
   // of 900.
   const std::int32_t cu[] = {0, 2, 2, 12}, cu_k[] = {0, 900, 905, 1205};
-  attnmix::attention_problem q{1, 12, 8, 2, 64, 64, 0.125, 0, cu, 3, 1205, cu_k, 1};
+  attnmix::attention_problem q{1,  12, 8,    2,    64, 64,      0.125,  0,
+                               cu, 3,  1205, cu_k, 1,  nullptr, nullptr};
   const attention_scratch_layout packed(q, true, 10);
   CHECK(packed.cu_k == 256);
   CHECK(packed.slots == 512);

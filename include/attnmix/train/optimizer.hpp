@@ -140,16 +140,17 @@ class adamw {
     detail::require(double(t) <= max_steps, fn, "this", "has taken ", t - 1,
                     " steps, the most its step count holds");
     if (moments_.empty()) init(model);
-    std::size_t i = 0;
-    model.visit_parameters(
-        [&](const std::string& name, auto& p) { check_entry(fn, i++, name, p); });
-    detail::require(i == moments_.size(), fn, "model", "has ", i,
-                    " parameters but the optimiser state holds ", moments_.size());
+    // Each entry is checked before any parameter is written (the sum is the optimiser's own).
     sum_squares_.resize(1);
     double* ss = sum_squares_.data();
     O::zero(be, ss, 1);
-    model.visit_parameters(
-        [&](const std::string&, auto& p) { O::sum_squares(be, p.grad_ptr(), p.numel(), ss); });
+    std::size_t i = 0;
+    model.visit_parameters([&](const std::string& name, auto& p) {
+      check_entry(fn, i++, name, p);
+      O::sum_squares(be, p.grad_ptr(), p.numel(), ss);
+    });
+    detail::require(i == moments_.size(), fn, "model", "has ", i,
+                    " parameters but the optimiser state holds ", moments_.size());
     i = 0;
     model.visit_parameters([&](const std::string&, auto& p) {
       auto& s = moments_[i++];

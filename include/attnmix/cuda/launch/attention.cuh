@@ -108,9 +108,7 @@ struct attention_setup {
       const index_t N = p.num_sequences;
       kp.keys_differ = true;
       kp.key_tokens = p.key_tokens;
-      kp.cu_seqlens_k = p.cu_seqlens_k == nullptr        ? nullptr
-                        : p.cu_seqlens_k == p.cu_seqlens ? kp.cu_seqlens
-                                                         : put(layout.cu_k, p.cu_seqlens_k, N + 1);
+      kp.cu_seqlens_k = upload_key_offsets(scratch.get() + layout.cu_k, p, kp.cu_seqlens, stream);
       kp.key_slots = p.key_slots == nullptr ? nullptr : put(layout.slots, p.key_slots, N);
       kp.key_lengths = p.key_lengths == nullptr ? nullptr : put(layout.lengths, p.key_lengths, N);
     }

@@ -17,7 +17,6 @@
 #include "attnmix/cuda/kernels/attention_backward_simt.cuh"
 #include "attnmix/cuda/kernels/sm80_attention_backward.cuh"
 #include "attnmix/cuda/kernels/sm80_attention_backward_v2.cuh"
-#include "attnmix/cuda/plan/attention.hpp"
 #include "attnmix/cuda/plan/attention_backward.hpp"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -117,15 +116,7 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
   if (shape.keys_differ) {  // Tk, or cu_seqlens_k (the front door passes no slots or lengths)
     f.keys_differ = true;
     f.key_tokens = p.key_tokens;
-    f.cu_seqlens_k = p.cu_seqlens_k;
-    if (p.cu_seqlens_k == p.cu_seqlens) {
-      f.cu_seqlens_k = f.cu_seqlens;
-    } else if (p.cu_seqlens_k != nullptr) {
-      upload_host(scratch.get() + layout.keys, p.cu_seqlens_k,
-                  static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t), stream,
-                  "cudaMemcpyAsync(cu_seqlens_k)");
-      f.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(scratch.get() + layout.keys);
-    }
+    f.cu_seqlens_k = upload_key_offsets(scratch.get() + layout.keys, p, f.cu_seqlens, stream);
   }
   kp.lse = a.lse.data(), kp.dout = a.dout.data();
   kp.dq = a.dq.data(), kp.dk = a.dk.data(), kp.dv = a.dv.data();

@@ -118,6 +118,13 @@ inline index_t longest_key_row(const attention_problem& p, index_t max_len) {
   return longest;
 }
 
+// Scratch bytes of the device copy of the keys' own offsets: 0 unless cu_seqlens_k differs from
+// cu_seqlens (forward and backward).
+inline std::size_t key_offsets_bytes(const attention_problem& p) {
+  const bool own = p.cu_seqlens_k != nullptr && p.cu_seqlens_k != p.cu_seqlens;
+  return own ? cu_seqlens_scratch_bytes(p.num_sequences) : 0;
+}
+
 // Scratch of a softmax-family call: the cu_seqlens copy; where the keys differ from the queries
 // the copies of their offsets, slots and lengths; with a gate its cumsum G over the keys' layout
 // (double), each key's last hard reset (int) and the parts' summaries (two doubles: the sum since
@@ -129,11 +136,10 @@ struct attention_scratch_layout {
   index_t gate_parts = 1;  // parts of gate_part tokens of the longest row of keys
   attention_scratch_layout(const attention_problem& p, bool gated, index_t max_len) {
     gate_parts = std::max<index_t>(1, (longest_key_row(p, max_len) + gate_part - 1) / gate_part);
-    const bool own_offsets = p.cu_seqlens_k != nullptr && p.cu_seqlens_k != p.cu_seqlens;
     const std::size_t per_sequence =
         padded_bytes(static_cast<std::size_t>(p.num_sequences) * sizeof(std::int32_t));
     cu_k = p.cu_seqlens == nullptr ? 0 : cu_seqlens_scratch_bytes(p.num_sequences);
-    slots = cu_k + (own_offsets ? cu_seqlens_scratch_bytes(p.num_sequences) : 0);
+    slots = cu_k + key_offsets_bytes(p);
     lengths = slots + (p.key_slots != nullptr ? per_sequence : 0);
     gate = lengths + (p.key_lengths != nullptr ? per_sequence : 0);
     const std::size_t rows = static_cast<std::size_t>(p.key_batch * p.key_tokens * p.q_heads);

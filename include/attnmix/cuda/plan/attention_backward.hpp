@@ -26,6 +26,7 @@
 #include "attnmix/attention/args.hpp"
 #include "attnmix/config.hpp"
 #include "attnmix/cuda/kernels/attention_backward_shapes.hpp"
+#include "attnmix/cuda/plan/attention.hpp"
 #include "attnmix/cuda/plan/device_properties.hpp"
 #include "attnmix/cuda/plan/grid.hpp"
 #include "attnmix/cuda/plan/scratch.hpp"
@@ -129,8 +130,7 @@ struct attention_backward_scratch_layout {
   attention_backward_scratch_layout(const attention_problem& p, bool gated) {
     const auto n = static_cast<std::size_t>(p.batch * p.tokens * p.q_heads);
     keys = p.cu_seqlens == nullptr ? 0 : cu_seqlens_scratch_bytes(p.num_sequences);
-    const bool own_offsets = p.cu_seqlens_k != nullptr && p.cu_seqlens_k != p.cu_seqlens;
-    delta = keys + (own_offsets ? cu_seqlens_scratch_bytes(p.num_sequences) : 0);
+    delta = keys + key_offsets_bytes(p);
     colsum = delta + padded_bytes(n * sizeof(float));
     rowsum = colsum + (gated ? padded_bytes(n * sizeof(float)) : 0);
     gate = rowsum + (gated ? padded_bytes(n * sizeof(float)) : 0);

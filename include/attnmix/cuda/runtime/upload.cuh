@@ -76,6 +76,20 @@ const std::int32_t* upload_offsets(unsigned char* dst, const Problem& p, cudaStr
   return reinterpret_cast<const std::int32_t*>(dst);
 }
 
+// The keys' offsets on the device (a softmax-family problem): nullptr for dense keys, `queries`
+// (the device copy of cu_seqlens) where they are the same offsets, else a copy in dst, which
+// key_offsets_bytes (plan/attention.hpp) sized.
+template <class Problem>
+const std::int32_t* upload_key_offsets(unsigned char* dst, const Problem& p,
+                                       const std::int32_t* queries, cudaStream_t stream) {
+  if (p.cu_seqlens_k == nullptr) return nullptr;
+  if (p.cu_seqlens_k == p.cu_seqlens) return queries;
+  upload_host(dst, p.cu_seqlens_k,
+              static_cast<std::size_t>(p.num_sequences + 1) * sizeof(std::int32_t), stream,
+              "cudaMemcpyAsync(cu_seqlens_k)");
+  return reinterpret_cast<const std::int32_t*>(dst);
+}
+
 }  // namespace cuda
 }  // namespace detail
 }  // namespace attnmix
