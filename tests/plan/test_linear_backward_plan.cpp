@@ -182,14 +182,22 @@ TEST_CASE("linear backward: the tensor-core passes", "[plan][linear_backward]") 
     CHECK(p.pass_a_smem ==
           2 * (2 * 64 * 88 + 3 * 64 * 72 + 2 * 64 * 88) + 4 * (4 * 64 + 64 + 64 + 64));
     CHECK(3 * (p.pass_a_smem + 1024) <= 228 * 1024);
+    // The key pass: dS in two parts and dz, two stages of k and v for each of 8 warps; two CTAs
+    // a multiprocessor, about four waves of them: 2 * 132 * 4 over 128 pairs.
+    CHECK(p.key_threads == 256);
+    CHECK(p.pass_b_smem == 2 * (2 * 64 * 72 + 2 * 8 * 16 * (72 + 72)) + 4 * 64);
+    CHECK(2 * (p.pass_b_smem + 1024) <= 228 * 1024);
+    CHECK(p.key_grid.x == 8);
+    CHECK(p.key_part_tokens == 256);
     CHECK(p.reduce_smem == 2 * (2 * 64 * 72 + 64 * 88) + 8 * 64);
   }
   SECTION("over the default 48 KiB: not without the opt-in; half keeps v in two parts") {
     CHECK_FALSE(plan_linear_backward(s, small_smem()).mma);
     s.half_inputs = true;
     const linear_backward_plan p = plan_linear_backward(s, h200());
-    CHECK(p.pass_b_smem == linear_bwd_mma_layout<64, 64>::key_smem(true));
-    CHECK(p.pass_b_smem > linear_bwd_mma_layout<64, 64>::key_smem(false));
+    // The key pass splits half's v in registers: the same shared memory.
+    CHECK(p.pass_b_smem == linear_bwd_mma_layout<64, 64>::key_smem);
+    CHECK(p.reduce_smem > linear_bwd_mma_layout<64, 64>::reduce_smem(false));
   }
   SECTION("other dims, causal half calls and the forced CUDA cores keep the CUDA-core kernels") {
     s.value_dim = 32;

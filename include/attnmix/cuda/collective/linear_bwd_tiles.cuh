@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/collective/fast_math.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
 #include "attnmix/cuda/kernels/linear_simt.cuh"
 #include "attnmix/math/feature_map.hpp"
@@ -27,18 +28,19 @@ __device__ __forceinline__ uint4 lbm_load8(const void* base, const index_t* st, 
                                               t * st[1] + h * st[2] + 8 * ch));
 }
 
-// mul phi(x) of eight raw elements as bfloat16 operands, in two parts (or zeros when !ok).
+// mul phi(x) of eight raw elements as bfloat16 operands, in two parts (or zeros when !ok:
+// selected, not branched on, so that the warp's lanes stay together).
 template <class Dev, class Policy>
 __device__ __forceinline__ void lbm_phi8(uint4 raw, float mul, bool ok, lbm_op* hi, lbm_op* lo) {
   const std::uint32_t in[4] = {raw.x, raw.y, raw.z, raw.w};
-  std::uint32_t h[4] = {}, l[4] = {};
-  if (ok)
+  std::uint32_t h[4], l[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 x = unpack2<Dev>(in[i]);
-      split2(mul * apply_feature_map<Policy::phi>(x.x), mul * apply_feature_map<Policy::phi>(x.y),
-             h[i], l[i]);
-    }
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = unpack2<Dev>(in[i]);
+    split2(mul * fast_feature_map<Policy::phi>(x.x), mul * fast_feature_map<Policy::phi>(x.y), h[i],
+           l[i]);
+    h[i] = ok ? h[i] : 0u, l[i] = ok ? l[i] : 0u;
+  }
   *reinterpret_cast<uint4*>(hi) = make_uint4(h[0], h[1], h[2], h[3]);
   if (lo != nullptr) *reinterpret_cast<uint4*>(lo) = make_uint4(l[0], l[1], l[2], l[3]);
 }

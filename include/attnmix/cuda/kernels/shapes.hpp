@@ -45,15 +45,18 @@ struct linear_bwd_mma_layout {
   static constexpr int ld_v = Dv + 24;    // [*][Dv | z | 15 zeros] tiles and states
   static constexpr int ntv = Dv / 8 + 1;  // n-tiles of [x | z]
   // CTAs a multiprocessor each pass is compiled for (its registers: 65536 / (threads ctas)).
-  static constexpr int reduce_ctas = 4, query_ctas = 3, key_ctas = 3;
+  static constexpr int reduce_ctas = 4, query_ctas = 3, key_ctas = 2;
   // Shared bytes of each kernel (16-bit elements, then the floats and flags). A state in two
   // parts (high and low); half inputs keep v in two bfloat16 parts as well (SplitV).
   static constexpr int state_elems = D * ld_v, d_tile = rows * ld_d, v_tile = rows * ld_v;
   static constexpr int query_smem =
       2 * (2 * state_elems + 3 * d_tile + 2 * v_tile) + 4 * (warps * Dv + D + rows + Dv);
-  static constexpr int key_smem(bool split_v) {
-    return 2 * (2 * state_elems + 2 * d_tile + (split_v ? 2 : 1) * v_tile) + 8 * rows;
-  }
+  // The key pass: key_warps warps, each walking its own slabs of 16 tokens with the raw k and v
+  // of two slabs in its own two stages ([16][ld_d] then [16][key_ld_v]); dS in two parts
+  // [D][key_ld_v], dz in float.
+  static constexpr int key_warps = 8, key_threads = 32 * key_warps, key_ld_v = Dv + 8;
+  static constexpr int key_stage = 16 * (ld_d + key_ld_v);
+  static constexpr int key_smem = 2 * (2 * D * key_ld_v + 2 * key_warps * key_stage) + 4 * D;
   static constexpr int reduce_smem(bool split_v) {
     return 2 * (2 * d_tile + (split_v ? 2 : 1) * v_tile) + 8 * rows;
   }
@@ -69,7 +72,7 @@ inline int linear_bwd_mma_smem(linear_bwd_pass pass, bool split_v) {
     case linear_bwd_pass::query:
       return L::query_smem;
     default:
-      return L::key_smem(split_v);
+      return L::key_smem;
   }
 }
 

@@ -24,37 +24,14 @@
 #include <type_traits>
 
 #include "attnmix/cuda/arch/dependent_launch.cuh"
+#include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/collective/fast_math.cuh"
 #include "attnmix/cuda/kernels/linear_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
-#include "attnmix/cuda/arch/mma.cuh"
 
 namespace attnmix {
 namespace detail {
 namespace cuda {
-
-
-// The feature map and the gate activation of math/feature_map.hpp with the hardware exp and
-// reciprocal: the 16-bit kernels are bound by these per-element instructions, and their error
-// (a few float ulps) is far below the operands' rounding.
-template <feature_map F>
-__device__ __forceinline__ float fast_feature_map(float x) {
-  if constexpr (F == feature_map::elu_plus_one) {
-    return x > 0.f ? x + 1.f : __expf(x);
-  } else if constexpr (F == feature_map::sigmoid) {
-    return __fdividef(1.f, 1.f + __expf(-x));
-  } else {
-    return apply_feature_map<F>(x);
-  }
-}
-template <gate_activation G>
-__device__ __forceinline__ float fast_gate_activation(float g) {
-  // exp(-g) = inf for g < -88 gives g * 0 = -0 and 1 * 0 = 0, the limits.
-  if constexpr (G == gate_activation::silu) {
-    return __fdividef(g, 1.f + __expf(-g));
-  } else {
-    return __fdividef(1.f, 1.f + __expf(-g));
-  }
-}
 
 // Packed pairs of T: the feature map and the gate activation on two elements at once with the
 // 16-bit ALU and the 16-bit approximate ex2 and tanh (sm_90 for bfloat16). Their results are

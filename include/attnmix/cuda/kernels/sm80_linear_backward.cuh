@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/collective/fast_math.cuh"
 #include "attnmix/cuda/collective/linear_bwd_tiles.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
 #include "attnmix/cuda/kernels/linear_backward_simt.cuh"
@@ -479,7 +480,8 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
         const float2 qb =
             unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Qs + rb * L::ld_d + d));
         auto dq = [&](float xv, float qv) {
-          return f.scale * xv * phi_derivative<Policy::phi>(qv, apply_feature_map<Policy::phi>(qv));
+          return f.scale * xv *
+                 fast_phi_derivative<Policy::phi>(qv, fast_feature_map<Policy::phi>(qv));
         };
         if (ra < rows)
           lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, ta, hq, d, oka ? dq(x[j][0], qa.x) : 0.f,
@@ -533,107 +535,156 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
 
 // ---- pass B: keys --------------------------------------------------------------------------
 
-// CTA (part, KV head h, sequence n): what linear_bwd_key_kernel computes.
+// CTA (part, KV head h, sequence n): what linear_bwd_key_kernel computes. Each row is its own
+// (no sum over tokens), so each warp walks its own slabs of 16 tokens (slab warp, warp + warps,
+// ... of the range) with no barrier between warps: k and v are copied two slabs ahead into the
+// warp's two stages (cp.async), and the products read them there as A fragments, the feature
+// map (and half v's split) applied in registers. The CTA stages dS once, in two parts; dz is
+// added to e in float. Pad rows and rows past the range are selected away (their k, v may be
+// anything, and copies past the range are zero-filled).
 template <class Dev, class Policy, int D, int Dv>
-__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
+__global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
                                   linear_bwd_mma_layout<D, Dv>::key_ctas)
     linear_bwd_key_mma_kernel(const linear_backward_params bp, index_t part_tokens,
                               const float* stats, const float* dstate, const float* jac,
                               float* da_heads) {
   using L = linear_bwd_mma_layout<D, Dv>;
-  constexpr int TR = L::rows, NV = Dv / 8, ND = D / 8;
+  constexpr int NV = Dv / 8, ND = D / 8, LD = L::ld_d, LV = L::key_ld_v, W = L::key_warps;
   constexpr bool gated = Policy::gate != key_gate::off;
   constexpr bool split_v = std::is_same_v<Dev, __half>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  lbm_op* DSt = reinterpret_cast<lbm_op*>(smem_raw);  // [D][ld_v] dS | dz, high parts
-  lbm_op* DSl = DSt + L::state_elems;                 // [D][ld_v] dS, low parts
-  lbm_op* Ks = DSl + L::state_elems;                  // [TR][ld_d] k (raw bits of Dev)
-  lbm_op* P = Ks + L::d_tile;                         // [TR][ld_d] phi(k)
-  lbm_op* V = P + L::d_tile;                          // [TR][ld_v] v | 1 | 1
-  lbm_op* Vl = V + L::v_tile;                         // half: [TR][ld_v] v's low part | 0
-  float* W = reinterpret_cast<float*>(V + (split_v ? 2 : 1) * L::v_tile);  // [TR] 0 at pads
-  // (v | 1 | 1: columns Dv and Dv + 1 pick dz's two parts.)
-  int* okr = reinterpret_cast<int*>(W + TR);  // [TR] row valid
+  lbm_op* DSt = reinterpret_cast<lbm_op*>(smem_raw);  // [D][LV] dS, high parts
+  lbm_op* DSl = DSt + D * LV;                         // [D][LV] dS, low parts
+  lbm_op* stages = DSl + D * LV;                      // [W][2][k: 16 x LD | v: 16 x LV] raw bits
+  float* dzf = reinterpret_cast<float*>(stages + 2 * W * L::key_stage);  // [D] dz
   const linear_kernel_params& f = bp.f;
   const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
   const part_range range(f, n, part, part_tokens);
   const index_t batch = range.batch, start = range.start, t0 = range.t0, t1 = range.t1;
   const float jh = gated ? jac[index_t(n) * f.kv_heads + h] : 0.f;
-  lbm_stage_state<D, Dv, Policy::normalize>(DSt, DSl, nullptr,
-                                            dstate + (index_t(n) * f.kv_heads + h) * (D * Dv + D));
-  const int r0 = 16 * warp;
-  lbm_tile_loads<Dev, D, TR, L::threads> kn;
-  lbm_tile_loads<Dev, Dv, TR, L::threads> vn;
-  if (t0 < t1) {
-    kn.fetch(f, f.k, f.k_stride, batch, start, t0, t1, h);
-    vn.fetch(f, f.v, f.v_stride, batch, start, t0, t1, h);
+  float gate_max = 0.f, gate_inv = 0.f;
+  if constexpr (gated) {
+    const int gh = f.gate_heads == 1 ? 0 : h;
+    gate_max = stats[(index_t(n) * f.gate_heads + gh) * 2];
+    gate_inv = stats[(index_t(n) * f.gate_heads + gh) * 2 + 1];
   }
-  for (index_t base = t0; base < t1; base += TR) {
-    const int rows = int(min(index_t(TR), t1 - base));
-    __syncthreads();
-    if (threadIdx.x < TR) {
-      const int t = threadIdx.x;
-      const index_t ta = start + base + t;
-      const bool ok = t < rows && f.valid(batch, ta);
-      float w = 0.f;
-      if (ok) w = gated ? gate_weight(f, stats, n, batch, ta, h) : 1.f;
-      W[t] = w, okr[t] = int(ok);
-      lbm_stage_v_tail<Dev, Dv, L::ld_v>(V, Vl, t, 2, ok);  // dz's two parts
-    }
-    __syncthreads();
+
+  const index_t slabs = (t1 - t0 + 15) / 16;
+  const index_t walk = slabs > warp ? (slabs - warp + W - 1) / W : 0;  // this warp's slabs
+  lbm_op* const mine = stages + 2 * warp * L::key_stage;
+  // Slab i of the warp into stage i % 2 (one commit group a slab, empty past the walk).
+  auto fetch = [&](index_t i) {
+    if (i < walk) {
+      const index_t base = t0 + (warp + i * W) * 16;
+      lbm_op* K = mine + (i % 2) * L::key_stage;
+      lbm_op* V = K + 16 * LD;
 #pragma unroll
-    for (int i = 0; i < kn.count; ++i) {
-      const int t = kn.row(i), at = t * L::ld_d + 8 * kn.piece(i);
-      *reinterpret_cast<uint4*>(Ks + at) = kn.raw[i];
-      lbm_phi8<Dev, Policy>(kn.raw[i], 1.f, okr[t] != 0, P + at, nullptr);  // dv: no cancellation
-    }
+      for (int e = lane; e < 16 * (D / 8); e += 32) {
+        const int r = e / (D / 8), c = e % (D / 8);
+        const index_t t = start + min(base + r, t1 - 1);
+        cp_async_16(K + r * LD + 8 * c,
+                    static_cast<const Dev*>(f.k) + batch * f.k_stride[0] + t * f.k_stride[1] +
+                        h * f.k_stride[2] + 8 * c,
+                    base + r < t1);
+      }
 #pragma unroll
-    for (int i = 0; i < vn.count; ++i) {
-      const int t = vn.row(i);
-      lbm_stage_v<Dev>(V, Vl, t * L::ld_v + 8 * vn.piece(i), vn.raw[i], okr[t] != 0);
+      for (int e = lane; e < 16 * (Dv / 8); e += 32) {
+        const int r = e / (Dv / 8), c = e % (Dv / 8);
+        const index_t t = start + min(base + r, t1 - 1);
+        cp_async_16(V + r * LV + 8 * c,
+                    static_cast<const Dev*>(f.v) + batch * f.v_stride[0] + t * f.v_stride[1] +
+                        h * f.v_stride[2] + 8 * c,
+                    base + r < t1);
+      }
     }
-    if (base + TR < t1) {
-      kn.fetch(f, f.k, f.k_stride, batch, start, base + TR, t1, h);
-      vn.fetch(f, f.v, f.v_stride, batch, start, base + TR, t1, h);
+    cp_async_commit();
+  };
+  fetch(0);
+  fetch(1);
+
+  const float* ds = dstate + (index_t(n) * f.kv_heads + h) * (D * Dv + D);
+  for (int i = threadIdx.x; i < D * Dv / 4; i += L::key_threads) {
+    const float4 x = reinterpret_cast<const float4*>(ds)[i];
+    const int at = 4 * i / Dv * LV + 4 * i % Dv;
+    std::uint32_t* ph = reinterpret_cast<std::uint32_t*>(DSt + at);
+    std::uint32_t* pl = reinterpret_cast<std::uint32_t*>(DSl + at);
+    split2(x.x, x.y, ph[0], pl[0]);
+    split2(x.z, x.w, ph[1], pl[1]);
+  }
+  for (int d = threadIdx.x; d < D; d += L::key_threads)
+    dzf[d] = Policy::normalize ? ds[D * Dv + d] : 0.f;
+  __syncthreads();
+
+  for (index_t i = 0; i < walk; ++i) {
+    const index_t base = t0 + (warp + i * W) * 16;
+    const int rows = int(min(index_t(16), t1 - base));
+    const int ra = g, rb = g + 8;
+    const index_t ta = start + base + ra, tb = start + base + rb;
+    // The lane's two rows: in the range and not a pad, and their weights (0 where not).
+    const bool oka = ra < rows && f.valid(batch, ta), okb = rb < rows && f.valid(batch, tb);
+    float wa = oka ? 1.f : 0.f, wb = okb ? 1.f : 0.f;
+    if constexpr (gated) {
+      const float la = oka ? f.logit(batch, ta, h) : 0.f, lb = okb ? f.logit(batch, tb, h) : 0.f;
+      wa = oka && gate_inv > 0.f ? expf(la - gate_max) * gate_inv : 0.f;
+      wb = okb && gate_inv > 0.f ? expf(lb - gate_max) * gate_inv : 0.f;
     }
-    __syncthreads();
-    // e = [v | 1] [dS | dz]^T (rows x D) and dS^T phi(k) (rows x Dv).
+    cp_async_wait<1>();
+    __syncwarp();
+    lbm_op* const K = mine + (i % 2) * L::key_stage;
+    lbm_op* const V = K + 16 * LD;
+    // A fragment registers 0, 2 hold row ra; 1, 3 row rb.
+    auto select = [&](std::uint32_t(&a)[4]) {
+      if (!oka) a[0] = a[2] = 0u;
+      if (!okb) a[1] = a[3] = 0u;
+    };
+
+    // e = v dS^T (16 x D), dz added below.
     float e[ND][4] = {};
 #pragma unroll
-    for (int ks = 0; ks < NV / 2 + 1; ++ks) {
+    for (int ks = 0; ks < Dv / 16; ++ks) {
       std::uint32_t a[4], al[4];
-      frag_a(a, V, L::ld_v, r0, 16 * ks);
-      if (split_v && ks < NV / 2) frag_a(al, Vl, L::ld_v, r0, 16 * ks);
+      frag_a(a, V, LV, 0, 16 * ks);
+      select(a);
+      if constexpr (split_v) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float2 x = unpack2<Dev>(a[r]);
+          split2(x.x, x.y, a[r], al[r]);
+        }
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         std::uint32_t b[4];
-        frag_b2(b, DSt, L::ld_v, 16 * dp, 16 * ks);
+        frag_b2(b, DSt, LV, 16 * dp, 16 * ks);
         mma_pairs(e, a, b, dp);
-        if (ks < NV / 2) {
-          if (split_v) mma_pairs(e, al, b, dp);
-          frag_b2(b, DSl, L::ld_v, 16 * dp, 16 * ks);
-          mma_pairs(e, a, b, dp);
-        }
+        if constexpr (split_v) mma_pairs(e, al, b, dp);
+        frag_b2(b, DSl, LV, 16 * dp, 16 * ks);
+        mma_pairs(e, a, b, dp);
       }
     }
+    // phi(k) dS (16 x Dv); phi(k) once rounded (dv sums no cancelling terms).
     float dv[NV][4] = {};
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       std::uint32_t a[4];
-      frag_a(a, P, L::ld_d, r0, 16 * ks);
+      frag_a(a, K, LD, 0, 16 * ks);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float2 x = unpack2<Dev>(a[r]);
+        a[r] =
+            pack2<lbm_op>(fast_feature_map<Policy::phi>(x.x), fast_feature_map<Policy::phi>(x.y));
+      }
+      select(a);
 #pragma unroll
       for (int jp = 0; jp < NV / 2; ++jp) {
         std::uint32_t b[4];
-        frag_b2_t(b, DSt, L::ld_v, 16 * ks, 16 * jp);
+        frag_b2_t(b, DSt, LV, 16 * ks, 16 * jp);
         mma_pairs(dv, a, b, jp);
-        frag_b2_t(b, DSl, L::ld_v, 16 * ks, 16 * jp);
+        frag_b2_t(b, DSl, LV, 16 * ks, 16 * jp);
         mma_pairs(dv, a, b, jp);
       }
     }
-    const int ra = r0 + g, rb = ra + 8;
-    const index_t ta = start + base + ra, tb = start + base + rb;
-    const float wa = W[ra], wb = W[rb];  // 0 at pads
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       if (ra < rows)
@@ -643,21 +694,21 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
         lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, tb, h, 8 * j + c2, wb * dv[j][2],
                         wb * dv[j][3]);
     }
+    // dk = w e phi'(k); da = w (phi(k) . e - jac).
     float sa = 0.f, sb = 0.f;
 #pragma unroll
     for (int j = 0; j < ND; ++j) {
       const int d = 8 * j + c2;
-      const float2 ka =
-          unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Ks + ra * L::ld_d + d));
-      const float2 kb =
-          unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(Ks + rb * L::ld_d + d));
-      const float kv[4] = {ka.x, ka.y, kb.x, kb.y};
+      const float2 ka = unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(K + ra * LD + d));
+      const float2 kb = unpack2<Dev>(*reinterpret_cast<const std::uint32_t*>(K + rb * LD + d));
+      const float kv[4] = {ka.x, ka.y, kb.x, kb.y}, dz[2] = {dzf[d], dzf[d + 1]};
       float y[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float p = apply_feature_map<Policy::phi>(kv[i]);
-        y[i] = (i < 2 ? wa : wb) * e[j][i] * phi_derivative<Policy::phi>(kv[i], p);
-        (i < 2 ? sa : sb) += p * e[j][i];
+      for (int r = 0; r < 4; ++r) {
+        const bool ok = r < 2 ? oka : okb;
+        const float p = fast_feature_map<Policy::phi>(kv[r]), ev = e[j][r] + dz[r % 2];
+        y[r] = ok ? (r < 2 ? wa : wb) * ev * fast_phi_derivative<Policy::phi>(kv[r], p) : 0.f;
+        if (ok) (r < 2 ? sa : sb) += p * ev;
       }
       if (ra < rows) lbm_store2<Dev>(bp.dk, bp.dk_stride, batch, ta, h, d, y[0], y[1]);
       if (rb < rows) lbm_store2<Dev>(bp.dk, bp.dk_stride, batch, tb, h, d, y[2], y[3]);
@@ -665,22 +716,24 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
     if constexpr (gated) {
       sa = quad_sum(sa), sb = quad_sum(sb);
       if (c2 == 0) {
-        const float v[2] = {okr[ra] != 0 ? wa * (sa - jh) : 0.f,
-                            okr[rb] != 0 ? wb * (sb - jh) : 0.f};
+        const float v[2] = {oka ? wa * (sa - jh) : 0.f, okb ? wb * (sb - jh) : 0.f};
         const index_t tt[2] = {ta, tb};
         const int rr[2] = {ra, rb};
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          if (rr[i] >= rows) continue;
+        for (int r = 0; r < 2; ++r) {
+          if (rr[r] >= rows) continue;
           if (da_heads != nullptr)
-            da_heads[(index_t(h) * bp.batch + batch) * f.tokens + tt[i]] = v[i];
+            da_heads[(index_t(h) * bp.batch + batch) * f.tokens + tt[r]] = v[r];
           else
-            bp.da[batch * bp.da_stride[0] + tt[i] * bp.da_stride[1] +
-                  (f.gate_heads == 1 ? 0 : h) * bp.da_stride[2]] = v[i];
+            bp.da[batch * bp.da_stride[0] + tt[r] * bp.da_stride[1] +
+                  (f.gate_heads == 1 ? 0 : h) * bp.da_stride[2]] = v[r];
         }
       }
     }
+    __syncwarp();  // the stage's readers are done
+    fetch(i + 2);
   }
+  cp_async_wait<0>();
 }
 
 }  // namespace cuda

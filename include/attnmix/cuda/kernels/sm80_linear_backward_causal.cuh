@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/collective/fast_math.cuh"
 #include "attnmix/cuda/collective/linear_bwd_tiles.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
 #include "attnmix/cuda/kernels/linear_backward_simt.cuh"
@@ -161,12 +162,14 @@ __device__ __forceinline__ void store_phi_grad(float (&acc)[8][4], const void* x
   lbm_fragment_pairs<Dev>(raw, x, xs, batch, t0, rows, hh, r0);
   for_fragment_pairs_at<8>(acc, r0, 0, [&](int i, int d, float x0, float x1, int nt, int half) {
     if (i >= rows) return;
-    float y0 = 0.f, y1 = 0.f;
-    if (valid[i] != 0.f) {
-      const float2 v = unpack2<Dev>(raw[nt][half]);
-      y0 = mul * x0 * phi_derivative<Policy::phi>(v.x, apply_feature_map<Policy::phi>(v.x));
-      y1 = mul * x1 * phi_derivative<Policy::phi>(v.y, apply_feature_map<Policy::phi>(v.y));
-    }
+    const float2 v = unpack2<Dev>(raw[nt][half]);
+    const bool ok = valid[i] != 0.f;
+    const float y0 =
+        ok ? mul * x0 * fast_phi_derivative<Policy::phi>(v.x, fast_feature_map<Policy::phi>(v.x))
+           : 0.f;
+    const float y1 =
+        ok ? mul * x1 * fast_phi_derivative<Policy::phi>(v.y, fast_feature_map<Policy::phi>(v.y))
+           : 0.f;
     lbm_store2<Dev>(out, os, batch, t0 + i, hh, d, y0, y1);
   });
 }

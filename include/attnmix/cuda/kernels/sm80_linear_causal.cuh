@@ -21,6 +21,7 @@
 #include "attnmix/core/linear_policy.hpp"
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/collective/causal_scan.cuh"
+#include "attnmix/cuda/collective/fast_math.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
 #include "attnmix/cuda/kernels/linear_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(causal_mma_threads, 3)
   const T* v = static_cast<const T*>(p.v) + batch * p.v_stride[0] + start * p.v_stride[1] +
                h * p.v_stride[2];
   const auto phi = [](float x) {
-    return apply_feature_map<Policy::phi>(x);
+    return fast_feature_map<Policy::phi>(x);
   };
   const auto id = [](float x) {
     return x;

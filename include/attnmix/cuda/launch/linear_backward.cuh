@@ -258,8 +258,8 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       with_mma_dim<Dev>(plan, [&](auto dim) {
         constexpr int Dm = decltype(dim)::value;
         launch_mma_pass(linear_bwd_key_mma_kernel<Dev, Policy, Dm, Dm>, "linear_bwd_key_mma_kernel",
-                        pass_grid, plan.mma_threads, plan.pass_b_smem, stream, bp, plan.part_tokens,
-                        stats, dstate, jac, da_heads);
+                        as_dim3(plan.key_grid), plan.key_threads, plan.pass_b_smem, stream, bp,
+                        plan.key_part_tokens, stats, dstate, jac, da_heads);
       });
     else
       launch_pass(linear_bwd_key_kernel<Dev, Policy>, "linear_bwd_key_kernel", pass_grid,

@@ -81,13 +81,16 @@ struct linear_backward_plan {
   // Causal: tokens a chunk, chunks a state slot, the largest chunk count of a sequence.
   index_t chunk = 64, super = 1, max_chunks = 0;
   index_t tile = linear_bwd_tile;
-  // The reduce (causal: chunk sums), query and key passes on tensor cores (threads a CTA).
+  // The reduce (causal: chunk sums), query and key passes on tensor cores (threads a CTA; the
+  // bidirectional key pass has its own, and its own token ranges: key_grid, key_part_tokens).
   bool mma = false;
-  int mma_threads = 0;
+  int mma_threads = 0, key_threads = 0;
+  index_t key_part_tokens = 1;
   int pass_a_smem = 0, pass_b_smem = 0, reduce_smem = 0, causal_q_smem = 0, causal_k_smem = 0;
   // combine_grid: a thread per state element of each (head, sequence) (the combines, the saved
   // state's load); jac_grid: a CTA per (head, sequence).
-  launch_grid stats_grid, reduce_grid, combine_grid, jac_grid, pass_grid, chunk_grid, scan_grid;
+  launch_grid stats_grid, reduce_grid, combine_grid, jac_grid, pass_grid, key_grid, chunk_grid,
+      scan_grid;
   linear_backward_scratch scratch;
 };
 
@@ -189,6 +192,7 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
                 std::max(props.smem_per_block_optin, props.smem_per_block);
     if (p.mma) {
       p.mma_threads = int(2 * D);  // a warp per 16 of D
+      p.key_threads = linear_bwd_mma_layout<64, 64>::key_threads;
       p.reduce_smem = linear_bwd_mma_smem(linear_bwd_pass::reduce, s.half_inputs);
       p.pass_a_smem = linear_bwd_mma_smem(linear_bwd_pass::query, s.half_inputs);
       p.pass_b_smem = linear_bwd_mma_smem(linear_bwd_pass::key, s.half_inputs);
@@ -205,6 +209,16 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
     p.part_tokens = std::max<index_t>(1, (s.max_len + p.parts - 1) / p.parts);
     p.reduce_grid = {unsigned(p.parts), unsigned(H), n_grid};
     p.pass_grid = p.reduce_grid;
+    // The tensor-core key pass sums nothing over tokens: fewer, longer ranges (about four waves
+    // of its CTAs), so that each CTA stages dS once for many slabs of each warp's walk.
+    index_t key_parts = p.parts;
+    if (p.mma) {
+      const index_t key_want =
+          (index_t(props.sms) * linear_bwd_mma_layout<64, 64>::key_ctas * 4 + pairs - 1) / pairs;
+      key_parts = std::max<index_t>(1, std::min({key_want, most, linear_bwd_max_parts}));
+    }
+    p.key_part_tokens = std::max<index_t>(1, (s.max_len + key_parts - 1) / key_parts);
+    p.key_grid = {unsigned(key_parts), unsigned(H), n_grid};
     take(sc.stats, std::size_t(N * std::max<index_t>(s.gate_heads, 1)) * 2 * sizeof(float));
     take(sc.state, std::size_t(N * H) * state_bytes);
     take(sc.partial, std::size_t(N * p.parts * H) * state_bytes);
