@@ -34,6 +34,8 @@ struct linear_backward_params {
   index_t batch;           // B of the views
   const void* dout;
   index_t dout_stride[3];
+  bool rows16 = false;  // dout (and the gate) rows 16-byte aligned: the tensor-core query
+                        // pass copies them with cp.async
   void* dq;
   void* dk;
   void* dv;

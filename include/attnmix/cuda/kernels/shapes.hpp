@@ -53,10 +53,10 @@ struct linear_bwd_mma_layout {
       2 * (2 * state_elems + 3 * d_tile + 2 * v_tile) + 4 * (warps * Dv + D + rows + Dv);
   // The key pass: key_warps warps, each walking its own slabs of 16 tokens with the raw k and v
   // of two slabs in its own two stages ([16][ld_d] then [16][key_ld_v]); dS in two parts
-  // [D][key_ld_v], dz in float.
+  // [D][key_ld_v], dz in float, then the gate statistics and jac.
   static constexpr int key_warps = 8, key_threads = 32 * key_warps, key_ld_v = Dv + 8;
   static constexpr int key_stage = 16 * (ld_d + key_ld_v);
-  static constexpr int key_smem = 2 * (2 * D * key_ld_v + 2 * key_warps * key_stage) + 4 * D;
+  static constexpr int key_smem = 2 * (2 * D * key_ld_v + 2 * key_warps * key_stage) + 4 * (D + 4);
   static constexpr int reduce_smem(bool split_v) {
     return 2 * (2 * d_tile + (split_v ? 2 : 1) * v_tile) + 8 * rows;
   }

@@ -252,23 +252,34 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
       const int rows = int(min(index_t(TR), t1 - base));
       const int ra = r0 + g, rb = ra + 8;
       const index_t ta = start + base + ra, tb = start + base + rb;
-      // The warp's pairs of dout and of the gate in the accumulators' layout: under the gated
-      // norm asked for before the products, which then run while they arrive; without it dout
-      // is read where it is used (asked for early it ran 6 % slower at T = 32768). Pad rows are
-      // selected away below.
-      std::uint32_t dyr[NV][2] = {}, gtr[normed ? NV : 1][2] = {};
-      auto pairs = [&](auto& x, const void* src, const index_t* st) {
+      __syncthreads();  // the previous tile's readers are done
+      // The warp's own rows of dout (into Gs) and of the gate (into Gl), raw, at the [g | delta]
+      // tiles' row stride: copied while R is staged and [num | den] multiplied, then read at the
+      // accumulators' places by the lanes that own them, each of which overwrites its places
+      // with g's parts only after reading them. Rows past the tile are zero-filled; pad rows
+      // are selected away below.
+      auto stage_rows = [&](lbm_op* dst, const void* src, const index_t* st) {
 #pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          if (ra < rows) x[j][0] = lbm_raw2<Dev>(src, st, batch, ta, hq, 8 * j + c2);
-          if (rb < rows) x[j][1] = lbm_raw2<Dev>(src, st, batch, tb, hq, 8 * j + c2);
+        for (int e = lane; e < 16 * (Dv / 8); e += 32) {
+          const int r = r0 + e / (Dv / 8), c = 8 * (e % (Dv / 8));
+          const Dev* from = static_cast<const Dev*>(src) + batch * st[0] +
+                            (start + base + min(r, rows - 1)) * st[1] + hq * st[2] + c;
+          lbm_op* to = dst + r * L::ld_v + c;
+          if (bp.rows16) {
+            cp_async_16(to, from, r < rows);
+          } else {  // 4-byte aligned rows: four loads, one store
+            const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(from);
+            *reinterpret_cast<uint4*>(to) =
+                r < rows ? make_uint4(w[0], w[1], w[2], w[3]) : make_uint4(0u, 0u, 0u, 0u);
+          }
         }
       };
-      if constexpr (normed) {
-        pairs(dyr, bp.dout, bp.dout_stride);
-        pairs(gtr, f.gate, f.gate_stride);
-      }
-      __syncthreads();  // the previous tile's readers are done
+      stage_rows(Gs, bp.dout, bp.dout_stride);
+      if constexpr (normed) stage_rows(Gl, f.gate, f.gate_stride);
+      cp_async_commit();
+      auto raw_pair = [&](const lbm_op* tile, int r, int j) {
+        return *reinterpret_cast<const std::uint32_t*>(tile + r * L::ld_v + 8 * j + c2);
+      };
       if (threadIdx.x < TR)
         okr[threadIdx.x] =
             int(int(threadIdx.x) < rows && f.valid(batch, start + base + threadIdx.x));
@@ -319,19 +330,20 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
       // 0 at pad rows, whose o, g and delta are then 0 whatever eps.
       const float inv_a = !oka ? 0.f : normalize ? 1.f / (den_a + f.eps) : 1.f;
       const float inv_b = !okb ? 0.f : normalize ? 1.f / (den_b + f.eps) : 1.f;
-      if constexpr (!normed) pairs(dyr, bp.dout, bp.dout_stride);
+      cp_async_wait<0>();
+      __syncwarp();  // the warp's rows of dout and the gate are in
       float dy[NV][4];
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         o[j][0] *= inv_a, o[j][1] *= inv_a, o[j][2] *= inv_b, o[j][3] *= inv_b;
-        const float2 ya = oka ? unpack2<Dev>(dyr[j][0]) : make_float2(0.f, 0.f);
-        const float2 yb = okb ? unpack2<Dev>(dyr[j][1]) : make_float2(0.f, 0.f);
+        const float2 ya = oka ? unpack2<Dev>(raw_pair(Gs, ra, j)) : make_float2(0.f, 0.f);
+        const float2 yb = okb ? unpack2<Dev>(raw_pair(Gs, rb, j)) : make_float2(0.f, 0.f);
         dy[j][0] = ya.x, dy[j][1] = ya.y, dy[j][2] = yb.x, dy[j][3] = yb.y;
       }
       if constexpr (normed) {
         // The per-head gated RMSNorm's backward (norm_row_backward) on the fragments: dy -> do.
         auto gate2 = [&](int j, int r, bool ok) {
-          return ok ? unpack2<Dev>(gtr[j][r]) : make_float2(0.f, 0.f);
+          return ok ? unpack2<Dev>(raw_pair(Gl, r == 0 ? ra : rb, j)) : make_float2(0.f, 0.f);
         };
         // xg = gate_first ? o act : o; the row's sum of squares.
         float ssa = 0.f, ssb = 0.f;
@@ -562,14 +574,6 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
   const part_range range(f, n, part, part_tokens);
   const index_t batch = range.batch, start = range.start, t0 = range.t0, t1 = range.t1;
-  const float jh = gated ? jac[index_t(n) * f.kv_heads + h] : 0.f;
-  float gate_max = 0.f, gate_inv = 0.f;
-  if constexpr (gated) {
-    const int gh = f.gate_heads == 1 ? 0 : h;
-    gate_max = stats[(index_t(n) * f.gate_heads + gh) * 2];
-    gate_inv = stats[(index_t(n) * f.gate_heads + gh) * 2 + 1];
-  }
-
   const index_t slabs = (t1 - t0 + 15) / 16;
   const index_t walk = slabs > warp ? (slabs - warp + W - 1) / W : 0;  // this warp's slabs
   lbm_op* const mine = stages + 2 * warp * L::key_stage;
@@ -614,7 +618,38 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
   }
   for (int d = threadIdx.x; d < D; d += L::key_threads)
     dzf[d] = Policy::normalize ? ds[D * Dv + d] : 0.f;
+  // The sequence's gate statistics (max, 1 / sum) and jac, read from shared memory where used
+  // (kept in registers through the walk they were spilled).
+  volatile float* consts = dzf + D;
+  if (gated && threadIdx.x == 0) {
+    const int gh = f.gate_heads == 1 ? 0 : h;
+    consts[0] = stats[(index_t(n) * f.gate_heads + gh) * 2];
+    consts[1] = stats[(index_t(n) * f.gate_heads + gh) * 2 + 1];
+    consts[2] = jac[index_t(n) * f.kv_heads + h];
+  }
   __syncthreads();
+
+  // The mask bytes (0 past the range) and gate logits of the lane's two rows (g, g + 8) of slab
+  // i, asked for a slab ahead of their use.
+  int ma_n = 0, mb_n = 0;
+  float la_n = 0.f, lb_n = 0.f;
+  auto peek = [&](index_t i) {
+    if (i >= walk) return;
+    const index_t base = t0 + (warp + i * W) * 16, ta = start + base + g, tb = ta + 8;
+    const bool ia = base + g < t1, ib = base + g + 8 < t1;
+    auto mask = [&](bool in, index_t t) {
+      return !in                 ? 0
+             : f.mask == nullptr ? 1
+                                 : int(f.mask[batch * f.mask_stride[0] + t * f.mask_stride[1]]);
+    };
+    ma_n = mask(ia, ta), mb_n = mask(ib, tb);
+    if constexpr (gated) {
+      const index_t hg = (f.gate_heads == 1 ? 0 : h) * f.a_stride[2];
+      la_n = ia ? f.a[batch * f.a_stride[0] + ta * f.a_stride[1] + hg] : 0.f;
+      lb_n = ib ? f.a[batch * f.a_stride[0] + tb * f.a_stride[1] + hg] : 0.f;
+    }
+  };
+  peek(0);
 
   for (index_t i = 0; i < walk; ++i) {
     const index_t base = t0 + (warp + i * W) * 16;
@@ -622,13 +657,14 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
     const int ra = g, rb = g + 8;
     const index_t ta = start + base + ra, tb = start + base + rb;
     // The lane's two rows: in the range and not a pad, and their weights (0 where not).
-    const bool oka = ra < rows && f.valid(batch, ta), okb = rb < rows && f.valid(batch, tb);
+    const bool oka = ma_n != 0, okb = mb_n != 0;
     float wa = oka ? 1.f : 0.f, wb = okb ? 1.f : 0.f;
     if constexpr (gated) {
-      const float la = oka ? f.logit(batch, ta, h) : 0.f, lb = okb ? f.logit(batch, tb, h) : 0.f;
-      wa = oka && gate_inv > 0.f ? expf(la - gate_max) * gate_inv : 0.f;
-      wb = okb && gate_inv > 0.f ? expf(lb - gate_max) * gate_inv : 0.f;
+      const float gate_max = consts[0], gate_inv = consts[1];
+      wa = oka && gate_inv > 0.f ? __expf(la_n - gate_max) * gate_inv : 0.f;
+      wb = okb && gate_inv > 0.f ? __expf(lb_n - gate_max) * gate_inv : 0.f;
     }
+    peek(i + 1);
     cp_async_wait<1>();
     __syncwarp();
     lbm_op* const K = mine + (i % 2) * L::key_stage;
@@ -639,30 +675,6 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
       if (!okb) a[1] = a[3] = 0u;
     };
 
-    // e = v dS^T (16 x D), dz added below.
-    float e[ND][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < Dv / 16; ++ks) {
-      std::uint32_t a[4], al[4];
-      frag_a(a, V, LV, 0, 16 * ks);
-      select(a);
-      if constexpr (split_v) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const float2 x = unpack2<Dev>(a[r]);
-          split2(x.x, x.y, a[r], al[r]);
-        }
-      }
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        std::uint32_t b[4];
-        frag_b2(b, DSt, LV, 16 * dp, 16 * ks);
-        mma_pairs(e, a, b, dp);
-        if constexpr (split_v) mma_pairs(e, al, b, dp);
-        frag_b2(b, DSl, LV, 16 * dp, 16 * ks);
-        mma_pairs(e, a, b, dp);
-      }
-    }
     // phi(k) dS (16 x Dv); phi(k) once rounded (dv sums no cancelling terms).
     float dv[NV][4] = {};
 #pragma unroll
@@ -694,6 +706,30 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
         lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, tb, h, 8 * j + c2, wb * dv[j][2],
                         wb * dv[j][3]);
     }
+    // e = v dS^T (16 x D), dz added below.
+    float e[ND][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < Dv / 16; ++ks) {
+      std::uint32_t a[4], al[4];
+      frag_a(a, V, LV, 0, 16 * ks);
+      select(a);
+      if constexpr (split_v) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float2 x = unpack2<Dev>(a[r]);
+          split2(x.x, x.y, a[r], al[r]);
+        }
+      }
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        std::uint32_t b[4];
+        frag_b2(b, DSt, LV, 16 * dp, 16 * ks);
+        mma_pairs(e, a, b, dp);
+        if constexpr (split_v) mma_pairs(e, al, b, dp);
+        frag_b2(b, DSl, LV, 16 * dp, 16 * ks);
+        mma_pairs(e, a, b, dp);
+      }
+    }
     // dk = w e phi'(k); da = w (phi(k) . e - jac).
     float sa = 0.f, sb = 0.f;
 #pragma unroll
@@ -716,6 +752,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
     if constexpr (gated) {
       sa = quad_sum(sa), sb = quad_sum(sb);
       if (c2 == 0) {
+        const float jh = consts[2];
         const float v[2] = {oka ? wa * (sa - jh) : 0.f, okb ? wb * (sb - jh) : 0.f};
         const index_t tt[2] = {ta, tb};
         const int rr[2] = {ra, rb};

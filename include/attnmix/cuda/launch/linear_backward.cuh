@@ -177,6 +177,10 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
   bp.batch = B;
   bp.dout = a.dout.data();
   copy_strides(bp.dout_stride, a.dout);
+  auto rows16 = [](const auto& x) {
+    return aligned_for_vectors(x.data(), x.stride(0), x.stride(1), x.stride(2), 8, sizeof(T));
+  };
+  bp.rows16 = rows16(a.dout) && (!normed || !a.gate.has_value() || rows16(a.gate));
   bp.dq = a.dq.data(), bp.dk = a.dk.data(), bp.dv = a.dv.data();
   bp.dgate = a.dgate.has_value() ? a.dgate.data() : nullptr;
   copy_strides(bp.dq_stride, a.dq), copy_strides(bp.dk_stride, a.dk);
