@@ -18,7 +18,7 @@
 #include "attnmix/core/linear_policy.hpp"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/kernels/linear_simt.cuh"
-#include "attnmix/cuda/plan/linear_backward.hpp"
+#include "attnmix/cuda/kernels/shapes.hpp"
 #include "attnmix/math/feature_map.hpp"
 
 namespace attnmix {

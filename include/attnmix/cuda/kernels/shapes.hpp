@@ -30,6 +30,43 @@ inline ATTNMIX_HOST_DEVICE index_t partial_floats(int D, int Dv) {
 // linear_combine_kernel: elements of [S | z] a CTA merges.
 constexpr int linear_combine_slice = 1024;
 
+// ---- linear-attention backward on CUDA cores (linear_backward_simt.cuh, linear_backward_causal.cuh)
+// Threads of every backward kernel, and the most state elements (D * Dv + D) a kernel holds in
+// registers: ceil((128 * 128 + 128) / 256) a thread.
+constexpr int linear_bwd_threads = 256;
+constexpr index_t linear_bwd_max_dim = 128;
+// The scans of the causal backward: threads a CTA (one state element each) and slots loaded
+// ahead of their stores.
+constexpr int linear_bwd_scan_threads = 128, linear_bwd_scan_batch = 16;
+constexpr int linear_bwd_state_regs =
+    int((linear_bwd_max_dim * linear_bwd_max_dim + linear_bwd_max_dim + linear_bwd_threads - 1) /
+        linear_bwd_threads);
+// Rows of a tile (query or key rows staged in shared memory at once).
+constexpr index_t linear_bwd_tile = 8;
+
+// Shared-memory floats of each kernel (the launcher and the kernels use the same arithmetic).
+constexpr index_t linear_bwd_reduce_floats(index_t tile, index_t D, index_t Dv) {
+  return tile * (D + Dv + 1);
+}
+// Pass A: q, r, x (tile x D), do, o, dgamma terms (tile x Dv), den, delta (tile).
+constexpr index_t linear_bwd_pass_a_floats(index_t tile, index_t D, index_t Dv) {
+  return tile * (3 * D + 3 * Dv + 2);
+}
+// Pass B: k, p, e (tile x D), v (tile x Dv), w (tile).
+constexpr index_t linear_bwd_pass_b_floats(index_t tile, index_t D, index_t Dv) {
+  return tile * (3 * D + Dv + 1);
+}
+// Causal query pass: chunk keys P, V; a tile's q, r, dr (tile x D), do, g, num (tile x Dv),
+// scores A and dscore (tile x chunk), den and delta (tile).
+constexpr index_t linear_bwd_causal_q_floats(index_t chunk, index_t tile, index_t D, index_t Dv) {
+  return chunk * (D + Dv) + tile * (3 * D + 3 * Dv + 2 * chunk + 2);
+}
+// Causal key pass: chunk keys P, V and their gradients E, DV; a tile's r (tile x D), g (tile x
+// Dv), A and dscore (tile x chunk), delta (tile).
+constexpr index_t linear_bwd_causal_k_floats(index_t chunk, index_t tile, index_t D, index_t Dv) {
+  return chunk * (2 * D + 2 * Dv) + tile * (D + Dv + 2 * chunk + 1);
+}
+
 // ---- linear-attention backward on tensor cores (sm80_linear_backward.cuh) -----------------
 // The head dims its kernels take (at 128 the query pass's tiles in two parts would not fit).
 constexpr bool linear_bwd_mma_dims(index_t D, index_t Dv) {

@@ -1,14 +1,14 @@
 #pragma once
 // Bidirectional linear attention in one kernel for compute capability 9.0 and later (thread-block
 // clusters, distributed shared memory): D = Dv = 64, half and bfloat16, built from the reduce and
-// read phases of sm80_linear.cuh.
+// read phases of collective/linear_tiles.cuh.
 
 #include <cooperative_groups.h>
 
 #include <cstdint>
 
+#include "attnmix/cuda/collective/linear_tiles.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
-#include "attnmix/cuda/kernels/sm80_linear.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -30,22 +30,10 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-// Threads of every backward kernel, and the most state elements (D * Dv + D) a kernel holds in
-// registers: ceil((128 * 128 + 128) / 256) a thread.
-constexpr int linear_bwd_threads = 256;
-constexpr index_t linear_bwd_max_dim = 128;
-// The scans of the causal backward: threads a CTA (one state element each) and slots loaded
-// ahead of their stores.
-constexpr int linear_bwd_scan_threads = 128, linear_bwd_scan_batch = 16;
-constexpr int linear_bwd_state_regs =
-    int((linear_bwd_max_dim * linear_bwd_max_dim + linear_bwd_max_dim + linear_bwd_threads - 1) /
-        linear_bwd_threads);
 // Bidirectional: at most this many token ranges a sequence, each at least this many tokens, and
 // CTAs a multiprocessor to aim for.
 constexpr index_t linear_bwd_max_parts = 64, linear_bwd_min_part = 256;
 constexpr int linear_bwd_ctas_per_sm = 4, linear_bwd_mma_ctas_per_sm = 16;
-// Rows of a tile (query or key rows staged in shared memory at once).
-constexpr index_t linear_bwd_tile = 8;
 
 // What the plan reads of a call.
 struct linear_backward_shape {
@@ -93,29 +81,6 @@ struct linear_backward_plan {
       scan_grid;
   linear_backward_scratch scratch;
 };
-
-// Shared-memory floats of each kernel (the launcher and the kernels use the same arithmetic).
-constexpr index_t linear_bwd_reduce_floats(index_t tile, index_t D, index_t Dv) {
-  return tile * (D + Dv + 1);
-}
-// Pass A: q, r, x (tile x D), do, o, dgamma terms (tile x Dv), den, delta (tile).
-constexpr index_t linear_bwd_pass_a_floats(index_t tile, index_t D, index_t Dv) {
-  return tile * (3 * D + 3 * Dv + 2);
-}
-// Pass B: k, p, e (tile x D), v (tile x Dv), w (tile).
-constexpr index_t linear_bwd_pass_b_floats(index_t tile, index_t D, index_t Dv) {
-  return tile * (3 * D + Dv + 1);
-}
-// Causal query pass: chunk keys P, V; a tile's q, r, dr (tile x D), do, g, num (tile x Dv),
-// scores A and dscore (tile x chunk), den and delta (tile).
-constexpr index_t linear_bwd_causal_q_floats(index_t chunk, index_t tile, index_t D, index_t Dv) {
-  return chunk * (D + Dv) + tile * (3 * D + 3 * Dv + 2 * chunk + 2);
-}
-// Causal key pass: chunk keys P, V and their gradients E, DV; a tile's r (tile x D), g (tile x
-// Dv), A and dscore (tile x chunk), delta (tile).
-constexpr index_t linear_bwd_causal_k_floats(index_t chunk, index_t tile, index_t D, index_t Dv) {
-  return chunk * (2 * D + 2 * Dv) + tile * (D + Dv + 2 * chunk + 1);
-}
 
 // The causal chunk for head dims D, Dv: the longest of 64, 32, 16, 8 whose passes fit the
 // shared memory a kernel may opt in to.
