@@ -182,10 +182,11 @@ TEST_CASE("linear backward: the tensor-core passes", "[plan][linear_backward]") 
     CHECK(p.pass_a_smem ==
           2 * (2 * 64 * 88 + 3 * 64 * 72 + 2 * 64 * 88) + 4 * (4 * 64 + 64 + 64 + 64));
     CHECK(3 * (p.pass_a_smem + 1024) <= 228 * 1024);
-    // The key pass: dS in two parts, dz and three constants, two stages of k and v for each of 8 warps; two CTAs
+    // The key pass: dS in two parts, dz and three constants, two stages of k and v and 16 result
+    // rows for each of 8 warps; two CTAs
     // a multiprocessor, about four waves of them: 2 * 132 * 4 over 128 pairs.
     CHECK(p.key_threads == 256);
-    CHECK(p.pass_b_smem == 2 * (2 * 64 * 72 + 2 * 8 * 16 * (72 + 72)) + 4 * (64 + 4));
+    CHECK(p.pass_b_smem == 2 * (2 * 64 * 72 + 2 * 8 * 16 * (72 + 72) + 8 * 16 * 72) + 4 * (64 + 4));
     CHECK(2 * (p.pass_b_smem + 1024) <= 228 * 1024);
     CHECK(p.key_grid.x == 8);
     CHECK(p.key_part_tokens == 256);

@@ -30,9 +30,9 @@ inline ATTNMIX_HOST_DEVICE index_t partial_floats(int D, int Dv) {
 // linear_combine_kernel: elements of [S | z] a CTA merges.
 constexpr int linear_combine_slice = 1024;
 
-// ---- linear-attention backward on CUDA cores (linear_backward_simt.cuh, linear_backward_causal.cuh)
-// Threads of every backward kernel, and the most state elements (D * Dv + D) a kernel holds in
-// registers: ceil((128 * 128 + 128) / 256) a thread.
+// ---- linear-attention backward on CUDA cores (linear_backward_simt.cuh,
+// linear_backward_causal.cuh) Threads of every backward kernel, and the most state elements (D * Dv
+// + D) a kernel holds in registers: ceil((128 * 128 + 128) / 256) a thread.
 constexpr int linear_bwd_threads = 256;
 constexpr index_t linear_bwd_max_dim = 128;
 // The scans of the causal backward: threads a CTA (one state element each) and slots loaded
@@ -90,10 +90,12 @@ struct linear_bwd_mma_layout {
       2 * (2 * state_elems + 3 * d_tile + 2 * v_tile) + 4 * (warps * Dv + D + rows + Dv);
   // The key pass: key_warps warps, each walking its own slabs of 16 tokens with the raw k and v
   // of two slabs in its own two stages ([16][ld_d] then [16][key_ld_v]); dS in two parts
-  // [D][key_ld_v], dz in float, then the gate statistics and jac.
+  // [D][key_ld_v], each warp's result rows, dz in float, then the gate statistics and jac.
   static constexpr int key_warps = 8, key_threads = 32 * key_warps, key_ld_v = Dv + 8;
+  static constexpr int key_ld_o = (D > Dv ? D : Dv) + 8;  // a warp's 16 result rows (dv, dk)
   static constexpr int key_stage = 16 * (ld_d + key_ld_v);
-  static constexpr int key_smem = 2 * (2 * D * key_ld_v + 2 * key_warps * key_stage) + 4 * (D + 4);
+  static constexpr int key_smem =
+      2 * (2 * D * key_ld_v + 2 * key_warps * key_stage + 16 * key_warps * key_ld_o) + 4 * (D + 4);
   static constexpr int reduce_smem(bool split_v) {
     return 2 * (2 * d_tile + (split_v ? 2 : 1) * v_tile) + 8 * rows;
   }

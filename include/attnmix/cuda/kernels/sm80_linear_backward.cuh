@@ -562,13 +562,15 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
                               float* da_heads) {
   using L = linear_bwd_mma_layout<D, Dv>;
   constexpr int NV = Dv / 8, ND = D / 8, LD = L::ld_d, LV = L::key_ld_v, W = L::key_warps;
+  constexpr int LO = L::key_ld_o;
   constexpr bool gated = Policy::gate != key_gate::off;
   constexpr bool split_v = std::is_same_v<Dev, __half>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   lbm_op* DSt = reinterpret_cast<lbm_op*>(smem_raw);  // [D][LV] dS, high parts
   lbm_op* DSl = DSt + D * LV;                         // [D][LV] dS, low parts
   lbm_op* stages = DSl + D * LV;                      // [W][2][k: 16 x LD | v: 16 x LV] raw bits
-  float* dzf = reinterpret_cast<float*>(stages + 2 * W * L::key_stage);  // [D] dz
+  lbm_op* outs = stages + 2 * W * L::key_stage;       // [W][16][LO] a warp's dv, then dk rows
+  float* dzf = reinterpret_cast<float*>(outs + W * 16 * LO);  // [D] dz
   const linear_kernel_params& f = bp.f;
   const int part = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
@@ -669,6 +671,30 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
     __syncwarp();
     lbm_op* const K = mine + (i % 2) * L::key_stage;
     lbm_op* const V = K + 16 * LD;
+    // A result's pair at (row r, column c) of the slab: into the warp's rows of `outs` when dk
+    // and dv rows are 16-byte aligned (flush then sends whole rows out in 16-byte pieces), else
+    // straight to global memory.
+    lbm_op* const ob = outs + warp * 16 * LO;
+    auto put = [&](void* dst, const index_t* st, int r, int c, float x, float y) {
+      if (bp.dkv_rows16)
+        *reinterpret_cast<std::uint32_t*>(ob + r * LO + c) = pack2<Dev>(x, y);
+      else if (r < rows)
+        lbm_store2<Dev>(dst, st, batch, start + base + r, h, c, x, y);
+    };
+    auto flush = [&](void* dst, const index_t* st, auto cols) {
+      if (!bp.dkv_rows16) return;
+      constexpr int per_row = decltype(cols)::value / 8;
+      __syncwarp();
+#pragma unroll
+      for (int e = lane; e < 16 * per_row; e += 32) {
+        const int r = e / per_row, c = 8 * (e % per_row);
+        if (r < rows)
+          *reinterpret_cast<uint4*>(static_cast<Dev*>(dst) + batch * st[0] +
+                                    (start + base + r) * st[1] + h * st[2] + c) =
+              *reinterpret_cast<const uint4*>(ob + r * LO + c);
+      }
+      __syncwarp();  // the rows are out: ob may be written again
+    };
     // A fragment registers 0, 2 hold row ra; 1, 3 row rb.
     auto select = [&](std::uint32_t(&a)[4]) {
       if (!oka) a[0] = a[2] = 0u;
@@ -699,13 +725,10 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
     }
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
-      if (ra < rows)
-        lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, ta, h, 8 * j + c2, wa * dv[j][0],
-                        wa * dv[j][1]);
-      if (rb < rows)
-        lbm_store2<Dev>(bp.dv, bp.dv_stride, batch, tb, h, 8 * j + c2, wb * dv[j][2],
-                        wb * dv[j][3]);
+      put(bp.dv, bp.dv_stride, ra, 8 * j + c2, wa * dv[j][0], wa * dv[j][1]);
+      put(bp.dv, bp.dv_stride, rb, 8 * j + c2, wb * dv[j][2], wb * dv[j][3]);
     }
+    flush(bp.dv, bp.dv_stride, std::integral_constant<int, Dv>());
     // e = v dS^T (16 x D), dz added below.
     float e[ND][4] = {};
 #pragma unroll
@@ -746,9 +769,10 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
         y[r] = ok ? (r < 2 ? wa : wb) * ev * fast_phi_derivative<Policy::phi>(kv[r], p) : 0.f;
         if (ok) (r < 2 ? sa : sb) += p * ev;
       }
-      if (ra < rows) lbm_store2<Dev>(bp.dk, bp.dk_stride, batch, ta, h, d, y[0], y[1]);
-      if (rb < rows) lbm_store2<Dev>(bp.dk, bp.dk_stride, batch, tb, h, d, y[2], y[3]);
+      put(bp.dk, bp.dk_stride, ra, d, y[0], y[1]);
+      put(bp.dk, bp.dk_stride, rb, d, y[2], y[3]);
     }
+    flush(bp.dk, bp.dk_stride, std::integral_constant<int, D>());
     if constexpr (gated) {
       sa = quad_sum(sa), sb = quad_sum(sb);
       if (c2 == 0) {
