@@ -8,16 +8,17 @@
 //           phi'(q) scale; the range's [dS | dz] += R^T [g | delta]
 //   key:    e = [V | 1] [dS | dz]^T; dv = w phi(K) dS; dk = w e phi'(k); da = w (phi(k) . e - jac)
 // The other kernels (gate statistics, combines, jac, folds) are the SIMT ones: they move
-// O(parts D Dv) floats. A CTA has D / 16 warps and takes tiles of 16 warps tokens: warp w owns
-// tile rows 16 w .. 16 w + 15 in the row products and state rows d = 16 w .. in the sums over
-// tokens. Operands are bfloat16 (half's range would not hold the states, which sum a whole
-// sequence), and every operand that is not an input is kept in two bfloat16 parts (about 16
-// bits; products of two split operands take three mma: hi hi, lo hi, hi lo): the normaliser's
-// gradient subtracts the part of S g along z, and e = dS v + dz and phi(k) . e - jac cancel the
-// same way, so that one rounding of R, g, S or dS would cost its relative error many times over
-// (lbm_stage_state). z and delta ride along as the last columns of the [x | z] operands. Sums run
-// in a fixed order: identical bits on every run.
-// Needs q, k, v rows 16-byte aligned and dout, gate, dq, dk, dv, dgate rows 4-byte aligned.
+// O(parts D Dv) floats. A reduce or query CTA has D / 16 warps and takes tiles of 16 warps
+// tokens: warp w owns tile rows 16 w .. 16 w + 15 in the row products and state rows d = 16 w ..
+// in the sums over tokens; the key pass's warps each walk their own slabs of 16 tokens. Operands
+// are bfloat16 (half's range would not hold the states, which sum a whole sequence), and every
+// operand that is not an input is kept in two bfloat16 parts (about 16 bits; products of two split
+// operands take three mma: hi hi, lo hi, hi lo): the normaliser's gradient subtracts the part of S
+// g along z, and e = dS v + dz and phi(k) . e - jac cancel the same way, so that one rounding of R,
+// g, S or dS would cost its relative error many times over (lbm_stage_state). z and delta ride
+// along as the last columns of the [x | z] operands. Sums run in a fixed order: identical bits on
+// every run. Needs q, k, v rows 16-byte aligned and dout, gate, dq, dk, dv, dgate rows 4-byte
+// aligned.
 
 #include <cstdint>
 #include <type_traits>
@@ -551,9 +552,10 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
 // (no sum over tokens), so each warp walks its own slabs of 16 tokens (slab warp, warp + warps,
 // ... of the range) with no barrier between warps: k and v are copied two slabs ahead into the
 // warp's two stages (cp.async), and the products read them there as A fragments, the feature
-// map (and half v's split) applied in registers. The CTA stages dS once, in two parts; dz is
-// added to e in float. Pad rows and rows past the range are selected away (their k, v may be
-// anything, and copies past the range are zero-filled).
+// map (and half v's split) applied in registers; dv and dk leave through the warp's 16 result
+// rows in shared memory as 16-byte pieces where their rows allow. The CTA stages dS once, in two
+// parts; dz is added to e in float. Pad rows and rows past the range are selected away (their
+// k, v may be anything, and copies past the range are zero-filled).
 template <class Dev, class Policy, int D, int Dv>
 __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
                                   linear_bwd_mma_layout<D, Dv>::key_ctas)
