@@ -51,6 +51,8 @@ TEST_CASE("linear backward: bidirectional token ranges", "[plan][linear_backward
     CHECK(p.parts * p.part_tokens >= 8192);
     CHECK(p.reduce_grid == launch_grid{5, 16, 8});
     CHECK(p.pass_grid == p.reduce_grid);
+    CHECK(p.key_grid == p.pass_grid);  // the CUDA-core key pass keeps the query pass's ranges
+    CHECK(p.key_part_tokens == p.part_tokens);
     CHECK(p.combine_grid == launch_grid{16, 8, 17});  // (64 * 64 + 64) / 256 slices
     CHECK(p.jac_grid == launch_grid{16, 8, 1});
     CHECK(p.stats_grid == launch_grid{1, 8, 1});
@@ -190,6 +192,17 @@ TEST_CASE("linear backward: the tensor-core passes", "[plan][linear_backward]") 
     CHECK(2 * (p.pass_b_smem + 1024) <= 228 * 1024);
     CHECK(p.key_grid.x == 8);
     CHECK(p.key_part_tokens == 256);
+    CHECK(p.key_grid.y == 16);
+    CHECK(p.key_grid.z == 8);
+    // Enough (sequence, head) pairs for four waves: one range a pair. One long head: at most
+    // linear_bwd_max_parts ranges.
+    linear_backward_shape many = bidirectional(64, 2048, 32, 64),
+                          one = bidirectional(1, 1 << 20, 1, 64);
+    many.mma_inputs = one.mma_inputs = true;
+    CHECK(plan_linear_backward(many, h200()).key_grid.x == 1);
+    CHECK(plan_linear_backward(many, h200()).key_part_tokens == 2048);
+    CHECK(plan_linear_backward(one, h200()).key_grid.x == 64);
+    CHECK(plan_linear_backward(one, h200()).key_part_tokens == (1 << 20) / 64);
     CHECK(p.reduce_smem == 2 * (2 * 64 * 72 + 64 * 88) + 8 * 64);
   }
   SECTION("over the default 48 KiB: not without the opt-in; half keeps v in two parts") {
