@@ -23,9 +23,10 @@ __device__ __forceinline__ float fast_feature_map(float x) {
   }
 }
 
-// d phi / dx from x and phi = fast_feature_map(x).
-template <feature_map F>
-__device__ __forceinline__ float fast_phi_derivative(float x, float phi) {
+// d phi / dx from x and phi(x); Fast: sigmoid's exp and division on the hardware ones (the
+// CUDA-core kernels' phi_derivative is the exact one).
+template <feature_map F, bool Fast = true>
+__device__ __forceinline__ float phi_derivative_of(float x, float phi) {
   if constexpr (F == feature_map::elu_plus_one) {
     return fminf(phi, 1.f);  // 1 for x > 0, exp(x) = phi(x) below
   } else if constexpr (F == feature_map::relu) {
@@ -33,11 +34,21 @@ __device__ __forceinline__ float fast_phi_derivative(float x, float phi) {
   } else if constexpr (F == feature_map::squared_relu) {
     return 2.f * fmaxf(x, 0.f);
   } else if constexpr (F == feature_map::sigmoid) {
-    const float e = __expf(-fabsf(x));  // sigma(x) sigma(-x) without 1 - phi's rounding
-    return __fdividef(e, (1.f + e) * (1.f + e));
+    // sigma(x) sigma(-x) without 1 - phi's rounding
+    if constexpr (Fast) {
+      const float e = __expf(-fabsf(x));
+      return __fdividef(e, (1.f + e) * (1.f + e));
+    } else {
+      const float e = expf(-fabsf(x));
+      return e / ((1.f + e) * (1.f + e));
+    }
   } else {
     return 1.f;
   }
+}
+template <feature_map F>
+__device__ __forceinline__ float fast_phi_derivative(float x, float phi) {
+  return phi_derivative_of<F, true>(x, phi);
 }
 
 template <gate_activation G>

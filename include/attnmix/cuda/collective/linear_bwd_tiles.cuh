@@ -80,6 +80,24 @@ struct lbm_tile_loads {
   }
 };
 
+// One warp's copy of 16 rows of an activation (Cols elements a row: tokens base .. base + 15 of
+// the sequence from `start`, head h; 16-byte aligned rows) into a tile of row stride Ld, in
+// 16-byte pieces by cp.async; rows at or past `end` (> base) are zero-filled.
+template <class Dev, int Cols, int Ld>
+__device__ __forceinline__ void lbm_warp_copy16(lbm_op* dst, const void* src, const index_t* st,
+                                                index_t batch, index_t start, index_t base,
+                                                index_t end, int h) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int e = lane; e < 16 * (Cols / 8); e += 32) {
+    const int r = e / (Cols / 8), c = 8 * (e % (Cols / 8));
+    const index_t t = start + min(base + r, end - 1);
+    cp_async_16(dst + r * Ld + c,
+                static_cast<const Dev*>(src) + batch * st[0] + t * st[1] + h * st[2] + c,
+                base + r < end);
+  }
+}
+
 // A pair of activations at (b, t, h, d..d+1) (4-byte aligned): raw bits through the read-only
 // cache (the loads a pass asks for early), and as floats by a plain load (through __ldg the
 // causal query kernel spills 100 bytes more).

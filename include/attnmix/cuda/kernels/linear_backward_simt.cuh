@@ -17,6 +17,7 @@
 
 #include "attnmix/core/linear_policy.hpp"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/collective/fast_math.cuh"
 #include "attnmix/cuda/kernels/linear_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 #include "attnmix/math/feature_map.hpp"
@@ -74,18 +75,7 @@ __device__ __forceinline__ void store_act(void* base, const index_t* st, index_t
 // d phi / dx from x and phi(x) (the CPU backend's times_phi_derivative).
 template <feature_map F>
 __device__ __forceinline__ float phi_derivative(float x, float phi) {
-  if constexpr (F == feature_map::elu_plus_one) {
-    return fminf(phi, 1.f);  // 1 for x > 0, exp(x) = phi(x) below
-  } else if constexpr (F == feature_map::relu) {
-    return x > 0.f ? 1.f : 0.f;
-  } else if constexpr (F == feature_map::squared_relu) {
-    return 2.f * fmaxf(x, 0.f);
-  } else if constexpr (F == feature_map::sigmoid) {
-    const float e = expf(-fabsf(x));  // sigma(x) sigma(-x) without 1 - phi's rounding
-    return e / ((1.f + e) * (1.f + e));
-  } else {
-    return 1.f;
-  }
+  return phi_derivative_of<F, false>(x, phi);
 }
 
 // The normalised key-gate weight of a valid token from its sequence's (max, 1 / sum); 0 at

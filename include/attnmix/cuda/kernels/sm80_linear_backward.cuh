@@ -78,12 +78,12 @@ __device__ __forceinline__ void lbm_stage_v(lbm_op* V, lbm_op* Vl, int at, uint4
   }
 }
 
-// Columns Dv .. Dv + 15 of row t of the v tiles: in V, `ones` ones (the z parts a pass reads)
-// where the row counts and zeros else; in Vl (half inputs) zeros.
+// Columns Dv .. Dv + 15 of row t of the v tiles: in V, a one (the column that sums z) where the
+// row counts and zeros else; in Vl (half inputs) zeros.
 template <class Dev, int Dv, int Ld>
-__device__ __forceinline__ void lbm_stage_v_tail(lbm_op* V, lbm_op* Vl, int t, int ones, bool on) {
+__device__ __forceinline__ void lbm_stage_v_tail(lbm_op* V, lbm_op* Vl, int t, bool on) {
   uint4* p = reinterpret_cast<uint4*>(V + t * Ld + Dv);
-  p[0] = make_uint4(pack2<lbm_op>(on ? 1.f : 0.f, on && ones == 2 ? 1.f : 0.f), 0u, 0u, 0u);
+  p[0] = make_uint4(pack2<lbm_op>(on ? 1.f : 0.f, 0.f), 0u, 0u, 0u);
   p[1] = make_uint4(0u, 0u, 0u, 0u);
   if constexpr (std::is_same_v<Dev, __half>) {
     uint4* pl = reinterpret_cast<uint4*>(Vl + t * Ld + Dv);
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
                                           : (f.valid(batch, ta) ? 1.f : 0.f);
       }
       W[t] = w;
-      lbm_stage_v_tail<Dev, Dv, L::ld_v>(V, Vl, t, 1, w != 0.f);  // z: one column
+      lbm_stage_v_tail<Dev, Dv, L::ld_v>(V, Vl, t, w != 0.f);
     }
     __syncthreads();
     // Tokens of weight 0 (pads, rows past the end) are selected away: their k, v may be NaN.
@@ -260,19 +260,19 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
       // with g's parts only after reading them. Rows past the tile are zero-filled; pad rows
       // are selected away below.
       auto stage_rows = [&](lbm_op* dst, const void* src, const index_t* st) {
+        if (bp.rows16) {
+          lbm_warp_copy16<Dev, Dv, L::ld_v>(dst + r0 * L::ld_v, src, st, batch, start, base + r0,
+                                            base + rows, hq);
+          return;
+        }
 #pragma unroll
-        for (int e = lane; e < 16 * (Dv / 8); e += 32) {
+        for (int e = lane; e < 16 * (Dv / 8); e += 32) {  // 4-byte aligned rows: four loads
           const int r = r0 + e / (Dv / 8), c = 8 * (e % (Dv / 8));
-          const Dev* from = static_cast<const Dev*>(src) + batch * st[0] +
-                            (start + base + min(r, rows - 1)) * st[1] + hq * st[2] + c;
-          lbm_op* to = dst + r * L::ld_v + c;
-          if (bp.rows16) {
-            cp_async_16(to, from, r < rows);
-          } else {  // 4-byte aligned rows: four loads, one store
-            const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(from);
-            *reinterpret_cast<uint4*>(to) =
-                r < rows ? make_uint4(w[0], w[1], w[2], w[3]) : make_uint4(0u, 0u, 0u, 0u);
-          }
+          const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(
+              static_cast<const Dev*>(src) + batch * st[0] +
+              (start + base + min(r, rows - 1)) * st[1] + hq * st[2] + c);
+          *reinterpret_cast<uint4*>(dst + r * L::ld_v + c) =
+              r < rows ? make_uint4(w[0], w[1], w[2], w[3]) : make_uint4(0u, 0u, 0u, 0u);
         }
       };
       stage_rows(Gs, bp.dout, bp.dout_stride);
@@ -586,25 +586,8 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
     if (i < walk) {
       const index_t base = t0 + (warp + i * W) * 16;
       lbm_op* K = mine + (i % 2) * L::key_stage;
-      lbm_op* V = K + 16 * LD;
-#pragma unroll
-      for (int e = lane; e < 16 * (D / 8); e += 32) {
-        const int r = e / (D / 8), c = e % (D / 8);
-        const index_t t = start + min(base + r, t1 - 1);
-        cp_async_16(K + r * LD + 8 * c,
-                    static_cast<const Dev*>(f.k) + batch * f.k_stride[0] + t * f.k_stride[1] +
-                        h * f.k_stride[2] + 8 * c,
-                    base + r < t1);
-      }
-#pragma unroll
-      for (int e = lane; e < 16 * (Dv / 8); e += 32) {
-        const int r = e / (Dv / 8), c = e % (Dv / 8);
-        const index_t t = start + min(base + r, t1 - 1);
-        cp_async_16(V + r * LV + 8 * c,
-                    static_cast<const Dev*>(f.v) + batch * f.v_stride[0] + t * f.v_stride[1] +
-                        h * f.v_stride[2] + 8 * c,
-                    base + r < t1);
-      }
+      lbm_warp_copy16<Dev, D, LD>(K, f.k, f.k_stride, batch, start, base, t1, h);
+      lbm_warp_copy16<Dev, Dv, LV>(K + 16 * LD, f.v, f.v_stride, batch, start, base, t1, h);
     }
     cp_async_commit();
   };
@@ -633,20 +616,15 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
   }
   __syncthreads();
 
-  // The mask bytes (0 past the range) and gate logits of the lane's two rows (g, g + 8) of slab
-  // i, asked for a slab ahead of their use.
-  int ma_n = 0, mb_n = 0;
+  // Whether the lane's two rows (g, g + 8) of slab i are in the range and not pads, and their
+  // gate logits: asked for a slab ahead of their use.
+  bool oka_n = false, okb_n = false;
   float la_n = 0.f, lb_n = 0.f;
   auto peek = [&](index_t i) {
     if (i >= walk) return;
     const index_t base = t0 + (warp + i * W) * 16, ta = start + base + g, tb = ta + 8;
     const bool ia = base + g < t1, ib = base + g + 8 < t1;
-    auto mask = [&](bool in, index_t t) {
-      return !in                 ? 0
-             : f.mask == nullptr ? 1
-                                 : int(f.mask[batch * f.mask_stride[0] + t * f.mask_stride[1]]);
-    };
-    ma_n = mask(ia, ta), mb_n = mask(ib, tb);
+    oka_n = ia && f.valid(batch, ta), okb_n = ib && f.valid(batch, tb);
     if constexpr (gated) {
       const index_t hg = (f.gate_heads == 1 ? 0 : h) * f.a_stride[2];
       la_n = ia ? f.a[batch * f.a_stride[0] + ta * f.a_stride[1] + hg] : 0.f;
@@ -661,7 +639,7 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::key_threads,
     const int ra = g, rb = g + 8;
     const index_t ta = start + base + ra, tb = start + base + rb;
     // The lane's two rows: in the range and not a pad, and their weights (0 where not).
-    const bool oka = ma_n != 0, okb = mb_n != 0;
+    const bool oka = oka_n, okb = okb_n;
     float wa = oka ? 1.f : 0.f, wb = okb ? 1.f : 0.f;
     if constexpr (gated) {
       const float gate_max = consts[0], gate_inv = consts[1];

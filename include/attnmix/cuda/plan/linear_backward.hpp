@@ -166,22 +166,20 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
     // passes several waves of them), each of at least
     // linear_bwd_min_part tokens: the partial states stay O(T D) per head.
     const index_t pairs = std::max<index_t>(N * H, 1);
-    const index_t ctas = p.mma ? linear_bwd_mma_ctas_per_sm : linear_bwd_ctas_per_sm;
-    const index_t want = (index_t(props.sms) * ctas + pairs - 1) / pairs;
     const index_t most =
         std::max<index_t>(1, (s.max_len + linear_bwd_min_part - 1) / linear_bwd_min_part);
-    p.parts = std::max<index_t>(1, std::min({want, most, linear_bwd_max_parts}));
+    // Ranges a sequence for `ctas` CTAs a multiprocessor over the (sequence, head) pairs.
+    auto ranges = [&](index_t ctas) {
+      const index_t want = (index_t(props.sms) * ctas + pairs - 1) / pairs;
+      return std::max<index_t>(1, std::min({want, most, linear_bwd_max_parts}));
+    };
+    p.parts = ranges(p.mma ? linear_bwd_mma_ctas_per_sm : linear_bwd_ctas_per_sm);
     p.part_tokens = std::max<index_t>(1, (s.max_len + p.parts - 1) / p.parts);
     p.reduce_grid = {unsigned(p.parts), unsigned(H), n_grid};
     p.pass_grid = p.reduce_grid;
     // The tensor-core key pass sums nothing over tokens: fewer, longer ranges (about four waves
     // of its CTAs), so that each CTA stages dS once for many slabs of each warp's walk.
-    index_t key_parts = p.parts;
-    if (p.mma) {
-      const index_t key_want =
-          (index_t(props.sms) * linear_bwd_mma_layout<64, 64>::key_ctas * 4 + pairs - 1) / pairs;
-      key_parts = std::max<index_t>(1, std::min({key_want, most, linear_bwd_max_parts}));
-    }
+    const index_t key_parts = p.mma ? ranges(linear_bwd_mma_layout<64, 64>::key_ctas * 4) : p.parts;
     p.key_part_tokens = std::max<index_t>(1, (s.max_len + key_parts - 1) / key_parts);
     p.key_grid = {unsigned(key_parts), unsigned(H), n_grid};
     take(sc.stats, std::size_t(N * std::max<index_t>(s.gate_heads, 1)) * 2 * sizeof(float));
