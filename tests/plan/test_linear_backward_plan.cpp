@@ -111,7 +111,8 @@ TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
     CHECK(p.chunk_grid == launch_grid{16, 2, 2});
     CHECK(p.scan_grid == launch_grid{33, 2, 2});  // 4160 state elements, 128 a CTA
     CHECK(std::size_t(p.causal_k_smem) <= h200().smem_per_block_optin);
-    CHECK(p.scratch.g - p.scratch.dstate == padded_bytes(std::size_t(32 * 2) * (64 * 64 + 64) * 4));
+    CHECK(p.scratch.inv_den - p.scratch.dstate ==
+          padded_bytes(std::size_t(32 * 2) * (64 * 64 + 64) * 4));
     CHECK(p.scratch.bytes == p.scratch.delta + padded_bytes(2 * 1000 * 4 * 4));
   }
   SECTION("bfloat16 rows for 16-byte loads: the tensor-core chunk passes") {
@@ -141,7 +142,7 @@ TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
     linear_backward_plan p = plan_linear_backward(s, h200());
     CHECK(p.super == 8);
     CHECK(p.chunk_grid == launch_grid{16, 16, 8});
-    CHECK(p.scratch.g - p.scratch.dstate ==
+    CHECK(p.scratch.inv_den - p.scratch.dstate ==
           padded_bytes(std::size_t(8 * 16 * 16) * (64 * 64 + 64) * 4));
     s.batch = s.sequences = 1, s.tokens = s.max_len = 2048;  // 32 chunks, 16 heads
     CHECK(causal_layout(s, h200()).super == 1);

@@ -84,13 +84,13 @@ __global__ void __launch_bounds__(linear_bwd_scan_threads)
 //   num_i = S_c^T r_i + sum_j A_ij v_j, den_i = r_i . z_c + sum_j A_ij + eps,
 //   g_i = do_i / den_i, delta_i = -(do_i . num_i) / den_i^2   (den = 1, delta = 0 unnormalised)
 //   dq_i = scale phi'(q_i) (S_c g_i + delta_i z_c + sum_j (g_i . v_j + delta_i) p_j)
-// g and delta go to gbuf / delta_buf for the key pass; the chunk's sum R^T g, R^T delta over
-// the group's heads to dstate's slot.
+// 1 / den and delta go to inv_buf / delta_buf for the key pass (which takes g from do again); the
+// chunk's sum R^T g, R^T delta over the group's heads to dstate's slot.
 template <class Dev, class Policy>
 __global__ void __launch_bounds__(linear_bwd_threads)
     linear_bwd_causal_query_kernel(const linear_backward_params bp, index_t chunk,
                                    const int* slot_offsets, const float* state, float* dstate,
-                                   float* gbuf, float* delta_buf) {
+                                   float* inv_buf, float* delta_buf) {
   constexpr int TT = int(linear_bwd_tile), R = linear_bwd_state_regs;
   constexpr bool normalize = Policy::normalize;
   extern __shared__ __align__(16) float smem[];
@@ -186,12 +186,10 @@ __global__ void __launch_bounds__(linear_bwd_threads)
         if (lane == 0) DEL[warp] = del;
       }
       __syncthreads();
-      for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
-        const int t = e / Dv, cc = e % Dv;
-        if (t < rows) gbuf[((batch * f.tokens + tb + t) * f.q_heads + hq) * Dv + cc] = G[e];
+      if (threadIdx.x < rows) {
+        const index_t row = (batch * f.tokens + tb + threadIdx.x) * f.q_heads + hq;
+        inv_buf[row] = INV[threadIdx.x], delta_buf[row] = DEL[threadIdx.x];
       }
-      if (threadIdx.x < rows)
-        delta_buf[(batch * f.tokens + tb + threadIdx.x) * f.q_heads + hq] = DEL[threadIdx.x];
       for (int e = threadIdx.x; e < TT * C; e += blockDim.x) {
         const int t = e / C, j = e % C;
         float s = 0.f;
@@ -265,7 +263,7 @@ __global__ void __launch_bounds__(linear_bwd_scan_threads)
 template <class Dev, class Policy>
 __global__ void __launch_bounds__(linear_bwd_threads)
     linear_bwd_causal_key_kernel(const linear_backward_params bp, index_t chunk,
-                                 const int* slot_offsets, const float* dstate, const float* gbuf,
+                                 const int* slot_offsets, const float* dstate, const float* inv_buf,
                                  const float* delta_buf) {
   constexpr int TT = int(linear_bwd_tile);
   extern __shared__ __align__(16) float smem[];
@@ -328,7 +326,10 @@ __global__ void __launch_bounds__(linear_bwd_threads)
       }
       for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
         const int t = e / Dv, cc = e % Dv;
-        G[e] = t < rows ? gbuf[((batch * f.tokens + tb + t) * f.q_heads + hq) * Dv + cc] : 0.f;
+        const bool ok = t < rows && f.valid(batch, tb + t);  // g = do / den, as the query pass
+        G[e] = ok ? load_act<Dev>(bp.dout, bp.dout_stride, batch, tb + t, hq, cc) *
+                        inv_buf[(batch * f.tokens + tb + t) * f.q_heads + hq]
+                  : 0.f;
       }
       if (threadIdx.x < TT)
         DEL[threadIdx.x] = int(threadIdx.x) < rows

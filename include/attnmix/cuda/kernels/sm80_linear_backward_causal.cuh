@@ -211,13 +211,14 @@ __global__ void __launch_bounds__(lbc::threads)
   acc_to_slot(state + (index_t(slot_offsets[n] + s) * f.kv_heads + h) * SS, acc, r0);
 }
 
-// CTA (slot s, KV head h, sequence n): dq, g and delta of every query head of h's group over the
-// slot's chunks, and the slot's R^T [g | delta] to dstate (state: the state before each slot).
+// CTA (slot s, KV head h, sequence n): dq, 1 / den and delta of every query head of h's group
+// over the slot's chunks, and the slot's R^T [g | delta] to dstate (state: the state before each
+// slot).
 template <class Policy>
 __global__ void __launch_bounds__(lbc::threads)
     linear_bwd_causal_query_mma_kernel(const linear_backward_params bp, const int* slot_offsets,
                                        const int walk, const float* state, float* dstate,
-                                       float* gbuf, float* delta_buf) {
+                                       float* inv_buf, float* delta_buf) {
   using namespace lbc;
   using Dev = __nv_bfloat16;
   constexpr bool normalize = Policy::normalize;
@@ -306,13 +307,9 @@ __global__ void __launch_bounds__(lbc::threads)
         const float sum = quad_sum(dot[half]);
         const float delta = normalize && valid[i] != 0.f ? -sum * inv[half] * inv[half] : 0.f;
         if (c2 == 0) G[NX - 2][2 * half] = delta;  // column D
-        if (i < rows) {
+        if (i < rows && c2 == 0) {
           const index_t row = (batch * f.tokens + start + c0 + i) * f.q_heads + hq;
-          if (c2 == 0) delta_buf[row] = delta;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-            *reinterpret_cast<float2*>(gbuf + row * D + 8 * nt + c2) =
-                make_float2(G[nt][2 * half], G[nt][2 * half + 1]);
+          inv_buf[row] = inv[half], delta_buf[row] = delta;
         }
       }
       for_fragment_pairs<NX>(G, r0, 0, [&](int i, int e, float x0, float x1) {
@@ -350,11 +347,11 @@ __global__ void __launch_bounds__(lbc::threads)
 }
 
 // CTA (slot s, KV head h, sequence n): dk and dv of the slot's keys, last chunk first (dstate: the
-// gradient of the state after each slot; gbuf, delta_buf: the query kernel's g and delta).
+// gradient of the state after each slot; inv_buf, delta_buf: the query kernel's 1 / den and delta).
 template <class Policy>
 __global__ void __launch_bounds__(lbc::threads)
     linear_bwd_causal_key_mma_kernel(const linear_backward_params bp, const int* slot_offsets,
-                                     const int walk, const float* dstate, const float* gbuf,
+                                     const int walk, const float* dstate, const float* inv_buf,
                                      const float* delta_buf) {
   using namespace lbc;
   using Dev = __nv_bfloat16;
@@ -411,22 +408,25 @@ __global__ void __launch_bounds__(lbc::threads)
       else if (c > first)
         qn.fetch(f, f.q, f.q_stride, batch, start, c0 - C, c0, hq0);
       // [g | delta | 0] of the chunk's rows, two parts (0 past the end; g = delta = 0 at pads),
-      // every load issued before the first split.
+      // g = do / den as the query kernel made it, every load issued before the first split.
       {
         constexpr int per = C * X / 2 / threads;
-        float2 x[per];
+        std::uint32_t raw[per];  // do's pair (columns e < D)
+        float w[per];            // 1 / den (e < D), delta (e == D), else 0
 #pragma unroll
         for (int r = 0; r < per; ++r) {
           const int idx = threadIdx.x + r * threads, i = 2 * idx / X, e = 2 * idx % X;
-          const index_t row = (batch * f.tokens + start + c0 + i) * f.q_heads + hq;
-          x[r] = i >= rows ? make_float2(0.f, 0.f)
-                 : e < D   ? *reinterpret_cast<const float2*>(gbuf + row * D + e)
-                           : make_float2(e == D ? delta_buf[row] : 0.f, 0.f);
+          const bool in = i < rows && valid[i] != 0.f;
+          const index_t t = start + c0 + i, row = (batch * f.tokens + t) * f.q_heads + hq;
+          raw[r] = in && e < D ? lbm_raw2<Dev>(bp.dout, bp.dout_stride, batch, t, hq, e) : 0u;
+          w[r] = !in || e > D ? 0.f : e < D ? inv_buf[row] : delta_buf[row];
         }
 #pragma unroll
         for (int r = 0; r < per; ++r) {
           const int idx = threadIdx.x + r * threads, i = 2 * idx / X, e = 2 * idx % X;
-          split2(x[r].x, x[r].y, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
+          const float2 o = unpack2<Dev>(raw[r]);
+          const float2 x = e < D ? make_float2(o.x * w[r], o.y * w[r]) : make_float2(w[r], 0.f);
+          split2(x.x, x.y, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
                  *reinterpret_cast<std::uint32_t*>(Gl + i * ldx + e));
         }
       }

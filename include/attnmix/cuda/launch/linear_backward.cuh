@@ -285,7 +285,7 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
                 "cudaMemcpyAsync(slot offsets)");
     float* state = at(sc.state);
     float* dstate = at(sc.dstate);
-    float* gbuf = at(sc.g);
+    float* inv_den = at(sc.inv_den);
     float* delta = at(sc.delta);
 
     // A gated norm: recompute the core's output, then do (and dgate, dgamma) row by row; the
@@ -356,13 +356,13 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
           auto kernel = linear_bwd_causal_query_mma_kernel<Policy>;
           allow_dynamic_smem(kernel, plan.causal_q_smem);
           kernel<<<chunk_grid, chunk_threads, plan.causal_q_smem, stream>>>(
-              bp, offsets, walk, state, dstate, gbuf, delta);
+              bp, offsets, walk, state, dstate, inv_den, delta);
         }
       } else {
         auto query = linear_bwd_causal_query_kernel<Dev, Policy>;
         allow_dynamic_smem(query, plan.causal_q_smem);
         query<<<chunk_grid, threads, plan.causal_q_smem, stream>>>(bp, plan.chunk, offsets, state,
-                                                                   dstate, gbuf, delta);
+                                                                   dstate, inv_den, delta);
       }
       check(cudaGetLastError(), "linear_bwd_causal_query_kernel launch");
     }
@@ -375,13 +375,13 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
           auto kernel = linear_bwd_causal_key_mma_kernel<Policy>;
           allow_dynamic_smem(kernel, plan.causal_k_smem);
           kernel<<<chunk_grid, chunk_threads, plan.causal_k_smem, stream>>>(bp, offsets, walk,
-                                                                            dstate, gbuf, delta);
+                                                                            dstate, inv_den, delta);
         }
       } else {
         auto key = linear_bwd_causal_key_kernel<Dev, Policy>;
         allow_dynamic_smem(key, plan.causal_k_smem);
         key<<<chunk_grid, threads, plan.causal_k_smem, stream>>>(bp, plan.chunk, offsets, dstate,
-                                                                 gbuf, delta);
+                                                                 inv_den, delta);
       }
       check(cudaGetLastError(), "linear_bwd_causal_key_kernel launch");
     }

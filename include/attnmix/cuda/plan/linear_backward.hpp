@@ -10,11 +10,12 @@
 //   combine -> <dS, S> + <dz, z> -> pass B over keys (dk, dv, da) -> folds (dgamma, a shared
 //   gate's da over the heads). With `saved` the reduce and its combine are skipped.
 // Causal: state slots of `super` chunks of `chunk` tokens (one chunk on CUDA cores): each slot's
-//   own sum P^T V -> an exclusive scan over the slots -> the query pass (dq, g = do / den, delta,
-//   the slot's sum R^T g) -> a reverse scan (the gradient of the state after each slot) -> the key
-//   pass (dk, dv). A tensor-core CTA walks the chunks of its slot with the running state (forward)
-//   or its gradient (backward) in shared memory, so the slots and scans move 1 / super of the
-//   bytes of a slot a chunk.
+//   own sum P^T V -> an exclusive scan over the slots -> the query pass (dq, 1 / den, delta,
+//   the slot's sum R^T g with g = do / den) -> a reverse scan (the gradient of the state after each
+//   slot) -> the key pass (dk, dv; g again from do and 1 / den: a float a row where g took Dv). A
+//   tensor-core CTA walks the chunks of its slot with the running state (forward) or its gradient
+//   (backward) in shared memory, so the slots and scans move 1 / super of the bytes of a slot a
+//   chunk.
 // Every sum over tokens, chunks or parts runs in an order fixed by the problem alone.
 
 #include <algorithm>
@@ -59,7 +60,7 @@ struct linear_backward_shape {
 // Byte offsets of the scratch parts (each 256-byte aligned) and the total.
 struct linear_backward_scratch {
   std::size_t offsets = 0, slot_offsets = 0, stats = 0, state = 0, partial = 0, dstate = 0, jac = 0,
-              dgamma = 0, da_heads = 0, g = 0, delta = 0, bytes = 0;
+              dgamma = 0, da_heads = 0, inv_den = 0, delta = 0, bytes = 0;
 };
 
 struct linear_backward_plan {
@@ -207,7 +208,7 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
     take(sc.state, std::size_t(s.total_slots * H) * state_bytes);
     take(sc.dstate, std::size_t(s.total_slots * H) * state_bytes);
     const std::size_t rows = std::size_t(s.batch * s.tokens * s.q_heads);
-    take(sc.g, rows * std::size_t(Dv) * sizeof(float));
+    take(sc.inv_den, rows * sizeof(float));
     take(sc.delta, rows * sizeof(float));
   }
   sc.bytes = at;
