@@ -37,6 +37,7 @@ struct linear_backward_params {
   index_t dout_stride[3];
   bool rows16 = false;      // dout (and the gate) rows 16-byte aligned: the tensor-core query
                             // pass copies them with cp.async
+  bool dq_rows16 = false;   // dq rows 16-byte aligned: the query pass writes them in 16-byte pieces
   bool dkv_rows16 = false;  // dk and dv rows 16-byte aligned: the tensor-core key pass writes
                             // them in 16-byte pieces
   void* dq;

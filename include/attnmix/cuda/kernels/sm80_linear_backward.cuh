@@ -496,12 +496,26 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
           return f.scale * xv *
                  fast_phi_derivative<Policy::phi>(qv, fast_feature_map<Policy::phi>(qv));
         };
-        if (ra < rows)
-          lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, ta, hq, d, oka ? dq(x[j][0], qa.x) : 0.f,
-                          oka ? dq(x[j][1], qa.y) : 0.f);
-        if (rb < rows)
-          lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, tb, hq, d, okb ? dq(x[j][2], qb.x) : 0.f,
-                          okb ? dq(x[j][3], qb.y) : 0.f);
+        const float y[4] = {oka ? dq(x[j][0], qa.x) : 0.f, oka ? dq(x[j][1], qa.y) : 0.f,
+                            okb ? dq(x[j][2], qb.x) : 0.f, okb ? dq(x[j][3], qb.y) : 0.f};
+        if (bp.dq_rows16) {  // over this lane's own q, read above; sent out below
+          *reinterpret_cast<std::uint32_t*>(Qs + ra * L::ld_d + d) = pack2<Dev>(y[0], y[1]);
+          *reinterpret_cast<std::uint32_t*>(Qs + rb * L::ld_d + d) = pack2<Dev>(y[2], y[3]);
+        } else {
+          if (ra < rows) lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, ta, hq, d, y[0], y[1]);
+          if (rb < rows) lbm_store2<Dev>(bp.dq, bp.dq_stride, batch, tb, hq, d, y[2], y[3]);
+        }
+      }
+      if (bp.dq_rows16) {  // the warp's dq rows in 16-byte pieces
+        __syncwarp();
+#pragma unroll
+        for (int e = lane; e < 16 * (D / 8); e += 32) {
+          const int r = r0 + e / (D / 8), c = 8 * (e % (D / 8));
+          if (r < rows)
+            *reinterpret_cast<uint4*>(static_cast<Dev*>(bp.dq) + batch * bp.dq_stride[0] +
+                                      (start + base + r) * bp.dq_stride[1] + hq * bp.dq_stride[2] +
+                                      c) = *reinterpret_cast<const uint4*>(Qs + r * L::ld_d + c);
+        }
       }
       __syncthreads();  // Gs complete
                         // [dS | dz] rows d = 16 warp .. += R^T [g | delta].

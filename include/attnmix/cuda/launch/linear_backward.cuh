@@ -182,6 +182,7 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
   };
   bp.rows16 = rows16(a.dout) && (!normed || !a.gate.has_value() || rows16(a.gate));
   bp.dkv_rows16 = rows16(a.dk) && rows16(a.dv);
+  bp.dq_rows16 = rows16(a.dq);
   bp.dq = a.dq.data(), bp.dk = a.dk.data(), bp.dv = a.dv.data();
   bp.dgate = a.dgate.has_value() ? a.dgate.data() : nullptr;
   copy_strides(bp.dq_stride, a.dq), copy_strides(bp.dk_stride, a.dk);
