@@ -67,6 +67,15 @@ struct causal_head_norm : attnmix::linear_causal_policy {
   static constexpr norm_gate_order order = norm_gate_order::gate_then_norm;
   static constexpr gate_activation activation = gate_activation::sigmoid;
 };
+// Under the prefix key gate: shared (the default knobs), per-head without the normaliser, and
+// a shared gate under the per-head gated norm.
+using causal_key_gate = attnmix::with_key_gate<causal_default, key_gate::shared>;
+struct causal_head_gate_raw : attnmix::linear_causal_policy {
+  static constexpr key_gate gate = key_gate::per_head;
+  static constexpr feature_map phi = feature_map::relu;
+  static constexpr bool normalize = false;
+};
+using causal_gated_norm = attnmix::with_gated_norm<causal_key_gate, gated_norm::per_head>;
 
 // ---- one case ----
 
@@ -76,14 +85,14 @@ struct bwd_options {
 };
 
 struct grad_errors {
-  double dq = 0, dk = 0, dv = 0, da = 0, dgate = 0, dgamma = 0, dS_in = 0, dz_in = 0;
+  double dq = 0, dk = 0, dv = 0, da = 0, dgate = 0, dgamma = 0, dS_in = 0, dz_in = 0, dlse_in = 0;
   bool pads_zero = true;
 };
 
 inline std::ostream& operator<<(std::ostream& os, const grad_errors& e) {
   return os << "dq " << e.dq << " dk " << e.dk << " dv " << e.dv << " da " << e.da << " dgate "
             << e.dgate << " dgamma " << e.dgamma << " dS_in " << e.dS_in << " dz_in " << e.dz_in
-            << " pads_zero " << e.pads_zero;
+            << " dlse_in " << e.dlse_in << " pads_zero " << e.pads_zero;
 }
 
 inline double max_abs(const std::vector<double>& v) {
@@ -123,7 +132,7 @@ attnmix::host_tensor<D, R> converted(const attnmix::host_tensor<S, R>& x) {
 
 // What a run gave back (for the bit-identity checks).
 struct grad_bits {
-  std::vector<float> dq, dk, dv, dgate, da, dgamma, dS_in, dz_in;
+  std::vector<float> dq, dk, dv, dgate, da, dgamma, dS_in, dz_in, dlse_in;
 };
 
 template <class Kind, class Policy, class T>
@@ -151,7 +160,10 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
               dout(b, t, h, d) = std::numeric_limits<float>::quiet_NaN();
   host_tensor<float, 4> dS_out({N, c.H, c.D, c.Dv});
   host_tensor<float, 3> dz_out({N, c.H, c.D});
-  r.fill_normal(dS_out), r.fill_normal(dz_out);
+  host_tensor<float, 2> dlse_out({N, c.H});
+  r.fill_normal(dS_out), r.fill_normal(dz_out), r.fill_normal(dlse_out);
+  // Under the causal key gate a state in carries its lse.
+  constexpr bool state_lse = causal && gated;
 
   // The CPU backward in double.
   host_tensor<double, 4> q = converted<double>(in.q), k = converted<double>(in.k),
@@ -160,6 +172,8 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
                          dS_out_d = converted<double>(dS_out);
   host_tensor<double, 3> a = converted<double>(in.a), z_in = converted<double>(in.z_in),
                          dz_out_d = converted<double>(dz_out);
+  host_tensor<double, 2> lse_in = converted<double>(in.lse_in),
+                         dlse_out_d = converted<double>(dlse_out), rdlse_in({N, c.H});
   host_tensor<double, 1> gamma = converted<double>(in.gamma);
   host_tensor<double, 4> saved_S({N, c.H, c.D, c.Dv});
   host_tensor<double, 3> saved_z({N, c.H, c.D});
@@ -199,8 +213,12 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
     if (c.with_state_in) {
       g.state_in.S = S_in.view(), g.state_in.z = z_in.view();
       g.dstate_in.S = rdS_in.view(), g.dstate_in.z = rdz_in.view();
+      if constexpr (state_lse) g.state_in.lse = lse_in.view(), g.dstate_in.lse = rdlse_in.view();
     }
-    if (opt.dstate_out) g.dstate_out.S = dS_out_d.view(), g.dstate_out.z = dz_out_d.view();
+    if (opt.dstate_out) {
+      g.dstate_out.S = dS_out_d.view(), g.dstate_out.z = dz_out_d.view();
+      if constexpr (state_lse) g.dstate_out.lse = dlse_out_d.view();
+    }
   }
   if (saved) {
     g.saved.S = saved_S.view(), g.saved.z = saved_z.view();
@@ -214,7 +232,7 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
   // dv, dS_in, dz_in is held to its relative error (||diff|| / ||ref||) against a tenth of theirs
   // where it is smaller: the CPU tests' rule (floored_error). A 16-bit gradient is held to its
   // largest error over its largest value, or over a tenth of its largest term where that is larger.
-  std::vector<double> size_dq, size_dk, size_dv, size_dS_in, size_dz_in;
+  std::vector<double> size_dq, size_dk, size_dv, size_dS_in, size_dz_in, size_dlse_in;
   {
     auto abs_of = [](auto t) {
       for (auto& x : t.storage()) x = std::abs(x);
@@ -223,6 +241,7 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
     host_tensor<double, 4> av = abs_of(v), agate = abs_of(gate), adout = abs_of(dout_d),
                            adS_out = abs_of(dS_out_d);
     host_tensor<double, 3> adz_out = abs_of(dz_out_d);
+    host_tensor<double, 2> adlse_out = abs_of(dlse_out_d), sdlse_in({N, c.H});
     host_tensor<double, 1> agamma = abs_of(gamma);
     host_tensor<double, 4> sdq(in.q.shape()), sdk(in.k.shape()), sdv(in.v.shape()),
         sdgate(in.gate.shape()), sdS_in({N, c.H, c.D, c.Dv});
@@ -240,10 +259,15 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
     if constexpr (causal) {
       if (c.with_state_in) s.dstate_in.S = sdS_in.view(), s.dstate_in.z = sdz_in.view();
       if (opt.dstate_out) s.dstate_out.S = adS_out.view(), s.dstate_out.z = adz_out.view();
+      if constexpr (state_lse) {
+        if (c.with_state_in) s.dstate_in.lse = sdlse_in.view();
+        if (opt.dstate_out) s.dstate_out.lse = adlse_out.view();
+      }
     }
     attnmix::linear_attention_backward<Kind, Policy>(s, hp);
     size_dq = sdq.storage(), size_dk = sdk.storage(), size_dv = sdv.storage();
     size_dS_in = sdS_in.storage(), size_dz_in = sdz_in.storage();
+    size_dlse_in = sdlse_in.storage();
   }
 
   // The same on the GPU (every output starts as NaN).
@@ -251,7 +275,8 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
       dv_(convert_all<T>(in.v.storage())), dgate_(convert_all<T>(in.gate.storage())),
       ddout(convert_all<T>(dout.storage()));
   device_buffer<float> da_(in.a.storage()), dgamma_(in.gamma.storage()), dS_in_(in.S_in.storage()),
-      dz_in_(in.z_in.storage()), ddS_out(dS_out.storage()), ddz_out(dz_out.storage());
+      dz_in_(in.z_in.storage()), ddS_out(dS_out.storage()), ddz_out(dz_out.storage()),
+      dlse_in_(in.lse_in.storage()), ddlse_out(dlse_out.storage());
   std::vector<float> sS(saved_S.storage().begin(), saved_S.storage().end()),
       sz(saved_z.storage().begin(), saved_z.storage().end()),
       sl(saved_lse.storage().begin(), saved_lse.storage().end());
@@ -260,7 +285,8 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
   device_buffer<T> gq(std::size_t(in.q.size())), gk(std::size_t(in.k.size())),
       gv(std::size_t(in.v.size())), ggate(std::size_t(in.gate.size()));
   device_buffer<float> ga(std::size_t(in.a.size())), ggamma(std::size_t(in.gamma.size())),
-      gS_in(std::size_t(in.S_in.size())), gz_in(std::size_t(in.z_in.size()));
+      gS_in(std::size_t(in.S_in.size())), gz_in(std::size_t(in.z_in.size())),
+      glse_in(std::size_t(in.lse_in.size()));
   using attnmix::view1;
   using attnmix::view3;
   using attnmix::view4;
@@ -293,10 +319,19 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
       d.state_in.z = on_device(view3<const float>(nullptr, in.z_in.shape()), dz_in_.get());
       d.dstate_in.S = on_device(view4<float>(nullptr, in.S_in.shape()), gS_in.get());
       d.dstate_in.z = on_device(view3<float>(nullptr, in.z_in.shape()), gz_in.get());
+      if constexpr (state_lse) {
+        using view2f = attnmix::tensor_view<float, 2>;
+        d.state_in.lse = on_device(attnmix::tensor_view<const float, 2>(nullptr, in.lse_in.shape()),
+                                   dlse_in_.get());
+        d.dstate_in.lse = on_device(view2f(nullptr, in.lse_in.shape()), glse_in.get());
+      }
     }
     if (opt.dstate_out) {
       d.dstate_out.S = on_device(view4<const float>(nullptr, dS_out.shape()), ddS_out.get());
       d.dstate_out.z = on_device(view3<const float>(nullptr, dz_out.shape()), ddz_out.get());
+      if constexpr (state_lse)
+        d.dstate_out.lse = on_device(
+            attnmix::tensor_view<const float, 2>(nullptr, dlse_out.shape()), ddlse_out.get());
     }
   }
   if (saved) {
@@ -316,10 +351,12 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
                            hdv = convert_all<float>(gv.to_host()),
                            hdgate = convert_all<float>(ggate.to_host());
   const std::vector<float> hda = ga.to_host(), hdgamma = ggamma.to_host(), hdS_in = gS_in.to_host(),
-                           hdz_in = gz_in.to_host();
+                           hdz_in = gz_in.to_host(), hdlse_in = glse_in.to_host();
   grad_errors e;
   const bool floored = sizeof(T) == 4;
-  auto term_floor = [](const std::vector<double>& sizes) { return max_abs(sizes) / 10; };
+  auto term_floor = [](const std::vector<double>& sizes) {
+    return max_abs(sizes) / 10;
+  };
   e.dq = floored ? floored_error(hdq, rdq.storage(), size_dq)
                  : max_rel_error(hdq, rdq.storage(), term_floor(size_dq));
   e.dk = floored ? floored_error(hdk, rdk.storage(), size_dk)
@@ -340,6 +377,9 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
     e.dz_in = normed    ? max_rel_error(hdz_in, rdz_in.storage(), max_abs(rdS_in.storage()))
               : floored ? floored_error(hdz_in, rdz_in.storage(), size_dz_in)
                         : max_rel_error(hdz_in, rdz_in.storage(), term_floor(size_dz_in));
+    if (state_lse)
+      e.dlse_in = floored ? floored_error(hdlse_in, rdlse_in.storage(), size_dlse_in)
+                          : max_rel_error(hdlse_in, rdlse_in.storage(), term_floor(size_dlse_in));
   }
   if (c.pad != padding::none) {
     const index_t Hg = in.a.extent(2);
@@ -364,7 +404,7 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
             e.pads_zero &= hda[std::size_t((b * c.T + t) * Hg + h)] == 0.f;
       }
   }
-  if (bits) *bits = {hdq, hdk, hdv, hdgate, hda, hdgamma, hdS_in, hdz_in};
+  if (bits) *bits = {hdq, hdk, hdv, hdgate, hda, hdgamma, hdS_in, hdz_in, hdlse_in};
   return e;
 }
 
@@ -387,7 +427,8 @@ inline void check_errors(const grad_errors& e, double tol) {
   w.dq = std::max(w.dq, e.dq), w.dk = std::max(w.dk, e.dk), w.dv = std::max(w.dv, e.dv);
   w.da = std::max(w.da, e.da), w.dgate = std::max(w.dgate, e.dgate);
   w.dgamma = std::max(w.dgamma, e.dgamma), w.dS_in = std::max(w.dS_in, e.dS_in);
-  w.dz_in = std::max(w.dz_in, e.dz_in), w.pads_zero = w.pads_zero && e.pads_zero;
+  w.dz_in = std::max(w.dz_in, e.dz_in), w.dlse_in = std::max(w.dlse_in, e.dlse_in);
+  w.pads_zero = w.pads_zero && e.pads_zero;
   INFO(e);
   CHECK(e.dq <= tol);
   CHECK(e.dk <= tol);
@@ -397,6 +438,7 @@ inline void check_errors(const grad_errors& e, double tol) {
   CHECK(e.dgamma <= tol);
   CHECK(e.dS_in <= tol);
   CHECK(e.dz_in <= tol);
+  CHECK(e.dlse_in <= tol);
   CHECK(e.pads_zero);
 }
 

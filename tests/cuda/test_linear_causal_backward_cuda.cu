@@ -1,5 +1,5 @@
 // CUDA backward of causal linear attention against the CPU backward: a small case first, the
-// rejected key gate, bit-identical reruns, then with and without state_in and dstate_out, the
+// prefix key gate, bit-identical reruns, then with and without state_in and dstate_out, the
 // other knobs in float, the gated norm in bfloat16, and every knob on the tensor-core kernels. The
 // harness: linear_backward_harness.cuh.
 
@@ -12,19 +12,21 @@ TEST_CASE("CUDA causal linear backward: one small case (float)", "[cuda][linear_
   check_errors(run_cuda_backward<linear_causal, causal_default, float>(c, 13, {}), 1e-5);
 }
 
-TEST_CASE("CUDA linear backward: a prefix key gate is rejected by name",
-          "[cuda][linear_backward][linear_causal]") {
+TEMPLATE_TEST_CASE("CUDA causal linear backward under the prefix key gate matches the CPU backward",
+                   "[cuda][linear_backward][linear_causal][key_gate]", float, attnmix::bfloat16) {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  using gated_causal = attnmix::with_key_gate<causal_default, key_gate::shared>;
-  const linear_case c{1, 10, 1, 1, 8, 8};
-  std::string message;
-  try {
-    run_cuda_backward<linear_causal, gated_causal, float>(c, 1, {});
-  } catch (const attnmix::error& e) {
-    message = e.what();
-  }
-  INFO(message);
-  CHECK(message.find("Policy::gate") != std::string::npos);
+  bwd_options dso;
+  dso.dstate_out = true;
+  sweep<linear_causal, causal_key_gate, TestType>(1100, "shared key gate", dso);
+  sweep<linear_causal, causal_head_gate_raw, TestType>(1150, "per-head key gate, no normaliser");
+}
+
+TEST_CASE("CUDA causal linear backward under the prefix key gate with a gated norm (bfloat16)",
+          "[cuda][linear_backward][linear_causal][key_gate]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  bwd_options dso;
+  dso.dstate_out = true;
+  sweep<linear_causal, causal_gated_norm, attnmix::bfloat16>(1200, "key gate and gated norm", dso);
 }
 
 TEST_CASE("CUDA causal linear backward gives the same bits on a second run",
@@ -44,6 +46,9 @@ TEST_CASE("CUDA causal linear backward gives the same bits on a second run",
   run_cuda_backward<linear_causal, causal_default, float>(c, 2100, dso, &x);
   run_cuda_backward<linear_causal, causal_default, float>(c, 2100, dso, &y);
   CHECK(same(x, y));
+  run_cuda_backward<linear_causal, causal_key_gate, float>(c, 2101, dso, &x);
+  run_cuda_backward<linear_causal, causal_key_gate, float>(c, 2101, dso, &y);
+  CHECK((same(x, y) && bitwise_equal(x.dlse_in, y.dlse_in)));
 }
 
 TEMPLATE_TEST_CASE("CUDA causal linear backward matches the CPU backward",

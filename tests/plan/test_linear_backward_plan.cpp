@@ -157,6 +157,23 @@ TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
     CHECK(causal_layout(s, h200()).super == 1);
     CHECK(causal_layout(s, h200()).slot_tokens() == 64);
   }
+  SECTION("under the prefix key gate: a CTA a (head, sequence), checkpoints every ~sqrt chunks") {
+    s.gated = true, s.gate_heads = 1, s.shared_gate_sum = true;
+    const linear_backward_plan p = plan_linear_backward(s, h200());
+    CHECK(p.chunk == 32);
+    CHECK(p.max_chunks == 32);  // 1000 tokens
+    CHECK(p.gated_K == 6);      // 6 * 6 >= 32 > 5 * 5
+    CHECK(p.chunk_grid == launch_grid{2, 2, 1});
+    const index_t SS = 64 * 64 + 64 + 2;
+    CHECK(p.gated_task_floats == 15 * SS + 2 * (64 * 64 + 64));
+    CHECK(p.gated_smem == (32 * (4 * 64 + 3 * 64) + 3 * 32 * 32 + 11 * 32) * 4);
+    CHECK(std::size_t(linear_bwd_gated_smem_floats(128, 128) * 4) <= h200().smem_per_block_optin);
+    CHECK(p.scratch.da_heads - p.scratch.gated_states ==
+          padded_bytes(std::size_t(2 * 2 * p.gated_task_floats) * 4));
+    CHECK(p.scratch.bytes == p.scratch.da_heads + padded_bytes(2 * 2 * 1000 * 4));
+    s.max_len = 1;
+    CHECK(plan_linear_backward(s, h200()).gated_K == 1);
+  }
   SECTION("shorter chunks where a block has 48 KiB") {
     CHECK(linear_bwd_causal_chunk(64, 64, small_smem()) == 32);
     CHECK(linear_bwd_causal_chunk(128, 128, small_smem()) == 16);

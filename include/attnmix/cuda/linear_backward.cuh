@@ -2,8 +2,7 @@
 // The backward of the linear-attention kinds on CUDA (linear_attention_backward with
 // backend::cuda): kind::bla, kind::gbla and kind::linear_causal, float, half and bfloat16
 // inputs, float states and accumulation, D, Dv <= 128 (cuda/launch/linear_backward.cuh).
-// Not yet on CUDA: the prefix key gate of kind::linear_causal (rejected with attnmix::error)
-// and gated_norm::full_width (a compile-time error, as in the forward).
+// Not on CUDA: gated_norm::full_width (a compile-time error, as in the forward).
 
 #include <type_traits>
 
@@ -30,12 +29,7 @@ struct cuda_linear_backward {
     static_assert(!std::is_same_v<T, double>,
                   "attnmix: the CUDA backend takes float, half or bfloat16 inputs");
     const std::string fn = std::string("attnmix::linear_attention_backward<") + Kind::name + ">";
-    if constexpr (linear_kind_traits<Kind>::causal && Policy::gate != key_gate::off)
-      fail(fn, "a",
-           "(Policy::gate, the prefix key gate) is not implemented by the CUDA backward of "
-           "kind::linear_causal yet; use key_gate::off or the CPU backend");
-    else
-      cuda::run_linear_backward<Kind, Policy>(fn, a, p, be);
+    cuda::run_linear_backward<Kind, Policy>(fn, a, p, be);
   }
 };
 

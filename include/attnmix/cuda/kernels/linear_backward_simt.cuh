@@ -60,6 +60,10 @@ struct linear_backward_params {
   float* dS_in;
   float* dz_in;
   index_t dS_out_stride[4], dz_out_stride[3], dS_in_stride[4], dz_in_stride[3];
+  // Causal under the prefix key gate: the gradients of the final and initial states' lse.
+  const float* dlse_out = nullptr;
+  float* dlse_in = nullptr;
+  index_t dlse_out_stride[2] = {}, dlse_in_stride[2] = {};
 };
 
 template <class Dev>

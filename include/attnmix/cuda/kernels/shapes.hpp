@@ -127,6 +127,20 @@ constexpr int linear_bwd_causal_mma_smem =
 // would leave SMs idle).
 constexpr int linear_bwd_causal_max_super = 8;
 
+// The causal backward under the prefix key gate (linear_backward_causal_gated.cuh): a CTA per
+// (KV head, sequence) walks 32-token chunks; its shared memory holds the chunk's [C][D] tiles
+// (phi(k), r, dr, dphik), [C][Dv] tiles (v, g, dv), three [C][C] score tiles and 11 vectors of C.
+// Its scratch holds a checkpoint every K chunks (K + 1 of them), the K + 1 states of a segment
+// and the running state (D Dv + D + 2 floats each), then dS | dz twice.
+constexpr int linear_bwd_gated_chunk = 32, linear_bwd_gated_threads = 256;
+constexpr index_t linear_bwd_gated_smem_floats(index_t D, index_t Dv) {
+  constexpr index_t C = linear_bwd_gated_chunk;
+  return C * (4 * D + 3 * Dv) + 3 * C * C + 11 * C;
+}
+constexpr index_t linear_bwd_gated_task_floats(index_t K, index_t D, index_t Dv) {
+  return (2 * K + 3) * (D * Dv + D + 2) + 2 * (D * Dv + D);
+}
+
 // The tensor-core PaTH / PaTH-FoX backward query kernel (kernels/sm80_path_backward.cuh) at
 // D = Dv = C = 64: eleven tiles [C][ld] of 16-bit elements in two parts (slot s: hi at 2 s, lo at
 // 2 s + 1), the gate's float dZ [C][C + 1], then eight vectors of C (per row: lse, delta, gate,

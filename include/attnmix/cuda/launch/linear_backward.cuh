@@ -16,6 +16,7 @@
 #include "attnmix/core/tags.hpp"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/kernels/linear_backward_causal.cuh"
+#include "attnmix/cuda/kernels/linear_backward_causal_gated.cuh"
 #include "attnmix/cuda/kernels/linear_backward_simt.cuh"
 #include "attnmix/cuda/kernels/sm80_linear_backward.cuh"
 #include "attnmix/cuda/kernels/sm80_linear_backward_causal.cuh"
@@ -87,6 +88,15 @@ void fold_dgamma(const linear_backward_params& bp, float* parts, index_t groups,
   check(cudaGetLastError(), "linear_bwd_fold_columns_kernel launch");
 }
 
+// A shared gate's da: the per-head rows da_heads[h, b, t] summed over the heads, in order.
+inline void fold_da(const linear_backward_params& bp, const float* da_heads, index_t max_len,
+                    unsigned sequences, cudaStream_t stream) {
+  if (max_len == 0) return;
+  const dim3 grid(unsigned((max_len + linear_bwd_threads - 1) / linear_bwd_threads), sequences);
+  linear_bwd_fold_da_kernel<<<grid, linear_bwd_threads, 0, stream>>>(bp, da_heads);
+  check(cudaGetLastError(), "linear_bwd_fold_da_kernel launch");
+}
+
 // fn(std::integral_constant<int, 64>) for a plan on tensor cores (16-bit only: the other types
 // never take them).
 template <class Dev, class Fn>
@@ -104,7 +114,6 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
   constexpr bool causal = linear_kind_traits<Kind>::causal;
   constexpr bool gated = Policy::gate != key_gate::off;
   constexpr bool normed = Policy::norm != gated_norm::off;
-  static_assert(!(causal && gated), "attnmix: checked by linear_backward.cuh");
   check_launch_sizes(fn, p, linear_bwd_max_dim, "linear-attention backward kernels");
   const index_t D = p.head_dim, Dv = p.value_dim, N = p.num_sequences, H = p.kv_heads,
                 HQ = p.q_heads, B = p.batch, Tn = p.tokens;
@@ -172,7 +181,9 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
   const auto& si = a.state_in;
   kp.S_in = si.S.has_value() ? si.S.data() : nullptr;
   kp.z_in = si.z.has_value() ? si.z.data() : nullptr;
+  kp.lse_in = si.lse.has_value() ? si.lse.data() : nullptr;
   copy_strides(kp.S_in_stride, si.S), copy_strides(kp.z_in_stride, si.z);
+  copy_strides(kp.lse_in_stride, si.lse);
   kp.cu_seqlens = upload_offsets(base + sc.offsets, p, stream);
   bp.batch = B;
   bp.dout = a.dout.data();
@@ -202,6 +213,10 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
   bp.dz_in = a.dstate_in.z.has_value() ? a.dstate_in.z.data() : nullptr;
   copy_strides(bp.dS_out_stride, a.dstate_out.S), copy_strides(bp.dz_out_stride, a.dstate_out.z);
   copy_strides(bp.dS_in_stride, a.dstate_in.S), copy_strides(bp.dz_in_stride, a.dstate_in.z);
+  bp.dlse_out = a.dstate_out.lse.has_value() ? a.dstate_out.lse.data() : nullptr;
+  bp.dlse_in = a.dstate_in.lse.has_value() ? a.dstate_in.lse.data() : nullptr;
+  copy_strides(bp.dlse_out_stride, a.dstate_out.lse);
+  copy_strides(bp.dlse_in_stride, a.dstate_in.lse);
 
   const dim3 threads(linear_bwd_threads);
   const index_t SS = plan.state_size;
@@ -271,19 +286,15 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       launch_pass(linear_bwd_key_kernel<Dev, Policy>, "linear_bwd_key_kernel", pass_grid,
                   linear_bwd_threads, plan.pass_b_smem, stream, bp, plan.part_tokens, stats, dstate,
                   jac, da_heads);
-    if (da_heads != nullptr && shape.max_len > 0) {
-      const dim3 grid(unsigned((shape.max_len + linear_bwd_threads - 1) / linear_bwd_threads),
-                      n_grid);
-      linear_bwd_fold_da_kernel<<<grid, threads, 0, stream>>>(bp, da_heads);
-      check(cudaGetLastError(), "linear_bwd_fold_da_kernel launch");
-    }
+    if (da_heads != nullptr) fold_da(bp, da_heads, shape.max_len, n_grid, stream);
     if (normed && a.dgamma.has_value()) {  // with no tokens it writes zeros
       fold_dgamma<Policy>(bp, dgamma_part, N * plan.parts, stream);
     }
   } else {
     int* offsets = reinterpret_cast<int*>(base + sc.slot_offsets);
-    upload_host(offsets, slot_offsets.data(), slot_offsets.size() * sizeof(int), stream,
-                "cudaMemcpyAsync(slot offsets)");
+    if constexpr (!gated)
+      upload_host(offsets, slot_offsets.data(), slot_offsets.size() * sizeof(int), stream,
+                  "cudaMemcpyAsync(slot offsets)");
     float* state = at(sc.state);
     float* dstate = at(sc.dstate);
     float* inv_den = at(sc.inv_den);
@@ -308,8 +319,8 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
               ? reinterpret_cast<float*>(norm_scratch.get() + 2 * padded_bytes(rows * sizeof(T)))
               : nullptr;
       linear_attention_args<T> fa;
-      fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.mask = a.mask;
-      fa.state_in.S = a.state_in.S, fa.state_in.z = a.state_in.z;
+      fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.mask = a.mask, fa.a = a.a;
+      fa.state_in.S = a.state_in.S, fa.state_in.z = a.state_in.z, fa.state_in.lse = a.state_in.lse;
       fa.out = view4<T>(o, {B, Tn, HQ, Dv}, {Tn * HQ * Dv, HQ * Dv, Dv, 1}, memory_space::device);
       run_linear<Kind, backward_core_policy<Policy>>(fn, fa, p, be);
       const index_t tiles = (shape.max_len + linear_bwd_tile - 1) / linear_bwd_tile;
@@ -328,63 +339,75 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       bp.dout_stride[0] = Tn * HQ * Dv, bp.dout_stride[1] = HQ * Dv, bp.dout_stride[2] = Dv;
     }
 
-    const dim3 chunk_grid = as_dim3(plan.chunk_grid);
-    // The tensor-core kernels (sm80_linear_backward_causal.cuh) take bfloat16 alone.
-    constexpr bool bf16 = std::is_same_v<Dev, __nv_bfloat16>;
-    const bool mma = bf16 && plan.mma;
-    const dim3 chunk_threads(unsigned(mma ? plan.mma_threads : linear_bwd_threads));
-    const int walk = int(plan.super);  // chunks a tensor-core CTA walks
-    if (shape.total_slots > 0) {
-      if (mma) {
-        if constexpr (bf16) {
-          auto kernel = linear_bwd_chunk_sums_mma_kernel<Policy>;
-          allow_dynamic_smem(kernel, plan.reduce_smem);
-          kernel<<<chunk_grid, chunk_threads, plan.reduce_smem, stream>>>(bp, offsets, walk, state);
+    if constexpr (gated) {
+      // The prefix key gate: one walk a (KV head, sequence) on CUDA cores.
+      float* da_heads = shape.shared_gate_sum ? at(sc.da_heads) : nullptr;
+      auto kernel = linear_bwd_causal_gated_kernel<Dev, Policy>;
+      allow_dynamic_smem(kernel, plan.gated_smem);
+      kernel<<<as_dim3(plan.chunk_grid), linear_bwd_gated_threads, plan.gated_smem, stream>>>(
+          bp, int(plan.gated_K), plan.gated_task_floats, at(sc.gated_states), da_heads);
+      check(cudaGetLastError(), "linear_bwd_causal_gated_kernel launch");
+      if (da_heads != nullptr) fold_da(bp, da_heads, shape.max_len, n_grid, stream);
+    } else {
+      const dim3 chunk_grid = as_dim3(plan.chunk_grid);
+      // The tensor-core kernels (sm80_linear_backward_causal.cuh) take bfloat16 alone.
+      constexpr bool bf16 = std::is_same_v<Dev, __nv_bfloat16>;
+      const bool mma = bf16 && plan.mma;
+      const dim3 chunk_threads(unsigned(mma ? plan.mma_threads : linear_bwd_threads));
+      const int walk = int(plan.super);  // chunks a tensor-core CTA walks
+      if (shape.total_slots > 0) {
+        if (mma) {
+          if constexpr (bf16) {
+            auto kernel = linear_bwd_chunk_sums_mma_kernel<Policy>;
+            allow_dynamic_smem(kernel, plan.reduce_smem);
+            kernel<<<chunk_grid, chunk_threads, plan.reduce_smem, stream>>>(bp, offsets, walk,
+                                                                            state);
+          }
+        } else {
+          auto sums = linear_bwd_chunk_sums_kernel<Dev, Policy>;
+          allow_dynamic_smem(sums, plan.reduce_smem);
+          sums<<<chunk_grid, threads, plan.reduce_smem, stream>>>(bp, plan.chunk, offsets, state);
         }
-      } else {
-        auto sums = linear_bwd_chunk_sums_kernel<Dev, Policy>;
-        allow_dynamic_smem(sums, plan.reduce_smem);
-        sums<<<chunk_grid, threads, plan.reduce_smem, stream>>>(bp, plan.chunk, offsets, state);
+        check(cudaGetLastError(), "linear_bwd_chunk_sums_kernel launch");
       }
-      check(cudaGetLastError(), "linear_bwd_chunk_sums_kernel launch");
-    }
-    linear_bwd_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0, stream>>>(
-        bp, offsets, state);
-    check(cudaGetLastError(), "linear_bwd_scan_kernel launch");
-    if (shape.total_slots > 0) {
-      if (mma) {
-        if constexpr (bf16) {
-          auto kernel = linear_bwd_causal_query_mma_kernel<Policy>;
-          allow_dynamic_smem(kernel, plan.causal_q_smem);
-          kernel<<<chunk_grid, chunk_threads, plan.causal_q_smem, stream>>>(
-              bp, offsets, walk, state, dstate, inv_den, delta);
+      linear_bwd_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0, stream>>>(
+          bp, offsets, state);
+      check(cudaGetLastError(), "linear_bwd_scan_kernel launch");
+      if (shape.total_slots > 0) {
+        if (mma) {
+          if constexpr (bf16) {
+            auto kernel = linear_bwd_causal_query_mma_kernel<Policy>;
+            allow_dynamic_smem(kernel, plan.causal_q_smem);
+            kernel<<<chunk_grid, chunk_threads, plan.causal_q_smem, stream>>>(
+                bp, offsets, walk, state, dstate, inv_den, delta);
+          }
+        } else {
+          auto query = linear_bwd_causal_query_kernel<Dev, Policy>;
+          allow_dynamic_smem(query, plan.causal_q_smem);
+          query<<<chunk_grid, threads, plan.causal_q_smem, stream>>>(bp, plan.chunk, offsets, state,
+                                                                     dstate, inv_den, delta);
         }
-      } else {
-        auto query = linear_bwd_causal_query_kernel<Dev, Policy>;
-        allow_dynamic_smem(query, plan.causal_q_smem);
-        query<<<chunk_grid, threads, plan.causal_q_smem, stream>>>(bp, plan.chunk, offsets, state,
-                                                                   dstate, inv_den, delta);
+        check(cudaGetLastError(), "linear_bwd_causal_query_kernel launch");
       }
-      check(cudaGetLastError(), "linear_bwd_causal_query_kernel launch");
-    }
-    linear_bwd_reverse_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0, stream>>>(
-        bp, offsets, dstate);
-    check(cudaGetLastError(), "linear_bwd_reverse_scan_kernel launch");
-    if (shape.total_slots > 0) {
-      if (mma) {
-        if constexpr (bf16) {
-          auto kernel = linear_bwd_causal_key_mma_kernel<Policy>;
-          allow_dynamic_smem(kernel, plan.causal_k_smem);
-          kernel<<<chunk_grid, chunk_threads, plan.causal_k_smem, stream>>>(bp, offsets, walk,
-                                                                            dstate, inv_den, delta);
+      linear_bwd_reverse_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0,
+                                       stream>>>(bp, offsets, dstate);
+      check(cudaGetLastError(), "linear_bwd_reverse_scan_kernel launch");
+      if (shape.total_slots > 0) {
+        if (mma) {
+          if constexpr (bf16) {
+            auto kernel = linear_bwd_causal_key_mma_kernel<Policy>;
+            allow_dynamic_smem(kernel, plan.causal_k_smem);
+            kernel<<<chunk_grid, chunk_threads, plan.causal_k_smem, stream>>>(
+                bp, offsets, walk, dstate, inv_den, delta);
+          }
+        } else {
+          auto key = linear_bwd_causal_key_kernel<Dev, Policy>;
+          allow_dynamic_smem(key, plan.causal_k_smem);
+          key<<<chunk_grid, threads, plan.causal_k_smem, stream>>>(bp, plan.chunk, offsets, dstate,
+                                                                   inv_den, delta);
         }
-      } else {
-        auto key = linear_bwd_causal_key_kernel<Dev, Policy>;
-        allow_dynamic_smem(key, plan.causal_k_smem);
-        key<<<chunk_grid, threads, plan.causal_k_smem, stream>>>(bp, plan.chunk, offsets, dstate,
-                                                                 inv_den, delta);
+        check(cudaGetLastError(), "linear_bwd_causal_key_kernel launch");
       }
-      check(cudaGetLastError(), "linear_bwd_causal_key_kernel launch");
     }
   }
 }

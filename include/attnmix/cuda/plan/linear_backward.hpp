@@ -60,7 +60,7 @@ struct linear_backward_shape {
 // Byte offsets of the scratch parts (each 256-byte aligned) and the total.
 struct linear_backward_scratch {
   std::size_t offsets = 0, slot_offsets = 0, stats = 0, state = 0, partial = 0, dstate = 0, jac = 0,
-              dgamma = 0, da_heads = 0, inv_den = 0, delta = 0, bytes = 0;
+              dgamma = 0, da_heads = 0, inv_den = 0, delta = 0, gated_states = 0, bytes = 0;
 };
 
 struct linear_backward_plan {
@@ -76,6 +76,10 @@ struct linear_backward_plan {
   int mma_threads = 0, key_threads = 0;
   index_t key_part_tokens = 1;
   int pass_a_smem = 0, pass_b_smem = 0, reduce_smem = 0, causal_q_smem = 0, causal_k_smem = 0;
+  // Causal under the prefix key gate: chunks between checkpoints, floats of a (sequence, head)'s
+  // scratch, the kernel's shared memory (grid: chunk_grid, a CTA per (head, sequence)).
+  index_t gated_K = 1, gated_task_floats = 0;
+  int gated_smem = 0;
   // combine_grid: a thread per state element of each (head, sequence) (the combines, the saved
   // state's load); jac_grid: a CTA per (head, sequence).
   launch_grid stats_grid, reduce_grid, combine_grid, jac_grid, pass_grid, key_grid, chunk_grid,
@@ -189,6 +193,17 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
     take(sc.dstate, std::size_t(N * H) * state_bytes);
     take(sc.jac, std::size_t(N * H) * sizeof(float));
     if (s.normed) take(sc.dgamma, std::size_t(N * p.parts * s.q_heads * Dv) * sizeof(float));
+    if (s.shared_gate_sum) take(sc.da_heads, std::size_t(H * s.batch * s.tokens) * sizeof(float));
+  } else if (s.gated) {
+    // The prefix key gate: a CTA per (KV head, sequence) walks its chunks (checkpoints every
+    // gated_K chunks, gated_K about the square root of the longest sequence's chunks).
+    p.chunk = linear_bwd_gated_chunk;
+    p.max_chunks = (s.max_len + p.chunk - 1) / p.chunk;
+    while (p.gated_K * p.gated_K < p.max_chunks) ++p.gated_K;
+    p.gated_task_floats = linear_bwd_gated_task_floats(p.gated_K, D, Dv);
+    p.gated_smem = int(linear_bwd_gated_smem_floats(D, Dv) * 4);
+    p.chunk_grid = {unsigned(H), n_grid, 1};
+    take(sc.gated_states, std::size_t(N * H * p.gated_task_floats) * sizeof(float));
     if (s.shared_gate_sum) take(sc.da_heads, std::size_t(H * s.batch * s.tokens) * sizeof(float));
   } else {
     const linear_bwd_causal_layout l = causal_layout(s, props);
