@@ -109,6 +109,23 @@ __device__ void advance(const state_ref& st, const float* P, const float* V, con
   }
   __syncthreads();
 }
+// out = mul * acc * phi'(x) of the chunk's rows (tokens t0 + i of head hh, 0 at pads): dq
+// (x = q, mul = scale) or dk (x = k, mul = 1).
+template <class Dev, class Policy>
+__device__ void store_phi_grad(const float* acc, float mul, const void* x, const index_t* xs,
+                               void* out, const index_t* os, index_t batch, index_t t0, int rows,
+                               int hh, int D, const float* ok) {
+  for (int e = threadIdx.x; e < C * D; e += threads) {
+    const int i = e / D, d = e % D;
+    if (i >= rows) continue;
+    float y = 0.f;
+    if (ok[i] != 0.f) {
+      const float v = load_act<Dev>(x, xs, batch, t0 + i, hh, d);
+      y = mul * acc[e] * phi_derivative<Policy::phi>(v, apply_feature_map<Policy::phi>(v));
+    }
+    store_act<Dev>(out, os, batch, t0 + i, hh, d, y);
+  }
+}
 }  // namespace lbg
 
 // CTA (KV head h, sequence n): dq of every query head of h's group, dk, dv and da of the
@@ -154,7 +171,7 @@ __global__ void __launch_bounds__(lbg::threads)
   float *logit = vec, *ok = vec + C, *cn = vec + 2 * C, *beta = vec + 3 * C, *live = vec + 4 * C;
   float *fw = vec + 5 * C, *da = vec + 6 * C, *inv = vec + 7 * C, *delta = vec + 8 * C;
   float *kap = vec + 9 * C, *red = vec + 10 * C;
-  __shared__ float scal[4];  // rho, kappa, kappa', a reduction slot
+  __shared__ float scal[3];  // rho, kappa, kappa'
 
   // The initial state (as load_state: a stored state is normalised, ell = 1 at m = lse).
   const state_ref run = seg(K + 1);
@@ -368,17 +385,8 @@ __global__ void __launch_bounds__(lbg::threads)
           scal[2] = s;
         }
         __syncthreads();
-        // dq = scale dr phi'(q), 0 at pads.
-        for (int e = threadIdx.x; e < C * D; e += threads) {
-          const int i = e / D, d = e % D;
-          if (i >= rows) continue;
-          float y = 0.f;
-          if (ok[i] != 0.f) {
-            const float x = load_act<Dev>(f.q, f.q_stride, batch, t0 + i, hq, d);
-            y = f.scale * X[e] * phi_derivative<Policy::phi>(x, apply_feature_map<Policy::phi>(x));
-          }
-          store_act<Dev>(bp.dq, bp.dq_stride, batch, t0 + i, hq, d, y);
-        }
+        store_phi_grad<Dev, Policy>(X, f.scale, f.q, f.q_stride, bp.dq, bp.dq_stride, batch, t0,
+                                    rows, hq, D, ok);
         // dS' += R^T (beta g), dz' += R^T (beta delta).
         for (int e = threadIdx.x; e < D * Dv; e += threads) {
           const int d = e / Dv, cc = e % Dv;
@@ -394,16 +402,8 @@ __global__ void __launch_bounds__(lbg::threads)
         __syncthreads();  // R, G, X free for the next head
       }
       // dk = dphik phi'(k), dv, da (0 at pads).
-      for (int e = threadIdx.x; e < C * D; e += threads) {
-        const int j = e / D, d = e % D;
-        if (j >= rows) continue;
-        float y = 0.f;
-        if (ok[j] != 0.f) {
-          const float x = load_act<Dev>(f.k, f.k_stride, batch, t0 + j, h, d);
-          y = E[e] * phi_derivative<Policy::phi>(x, apply_feature_map<Policy::phi>(x));
-        }
-        store_act<Dev>(bp.dk, bp.dk_stride, batch, t0 + j, h, d, y);
-      }
+      store_phi_grad<Dev, Policy>(E, 1.f, f.k, f.k_stride, bp.dk, bp.dk_stride, batch, t0, rows, h,
+                                  D, ok);
       for (int e = threadIdx.x; e < C * Dv; e += threads) {
         const int j = e / Dv, cc = e % Dv;
         if (j < rows)
