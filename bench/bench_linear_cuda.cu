@@ -194,3 +194,10 @@ BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::linear_causal,
                    attnmix::linear_causal_policy, true)
     ->Name("linear_causal_forward_backward")
     ->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::linear_causal, gated_causal_policy,
+                   false)
+    ->Name("linear_causal_gated_backward")
+    ->Apply(causal_shapes);
+BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::linear_causal, gated_causal_policy, true)
+    ->Name("linear_causal_gated_forward_backward")
+    ->Apply(causal_shapes);

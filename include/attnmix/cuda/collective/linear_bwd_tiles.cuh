@@ -45,15 +45,16 @@ __device__ __forceinline__ void lbm_phi8(uint4 raw, float mul, bool ok, lbm_op* 
   if (lo != nullptr) *reinterpret_cast<uint4*>(lo) = make_uint4(l[0], l[1], l[2], l[3]);
 }
 
-// Eight raw elements as high and low bfloat16 parts (exact for half: 11 bits in 8 + 8).
+// mul times eight raw elements as high and low bfloat16 parts (exact for half at mul = 1: 11 bits
+// in 8 + 8).
 template <class Dev>
-__device__ __forceinline__ void lbm_split8(uint4 raw, uint4& hi, uint4& lo) {
+__device__ __forceinline__ void lbm_split8(uint4 raw, uint4& hi, uint4& lo, float mul = 1.f) {
   const std::uint32_t in[4] = {raw.x, raw.y, raw.z, raw.w};
   std::uint32_t h[4], l[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 x = unpack2<Dev>(in[i]);
-    split2(x.x, x.y, h[i], l[i]);
+    split2(x.x * mul, x.y * mul, h[i], l[i]);
   }
   hi = make_uint4(h[0], h[1], h[2], h[3]);
   lo = make_uint4(l[0], l[1], l[2], l[3]);

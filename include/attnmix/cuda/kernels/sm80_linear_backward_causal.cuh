@@ -407,28 +407,39 @@ __global__ void __launch_bounds__(lbc::threads)
         qn.fetch(f, f.q, f.q_stride, batch, start, c0, c1, hq + 1);
       else if (c > first)
         qn.fetch(f, f.q, f.q_stride, batch, start, c0 - C, c0, hq0);
-      // [g | delta | 0] of the chunk's rows, two parts (0 past the end; g = delta = 0 at pads),
-      // g = do / den as the query kernel made it, every load issued before the first split.
+      // [g | delta | 0] of the chunk's rows, two parts (0 past the end; g = delta = 0 at pads):
+      // g = do / den as the query kernel made it, do in 16-byte pieces, every load issued before
+      // the first split.
       {
-        constexpr int per = C * X / 2 / threads;
-        std::uint32_t raw[per];  // do's pair (columns e < D)
-        float w[per];            // 1 / den (e < D), delta (e == D), else 0
+        lbm_tile_loads<Dev, D, C, threads> dn;
+        dn.fetch(f, bp.dout, bp.dout_stride, batch, start, c0, c1, hq);
+        float w[dn.count];  // 1 / den of each piece's row
 #pragma unroll
-        for (int r = 0; r < per; ++r) {
-          const int idx = threadIdx.x + r * threads, i = 2 * idx / X, e = 2 * idx % X;
-          const bool in = i < rows && valid[i] != 0.f;
-          const index_t t = start + c0 + i, row = (batch * f.tokens + t) * f.q_heads + hq;
-          raw[r] = in && e < D ? lbm_raw2<Dev>(bp.dout, bp.dout_stride, batch, t, hq, e) : 0u;
-          w[r] = !in || e > D ? 0.f : e < D ? inv_buf[row] : delta_buf[row];
+        for (int r = 0; r < dn.count; ++r) {
+          const int i = dn.row(r);
+          w[r] = i < rows && valid[i] != 0.f
+                     ? inv_buf[(batch * f.tokens + start + c0 + i) * f.q_heads + hq]
+                     : 0.f;
         }
+        // Columns D .. X - 1: delta, then zeros; two 8-wide pieces a row.
+        const int zi = threadIdx.x / 2, zp = threadIdx.x % 2;
+        static_assert(threads == 2 * C && X - D == 16, "one zero piece a thread");
+        const float delta =
+            zp == 0 && zi < rows && valid[zi] != 0.f
+                ? delta_buf[(batch * f.tokens + start + c0 + zi) * f.q_heads + hq]
+                : 0.f;
 #pragma unroll
-        for (int r = 0; r < per; ++r) {
-          const int idx = threadIdx.x + r * threads, i = 2 * idx / X, e = 2 * idx % X;
-          const float2 o = unpack2<Dev>(raw[r]);
-          const float2 x = e < D ? make_float2(o.x * w[r], o.y * w[r]) : make_float2(w[r], 0.f);
-          split2(x.x, x.y, *reinterpret_cast<std::uint32_t*>(Gh + i * ldx + e),
-                 *reinterpret_cast<std::uint32_t*>(Gl + i * ldx + e));
+        for (int r = 0; r < dn.count; ++r) {
+          uint4 hi, lo;
+          lbm_split8<Dev>(dn.raw[r], hi, lo, w[r]);
+          const int at = dn.row(r) * ldx + 8 * dn.piece(r);
+          *reinterpret_cast<uint4*>(Gh + at) = hi, *reinterpret_cast<uint4*>(Gl + at) = lo;
         }
+        std::uint32_t dh, dl;
+        split2(delta, 0.f, dh, dl);
+        const int at = zi * ldx + D + 8 * zp;
+        *reinterpret_cast<uint4*>(Gh + at) = make_uint4(dh, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(Gl + at) = make_uint4(dl, 0u, 0u, 0u);
       }
       __syncthreads();
 
