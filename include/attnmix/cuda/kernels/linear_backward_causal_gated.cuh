@@ -66,13 +66,14 @@ __device__ void load_keys(const linear_kernel_params& f, index_t batch, index_t 
   __syncthreads();
   for (int e = threadIdx.x; e < C * D; e += threads) {
     const int j = e / D, d = e % D;
-    P[e] = ok[j] != 0.f
-               ? apply_feature_map<Policy::phi>(load_act<Dev>(f.k, f.k_stride, batch, t0 + j, h, d))
-               : 0.f;
+    P[j * (D + 1) + d] =
+        ok[j] != 0.f
+            ? apply_feature_map<Policy::phi>(load_act<Dev>(f.k, f.k_stride, batch, t0 + j, h, d))
+            : 0.f;
   }
   for (int e = threadIdx.x; e < C * Dv; e += threads) {
     const int j = e / Dv, c = e % Dv;
-    V[e] = ok[j] != 0.f ? load_act<Dev>(f.v, f.v_stride, batch, t0 + j, h, c) : 0.f;
+    V[j * (Dv + 1) + c] = ok[j] != 0.f ? load_act<Dev>(f.v, f.v_stride, batch, t0 + j, h, c) : 0.f;
   }
   __syncthreads();
 }
@@ -93,12 +94,12 @@ __device__ void advance(const state_ref& st, const float* P, const float* V, con
   for (int e = threadIdx.x; e < D * Dv; e += threads) {
     const int d = e / Dv, cc = e % Dv;
     float s = c * st.S()[e];
-    for (int j = 0; j < rows; ++j) s += u[j] * P[j * D + d] * V[j * Dv + cc];
+    for (int j = 0; j < rows; ++j) s += u[j] * P[j * (D + 1) + d] * V[j * (Dv + 1) + cc];
     st.S()[e] = s;
   }
   for (int d = threadIdx.x; d < D; d += threads) {
     float s = c * st.z()[d];
-    for (int j = 0; j < rows; ++j) s += u[j] * P[j * D + d];
+    for (int j = 0; j < rows; ++j) s += u[j] * P[j * (D + 1) + d];
     st.z()[d] = s;
   }
   __syncthreads();
@@ -109,8 +110,8 @@ __device__ void advance(const state_ref& st, const float* P, const float* V, con
   }
   __syncthreads();
 }
-// out = mul * acc * phi'(x) of the chunk's rows (tokens t0 + i of head hh, 0 at pads): dq
-// (x = q, mul = scale) or dk (x = k, mul = 1).
+// out = mul * acc * phi'(x) of the chunk's rows (tokens t0 + i of head hh, 0 at pads; acc's rows
+// D + 1 apart): dq (x = q, mul = scale) or dk (x = k, mul = 1).
 template <class Dev, class Policy>
 __device__ void store_phi_grad(const float* acc, float mul, const void* x, const index_t* xs,
                                void* out, const index_t* os, index_t batch, index_t t0, int rows,
@@ -121,7 +122,8 @@ __device__ void store_phi_grad(const float* acc, float mul, const void* x, const
     float y = 0.f;
     if (ok[i] != 0.f) {
       const float v = load_act<Dev>(x, xs, batch, t0 + i, hh, d);
-      y = mul * acc[e] * phi_derivative<Policy::phi>(v, apply_feature_map<Policy::phi>(v));
+      y = mul * acc[i * (D + 1) + d] *
+          phi_derivative<Policy::phi>(v, apply_feature_map<Policy::phi>(v));
     }
     store_act<Dev>(out, os, batch, t0 + i, hh, d, y);
   }
@@ -156,18 +158,21 @@ __global__ void __launch_bounds__(lbg::threads)
   float* dS = base + index_t(2 * K + 3) * SS;  // [D][Dv] then dz [D], twice
   float* dS2 = dS + D * Dv + D;
 
+  // Tiles' rows are one float longer than their width (ldk, ldv, ldc), so that a warp walking
+  // down a column (a lane a row) reads 32 banks.
+  const int ldk = D + 1, ldv = Dv + 1, ldc = C + 1;
   extern __shared__ __align__(16) float smem[];
-  float* P = smem;          // [C][D] phi(k)
-  float* V = P + C * D;     // [C][Dv]
-  float* R = V + C * Dv;    // [C][D] scale phi(q)
-  float* G = R + C * D;     // [C][Dv] do, then g
-  float* X = G + C * Dv;    // [C][D] S0 g, then dr
-  float* E = X + C * D;     // [C][D] dphik
-  float* DV = E + C * D;    // [C][Dv] dv
-  float* SC = DV + C * Dv;  // [C][C] R P^T
-  float* WN = SC + C * C;   // [C][C] normalised weights
-  float* DO = WN + C * C;   // [C][C] g V^T, then dscore
-  float* vec = DO + C * C;  // [11][C] row vectors
+  float* P = smem;            // [C][ldk] phi(k)
+  float* V = P + C * ldk;     // [C][ldv]
+  float* R = V + C * ldv;     // [C][ldk] scale phi(q)
+  float* G = R + C * ldk;     // [C][ldv] do, then g
+  float* X = G + C * ldv;     // [C][ldk] S0 g, then dr
+  float* E = X + C * ldk;     // [C][ldk] dphik
+  float* DV = E + C * ldk;    // [C][ldv] dv
+  float* SC = DV + C * ldv;   // [C][ldc] R P^T
+  float* WN = SC + C * ldc;   // [C][ldc] normalised weights
+  float* DO = WN + C * ldc;   // [C][ldc] g V^T, then dscore
+  float* vec = DO + C * ldc;  // [11][C] row vectors
   float *logit = vec, *ok = vec + C, *cn = vec + 2 * C, *beta = vec + 3 * C, *live = vec + 4 * C;
   float *fw = vec + 5 * C, *da = vec + 6 * C, *inv = vec + 7 * C, *delta = vec + 8 * C;
   float *kap = vec + 9 * C, *red = vec + 10 * C;
@@ -257,11 +262,11 @@ __global__ void __launch_bounds__(lbg::threads)
         float ell = carry * ell0;
         for (int j = 0; j < C; ++j) {
           const float w = j <= i && i < rows ? sexp(logit[j], u) : 0.f;
-          WN[i * C + j] = w;
+          WN[i * ldc + j] = w;
           ell += w;
         }
         const float iv = ell > 0.f ? 1.f / ell : 0.f;
-        for (int j = 0; j < C; ++j) WN[i * C + j] *= iv;
+        for (int j = 0; j < C; ++j) WN[i * ldc + j] *= iv;
         live[i] = ell > 0.f ? 1.f : 0.f;
         cn[i] = carry * iv;
         beta[i] = carry * iv * ell0;
@@ -274,26 +279,26 @@ __global__ void __launch_bounds__(lbg::threads)
 
       // Through the state after the chunk: e = V dS^T + dz, dv = P dS, then the weights f.
       for (int e = threadIdx.x; e < C * D; e += threads) {
-        const int j = e / D, d = e % D;
+        const int d = e / C, j = e % C;  // a lane a row: dS's row is one broadcast read
         float s = dS[D * Dv + d];
-        for (int cc = 0; cc < Dv; ++cc) s += V[j * Dv + cc] * dS[d * Dv + cc];
-        E[e] = s;
+        for (int cc = 0; cc < Dv; ++cc) s += V[j * ldv + cc] * dS[d * Dv + cc];
+        E[j * ldk + d] = s;
       }
       for (int e = threadIdx.x; e < C * Dv; e += threads) {
         const int j = e / Dv, cc = e % Dv;
         float s = 0.f;
-        for (int d = 0; d < D; ++d) s += P[j * D + d] * dS[d * Dv + cc];
-        DV[e] = fw[j] * s;
+        for (int d = 0; d < D; ++d) s += P[j * ldk + d] * dS[d * Dv + cc];
+        DV[j * ldv + cc] = fw[j] * s;
       }
       __syncthreads();
       if (threadIdx.x < C) {
         const int j = threadIdx.x;
         float s = 0.f;
-        for (int d = 0; d < D; ++d) s += P[j * D + d] * E[j * D + d];
+        for (int d = 0; d < D; ++d) s += P[j * ldk + d] * E[j * ldk + d];
         da[j] = fw[j] * (s + kappa_acc);
       }
       __syncthreads();
-      for (int e = threadIdx.x; e < C * D; e += threads) E[e] *= fw[e / D];
+      for (int e = threadIdx.x; e < C * D; e += threads) E[e / D * ldk + e % D] *= fw[e / D];
       for (int e = threadIdx.x; e < D * Dv + D; e += threads) dSn[e] = rho * dS[e];
       if (threadIdx.x == 0) scal[2] = rho * kappa_acc;
       __syncthreads();
@@ -301,28 +306,29 @@ __global__ void __launch_bounds__(lbg::threads)
       for (int hq = h * f.group; hq < (h + 1) * f.group; ++hq) {
         for (int e = threadIdx.x; e < C * D; e += threads) {
           const int i = e / D, d = e % D;
-          R[e] = ok[i] != 0.f ? f.scale * apply_feature_map<Policy::phi>(
-                                              load_act<Dev>(f.q, f.q_stride, batch, t0 + i, hq, d))
-                              : 0.f;
+          R[i * ldk + d] = ok[i] != 0.f ? f.scale * apply_feature_map<Policy::phi>(load_act<Dev>(
+                                                        f.q, f.q_stride, batch, t0 + i, hq, d))
+                                        : 0.f;
         }
         for (int e = threadIdx.x; e < C * Dv; e += threads) {
           const int i = e / Dv, cc = e % Dv;
-          G[e] = ok[i] != 0.f ? load_act<Dev>(bp.dout, bp.dout_stride, batch, t0 + i, hq, cc) : 0.f;
+          G[i * ldv + cc] =
+              ok[i] != 0.f ? load_act<Dev>(bp.dout, bp.dout_stride, batch, t0 + i, hq, cc) : 0.f;
         }
         __syncthreads();
         // scores = R P^T, g V^T (do for now), x = S0 do per row.
         for (int e = threadIdx.x; e < C * C; e += threads) {
           const int i = e / C, j = e % C;
           float s = 0.f, t = 0.f;
-          for (int d = 0; d < D; ++d) s += R[i * D + d] * P[j * D + d];
-          for (int cc = 0; cc < Dv; ++cc) t += G[i * Dv + cc] * V[j * Dv + cc];
-          SC[e] = s, DO[e] = t;
+          for (int d = 0; d < D; ++d) s += R[i * ldk + d] * P[j * ldk + d];
+          for (int cc = 0; cc < Dv; ++cc) t += G[i * ldv + cc] * V[j * ldv + cc];
+          SC[i * ldc + j] = s, DO[i * ldc + j] = t;
         }
         for (int e = threadIdx.x; e < C * D; e += threads) {
-          const int i = e / D, d = e % D;
+          const int d = e / C, i = e % C;  // a lane a row: S0's row is one broadcast read
           float s = 0.f;
-          for (int cc = 0; cc < Dv; ++cc) s += G[i * Dv + cc] * s0.S()[d * Dv + cc];
-          X[e] = s;
+          for (int cc = 0; cc < Dv; ++cc) s += G[i * ldv + cc] * s0.S()[d * Dv + cc];
+          X[i * ldk + d] = s;
         }
         __syncthreads();
         // Per row: do . num, den, g's scale, delta and kappa_i.
@@ -330,11 +336,11 @@ __global__ void __launch_bounds__(lbg::threads)
           const int i = threadIdx.x;
           float rx = 0.f, rz = 0.f;
           for (int d = 0; d < D; ++d)
-            rx += R[i * D + d] * X[i * D + d], rz += R[i * D + d] * s0.z()[d];
+            rx += R[i * ldk + d] * X[i * ldk + d], rz += R[i * ldk + d] * s0.z()[d];
           float don = cn[i] * rx, asum = 0.f;
           for (int j = 0; j < C; ++j) {
-            const float a = SC[i * C + j] * WN[i * C + j];
-            don += a * DO[i * C + j];
+            const float a = SC[i * ldc + j] * WN[i * ldc + j];
+            don += a * DO[i * ldc + j];
             asum += a;
           }
           if (normalize) {
@@ -347,14 +353,14 @@ __global__ void __launch_bounds__(lbg::threads)
           }
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < C * Dv; e += threads) G[e] *= inv[e / Dv];
+        for (int e = threadIdx.x; e < C * Dv; e += threads) G[e / Dv * ldv + e % Dv] *= inv[e / Dv];
         for (int e = threadIdx.x; e < C * C; e += threads) {
-          const int i = e / C;
-          DO[e] = (DO[e] * inv[i] + delta[i]) * WN[e];  // dscore
+          const int i = e / C, x = i * ldc + e % C;
+          DO[x] = (DO[x] * inv[i] + delta[i]) * WN[x];  // dscore
         }
         for (int e = threadIdx.x; e < C * D; e += threads) {
-          const int i = e / D, d = e % D;
-          X[e] = cn[i] * (X[e] * inv[i] + delta[i] * s0.z()[d]);
+          const int i = e / D, d = e % D, x = i * ldk + d;
+          X[x] = cn[i] * (X[x] * inv[i] + delta[i] * s0.z()[d]);
         }
         __syncthreads();
         // dr += dscore P; dphik += dscore^T R; dv += A^T g; da += colsum(SC o dscore) + wn^T kappa.
@@ -362,21 +368,22 @@ __global__ void __launch_bounds__(lbg::threads)
           const int i = e / D, d = e % D;  // dr row i; dphik row i (as j)
           float s = 0.f, t = 0.f;
           for (int j = 0; j < C; ++j) {
-            s += DO[i * C + j] * P[j * D + d];
-            t += DO[j * C + i] * R[j * D + d];
+            s += DO[i * ldc + j] * P[j * ldk + d];
+            t += DO[j * ldc + i] * R[j * ldk + d];
           }
-          X[e] += s, E[e] += t;
+          X[i * ldk + d] += s, E[i * ldk + d] += t;
         }
         for (int e = threadIdx.x; e < C * Dv; e += threads) {
           const int j = e / Dv, cc = e % Dv;
           float s = 0.f;
-          for (int i = 0; i < C; ++i) s += SC[i * C + j] * WN[i * C + j] * G[i * Dv + cc];
-          DV[e] += s;
+          for (int i = 0; i < C; ++i) s += SC[i * ldc + j] * WN[i * ldc + j] * G[i * ldv + cc];
+          DV[j * ldv + cc] += s;
         }
         if (threadIdx.x < C) {
           const int j = threadIdx.x;
           float s = 0.f;
-          for (int i = 0; i < C; ++i) s += SC[i * C + j] * DO[i * C + j] + WN[i * C + j] * kap[i];
+          for (int i = 0; i < C; ++i)
+            s += SC[i * ldc + j] * DO[i * ldc + j] + WN[i * ldc + j] * kap[i];
           da[j] += s;
         }
         if (threadIdx.x == 0) {
@@ -391,12 +398,12 @@ __global__ void __launch_bounds__(lbg::threads)
         for (int e = threadIdx.x; e < D * Dv; e += threads) {
           const int d = e / Dv, cc = e % Dv;
           float s = dSn[e];
-          for (int i = 0; i < C; ++i) s += R[i * D + d] * beta[i] * G[i * Dv + cc];
+          for (int i = 0; i < C; ++i) s += R[i * ldk + d] * beta[i] * G[i * ldv + cc];
           dSn[e] = s;
         }
         for (int d = threadIdx.x; d < D; d += threads) {
           float s = dSn[D * Dv + d];
-          for (int i = 0; i < C; ++i) s += R[i * D + d] * beta[i] * delta[i];
+          for (int i = 0; i < C; ++i) s += R[i * ldk + d] * beta[i] * delta[i];
           dSn[D * Dv + d] = s;
         }
         __syncthreads();  // R, G, X free for the next head
@@ -407,7 +414,8 @@ __global__ void __launch_bounds__(lbg::threads)
       for (int e = threadIdx.x; e < C * Dv; e += threads) {
         const int j = e / Dv, cc = e % Dv;
         if (j < rows)
-          store_act<Dev>(bp.dv, bp.dv_stride, batch, t0 + j, h, cc, ok[j] != 0.f ? DV[e] : 0.f);
+          store_act<Dev>(bp.dv, bp.dv_stride, batch, t0 + j, h, cc,
+                         ok[j] != 0.f ? DV[j * ldv + cc] : 0.f);
       }
       if (threadIdx.x < rows) {
         const int j = threadIdx.x;

@@ -135,7 +135,7 @@ constexpr int linear_bwd_causal_max_super = 8;
 constexpr int linear_bwd_gated_chunk = 32, linear_bwd_gated_threads = 256;
 constexpr index_t linear_bwd_gated_smem_floats(index_t D, index_t Dv) {
   constexpr index_t C = linear_bwd_gated_chunk;
-  return C * (4 * D + 3 * Dv) + 3 * C * C + 11 * C;
+  return C * (4 * (D + 1) + 3 * (Dv + 1)) + 3 * C * (C + 1) + 11 * C;  // rows padded by one
 }
 constexpr index_t linear_bwd_gated_task_floats(index_t K, index_t D, index_t Dv) {
   return (2 * K + 3) * (D * Dv + D + 2) + 2 * (D * Dv + D);
