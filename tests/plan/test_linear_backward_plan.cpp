@@ -166,7 +166,7 @@ TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
     CHECK(p.chunk_grid == launch_grid{2, 2, 1});
     const index_t SS = 64 * 64 + 64 + 2;
     CHECK(p.gated_task_floats == 15 * SS + 2 * (64 * 64 + 64));
-    CHECK(p.gated_smem == (32 * (4 * 64 + 3 * 64) + 3 * 32 * 32 + 11 * 32) * 4);
+    CHECK(p.gated_smem == (32 * (4 * 65 + 3 * 65) + 3 * 32 * 33 + 11 * 32) * 4);  // rows + 1
     CHECK(std::size_t(linear_bwd_gated_smem_floats(128, 128) * 4) <= h200().smem_per_block_optin);
     CHECK(p.scratch.da_heads - p.scratch.gated_states ==
           padded_bytes(std::size_t(2 * 2 * p.gated_task_floats) * 4));
