@@ -6,7 +6,8 @@
 #include <cmath>
 
 #include "attnmix/core/linear_policy.hpp"
-#include "attnmix/cuda/kernels/linear_simt.cuh"
+#include "attnmix/cuda/collective/linear_params.cuh"
+#include "attnmix/cuda/collective/linear_rows.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {

@@ -9,8 +9,8 @@
 
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/collective/fast_math.cuh"
+#include "attnmix/cuda/collective/linear_params.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
-#include "attnmix/cuda/kernels/linear_simt.cuh"
 #include "attnmix/math/feature_map.hpp"
 
 namespace attnmix {

@@ -14,7 +14,7 @@
 
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/collective/fast_math.cuh"
-#include "attnmix/cuda/kernels/linear_simt.cuh"
+#include "attnmix/cuda/collective/linear_params.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {

@@ -11,7 +11,8 @@
 // Chunk c of sequence n is state slot slot_offsets[n] + c (a slot a chunk on CUDA cores; the
 // tensor-core kernels of sm80_linear_backward_causal.cuh walk several). Sums run in a fixed order.
 
-#include "attnmix/cuda/kernels/linear_backward_simt.cuh"
+#include "attnmix/cuda/collective/linear_params.cuh"
+#include "attnmix/cuda/collective/linear_rows.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -21,7 +21,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/kernels/linear_backward_simt.cuh"
+#include "attnmix/cuda/collective/linear_params.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {

@@ -1,16 +1,17 @@
 #pragma once
 // CUDA-core kernels of the linear-attention backward (spec gbla.md §3.4), float accumulation.
 // Bidirectional (bla, gbla), in launch order (plan/linear_backward.hpp):
-//   linear_bwd_stats_kernel     key-gate softmax statistics (max, 1 / sum) per (sequence, gate
-//   head) linear_bwd_reduce_kernel    partial S, z of a range of tokens (shared with the causal
-//   chunks) linear_bwd_combine_kernel   partials summed in part order (the state, then its
-//   gradient) linear_bwd_query_kernel     pass A: dq, the gated norm's backward, partial dS, dz
-//   linear_bwd_jac_kernel       <dS, S> + <dz, z> (the key gate's softmax Jacobian term)
-//   linear_bwd_key_kernel       pass B: dk, dv, da
-//   linear_bwd_fold_*           dgamma over parts and heads, a shared gate's da over heads
-// Every reduction has a fixed order (a thread owns each output element, or a fixed tree), so
-// the gradients are the same bits on every run. A kernel's CTA has linear_bwd_threads threads,
-// one warp per row of a linear_bwd_tile-row tile.
+//   linear_bwd_stats_kernel    key-gate softmax statistics (max, 1 / sum) per (sequence, gate head)
+//   linear_bwd_reduce_kernel   partial S, z of a range of tokens
+//   linear_bwd_combine_kernel  partials summed in part order (the state, then its gradient)
+//   linear_bwd_query_kernel    pass A: dq, the gated norm's backward, partial dS, dz
+//   linear_bwd_jac_kernel      <dS, S> + <dz, z> (the key gate's softmax Jacobian term)
+//   linear_bwd_key_kernel      pass B: dk, dv, da
+//   linear_bwd_fold_*          dgamma over parts and heads, a shared gate's da over heads
+// The state sums and the gated norm's row backward they share with the causal kernels are in
+// collective/linear_rows.cuh. Every reduction has a fixed order (a thread owns each output
+// element, or a fixed tree), so the gradients are the same bits on every run. A kernel's CTA has
+// linear_bwd_threads threads, one warp per row of a linear_bwd_tile-row tile.
 
 #include <cmath>
 #include <cstdint>
@@ -18,7 +19,8 @@
 #include "attnmix/core/linear_policy.hpp"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/collective/fast_math.cuh"
-#include "attnmix/cuda/kernels/linear_simt.cuh"
+#include "attnmix/cuda/collective/linear_params.cuh"
+#include "attnmix/cuda/collective/linear_rows.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 #include "attnmix/math/feature_map.hpp"
 
@@ -27,85 +29,6 @@ namespace detail {
 namespace cuda {
 
 static_assert(linear_bwd_tile * 32 == linear_bwd_threads, "one warp a tile row");
-
-// What a backward kernel reads and writes beyond the forward's inputs (in `f`). Strides in
-// elements of (batch, token, head) for activations; the innermost stride is 1.
-struct linear_backward_params {
-  linear_kernel_params f;  // q, k, v, mask, a, gate, gamma, state_in, sizes, scale, eps
-  index_t batch;           // B of the views
-  const void* dout;
-  index_t dout_stride[3];
-  bool rows16 = false;      // dout (and the gate) rows 16-byte aligned: the tensor-core query
-                            // pass copies them with cp.async
-  bool dq_rows16 = false;   // dq rows 16-byte aligned: the query pass writes them in 16-byte pieces
-  bool dkv_rows16 = false;  // dk and dv rows 16-byte aligned: the tensor-core key pass writes
-                            // them in 16-byte pieces
-  void* dq;
-  void* dk;
-  void* dv;
-  void* dgate;
-  index_t dq_stride[3], dk_stride[3], dv_stride[3], dgate_stride[3];
-  float* da;  // [B, T, Hg]
-  index_t da_stride[3];
-  float* dgamma;
-  index_t dgamma_stride;
-  // Bidirectional: the forward's state (saved_S null: recompute).
-  const float* saved_S;
-  const float* saved_z;
-  const float* saved_lse;
-  index_t saved_S_stride[4], saved_z_stride[3], saved_lse_stride[2];
-  // Causal: the gradient of the final state in, that of the initial state out (any may be null).
-  const float* dS_out;
-  const float* dz_out;
-  float* dS_in;
-  float* dz_in;
-  index_t dS_out_stride[4], dz_out_stride[3], dS_in_stride[4], dz_in_stride[3];
-  // Causal under the prefix key gate: the gradients of the final and initial states' lse.
-  const float* dlse_out = nullptr;
-  float* dlse_in = nullptr;
-  index_t dlse_out_stride[2] = {}, dlse_in_stride[2] = {};
-};
-
-template <class Dev>
-__device__ __forceinline__ float load_act(const void* base, const index_t* st, index_t b, index_t t,
-                                          int h, int d) {
-  return to_float(static_cast<const Dev*>(base)[b * st[0] + t * st[1] + h * st[2] + d]);
-}
-template <class Dev>
-__device__ __forceinline__ void store_act(void* base, const index_t* st, index_t b, index_t t,
-                                          int h, int d, float x) {
-  static_cast<Dev*>(base)[b * st[0] + t * st[1] + h * st[2] + d] = from_float<Dev>(x);
-}
-
-// d phi / dx from x and phi(x) (the CPU backend's times_phi_derivative).
-template <feature_map F>
-__device__ __forceinline__ float phi_derivative(float x, float phi) {
-  return phi_derivative_of<F, false>(x, phi);
-}
-
-// The normalised key-gate weight of a valid token from its sequence's (max, 1 / sum); 0 at
-// pads and in sequences without mass.
-__device__ __forceinline__ float gate_weight(const linear_kernel_params& f, const float* stats,
-                                             int n, index_t batch, index_t t, int h) {
-  if (!f.valid(batch, t)) return 0.f;
-  const int gh = f.gate_heads == 1 ? 0 : h;
-  const float M = stats[(index_t(n) * f.gate_heads + gh) * 2],
-              inv = stats[(index_t(n) * f.gate_heads + gh) * 2 + 1];
-  if (!(inv > 0.f)) return 0.f;
-  return expf(f.logit(batch, t, h) - M) * inv;
-}
-
-// Part `part` of sequence n: its batch row, first token, and token range [t0, t1) (empty past
-// the end), for the kernels whose grid is (part, KV head, sequence).
-struct part_range {
-  index_t batch, start, t0, t1;
-  __device__ part_range(const linear_kernel_params& f, int n, int part, index_t part_tokens) {
-    index_t length;
-    f.sequence(n, batch, start, length);
-    t0 = min(length, index_t(part) * part_tokens);
-    t1 = min(length, t0 + part_tokens);
-  }
-};
 
 // ---- gate statistics ----------------------------------------------------------------------
 
@@ -139,88 +62,6 @@ __global__ void __launch_bounds__(linear_bwd_threads)
   if (threadIdx.x == 0) {
     out[0] = M;
     out[1] = M == -INFINITY || !(sum > 0.f) ? 0.f : 1.f / sum;
-  }
-}
-
-// ---- state sums ---------------------------------------------------------------------------
-
-// The sums S = sum_t w_t phi(k_t) v_t^T, z = sum_t w_t phi(k_t) over tokens [t0, t1) of
-// sequence n, KV head h (w: the gate weight, 1 without `stats`; 0 at pads), written to
-// out[0, D * Dv + D) (S row-major, then z). smem: linear_bwd_reduce_floats.
-// The state element idx = threadIdx.x + r * linear_bwd_threads of [D x Dv | D] that acc[r]
-// holds, plus the rows' products in row order: A[t, d] * B[t, c] for the S part, A[t, d] * z[t]
-// (z == nullptr: A[t, d]) for the z part.
-template <int R>
-__device__ __forceinline__ void add_state_products(float (&acc)[R], const float* A, const float* B,
-                                                   const float* z, int rows, int D, int Dv) {
-  const int SS = D * Dv + D;
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int idx = threadIdx.x + r * linear_bwd_threads;
-    if (idx < D * Dv) {
-      const int d = idx / Dv, c = idx % Dv;
-      float s = acc[r];
-      for (int t = 0; t < rows; ++t) s += A[t * D + d] * B[t * Dv + c];
-      acc[r] = s;
-    } else if (idx < SS) {
-      const int d = idx - D * Dv;
-      float s = acc[r];
-      if (z != nullptr)
-        for (int t = 0; t < rows; ++t) s += A[t * D + d] * z[t];
-      else
-        for (int t = 0; t < rows; ++t) s += A[t * D + d];
-      acc[r] = s;
-    }
-  }
-}
-
-template <class Dev, class Policy>
-__device__ void state_sums(const linear_backward_params& bp, int n, index_t batch, index_t start,
-                           int h, index_t t0, index_t t1, const float* stats, float* smem,
-                           float* out) {
-  constexpr int TT = int(linear_bwd_tile), R = linear_bwd_state_regs;
-  const linear_kernel_params& f = bp.f;
-  const int D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
-  float* P = smem;         // [TT][D]
-  float* V = P + TT * D;   // [TT][Dv]
-  float* W = V + TT * Dv;  // [TT]
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  for (index_t base = t0; base < t1; base += TT) {
-    const int rows = int(min(index_t(TT), t1 - base));
-    __syncthreads();
-    if (threadIdx.x < TT) {
-      const int t = threadIdx.x;
-      float w = 0.f;
-      if (t < rows) {
-        const index_t ta = start + base + t;
-        w = stats != nullptr ? gate_weight(f, stats, n, batch, ta, h)
-                             : (f.valid(batch, ta) ? 1.f : 0.f);
-      }
-      W[t] = w;
-    }
-    __syncthreads();
-    // Pad tokens are selected away, not multiplied: their k and v may hold anything.
-    for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
-      const int t = e / D, d = e % D;
-      float y = 0.f;
-      if (W[t] != 0.f)
-        y = W[t] * apply_feature_map<Policy::phi>(
-                       load_act<Dev>(f.k, f.k_stride, batch, start + base + t, h, d));
-      P[e] = y;
-    }
-    for (int e = threadIdx.x; e < TT * Dv; e += blockDim.x) {
-      const int t = e / Dv, c = e % Dv;
-      V[e] = W[t] != 0.f ? load_act<Dev>(f.v, f.v_stride, batch, start + base + t, h, c) : 0.f;
-    }
-    __syncthreads();
-    add_state_products(acc, P, V, nullptr, rows, D, Dv);
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int idx = threadIdx.x + r * linear_bwd_threads;
-    if (idx < SS) out[idx] = acc[r];
   }
 }
 
@@ -280,82 +121,6 @@ __global__ void __launch_bounds__(linear_bwd_threads)
       x = bp.saved_z[n * s[0] + h * s[1] + (idx - index_t(D) * Dv) * s[2]];
     }
     dst[(index_t(n) * bp.f.kv_heads + h) * SS + idx] = x;
-  }
-}
-
-// ---- the gated norm's backward ------------------------------------------------------------
-
-// One warp, one (token, query head) row of the per-head gated RMSNorm: o (the norm's input) and
-// dy (the gradient of its output) in shared memory; writes do into dy, dgate to its view, and
-// each column's dgamma term into dgm (when gamma is given). Pad rows give zeros; a row that does
-// not exist (past the end of a tile) writes nothing to the view.
-template <class Dev, class Policy>
-__device__ void norm_row_backward(const linear_backward_params& bp, index_t batch, index_t t,
-                                  int hq, bool exists, bool valid, const float* o, float* dy,
-                                  float* dgm) {
-  const linear_kernel_params& f = bp.f;
-  const int Dv = f.value_dim, lane = threadIdx.x % 32;
-  constexpr int K = int(linear_bwd_max_dim / 32);
-  constexpr bool gate_first = Policy::order == norm_gate_order::gate_then_norm;
-  float ov[K], dyv[K], act[K], dact[K], gam[K], xg[K];
-  float ss = 0.f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int c = lane + 32 * k;
-    ov[k] = dyv[k] = act[k] = dact[k] = xg[k] = 0.f;
-    gam[k] = 1.f;
-    if (c < Dv && valid) {
-      ov[k] = o[c];
-      dyv[k] = dy[c];
-      const float g = load_act<Dev>(f.gate, f.gate_stride, batch, t, hq, c);
-      const float s = 1.f / (1.f + expf(-g));
-      if constexpr (Policy::activation == gate_activation::silu) {
-        act[k] = g * s;
-        dact[k] = s + act[k] * (1.f - s);
-      } else {
-        act[k] = s;
-        dact[k] = s * (1.f - s);
-      }
-      if (f.gamma != nullptr)
-        gam[k] =
-            f.gamma[(Policy::weight == norm_weight::per_head ? hq * Dv + c : c) * f.gamma_stride];
-      xg[k] = gate_first ? ov[k] * act[k] : ov[k];
-      ss += xg[k] * xg[k];
-    }
-  }
-  const float rstd = 1.f / sqrtf(warp_sum(ss) / float(Dv) + f.norm_eps);
-  float dn[K], dg[K], proj = 0.f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    if constexpr (!gate_first) {
-      dn[k] = dyv[k] * act[k];
-      if (dgm != nullptr && lane + 32 * k < Dv)
-        dgm[lane + 32 * k] = valid ? rstd * dn[k] * xg[k] : 0.f;
-      dg[k] = rstd * dyv[k] * xg[k] * dact[k] * gam[k];
-      dn[k] *= gam[k];
-    } else {
-      dn[k] = dyv[k];
-      if (dgm != nullptr && lane + 32 * k < Dv)
-        dgm[lane + 32 * k] = valid ? rstd * dn[k] * xg[k] : 0.f;
-      dn[k] *= gam[k];
-    }
-    proj += dn[k] * xg[k];
-  }
-  proj = rstd * rstd * warp_sum(proj) / float(Dv);
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int c = lane + 32 * k;
-    if (c >= Dv) continue;
-    float d_o;
-    if constexpr (!gate_first) {
-      d_o = rstd * (dn[k] - proj * xg[k]);
-    } else {
-      const float dx = rstd * (dn[k] - proj * xg[k]);
-      dg[k] = dx * ov[k] * dact[k];
-      d_o = dx * act[k];
-    }
-    dy[c] = valid ? d_o : 0.f;
-    if (exists) store_act<Dev>(bp.dgate, bp.dgate_stride, batch, t, hq, c, valid ? dg[k] : 0.f);
   }
 }
 

@@ -17,10 +17,9 @@
 #include <cstdint>
 
 #include "attnmix/core/linear_policy.hpp"
-#include "attnmix/cuda/collective/causal_scan.cuh"
-#include "attnmix/cuda/kernels/linear_simt.cuh"
-#include "attnmix/cuda/kernels/shapes.hpp"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/collective/causal_scan.cuh"
+#include "attnmix/cuda/kernels/shapes.hpp"
 #include "attnmix/math/feature_map.hpp"
 
 namespace attnmix {
@@ -149,15 +148,15 @@ __global__ void __launch_bounds__(causal_threads)
   static_assert(C == 64, "the gate's scan gives each lane of warp 0 two rows");
   extern __shared__ __align__(16) float smem[];
   const int D = p.head_dim, Dv = p.value_dim;
-  float* sS = smem;            // [D][Dv]  carried state (then z, the same layout as prefix)
-  float* sz = sS + D * Dv;     // [D]
-  float* kT = sz + D;          // [D][C]   phi(k), transposed; 0 at pads
-  float* rT = kT + D * C;      // [D][C]   scale * phi(q), transposed; 0 at pads
-  float* sv = rT + D * C;      // [C][Dv]  v; 0 at pads
-  float* num = sv + C * Dv;    // [C][Dv]  numerators of the chunk's rows
-  float* aT = num + C * Dv;    // [C][C]   weighted, masked scores, transposed: aT[j][i]
-  float* den = aT + C * C;     // [C]     denominators
-  float* rowf = den + C;       // the chunk's per-row values (collective/causal_scan.cuh)
+  float* sS = smem;          // [D][Dv]  carried state (then z, the same layout as prefix)
+  float* sz = sS + D * Dv;   // [D]
+  float* kT = sz + D;        // [D][C]   phi(k), transposed; 0 at pads
+  float* rT = kT + D * C;    // [D][C]   scale * phi(q), transposed; 0 at pads
+  float* sv = rT + D * C;    // [C][Dv]  v; 0 at pads
+  float* num = sv + C * Dv;  // [C][Dv]  numerators of the chunk's rows
+  float* aT = num + C * Dv;  // [C][C]   weighted, masked scores, transposed: aT[j][i]
+  float* den = aT + C * C;   // [C]     denominators
+  float* rowf = den + C;     // the chunk's per-row values (collective/causal_scan.cuh)
   const causal_chunk_rows rs{rowf,         rowf + C,     rowf + 2 * C, rowf + 3 * C,
                              rowf + 4 * C, rowf + 5 * C, rowf + 6 * C};
   const float *valid = rs.valid, *logit = rs.logit, *run_max = rs.run_max, *carry = rs.carry,

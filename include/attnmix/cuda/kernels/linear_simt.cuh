@@ -1,141 +1,23 @@
 #pragma once
 // CUDA kernels of the linear-attention kinds, on CUDA cores with float accumulation.
 //   bidirectional (bla, gbla): reduce (split over token blocks) -> combine -> read, spec gbla §3.2;
-//   causal (linear_causal): the chunked scan of linear_causal_kernels.cuh, which also uses the
-//   reduce kernel and the row epilogue of this file.
-// Every kernel reads what linear_kernel_params describes; Policy supplies the compile-time knobs.
+//   causal (linear_causal): the chunked scan of linear_causal.cuh.
+// Every kernel reads what linear_kernel_params describes (collective/linear_params.cuh) and
+// writes its rows through write_row (collective/linear_rows.cuh); Policy supplies the knobs.
 
 #include <cmath>
 #include <cstdint>
 
 #include "attnmix/core/linear_policy.hpp"
-#include "attnmix/cuda/kernels/shapes.hpp"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/collective/linear_params.cuh"
+#include "attnmix/cuda/collective/linear_rows.cuh"
+#include "attnmix/cuda/kernels/shapes.hpp"
 #include "attnmix/math/feature_map.hpp"
 
 namespace attnmix {
 namespace detail {
 namespace cuda {
-
-struct linear_kernel_params {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  const std::uint8_t* mask;  // [B, T] or nullptr
-  const float* a;            // key-gate logits [B, T, Hg] or nullptr
-  const void* gate;          // gated norm [B, T, HQ, Dv] or nullptr
-  const float* gamma;        // [Dv] or [HQ * Dv], or nullptr (ones)
-  index_t q_stride[3], k_stride[3], v_stride[3], out_stride[3], gate_stride[3];
-  index_t mask_stride[2], a_stride[3], gamma_stride;
-  const std::int32_t* cu_seqlens;  // device copy, or nullptr for a dense batch
-  index_t tokens;
-  int q_heads, kv_heads, group, gate_heads, head_dim, value_dim;
-  float scale, eps, norm_eps;
-  bool vector_loads;    // k and v rows 16-byte aligned with D, Dv multiples of 16 bytes
-  bool q_vector_loads;  // the same for q
-  // States [N, H, D, Dv], [N, H, D], [N, H] (any may be nullptr), strides in elements.
-  const float* S_in;
-  const float* z_in;
-  const float* lse_in;
-  float* S_out;
-  float* z_out;
-  float* lse_out;
-  index_t S_in_stride[4], z_in_stride[3], lse_in_stride[2];
-  index_t S_out_stride[4], z_out_stride[3], lse_out_stride[2];
-
-  __device__ void sequence(int n, index_t& batch, index_t& start, index_t& length) const {
-    if (cu_seqlens == nullptr) {
-      batch = n, start = 0, length = tokens;
-    } else {
-      batch = 0, start = cu_seqlens[n], length = cu_seqlens[n + 1] - start;
-    }
-  }
-  __device__ bool valid(index_t batch, index_t t) const {
-    return mask == nullptr || mask[batch * mask_stride[0] + t * mask_stride[1]] != 0;
-  }
-  // Key-gate logit of token t (absolute index in the batch row), -inf at pads.
-  __device__ float logit(index_t batch, index_t t, int h) const {
-    if (!valid(batch, t)) return -INFINITY;
-    return a[batch * a_stride[0] + t * a_stride[1] + (gate_heads == 1 ? 0 : h) * a_stride[2]];
-  }
-};
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  return x;
-}
-// exp(x - m) with m = -inf (nothing seen) giving 0 rather than NaN.
-__device__ __forceinline__ float shifted_exp(float x, float m) {
-  return x == -INFINITY ? 0.f : __expf(x - m);
-}
-
-// Block-wide reduction of 256 threads through `scratch` (>= 8 floats); every thread gets it.
-template <bool Max>
-__device__ float block_reduce(float x, float* scratch) {
-  x = Max ? warp_max(x) : warp_sum(x);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) scratch[warp] = x;
-  __syncthreads();
-  float y = lane < blockDim.x / 32 ? scratch[lane] : (Max ? -INFINITY : 0.f);
-  return Max ? warp_max(y) : warp_sum(y);
-}
-
-// The log-sum-exp merge of a head's `partials` partial states, `stride` floats apart, from each
-// one's block max and mass (tail[0], tail[1]): M = the largest max of a block with mass, ell =
-// sum of mass * exp(max - M). The loads bypass L1: the states may come from other CTAs of the
-// running kernel.
-__device__ __forceinline__ void partial_gate_merge(const float* tail, index_t partials,
-                                                   index_t stride, float* scratch, float& M,
-                                                   float& ell) {
-  float mx = -INFINITY;
-  for (index_t q = threadIdx.x; q < partials; q += blockDim.x)
-    if (__ldcg(tail + q * stride + 1) > 0.f) mx = fmaxf(mx, __ldcg(tail + q * stride));
-  M = block_reduce<true>(mx, scratch);
-  float sum = 0.f;
-  for (index_t q = threadIdx.x; q < partials; q += blockDim.x) {
-    const float l = __ldcg(tail + q * stride + 1);
-    if (l > 0.f) sum += l * __expf(__ldcg(tail + q * stride) - M);
-  }
-  ell = block_reduce<false>(sum, scratch);
-}
-
-// Element idx of a merged state [S | z] (S row-major, then z) to the caller's state_out, and the
-// merged gate statistics to its lse_out.
-__device__ __forceinline__ void store_state_out(const linear_kernel_params& p, int n, int h,
-                                                int idx, float x) {
-  const int D = p.head_dim, Dv = p.value_dim;
-  if (idx < D * Dv) {
-    if (p.S_out != nullptr)
-      p.S_out[n * p.S_out_stride[0] + h * p.S_out_stride[1] + (idx / Dv) * p.S_out_stride[2] +
-              (idx % Dv) * p.S_out_stride[3]] = x;
-  } else if (p.z_out != nullptr) {
-    p.z_out[n * p.z_out_stride[0] + h * p.z_out_stride[1] + (idx - D * Dv) * p.z_out_stride[2]] = x;
-  }
-}
-__device__ __forceinline__ void store_lse_out(const linear_kernel_params& p, int n, int h, float M,
-                                              float ell) {
-  if (p.lse_out != nullptr)
-    p.lse_out[n * p.lse_out_stride[0] + h * p.lse_out_stride[1]] =
-        ell > 0.f ? M + logf(ell) : -INFINITY;
-}
-
-// The largest key-gate logit of tokens [t0, t1) of head h, with all the block's threads.
-__device__ __forceinline__ float block_logit_max(const linear_kernel_params& p, index_t batch,
-                                                 index_t start, int h, index_t t0, index_t t1,
-                                                 float* scratch) {
-  float mx = -INFINITY;
-  for (index_t t = t0 + threadIdx.x; t < t1; t += blockDim.x)
-    mx = fmaxf(mx, p.logit(batch, start + t, h));
-  return block_reduce<true>(mx, scratch);
-}
 
 // ---- bidirectional: reduce ---------------------------------------------------------------
 // Stages a 32-row tile of k (with the weight and the feature map) or v into shared memory as
@@ -315,50 +197,6 @@ __global__ void __launch_bounds__(256)
     store_state_out(p, n, h, idx, sum);
   }
   if (gated && threadIdx.x == 0 && blockIdx.z == 0) store_lse_out(p, n, h, M, ell);
-}
-
-// ---- the per-row epilogue shared by both forms ---------------------------------------------
-// o: this lane's values of one row (e = lane + 32 c); applies the gated RMSNorm of Policy and
-// writes the row (zeros for a pad row when Policy::zero_pad_rows).
-template <class T, class Policy, int VC>
-__device__ void write_row(const linear_kernel_params& p, index_t batch, index_t t, int hq,
-                          float (&o)[VC], bool valid) {
-  const int lane = threadIdx.x % 32, Dv = p.value_dim;
-  T* out =
-      static_cast<T*>(p.out) + batch * p.out_stride[0] + t * p.out_stride[1] + hq * p.out_stride[2];
-  if (!valid) {
-    if (Policy::zero_pad_rows)
-#pragma unroll
-      for (int c = 0; c < VC; ++c)
-        if (lane + 32 * c < Dv) out[lane + 32 * c] = from_float<T>(0.f);
-    return;
-  }
-  if constexpr (Policy::norm == gated_norm::per_head) {
-    const T* g = static_cast<const T*>(p.gate) + batch * p.gate_stride[0] + t * p.gate_stride[1] +
-                 hq * p.gate_stride[2];
-    float act[VC];
-#pragma unroll
-    for (int c = 0; c < VC; ++c) {
-      const int e = lane + 32 * c;
-      act[c] = e < Dv ? apply_gate_activation<Policy::activation>(to_float(g[e])) : 0.f;
-      if (Policy::order == norm_gate_order::gate_then_norm) o[c] *= act[c];
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int c = 0; c < VC; ++c) ss += lane + 32 * c < Dv ? o[c] * o[c] : 0.f;
-    const float rstd = rsqrtf(warp_sum(ss) / Dv + p.norm_eps);
-#pragma unroll
-    for (int c = 0; c < VC; ++c) {
-      const int e = lane + 32 * c;
-      o[c] *= rstd;
-      if (Policy::order == norm_gate_order::norm_then_gate) o[c] *= act[c];
-      if (p.gamma != nullptr && e < Dv)
-        o[c] *= p.gamma[(Policy::weight == norm_weight::per_head ? hq * Dv : 0) + e];
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < VC; ++c)
-    if (lane + 32 * c < Dv) out[lane + 32 * c] = from_float<T>(o[c]);
 }
 
 // ---- bidirectional: read ------------------------------------------------------------------

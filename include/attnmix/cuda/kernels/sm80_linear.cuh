@@ -26,7 +26,6 @@
 #include "attnmix/cuda/arch/dependent_launch.cuh"
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/collective/linear_tiles.cuh"
-#include "attnmix/cuda/kernels/linear_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {

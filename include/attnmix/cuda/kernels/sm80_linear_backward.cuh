@@ -26,8 +26,9 @@
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/collective/fast_math.cuh"
 #include "attnmix/cuda/collective/linear_bwd_tiles.cuh"
+#include "attnmix/cuda/collective/linear_params.cuh"
+#include "attnmix/cuda/collective/linear_rows.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
-#include "attnmix/cuda/kernels/linear_backward_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {

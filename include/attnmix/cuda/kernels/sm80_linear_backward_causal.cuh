@@ -27,8 +27,9 @@
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/collective/fast_math.cuh"
 #include "attnmix/cuda/collective/linear_bwd_tiles.cuh"
+#include "attnmix/cuda/collective/linear_params.cuh"
+#include "attnmix/cuda/collective/linear_rows.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
-#include "attnmix/cuda/kernels/linear_backward_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {
@@ -424,10 +425,9 @@ __global__ void __launch_bounds__(lbc::threads)
         // Columns D .. X - 1: delta, then zeros; two 8-wide pieces a row.
         const int zi = threadIdx.x / 2, zp = threadIdx.x % 2;
         static_assert(threads == 2 * C && X - D == 16, "one zero piece a thread");
-        const float delta =
-            zp == 0 && zi < rows && valid[zi] != 0.f
-                ? delta_buf[(batch * f.tokens + start + c0 + zi) * f.q_heads + hq]
-                : 0.f;
+        const float delta = zp == 0 && zi < rows && valid[zi] != 0.f
+                                ? delta_buf[(batch * f.tokens + start + c0 + zi) * f.q_heads + hq]
+                                : 0.f;
 #pragma unroll
         for (int r = 0; r < dn.count; ++r) {
           uint4 hi, lo;

@@ -23,7 +23,6 @@
 #include "attnmix/cuda/collective/causal_scan.cuh"
 #include "attnmix/cuda/collective/fast_math.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
-#include "attnmix/cuda/kernels/linear_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 #include "attnmix/math/feature_map.hpp"
 
