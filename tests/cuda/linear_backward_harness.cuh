@@ -379,18 +379,21 @@ grad_errors run_cuda_backward(const linear_case& c, std::uint64_t salt, const bw
                         : max_rel_error(hdz_in, rdz_in.storage(), term_floor(size_dz_in));
     // d lse_in = kappa + <S_in, dS_in> + <z_in, dz_in> cancels behind the gated RMSNorm as dz_in
     // does: a 16-bit one is measured on the size of the inner products' terms.
-    double lse_terms = 0;
-    for (index_t i = 0; i < N * c.H; ++i) {
-      double t = 0;
-      for (index_t x = i * c.D * c.Dv; x < (i + 1) * c.D * c.Dv; ++x)
-        t += std::abs(S_in.storage()[std::size_t(x)] * rdS_in.storage()[std::size_t(x)]);
-      for (index_t x = i * c.D; x < (i + 1) * c.D; ++x)
-        t += std::abs(z_in.storage()[std::size_t(x)] * rdz_in.storage()[std::size_t(x)]);
-      lse_terms = std::max(lse_terms, t);
-    }
+    auto lse_terms = [&] {
+      double most = 0;
+      for (index_t i = 0; i < N * c.H; ++i) {
+        double t = 0;
+        for (index_t x = i * c.D * c.Dv; x < (i + 1) * c.D * c.Dv; ++x)
+          t += std::abs(S_in.storage()[std::size_t(x)] * rdS_in.storage()[std::size_t(x)]);
+        for (index_t x = i * c.D; x < (i + 1) * c.D; ++x)
+          t += std::abs(z_in.storage()[std::size_t(x)] * rdz_in.storage()[std::size_t(x)]);
+        most = std::max(most, t);
+      }
+      return most;
+    };
     if (state_lse)
       e.dlse_in = floored  ? floored_error(hdlse_in, rdlse_in.storage(), size_dlse_in)
-                  : normed ? max_rel_error(hdlse_in, rdlse_in.storage(), lse_terms)
+                  : normed ? max_rel_error(hdlse_in, rdlse_in.storage(), lse_terms())
                            : max_rel_error(hdlse_in, rdlse_in.storage(), term_floor(size_dlse_in));
   }
   if (c.pad != padding::none) {

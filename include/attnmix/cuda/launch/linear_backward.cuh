@@ -145,8 +145,8 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
   shape.half_inputs = std::is_same_v<Dev, __half>;
   shape.force_simt = linear_backward_force_simt();
   shape.force_super = linear_backward_force_super();
-  std::vector<int> slot_offsets;  // causal: the first state slot of each sequence
-  if constexpr (causal) {
+  std::vector<int> slot_offsets;  // causal, ungated: the first state slot of each sequence
+  if constexpr (causal && !gated) {
     const index_t span = causal_layout(shape, props).slot_tokens();
     slot_offsets.resize(std::size_t(N + 1));
     slot_offsets[0] = 0;
@@ -291,15 +291,6 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       fold_dgamma<Policy>(bp, dgamma_part, N * plan.parts, stream);
     }
   } else {
-    int* offsets = reinterpret_cast<int*>(base + sc.slot_offsets);
-    if constexpr (!gated)
-      upload_host(offsets, slot_offsets.data(), slot_offsets.size() * sizeof(int), stream,
-                  "cudaMemcpyAsync(slot offsets)");
-    float* state = at(sc.state);
-    float* dstate = at(sc.dstate);
-    float* inv_den = at(sc.inv_den);
-    float* delta = at(sc.delta);
-
     // A gated norm: recompute the core's output, then do (and dgate, dgamma) row by row; the
     // core's backward then runs on do.
     const std::size_t rows = std::size_t(B * Tn * HQ) * std::size_t(Dv);
@@ -349,6 +340,13 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       check(cudaGetLastError(), "linear_bwd_causal_gated_kernel launch");
       if (da_heads != nullptr) fold_da(bp, da_heads, shape.max_len, n_grid, stream);
     } else {
+      int* offsets = reinterpret_cast<int*>(base + sc.slot_offsets);
+      upload_host(offsets, slot_offsets.data(), slot_offsets.size() * sizeof(int), stream,
+                  "cudaMemcpyAsync(slot offsets)");
+      float* state = at(sc.state);
+      float* dstate = at(sc.dstate);
+      float* inv_den = at(sc.inv_den);
+      float* delta = at(sc.delta);
       const dim3 chunk_grid = as_dim3(plan.chunk_grid);
       // The tensor-core kernels (sm80_linear_backward_causal.cuh) take bfloat16 alone.
       constexpr bool bf16 = std::is_same_v<Dev, __nv_bfloat16>;

@@ -46,7 +46,7 @@ struct linear_backward_shape {
   index_t head_dim = 0, value_dim = 0;  // D, Dv
   index_t max_len = 0;                  // longest sequence
   index_t sequences = 0, kv_heads = 0, q_heads = 0, gate_heads = 0;
-  index_t total_slots = 0;        // causal: sum over sequences of ceil(len / slot tokens)
+  index_t total_slots = 0;        // causal, ungated: sum over sequences of ceil(len / slot tokens)
   int force_super = 0;            // causal tensor cores: chunks a slot, 0 = the plan picks
   std::size_t offsets_bytes = 0;  // the cu_seqlens copy (0 for a dense batch)
   // Bidirectional on tensor cores (sm80_linear_backward.cuh, D = Dv = 64): 16-bit inputs on sm_80+,
