@@ -175,6 +175,65 @@ TEST_CASE("CUDA causal linear backward on tensor cores: the same bits twice, a s
   same_bits_twice();
 }
 
+// Under the prefix key gate the tensor-core passes weight A and dA elementwise and carry the
+// state and its gradient by mass ratios: every case above under both gates (with the normaliser,
+// without it, behind the gated norm), walks of one chunk and of three, and logits spread far
+// beyond float's exponent range within a chunk (N(0, 40^2)).
+TEST_CASE("CUDA causal linear backward on tensor cores under the prefix key gate",
+          "[cuda][linear_backward][linear_causal][tensor_cores][key_gate]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  tensor_core_sweep<causal_key_gate>(2300, "shared key gate");
+  tensor_core_sweep<causal_head_gate_raw>(2400, "per-head key gate, no normaliser");
+  tensor_core_sweep<causal_gated_norm>(2500, "key gate and gated norm");
+  {
+    const force_walk walk(3);
+    tensor_core_sweep<causal_key_gate>(2600, "shared key gate, walks of three");
+    tensor_core_sweep<causal_head_gate_raw>(2700, "per-head key gate, walks of three");
+  }
+  bwd_options dso;
+  dso.dstate_out = true;
+  std::uint64_t salt = 2800;
+  for (int walk : {0, 2})
+    for (linear_case c : {linear_case{2, 300, 4, 2, 64, 64}, linear_case{1, 700, 2, 1, 64, 64}}) {
+      const force_walk w(walk);
+      c.gate_sigma = 40;
+      c.with_state_in = walk != 0;
+      INFO("seed " << test_seed() << " " << c.describe() << " wide logits, walk " << walk);
+      check_errors(
+          run_cuda_backward<linear_causal, causal_key_gate, attnmix::bfloat16>(c, ++salt, dso),
+          grad_tolerance<attnmix::bfloat16>());
+      check_errors(
+          run_cuda_backward<linear_causal, causal_head_gate_raw, attnmix::bfloat16>(c, ++salt, dso),
+          grad_tolerance<attnmix::bfloat16>());
+    }
+}
+
+TEST_CASE("CUDA causal linear backward on tensor cores under the key gate: the same bits twice",
+          "[cuda][linear_backward][linear_causal][tensor_cores][key_gate][small]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  linear_case c{2, 150, 4, 2, 64, 64, {}, padding::holes};
+  c.with_state_in = true;
+  bwd_options dso;
+  dso.dstate_out = true;
+  const auto same_bits_twice = [&] {
+    grad_bits x, y;
+    check_errors(
+        run_cuda_backward<linear_causal, causal_key_gate, attnmix::bfloat16>(c, 2900, dso, &x),
+        grad_tolerance<attnmix::bfloat16>());
+    run_cuda_backward<linear_causal, causal_key_gate, attnmix::bfloat16>(c, 2900, dso, &y);
+    CHECK(bitwise_equal(x.dq, y.dq));
+    CHECK(bitwise_equal(x.dk, y.dk));
+    CHECK(bitwise_equal(x.dv, y.dv));
+    CHECK(bitwise_equal(x.da, y.da));
+    CHECK(bitwise_equal(x.dS_in, y.dS_in));
+    CHECK(bitwise_equal(x.dz_in, y.dz_in));
+    CHECK(bitwise_equal(x.dlse_in, y.dlse_in));
+  };
+  same_bits_twice();
+  const force_walk walk(2);
+  same_bits_twice();
+}
+
 TEST_CASE("CUDA linear backward: worst errors seen", "[cuda][linear_backward]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   // Runs last in declaration order; prints what the cases above saw.

@@ -157,6 +157,34 @@ TEST_CASE("linear backward: causal chunks", "[plan][linear_backward]") {
     CHECK(causal_layout(s, h200()).super == 1);
     CHECK(causal_layout(s, h200()).slot_tokens() == 64);
   }
+  SECTION("under the prefix key gate with bfloat16 rows: the slot passes on tensor cores") {
+    s.mma_inputs = true;
+    s.gated = true, s.gate_heads = 1, s.shared_gate_sum = true;
+    const linear_bwd_causal_layout l = causal_layout(s, h200());
+    CHECK(l.mma);
+    CHECK(l.slots(s));
+    const linear_backward_plan p = plan_linear_backward(s, h200());
+    CHECK(p.mma);
+    CHECK(p.chunk == 64);
+    // A slot holds its max and mass and those before it; a scan CTA 128 of its 4164 floats.
+    CHECK(p.state_size == 64 * 64 + 64 + 4);
+    CHECK(p.scan_grid == launch_grid{33, 2, 2});
+    CHECK(p.causal_q_smem == (4 * 64 * 72 + 5 * 64 * 88) * 2 + 64 * 4 + 40 * 128 * 4 + 6 * 64 * 4);
+    CHECK(p.causal_k_smem == p.causal_q_smem);
+    CHECK(p.reduce_smem == (2 * 64 * 72 + 64 * 88) * 2 + 64 * 4 + 6 * 64 * 4);
+    // Two CTAs a multiprocessor still fit (1 KiB reserved each).
+    CHECK(2 * (std::size_t(p.causal_q_smem) + 1024) <= 228 * 1024);
+    const linear_backward_scratch& sc = p.scratch;
+    CHECK(sc.dstate - sc.state == padded_bytes(std::size_t(32 * 2) * (64 * 64 + 64 + 4) * 4));
+    CHECK(sc.mass - sc.delta == padded_bytes(2 * 1000 * 4 * 4));
+    CHECK(sc.gate_totals - sc.mass == padded_bytes(2 * 1000 * 2 * 2 * 4));
+    CHECK(sc.gate_parts - sc.gate_totals == padded_bytes(2 * 2 * 4 * 4));
+    CHECK(sc.da_heads - sc.gate_parts == padded_bytes(2 * 2 * 2 * 33 * 4));
+    CHECK(sc.bytes == sc.da_heads + padded_bytes(2 * 2 * 1000 * 4));
+    s.mma_inputs = false;  // CUDA cores: the walk a (head, sequence) below
+    CHECK_FALSE(causal_layout(s, h200()).slots(s));
+    CHECK(plan_linear_backward(s, h200()).chunk == 32);
+  }
   SECTION("under the prefix key gate: a CTA a (head, sequence), checkpoints every ~sqrt chunks") {
     s.gated = true, s.gate_heads = 1, s.shared_gate_sum = true;
     const linear_backward_plan p = plan_linear_backward(s, h200());

@@ -9,8 +9,12 @@
 //   linear_bwd_causal_key_kernel    dk, dv
 //   linear_bwd_norm_kernel          (a gated norm) do and dgate from the recomputed output
 // Chunk c of sequence n is state slot slot_offsets[n] + c (a slot a chunk on CUDA cores; the
-// tensor-core kernels of sm80_linear_backward_causal.cuh walk several). Sums run in a fixed order.
+// tensor-core kernels of sm80_linear_backward_causal.cuh walk several). Under the prefix key gate
+// (tensor cores only) the scans are linear_bwd_gated_scan_kernel and
+// linear_bwd_gated_reverse_scan_kernel, and linear_bwd_gated_dlse_kernel ends the backward. Sums
+// run in a fixed order.
 
+#include "attnmix/cuda/collective/causal_scan.cuh"
 #include "attnmix/cuda/collective/linear_params.cuh"
 #include "attnmix/cuda/collective/linear_rows.cuh"
 
@@ -255,6 +259,153 @@ __global__ void __launch_bounds__(linear_bwd_scan_threads)
     bp.dz_in[n * bp.dz_in_stride[0] + h * bp.dz_in_stride[1] +
              (idx - D * Dv) * bp.dz_in_stride[2]] = x;
   }
+}
+
+// ---- the scans under the prefix key gate (the tensor-core walks of
+// sm80_linear_backward_causal.cuh; slots of D Dv + D + 4 floats) ------------------------------
+
+// The (sequence, head) pair's dS_out or dz_out element idx of [S | z] (0 where not given).
+__device__ __forceinline__ float dstate_out_value(const linear_backward_params& bp, int n, int h,
+                                                  int idx) {
+  const int D = bp.f.head_dim, Dv = bp.f.value_dim;
+  if (idx < D * Dv)
+    return bp.dS_out == nullptr
+               ? 0.f
+               : bp.dS_out[n * bp.dS_out_stride[0] + h * bp.dS_out_stride[1] +
+                           (idx / Dv) * bp.dS_out_stride[2] + (idx % Dv) * bp.dS_out_stride[3]];
+  return bp.dz_out == nullptr ? 0.f
+                              : bp.dz_out[n * bp.dz_out_stride[0] + h * bp.dz_out_stride[1] +
+                                          (idx - D * Dv) * bp.dz_out_stride[2]];
+}
+
+// Thread (element idx of [S | z], KV head h, sequence n): slot c <- the state before it relative
+// to its running max, which goes to the slot's floats SS + 2 with the mass at SS + 3 (the slot's
+// own max and mass, at SS and SS + 1, are read). Then for the gradient of the log-mass after the
+// last slot: totals[4 (n H + h) ..] = (max, mass) of the final state, and part[(n H + h) grid.x +
+// blockIdx.x] = this CTA's sum of dS_out S + dz_out z over its elements of that state.
+template <class Policy>
+__global__ void __launch_bounds__(linear_bwd_scan_threads)
+    linear_bwd_gated_scan_kernel(const linear_backward_params bp, const int* slot_offsets,
+                                 float* state, float* totals, float* part) {
+  __shared__ float red[linear_bwd_scan_threads / 32];
+  const linear_kernel_params& f = bp.f;
+  const int idx = blockIdx.x * linear_bwd_scan_threads + threadIdx.x, h = blockIdx.y,
+            n = blockIdx.z, SS = f.head_dim * f.value_dim + f.head_dim, SSg = SS + 4;
+  const bool mine = idx < SS;
+  float x = mine ? state_in_value(f, n, h, idx) : 0.f, m, ell;
+  state_in_mass<Policy>(f, n, h, m, ell);
+  const int first = slot_offsets[n], count = slot_offsets[n + 1] - first;
+  float* base = state + (index_t(first) * f.kv_heads + h) * SSg;
+  const index_t stride = index_t(f.kv_heads) * SSg;
+  constexpr int U = linear_bwd_scan_batch;
+  for (int i = 0; i < count; i += U) {
+    float own[U], om[U], ol[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float* slot = base + (i + u) * stride;
+      const bool in = i + u < count;
+      own[u] = in && mine ? slot[idx] : 0.f;
+      om[u] = in ? slot[SS] : -INFINITY, ol[u] = in ? slot[SS + 1] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (i + u >= count) break;
+      float* slot = base + (i + u) * stride;
+      if (mine) slot[idx] = x;
+      if (idx == SS) slot[SS + 2] = m;
+      if (idx == SS + 1) slot[SS + 3] = ell;
+      const float M = fmaxf(m, om[u]);
+      x = x * rescale_factor(m, M) + own[u] * rescale_factor(om[u], M);
+      lse_merge(m, ell, om[u], ol[u]);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    totals[4 * (index_t(n) * f.kv_heads + h)] = m;
+    totals[4 * (index_t(n) * f.kv_heads + h) + 1] = ell;
+  }
+  const float t = block_reduce<false>(mine ? x * dstate_out_value(bp, n, h, idx) : 0.f, red);
+  if (threadIdx.x == 0) part[(index_t(n) * f.kv_heads + h) * gridDim.x + blockIdx.x] = t;
+}
+
+// Thread (element idx of [dS | dz | kappa], KV head h, sequence n): slot c <- the gradient of the
+// state after it (relative to that state's mass), from dstate_out and kappa = -(dS_out . S +
+// dz_out . z) / ell + dlse_out of the final state; before a slot the gradient is the slot's own
+// sum plus rho times the one after it, rho = the mass before the slot over the mass after it.
+// The total is dstate_in; kappa before the first slot goes to totals[4 (n H + h) + 2] and the
+// CTA's sum of S_in dS_in + z_in dz_in to part2 for linear_bwd_gated_dlse_kernel.
+__global__ void __launch_bounds__(linear_bwd_scan_threads)
+    linear_bwd_gated_reverse_scan_kernel(const linear_backward_params bp, const int* slot_offsets,
+                                         const float* state, float* dstate, float* totals,
+                                         const float* part, float* part2) {
+  __shared__ float red[linear_bwd_scan_threads / 32];
+  const linear_kernel_params& f = bp.f;
+  const int idx = blockIdx.x * linear_bwd_scan_threads + threadIdx.x, h = blockIdx.y,
+            n = blockIdx.z, D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D, SSg = SS + 4;
+  const bool mine = idx < SS, kap = idx == SS;
+  const index_t pair = index_t(n) * f.kv_heads + h;
+  float m1 = totals[4 * pair], ell1 = totals[4 * pair + 1];  // the mass after the slot
+  float x = mine ? dstate_out_value(bp, n, h, idx) : 0.f;
+  if (kap && ell1 > 0.f) {
+    float sum = 0.f;
+    for (unsigned b = 0; b < gridDim.x; ++b) sum += part[pair * gridDim.x + b];
+    x = -sum / ell1;
+    if (bp.dlse_out != nullptr)
+      x += bp.dlse_out[n * bp.dlse_out_stride[0] + h * bp.dlse_out_stride[1]];
+  }
+  const int first = slot_offsets[n], count = slot_offsets[n + 1] - first;
+  float* base = dstate + (index_t(first) * f.kv_heads + h) * SSg;
+  const float* sbase = state + (index_t(first) * f.kv_heads + h) * SSg;
+  const index_t stride = index_t(f.kv_heads) * SSg;
+  constexpr int U = linear_bwd_scan_batch;
+  for (int i = 0; i < count; i += U) {
+    float own[U], m0[U], ell0[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = count - 1 - i - u;
+      const bool in = c >= 0;
+      own[u] = in && (mine || kap) ? base[c * stride + idx] : 0.f;
+      m0[u] = in ? sbase[c * stride + SS + 2] : -INFINITY;
+      ell0[u] = in ? sbase[c * stride + SS + 3] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = count - 1 - i - u;
+      if (c < 0) break;
+      if (mine || kap) base[c * stride + idx] = x;
+      const float rho = ell1 > 0.f ? shifted_exp(m0[u], m1) * ell0[u] / ell1 : 0.f;
+      x = own[u] + rho * x;
+      m1 = m0[u], ell1 = ell0[u];
+    }
+  }
+  if (mine) {
+    if (idx < D * Dv) {
+      if (bp.dS_in != nullptr)
+        bp.dS_in[n * bp.dS_in_stride[0] + h * bp.dS_in_stride[1] + (idx / Dv) * bp.dS_in_stride[2] +
+                 (idx % Dv) * bp.dS_in_stride[3]] = x;
+    } else if (bp.dz_in != nullptr) {
+      bp.dz_in[n * bp.dz_in_stride[0] + h * bp.dz_in_stride[1] +
+               (idx - D * Dv) * bp.dz_in_stride[2]] = x;
+    }
+  }
+  if (kap) totals[4 * pair + 2] = x;
+  if (bp.dlse_in == nullptr) return;  // (uniform)
+  const float t = block_reduce<false>(mine ? x * state_in_value(f, n, h, idx) : 0.f, red);
+  if (threadIdx.x == 0) part2[pair * gridDim.x + blockIdx.x] = t;
+}
+
+// Thread 0 of CTA (KV head h, sequence n): d lse_in = kappa + <S_in, dS_in> + <z_in, dz_in>
+// before the first token (0 for an empty state), from the reverse scan's `parts` sums.
+__global__ void linear_bwd_gated_dlse_kernel(const linear_backward_params bp, const float* totals,
+                                             const float* part2, int parts) {
+  const linear_kernel_params& f = bp.f;
+  const int h = blockIdx.x, n = blockIdx.y;
+  if (threadIdx.x != 0) return;
+  const index_t pair = index_t(n) * f.kv_heads + h;
+  const bool has = f.S_in != nullptr && f.lse_in != nullptr &&
+                   f.lse_in[n * f.lse_in_stride[0] + h * f.lse_in_stride[1]] != -INFINITY;
+  float s = totals[4 * pair + 2];
+  for (int b = 0; b < parts; ++b) s += part2[pair * parts + b];
+  bp.dlse_in[n * bp.dlse_in_stride[0] + h * bp.dlse_in_stride[1]] = has ? s : 0.f;
 }
 
 // CTA (chunk c, KV head h, sequence n): with dS_c, dz_c the gradient of the state after the

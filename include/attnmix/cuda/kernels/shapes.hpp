@@ -123,6 +123,9 @@ constexpr int linear_bwd_causal_mma_threads = 128;
 constexpr int linear_bwd_causal_mma_sums_smem = (2 * 64 * 72 + 64 * 88) * 2 + 64 * 4;
 constexpr int linear_bwd_causal_mma_smem =
     (4 * 64 * 72 + 5 * 64 * 88) * 2 + 64 * 4 + 40 * linear_bwd_causal_mma_threads * 4;
+// Under the prefix key gate each kernel also keeps the chunk's gate rows (logits, maxima, masses,
+// weights: 6 x 64 floats).
+constexpr int linear_bwd_causal_mma_gate_bytes = 6 * 64 * 4;
 // Chunks a CTA of the tensor-core passes walks at most (a state slot's span; fewer where that
 // would leave SMs idle).
 constexpr int linear_bwd_causal_max_super = 8;

@@ -145,9 +145,10 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
   shape.half_inputs = std::is_same_v<Dev, __half>;
   shape.force_simt = linear_backward_force_simt();
   shape.force_super = linear_backward_force_super();
-  std::vector<int> slot_offsets;  // causal, ungated: the first state slot of each sequence
-  if constexpr (causal && !gated) {
-    const index_t span = causal_layout(shape, props).slot_tokens();
+  std::vector<int> slot_offsets;  // causal slot passes: the first state slot of each sequence
+  const linear_bwd_causal_layout layout = causal_layout(shape, props);
+  if (causal && layout.slots(shape)) {
+    const index_t span = layout.slot_tokens();
     slot_offsets.resize(std::size_t(N + 1));
     slot_offsets[0] = 0;
     for (index_t n = 0; n < N; ++n)
@@ -330,15 +331,17 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       bp.dout_stride[0] = Tn * HQ * Dv, bp.dout_stride[1] = HQ * Dv, bp.dout_stride[2] = Dv;
     }
 
-    if constexpr (gated) {
-      // The prefix key gate: one walk a (KV head, sequence) on CUDA cores.
-      float* da_heads = shape.shared_gate_sum ? at(sc.da_heads) : nullptr;
-      auto kernel = linear_bwd_causal_gated_kernel<Dev, Policy>;
-      allow_dynamic_smem(kernel, plan.gated_smem);
-      kernel<<<as_dim3(plan.chunk_grid), linear_bwd_gated_threads, plan.gated_smem, stream>>>(
-          bp, int(plan.gated_K), plan.gated_task_floats, at(sc.gated_states), da_heads);
-      check(cudaGetLastError(), "linear_bwd_causal_gated_kernel launch");
-      if (da_heads != nullptr) fold_da(bp, da_heads, shape.max_len, n_grid, stream);
+    if (gated && !layout.slots(shape)) {
+      // The prefix key gate on CUDA cores: one walk a (KV head, sequence).
+      if constexpr (gated) {
+        float* da_heads = shape.shared_gate_sum ? at(sc.da_heads) : nullptr;
+        auto kernel = linear_bwd_causal_gated_kernel<Dev, Policy>;
+        allow_dynamic_smem(kernel, plan.gated_smem);
+        kernel<<<as_dim3(plan.chunk_grid), linear_bwd_gated_threads, plan.gated_smem, stream>>>(
+            bp, int(plan.gated_K), plan.gated_task_floats, at(sc.gated_states), da_heads);
+        check(cudaGetLastError(), "linear_bwd_causal_gated_kernel launch");
+        if (da_heads != nullptr) fold_da(bp, da_heads, shape.max_len, n_grid, stream);
+      }
     } else {
       int* offsets = reinterpret_cast<int*>(base + sc.slot_offsets);
       upload_host(offsets, slot_offsets.data(), slot_offsets.size() * sizeof(int), stream,
@@ -347,6 +350,13 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       float* dstate = at(sc.dstate);
       float* inv_den = at(sc.inv_den);
       float* delta = at(sc.delta);
+      // Under the key gate (tensor cores only): rows' maxima and masses, the scans' totals and
+      // sums, and a shared gate's per-head da.
+      float* mass = gated ? at(sc.mass) : nullptr;
+      float* totals = gated ? at(sc.gate_totals) : nullptr;
+      float* parts = gated ? at(sc.gate_parts) : nullptr;
+      float* parts2 = gated ? parts + N * H * plan.scan_grid.x : nullptr;
+      float* da_heads = gated && shape.shared_gate_sum ? at(sc.da_heads) : nullptr;
       const dim3 chunk_grid = as_dim3(plan.chunk_grid);
       // The tensor-core kernels (sm80_linear_backward_causal.cuh) take bfloat16 alone.
       constexpr bool bf16 = std::is_same_v<Dev, __nv_bfloat16>;
@@ -361,15 +371,20 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
             kernel<<<chunk_grid, chunk_threads, plan.reduce_smem, stream>>>(bp, offsets, walk,
                                                                             state);
           }
-        } else {
+        } else if constexpr (!gated) {
           auto sums = linear_bwd_chunk_sums_kernel<Dev, Policy>;
           allow_dynamic_smem(sums, plan.reduce_smem);
           sums<<<chunk_grid, threads, plan.reduce_smem, stream>>>(bp, plan.chunk, offsets, state);
         }
         check(cudaGetLastError(), "linear_bwd_chunk_sums_kernel launch");
       }
-      linear_bwd_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0, stream>>>(
-          bp, offsets, state);
+      if constexpr (gated)
+        linear_bwd_gated_scan_kernel<Policy>
+            <<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0, stream>>>(bp, offsets, state,
+                                                                              totals, parts);
+      else
+        linear_bwd_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0, stream>>>(
+            bp, offsets, state);
       check(cudaGetLastError(), "linear_bwd_scan_kernel launch");
       if (shape.total_slots > 0) {
         if (mma) {
@@ -377,9 +392,9 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
             auto kernel = linear_bwd_causal_query_mma_kernel<Policy>;
             allow_dynamic_smem(kernel, plan.causal_q_smem);
             kernel<<<chunk_grid, chunk_threads, plan.causal_q_smem, stream>>>(
-                bp, offsets, walk, state, dstate, inv_den, delta);
+                bp, offsets, walk, state, dstate, inv_den, delta, mass);
           }
-        } else {
+        } else if constexpr (!gated) {
           auto query = linear_bwd_causal_query_kernel<Dev, Policy>;
           allow_dynamic_smem(query, plan.causal_q_smem);
           query<<<chunk_grid, threads, plan.causal_q_smem, stream>>>(bp, plan.chunk, offsets, state,
@@ -387,8 +402,13 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
         }
         check(cudaGetLastError(), "linear_bwd_causal_query_kernel launch");
       }
-      linear_bwd_reverse_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0,
-                                       stream>>>(bp, offsets, dstate);
+      if constexpr (gated)
+        linear_bwd_gated_reverse_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0,
+                                               stream>>>(bp, offsets, state, dstate, totals, parts,
+                                                         parts2);
+      else
+        linear_bwd_reverse_scan_kernel<<<as_dim3(plan.scan_grid), linear_bwd_scan_threads, 0,
+                                         stream>>>(bp, offsets, dstate);
       check(cudaGetLastError(), "linear_bwd_reverse_scan_kernel launch");
       if (shape.total_slots > 0) {
         if (mma) {
@@ -396,15 +416,23 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
             auto kernel = linear_bwd_causal_key_mma_kernel<Policy>;
             allow_dynamic_smem(kernel, plan.causal_k_smem);
             kernel<<<chunk_grid, chunk_threads, plan.causal_k_smem, stream>>>(
-                bp, offsets, walk, dstate, inv_den, delta);
+                bp, offsets, walk, dstate, inv_den, delta, mass, da_heads);
           }
-        } else {
+        } else if constexpr (!gated) {
           auto key = linear_bwd_causal_key_kernel<Dev, Policy>;
           allow_dynamic_smem(key, plan.causal_k_smem);
           key<<<chunk_grid, threads, plan.causal_k_smem, stream>>>(bp, plan.chunk, offsets, dstate,
                                                                    inv_den, delta);
         }
         check(cudaGetLastError(), "linear_bwd_causal_key_kernel launch");
+      }
+      if constexpr (gated) {
+        if (bp.dlse_in != nullptr) {
+          linear_bwd_gated_dlse_kernel<<<dim3(unsigned(H), n_grid), 32, 0, stream>>>(
+              bp, totals, parts2, int(plan.scan_grid.x));
+          check(cudaGetLastError(), "linear_bwd_gated_dlse_kernel launch");
+        }
+        if (da_heads != nullptr) fold_da(bp, da_heads, shape.max_len, n_grid, stream);
       }
     }
   }

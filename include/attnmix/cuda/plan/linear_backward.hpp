@@ -15,7 +15,9 @@
 //   slot) -> the key pass (dk, dv; g again from do and 1 / den: a float a row where g took Dv). A
 //   tensor-core CTA walks the chunks of its slot with the running state (forward) or its gradient
 //   (backward) in shared memory, so the slots and scans move 1 / super of the bytes of a slot a
-//   chunk.
+//   chunk. Under the prefix key gate the same passes run on tensor cores (slots carry their max
+//   and mass; the scans merge them); elsewhere one CTA a (KV head, sequence) walks its chunks on
+//   CUDA cores.
 // Every sum over tokens, chunks or parts runs in an order fixed by the problem alone.
 
 #include <algorithm>
@@ -46,7 +48,7 @@ struct linear_backward_shape {
   index_t head_dim = 0, value_dim = 0;  // D, Dv
   index_t max_len = 0;                  // longest sequence
   index_t sequences = 0, kv_heads = 0, q_heads = 0, gate_heads = 0;
-  index_t total_slots = 0;        // causal, ungated: sum over sequences of ceil(len / slot tokens)
+  index_t total_slots = 0;        // causal slots: sum over sequences of ceil(len / slot tokens)
   int force_super = 0;            // causal tensor cores: chunks a slot, 0 = the plan picks
   std::size_t offsets_bytes = 0;  // the cu_seqlens copy (0 for a dense batch)
   // Bidirectional on tensor cores (sm80_linear_backward.cuh, D = Dv = 64): 16-bit inputs on sm_80+,
@@ -60,11 +62,12 @@ struct linear_backward_shape {
 // Byte offsets of the scratch parts (each 256-byte aligned) and the total.
 struct linear_backward_scratch {
   std::size_t offsets = 0, slot_offsets = 0, stats = 0, state = 0, partial = 0, dstate = 0, jac = 0,
-              dgamma = 0, da_heads = 0, inv_den = 0, delta = 0, gated_states = 0, bytes = 0;
+              dgamma = 0, da_heads = 0, inv_den = 0, delta = 0, gated_states = 0, mass = 0,
+              gate_totals = 0, gate_parts = 0, bytes = 0;
 };
 
 struct linear_backward_plan {
-  index_t state_size = 0;  // D * Dv + D
+  index_t state_size = 0;  // D * Dv + D (causal slots under the key gate: + 4)
   // Bidirectional.
   index_t parts = 1, part_tokens = 1;
   // Causal: tokens a chunk, chunks a state slot, the largest chunk count of a sequence.
@@ -101,11 +104,13 @@ inline index_t linear_bwd_causal_chunk(index_t D, index_t Dv, const device_prope
 
 // Causal: the chunk, whether the tensor-core passes run, and the chunks of a state slot (the
 // tokens of a slot are chunk * super: the launcher counts the slots of its sequences with them
-// before planning the rest).
+// before planning the rest). `slots`: whether the slot passes run at all (not under the key gate
+// on CUDA cores).
 struct linear_bwd_causal_layout {
   index_t chunk = 64, super = 1;
   bool mma = false;
   index_t slot_tokens() const { return chunk * super; }
+  bool slots(const linear_backward_shape& s) const { return !s.gated || mma; }
 };
 
 inline linear_bwd_causal_layout causal_layout(const linear_backward_shape& s,
@@ -194,9 +199,10 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
     take(sc.jac, std::size_t(N * H) * sizeof(float));
     if (s.normed) take(sc.dgamma, std::size_t(N * p.parts * s.q_heads * Dv) * sizeof(float));
     if (s.shared_gate_sum) take(sc.da_heads, std::size_t(H * s.batch * s.tokens) * sizeof(float));
-  } else if (s.gated) {
-    // The prefix key gate: a CTA per (KV head, sequence) walks its chunks (checkpoints every
-    // gated_K chunks, gated_K about the square root of the longest sequence's chunks).
+  } else if (s.gated && !causal_layout(s, props).mma) {
+    // The prefix key gate on CUDA cores: a CTA per (KV head, sequence) walks its chunks
+    // (checkpoints every gated_K chunks, gated_K about the square root of the longest sequence's
+    // chunks).
     p.chunk = linear_bwd_gated_chunk;
     p.max_chunks = (s.max_len + p.chunk - 1) / p.chunk;
     while (p.gated_K * p.gated_K < p.max_chunks) ++p.gated_K;
@@ -210,21 +216,36 @@ inline linear_backward_plan plan_linear_backward(const linear_backward_shape& s,
     p.chunk = l.chunk, p.super = l.super, p.mma = l.mma;
     p.max_chunks = (s.max_len + p.chunk - 1) / p.chunk;
     if (p.mma) {
+      const int gate = s.gated ? linear_bwd_causal_mma_gate_bytes : 0;
       p.mma_threads = linear_bwd_causal_mma_threads;
-      p.reduce_smem = linear_bwd_causal_mma_sums_smem;
-      p.causal_q_smem = p.causal_k_smem = linear_bwd_causal_mma_smem;
+      p.reduce_smem = linear_bwd_causal_mma_sums_smem + gate;
+      p.causal_q_smem = p.causal_k_smem = linear_bwd_causal_mma_smem + gate;
     } else {
       p.causal_q_smem = int(linear_bwd_causal_q_floats(p.chunk, tile, D, Dv) * 4);
       p.causal_k_smem = int(linear_bwd_causal_k_floats(p.chunk, tile, D, Dv) * 4);
     }
     const index_t max_slots = (p.max_chunks + p.super - 1) / p.super;
     p.chunk_grid = {unsigned(std::max<index_t>(max_slots, 1)), unsigned(H), n_grid};
+    if (s.gated) {  // a slot's max and mass (its own, and before it)
+      p.state_size = D * Dv + D + 4;
+      p.scan_grid.x =
+          unsigned((p.state_size + linear_bwd_scan_threads - 1) / linear_bwd_scan_threads);
+    }
+    const std::size_t slot_bytes = std::size_t(p.state_size) * sizeof(float);
     take(sc.slot_offsets, std::size_t(N + 1) * sizeof(int));
-    take(sc.state, std::size_t(s.total_slots * H) * state_bytes);
-    take(sc.dstate, std::size_t(s.total_slots * H) * state_bytes);
+    take(sc.state, std::size_t(s.total_slots * H) * slot_bytes);
+    take(sc.dstate, std::size_t(s.total_slots * H) * slot_bytes);
     const std::size_t rows = std::size_t(s.batch * s.tokens * s.q_heads);
     take(sc.inv_den, rows * sizeof(float));
     take(sc.delta, rows * sizeof(float));
+    if (s.gated) {
+      // Each token's running max and mass a KV head; a (sequence, head)'s final max and mass and
+      // kappa; the scans' per-CTA sums (two per CTA).
+      take(sc.mass, std::size_t(s.batch * s.tokens * H) * 2 * sizeof(float));
+      take(sc.gate_totals, std::size_t(N * H) * 4 * sizeof(float));
+      take(sc.gate_parts, std::size_t(N * H) * 2 * p.scan_grid.x * sizeof(float));
+      if (s.shared_gate_sum) take(sc.da_heads, std::size_t(H * s.batch * s.tokens) * sizeof(float));
+    }
   }
   sc.bytes = at;
   return p;
