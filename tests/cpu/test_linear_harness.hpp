@@ -29,6 +29,9 @@ struct linear_case {
   bool nan_pads = false;       // fill q, k, v, a, gate at pad positions with NaN
   double gate_sigma = 2.0;     // key-gate logits ~ N(0, gate_sigma^2)
   bool with_gamma = true;
+  // Plus gate_step times a random level 0, 1 or 2: logits far apart (past float's exp range for a
+  // step of 50) with many keys on each level, so that rows do not all attend to one key each.
+  double gate_step = 0;
 
   std::string describe() const {
     std::ostringstream os;
@@ -136,6 +139,12 @@ linear_inputs<T> make_inputs(const linear_case& c, rng& r) {
   r.fill_normal(in.v);
   r.fill_normal(in.gate);
   r.fill_normal(in.a, c.gate_sigma);
+  if (c.gate_step != 0) {
+    attnmix::host_tensor<A, 3> level(in.a.shape());
+    r.fill_uniform(level, 0.0, 3.0);
+    for (std::size_t i = 0; i < level.storage().size(); ++i)
+      in.a.storage()[i] += A(c.gate_step * std::floor(double(level.storage()[i])));
+  }
   r.fill_uniform(in.gamma, 0.5, 1.5);
   in.mask = make_mask(c, r);
   // A plausible incoming state: S and z of a few random earlier keys (z > 0 like phi(k) sums).

@@ -534,49 +534,58 @@ __global__ void __launch_bounds__(linear_bwd_threads)
   }
 }
 
-// CTA (tile of linear_bwd_tile tokens, sequence n): for every query head, the gated norm's
-// backward of each row from the recomputed core output o ([B, T, HQ, Dv] contiguous): dgate to
-// its view, do to dO (same layout), the tile's dgamma sums to dgamma_part[n, tile, hq].
+// CTA (tile of linear_bwd_tile tokens, sequence n): the gated norm's backward of every (token,
+// query head) row of the tile from the recomputed core output o ([B, T, HQ, Dv] contiguous):
+// dgate to its view, do to dO (same layout), the tile's dgamma sums to dgamma_part[n, tile, hq].
+// Warp w takes heads w, w + 8, ..., each over the tile's tokens in order: no barrier, and a head's
+// dgamma sums stay in registers (the same order as a column sum over the tile).
 template <class Dev, class Policy>
-__global__ void __launch_bounds__(linear_bwd_threads)
+__global__ void __launch_bounds__(linear_bwd_threads, 4)
     linear_bwd_norm_kernel(const linear_backward_params bp, const Dev* o, Dev* dO, index_t tiles,
                            float* dgamma_part) {
-  constexpr int TT = int(linear_bwd_tile);
+  constexpr int TT = int(linear_bwd_tile), W = linear_bwd_threads / 32;
+  constexpr int K = int(linear_bwd_max_dim / 32);
+  static_assert(W == TT, "the launcher's shared memory: three rows a warp");
   extern __shared__ __align__(16) float smem[];
   const linear_kernel_params& f = bp.f;
   const int Dv = f.value_dim, HQ = f.q_heads;
-  float* Ob = smem;          // [TT][Dv]
-  float* DY = Ob + TT * Dv;  // [TT][Dv]
-  float* DG = DY + TT * Dv;  // [TT][Dv]
   const int tile = blockIdx.x, n = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* Ob = smem + 3 * warp * Dv;  // the warp's row: o, then do, then its dgamma terms
+  float* DY = Ob + Dv;
+  float* DG = DY + Dv;
   index_t batch, start, length;
   f.sequence(n, batch, start, length);
   const index_t base = index_t(tile) * TT;
   const int rows = int(max(index_t(0), min(index_t(TT), length - base)));
   const bool with_dgamma = dgamma_part != nullptr;
-  for (int hq = 0; hq < HQ; ++hq) {
-    __syncthreads();
-    const bool exists = warp < rows;
-    const index_t ta = start + base + min(warp, max(rows - 1, 0));
-    const bool ok = exists && f.valid(batch, ta);
-    const index_t row = ((batch * f.tokens + ta) * HQ + hq) * Dv;
-    for (int cc = lane; cc < Dv; cc += 32) {
-      Ob[warp * Dv + cc] = ok ? to_float(o[row + cc]) : 0.f;
-      DY[warp * Dv + cc] = ok ? load_act<Dev>(bp.dout, bp.dout_stride, batch, ta, hq, cc) : 0.f;
+  for (int hq = warp; hq < HQ; hq += W) {
+    float sum[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) sum[k] = 0.f;
+    for (int t = 0; t < rows; ++t) {
+      const index_t ta = start + base + t;
+      const bool ok = f.valid(batch, ta);
+      const index_t row = ((batch * f.tokens + ta) * HQ + hq) * Dv;
+      for (int cc = lane; cc < Dv; cc += 32) {
+        Ob[cc] = ok ? to_float(o[row + cc]) : 0.f;
+        DY[cc] = ok ? load_act<Dev>(bp.dout, bp.dout_stride, batch, ta, hq, cc) : 0.f;
+      }
+      __syncwarp();
+      norm_row_backward<Dev, Policy>(bp, batch, ta, hq, true, ok, Ob, DY,
+                                     with_dgamma ? DG : nullptr);
+      __syncwarp();
+      for (int cc = lane; cc < Dv; cc += 32) dO[row + cc] = from_float<Dev>(DY[cc]);
+      if (with_dgamma)
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+          if (lane + 32 * k < Dv) sum[k] += DG[lane + 32 * k];
+      __syncwarp();  // the row's buffers are free
     }
-    __syncwarp();
-    if (rows > 0)
-      norm_row_backward<Dev, Policy>(bp, batch, ta, hq, exists, ok, Ob + warp * Dv, DY + warp * Dv,
-                                     with_dgamma ? DG + warp * Dv : nullptr);
-    __syncwarp();
-    if (exists)
-      for (int cc = lane; cc < Dv; cc += 32) dO[row + cc] = from_float<Dev>(DY[warp * Dv + cc]);
-    __syncthreads();
-    if (with_dgamma && int(threadIdx.x) < Dv) {
-      float s = 0.f;
-      for (int t = 0; t < rows; ++t) s += DG[t * Dv + threadIdx.x];
-      dgamma_part[((index_t(n) * tiles + tile) * HQ + hq) * Dv + threadIdx.x] = s;
-    }
+    if (with_dgamma)
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if (lane + 32 * k < Dv)
+          dgamma_part[((index_t(n) * tiles + tile) * HQ + hq) * Dv + lane + 32 * k] = sum[k];
   }
 }
 
