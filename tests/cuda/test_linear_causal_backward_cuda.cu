@@ -151,28 +151,36 @@ TEST_CASE("CUDA causal linear backward on tensor cores, walks of three chunks",
   }
 }
 
-TEST_CASE("CUDA causal linear backward on tensor cores: the same bits twice, a small case",
-          "[cuda][linear_backward][linear_causal][tensor_cores][small]") {
-  ATTNMIX_REQUIRE_CUDA_DEVICE();
+// A small case's gradients on tensor cores, against the CPU's, and the same bits on a second run;
+// with walks of one chunk and of two.
+template <class Policy>
+void tensor_core_bits_twice(std::uint64_t salt) {
   linear_case c{2, 150, 4, 2, 64, 64, {}, padding::holes};
   c.with_state_in = true;
   bwd_options dso;
   dso.dstate_out = true;
   const auto same_bits_twice = [&] {
     grad_bits x, y;
-    check_errors(
-        run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &x),
-        grad_tolerance<attnmix::bfloat16>());
-    run_cuda_backward<linear_causal, causal_default, attnmix::bfloat16>(c, 2200, dso, &y);
+    check_errors(run_cuda_backward<linear_causal, Policy, attnmix::bfloat16>(c, salt, dso, &x),
+                 grad_tolerance<attnmix::bfloat16>());
+    run_cuda_backward<linear_causal, Policy, attnmix::bfloat16>(c, salt, dso, &y);
     CHECK(bitwise_equal(x.dq, y.dq));
     CHECK(bitwise_equal(x.dk, y.dk));
     CHECK(bitwise_equal(x.dv, y.dv));
+    CHECK(bitwise_equal(x.da, y.da));
     CHECK(bitwise_equal(x.dS_in, y.dS_in));
     CHECK(bitwise_equal(x.dz_in, y.dz_in));
+    CHECK(bitwise_equal(x.dlse_in, y.dlse_in));
   };
   same_bits_twice();
   const force_walk walk(2);
   same_bits_twice();
+}
+
+TEST_CASE("CUDA causal linear backward on tensor cores: the same bits twice, a small case",
+          "[cuda][linear_backward][linear_causal][tensor_cores][small]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  tensor_core_bits_twice<causal_default>(2200);
 }
 
 // Under the prefix key gate the tensor-core passes weight A and dA elementwise and carry the
@@ -213,27 +221,7 @@ TEST_CASE("CUDA causal linear backward on tensor cores under the prefix key gate
 TEST_CASE("CUDA causal linear backward on tensor cores under the key gate: the same bits twice",
           "[cuda][linear_backward][linear_causal][tensor_cores][key_gate][small]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
-  linear_case c{2, 150, 4, 2, 64, 64, {}, padding::holes};
-  c.with_state_in = true;
-  bwd_options dso;
-  dso.dstate_out = true;
-  const auto same_bits_twice = [&] {
-    grad_bits x, y;
-    check_errors(
-        run_cuda_backward<linear_causal, causal_key_gate, attnmix::bfloat16>(c, 2900, dso, &x),
-        grad_tolerance<attnmix::bfloat16>());
-    run_cuda_backward<linear_causal, causal_key_gate, attnmix::bfloat16>(c, 2900, dso, &y);
-    CHECK(bitwise_equal(x.dq, y.dq));
-    CHECK(bitwise_equal(x.dk, y.dk));
-    CHECK(bitwise_equal(x.dv, y.dv));
-    CHECK(bitwise_equal(x.da, y.da));
-    CHECK(bitwise_equal(x.dS_in, y.dS_in));
-    CHECK(bitwise_equal(x.dz_in, y.dz_in));
-    CHECK(bitwise_equal(x.dlse_in, y.dlse_in));
-  };
-  same_bits_twice();
-  const force_walk walk(2);
-  same_bits_twice();
+  tensor_core_bits_twice<causal_key_gate>(2900);
 }
 
 TEST_CASE("CUDA linear backward: worst errors seen", "[cuda][linear_backward]") {

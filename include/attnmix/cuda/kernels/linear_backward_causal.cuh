@@ -229,41 +229,6 @@ __global__ void __launch_bounds__(linear_bwd_threads)
   }
 }
 
-// Thread (idx, KV head h, sequence n): slot c <- dstate_out + sum of the slots after c;
-// dstate_in gets dstate_out + the sum of every slot.
-__global__ void __launch_bounds__(linear_bwd_scan_threads)
-    linear_bwd_reverse_scan_kernel(const linear_backward_params bp, const int* slot_offsets,
-                                   float* dstate) {
-  const linear_kernel_params& f = bp.f;
-  const int idx = blockIdx.x * linear_bwd_scan_threads + threadIdx.x, h = blockIdx.y,
-            n = blockIdx.z, D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
-  if (idx >= SS) return;
-  const bool s_part = idx < D * Dv;
-  float x = 0.f;
-  if (s_part) {
-    if (bp.dS_out != nullptr)
-      x = bp.dS_out[n * bp.dS_out_stride[0] + h * bp.dS_out_stride[1] +
-                    (idx / Dv) * bp.dS_out_stride[2] + (idx % Dv) * bp.dS_out_stride[3]];
-  } else if (bp.dz_out != nullptr) {
-    x = bp.dz_out[n * bp.dz_out_stride[0] + h * bp.dz_out_stride[1] +
-                  (idx - D * Dv) * bp.dz_out_stride[2]];
-  }
-  const int first = slot_offsets[n];
-  x = scan_slots<false>(dstate + (index_t(first) * f.kv_heads + h) * SS + idx,
-                        index_t(f.kv_heads) * SS, 0, slot_offsets[n + 1] - first, x);
-  if (s_part) {
-    if (bp.dS_in != nullptr)
-      bp.dS_in[n * bp.dS_in_stride[0] + h * bp.dS_in_stride[1] + (idx / Dv) * bp.dS_in_stride[2] +
-               (idx % Dv) * bp.dS_in_stride[3]] = x;
-  } else if (bp.dz_in != nullptr) {
-    bp.dz_in[n * bp.dz_in_stride[0] + h * bp.dz_in_stride[1] +
-             (idx - D * Dv) * bp.dz_in_stride[2]] = x;
-  }
-}
-
-// ---- the scans under the prefix key gate (the tensor-core walks of
-// sm80_linear_backward_causal.cuh; slots of D Dv + D + 4 floats) ------------------------------
-
 // The (sequence, head) pair's dS_out or dz_out element idx of [S | z] (0 where not given).
 __device__ __forceinline__ float dstate_out_value(const linear_backward_params& bp, int n, int h,
                                                   int idx) {
@@ -277,6 +242,39 @@ __device__ __forceinline__ float dstate_out_value(const linear_backward_params& 
                               : bp.dz_out[n * bp.dz_out_stride[0] + h * bp.dz_out_stride[1] +
                                           (idx - D * Dv) * bp.dz_out_stride[2]];
 }
+
+// x to the (sequence, head) pair's dS_in or dz_in element idx of [S | z], where given.
+__device__ __forceinline__ void store_dstate_in(const linear_backward_params& bp, int n, int h,
+                                                int idx, float x) {
+  const int D = bp.f.head_dim, Dv = bp.f.value_dim;
+  if (idx < D * Dv) {
+    if (bp.dS_in != nullptr)
+      bp.dS_in[n * bp.dS_in_stride[0] + h * bp.dS_in_stride[1] + (idx / Dv) * bp.dS_in_stride[2] +
+               (idx % Dv) * bp.dS_in_stride[3]] = x;
+  } else if (bp.dz_in != nullptr) {
+    bp.dz_in[n * bp.dz_in_stride[0] + h * bp.dz_in_stride[1] +
+             (idx - D * Dv) * bp.dz_in_stride[2]] = x;
+  }
+}
+
+// Thread (idx, KV head h, sequence n): slot c <- dstate_out + sum of the slots after c;
+// dstate_in gets dstate_out + the sum of every slot.
+__global__ void __launch_bounds__(linear_bwd_scan_threads)
+    linear_bwd_reverse_scan_kernel(const linear_backward_params bp, const int* slot_offsets,
+                                   float* dstate) {
+  const linear_kernel_params& f = bp.f;
+  const int idx = blockIdx.x * linear_bwd_scan_threads + threadIdx.x, h = blockIdx.y,
+            n = blockIdx.z, D = f.head_dim, Dv = f.value_dim, SS = D * Dv + D;
+  if (idx >= SS) return;
+  const int first = slot_offsets[n];
+  const float x = scan_slots<false>(dstate + (index_t(first) * f.kv_heads + h) * SS + idx,
+                                    index_t(f.kv_heads) * SS, 0, slot_offsets[n + 1] - first,
+                                    dstate_out_value(bp, n, h, idx));
+  store_dstate_in(bp, n, h, idx, x);
+}
+
+// ---- the scans under the prefix key gate (the tensor-core walks of
+// sm80_linear_backward_causal.cuh; slots of D Dv + D + 4 floats) ------------------------------
 
 // Thread (element idx of [S | z], KV head h, sequence n): slot c <- the state before it relative
 // to its running max, which goes to the slot's floats SS + 2 with the mass at SS + 3 (the slot's
@@ -377,16 +375,7 @@ __global__ void __launch_bounds__(linear_bwd_scan_threads)
       m1 = m0[u], ell1 = ell0[u];
     }
   }
-  if (mine) {
-    if (idx < D * Dv) {
-      if (bp.dS_in != nullptr)
-        bp.dS_in[n * bp.dS_in_stride[0] + h * bp.dS_in_stride[1] + (idx / Dv) * bp.dS_in_stride[2] +
-                 (idx % Dv) * bp.dS_in_stride[3]] = x;
-    } else if (bp.dz_in != nullptr) {
-      bp.dz_in[n * bp.dz_in_stride[0] + h * bp.dz_in_stride[1] +
-               (idx - D * Dv) * bp.dz_in_stride[2]] = x;
-    }
-  }
+  if (mine) store_dstate_in(bp, n, h, idx, x);
   if (kap) totals[4 * pair + 2] = x;
   if (bp.dlse_in == nullptr) return;  // (uniform)
   const float t = block_reduce<false>(mine ? x * state_in_value(f, n, h, idx) : 0.f, red);
