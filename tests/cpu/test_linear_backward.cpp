@@ -538,6 +538,20 @@ TEST_CASE("causal backward matches the oracle (double)", "[linear_backward][line
   bwd_options no_dstate;
   no_dstate.dstate_out = false;
   sweep<linear_causal, causal_gated7, double>(4700, "no dstate_out", no_dstate);
+  // Logits on three levels 50 apart: running maxima and rescaling past float's exp range.
+  std::uint64_t salt = 4800;
+  for (linear_case c :
+       {linear_case{2, 150, 4, 2, 16, 8, {}, padding::holes}, linear_case{1, 200, 2, 1, 8, 8}}) {
+    c.gate_step = 50;
+    c.with_state_in = true;
+    INFO("seed " << test_seed() << " " << c.describe() << " logits 50 apart");
+    grad_errors e = run_backward_case<linear_causal, causal_gated7, double>(c, ++salt, {});
+    INFO(e);
+    CHECK(e.worst() <= grad_tolerance<double>());
+    e = run_backward_case<linear_causal, causal_recurrent_raw, double>(c, ++salt, {});
+    INFO(e);
+    CHECK(e.worst() <= grad_tolerance<double>());
+  }
 }
 
 TEST_CASE("causal backward matches the oracle (float)", "[linear_backward][linear_causal]") {
