@@ -41,6 +41,9 @@ def fla_ms(B, T, H, D, backward):
 def main():
     import torch
 
+    # A row as soon as it is timed: the authors' first backward compiles for minutes, and a call
+    # that runs out of time keeps the rows before it.
+    sys.stdout.reconfigure(line_buffering=True)
     benchmarks = [b for path in sys.argv[1:] for b in json.load(open(path))["benchmarks"]]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print()
