@@ -192,10 +192,11 @@ __device__ __forceinline__ float phi_derivative(float x, float phi) {
 }
 
 // The normalised key-gate weight of a valid token from its sequence's (max, 1 / sum); 0 at
-// pads and in sequences without mass.
+// pads and in sequences without mass. Without a gate (stats null) 1 for a real token.
 __device__ __forceinline__ float gate_weight(const linear_kernel_params& f, const float* stats,
                                              int n, index_t batch, index_t t, int h) {
   if (!f.valid(batch, t)) return 0.f;
+  if (stats == nullptr) return 1.f;
   const int gh = f.gate_heads == 1 ? 0 : h;
   const float M = stats[(index_t(n) * f.gate_heads + gh) * 2],
               inv = stats[(index_t(n) * f.gate_heads + gh) * 2 + 1];

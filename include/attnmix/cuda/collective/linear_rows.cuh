@@ -111,13 +111,7 @@ __device__ void state_sums(const linear_backward_params& bp, int n, index_t batc
     __syncthreads();
     if (threadIdx.x < TT) {
       const int t = threadIdx.x;
-      float w = 0.f;
-      if (t < rows) {
-        const index_t ta = start + base + t;
-        w = stats != nullptr ? gate_weight(f, stats, n, batch, ta, h)
-                             : (f.valid(batch, ta) ? 1.f : 0.f);
-      }
-      W[t] = w;
+      W[t] = t < rows ? gate_weight(f, stats, n, batch, start + base + t, h) : 0.f;
     }
     __syncthreads();
     // Pad tokens are selected away, not multiplied: their k and v may hold anything.

@@ -299,15 +299,8 @@ __global__ void __launch_bounds__(linear_bwd_threads)
     __syncthreads();
     if (threadIdx.x < TT) {
       const int t = threadIdx.x;
-      float w = 0.f;
-      if (t < rows) {
-        const index_t ta = start + base + t;
-        if constexpr (gated)
-          w = gate_weight(f, stats, n, batch, ta, h);
-        else
-          w = f.valid(batch, ta) ? 1.f : 0.f;
-      }
-      W[t] = w;
+      W[t] =
+          t < rows ? gate_weight(f, gated ? stats : nullptr, n, batch, start + base + t, h) : 0.f;
     }
     for (int e = threadIdx.x; e < TT * D; e += blockDim.x) {
       const int t = e / D, d = e % D;

@@ -140,12 +140,9 @@ __global__ void __launch_bounds__(linear_bwd_mma_layout<D, Dv>::threads,
     __syncthreads();
     if (threadIdx.x < TR) {
       const int t = threadIdx.x;
-      float w = 0.f;
-      if (t < rows) {
-        const index_t ta = start + base + t;
-        w = Policy::gate != key_gate::off ? gate_weight(f, stats, n, batch, ta, h)
-                                          : (f.valid(batch, ta) ? 1.f : 0.f);
-      }
+      const float w = t < rows ? gate_weight(f, Policy::gate != key_gate::off ? stats : nullptr, n,
+                                             batch, start + base + t, h)
+                               : 0.f;
       W[t] = w;
       lbm_stage_v_tail<Dev, Dv, L::ld_v>(V, Vl, t, w != 0.f);
     }

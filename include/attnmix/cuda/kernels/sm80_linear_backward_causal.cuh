@@ -217,20 +217,24 @@ __device__ __forceinline__ void weigh_rows(split_op* hi, split_op* lo, const flo
   }
 }
 
-// Sum over the CTA in a fixed order (red: 4 floats; every thread gets it).
-__device__ __forceinline__ float cta_sum(float x, float* red) {
+// Every accumulator times s.
+template <int NT>
+__device__ __forceinline__ void scale_all(float (&x)[NT][4], float s) {
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-  __syncthreads();  // red is free
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
-  __syncthreads();
-  return (red[0] + red[1]) + (red[2] + red[3]);
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[nt][k] *= s;
 }
 
-// (u_i, ell_i) of token t of KV head h in the query pass's buffer of row maxima and masses.
+// Where (u_i, ell_i) of token t of KV head h sit in the query pass's buffer of row maxima and
+// masses, and the pair.
+__device__ __forceinline__ index_t mass_at(const linear_kernel_params& f, index_t batch, index_t t,
+                                           int h) {
+  return 2 * ((batch * f.tokens + t) * f.kv_heads + h);
+}
 __device__ __forceinline__ float2 row_mass(const float* mass, const linear_kernel_params& f,
                                            index_t batch, index_t t, int h) {
-  return *reinterpret_cast<const float2*>(mass + 2 * ((batch * f.tokens + t) * f.kv_heads + h));
+  return *reinterpret_cast<const float2*>(mass + mass_at(f, batch, t, h));
 }
 
 // dx = mul * acc * phi'(x) of the warp's rows r0 .. (tokens t0 + row of head hh; 0 at pads) into
@@ -297,9 +301,7 @@ __global__ void __launch_bounds__(lbc::threads)
       vn.fetch(f, f.v, f.v_stride, batch, start, c1, min(length, c1 + C), h);
     }
     if constexpr (gated) {  // the sum so far moves to the chunk's max
-      const float cs = rescale_factor(m, rs.next[0]);
-      for_fragment_pairs<NX>(acc, r0, 0,
-                             [&](int, int, float& x0, float& x1) { x0 *= cs, x1 *= cs; });
+      scale_all(acc, rescale_factor(m, rs.next[0]));
       m = rs.next[0], ell = rs.next[1];
     }
     __syncthreads();
@@ -381,8 +383,7 @@ __global__ void __launch_bounds__(lbc::threads)
         for (int i = threadIdx.x; i < C; i += 32) {
           const float l = rs.mass[i], il = l > 0.f ? 1.f / l : 0.f;
           if (i < rows)
-            *reinterpret_cast<float2*>(mass_buf +
-                                       2 * ((batch * f.tokens + start + c0 + i) * f.kv_heads + h)) =
+            *reinterpret_cast<float2*>(mass_buf + mass_at(f, batch, start + c0 + i, h)) =
                 make_float2(rs.run_max[i], l);
           rs.mass[i] = il, rs.carry[i] *= il;
         }
@@ -488,9 +489,7 @@ __global__ void __launch_bounds__(lbc::threads)
       float acc[NX][4];
       load_run(acc, run);
       if constexpr (gated) {  // to the max after the chunk; its keys weighted exp(a_j - m')
-        const float cs = rescale_factor(m, rs.next[0]);
-        for_fragment_pairs<NX>(acc, r0, 0,
-                               [&](int, int, float& x0, float& x1) { x0 *= cs, x1 *= cs; });
+        scale_all(acc, rescale_factor(m, rs.next[0]));
         m = rs.next[0], ell = rs.next[1];
         weigh_rows<ld, D>(Ph, Pl, rs.wk);
         __syncthreads();
@@ -502,7 +501,7 @@ __global__ void __launch_bounds__(lbc::threads)
   }
   acc_to_slot(dstate + slot * SSn, ds, r0);
   if constexpr (gated) {
-    kap_sum = cta_sum(kap_sum, gr + 5 * C + 2);
+    kap_sum = block_reduce<false>(kap_sum, gr + 5 * C + 2);
     if (threadIdx.x == 0) dstate[slot * SSn + SS] = kap_sum;
   }
 }
@@ -686,9 +685,7 @@ __global__ void __launch_bounds__(lbc::threads)
         }
         float acc[NX][4];
         load_run(acc, run);
-        if (gated && hq == hq0)
-          for_fragment_pairs<NX>(acc, r0, 0,
-                                 [&](int, int, float& x0, float& x1) { x0 *= rho, x1 *= rho; });
+        if (gated && hq == hq0) scale_all(acc, rho);
         warp_mma<ldx, true, true, NX>(acc, a_from_tile_t<ld, true>{Rh, Rl, r0}, Gh, Gl);
         store_run(run, acc);
       }
@@ -728,7 +725,7 @@ __global__ void __launch_bounds__(lbc::threads)
         }
       }
       // kappa before the chunk (the sum over every thread's rows: the block agrees on it).
-      if (c > first) kappa = rho * kappa + cta_sum(kap_sum, red);
+      if (c > first) kappa = rho * kappa + block_reduce<false>(kap_sum, red);
     }
     if (c > first) {  // every warp is past its products with dS (the head loop's last barrier)
       // (the chunk before's keys asked for here: held over the products, they would spill)
