@@ -1,8 +1,9 @@
 // The decoder (causal self-attention, cross-attention to a memory of other lengths, a SwiGLU MLP)
 // on the GPU against the same decoder on the CPU: the forward, and the training forward and
 // backward (dx, d(memory) and every parameter's gradient), in float and in bfloat16, with dense
-// and packed memories. Cross-attention is the softmax front door with keys of other lengths
-// (cu_seqlens_k), forward and backward.
+// and packed memories; and decoding from a memory remembered in device caches. Cross-attention is
+// the softmax front door with keys of other lengths (cu_seqlens_k, key_slots), forward and
+// backward.
 
 #include <cmath>
 #include <cstdint>
@@ -136,6 +137,17 @@ void check_decoder(std::uint64_t salt) {
     CHECK(e_out2 <= out_tol<T>());
     CHECK(e_dx <= grad_tol<T>());
     CHECK(e_dm <= grad_tol<T>());
+    if (s.cu.empty()) {  // decoding from the memory remembered in a device cache: the same rows
+      auto cache = d.make_memory_cache(s.B + 1, s.Tm);
+      d.remember(vm, cache, {}, gpu_be{});
+      std::vector<std::int32_t> slots(static_cast<std::size_t>(s.B));
+      for (index_t b = 0; b < s.B; ++b) slots[std::size_t(b)] = std::int32_t(b);
+      device_buffer<T> out3(nx);
+      d.forward(vx, attnmix::view3<T>(out3.get(), {s.B, s.T, D}, dev), cache, slots, gpu_be{});
+      const double e_out3 = rel_error(to_double(out3), want);
+      CAPTURE(e_out3);
+      CHECK(e_out3 <= out_tol<T>());
+    }
     const auto gh = host_grads(h), gg = device_grads(d);
     REQUIRE(gh.size() == gg.size());
     for (std::size_t i = 0; i < gh.size(); ++i) {

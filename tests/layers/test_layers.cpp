@@ -240,7 +240,9 @@ TEST_CASE("MLPs and the short convolution match plain loops", "[layers]") {
     conv.apply(x.data() + s0 * D, tmp.data(), L::token_layout{1, p, {}}, {}, &st);
     for (index_t t = s0 + p; t < rows; ++t) {
       std::vector<double> one(static_cast<std::size_t>(D));
-      conv.step(x.data() + t * D, one.data(), 1, st, {});
+      const L::ops<attnmix::backend::cpu>::handles h{};
+      const L::context<attnmix::backend::cpu> one_token{{}, L::token_layout{1, 1, {}}, nullptr, h};
+      conv.step(one_token, x.data() + t * D, one.data(), st);
       const std::vector<double> w(full.begin() + t * D, full.begin() + (t + 1) * D);
       CHECK(rel_error(one, w) <= 1e-13);
     }

@@ -146,6 +146,15 @@ class buffer<S, device_space> {
     }
     size_ = n;
   }
+  // n copies of value (what a decoding cache starts from): copied in, synchronously.
+  void assign(index_t n, S value) {
+    resize(n);
+    if (n == 0) return;
+    const std::vector<S> staged(static_cast<std::size_t>(n), value);
+    attnmix::detail::cuda::check(
+        cudaMemcpy(mem_.get(), staged.data(), staged.size() * sizeof(S), cudaMemcpyHostToDevice),
+        "cudaMemcpy(buffer)");
+  }
   index_t size() const { return size_; }
   S* data() { return static_cast<S*>(mem_.get()); }
   const S* data() const { return static_cast<const S*>(mem_.get()); }
@@ -235,16 +244,31 @@ struct ops<backend::cuda> {
                                        stream(c.be));
   }
 
-  // Restarts at every sequence start (c.positions); no rolling states on the device yet.
+  // Restarts at every sequence start (c.positions), or continues from state_in (device, [N,
+  // K - 1, C] for the N sequences of c.layout); state_out receives each sequence's last K - 1
+  // inputs. Layouts with states need no positions.
   template <class C, class In, class Out>
   static void short_conv(const C& c, const In* x, Out* y, index_t channels, const float* w,
                          index_t K, bool silu, const In* state_in = nullptr,
                          In* state_out = nullptr) {
-    attnmix::detail::require(state_in == nullptr && state_out == nullptr,
-                             "attnmix::layers::ops<cuda>::short_conv", "state",
-                             "is not supported on the device yet (decoding runs on the host)");
-    attnmix::detail::cuda::short_conv(x, y, c.rows(), channels, w, K, silu, c.positions,
-                                      stream(c.be));
+    namespace k = attnmix::detail::cuda;
+    if (state_in == nullptr && state_out == nullptr) {
+      k::short_conv(x, y, c.rows(), channels, w, K, silu, c.positions, stream(c.be));
+      return;
+    }
+    // The sequences' row offsets (those of a dense batch too: it may have no tokens).
+    const token_layout& L = c.layout;
+    const index_t N = L.num_sequences();
+    std::vector<std::int32_t> offsets(static_cast<std::size_t>(N + 1));
+    for (index_t n = 0; n <= N; ++n)
+      offsets[std::size_t(n)] =
+          L.packed() ? L.cu_seqlens[std::size_t(n)] : std::int32_t(n * L.tokens);
+    k::stream_buffer cu(offsets.size() * sizeof(std::int32_t), stream(c.be));
+    k::upload_host(cu.get(), offsets.data(), offsets.size() * sizeof(std::int32_t), stream(c.be),
+                   "cudaMemcpyAsync(conv offsets)");
+    k::short_conv(x, y, c.rows(), channels, w, K, silu, static_cast<const std::int32_t*>(nullptr),
+                  stream(c.be), state_in, state_out, N, 0,
+                  reinterpret_cast<const std::int32_t*>(cu.get()));
   }
 
   template <class C, class T>

@@ -4,8 +4,8 @@
 // attention_layer<D, Policy, backend::cuda> and the others run there (D: float, half or
 // bfloat16). A device layer is made from a host one by copying its weights once:
 //   attnmix::layers::linear_layer<attnmix::bfloat16, P, attnmix::backend::cuda> gpu(host_layer);
-// Projections are rounded to D; norm weights, conv taps and biases stay in float. Prefill and
-// decoding caches stay on the host for now.
+// Projections are rounded to D; norm weights, conv taps and biases stay in float. A causal
+// device layer's make_cache gives a cache in device memory, which its prefill and decode fill.
 
 #include "attnmix/cuda/bla.cuh"
 #include "attnmix/cuda/fox.cuh"

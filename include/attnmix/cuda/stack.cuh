@@ -10,7 +10,11 @@
 // The host stack stays the owner of the weights (loading, saving, initialising); a device stack
 // is a snapshot of them, rounded to D for the projections and kept in float for norms, conv taps
 // and biases. The residual stream is float; what the blocks read and write between steps is D.
-// Prefill and decoding caches stay on the host stack for now.
+// A causal device stack generates on the GPU: make_cache gives every layer's cache in device
+// memory (PaTH caches in float or bfloat16), prefill and decode fill it:
+//   auto cache = gpu.make_cache(sequences, capacity);
+//   gpu.prefill(prompts, out, cache, {}, cu_seqlens, be);   // device views; cu_seqlens on the host
+//   gpu.decode(next_tokens, out, cache, be);                // [N, 1, D], a token a sequence
 
 #include "attnmix/cuda/layers.cuh"
 #include "attnmix/stack/stack.hpp"

@@ -10,7 +10,7 @@
 //   y = o_proj o
 // SA is causal or bidirectional (Policy::mask); FoX is causal. config.window > 0 restricts
 // attention to a sliding window (attention_params::window), in the forward and in decoding.
-// The forward is written once over ops<Backend>; prefill and decoding run on host backends.
+// The forward, prefill and decoding are written once over ops<Backend>.
 
 #include <algorithm>
 #include <array>
@@ -64,12 +64,10 @@ struct fox_layer_policy : sa_layer_policy {
 // KV cache of N slots, one sequence each: keys after qk-norm and RoPE, raw values and, for
 // FoX, the log forget gate of each key (the attention call sums it in double, as in the
 // forward). Under a sliding window every token is still kept; decoding reads only the last
-// `window` of them. Host memory (Space = host_space) for now.
+// `window` of them. The arrays are in Space's memory (a device stack's make_cache gives
+// device_space), the slots' lengths on the host.
 template <class T, class Space = host_space>
-class kv_cache;
-
-template <class T>
-class kv_cache<T, host_space> {
+class kv_cache {
   using A = accum_t<T>;
 
  public:
@@ -83,11 +81,12 @@ class kv_cache<T, host_space> {
                              q_heads);
     attnmix::detail::require(d >= 1, fn, "head_dim", "must be >= 1 but is ", d);
     detail::check_cache_size(fn, sequences, capacity,
-                             (2 * kv_heads * d + q_heads) * index_t(sizeof(double)));
+                             (2 * kv_heads * d + q_heads) * index_t(sizeof(double)), 0,
+                             Space::value);
     detail::allocate_cache(fn, sequences, capacity, [&] {
-      keys_.assign(static_cast<std::size_t>(sequences * capacity * kv_heads * d), T(0));
-      values_.assign(keys_.size(), T(0));
-      gates_.assign(static_cast<std::size_t>(sequences * capacity * q_heads), A(0));
+      keys_.resize(sequences * capacity * kv_heads * d);
+      values_.resize(sequences * capacity * kv_heads * d);
+      gates_.resize(sequences * capacity * q_heads);
     });
     lengths_.assign(static_cast<std::size_t>(sequences), 0);
     n_ = sequences, cap_ = capacity, hq_ = q_heads, h_ = kv_heads, d_ = d;
@@ -102,7 +101,7 @@ class kv_cache<T, host_space> {
       hq_ = std::exchange(o.hq_, 0), h_ = std::exchange(o.h_, 0), d_ = std::exchange(o.d_, 0);
       keys_ = std::move(o.keys_), values_ = std::move(o.values_), gates_ = std::move(o.gates_);
       lengths_ = std::move(o.lengths_);
-      o.keys_.clear(), o.values_.clear(), o.gates_.clear(), o.lengths_.clear();
+      o.lengths_.clear();
     }
     return *this;
   }
@@ -114,20 +113,21 @@ class kv_cache<T, host_space> {
   // The sizes it was made for, checked against the layer before a call writes anything.
   cache_layout layout() const { return {{"q_heads", hq_}, {"kv_heads", h_}, {"head_dim", d_}}; }
 
+  // Token t of slot n (in Space's memory).
   T* key(index_t n, index_t t) { return keys_.data() + (n * cap_ + t) * h_ * d_; }
   T* value(index_t n, index_t t) { return values_.data() + (n * cap_ + t) * h_ * d_; }
   A* gate(index_t n, index_t t) { return gates_.data() + (n * cap_ + t) * hq_; }
   void set_length(index_t n, index_t len) { lengths_[static_cast<std::size_t>(n)] = len; }
   // Every slot's keys [N, capacity, H, D], values (likewise) and log gates [N, capacity, HQ], as
   // the attention call reads them with attention_params::key_slots and key_lengths.
-  view4<const T> keys() const { return {keys_.data(), {n_, cap_, h_, d_}}; }
-  view4<const T> values() const { return {values_.data(), {n_, cap_, h_, d_}}; }
-  view3<const A> gates() const { return {gates_.data(), {n_, cap_, hq_}}; }
+  view4<const T> keys() const { return {keys_.data(), {n_, cap_, h_, d_}, Space::value}; }
+  view4<const T> values() const { return {values_.data(), {n_, cap_, h_, d_}, Space::value}; }
+  view3<const A> gates() const { return {gates_.data(), {n_, cap_, hq_}, Space::value}; }
 
  private:
   index_t n_ = 0, cap_ = 0, hq_ = 0, h_ = 0, d_ = 0;
-  std::vector<T> keys_, values_;
-  std::vector<A> gates_;
+  buffer<T, Space> keys_, values_;
+  buffer<A, Space> gates_;
   std::vector<index_t> lengths_;
 };
 
@@ -207,14 +207,13 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
   // Sliding window (config.window); 0: none.
   index_t window() const { return window_; }
 
+  // A cache in the backend's memory.
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers have a cache");
-    static_assert(on_host_v<Backend>,
-                  "attnmix::layers::attention_layer: caches live on the host "
-                  "for now (prefill and decode on a host backend)");
     const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
     detail::check_cache_size(fn, sequences, capacity,
-                             (2 * H_ * d_) * index_t(sizeof(T)) + HQ_ * index_t(sizeof(double)));
+                             (2 * H_ * d_) * index_t(sizeof(T)) + HQ_ * index_t(sizeof(double)), 0,
+                             space::value);
     return cache_type(sequences, capacity, HQ_, H_, d_);
   }
   // Throws attnmix::error naming `what` unless `cache` was made by a layer of this layout.
@@ -300,46 +299,46 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
   void prefill_rows(const context<Backend>& c, const T* x, T* y, cache_type& cache,
                     const std::vector<index_t>& slots) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers have a cache");
-    static_assert(on_host_v<Backend>, "attnmix::layers::attention_layer: prefill runs on the host");
     run(c, x, y, &cache, &slots);
   }
 
-  // x, y: [N, D]; row n appends one token to slot slots[n], at position cache.length(slots[n]),
-  // and attends to that slot's last `window` tokens (all of them without a window).
-  void decode_rows(const T* x, T* y, index_t N, cache_type& cache,
-                   const std::vector<index_t>& slots, const Backend& be) const {
+  // x, y: [N, D] (N = c.rows()); row n appends one token to slot slots[n], at position
+  // cache.length(slots[n]), and attends to that slot's last `window` tokens (all of them without
+  // a window). c's positions are not read.
+  void decode_rows(const context<Backend>& dc, const T* x, T* y, cache_type& cache,
+                   const std::vector<index_t>& slots) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers decode");
-    static_assert(on_host_v<Backend>,
-                  "attnmix::layers::attention_layer: decoding runs on the host");
     static_assert(takes_key_lengths<K, Backend>::value,
                   "attnmix::layers::attention_layer: decoding reads the cache's slots in place "
                   "(attention_params::key_slots), which this backend does not take");
+    const index_t N = dc.rows();
     const token_layout L{N, 1, {}};
     std::vector<std::int32_t> pos(static_cast<std::size_t>(N)), lengths(pos.size()),
         rows(pos.size());
+    std::vector<std::int64_t> at(pos.size());  // the cache row each new token goes to
     for (index_t n = 0; n < N; ++n) {
       const auto i = static_cast<std::size_t>(n);
       rows[i] = static_cast<std::int32_t>(slots[i]);
       pos[i] = static_cast<std::int32_t>(cache.length(slots[i]));
       lengths[i] = pos[i] + 1;
+      at[i] = slots[i] * cache.capacity() + pos[i];
     }
-    const typename O::handles handles{};
-    const context<Backend> c{be, L, pos.data(), handles};
     const index_t nq = N * HQ_ * d_, nk = N * H_ * d_;
-    typename O::scratch sc(
-        be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 2 + scratch_bytes<A>(N * HQ_));
+    typename O::scratch sc(dc.be, scratch_bytes<T>(nq) * 2 + scratch_bytes<T>(nk) * 2 +
+                                      scratch_bytes<A>(N * HQ_) + scratch_bytes<std::int32_t>(N) +
+                                      scratch_bytes<std::int64_t>(N));
     T *q = sc.template take<T>(nq), *k = sc.template take<T>(nk), *v = sc.template take<T>(nk),
       *o = sc.template take<T>(nq);
     A* g = sc.template take<A>(N * HQ_);
+    std::int32_t* dpos = sc.template take<std::int32_t>(N);
+    std::int64_t* dat = sc.template take<std::int64_t>(N);
+    O::upload(dc.be, dpos, pos.data(), N);
+    O::upload(dc.be, dat, at.data(), N);
+    const context<Backend> c{dc.be, L, dpos, dc.handles};
     project(c, x, q, k, v, g);
-    for (index_t n = 0; n < N; ++n) {
-      const auto i = static_cast<std::size_t>(n);
-      const index_t s = rows[i], t = pos[i];
-      std::copy_n(k + n * H_ * d_, H_ * d_, cache.key(s, t));
-      std::copy_n(v + n * H_ * d_, H_ * d_, cache.value(s, t));
-      if constexpr (fox) std::copy_n(g + n * HQ_, HQ_, cache.gate(s, t));
-      cache.set_length(s, t + 1);
-    }
+    store(c, k, v, g, cache, dat);
+    for (index_t n = 0; n < N; ++n)
+      cache.set_length(slots[static_cast<std::size_t>(n)], lengths[static_cast<std::size_t>(n)]);
     // The new token is the last of its slot's keys (bottom-right alignment).
     attention_args<T> a;
     a.q = as_heads<Backend, const T>(q, L, HQ_, d_);
@@ -350,7 +349,7 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     attention_params params = L.attention(scale_, window_);
     params.key_lengths = view1<const std::int32_t>(lengths.data(), {N});
     params.key_slots = view1<const std::int32_t>(rows.data(), {N});
-    attnmix::attention<K, attention_policy>(a, params, be);
+    attnmix::attention<K, attention_policy>(a, params, c.be);
     finish(c, x, q, o, o, y);
   }
 
@@ -418,6 +417,18 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     (void)g, (void)nq, (void)nk, (void)sv;
   }
 
+  // Row r of k, v (and the log gates g) to cache row at[r] (backend memory) of a slot-major
+  // [slots * capacity] array.
+  void store(const context<Backend>& c, const T* k, const T* v, const A* g, cache_type& cache,
+             const std::int64_t* at) const {
+    const index_t rows = c.rows();
+    const std::int64_t* in_order = nullptr;
+    O::move_rows(c, k, cache.key(0, 0), in_order, at, rows, H_ * d_);
+    O::move_rows(c, v, cache.value(0, 0), in_order, at, rows, H_ * d_);
+    if constexpr (fox) O::move_rows(c, g, cache.gate(0, 0), in_order, at, rows, HQ_);
+    (void)g;
+  }
+
   // Output gate and o_proj: o [rows, HQ*d] -> y [rows, D]. The gate's logits go to `logits`,
   // the gated output to `gated` (either may be o's buffer when o is not needed again).
   void finish(const context<Backend>& c, const T* x, T* logits, T* o, T* gated, T* y) const {
@@ -462,18 +473,20 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
     if (keep) a.lse = as_rows<Backend, A>(sv->lse.data(), L, HQ_);
     if constexpr (fox) a.g = as_rows<Backend, const A>(g, L, HQ_);
     attnmix::attention<K, attention_policy>(a, L.attention(scale_, window_), c.be);
-    if constexpr (on_host_v<Backend>) {
-      if (cache != nullptr) {
+    if constexpr (causal) {
+      if (cache != nullptr) {  // token t of sequence n -> row t of slot slots[n]
+        std::vector<std::int64_t> at(static_cast<std::size_t>(rows));
         for (index_t n = 0; n < L.num_sequences(); ++n) {
-          const index_t r0 = L.first_row(n), len = L.seq(n).length,
-                        sl = (*slots)[static_cast<std::size_t>(n)];
-          for (index_t t = 0; t < len; ++t) {
-            std::copy_n(k + (r0 + t) * H_ * d_, H_ * d_, cache->key(sl, t));
-            std::copy_n(v + (r0 + t) * H_ * d_, H_ * d_, cache->value(sl, t));
-            if constexpr (fox) std::copy_n(g + (r0 + t) * HQ_, HQ_, cache->gate(sl, t));
-          }
-          cache->set_length(sl, len);
+          const index_t r0 = L.first_row(n), sl = (*slots)[static_cast<std::size_t>(n)];
+          for (index_t t = 0; t < L.seq(n).length; ++t)
+            at[static_cast<std::size_t>(r0 + t)] = sl * cache->capacity() + t;
         }
+        typename O::scratch rs(c.be, scratch_bytes<std::int64_t>(rows));
+        std::int64_t* dat = rs.template take<std::int64_t>(rows);
+        O::upload(c.be, dat, at.data(), rows);
+        store(c, k, v, g, *cache, dat);
+        for (index_t n = 0; n < L.num_sequences(); ++n)
+          cache->set_length((*slots)[static_cast<std::size_t>(n)], L.seq(n).length);
       }
     }
     (void)cache;

@@ -175,6 +175,8 @@ template <class S>
 class buffer<S, host_space> {
  public:
   void resize(index_t n) { data_.resize(static_cast<std::size_t>(n)); }
+  // n copies of value (what a decoding cache starts from).
+  void assign(index_t n, S value) { data_.assign(static_cast<std::size_t>(n), value); }
   index_t size() const { return static_cast<index_t>(data_.size()); }
   S* data() { return data_.data(); }
   const S* data() const { return data_.data(); }

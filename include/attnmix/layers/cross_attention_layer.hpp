@@ -331,12 +331,11 @@ class cross_attention_layer {
   }
 
   // ---- Decoding ---------------------------------------------------------------------------
-  // A cache of `sequences` slots of up to `capacity` memory tokens each (host backends).
+  // A cache of `sequences` slots of up to `capacity` memory tokens each, in the backend's memory.
   cache_type make_cache(index_t sequences, index_t capacity) const {
-    static_assert(on_host_v<Backend>,
-                  "attnmix::layers::cross_attention_layer: caches live on the host for now");
     const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
-    detail::check_cache_size(fn, sequences, capacity, 2 * H_ * d_ * index_t(sizeof(T)));
+    detail::check_cache_size(fn, sequences, capacity, 2 * H_ * d_ * index_t(sizeof(T)), 0,
+                             space::value);
     return cache_type(sequences, capacity, HQ_, H_, d_);
   }
   // Throws attnmix::error naming `what` unless `cache` was made by a layer of this layout.
@@ -350,27 +349,30 @@ class cross_attention_layer {
   // in range, each sequence within the capacity.
   void remember_rows(const context<Backend>& c, const memory_rows<T>& m, cache_type& cache,
                      const std::vector<index_t>& slots) const {
-    static_assert(on_host_v<Backend>,
-                  "attnmix::layers::cross_attention_layer: caches live on the host for now");
     const index_t mrows = m.layout.rows(), nk = mrows * H_ * d_;
-    typename O::scratch sc(c.be, scratch_bytes<T>(nk) * 2);
-    T *k = sc.template take<T>(nk), *v = sc.template take<T>(nk);
-    project_memory(c, m.rows, mrows, k, v, nullptr);
+    // Memory token t of sequence n -> row t of slot slots[n].
+    std::vector<std::int64_t> at(static_cast<std::size_t>(mrows));
     for (index_t n = 0; n < m.layout.num_sequences(); ++n) {
       const index_t s = slots[static_cast<std::size_t>(n)], r0 = m.layout.first_row(n);
-      const index_t len = m.layout.seq(n).length;
-      std::copy_n(k + r0 * H_ * d_, len * H_ * d_, cache.key(s, 0));
-      std::copy_n(v + r0 * H_ * d_, len * H_ * d_, cache.value(s, 0));
-      cache.set_length(s, len);
+      for (index_t t = 0; t < m.layout.seq(n).length; ++t)
+        at[static_cast<std::size_t>(r0 + t)] = s * cache.capacity() + t;
     }
+    typename O::scratch sc(c.be, scratch_bytes<T>(nk) * 2 + scratch_bytes<std::int64_t>(mrows));
+    T *k = sc.template take<T>(nk), *v = sc.template take<T>(nk);
+    std::int64_t* dat = sc.template take<std::int64_t>(mrows);
+    O::upload(c.be, dat, at.data(), mrows);
+    project_memory(c, m.rows, mrows, k, v, nullptr);
+    const std::int64_t* in_order = nullptr;
+    O::move_rows(c, k, cache.key(0, 0), in_order, dat, mrows, H_ * d_);
+    O::move_rows(c, v, cache.value(0, 0), in_order, dat, mrows, H_ * d_);
+    for (index_t n = 0; n < m.layout.num_sequences(); ++n)
+      cache.set_length(slots[static_cast<std::size_t>(n)], m.layout.seq(n).length);
   }
   // y = cross_attn(x) for c.layout's dense rows [N, T] (packed rows are not taken here), query
   // sequence n reading the memory of slot slots[n] (slots may repeat: the beams of one user read
   // its memory). Checked by the caller: slots in range, each holding memory.
   void attend_rows(const context<Backend>& c, const T* x, T* y, const cache_type& cache,
                    const std::vector<index_t>& slots) const {
-    static_assert(on_host_v<Backend>,
-                  "attnmix::layers::cross_attention_layer: caches live on the host for now");
     const token_layout& L = c.layout;
     const index_t rows = L.rows(), nq = rows * HQ_ * d_, N = L.num_sequences();
     std::vector<std::int32_t> where(static_cast<std::size_t>(N)), lengths(where.size());

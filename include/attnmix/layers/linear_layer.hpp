@@ -53,27 +53,26 @@ struct linear_causal_layer_policy : gbla_layer_policy {
   static constexpr const char* name = "linear_causal";
 };
 
-// Decoding state of a causal linear-attention layer: N slots of one sequence each (host memory
-// for now).
+// Decoding state of a causal linear-attention layer: N slots of one sequence each, in Space's
+// memory (the slots' lengths on the host).
 template <class T, class Space = host_space>
-class linear_layer_cache;
-
-template <class T>
-class linear_layer_cache<T, host_space> {
+class linear_layer_cache {
   using A = accum_t<T>;
 
  public:
   linear_layer_cache() = default;
-  linear_layer_cache(index_t n, index_t capacity, index_t heads, index_t d, conv_state<T> conv)
+  linear_layer_cache(index_t n, index_t capacity, index_t heads, index_t d,
+                     conv_state<T, Space> conv)
       : conv(std::move(conv)),
         n_(n),
         cap_(capacity),
         h_(heads),
         d_(d),
-        S(static_cast<std::size_t>(n * heads * d * d), A(0)),
-        z(static_cast<std::size_t>(n * heads * d), A(0)),
-        lse(static_cast<std::size_t>(n * heads), -std::numeric_limits<A>::infinity()),
-        lengths_(static_cast<std::size_t>(n), 0) {}
+        lengths_(static_cast<std::size_t>(n), 0) {
+    S.assign(n * heads * d * d, A(0));
+    z.assign(n * heads * d, A(0));
+    lse.assign(n * heads, -std::numeric_limits<A>::infinity());
+  }
 
   index_t sequences() const { return n_; }
   index_t capacity() const { return cap_; }
@@ -87,41 +86,50 @@ class linear_layer_cache<T, host_space> {
             {"conv channels", conv.channels}};
   }
 
-  linear_state<A> state() {
-    return {view4<A>(S.data(), {n_, h_, d_, d_}), view3<A>(z.data(), {n_, h_, d_}),
-            tensor_view<A, 2>(lse.data(), {n_, h_})};
+  // The states of the first N slots (all of them by default) as the front door's views.
+  linear_state<A> state(index_t N = -1) {
+    if (N < 0) N = n_;
+    return {view4<A>(S.data(), {N, h_, d_, d_}, Space::value),
+            view3<A>(z.data(), {N, h_, d_}, Space::value),
+            tensor_view<A, 2>(lse.data(), {N, h_}, Space::value)};
   }
 
-  // Slots slots[0..N) as a cache of N sequences (in that order).
-  linear_layer_cache gather(const std::vector<index_t>& slots) const {
+  // Slots slots[0..N) as a cache of N sequences (in that order), on c's backend.
+  template <class Backend>
+  linear_layer_cache gather(const context<Backend>& c, const std::vector<index_t>& slots) const {
     const auto N = static_cast<index_t>(slots.size());
-    linear_layer_cache out(N, cap_, h_, d_, conv.gather(slots));
-    for (index_t n = 0; n < N; ++n) copy_slot(*this, slots[static_cast<std::size_t>(n)], out, n);
+    linear_layer_cache out(N, cap_, h_, d_, layers::gather(c, conv, slots));
+    move_states(c, *this, out, slots, true);
+    for (index_t n = 0; n < N; ++n) out.set_length(n, length(slots[static_cast<std::size_t>(n)]));
     return out;
   }
   // Sequence n of `from` (state and length) into slot slots[n]; the other slots are left as
   // they are.
-  void scatter(const linear_layer_cache& from, const std::vector<index_t>& slots) {
-    conv.scatter(from.conv, slots);
+  template <class Backend>
+  void scatter(const context<Backend>& c, const linear_layer_cache& from,
+               const std::vector<index_t>& slots) {
+    layers::scatter(c, from.conv, conv, slots);
+    move_states(c, from, *this, slots, false);
     for (std::size_t n = 0; n < slots.size(); ++n)
-      copy_slot(from, static_cast<index_t>(n), *this, slots[n]);
+      set_length(slots[n], from.length(static_cast<index_t>(n)));
   }
 
-  conv_state<T> conv;
+  conv_state<T, Space> conv;
 
  private:
-  static void copy_slot(const linear_layer_cache& a, index_t i, linear_layer_cache& b, index_t j) {
-    const index_t hd = a.h_ * a.d_;
-    std::copy_n(a.S.data() + i * hd * a.d_, hd * a.d_, b.S.data() + j * hd * a.d_);
-    std::copy_n(a.z.data() + i * hd, hd, b.z.data() + j * hd);
-    std::copy_n(a.lse.data() + i * a.h_, a.h_, b.lse.data() + j * a.h_);
-    b.set_length(j, a.length(i));
+  template <class Backend>
+  static void move_states(const context<Backend>& c, const linear_layer_cache& from,
+                          linear_layer_cache& to, const std::vector<index_t>& slots, bool gather) {
+    const index_t hd = from.h_ * from.d_;
+    detail::move_slots(c, from.S.data(), to.S.data(), slots, hd * from.d_, gather);
+    detail::move_slots(c, from.z.data(), to.z.data(), slots, hd, gather);
+    detail::move_slots(c, from.lse.data(), to.lse.data(), slots, from.h_, gather);
   }
 
   index_t n_ = 0, cap_ = 0, h_ = 0, d_ = 0;
 
  public:
-  std::vector<A> S, z, lse;
+  buffer<A, Space> S, z, lse;
 
  private:
   std::vector<index_t> lengths_;
@@ -199,17 +207,16 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
 
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers have a cache");
-    static_assert(on_host_v<Backend>,
-                  "attnmix::layers::linear_layer: caches live on the host for "
-                  "now (prefill and decode on a host backend)");
     const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
     detail::check_cache_size(
         fn, sequences, capacity, 0,
         (H_ * d_ * d_ + H_ * d_ + H_) * index_t(sizeof(A)) +
-            (Policy::use_conv ? Policy::conv_size : 1) * D_ * index_t(sizeof(T)));
+            (Policy::use_conv ? Policy::conv_size : 1) * D_ * index_t(sizeof(T)),
+        space::value);
     return detail::allocate_cache(fn, sequences, capacity, [&] {
-      return cache_type(sequences, capacity, H_, d_,
-                        conv_state<T>(sequences, Policy::use_conv ? Policy::conv_size : 1, D_));
+      return cache_type(
+          sequences, capacity, H_, d_,
+          conv_state<T, space>(sequences, Policy::use_conv ? Policy::conv_size : 1, D_));
     });
   }
   void check_cache(const std::string& fn, const char* arg, const std::string& what,
@@ -300,31 +307,27 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
   void prefill_rows(const context<Backend>& c, const T* x, T* y, cache_type& cache,
                     const std::vector<index_t>& slots) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers have a cache");
-    static_assert(on_host_v<Backend>, "attnmix::layers::linear_layer: prefill runs on the host");
     const token_layout& L = c.layout;
     if (!detail::identity_slots(slots)) {
       cache_type tmp = make_cache(L.num_sequences(), cache.capacity());
       run(c, x, y, &tmp, false);
       for (index_t n = 0; n < L.num_sequences(); ++n) tmp.set_length(n, L.seq(n).length);
-      cache.scatter(tmp, slots);
+      cache.scatter(c, tmp, slots);
       return;
     }
     run(c, x, y, &cache, false);
     for (index_t n = 0; n < L.num_sequences(); ++n) cache.set_length(n, L.seq(n).length);
   }
-  // x, y: [N, D]; row n is the next token of the sequence in slot slots[n].
-  void decode_rows(const T* x, T* y, index_t N, cache_type& cache,
-                   const std::vector<index_t>& slots, const Backend& be) const {
+  // x, y: [N, D] (N = c.rows()); row n is the next token of the sequence in slot slots[n].
+  void decode_rows(const context<Backend>& c, const T* x, T* y, cache_type& cache,
+                   const std::vector<index_t>& slots) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers decode");
-    static_assert(on_host_v<Backend>, "attnmix::layers::linear_layer: decoding runs on the host");
-    const token_layout L{N, 1, {}};
-    const typename O::handles handles{};
-    const context<Backend> c{be, L, nullptr, handles};
+    const index_t N = c.rows();
     if (!detail::identity_slots(slots) || N != cache.sequences()) {
-      cache_type tmp = cache.gather(slots);
+      cache_type tmp = cache.gather(c, slots);
       run(c, x, y, &tmp, true);
       for (index_t n = 0; n < N; ++n) tmp.set_length(n, tmp.length(n) + 1);
-      cache.scatter(tmp, slots);
+      cache.scatter(c, tmp, slots);
       return;
     }
     run(c, x, y, &cache, true);
@@ -373,7 +376,7 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
     return st;
   }
 
-  // cache (host backends): with step, continue from its state and conv state (one token per
+  // cache: with step, continue from its state and conv state (one token per
   // sequence); without, start fresh and leave the final states there. sv: a training forward,
   // which keeps its intermediate tensors there.
   // One scratch allocation: the conv output, q, k, v, o, the output gate and the key-gate logits.
@@ -401,9 +404,9 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
     const T* cin = u;
     if constexpr (Policy::use_conv) {
       T* conv = keep ? sv->conv.data() : sc.template take<T>(rows * D_);
-      if constexpr (on_host_v<Backend>) {
+      if constexpr (causal) {
         if (step)
-          conv1d.step(u, conv, rows, cache->conv, c.be);
+          conv1d.step(c, u, conv, cache->conv);
         else
           conv1d.apply(c, u, conv, cache ? &cache->conv : nullptr);
       } else {
@@ -435,21 +438,15 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
       args.gamma =
           view1<const A>(o_norm_weight.ptr(), {o_norm_weight.numel()}, space_of_v<Backend>);
     }
-    if constexpr (causal && on_host_v<Backend>) {
+    if constexpr (causal) {
       if (cache != nullptr) {
-        linear_state<A> st = cache->state();
+        // The state views cover exactly the call's sequences (the first slots).
+        const linear_state<A> st = cache->state(L.num_sequences());
         if (step) {
           args.state_in = {st.S, st.z,
                            gated ? tensor_view<const A, 2>(st.lse) : tensor_view<const A, 2>()};
         }
         args.state_out = {st.S, st.z, gated ? st.lse : tensor_view<A, 2>()};
-        if (!step && L.num_sequences() != cache->sequences()) {
-          // The state views must cover exactly the call's sequences.
-          const index_t N = L.num_sequences();
-          args.state_out.S = view4<A>(cache->S.data(), {N, H_, d_, d_});
-          args.state_out.z = view3<A>(cache->z.data(), {N, H_, d_});
-          if (gated) args.state_out.lse = tensor_view<A, 2>(cache->lse.data(), {N, H_});
-        }
       }
     }
     if constexpr (!causal) {

@@ -2,8 +2,9 @@
 // The public entry points every mixer layer shares, on [B, T, D] views. A mixer implements the
 // row-buffer operations
 //   forward_rows(ctx, x, y)                        the whole batch (ctx.layout), no cache
-//   prefill_rows(ctx, x, y, cache, slots)          causal mixers: also fills the cache (host)
-//   decode_rows(x, y, N, cache, slots, be)         causal mixers: one token per sequence (host)
+//   prefill_rows(ctx, x, y, cache, slots)          causal mixers: also fills the cache
+//   decode_rows(ctx, x, y, cache, slots)           causal mixers: one token per sequence
+//                                                  (ctx: N rows of one token; positions unread)
 //   check_cache(fn, arg, what, cache)              causal mixers: the cache fits the layer
 // (ctx: layers::context<Backend>; slots: std::vector<index_t>, the checked cache slot of each
 // sequence) and mixer_api turns them into checked calls on views in the backend's memory.
@@ -181,8 +182,6 @@ class mixer_api {
   void prefill_impl(const view3<const T>& x, const view3<T>& out, Cache& cache,
                     const view1<const std::int32_t>& slots,
                     const view1<const std::int32_t>& cu_seqlens, const Backend& be) const {
-    static_assert(on_host_v<Backend>,
-                  "attnmix::layers: prefill runs on a host backend (caches live on the host)");
     const std::string fn = std::string("attnmix::layers::") + Derived::name + "::prefill";
     const token_layout L = check(fn, x, out, cu_seqlens);
     self().check_cache(fn, "cache", "the cache", cache);
@@ -192,23 +191,22 @@ class mixer_api {
       attnmix::detail::require(L.seq(n).length <= cache.capacity(), fn, "cache", "has capacity ",
                                cache.capacity(), " but sequence ", n, " has ", L.seq(n).length,
                                " tokens");
-    const typename O::handles handles{};
-    std::vector<std::int32_t> pos(static_cast<std::size_t>(L.rows()));
-    O::positions(be, pos.data(), L);
-    self().prefill_rows(context<Backend>{be, L, pos.data(), handles}, x.data(), out.data(), cache,
-                        where);
+    with_context(L, be, [&](const context<Backend>& c) {
+      self().prefill_rows(c, x.data(), out.data(), cache, where);
+    });
   }
 
   template <class Cache>
   void decode_impl(const view3<const T>& x, const view3<T>& out, Cache& cache,
                    const view1<const std::int32_t>& slots, const Backend& be) const {
-    static_assert(on_host_v<Backend>,
-                  "attnmix::layers: decoding runs on a host backend (caches live on the host)");
     const std::string fn = std::string("attnmix::layers::") + Derived::name + "::decode";
     check(fn, x, out, {});
     self().check_cache(fn, "cache", "the cache", cache);
     const std::vector<index_t> where = detail::decode_slots(fn, slots, x, cache);
-    self().decode_rows(x.data(), out.data(), x.extent(0), cache, where, be);
+    const token_layout L{x.extent(0), 1, {}};
+    const typename O::handles handles{};
+    self().decode_rows(context<Backend>{be, L, nullptr, handles}, x.data(), out.data(), cache,
+                       where);
   }
 
   token_layout check(const std::string& fn, const view3<const T>& x, const view3<T>& out,

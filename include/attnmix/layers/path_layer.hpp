@@ -50,14 +50,12 @@ struct path_fox_layer_policy : path_layer_policy {
   static constexpr const char* name = "path_fox";
 };
 
-// Decoding state of a PaTH layer: N slots of one sequence each (host memory for now).
+// Decoding state of a PaTH layer: N slots of one sequence each, in Space's memory (a device
+// cache holds float or bfloat16).
 template <class T, class Space = host_space>
-struct path_layer_cache;
-
-template <class T>
-struct path_layer_cache<T, host_space> {
-  path_cache<T> attn;
-  conv_state<T> conv;
+struct path_layer_cache {
+  path_cache<T, Space> attn;
+  conv_state<T, Space> conv;
   index_t sequences() const { return attn.slots(); }
   index_t capacity() const { return attn.capacity(); }
   index_t length(index_t n) const { return attn.length(n); }
@@ -150,17 +148,15 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
     return {D_, HQ_, H_, d_, low_rank_ ? w_proj_down.out_features() : 0, 0};
   }
 
+  // A cache in the backend's memory.
   cache_type make_cache(index_t sequences, index_t capacity) const {
-    static_assert(on_host_v<Backend>,
-                  "attnmix::layers::path_layer: caches live on the host for "
-                  "now (prefill and decode on a host backend)");
     const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
     detail::check_cache_size(fn, sequences, capacity,
                              (4 * H_ * d_ + 2 * HQ_ + 2 * H_) * index_t(sizeof(double)),
-                             Policy::conv_size * H_ * d_ * index_t(sizeof(T)));
+                             Policy::conv_size * H_ * d_ * index_t(sizeof(T)), space::value);
     return detail::allocate_cache(fn, sequences, capacity, [&] {
-      return cache_type{path_cache<T>(sequences, capacity, HQ_, H_, d_, d_),
-                        conv_state<T>(sequences, Policy::conv_size, H_ * d_)};
+      return cache_type{path_cache<T, space>(sequences, capacity, HQ_, H_, d_, d_),
+                        conv_state<T, space>(sequences, Policy::conv_size, H_ * d_)};
     });
   }
   void check_cache(const std::string& fn, const char* arg, const std::string& what,
@@ -265,29 +261,26 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
   // slots[n]: the cache slot of sequence n.
   void prefill_rows(const context<Backend>& c, const T* x, T* y, cache_type& cache,
                     const std::vector<index_t>& slots) const {
-    static_assert(on_host_v<Backend>, "attnmix::layers::path_layer: prefill runs on the host");
     run(c, x, y, &cache, &slots);
   }
-  // x, y: [N, D]; row n is the next token of the sequence in slot slots[n].
-  void decode_rows(const T* x, T* y, index_t N, cache_type& cache,
-                   const std::vector<index_t>& slots, const Backend& be) const {
-    static_assert(on_host_v<Backend>, "attnmix::layers::path_layer: decoding runs on the host");
-    const token_layout L{N, 1, {}};
-    const typename O::handles handles{};
-    const context<Backend> c{be, L, nullptr, handles};
-    typename O::scratch sc(be, scratch_size(N));
+  // x, y: [N, D] (N = c.rows()); row n is the next token of the sequence in slot slots[n].
+  void decode_rows(const context<Backend>& c, const T* x, T* y, cache_type& cache,
+                   const std::vector<index_t>& slots) const {
+    const token_layout& L = c.layout;
+    const index_t N = c.rows();
+    typename O::scratch sc(c.be, scratch_size(N));
     const buffers b = take(sc, N);
     // The conv state is small: a mapped step runs on a gathered copy.
     const bool in_place = detail::identity_slots(slots) && N == cache.conv.sequences;
-    conv_state<T> conv = in_place ? conv_state<T>() : cache.conv.gather(slots);
+    conv_state<T, space> conv = in_place ? conv_state<T, space>() : gather(c, cache.conv, slots);
     project(c, x, b, in_place ? &cache.conv : &conv, true);
-    if (!in_place) cache.conv.scatter(conv, slots);
+    if (!in_place) scatter(c, conv, cache.conv, slots);
     attention_args<T> a = args(b, L);
     attention_params p;
     p.scale = scale_;
     const std::vector<std::int32_t> where = int32_slots(slots);
     path_decode_step<K, typename Policy::attention_policy>(
-        cache.attn, a, view1<const std::int32_t>(where.data(), {N}), p, be);
+        cache.attn, a, view1<const std::int32_t>(where.data(), {N}), p, c.be);
     o_proj.apply(c, b.o, N, y);
   }
 
@@ -381,7 +374,7 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
 
   // q, k, v, then w: low-rank (or full) projection, short conv with SiLU, per-head L2 norm (in
   // accum_t); beta = 2 sigmoid(bt_proj x); PaTH-FoX: g = logsigmoid(g_proj x).
-  // conv (host backends): with step, the rolling state, advanced by one token (decoding); else
+  // conv: with step, the rolling state, advanced by one token (decoding); else
   // it receives the conv's final state.
   // sv: a training forward, which also keeps the inputs of the norms and activations.
   void project(const context<Backend>& c, const T* x, const buffers& b, conv_state<T, space>* conv,
@@ -405,14 +398,10 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
       w_proj.apply(c, x, rows, b.wd);
     }
     if constexpr (Policy::w_shortconv) {
-      if constexpr (on_host_v<Backend>) {
-        if (step)
-          w_conv1d.step(b.wd, b.w, rows, *conv, c.be);
-        else
-          w_conv1d.apply(c, b.wd, b.w, conv);
-      } else {
-        w_conv1d.apply(c, b.wd, b.w);
-      }
+      if (step)
+        w_conv1d.step(c, b.wd, b.w, *conv);
+      else
+        w_conv1d.apply(c, b.wd, b.w, conv);
     } else {
       O::move_rows(c, b.wd, b.w, nullptr, nullptr, rows, H_ * d_);
     }
@@ -454,26 +443,21 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
     const index_t rows = L.rows();
     typename O::scratch sc(c.be, scratch_size(rows));
     const buffers b = take(sc, rows);
-    if constexpr (on_host_v<Backend>) {
-      const bool in_place = cache == nullptr || detail::identity_slots(*slots);
-      conv_state<T> conv =
-          in_place ? conv_state<T>() : conv_state<T>(L.num_sequences(), Policy::conv_size, H_ * d_);
-      conv_state<T>* conv_out = cache == nullptr ? nullptr : in_place ? &cache->conv : &conv;
-      project(c, x, b, conv_out, false);
-      if (!in_place) cache->conv.scatter(conv, *slots);
-    } else {
-      project(c, x, b, nullptr, false);
-    }
+    const bool in_place = cache == nullptr || detail::identity_slots(*slots);
+    conv_state<T, space> conv =
+        in_place ? conv_state<T, space>()
+                 : conv_state<T, space>(L.num_sequences(), Policy::conv_size, H_ * d_);
+    conv_state<T, space>* conv_out = cache == nullptr ? nullptr : in_place ? &cache->conv : &conv;
+    project(c, x, b, conv_out, false);
+    if (!in_place) scatter(c, conv, cache->conv, *slots);
     const attention_args<T> a = args(b, L);
-    if constexpr (on_host_v<Backend>) {
-      if (cache != nullptr) {
-        const std::vector<std::int32_t> where = int32_slots(*slots);
-        path_prefill<K, typename Policy::attention_policy>(
-            cache->attn, a, view1<const std::int32_t>(where.data(), {L.num_sequences()}),
-            L.attention(scale_), c.be);
-        o_proj.apply(c, b.o, rows, y);
-        return;
-      }
+    if (cache != nullptr) {
+      const std::vector<std::int32_t> where = int32_slots(*slots);
+      path_prefill<K, typename Policy::attention_policy>(
+          cache->attn, a, view1<const std::int32_t>(where.data(), {L.num_sequences()}),
+          L.attention(scale_), c.be);
+      o_proj.apply(c, b.o, rows, y);
+      return;
     }
     (void)slots;
     attnmix::attention<K, typename Policy::attention_policy>(a, L.attention(scale_), c.be);

@@ -4,8 +4,8 @@
 //   y[t, c] = act( sum_{r<K} weight[c, 0, r] x[t-(K-1)+r, c] ),   weight [C, 1, K]
 // Tap K-1 multiplies the current token. Inputs before a sequence's start are zero, so the
 // convolution restarts at every sequence (and cu_seqlens segment) boundary. For decoding it
-// keeps a rolling state of each sequence's last K-1 inputs (host memory: decoding runs on host
-// backends for now). The taps are in accum_t<T>.
+// keeps a rolling state of each sequence's last K-1 inputs in the backend's memory. The taps are
+// in accum_t<T>.
 
 #include <algorithm>
 #include <cstdint>
@@ -20,37 +20,50 @@
 namespace attnmix {
 namespace layers {
 
-// Rolling state of N sequences: their last K-1 inputs, [N, K-1, C], oldest first, in Space.
+// Rolling state of N sequences: their last K-1 inputs, [N, K-1, C], oldest first, in Space's
+// memory (zeros when made).
 template <class T, class Space = host_space>
-struct conv_state;
-
-template <class T>
-struct conv_state<T, host_space> {
+struct conv_state {
   index_t sequences = 0, taps = 0, channels = 0;  // taps = K-1
-  std::vector<T> data;
+  buffer<T, Space> data;
   conv_state() = default;
-  conv_state(index_t n, index_t k, index_t c)
-      : sequences(n),
-        taps(k - 1),
-        channels(c),
-        data(static_cast<std::size_t>(n * (k - 1) * c), T(0)) {}
-
-  T* row(index_t n) { return data.data() + n * taps * channels; }
-  const T* row(index_t n) const { return data.data() + n * taps * channels; }
-
-  // The states of slots[0..N) as a state of N sequences (in that order).
-  conv_state gather(const std::vector<index_t>& slots) const {
-    conv_state out(static_cast<index_t>(slots.size()), taps + 1, channels);
-    for (std::size_t n = 0; n < slots.size(); ++n)
-      std::copy_n(row(slots[n]), taps * channels, out.row(static_cast<index_t>(n)));
-    return out;
+  conv_state(index_t n, index_t k, index_t c) : sequences(n), taps(k - 1), channels(c) {
+    data.assign(n * (k - 1) * c, T(0));
   }
-  // Sequence n of `from` into slot slots[n]; the other slots are left as they are.
-  void scatter(const conv_state& from, const std::vector<index_t>& slots) {
-    for (std::size_t n = 0; n < slots.size(); ++n)
-      std::copy_n(from.row(static_cast<index_t>(n)), taps * channels, row(slots[n]));
-  }
+  index_t width() const { return taps * channels; }  // of one sequence's row
 };
+
+namespace detail {
+// Rows of `width` values on c's backend: rows slots[n] of `from` into rows n of `to` (gather),
+// or rows n of `from` into rows slots[n] of `to` (scatter); slots (host) distinct.
+template <class Backend, class S>
+void move_slots(const context<Backend>& c, const S* from, S* to, const std::vector<index_t>& slots,
+                index_t width, bool gather) {
+  using O = ops<Backend>;
+  const auto N = static_cast<index_t>(slots.size());
+  const std::vector<std::int64_t> idx(slots.begin(), slots.end());
+  typename O::scratch s(c.be, scratch_bytes<std::int64_t>(N));
+  std::int64_t* d = s.template take<std::int64_t>(N);
+  O::upload(c.be, d, idx.data(), N);
+  const std::int64_t* none = nullptr;
+  O::move_rows(c, from, to, gather ? d : none, gather ? none : d, N, width);
+}
+}  // namespace detail
+
+// The states of slots[0..N) of `from` as a state of N sequences (in that order), and back.
+template <class Backend, class T, class Space>
+conv_state<T, Space> gather(const context<Backend>& c, const conv_state<T, Space>& from,
+                            const std::vector<index_t>& slots) {
+  conv_state<T, Space> out(static_cast<index_t>(slots.size()), from.taps + 1, from.channels);
+  detail::move_slots(c, from.data.data(), out.data.data(), slots, from.width(), true);
+  return out;
+}
+// Sequence n of `from` into slot slots[n] of `to`; the other slots are left as they are.
+template <class Backend, class T, class Space>
+void scatter(const context<Backend>& c, const conv_state<T, Space>& from, conv_state<T, Space>& to,
+             const std::vector<index_t>& slots) {
+  detail::move_slots(c, from.data.data(), to.data.data(), slots, from.width(), false);
+}
 
 template <class T, class Backend = backend::cpu>
 class short_conv {
@@ -76,20 +89,14 @@ class short_conv {
   bool silu() const { return silu_; }
 
   // x: [rows, C] split into sequences by c.layout, y: [rows, C] in T or accum_t<T> (distinct
-  // buffers). If `final` is given (host backends) it receives each sequence's rolling state
-  // (sized for c.layout.num_sequences()).
+  // buffers). If `final` is given it receives each sequence's rolling state (sized for
+  // c.layout.num_sequences()).
   template <class Y>
   void apply(const context<Backend>& c, const T* x, Y* y,
              conv_state<T, space>* final = nullptr) const {
-    if constexpr (on_host_v<Backend>) {
-      if (final != nullptr) {
-        ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_,
-                                 static_cast<const T*>(nullptr), final->data.data());
-        return;
-      }
-    }
-    (void) final;  // states live on the host: a device call has none
-    ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_);
+    ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_,
+                             static_cast<const T*>(nullptr),
+                             final != nullptr ? final->data.data() : nullptr);
   }
   // The same as one call of its own, on the CPU-style host signature.
   void apply(const T* x, T* y, const token_layout& L, const Backend& be,
@@ -117,15 +124,17 @@ class short_conv {
     backward(c, x, d, dx, accumulate);
   }
 
-  // One decoding step for N sequences: x, y [N, C]; `state` moves on by one token (host).
-  void step(const T* x, T* y, index_t N, conv_state<T, space>& state, const Backend& be) const {
-    static_assert(on_host_v<Backend>, "attnmix::layers::short_conv: decoding runs on the host");
-    const token_layout L{N, 1, {}};
-    const typename ops<Backend>::handles h{};
-    std::vector<T> next(state.data.size());
-    ops<Backend>::short_conv(context<Backend>{be, L, nullptr, h}, x, y, channels_, weight.ptr(),
-                             kernel_, silu_, static_cast<const T*>(state.data.data()), next.data());
-    state.data.swap(next);
+  // One decoding step for the N = c.rows() sequences of c (one token each): x, y [N, C] (y in T
+  // or accum_t<T>); `state` moves on by one token.
+  template <class Y>
+  void step(const context<Backend>& c, const T* x, Y* y, conv_state<T, space>& state) const {
+    const index_t n = state.data.size();
+    typename ops<Backend>::scratch s(c.be, scratch_bytes<T>(n));
+    T* next = s.template take<T>(n);
+    ops<Backend>::short_conv(c, x, y, channels_, weight.ptr(), kernel_, silu_,
+                             static_cast<const T*>(state.data.data()), next);
+    const std::int64_t* same = nullptr;
+    ops<Backend>::move_rows(c, next, state.data.data(), same, same, state.sequences, state.width());
   }
 
   conv_state<T, space> make_state(index_t sequences) const {

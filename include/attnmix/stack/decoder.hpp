@@ -291,8 +291,6 @@ class decoder {
   // arguments.
   void forward(const view3<const T>& x, const view3<T>& out, const memory_cache& cache,
                const std::vector<std::int32_t>& slots, const Backend& be = Backend{}) const {
-    static_assert(layers::on_host_v<Backend>,
-                  "attnmix::decoder: decoding from a remembered memory runs on the host for now");
     const std::string fn = "attnmix::decoder::forward";
     const index_t D = cfg_.hidden_size;
     layers::detail::check_activation(fn, "x", x, D, space_of_v<Backend>, Backend::name);

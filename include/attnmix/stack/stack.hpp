@@ -410,12 +410,10 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     O::move_rows(c, dh, dx.data(), static_cast<const std::int64_t*>(nullptr), src, rows, D);
   }
 
-  // Causal stacks on host backends: a cache for `sequences` sequences of up to `capacity` tokens.
+  // Causal stacks: a cache for `sequences` sequences of up to `capacity` tokens, in the
+  // backend's memory.
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::stack: only stacks of causal layers have a decoding cache");
-    static_assert(layers::on_host_v<Backend>,
-                  "attnmix::stack: decoding caches live on the host for now: prefill and decode "
-                  "with the host stack");
     return make_cache_impl(sequences, capacity, std::index_sequence_for<Layers...>{});
   }
 
@@ -588,9 +586,6 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
                     const view1<const std::int32_t>& slots,
                     const view1<const std::int32_t>& cu_seqlens, const Backend& be) const {
     static_assert(causal, "attnmix::stack: only stacks of causal layers prefill a cache");
-    static_assert(layers::on_host_v<Backend>,
-                  "attnmix::stack: prefill runs on a host backend for now (decoding caches live "
-                  "on the host)");
     const std::string fn = "attnmix::stack::prefill";
     const index_t D = cfg_.hidden_size;
     check_rows(fn, x, out);
@@ -603,23 +598,24 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
       attnmix::detail::require(L.seq(n).length <= c0.capacity(), fn, "cache", "has capacity ",
                                c0.capacity(), " but sequence ", n, " has ", L.seq(n).length,
                                " tokens");
-    const index_t rows = L.rows();
-    std::vector<R> h(static_cast<std::size_t>(rows * D));
-    std::vector<T> t(h.size()), m(h.size());
-    std::vector<std::int32_t> pos(static_cast<std::size_t>(rows));
-    O::positions(be, pos.data(), L);
-    const layers::context<Backend> c{be, L, pos.data(), handles_};
-    O::move_rows(c, x.data(), h.data(), nullptr, nullptr, rows, D);
-    run_blocks(c, h.data(), t.data(), m.data(), &cache, &where, {});
-    norm.apply(c, h.data(), rows, out.data());
+    const index_t rows = L.rows();  // may be 0: the slots are still emptied
+    using layers::scratch_bytes;
+    typename O::scratch s(be, scratch_bytes<R>(rows * D) + scratch_bytes<T>(rows * D) * 2 +
+                                  scratch_bytes<std::int32_t>(rows));
+    R* h = s.template take<R>(rows * D);
+    T *t = s.template take<T>(rows * D), *m = s.template take<T>(rows * D);
+    std::int32_t* pos = s.template take<std::int32_t>(rows);
+    O::positions(be, pos, L);
+    const layers::context<Backend> c{be, L, pos, handles_};
+    O::move_rows(c, x.data(), h, static_cast<const std::int64_t*>(nullptr),
+                 static_cast<const std::int64_t*>(nullptr), rows, D);
+    run_blocks(c, h, t, m, &cache, &where, {});
+    norm.apply(c, h, rows, out.data());
   }
 
   void decode_impl(const view3<const T>& x, const view3<T>& out, cache_type& cache,
                    const view1<const std::int32_t>& slots, const Backend& be) const {
     static_assert(causal, "attnmix::stack: only stacks of causal layers decode");
-    static_assert(layers::on_host_v<Backend>,
-                  "attnmix::stack: decoding runs on a host backend for now (decoding caches live "
-                  "on the host)");
     const std::string fn = "attnmix::stack::decode";
     const index_t D = cfg_.hidden_size;
     check_rows(fn, x, out);
@@ -630,20 +626,24 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     std::apply([&](const auto&... lc) { (layers::detail::decode_slots(fn, slots, x, lc), ...); },
                cache);
     const index_t N = x.extent(0);
+    if (N == 0) return;
     const layers::token_layout L{N, 1, {}};
     const layers::context<Backend> c{be, L, nullptr, handles_};
-    std::vector<R> h(static_cast<std::size_t>(N * D));
-    std::vector<T> t(h.size()), m(h.size());
-    O::move_rows(c, x.data(), h.data(), nullptr, nullptr, N, D);
+    using layers::scratch_bytes;
+    typename O::scratch s(be, scratch_bytes<R>(N * D) + scratch_bytes<T>(N * D) * 2);
+    R* h = s.template take<R>(N * D);
+    T *t = s.template take<T>(N * D), *m = s.template take<T>(N * D);
+    O::move_rows(c, x.data(), h, static_cast<const std::int64_t*>(nullptr),
+                 static_cast<const std::int64_t*>(nullptr), N, D);
     for_each_block([&](auto& b, auto I) {
-      b.attn_norm.apply(c, h.data(), N, t.data());
-      b.attn.decode_rows(t.data(), m.data(), N, std::get<decltype(I)::value>(cache), where, be);
-      O::template map<layers::fn::plus>(c, h.data(), h.data(), m.data(), N * D);
-      b.mlp_norm.apply(c, h.data(), N, t.data());
-      b.mlp.apply(c, t.data(), N, m.data());
-      O::template map<layers::fn::plus>(c, h.data(), h.data(), m.data(), N * D);
+      b.attn_norm.apply(c, h, N, t);
+      b.attn.decode_rows(c, t, m, std::get<decltype(I)::value>(cache), where);
+      O::template map<layers::fn::plus>(c, h, h, m, N * D);
+      b.mlp_norm.apply(c, h, N, t);
+      b.mlp.apply(c, t, N, m);
+      O::template map<layers::fn::plus>(c, h, h, m, N * D);
     });
-    norm.apply(c, h.data(), N, out.data());
+    norm.apply(c, h, N, out.data());
   }
 
   template <std::size_t... I>
@@ -662,7 +662,7 @@ class basic_stack_impl<T, Policy, Backend, layer_list<Layers...>> {
     for_each_block([&](auto& b, auto I) {
       timer.start();
       b.attn_norm.apply(c, h, rows, t);
-      if constexpr (causal && layers::on_host_v<Backend>) {
+      if constexpr (causal) {
         if (cache != nullptr)
           b.attn.prefill_rows(c, t, m, std::get<decltype(I)::value>(*cache), *slots);
         else
