@@ -14,7 +14,8 @@
 // "head.weight".
 //
 // Histories are packed: the item IDs of every user one after the other (host memory) and their
-// offsets [users + 1]. Training and recommending run on host backends for now.
+// offsets [users + 1]. Training and recommending are written over the backend: a model on the
+// GPU (its Encoder a device stack) is made from a host one by the converting constructor.
 
 #include <algorithm>
 #include <cmath>
@@ -67,6 +68,8 @@ class generative_retrieval {
   using T = scalar;
   using Backend = backend_type;
   using O = layers::ops<Backend>;
+  template <class, class>
+  friend class generative_retrieval;
 
  public:
   // Throws attnmix::error on a bad config.
@@ -78,6 +81,18 @@ class generative_retrieval {
         codes(1 + index_t(r.depth) * r.codes, c.hidden_size),
         dec(c, r.decoder_layers),
         head(c.hidden_size, index_t(r.depth) * r.codes) {}
+
+  // The same model on Encoder's backend in its scalar: every weight of `other` copied (and
+  // rounded) once, e.g. a host model's onto the GPU:
+  //   generative_retrieval<device_stack<Enc, bfloat16>> gpu(host_model);
+  template <class OtherEncoder>
+  explicit generative_retrieval(const generative_retrieval<OtherEncoder, DecoderPolicy>& other)
+      : rc_(other.rc_),
+        items(other.items),
+        encoder(other.encoder),
+        codes(other.codes),
+        dec(other.dec),
+        head(other.head) {}
 
   const retrieval_config& retrieval() const { return rc_; }
   index_t hidden_size() const { return encoder.hidden_size(); }
@@ -210,8 +225,6 @@ class generative_retrieval {
   // (a width or top_k out of range, a catalogue of other codes).
   std::vector<beam_result> recommend(const user_histories& h, const semantic_ids& ids, int width,
                                      int top_k, const Backend& be = Backend{}) const {
-    static_assert(layers::on_host_v<Backend>,
-                  "attnmix::generative_retrieval::recommend: decoding runs on the host for now");
     using attnmix::detail::require;
     const std::string fn = "attnmix::generative_retrieval::recommend";
     const index_t users = check_histories(fn, h);
@@ -223,43 +236,66 @@ class generative_retrieval {
     require(top_k >= 1 && top_k <= width, fn, "top_k", "is ", top_k,
             " but must be in [1, width = ", width, "]");
     const index_t hist = h.items.extent(0), D = hidden_size(), C = rc_.codes;
+    const index_t V = index_t(rc_.depth) * C;
     index_t longest = 0;
     for (index_t u = 0; u < users; ++u)
       longest = std::max<index_t>(longest, h.offsets(u + 1) - h.offsets(u));
-    std::vector<T> memory(static_cast<std::size_t>(hist * D));
-    encode(h, view3<T>(memory.data(), {1, hist, D}), be);
+    // In the backend's memory: the encoder's output, then per scoring call (at most `width`
+    // beams of depth tokens) the tokens, their embeddings, the decoder's output, the beams' last
+    // rows and their logits. The logits of the level scored come back to the host.
+    using layers::scratch_bytes;
+    const index_t max_rows = index_t(width) * index_t(rc_.depth);
+    typename O::scratch s(
+        be, scratch_bytes<T>(hist * D) + scratch_bytes<std::int32_t>(max_rows) +
+                scratch_bytes<T>(max_rows * D) * 2 + scratch_bytes<std::int64_t>(width) +
+                scratch_bytes<T>(index_t(width) * D) + scratch_bytes<T>(index_t(width) * V));
+    T* memory = s.template take<T>(hist * D);
+    std::int32_t* dtokens = s.template take<std::int32_t>(max_rows);
+    T *x = s.template take<T>(max_rows * D), *z = s.template take<T>(max_rows * D);
+    std::int64_t* dlast_rows = s.template take<std::int64_t>(width);
+    T* last = s.template take<T>(index_t(width) * D);
+    T* logits = s.template take<T>(index_t(width) * V);
+    const auto in_backend = [&](T* p, index_t rows) {
+      return view3<T>(p, {1, rows, D}, space_of_v<Backend>);
+    };
+    encode(h, in_backend(memory, hist), be);
     auto cache = dec.make_memory_cache(users, longest);
-    dec.remember(view3<const T>(memory.data(), {1, hist, D}), cache,
+    dec.remember(view3<const T>(memory, {1, hist, D}, space_of_v<Backend>), cache,
                  view1<const std::int32_t>(h.offsets.data(), {users + 1}), be);
 
     std::vector<beam_result> out;
     out.reserve(static_cast<std::size_t>(users));
-    std::vector<T> x, z, last, logits;
     std::vector<std::int32_t> tokens;
+    std::vector<std::int64_t> last_rows;
+    std::vector<T> level_logits;
     for (index_t u = 0; u < users; ++u) {
       const auto scorer = [&](const std::vector<std::vector<std::int32_t>>& prefixes,
                               std::vector<double>& logp) {
         const index_t beams = index_t(prefixes.size()), level = index_t(prefixes[0].size());
         const index_t len = level + 1, rows = beams * len;
         tokens.assign(static_cast<std::size_t>(rows), 0);
-        for (index_t b = 0; b < beams; ++b)
+        last_rows.resize(static_cast<std::size_t>(beams));
+        for (index_t b = 0; b < beams; ++b) {
           for (index_t l = 0; l < level; ++l)
             tokens[std::size_t(b * len + l + 1)] =
                 token(l, prefixes[std::size_t(b)][std::size_t(l)]);
-        x.resize(std::size_t(rows * D)), z.resize(x.size());
+          last_rows[std::size_t(b)] = b * len + level;
+        }
+        O::upload(be, dtokens, tokens.data(), rows);
+        O::upload(be, dlast_rows, last_rows.data(), beams);
         const layers::token_layout LB{beams, len, {}};
         const layers::context<Backend> c{be, LB, nullptr, handles_};
-        codes.apply(c, tokens.data(), rows, x.data());
-        dec.forward(view3<const T>(x.data(), {beams, len, D}), view3<T>(z.data(), {beams, len, D}),
-                    cache, std::vector<std::int32_t>(std::size_t(beams), std::int32_t(u)), be);
+        codes.apply(c, dtokens, rows, x);
+        dec.forward(view3<const T>(x, {beams, len, D}, space_of_v<Backend>),
+                    view3<T>(z, {beams, len, D}, space_of_v<Backend>), cache,
+                    std::vector<std::int32_t>(std::size_t(beams), std::int32_t(u)), be);
         // The last row of each beam predicts the next level, from that level's columns.
-        const index_t V = index_t(rc_.depth) * C;
-        last.resize(std::size_t(beams * D)), logits.resize(std::size_t(beams * V));
+        O::move_rows(c, z, last, dlast_rows, static_cast<const std::int64_t*>(nullptr), beams, D);
+        head.apply(c, last, beams, logits);
+        level_logits.resize(static_cast<std::size_t>(beams * V));
+        O::download(be, level_logits.data(), logits, beams * V);
         for (index_t b = 0; b < beams; ++b)
-          std::copy_n(z.data() + (b * len + level) * D, D, last.data() + b * D);
-        head.apply(c, last.data(), beams, logits.data());
-        for (index_t b = 0; b < beams; ++b)
-          log_softmax_row(logits.data() + b * V + level * C, C, logp.data() + b * C);
+          log_softmax_row(level_logits.data() + b * V + level * C, C, logp.data() + b * C);
       };
       out.push_back(beam_search_items(ids, width, top_k, scorer));
     }
@@ -349,12 +385,15 @@ class generative_retrieval {
     return rows;
   }
   static void log_softmax_row(const T* z, index_t n, double* out) {
+    const auto at = [&](index_t i) {
+      return double(accum_t<T>(z[i]));
+    };  // 16-bit: via float
     double m = -std::numeric_limits<double>::infinity();
-    for (index_t i = 0; i < n; ++i) m = std::max(m, double(z[i]));
+    for (index_t i = 0; i < n; ++i) m = std::max(m, at(i));
     double s = 0;
-    for (index_t i = 0; i < n; ++i) s += std::exp(double(z[i]) - m);
+    for (index_t i = 0; i < n; ++i) s += std::exp(at(i) - m);
     const double lse = m + std::log(s);
-    for (index_t i = 0; i < n; ++i) out[i] = double(z[i]) - lse;
+    for (index_t i = 0; i < n; ++i) out[i] = at(i) - lse;
   }
 };
 
