@@ -9,6 +9,7 @@
 #include "attnmix/cuda.cuh"
 #include "attnmix/retrieval/generative_retrieval.hpp"
 #include "attnmix/retrieval/semantic_ids.hpp"
+#include "retrieval/retrieval_data.hpp"
 #include "support/catch.hpp"
 #include "support/cuda_testing.cuh"
 #include "support/testing.hpp"
@@ -22,20 +23,6 @@ namespace L = attnmix::layers;
 using host_encoder = attnmix::stack<float, attnmix::layer::sa, attnmix::layer::gbla>;
 using host_model = attnmix::generative_retrieval<host_encoder>;
 using device_model = attnmix::generative_retrieval<attnmix::device_stack<host_encoder, float>>;
-
-attnmix::semantic_ids catalogue(index_t items, int codes, std::uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> n(0.f, 1.f);
-  std::vector<float> v(static_cast<std::size_t>(items * 4));
-  for (float& x : v) x = n(g);
-  attnmix::semantic_id_options o;
-  o.levels = 2, o.codes = codes, o.seed = seed;
-  return attnmix::assign_semantic_ids(v.data(), items, 4, o);
-}
-
-std::uint64_t item_id(index_t i) {
-  return 0x9e3779b97f4a7c15ull * std::uint64_t(i + 1) + 12345;
-}
 
 }  // namespace
 

@@ -18,6 +18,7 @@
 #include "attnmix/retrieval/generative_retrieval.hpp"
 #include "attnmix/retrieval/semantic_ids_io.hpp"
 #include "attnmix/train/optimizer.hpp"
+#include "retrieval/retrieval_data.hpp"
 #include "support/catch.hpp"
 #include "support/errors.hpp"
 #include "support/serial_backend.hpp"
@@ -44,18 +45,6 @@ L::config config_of(index_t D, index_t heads, index_t d, index_t mlp) {
   return c;
 }
 
-// A catalogue of `items` items with semantic IDs of 2 levels of `codes` codes (and the collision
-// code), from random vectors.
-attnmix::semantic_ids catalogue(index_t items, int codes, std::uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> n(0.f, 1.f);
-  std::vector<float> v(static_cast<std::size_t>(items * 4));
-  for (float& x : v) x = n(g);
-  attnmix::semantic_id_options o;
-  o.levels = 2, o.codes = codes, o.seed = seed;
-  return attnmix::assign_semantic_ids(v.data(), items, 4, o);
-}
-
 // Histories as a call takes them.
 struct histories {
   std::vector<std::uint64_t> items;
@@ -72,10 +61,6 @@ struct histories {
 };
 
 const attnmix::backend::cpu serial{1};  // many small calls: no thread pool for each
-
-std::uint64_t item_id(index_t i) {
-  return 0x9e3779b97f4a7c15ull * std::uint64_t(i + 1) + 12345;
-}
 
 }  // namespace
 

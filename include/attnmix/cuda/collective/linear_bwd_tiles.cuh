@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "attnmix/core/linear_policy.hpp"
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/collective/fast_math.cuh"
 #include "attnmix/cuda/collective/linear_params.cuh"
@@ -18,6 +19,19 @@ namespace detail {
 namespace cuda {
 
 using lbm_op = split_op;
+
+// The gated norm's gate activation and its derivative.
+template <class Policy>
+__device__ __forceinline__ void lbm_gate(float g, float& act, float& dact) {
+  const float s = __fdividef(1.f, 1.f + __expf(-g));  // 0 once exp(-g) passes 2^126
+  if constexpr (Policy::activation == gate_activation::silu) {
+    act = g * s;
+    dact = s + act * (1.f - s);
+  } else {
+    act = s;
+    dact = s * (1.f - s);
+  }
+}
 
 // 16-byte piece (eight elements) ch of token t's row of an activation, or zeros.
 template <class Dev>

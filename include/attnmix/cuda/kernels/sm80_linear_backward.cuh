@@ -92,19 +92,6 @@ __device__ __forceinline__ void lbm_stage_v_tail(lbm_op* V, lbm_op* Vl, int t, b
   }
 }
 
-// The gate activation and its derivative.
-template <class Policy>
-__device__ __forceinline__ void lbm_gate(float g, float& act, float& dact) {
-  const float s = __fdividef(1.f, 1.f + __expf(-g));  // 0 once exp(-g) passes 2^126
-  if constexpr (Policy::activation == gate_activation::silu) {
-    act = g * s;
-    dact = s + act * (1.f - s);
-  } else {
-    act = s;
-    dact = s * (1.f - s);
-  }
-}
-
 // ---- reduce --------------------------------------------------------------------------------
 
 // CTA (part, KV head h, sequence n): the partial [S | z] of tokens [part * part_tokens, ...) with

@@ -239,18 +239,11 @@ __device__ __forceinline__ float2 row_mass(const float* mass, const linear_kerne
 
 // ---- the gated RMSNorm's backward on the accumulator rows (normed policies) -----------------
 
-// The gate activation of raw bfloat16 pair element q and its derivative (as norm_row_backward).
+// The gate activation of raw bfloat16 pair element q and its derivative.
 template <class Policy>
 __device__ __forceinline__ void gate_act(std::uint32_t raw, int q, float& act, float& dact) {
   const float2 v = unpack2<__nv_bfloat16>(raw);
-  const float g = q == 0 ? v.x : v.y, s = 1.f / (1.f + expf(-g));
-  if constexpr (Policy::activation == gate_activation::silu) {
-    act = g * s;
-    dact = s + act * (1.f - s);
-  } else {
-    act = s;
-    dact = s * (1.f - s);
-  }
+  lbm_gate<Policy>(q == 0 ? v.x : v.y, act, dact);
 }
 
 // norm_row_backward on the warp's rows r0 .. r0 + 15 of head hq, from o = N * inv (columns
