@@ -279,12 +279,15 @@ void check_bad_slots(const Model& m, index_t D, const std::string& fn, std::uint
   };
   using slots = std::vector<std::int32_t>;
   const std::string pf = fn + "::prefill: argument 'slots'", df = fn + "::decode: argument 'slots'";
-  for (const auto& [bad, text] :
+  // (No structured bindings: the lambdas below capture them, which C++17 does not allow.)
+  for (const auto& entry :
        std::vector<std::pair<slots, std::string>>{{{1, 1}, "names slot 1 twice"},
                                                   {{0, 3}, "entry 1 is 3"},
                                                   {{-1, 0}, "entry 0 is -1"},
                                                   {{0}, "has 1 entries but there are 2"},
                                                   {{0, 1, 2}, "has 3 entries but there are 2"}}) {
+    const slots& bad = entry.first;
+    const std::string& text = entry.second;
     INFO("slots " << ::Catch::Detail::stringify(bad));
     attnmix::host_tensor<double, 3> y(xp.shape());
     poison(y);
