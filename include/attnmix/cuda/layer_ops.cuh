@@ -267,7 +267,7 @@ struct ops<backend::cuda> {
     k::upload_host(cu.get(), offsets.data(), offsets.size() * sizeof(std::int32_t), stream(c.be),
                    "cudaMemcpyAsync(conv offsets)");
     k::short_conv(x, y, c.rows(), channels, w, K, silu, static_cast<const std::int32_t*>(nullptr),
-                  stream(c.be), state_in, state_out, N, 0,
+                  stream(c.be), state_in, state_out, N,
                   reinterpret_cast<const std::int32_t*>(cu.get()));
   }
 

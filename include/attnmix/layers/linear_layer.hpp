@@ -61,17 +61,22 @@ class linear_layer_cache {
 
  public:
   linear_layer_cache() = default;
+  // Empty states (S, z zero, lse -inf), or (empty false) states left for the caller to write.
   linear_layer_cache(index_t n, index_t capacity, index_t heads, index_t d,
-                     conv_state<T, Space> conv)
+                     conv_state<T, Space> conv, bool empty = true)
       : conv(std::move(conv)),
         n_(n),
         cap_(capacity),
         h_(heads),
         d_(d),
         lengths_(static_cast<std::size_t>(n), 0) {
-    S.assign(n * heads * d * d, A(0));
-    z.assign(n * heads * d, A(0));
-    lse.assign(n * heads, -std::numeric_limits<A>::infinity());
+    if (empty) {
+      S.assign(n * heads * d * d, A(0));
+      z.assign(n * heads * d, A(0));
+      lse.assign(n * heads, -std::numeric_limits<A>::infinity());
+    } else {
+      S.resize(n * heads * d * d), z.resize(n * heads * d), lse.resize(n * heads);
+    }
   }
 
   index_t sequences() const { return n_; }
@@ -98,7 +103,7 @@ class linear_layer_cache {
   template <class Backend>
   linear_layer_cache gather(const context<Backend>& c, const std::vector<index_t>& slots) const {
     const auto N = static_cast<index_t>(slots.size());
-    linear_layer_cache out(N, cap_, h_, d_, layers::gather(c, conv, slots));
+    linear_layer_cache out(N, cap_, h_, d_, layers::gather(c, conv, slots), false);
     move_states(c, *this, out, slots, true);
     for (index_t n = 0; n < N; ++n) out.set_length(n, length(slots[static_cast<std::size_t>(n)]));
     return out;

@@ -446,7 +446,7 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
     const bool in_place = cache == nullptr || detail::identity_slots(*slots);
     conv_state<T, space> conv =
         in_place ? conv_state<T, space>()
-                 : conv_state<T, space>(L.num_sequences(), Policy::conv_size, H_ * d_);
+                 : conv_state<T, space>(L.num_sequences(), Policy::conv_size, H_ * d_, false);
     conv_state<T, space>* conv_out = cache == nullptr ? nullptr : in_place ? &cache->conv : &conv;
     project(c, x, b, conv_out, false);
     if (!in_place) scatter(c, conv, cache->conv, *slots);

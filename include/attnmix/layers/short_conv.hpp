@@ -21,14 +21,18 @@ namespace attnmix {
 namespace layers {
 
 // Rolling state of N sequences: their last K-1 inputs, [N, K-1, C], oldest first, in Space's
-// memory (zeros when made).
+// memory: zeros when made, or (zeros false) left for the caller to write whole.
 template <class T, class Space = host_space>
 struct conv_state {
   index_t sequences = 0, taps = 0, channels = 0;  // taps = K-1
   buffer<T, Space> data;
   conv_state() = default;
-  conv_state(index_t n, index_t k, index_t c) : sequences(n), taps(k - 1), channels(c) {
-    data.assign(n * (k - 1) * c, T(0));
+  conv_state(index_t n, index_t k, index_t c, bool zeros = true)
+      : sequences(n), taps(k - 1), channels(c) {
+    if (zeros)
+      data.assign(n * (k - 1) * c, T(0));
+    else
+      data.resize(n * (k - 1) * c);
   }
   index_t width() const { return taps * channels; }  // of one sequence's row
 };
@@ -54,7 +58,7 @@ void move_slots(const context<Backend>& c, const S* from, S* to, const std::vect
 template <class Backend, class T, class Space>
 conv_state<T, Space> gather(const context<Backend>& c, const conv_state<T, Space>& from,
                             const std::vector<index_t>& slots) {
-  conv_state<T, Space> out(static_cast<index_t>(slots.size()), from.taps + 1, from.channels);
+  conv_state<T, Space> out(static_cast<index_t>(slots.size()), from.taps + 1, from.channels, false);
   detail::move_slots(c, from.data.data(), out.data.data(), slots, from.width(), true);
   return out;
 }

@@ -88,11 +88,8 @@ __global__ void norm_kernel(const In* x, Out* y, index_t groups, int width, cons
 }
 
 // ---- causal depthwise short convolution ----------------------------------------------------
-// The sequence of row r: r / tokens in a dense batch (tokens > 0), else the n of cu[n] <= r <
-// cu[n + 1] in a packed one of N sequences.
-__device__ __forceinline__ index_t sequence_of_row(index_t r, index_t tokens,
-                                                   const std::int32_t* cu, index_t N) {
-  if (tokens > 0) return r / tokens;
+// The sequence of row r: the n of cu[n] <= r < cu[n + 1] (rows of N sequences at offsets cu).
+__device__ __forceinline__ index_t sequence_of_row(index_t r, const std::int32_t* cu, index_t N) {
   index_t lo = 0, hi = N;
   while (hi - lo > 1) {
     const index_t mid = (lo + hi) / 2;
@@ -106,12 +103,12 @@ __device__ __forceinline__ index_t sequence_of_row(index_t r, index_t tokens,
 
 // y[r, c] = act( sum_{j<K} w[c, j] x[r - (K-1) + j, c] ), taps before the row's sequence start
 // (position p < K-1-j) reading zero. Row r's position p in its sequence is pos[r], or (pos
-// null) found from the layout: tokens / cu as sequence_of_row. state_in (optional): each sequence's
+// null) found from the sequences' row offsets cu. state_in (optional): each sequence's
 // K - 1 inputs before its first row, [N, K - 1, C], oldest first; without it they are zeros.
 template <class In, class Out>
 __global__ void short_conv_kernel(const In* x, Out* y, index_t rows, int channels, const float* w,
                                   int K, bool silu, const std::int32_t* pos, const In* state_in,
-                                  index_t tokens, const std::int32_t* cu, index_t N) {
+                                  const std::int32_t* cu, index_t N) {
   const index_t n = rows * channels;
   for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n;
        i += index_t(gridDim.x) * blockDim.x) {
@@ -122,12 +119,12 @@ __global__ void short_conv_kernel(const In* x, Out* y, index_t rows, int channel
     if (pos != nullptr) {
       p = pos[r];
     } else {
-      seq = sequence_of_row(r, tokens, cu, N);
-      p = int(r - (tokens > 0 ? seq * tokens : cu[seq]));
+      seq = sequence_of_row(r, cu, N);
+      p = int(r - cu[seq]);
     }
     const In* st = nullptr;
     if (state_in != nullptr && p < K - 1) {
-      if (seq < 0) seq = sequence_of_row(r, tokens, cu, N);
+      if (seq < 0) seq = sequence_of_row(r, cu, N);
       st = state_in + seq * (K - 1) * channels;
     }
     float acc = 0.f;
@@ -143,20 +140,18 @@ __global__ void short_conv_kernel(const In* x, Out* y, index_t rows, int channel
 }
 
 // Each of the N sequences' last K - 1 inputs (before its first row: state_in's, or zeros) into
-// state_out [N, K - 1, C], oldest first. Sequence n: rows n * tokens .. + tokens (tokens > 0),
-// else cu[n] .. cu[n + 1]. state_out must not be state_in.
+// state_out [N, K - 1, C], oldest first. Sequence n: rows cu[n] .. cu[n + 1]. state_out must
+// not be state_in.
 template <class T>
 __global__ void short_conv_state_kernel(const T* x, const T* state_in, T* state_out, index_t N,
-                                        int channels, int K, index_t tokens,
-                                        const std::int32_t* cu) {
+                                        int channels, int K, const std::int32_t* cu) {
   const int taps = K - 1;
   const index_t n_all = N * taps * channels;
   for (index_t i = blockIdx.x * index_t(blockDim.x) + threadIdx.x; i < n_all;
        i += index_t(gridDim.x) * blockDim.x) {
     const int c = int(i % channels), s = int((i / channels) % taps);
     const index_t n = i / (index_t(channels) * taps);
-    const index_t start = tokens > 0 ? n * tokens : cu[n];
-    const index_t len = tokens > 0 ? tokens : cu[n + 1] - cu[n];
+    const index_t start = cu[n], len = cu[n + 1] - cu[n];
     const index_t p = len - taps + s;  // the position this state row holds
     T v = from_float<T>(0.f);
     if (p >= 0)

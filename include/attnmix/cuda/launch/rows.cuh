@@ -53,26 +53,26 @@ void norm_groups(const In* x, Out* y, index_t groups, index_t width, const float
   check(cudaGetLastError(), "attnmix norm kernel launch");
 }
 
-// The rows split into N sequences as tokens / cu (device offsets) say (see sequence_of_row);
+// The rows split into N sequences at the row offsets cu (device, N + 1; needed with states);
 // pos (device, optional) gives each row's position. state_in, state_out (optional, [N, K - 1,
 // C], distinct): the inputs before each sequence's first row, and its last K - 1 inputs after.
 template <class In, class Out>
 void short_conv(const In* x, Out* y, index_t rows, index_t channels, const float* w, index_t K,
                 bool silu, const std::int32_t* pos, cudaStream_t stream,
                 const In* state_in = nullptr, In* state_out = nullptr, index_t N = 0,
-                index_t tokens = 0, const std::int32_t* cu = nullptr) {
+                const std::int32_t* cu = nullptr) {
   using D = device_t<In>;
   const auto* sin = reinterpret_cast<const D*>(state_in);
   if (rows * channels > 0) {
     short_conv_kernel<<<grid_for(rows * channels, 256), 256, 0, stream>>>(
         reinterpret_cast<const D*>(x), reinterpret_cast<device_t<Out>*>(y), rows, int(channels), w,
-        int(K), silu, pos, sin, tokens, cu, N);
+        int(K), silu, pos, sin, cu, N);
     check(cudaGetLastError(), "attnmix short conv kernel launch");
   }
   if (state_out != nullptr && N * (K - 1) * channels > 0) {
     short_conv_state_kernel<<<grid_for(N * (K - 1) * channels, 256), 256, 0, stream>>>(
         reinterpret_cast<const D*>(x), sin, reinterpret_cast<D*>(state_out), N, int(channels),
-        int(K), tokens, cu);
+        int(K), cu);
     check(cudaGetLastError(), "attnmix short conv state kernel launch");
   }
 }
