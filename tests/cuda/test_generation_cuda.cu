@@ -197,4 +197,12 @@ TEST_CASE("device generation refuses bad slots before writing anything", "[gener
   gpu.decode(dview(x, 2, 1, W), dview(y, 2, 1, W), cache);
   CHECK(std::get<1>(cache).length(1) == 4);
   ATTNMIX_CHECK_ERROR(gpu.decode(dview(x, 2, 1, W), dview(y, 2, 1, W), cache), "is full");
+  // A cache larger than the device is a bad capacity, named before anything is allocated.
+  const index_t huge = index_t{1} << 36;
+  ATTNMIX_CHECK_ERROR((void)gpu.make_cache(2, huge), "bytes of the device's memory");
+  using sa_only = attnmix::stack<float, layer::causal_sa, layer::fox, layer::linear_causal>;
+  sa_only hs2(c);
+  const attnmix::device_stack<sa_only, float> gpu2(hs2);
+  ATTNMIX_CHECK_ERROR((void)gpu2.make_cache(2, huge), "bytes of the device's memory");
+  ATTNMIX_CHECK_ERROR((void)gpu2.make_cache(huge, 1), "bytes of the device's memory");
 }

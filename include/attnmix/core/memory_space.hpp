@@ -41,4 +41,14 @@ struct device_space {
   static constexpr const char* name = "device";
 };
 
+// Bytes a memory space holds (space_bytes<Space>::get()): owned storage larger than this is a bad
+// size, rejected before it is allocated. The CUDA backend specialises it for device_space (the
+// device's total memory, cuda/runtime/memory.cuh).
+template <class Space>
+struct space_bytes;
+template <>
+struct space_bytes<host_space> {
+  static std::size_t get() { return host_memory_bytes(); }
+};
+
 }  // namespace attnmix

@@ -80,9 +80,9 @@ class kv_cache {
                              "must be a positive multiple of kv_heads = ", kv_heads, " but is ",
                              q_heads);
     attnmix::detail::require(d >= 1, fn, "head_dim", "must be >= 1 but is ", d);
-    detail::check_cache_size(fn, sequences, capacity,
-                             (2 * kv_heads * d + q_heads) * index_t(sizeof(double)), 0,
-                             Space::value);
+    detail::check_cache_size<Space>(
+        fn, sequences, capacity,
+        2 * kv_heads * d * index_t(sizeof(T)) + q_heads * index_t(sizeof(A)));
     detail::allocate_cache(fn, sequences, capacity, [&] {
       keys_.resize(sequences * capacity * kv_heads * d);
       values_.resize(sequences * capacity * kv_heads * d);
@@ -211,9 +211,8 @@ class attention_layer : public mixer_api<attention_layer<T, Policy, Backend>, T,
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::layers::attention_layer: only causal layers have a cache");
     const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
-    detail::check_cache_size(fn, sequences, capacity,
-                             (2 * H_ * d_) * index_t(sizeof(T)) + HQ_ * index_t(sizeof(double)), 0,
-                             space::value);
+    detail::check_cache_size<space>(fn, sequences, capacity,
+                                    2 * H_ * d_ * index_t(sizeof(T)) + HQ_ * index_t(sizeof(A)));
     return cache_type(sequences, capacity, HQ_, H_, d_);
   }
   // Throws attnmix::error naming `what` unless `cache` was made by a layer of this layout.

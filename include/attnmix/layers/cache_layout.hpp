@@ -56,11 +56,11 @@ inline void check_cache_layout(const std::string& fn, const char* arg, const std
 
 // sequences, capacity >= 0, and the cache's bytes (bytes_per_token for each token a sequence
 // holds, plus bytes_per_sequence) within the index type: absurd sizes are an attnmix::error,
-// not a signed overflow. A host cache must also fit the machine's memory (a device allocation
-// that fails throws attnmix::cuda_error itself).
-inline void check_cache_size(const std::string& fn, index_t sequences, index_t capacity,
-                             index_t bytes_per_token, index_t bytes_per_sequence = 0,
-                             memory_space space = memory_space::host) {
+// not a signed overflow. The cache must also fit its memory space (the machine's memory, the
+// device's): more is a bad capacity, not an allocation failure.
+template <class Space>
+void check_cache_size(const std::string& fn, index_t sequences, index_t capacity,
+                      index_t bytes_per_token, index_t bytes_per_sequence = 0) {
   attnmix::detail::require(sequences >= 0, fn, "sequences", "must be >= 0 but is ", sequences);
   attnmix::detail::require(capacity >= 0, fn, "capacity", "must be >= 0 but is ", capacity);
   const index_t max = std::numeric_limits<index_t>::max() / 2;
@@ -70,12 +70,13 @@ inline void check_cache_size(const std::string& fn, index_t sequences, index_t c
   attnmix::detail::require(fits, fn, "capacity", "of ", capacity, " tokens for ", sequences,
                            " sequences (", bytes_per_token, " bytes a token, ", bytes_per_sequence,
                            " a sequence) exceeds the addressable size");
-  if (space != memory_space::host) return;
   const auto bytes = static_cast<std::size_t>(sequences * (capacity * tok + bytes_per_sequence));
-  attnmix::detail::require(bytes <= host_memory_bytes(), fn, "capacity", "of ", capacity,
-                           " tokens for ", sequences, " sequences needs about ", bytes,
-                           " bytes, more than the ", host_memory_bytes(),
-                           " bytes of this machine's memory");
+  const std::size_t limit = space_bytes<Space>::get();
+  attnmix::detail::require(bytes <= limit, fn, "capacity", "of ", capacity, " tokens for ",
+                           sequences, " sequences needs about ", bytes, " bytes, more than the ",
+                           limit,
+                           Space::value == memory_space::host ? " bytes of this machine's memory"
+                                                              : " bytes of the device's memory");
 }
 
 // make(), with an allocation that fails (std::bad_alloc) reported as attnmix::error naming the

@@ -334,8 +334,7 @@ class cross_attention_layer {
   // A cache of `sequences` slots of up to `capacity` memory tokens each, in the backend's memory.
   cache_type make_cache(index_t sequences, index_t capacity) const {
     const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
-    detail::check_cache_size(fn, sequences, capacity, 2 * H_ * d_ * index_t(sizeof(T)), 0,
-                             space::value);
+    detail::check_cache_size<space>(fn, sequences, capacity, 2 * H_ * d_ * index_t(sizeof(T)));
     return cache_type(sequences, capacity, HQ_, H_, d_);
   }
   // Throws attnmix::error naming `what` unless `cache` was made by a layer of this layout.

@@ -213,11 +213,10 @@ class linear_layer : public mixer_api<linear_layer<T, Policy, Backend>, T, Backe
   cache_type make_cache(index_t sequences, index_t capacity) const {
     static_assert(causal, "attnmix::layers::linear_layer: only causal layers have a cache");
     const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
-    detail::check_cache_size(
+    detail::check_cache_size<space>(
         fn, sequences, capacity, 0,
         (H_ * d_ * d_ + H_ * d_ + H_) * index_t(sizeof(A)) +
-            (Policy::use_conv ? Policy::conv_size : 1) * D_ * index_t(sizeof(T)),
-        space::value);
+            (Policy::use_conv ? Policy::conv_size : 1) * D_ * index_t(sizeof(T)));
     return detail::allocate_cache(fn, sequences, capacity, [&] {
       return cache_type(
           sequences, capacity, H_, d_,

@@ -151,9 +151,9 @@ class path_layer : public mixer_api<path_layer<T, Policy, Backend>, T, Backend> 
   // A cache in the backend's memory.
   cache_type make_cache(index_t sequences, index_t capacity) const {
     const std::string fn = std::string("attnmix::layers::") + name + "::make_cache";
-    detail::check_cache_size(fn, sequences, capacity,
-                             (4 * H_ * d_ + 2 * HQ_ + 2 * H_) * index_t(sizeof(double)),
-                             Policy::conv_size * H_ * d_ * index_t(sizeof(T)), space::value);
+    detail::check_cache_size<space>(fn, sequences, capacity,
+                                    (4 * H_ * d_ + 2 * HQ_ + 2 * H_) * index_t(sizeof(double)),
+                                    Policy::conv_size * H_ * d_ * index_t(sizeof(T)));
     return detail::allocate_cache(fn, sequences, capacity, [&] {
       return cache_type{path_cache<T, space>(sequences, capacity, HQ_, H_, d_, d_),
                         conv_state<T, space>(sequences, Policy::conv_size, H_ * d_)};

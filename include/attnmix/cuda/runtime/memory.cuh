@@ -8,10 +8,22 @@
 #include <cstdint>
 #include <memory>
 
+#include "attnmix/core/memory_space.hpp"
 #include "attnmix/cuda/runtime/device.cuh"
 #include "attnmix/cuda/runtime/error.cuh"
 
 namespace attnmix {
+
+// The current device's total memory.
+template <>
+struct space_bytes<device_space> {
+  static std::size_t get() {
+    std::size_t free_bytes = 0, total = 0;
+    detail::cuda::check(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
+    return total;
+  }
+};
+
 namespace detail {
 namespace cuda {
 
