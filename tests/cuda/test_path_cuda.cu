@@ -381,6 +381,39 @@ TEMPLATE_TEST_CASE("CUDA decoding from a device cache equals the forward", "[cud
   }
 }
 
+// Hard resets in the prompts and in the decoded tokens (a different set for each head): the
+// cache marks the keys before a reset as the CPU's does, and the decoded outputs equal the
+// forward's.
+TEMPLATE_TEST_CASE("CUDA decoding through hard resets equals the forward",
+                   "[cuda][path_fox][decode][hard_reset]", float, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using T = TestType;
+  const std::vector<path_case> cases = {
+      {1, 330, 4, 2, 64, 64, {0, 5, 5, 70, 330}},
+      {1, 200, 2, 1, 128, 64, {0, 1, 200}},
+  };
+  std::uint64_t salt = 16500;
+  for (const path_case& c : cases) {
+    INFO("seed " << test_seed() << " " << c.describe());
+    path_inputs in = make_path_inputs(c, ++salt);
+    add_hard_resets(in, c.HQ);
+    std::vector<index_t> prompt, none;
+    for (index_t n = 0; n < c.sequences(); ++n) {
+      prompt.push_back((c.cu_seqlens[n + 1] - c.cu_seqlens[n]) / 2);
+      none.push_back(0);
+    }
+    const double tol = sizeof(T) == 4 ? 1e-5 : 1e-2;
+    const double e1 = decode_error<path_fox, attnmix::path_fox_policy, T, float>(c, in, prompt);
+    const double e2 = decode_error<path_fox, after_scale, T, float>(c, in, none);
+    const double e3 =
+        decode_error<path_fox, attnmix::path_fox_policy, T, attnmix::bfloat16>(c, in, prompt);
+    CAPTURE(e1, e2, e3);
+    CHECK(e1 <= tol);
+    CHECK(e2 <= tol);
+    CHECK(e3 <= 1e-2);
+  }
+}
+
 TEST_CASE("CUDA PaTH rejects what its kernels do not take", "[cuda][path][errors]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   const index_t T = 8, H = 1, D = 160;

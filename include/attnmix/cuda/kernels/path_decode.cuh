@@ -89,6 +89,7 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   extern __shared__ float smem[];
   __shared__ float sw[Dmax];
   __shared__ double sgate[32];  // G_L of the group's query heads (group <= 32 when gated)
+  __shared__ bool sreset[32];   // whether the new token's gate is -inf (a hard reset)
   const int G = p.group, D = p.head_dim, Dv = p.value_dim, HQ = p.q_heads, H = p.kv_heads;
   const int split = blockIdx.x, h = blockIdx.y, n = blockIdx.z, tid = threadIdx.x;
   float* sq = smem;                   // [G][Dmax], pre-multiplied by scale * log2(e)
@@ -114,9 +115,15 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   for (int d = tid; d < Dmax; d += threads) sw[d] = d < D ? w[d] : 0.f;
   const bool gated = p.g != nullptr;
   if (gated && tid < G) {
+    // A hard reset (as the CPU has it): every cached key of the head gets G = +inf (weight 0
+    // from now on; each block marks its own run below) and the cumsum restarts at 0. Only then
+    // is G_(L-1) written, and only when it is not is it read.
     const int hq = h * G + tid;
-    const double prev = L > 0 ? p.gates[(slot * p.capacity + L - 1) * HQ + hq] : 0.0;
-    sgate[tid] = prev + static_cast<double>(p.g[n * p.g_s[0] + hq * p.g_s[1]]);
+    const float x = p.g[n * p.g_s[0] + hq * p.g_s[1]];
+    sreset[tid] = x == -INFINITY;
+    const double prev =
+        L > 0 && !sreset[tid] ? p.gates[(slot * p.capacity + L - 1) * HQ + hq] : 0.0;
+    sgate[tid] = sreset[tid] ? 0.0 : prev + static_cast<double>(x);
   }
   __syncthreads();
   const float beta = p.beta[n * p.beta_s[0] + h * p.beta_s[1]];
@@ -167,8 +174,14 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
       if (kl == 0 && live) {
         float z = s;
         if (gated) {
-          const double Gj = j == L ? sgate[g] : p.gates[(slot * p.capacity + j) * HQ + h * G + g];
-          z += p.gate_coef_log2 * static_cast<float>(sgate[g] - Gj);
+          double* Gat = p.gates + (slot * p.capacity + j) * HQ + h * G + g;
+          if (j == L) {
+          } else if (sreset[g]) {
+            *Gat = INFINITY;
+            z = -INFINITY;
+          } else {
+            z += p.gate_coef_log2 * static_cast<float>(sgate[g] - *Gat);
+          }
         }
         sz[g * p.block_keys + (j - j_begin)] = z;
       }

@@ -444,8 +444,9 @@ __global__ void __launch_bounds__(256)
 }
 
 // Copies each sequence's values and gate cumsum (zero without a gate) into its decoding-cache
-// slot: values [slots, capacity, H, Dv], gates [slots, capacity, HQ]. One block per (token
-// block, sequence).
+// slot: values [slots, capacity, H, Dv], gates [slots, capacity, HQ]; keys before the sequence's
+// last hard reset get G = +inf, weight 0 for every later query (the CPU cache's convention). One
+// block per (token block, sequence).
 template <class T, class Store>
 __global__ void path_cache_fill_kernel(const path_kernel_params p, Store* values, double* gates,
                                        index_t capacity, const std::int32_t* slot_of) {
@@ -461,8 +462,12 @@ __global__ void path_cache_fill_kernel(const path_kernel_params p, Store* values
     for (int idx = threadIdx.x; idx < H * Dv; idx += blockDim.x)
       values[(slot * capacity + j) * H * Dv + idx] = from_float<Store>(
           to_float(v[j * p.a.v_stride[1] + (idx / Dv) * p.a.v_stride[2] + idx % Dv]));
-    for (int hq = threadIdx.x; hq < HQ; hq += blockDim.x)
-      gates[(slot * capacity + j) * HQ + hq] = G != nullptr ? G[j * p.a.q_heads + hq] : 0.0;
+    for (int hq = threadIdx.x; hq < HQ; hq += blockDim.x) {
+      const index_t cut = p.a.reset_lo((batch * p.a.tokens + start + length - 1) * HQ + hq);
+      gates[(slot * capacity + j) * HQ + hq] = G == nullptr ? 0.0
+                                               : j < cut    ? static_cast<double>(INFINITY)
+                                                            : G[j * p.a.q_heads + hq];
+    }
   }
 }
 
