@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -373,18 +374,27 @@ struct ops<backend::cpu> {
   static constexpr const char* computes_message = "float or double";
 
   // One host allocation per call, carved in order (uninitialised, as the vectors it replaces
-  // were about to be overwritten).
+  // were about to be overwritten), aligned to the takes' 256 bytes: Eigen's vectorised sums start
+  // their packets where the data is aligned, so an array's alignment sets the order of its sums,
+  // and a call's bits would otherwise depend on where the allocator put its scratch.
   class scratch {
+    struct release {
+      void operator()(unsigned char* p) const { ::operator delete[](p, std::align_val_t{256}); }
+    };
+
    public:
     scratch(const backend::cpu&, std::size_t bytes)
-        : buf_(bytes > 0 ? new unsigned char[bytes] : nullptr), at_(buf_.get(), bytes) {}
+        : buf_(bytes > 0
+                   ? static_cast<unsigned char*>(::operator new[](bytes, std::align_val_t{256}))
+                   : nullptr),
+          at_(buf_.get(), bytes) {}
     template <class S>
     S* take(index_t n) {
       return at_.take<S>(n);
     }
 
    private:
-    std::unique_ptr<unsigned char[]> buf_;
+    std::unique_ptr<unsigned char[], release> buf_;
     detail::scratch_cursor at_;
   };
 
