@@ -1,13 +1,16 @@
 // Generation on the GPU: a device stack's caches (make_cache), prefill and decode of every causal
 // mixer kind, against the same device stack's full forward and the host stack in double with the
-// same weights; slot mappings, packed prompts with an empty one, and argument checks.
+// same weights; slot mappings, packed prompts with an empty one, and argument checks; a device
+// language model's greedy generation against its forward.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "attnmix/cuda.cuh"
+#include "attnmix/train/language_model.hpp"
 #include "layers/custom_layers.hpp"
 #include "layers/layer_harness.hpp"
 #include "support/cuda_testing.cuh"
@@ -205,4 +208,41 @@ TEST_CASE("device generation refuses bad slots before writing anything", "[gener
   const attnmix::device_stack<sa_only, float> gpu2(hs2);
   ATTNMIX_CHECK_ERROR((void)gpu2.make_cache(2, huge), "bytes of the device's memory");
   ATTNMIX_CHECK_ERROR((void)gpu2.make_cache(huge, 1), "bytes of the device's memory");
+}
+
+TEST_CASE("a device language model generates as its forward would", "[generation][lm]") {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using host_stack = attnmix::stack<float, layer::path_fox, layer::causal_sa, layer::linear_causal>;
+  using host_lm = attnmix::train::language_model<host_stack>;
+  using gpu_lm = attnmix::train::language_model<attnmix::device_stack<host_stack, float>>;
+  const L::config c = make_config(2, 2);
+  const index_t V = 23, N = 3, P = 5, steps = 12;
+  host_lm h(c, V);
+  L::randomize_parameters(h, test_seed() ^ 91, 0.15, 0.3);
+  const gpu_lm g(h);
+  rng r(92);
+  std::vector<std::int32_t> prompt(std::size_t(N * P));
+  for (auto& t : prompt) t = std::int32_t(r.integer(0, V - 1));
+  const attnmix::tensor_view<const std::int32_t, 2> pv(prompt.data(), {N, P});
+  const attnmix::backend::cuda be{};
+  const host_tensor<std::int32_t, 2> out = g.generate(pv, steps, be);
+  REQUIRE(out.extent(1) == steps);
+  // Every new token is the argmax of the device forward's logits over what came before it, up
+  // to the rounding between the cached and the full computation.
+  std::vector<std::int32_t> seq(std::size_t(N * (P + steps - 1)));
+  const index_t len = P + steps - 1;
+  for (index_t n = 0; n < N; ++n)
+    for (index_t i = 0; i < len; ++i)
+      seq[std::size_t(n * len + i)] = i < P ? prompt[std::size_t(n * P + i)] : out(n, i - P);
+  device_buffer<float> logits(std::size_t(N * len * V));
+  g.forward(attnmix::tensor_view<const std::int32_t, 2>(seq.data(), {N, len}),
+            attnmix::view3<float>(logits.get(), {N, len, V}, attnmix::memory_space::device), be);
+  const std::vector<float> z = logits.to_host();
+  for (index_t n = 0; n < N; ++n)
+    for (index_t t = 0; t < steps; ++t) {
+      const float* row = z.data() + (n * len + P - 1 + t) * V;
+      const float best = *std::max_element(row, row + V);
+      INFO("sequence " << n << " step " << t << " token " << out(n, t));
+      CHECK(row[out(n, t)] >= best - 1e-4f * std::max(1.f, std::abs(best)));
+    }
 }

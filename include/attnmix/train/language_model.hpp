@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attnmix/core/error.hpp"
+#include "attnmix/core/host_tensor.hpp"
 #include "attnmix/core/tensor_view.hpp"
 #include "attnmix/core/validate.hpp"
 #include "attnmix/layers/common.hpp"
@@ -152,6 +153,68 @@ class language_model {
     double sum = 0;  // the call's one read of a device value, after the whole backward is queued
     O::download(be, &sum, total_.data(), 1);
     return sum / double(count);
+  }
+
+  // Greedy generation (causal stacks): each prompt of prompts [N, P] (host memory, any row
+  // stride, P >= 1) prefilled into a fresh cache of N sequences, then `steps` tokens a sequence,
+  // each the argmax of the logits of the token before it (the smallest id among equal ones), fed
+  // back one token a step through the stack's decode. Returns the new ids [N, steps], row n
+  // continuing prompt n. Each step reads its N x vocab logits back to the host. Throws
+  // attnmix::error naming the argument, before anything runs, on a bad id, shape or step count.
+  host_tensor<std::int32_t, 2> generate(const ids_view& prompts, index_t steps,
+                                        const Backend& be = Backend{}) const {
+    static_assert(Stack::causal, "attnmix::train::language_model::generate: a causal stack");
+    const std::string fn = "attnmix::train::language_model::generate";
+    check_members(fn);
+    check_ids_layout(fn, "prompts", prompts);
+    const index_t N = prompts.extent(0), P = prompts.extent(1), D = hidden_size(), V = vocab();
+    detail::require(P >= 1, fn, "prompts", "has shape ", detail::shape_of(prompts),
+                    " but each prompt needs a token (P >= 1)");
+    detail::require(steps >= 0 && steps <= std::numeric_limits<index_t>::max() / 2 - P, fn, "steps",
+                    "must be >= 0 (and the prompt plus steps addressable) but is ", steps);
+    const index_t rows = check_rows(fn, prompts);
+    const std::vector<std::int32_t> ids_host = read_ids(fn, "prompts", prompts, false);
+    host_tensor<std::int32_t, 2> out({N, steps});
+    if (N == 0 || steps == 0) return out;
+    auto cache = stack.make_cache(N, P + steps);
+    using layers::scratch_bytes;
+    typename O::scratch s(be, scratch_bytes<std::int32_t>(rows) + scratch_bytes<T>(rows * D) * 2 +
+                                  scratch_bytes<std::int64_t>(N) + scratch_bytes<T>(N * D) +
+                                  scratch_bytes<T>(N * V));
+    std::int32_t* ids = s.template take<std::int32_t>(rows);
+    T *x = s.template take<T>(rows * D), *h = s.template take<T>(rows * D);
+    std::int64_t* last_rows = s.template take<std::int64_t>(N);
+    T* last = s.template take<T>(N * D);
+    T* logits = s.template take<T>(N * V);
+    const layers::context<Backend> c{be, layers::token_layout{1, rows, {}}, nullptr, handles_};
+    O::upload(be, ids, ids_host.data(), rows);
+    embeddings.apply(c, ids, rows, x);
+    stack.prefill(view3<const T>(x, {N, P, D}, space_of_v<Backend>),
+                  view3<T>(h, {N, P, D}, space_of_v<Backend>), cache, {}, be);
+    std::vector<std::int64_t> at(static_cast<std::size_t>(N));
+    for (index_t n = 0; n < N; ++n) at[static_cast<std::size_t>(n)] = n * P + P - 1;
+    O::upload(be, last_rows, at.data(), N);
+    O::move_rows(c, h, last, last_rows, static_cast<const std::int64_t*>(nullptr), N, D);
+    std::vector<T> z(static_cast<std::size_t>(N * V));
+    std::vector<std::int32_t> next(static_cast<std::size_t>(N));
+    for (index_t t = 0;; ++t) {
+      lm_head.apply(c, last, N, logits);
+      O::download(be, z.data(), logits, N * V);
+      for (index_t n = 0; n < N; ++n) {
+        const T* row = z.data() + n * V;
+        index_t best = 0;
+        for (index_t v = 1; v < V; ++v)
+          if (static_cast<accum_t<T>>(row[v]) > static_cast<accum_t<T>>(row[best])) best = v;
+        next[static_cast<std::size_t>(n)] = static_cast<std::int32_t>(best);
+        out(n, t) = static_cast<std::int32_t>(best);
+      }
+      if (t + 1 == steps) break;
+      O::upload(be, ids, next.data(), N);
+      embeddings.apply(c, ids, N, x);
+      stack.decode(view3<const T>(x, {N, 1, D}, space_of_v<Backend>),
+                   view3<T>(last, {N, 1, D}, space_of_v<Backend>), cache, be);
+    }
+    return out;
   }
 
   // loss() keeps what the training forward saves (the activations of every layer) from one call
