@@ -420,7 +420,37 @@ TEST_CASE("language_model: greedy generation continues as the full forward would
   // Bad arguments are errors before anything runs; zero steps give an empty result.
   CHECK(lm.generate(pv, 0).extent(1) == 0);
   CHECK_ERROR((void)lm.generate(pv, -1), "argument 'steps' must be >= 0");
-  CHECK_ERROR((void)lm.generate(ids(prompt.data(), {N, 0}), 3), "needs a token (P >= 1)");
+  CHECK_ERROR((void)lm.generate(ids(prompt.data(), {N, 0}), 3), "each prompt needs a token");
   prompt[1] = std::int32_t(V);
   CHECK_ERROR((void)lm.generate(pv, 3), "argument 'prompts' holds 11 at [0, 1]");
+}
+
+TEST_CASE("language_model: generation from packed prompts of several lengths",
+          "[train][lm][generate]") {
+  using stack_t = attnmix::stack<double, attnmix::layer::fox, attnmix::layer::path>;
+  attnmix::train::language_model<stack_t> lm(tiny_config(16, 2), 13);
+  randomize(lm, attnmix_test::test_seed() ^ 79, 0.5);
+  const std::vector<std::int32_t> packed{3, 1, 4, 1, 5, 9, 2, 6}, cu{0, 2, 7, 8};
+  const index_t steps = 6, V = 13;
+  const auto out = lm.generate(ids(packed.data(), {1, 8}), {cu.data(), {4}}, steps);
+  REQUIRE(out.extent(0) == 3);
+  for (index_t n = 0; n < 3; ++n) {
+    // The prompt alone, then each generated token: the argmax of the forward at its position.
+    std::vector<std::int32_t> seq(packed.begin() + cu[n], packed.begin() + cu[n + 1]);
+    for (index_t t = 0; t < steps; ++t) {
+      const index_t len = index_t(seq.size());
+      attnmix::host_tensor<double, 3> logits({1, len, V});
+      lm.forward(ids(seq.data(), {1, len}), logits.view());
+      double best = logits(0, len - 1, 0);
+      for (index_t v = 1; v < V; ++v) best = std::max(best, logits(0, len - 1, v));
+      INFO("sequence " << n << " step " << t);
+      CHECK(logits(0, len - 1, out(n, t)) >= best - 1e-9);
+      seq.push_back(out(n, t));
+    }
+  }
+  const std::vector<std::int32_t> empty{0, 2, 2, 8};
+  CHECK_ERROR((void)lm.generate(ids(packed.data(), {1, 8}), {empty.data(), {4}}, 2),
+              "has a prompt of 0 tokens (sequence 1)");
+  const std::vector<std::int32_t> bad{0, 2, 9};
+  CHECK_ERROR((void)lm.generate(ids(packed.data(), {1, 8}), {bad.data(), {3}}, 2), "cu_seqlens");
 }

@@ -163,36 +163,55 @@ class language_model {
   // attnmix::error naming the argument, before anything runs, on a bad id, shape or step count.
   host_tensor<std::int32_t, 2> generate(const ids_view& prompts, index_t steps,
                                         const Backend& be = Backend{}) const {
+    return generate(prompts, {}, steps, be);
+  }
+  // The same for prompts of several lengths packed as [1, total] with cu_seqlens (host, N + 1
+  // offsets from 0 to total; every prompt holds a token).
+  host_tensor<std::int32_t, 2> generate(const ids_view& prompts,
+                                        const view1<const std::int32_t>& cu_seqlens, index_t steps,
+                                        const Backend& be = Backend{}) const {
     static_assert(Stack::causal, "attnmix::train::language_model::generate: a causal stack");
     const std::string fn = "attnmix::train::language_model::generate";
     check_members(fn);
     check_ids_layout(fn, "prompts", prompts);
-    const index_t N = prompts.extent(0), P = prompts.extent(1), D = hidden_size(), V = vocab();
-    detail::require(P >= 1, fn, "prompts", "has shape ", detail::shape_of(prompts),
-                    " but each prompt needs a token (P >= 1)");
-    detail::require(steps >= 0 && steps <= std::numeric_limits<index_t>::max() / 2 - P, fn, "steps",
-                    "must be >= 0 (and the prompt plus steps addressable) but is ", steps);
+    const index_t B = prompts.extent(0), P = prompts.extent(1), D = hidden_size(), V = vocab();
+    const detail::packed_batch pb = detail::resolve_packed_batch(fn, cu_seqlens, B, P, "prompts");
+    const index_t N = pb.sequences;
+    std::vector<std::int32_t> cu;  // the prompts' offsets in rows
+    for (index_t n = 0; n <= N; ++n)
+      cu.push_back(pb.cu_seqlens != nullptr ? pb.cu_seqlens[n] : std::int32_t(n * P));
+    index_t longest = 0;
+    for (index_t n = 0; n < N; ++n) {
+      const index_t len = cu[std::size_t(n + 1)] - cu[std::size_t(n)];
+      detail::require(len >= 1, fn, "prompts", "has a prompt of ", len, " tokens (sequence ", n,
+                      "), but each prompt needs a token");
+      longest = std::max(longest, len);
+    }
+    detail::require(steps >= 0 && steps <= std::numeric_limits<std::int32_t>::max() - longest, fn,
+                    "steps", "must be >= 0 (and a prompt plus steps within 2^31 tokens) but is ",
+                    steps);
     const index_t rows = check_rows(fn, prompts);
     const std::vector<std::int32_t> ids_host = read_ids(fn, "prompts", prompts, false);
     host_tensor<std::int32_t, 2> out({N, steps});
     if (N == 0 || steps == 0) return out;
-    auto cache = stack.make_cache(N, P + steps);
+    auto cache = stack.make_cache(N, longest + steps);
     using layers::scratch_bytes;
-    typename O::scratch s(be, scratch_bytes<std::int32_t>(rows) + scratch_bytes<T>(rows * D) * 2 +
+    const index_t width = std::max(rows, N);
+    typename O::scratch s(be, scratch_bytes<std::int32_t>(width) + scratch_bytes<T>(width * D) * 2 +
                                   scratch_bytes<std::int64_t>(N) + scratch_bytes<T>(N * D) +
                                   scratch_bytes<T>(N * V));
-    std::int32_t* ids = s.template take<std::int32_t>(rows);
-    T *x = s.template take<T>(rows * D), *h = s.template take<T>(rows * D);
+    std::int32_t* ids = s.template take<std::int32_t>(width);
+    T *x = s.template take<T>(width * D), *h = s.template take<T>(width * D);
     std::int64_t* last_rows = s.template take<std::int64_t>(N);
     T* last = s.template take<T>(N * D);
     T* logits = s.template take<T>(N * V);
     const layers::context<Backend> c{be, layers::token_layout{1, rows, {}}, nullptr, handles_};
     O::upload(be, ids, ids_host.data(), rows);
     embeddings.apply(c, ids, rows, x);
-    stack.prefill(view3<const T>(x, {N, P, D}, space_of_v<Backend>),
-                  view3<T>(h, {N, P, D}, space_of_v<Backend>), cache, {}, be);
+    stack.prefill(view3<const T>(x, {B, P, D}, space_of_v<Backend>),
+                  view3<T>(h, {B, P, D}, space_of_v<Backend>), cache, cu_seqlens, be);
     std::vector<std::int64_t> at(static_cast<std::size_t>(N));
-    for (index_t n = 0; n < N; ++n) at[static_cast<std::size_t>(n)] = n * P + P - 1;
+    for (index_t n = 0; n < N; ++n) at[std::size_t(n)] = cu[std::size_t(n + 1)] - 1;
     O::upload(be, last_rows, at.data(), N);
     O::move_rows(c, h, last, last_rows, static_cast<const std::int64_t*>(nullptr), N, D);
     std::vector<T> z(static_cast<std::size_t>(N * V));
