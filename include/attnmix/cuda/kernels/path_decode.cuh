@@ -173,14 +173,13 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
       s = group_sum<lanes>(s);
       if (kl == 0 && live) {
         float z = s;
-        if (gated) {
-          double* Gat = p.gates + (slot * p.capacity + j) * HQ + h * G + g;
-          if (j == L) {
-          } else if (sreset[g]) {
-            *Gat = INFINITY;
+        if (gated && j != L) {  // the new key's own gate term is 0
+          double* Gj = p.gates + (slot * p.capacity + j) * HQ + h * G + g;
+          if (sreset[g]) {
+            *Gj = INFINITY;
             z = -INFINITY;
           } else {
-            z += p.gate_coef_log2 * static_cast<float>(sgate[g] - *Gat);
+            z += p.gate_coef_log2 * static_cast<float>(sgate[g] - *Gj);
           }
         }
         sz[g * p.block_keys + (j - j_begin)] = z;
