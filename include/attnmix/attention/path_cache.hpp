@@ -89,13 +89,6 @@ struct path_cache_space<host_space> {
   template <class T>
   static constexpr bool holds = std::is_same_v<T, float> || std::is_same_v<T, double>;
   static void check_dims(const std::string&, index_t, index_t) {}
-  // More bytes than the machine has is a bad capacity, not an allocation failure.
-  static void check_bytes(const std::string& fn, index_t slots, index_t capacity,
-                          std::size_t bytes) {
-    require(bytes <= host_memory_bytes(), fn, "capacity", "of ", capacity, " tokens for ", slots,
-            " slots needs ", bytes, " bytes, more than the ", host_memory_bytes(),
-            " bytes of this machine's memory");
-  }
   // Zero-filled bytes; copyable.
   class buffer {
    public:
@@ -233,10 +226,11 @@ class path_cache : public detail::path_cache_base {
       : path_cache_base(space_traits::name, slots, capacity, q_heads, kv_heads, head_dim,
                         value_dim) {
     space_traits::check_dims(name_, head_dim, value_dim);
-    space_traits::check_bytes(name_, slots, capacity,
-                              bytes(kv_heads, head_dim, sizeof(T)) +
-                                  bytes(kv_heads, value_dim, sizeof(T)) +
-                                  bytes(q_heads, 1, sizeof(double)));
+    detail::check_fits_space<Space>(name_, "capacity",
+                                    bytes(kv_heads, head_dim, sizeof(T)) +
+                                        bytes(kv_heads, value_dim, sizeof(T)) +
+                                        bytes(q_heads, 1, sizeof(double)),
+                                    "of ", capacity, " tokens for ", slots, " slots");
     try {
       keys_ = buffer(bytes(kv_heads, head_dim, sizeof(T)), "path_cache keys");
       values_ = buffer(bytes(kv_heads, value_dim, sizeof(T)), "path_cache values");

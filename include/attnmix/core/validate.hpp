@@ -391,6 +391,18 @@ inline packed_batch resolve_packed_batch(const std::string& fn,
 
 // ---- Sizes -------------------------------------------------------------------------------------
 
+// Storage of `bytes` in Space's memory (space_bytes<Space>): more than the space holds is a bad
+// size named by `arg` ("<what> needs about N bytes, more than the M bytes of this machine's
+// memory"), rejected before it is allocated, not an allocation failure.
+template <class Space, class... What>
+void check_fits_space(const std::string& fn, const char* arg, std::size_t bytes, What&&... what) {
+  const std::size_t limit = space_bytes<Space>::get();
+  require(bytes <= limit, fn, arg, std::forward<What>(what)..., " needs about ", bytes,
+          " bytes, more than the ", limit,
+          Space::value == memory_space::host ? " bytes of this machine's memory"
+                                             : " bytes of the device's memory");
+}
+
 // a * b, or false when it leaves [0, max]. a, b >= 0.
 inline bool checked_mul(index_t a, index_t b, index_t& out,
                         index_t max = std::numeric_limits<index_t>::max()) {

@@ -47,14 +47,6 @@ struct path_cache_space<device_space> {
     require(value_dim % 8 == 0 && value_dim <= 128, fn, "value_dim",
             "must be a multiple of 8 in [8, 128] but is ", value_dim);
   }
-  // More bytes than the device has is a bad capacity (checked before cudaMalloc).
-  static void check_bytes(const std::string& fn, index_t slots, index_t capacity,
-                          std::size_t bytes) {
-    std::size_t free_bytes = 0, total = 0;
-    cuda::check(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
-    require(bytes <= total, fn, "capacity", "of ", capacity, " tokens for ", slots, " slots needs ",
-            bytes, " bytes, more than the device's ", total);
-  }
   // Throws attnmix::cuda_error if the allocation fails. Movable, not copyable.
   class buffer {
    public:

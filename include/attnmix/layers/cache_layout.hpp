@@ -12,6 +12,7 @@
 #include "attnmix/core/error.hpp"
 #include "attnmix/core/memory_space.hpp"
 #include "attnmix/core/tensor_view.hpp"
+#include "attnmix/core/validate.hpp"
 
 namespace attnmix {
 namespace layers {
@@ -70,13 +71,9 @@ void check_cache_size(const std::string& fn, index_t sequences, index_t capacity
   attnmix::detail::require(fits, fn, "capacity", "of ", capacity, " tokens for ", sequences,
                            " sequences (", bytes_per_token, " bytes a token, ", bytes_per_sequence,
                            " a sequence) exceeds the addressable size");
-  const auto bytes = static_cast<std::size_t>(sequences * (capacity * tok + bytes_per_sequence));
-  const std::size_t limit = space_bytes<Space>::get();
-  attnmix::detail::require(bytes <= limit, fn, "capacity", "of ", capacity, " tokens for ",
-                           sequences, " sequences needs about ", bytes, " bytes, more than the ",
-                           limit,
-                           Space::value == memory_space::host ? " bytes of this machine's memory"
-                                                              : " bytes of the device's memory");
+  attnmix::detail::check_fits_space<Space>(
+      fn, "capacity", static_cast<std::size_t>(sequences * (capacity * tok + bytes_per_sequence)),
+      "of ", capacity, " tokens for ", sequences, " sequences");
 }
 
 // make(), with an allocation that fails (std::bad_alloc) reported as attnmix::error naming the

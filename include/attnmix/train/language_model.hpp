@@ -195,13 +195,13 @@ class language_model {
     host_tensor<std::int32_t, 2> out({N, steps});
     if (N == 0 || steps == 0) return out;
     auto cache = stack.make_cache(N, longest + steps);
+    // The decoding steps' N <= rows ids and embeddings reuse the prompts' arrays.
     using layers::scratch_bytes;
-    const index_t width = std::max(rows, N);
-    typename O::scratch s(be, scratch_bytes<std::int32_t>(width) + scratch_bytes<T>(width * D) * 2 +
+    typename O::scratch s(be, scratch_bytes<std::int32_t>(rows) + scratch_bytes<T>(rows * D) * 2 +
                                   scratch_bytes<std::int64_t>(N) + scratch_bytes<T>(N * D) +
                                   scratch_bytes<T>(N * V));
-    std::int32_t* ids = s.template take<std::int32_t>(width);
-    T *x = s.template take<T>(width * D), *h = s.template take<T>(width * D);
+    std::int32_t* ids = s.template take<std::int32_t>(rows);
+    T *x = s.template take<T>(rows * D), *h = s.template take<T>(rows * D);
     std::int64_t* last_rows = s.template take<std::int64_t>(N);
     T* last = s.template take<T>(N * D);
     T* logits = s.template take<T>(N * V);
@@ -224,8 +224,7 @@ class language_model {
         index_t best = 0;
         for (index_t v = 1; v < V; ++v)
           if (static_cast<accum_t<T>>(row[v]) > static_cast<accum_t<T>>(row[best])) best = v;
-        next[static_cast<std::size_t>(n)] = static_cast<std::int32_t>(best);
-        out(n, t) = static_cast<std::int32_t>(best);
+        out(n, t) = next[static_cast<std::size_t>(n)] = static_cast<std::int32_t>(best);
       }
       if (t + 1 == steps) break;
       O::upload(be, ids, next.data(), N);

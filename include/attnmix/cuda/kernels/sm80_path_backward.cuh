@@ -743,15 +743,12 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     pm::prefetch_rows(cta.es + j0 * D, D, C, D);
     pm::prefetch_rows(cta.dP + j0 * D, D, D, D);
   };
-  // Operands: rows m0 .. of a slot (Neg: negated), and the transposed rows of a slot.
+  // Operands: rows m0 .. of a slot (Neg: negated).
   const auto rows_of = [&](int s) {
     return a_from_tile<ld, true>{hi(s), lo(s), m0};
   };
   const auto neg_rows_of = [&](int s) {
     return a_from_tile<ld, true, true>{hi(s), lo(s), m0};
-  };
-  const auto t_of = [&](int s) {
-    return a_from_tile_t<ld, true>{hi(s), lo(s), m0};
   };
   const a_from_tile<ld, in_lo> doa{hi(L::dout), lo(L::dout), m0};
 
@@ -842,14 +839,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         });
       };
       // A sum over the chunk's query rows: acc = op(A)^T B over this warp's part, added to dst.
-      const auto cross = [&](int a_slot, const split_op* bh, const split_op* bl, auto b_lo,
-                             float* dst, int ldd, int rows, float sign) {
-        part acc;
-        pm::zero(acc);
-        warp_mma<ld, true, decltype(b_lo)::value, 4>(acc, t_of(a_slot), bh, bl, n0);
-        pm::add_rows(acc, dst, ldd, m0, n0, rows, sign);
-      };
-      // The same with A in one part unless A_lo.
+      // A in two parts unless a_lo is false.
       const auto cross_a = [&](auto a_lo, int a_slot, const split_op* bh, const split_op* bl,
                                auto b_lo, float* dst, int ldd, int rows, float sign) {
         part acc;
@@ -857,6 +847,10 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         warp_mma<ld, true, decltype(b_lo)::value, 4>(
             acc, a_from_tile_t<ld, decltype(a_lo)::value>{hi(a_slot), lo(a_slot), m0}, bh, bl, n0);
         pm::add_rows(acc, dst, ldd, m0, n0, rows, sign);
+      };
+      const auto cross = [&](int a_slot, const split_op* bh, const split_op* bl, auto b_lo,
+                             float* dst, int ldd, int rows, float sign) {
+        cross_a(std::true_type{}, a_slot, bh, bl, b_lo, dst, ldd, rows, sign);
       };
       using split_b = std::true_type;
       using in_b = std::integral_constant<bool, in_lo>;
