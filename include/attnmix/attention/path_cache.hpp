@@ -67,6 +67,15 @@ struct path_cache_access {
   static double* gates(path_cache<T, S>& c) {
     return static_cast<double*>(c.gates_.get());
   }
+  // The deferred-transition state of a device cache (see path_cache_space<device_space>).
+  template <class T, class S>
+  static float* recent(path_cache<T, S>& c) {
+    return static_cast<float*>(c.recent_.get());
+  }
+  template <class T, class S>
+  static float* transitions(path_cache<T, S>& c) {
+    return static_cast<float*>(c.transitions_.get());
+  }
   template <class Cache>
   static void set_length(Cache& c, index_t slot, index_t length) {
     c.set_length(slot, length);
@@ -74,7 +83,8 @@ struct path_cache_access {
 };
 
 // What a memory space's path_cache is made of: owned bytes (`buffer`, zero-filled on the host),
-// the element types it holds, its name in messages and the head dims its kernels take.
+// the element types it holds, its name in messages, the head dims its kernels take and the keys
+// it keeps in float besides the cache (`recent`: 0 where every step rewrites every key).
 // Specialised for host_space here and for device_space in cuda/path.cuh.
 template <class Space>
 struct path_cache_space {
@@ -86,6 +96,7 @@ struct path_cache_space {
 template <>
 struct path_cache_space<host_space> {
   static constexpr const char* name = "attnmix::path_cache";
+  static constexpr index_t recent = 0;
   template <class T>
   static constexpr bool holds = std::is_same_v<T, float> || std::is_same_v<T, double>;
   static void check_dims(const std::string&, index_t, index_t) {}
@@ -203,8 +214,13 @@ class path_cache_base {
 //                                    long generation keeps the small differences G_t - G_j);
 //                                    zero for kind::path
 // Tokens [0, length(slot)) of a slot are valid; lengths are kept on the host. The keys are
-// rewritten by every decoding step, so slots cannot share a prefix. A bfloat16 device cache
-// halves the traffic of a decoding step, but every step rounds each carried key again.
+// carried by every decoding step, so slots cannot share a prefix.
+// The device cache defers the transitions: keys older than the slot's last flush stay as they
+// were then (read once a step, not rewritten), the product of the transitions since is kept per
+// slot and head as a float D x D matrix M (a step scores them against M^T q), and the latest keys
+// (fewer than 64) in float; every 64 steps the flush applies M to the old keys and stores the
+// recent ones. A bfloat16 device cache so rounds a key once every 64 steps, not every step, and
+// `keys()` of a device cache holds the keys as of their last flush.
 // Movable (a moved-from cache holds no slots); copyable where its storage is (the host).
 template <class T, class Space>
 class path_cache : public detail::path_cache_base {
@@ -226,15 +242,32 @@ class path_cache : public detail::path_cache_base {
       : path_cache_base(space_traits::name, slots, capacity, q_heads, kv_heads, head_dim,
                         value_dim) {
     space_traits::check_dims(name_, head_dim, value_dim);
-    detail::check_fits_space<Space>(name_, "capacity",
-                                    bytes(kv_heads, head_dim, sizeof(T)) +
-                                        bytes(kv_heads, value_dim, sizeof(T)) +
-                                        bytes(q_heads, 1, sizeof(double)),
-                                    "of ", capacity, " tokens for ", slots, " slots");
+    // The deferred-transition state (device): recent keys [slots, recent, H, D] and M
+    // [slots, H, D, D], in float.
+    index_t recent_n = 0, transition_n = 0;  // slots * kv_heads fits (the base checked it)
+    const index_t max_elements = std::numeric_limits<index_t>::max() / 8;
+    const bool fits =
+        detail::checked_mul(slots * kv_heads, space_traits::recent * head_dim, recent_n,
+                            max_elements) &&
+        detail::checked_mul(slots * kv_heads, space_traits::recent == 0 ? 0 : head_dim * head_dim,
+                            transition_n, max_elements);
+    detail::require(fits, name_, "slots", "makes the cache too large to address: ", slots,
+                    " slots x ", kv_heads, " heads x ", head_dim, " x ", head_dim, " elements");
+    const std::size_t recent_bytes = static_cast<std::size_t>(recent_n) * 4,
+                      transition_bytes = static_cast<std::size_t>(transition_n) * 4;
+    detail::check_fits_space<Space>(
+        name_, "capacity",
+        bytes(kv_heads, head_dim, sizeof(T)) + bytes(kv_heads, value_dim, sizeof(T)) +
+            bytes(q_heads, 1, sizeof(double)) + recent_bytes + transition_bytes,
+        "of ", capacity, " tokens for ", slots, " slots");
     try {
       keys_ = buffer(bytes(kv_heads, head_dim, sizeof(T)), "path_cache keys");
       values_ = buffer(bytes(kv_heads, value_dim, sizeof(T)), "path_cache values");
       gates_ = buffer(bytes(q_heads, 1, sizeof(double)), "path_cache gates");
+      if (recent_bytes != 0) {
+        recent_ = buffer(recent_bytes, "path_cache recent keys");
+        transitions_ = buffer(transition_bytes, "path_cache transitions");
+      }
     } catch (const std::bad_alloc&) {  // a host cache larger than the machine's memory
       detail::fail(name_, "capacity", "of ", capacity, " tokens for ", slots,
                    " slots needs more memory than could be allocated");
@@ -247,6 +280,7 @@ class path_cache : public detail::path_cache_base {
     if (this != &o) {
       static_cast<path_cache_base&>(*this) = std::move(static_cast<path_cache_base&>(o));
       keys_ = std::move(o.keys_), values_ = std::move(o.values_), gates_ = std::move(o.gates_);
+      recent_ = std::move(o.recent_), transitions_ = std::move(o.transitions_);
       o.slots_ = 0;
       o.lengths_.clear();
     }
@@ -269,7 +303,7 @@ class path_cache : public detail::path_cache_base {
 
  private:
   friend struct detail::path_cache_access;
-  buffer keys_, values_, gates_;
+  buffer keys_, values_, gates_, recent_, transitions_;
 };
 
 namespace detail {

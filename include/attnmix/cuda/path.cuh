@@ -39,6 +39,7 @@ namespace detail {
 template <>
 struct path_cache_space<device_space> {
   static constexpr const char* name = "attnmix::device_path_cache";
+  static constexpr index_t recent = cuda::path_decode_recent;  // deferred transitions
   template <class T>
   static constexpr bool holds = std::is_same_v<T, float> || std::is_same_v<T, bfloat16>;
   static void check_dims(const std::string& fn, index_t head_dim, index_t value_dim) {
@@ -120,13 +121,15 @@ struct path_cache_impl<backend::cuda> {
     target.slot_of = reinterpret_cast<const std::int32_t*>(slot_dev.get());
     target.values = reinterpret_cast<DevStore*>(path_cache_access::values(cache));
     target.gates = path_cache_access::gates(cache);
+    target.recent = path_cache_access::recent(cache);
+    target.transitions = path_cache_access::transitions(cache);
     target.capacity = cache.capacity();
     cuda::run_path(fn, args, prob, backend, gate_coefficient<Policy>(prob), target);
     for (index_t n = 0; n < prob.num_sequences; ++n)
       path_cache_access::set_length(cache, where[static_cast<std::size_t>(n)], prob.seq(n).length);
   }
 
-  // One decoding step from a device cache, fused (see cuda/kernels/path_decode.cuh).
+  // One decoding step from a device cache (see cuda/kernels/path_decode.cuh).
   template <class Kind, class Policy, class Store, class T>
   static void decode(device_path_cache<Store>& cache, const attention_args<T>& args,
                      const attention_problem& prob, const std::vector<index_t>& where,
@@ -137,6 +140,8 @@ struct path_cache_impl<backend::cuda> {
     cuda::decode_cache target{path_cache_access::keys(cache),
                               path_cache_access::values(cache),
                               path_cache_access::gates(cache),
+                              path_cache_access::recent(cache),
+                              path_cache_access::transitions(cache),
                               cache.capacity(),
                               {}};
     for (index_t s : where)

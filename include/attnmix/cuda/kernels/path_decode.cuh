@@ -1,10 +1,18 @@
 #pragma once
-// One PaTH / PaTH-FoX decoding step on CUDA (spec/path_fox.md §3), fused: in a single pass over a
-// slot's key cache each cached key is read, moved through the new token's transition
-// (kappa <- kappa - beta (w . kappa) w), written back and scored against the group's queries;
-// the new token's raw key, value and gate cumsum are appended by the block that owns its
-// position. Blocks split the cache into runs of `block_keys` keys (flash-decoding); a second
-// kernel merges their partial softmax states.
+// One PaTH / PaTH-FoX decoding step on CUDA (spec/path_fox.md §3) from a cache that defers the
+// transitions (kernels/shapes.hpp: path_decode_flush). For a slot holding L tokens, with
+// F = path_decode_flushed(L):
+//   keys [0, F)  are in the cache as they were at the last flush (or prefill): kappa_j = M s_j,
+//                M the product of the transitions since, a float D x D matrix per slot and head;
+//                a step scores them against M^T q and never rewrites them;
+//   keys [F, L)  are in float in a ring of recent keys, moved through every transition as they
+//                come (kappa <- kappa - beta (w . kappa) w).
+// A step runs four kernels: the transition kernel updates M <- H_t M and forms M^T q; the step
+// kernel scores every key (the new one appended to the ring) in blocks of `block_keys` keys
+// (flash-decoding), the combine kernel merges the blocks' partial softmax states, and every
+// path_decode_flush steps the flush kernel stores M s_j and the recent keys in the cache. A
+// bfloat16 cache so rounds a key once a flush, not once a step, and a step reads each cached
+// key once instead of reading and writing it.
 //
 // A key is handled by Dmax / 8 consecutive threads holding 8 elements each (one 16- or 32-byte
 // vector); D and Dv are multiples of 8.
@@ -32,11 +40,15 @@ struct path_decode_params {
   void* out;
   float* lse;  // nullptr: not requested
   index_t out_s[2], lse_s[2];
-  // The cache: keys [slots, capacity, H, D], values [.., H, Dv], gates [slots, capacity, HQ].
+  // The cache: keys [slots, capacity, H, D], values [.., H, Dv], gates [slots, capacity, HQ];
+  // recent keys [slots, path_decode_recent, H, D] and transitions M [slots, H, D, D] (float).
   void* keys;
   void* values;
   double* gates;
+  float* recent;
+  float* transitions;
   index_t capacity;
+  float* qm;  // [N, HQ, Dmax]: M^T q * scale * log2(e), the transition kernel's output
   const std::int32_t* rows;  // [N][2]: slot, tokens held before this step
   int q_heads, kv_heads, group, head_dim, value_dim;
   float scale_log2, gate_coef_log2;
@@ -81,8 +93,46 @@ __device__ __forceinline__ float group_sum(float s) {
   return s;
 }
 
-// Grid (splits, H, N), 128 threads. Dynamic shared memory: floats sq [G][Dmax], sz [G][block_keys],
-// so [4][Dmax].
+// The transition kernel: M <- H_t M (column c by thread c; M starts as I after a flush or a
+// prefill) and qm = M^T q for each query head of the group. Grid (H, N), Dmax threads.
+template <class T, int Dmax>
+__global__ void __launch_bounds__(128) path_decode_transition_kernel(const path_decode_params p) {
+  __shared__ float sw[Dmax], sq[Dmax];
+  const int h = blockIdx.x, n = blockIdx.y, c = threadIdx.x;
+  const int D = p.head_dim, G = p.group, H = p.kv_heads, HQ = p.q_heads;
+  const index_t slot = p.rows[2 * n], L = p.rows[2 * n + 1];
+  float* M = p.transitions + (slot * H + h) * D * D;  // M[i][c] at i * D + c
+  const float* w = p.w + n * p.w_s[0] + h * p.w_s[1];
+  sw[c] = c < D ? w[c] : 0.f;
+  const float beta = p.beta[n * p.beta_s[0] + h * p.beta_s[1]];
+  const bool fresh = path_decode_fresh_transitions(L);
+  __syncthreads();
+  if (c < D) {  // (H M)[:, c] = M[:, c] - beta w (w . M[:, c]); each thread only its column
+    float t = 0.f;
+    if (fresh)
+      t = sw[c];
+    else
+      for (int i = 0; i < D; ++i) t += sw[i] * M[i * D + c];
+    t *= beta;
+    for (int i = 0; i < D; ++i) {
+      const float m = fresh ? (i == c ? 1.f : 0.f) : M[i * D + c];
+      M[i * D + c] = m - t * sw[i];
+    }
+  }
+  const T* q = static_cast<const T*>(p.q) + n * p.q_s[0] + (h * G) * p.q_s[1];
+  for (int g = 0; g < G; ++g) {
+    __syncthreads();
+    sq[c] = c < D ? p.scale_log2 * to_float(q[g * p.q_s[1] + c]) : 0.f;
+    __syncthreads();
+    float s = 0.f;
+    if (c < D)
+      for (int i = 0; i < D; ++i) s += M[i * D + c] * sq[i];
+    p.qm[(static_cast<index_t>(n) * HQ + h * G + g) * Dmax + c] = s;  // zero past D
+  }
+}
+
+// Grid (splits, H, N), 128 threads. Dynamic shared memory: floats sq [G][Dmax], sqm [G][Dmax],
+// sz [G][block_keys], so [4][Dmax].
 template <class T, class Store, int Dmax>
 __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_params p) {
   constexpr int threads = 128, lanes = Dmax / 8, per_pass = threads / lanes;
@@ -93,9 +143,10 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   const int G = p.group, D = p.head_dim, Dv = p.value_dim, HQ = p.q_heads, H = p.kv_heads;
   const int split = blockIdx.x, h = blockIdx.y, n = blockIdx.z, tid = threadIdx.x;
   float* sq = smem;                   // [G][Dmax], pre-multiplied by scale * log2(e)
-  float* sz = sq + G * Dmax;          // [G][block_keys]
+  float* sqm = sq + G * Dmax;         // [G][Dmax], M^T q likewise (for keys before F)
+  float* sz = sqm + G * Dmax;         // [G][block_keys]
   float* so = sz + G * p.block_keys;  // [4][Dmax] per-warp partial outputs
-  const index_t slot = p.rows[2 * n], L = p.rows[2 * n + 1];
+  const index_t slot = p.rows[2 * n], L = p.rows[2 * n + 1], F = path_decode_flushed(L);
   const index_t j_begin = static_cast<index_t>(split) * p.block_keys;
   const index_t j_end = j_begin + p.block_keys < L + 1 ? j_begin + p.block_keys : L + 1;
   float* ml = p.part_ml + ((static_cast<index_t>(n) * HQ + h * G) * p.splits + split) * 2;
@@ -107,9 +158,11 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   }
 
   const T* q = static_cast<const T*>(p.q) + n * p.q_s[0] + (h * G) * p.q_s[1];
+  const float* qm = p.qm + (static_cast<index_t>(n) * HQ + h * G) * Dmax;
   for (int idx = tid; idx < G * Dmax; idx += threads) {
     const int g = idx / Dmax, d = idx % Dmax;
     sq[idx] = d < D ? p.scale_log2 * to_float(q[g * p.q_s[1] + d]) : 0.f;
+    sqm[idx] = qm[idx];
   }
   const float* w = p.w + n * p.w_s[0] + h * p.w_s[1];
   for (int d = tid; d < Dmax; d += threads) sw[d] = d < D ? w[d] : 0.f;
@@ -128,9 +181,11 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   __syncthreads();
   const float beta = p.beta[n * p.beta_s[0] + h * p.beta_s[1]];
 
-  // Keys: transition, write back, score.
+  // Keys: those before F scored against M^T q; the recent ones moved through the transition,
+  // written back to the ring and scored against q; the new one appended to the ring.
   const int kl = tid % lanes, d0 = kl * 8;
-  Store* keys = static_cast<Store*>(p.keys) + (slot * p.capacity * H + h) * D;
+  const Store* keys = static_cast<const Store*>(p.keys) + (slot * p.capacity * H + h) * D;
+  float* recent = p.recent + (slot * path_decode_recent * H + h) * D;
   const T* k_new = static_cast<const T*>(p.k) + n * p.k_s[0] + h * p.k_s[1];
   // Every lane runs every pass (the group sums shuffle across the warp); lanes past the end
   // of the run compute on zeros and store nothing. (Loading several passes' keys ahead into
@@ -138,19 +193,22 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   const bool line_lane = (d0 * sizeof(Store)) % 128 == 0;  // first lane of a 128-byte line
   for (index_t jb = j_begin; jb < j_end; jb += per_pass) {
     const index_t j = jb + tid / lanes;
-    const bool live = j < j_end, owns = live && d0 < D;
-    Store* kp = keys + j * H * D + d0;
+    const bool live = j < j_end, owns = live && d0 < D, flushed = j < F;
+    const Store* kp = keys + j * H * D + d0;
+    float* rp = recent + (j % path_decode_recent) * H * D + d0;
     // The key two passes on is asked of L2 now: more bytes in flight without registers to hold
     // them (bf16 cache on an H200: 1.14 -> 1.07 ms; asking for the values too measured slower).
     const index_t ja = j + 2 * per_pass;
-    if (line_lane && d0 < D && ja < j_end && ja != L) prefetch_l2(kp + (ja - j) * H * D);
+    if (line_lane && d0 < D && ja < F && ja < j_end) prefetch_l2(kp + (ja - j) * H * D);
     float x[8] = {};
     if (owns) {
       if (j == L)
 #pragma unroll
         for (int e = 0; e < 8; ++e) x[e] = to_float(k_new[d0 + e]);
-      else
+      else if (flushed)
         load8(x, kp);
+      else
+        load8(x, rp);
     }
     // sw and sq are zero past D and x is zero off the run: no lane needs a select.
     const float4 wa = reinterpret_cast<const float4*>(sw + d0)[0],
@@ -160,14 +218,14 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
 #pragma unroll
     for (int e = 0; e < 8; ++e) c += w8[e] * x[e];
     c = beta * group_sum<lanes>(c);
-    if (j != L)  // the new key is appended as it is
+    if (!flushed && j != L)  // the new key is appended as it is
 #pragma unroll
       for (int e = 0; e < 8; ++e) x[e] -= c * w8[e];
-    // The score uses the key before the cache's rounding (a bfloat16 cache stores it rounded).
-    if (owns) store8(kp, x);
+    if (owns && !flushed) store8(rp, x);
+    const float* qs = flushed ? sqm : sq;
     for (int g = 0; g < G; ++g) {
-      const float4 qa = reinterpret_cast<const float4*>(sq + g * Dmax + d0)[0],
-                   qb = reinterpret_cast<const float4*>(sq + g * Dmax + d0)[1];
+      const float4 qa = reinterpret_cast<const float4*>(qs + g * Dmax + d0)[0],
+                   qb = reinterpret_cast<const float4*>(qs + g * Dmax + d0)[1];
       float s = qa.x * x[0] + qa.y * x[1] + qa.z * x[2] + qa.w * x[3] + qb.x * x[4] + qb.y * x[5] +
                 qb.z * x[6] + qb.w * x[7];
       s = group_sum<lanes>(s);
@@ -245,6 +303,49 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
       ml[g * p.splits * 2 + 1] = so[0] + so[1] + so[2] + so[3];
     }
     __syncthreads();
+  }
+}
+
+// The flush, for the rows whose step flushes (path_decode_flushes(L)): keys [0, L - flush) of
+// the cache become M s_j, keys [L - flush, L) the ring's (already through this step's
+// transition), each rounded once to the cache's type; the next step's transition kernel starts
+// M anew. Grid (splits, H, N) as the step kernel, 128 threads; dynamic shared memory
+// (path_decode_flush_smem): floats M^T [D][D] and the keys of a pass [128 / Dmax][Dmax].
+template <class Store, int Dmax>
+__global__ void __launch_bounds__(128) path_decode_flush_kernel(const path_decode_params p) {
+  constexpr int threads = 128, per_pass = threads / Dmax;
+  extern __shared__ float smem[];
+  const int D = p.head_dim, H = p.kv_heads;
+  const int split = blockIdx.x, h = blockIdx.y, n = blockIdx.z, tid = threadIdx.x;
+  const index_t slot = p.rows[2 * n], L = p.rows[2 * n + 1];
+  if (!path_decode_flushes(L)) return;
+  const index_t F = L - path_decode_flush;
+  const index_t j_begin = static_cast<index_t>(split) * p.block_keys;
+  const index_t j_end = j_begin + p.block_keys < L ? j_begin + p.block_keys : L;
+  if (j_begin >= j_end) return;
+  float* mt = smem;        // M^T: mt[d * D + i] = M[i][d]
+  float* sk = mt + D * D;  // [per_pass][Dmax]
+  if (j_begin < F) {
+    const float* M = p.transitions + (slot * H + h) * D * D;
+    for (int idx = tid; idx < D * D; idx += threads) mt[(idx % D) * D + idx / D] = M[idx];
+  }
+  Store* keys = static_cast<Store*>(p.keys) + (slot * p.capacity * H + h) * D;
+  const float* recent = p.recent + (slot * path_decode_recent * H + h) * D;
+  const int i = tid % Dmax, sub = tid / Dmax;
+  for (index_t jb = j_begin; jb < j_end; jb += per_pass) {
+    const index_t j = jb + sub;
+    const bool live = j < j_end && i < D;
+    __syncthreads();  // mt is written; the last pass's keys are used
+    if (live && j < F) sk[sub * Dmax + i] = to_float(keys[j * H * D + i]);
+    __syncthreads();
+    if (live) {
+      float y = 0.f;
+      if (j < F)
+        for (int d = 0; d < D; ++d) y += mt[d * D + i] * sk[sub * Dmax + d];
+      else
+        y = recent[(j % path_decode_recent) * H * D + i];
+      keys[j * H * D + i] = from_float<Store>(y);
+    }
   }
 }
 

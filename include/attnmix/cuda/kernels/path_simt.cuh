@@ -392,11 +392,13 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
 // last, keeping S = P_last ... P_{c+1} (D x D, float, shared memory); kappa_b = S k~_b for the
 // rows of chunk c, then S <- S P_c = S - (S W_c^T) U_c. O(T D^2). Out: [B, T, H, D] (strided).
 // slot_of != nullptr: sequence n goes to out + slot_of[n] * out_s0, its token j at j * out_s1
-// (a decoding cache); otherwise to its batch row and its own token positions.
+// (a decoding cache); otherwise to its batch row and its own token positions. recent and
+// transitions (a device decoding cache, else nullptr): the slot's ring of recent keys and M.
 template <class KT, class TU, class Out>
 __global__ void __launch_bounds__(256)
     path_key_cache_kernel(const path_kernel_params p, Out* out, index_t out_s0, index_t out_s1,
-                          index_t out_s2, const std::int32_t* slot_of) {
+                          index_t out_s2, const std::int32_t* slot_of, float* recent,
+                          float* transitions) {
   constexpr int C = path_chunk, threads = 256;
   extern __shared__ __align__(16) float smem[];
   const int D = p.a.head_dim, lds = D + 1, tid = threadIdx.x, h = blockIdx.x;
@@ -413,6 +415,16 @@ __global__ void __launch_bounds__(256)
   const float* w = p.w + batch * p.w_stride[0] + start * p.w_stride[1] + h * p.w_stride[2];
   Out* dst = slot_of != nullptr ? out + slot_of[blockIdx.y] * out_s0 + h * out_s2
                                 : out + batch * out_s0 + start * out_s1 + h * out_s2;
+  // A decoding cache that defers the transitions (path_decode.cuh): the keys from F on are
+  // recent, kept in float in the slot's ring too, and M starts as I.
+  const index_t F = path_decode_flushed(length);
+  float* ring = nullptr;
+  if (recent != nullptr) {
+    const index_t slot = slot_of[blockIdx.y];
+    ring = recent + (slot * path_decode_recent * p.kv_heads + h) * D;
+    float* M = transitions + (slot * p.kv_heads + h) * D * D;
+    for (int idx = tid; idx < D * D; idx += threads) M[idx] = idx / D == idx % D ? 1.f : 0.f;
+  }
 
   for (index_t ci = (length + C - 1) / C - 1; ci >= 0; --ci) {
     const index_t j0 = ci * C;
@@ -423,6 +435,8 @@ __global__ void __launch_bounds__(256)
       float s = 0.f;
       for (int d = 0; d < D; ++d) s += S[i * lds + d] * to_float(kb[d]);
       dst[(j0 + b) * out_s1 + i] = from_float<Out>(s);
+      if (ring != nullptr && j0 + b >= F)
+        ring[((j0 + b) % path_decode_recent) * p.kv_heads * D + i] = s;
     }
     if (ci == 0) break;
     for (int idx = tid; idx < D * n; idx += threads) {  // Y[i][b] = sum_d S[i][d] w_b[d]

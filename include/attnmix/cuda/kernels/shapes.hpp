@@ -18,6 +18,28 @@ constexpr int gate_part = 256, gate_warps = gate_part / 32;
 constexpr int path_chunk = 64;  // positions of a chunk (the UT transform's C)
 // The PaTH-FoX backward's gate scans: warps a CTA, one a (sequence, query head).
 constexpr int path_gate_warps = 4;
+// A device decoding cache defers the transitions (kernels/path_decode.cuh): a slot's keys older
+// than its last flush (every path_decode_flush steps) are read as they were then, the recent ones
+// live in float in a ring of path_decode_recent keys (two flush periods: the step that flushes
+// appends its key where the keys it flushes are not).
+constexpr int path_decode_flush = 64, path_decode_recent = 2 * path_decode_flush;
+// Keys [0, F) of a slot holding L tokens before a step are as of the last flush; [F, L) recent.
+inline ATTNMIX_HOST_DEVICE index_t path_decode_flushed(index_t L) {
+  return L == 0 ? 0 : (L - 1) / path_decode_flush * path_decode_flush;
+}
+// Whether the step with L tokens held flushes (stores keys [0, L) carried through its transition).
+inline ATTNMIX_HOST_DEVICE bool path_decode_flushes(index_t L) {
+  return L > 0 && L % path_decode_flush == 0;
+}
+// Whether the step with L tokens held starts the transition product M anew (after a flush or a
+// prefill; for a slot with no flushed keys M is unused, so starting anew is harmless).
+inline ATTNMIX_HOST_DEVICE bool path_decode_fresh_transitions(index_t L) {
+  return L == 0 || (L - 1) % path_decode_flush == 0;
+}
+// The flush kernel's shared memory: M^T and a pass's keys (128 threads, a thread an element).
+inline int path_decode_flush_smem(int D) {
+  return 4 * (D * D + 128);
+}
 
 // ---- linear attention, CUDA cores (linear_simt.cuh, linear_causal.cuh) ---------------------
 // The state of a block of tokens: S_p (D x Dv), z_p (D), and for the key gate the block max

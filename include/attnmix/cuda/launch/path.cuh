@@ -82,8 +82,8 @@ void launch_path_prepare_mma(const path_kernel_params& kp, const path_plan& plan
 }
 
 // Where the prefill key cache goes (keys == nullptr: nowhere): [B, T, H, D] with these strides,
-// or, with slot_of (device), the slots of a decoding cache, whose values and gate cumsum are
-// filled too.
+// or, with slot_of (device), the slots of a decoding cache, whose values, gate cumsum, recent
+// keys and transitions are filled too.
 template <class Out>
 struct key_cache_target {
   Out* keys = nullptr;
@@ -91,6 +91,8 @@ struct key_cache_target {
   const std::int32_t* slot_of = nullptr;
   Out* values = nullptr;
   double* gates = nullptr;
+  float* recent = nullptr;
+  float* transitions = nullptr;
   index_t capacity = 0;
 };
 
@@ -102,7 +104,7 @@ void launch_path_key_cache(const path_kernel_params& kp, index_t sequences,
   allow_dynamic_smem(kernel, smem);
   kernel<<<dim3(static_cast<unsigned>(kp.kv_heads), static_cast<unsigned>(sequences)), 256, smem,
            stream>>>(kp, target.keys, target.stride[0], target.stride[1], target.stride[2],
-                     target.slot_of);
+                     target.slot_of, target.recent, target.transitions);
   check(cudaGetLastError(), "path_key_cache_kernel launch");
   if (target.values != nullptr) {
     path_cache_fill_kernel<T, Out><<<dim3(64, static_cast<unsigned>(sequences)), 128, 0, stream>>>(
@@ -238,12 +240,15 @@ struct decode_cache {
   void* keys;
   void* values;
   double* gates;
+  float* recent;
+  float* transitions;
   index_t capacity;
   std::vector<std::array<std::int32_t, 2>> rows;
 };
 
-// One fused decoding step (cuda/kernels/path_decode.cuh) over the cache's rows; DevStore is the
-// cache's element type. gate_coef: factor of (G_t - G_j), ignored without a.g.
+// One decoding step (cuda/kernels/path_decode.cuh) over the cache's rows: transitions, step,
+// combine, and the flush where a row's step flushes; DevStore is the cache's element type.
+// gate_coef: factor of (G_t - G_j), ignored without a.g.
 template <class DevStore, class T>
 void run_path_decode(const std::string& fn, const attention_args<T>& a,
                      const attention_problem& prob, const decode_cache& cache, double gate_coef,
@@ -273,7 +278,9 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
   stream_buffer work(plan.bytes, stream);
   p.part_ml = reinterpret_cast<float*>(work.get());
   p.part_o = reinterpret_cast<float*>(work.get() + plan.ml_bytes);
-  auto* rows_dev = reinterpret_cast<std::int32_t*>(work.get() + plan.ml_bytes + plan.o_bytes);
+  p.qm = reinterpret_cast<float*>(work.get() + plan.ml_bytes + plan.o_bytes);
+  auto* rows_dev =
+      reinterpret_cast<std::int32_t*>(work.get() + plan.ml_bytes + plan.o_bytes + plan.qm_bytes);
   upload_host(rows_dev, cache.rows.data(), rows_bytes, stream, "cudaMemcpyAsync(rows)");
   p.rows = rows_dev;
 
@@ -291,6 +298,7 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
   p.lse = a.lse.has_value() ? a.lse.data() : nullptr;
   if (a.lse.has_value()) p.lse_s[0] = a.lse.stride(0), p.lse_s[1] = a.lse.stride(2);
   p.keys = cache.keys, p.values = cache.values, p.gates = cache.gates;
+  p.recent = cache.recent, p.transitions = cache.transitions;
   p.capacity = cache.capacity;
   p.q_heads = static_cast<int>(HQ), p.kv_heads = static_cast<int>(prob.kv_heads);
   p.group = static_cast<int>(prob.group());
@@ -300,9 +308,14 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
   p.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
 
   const dim3 grid(plan.grid.x, plan.grid.y, plan.grid.z);
+  const bool narrow = plan.dmax == 64;
+  auto transition =
+      narrow ? path_decode_transition_kernel<Dev, 64> : path_decode_transition_kernel<Dev, 128>;
+  transition<<<dim3(plan.transition_grid.x, plan.transition_grid.y), plan.dmax, 0, stream>>>(p);
+  check(cudaGetLastError(), "path_decode_transition_kernel launch");
   const int smem = plan.smem;
-  auto kernel = plan.dmax == 64 ? path_decode_kernel<Dev, DevStore, 64>
-                                : path_decode_kernel<Dev, DevStore, 128>;
+  auto kernel =
+      narrow ? path_decode_kernel<Dev, DevStore, 64> : path_decode_kernel<Dev, DevStore, 128>;
   if (plan.raise_smem_limit)  // above the default limit: only wide GQA groups (not per step)
     allow_dynamic_smem(kernel, smem);
   kernel<<<grid, path_decode_threads, smem, stream>>>(p);
@@ -311,6 +324,15 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
       <<<dim3(plan.combine_grid.x, plan.combine_grid.y), path_decode_combine_threads, 0, stream>>>(
           p);
   check(cudaGetLastError(), "path_decode_combine_kernel launch");
+  const bool flushes = std::any_of(cache.rows.begin(), cache.rows.end(),
+                                   [](const auto& r) { return path_decode_flushes(r[1]); });
+  if (flushes) {  // one step in path_decode_flush; the other rows' blocks return at once
+    auto flush =
+        narrow ? path_decode_flush_kernel<DevStore, 64> : path_decode_flush_kernel<DevStore, 128>;
+    if (plan.flush_smem > 48 * 1024) allow_dynamic_smem(flush, plan.flush_smem);
+    flush<<<grid, path_decode_threads, plan.flush_smem, stream>>>(p);
+    check(cudaGetLastError(), "path_decode_flush_kernel launch");
+  }
 }
 
 }  // namespace cuda

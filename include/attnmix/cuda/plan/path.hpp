@@ -127,8 +127,10 @@ struct path_decode_plan {
   int dmax = 0;                   // the kernel's compile-time bound of D, Dv (64 or 128)
   int smem = 0;                   // dynamic shared memory of the step kernel
   bool raise_smem_limit = false;  // above the default limit: only wide GQA groups
-  launch_grid grid, combine_grid;
-  std::size_t ml_bytes = 0, o_bytes = 0, bytes = 0;  // scratch: partial (m, l), partial O, rows
+  int flush_smem = 0;             // dynamic shared memory of the flush kernel
+  launch_grid grid, combine_grid, transition_grid;
+  // scratch: partial (m, l), partial O, M^T q, rows
+  std::size_t ml_bytes = 0, o_bytes = 0, qm_bytes = 0, bytes = 0;
 };
 
 inline path_decode_plan plan_path_decode(const path_decode_shape& s, const device_properties& d) {
@@ -137,13 +139,16 @@ inline path_decode_plan plan_path_decode(const path_decode_shape& s, const devic
   p.splits = int((s.longest + p.block_keys - 1) / p.block_keys);
   const index_t group = s.q_heads / s.kv_heads;
   p.dmax = std::max(s.head_dim, s.value_dim) <= 64 ? 64 : 128;
-  p.smem = int((group * p.dmax + group * p.block_keys + 4 * p.dmax) * 4);
+  p.smem = int((2 * group * p.dmax + group * p.block_keys + 4 * p.dmax) * 4);
   p.raise_smem_limit = std::size_t(p.smem) > d.smem_per_block;
+  p.flush_smem = path_decode_flush_smem(int(s.head_dim));
   p.grid = {unsigned(p.splits), unsigned(s.kv_heads), unsigned(s.batch)};
   p.combine_grid = {unsigned(s.q_heads), unsigned(s.batch)};
+  p.transition_grid = {unsigned(s.kv_heads), unsigned(s.batch)};
   p.ml_bytes = static_cast<std::size_t>(s.batch * s.q_heads * p.splits * 2) * 4;
   p.o_bytes = static_cast<std::size_t>(s.batch * s.q_heads * p.splits * s.value_dim) * 4;
-  p.bytes = p.ml_bytes + p.o_bytes + s.row_bytes;
+  p.qm_bytes = static_cast<std::size_t>(s.batch * s.q_heads * p.dmax) * 4;
+  p.bytes = p.ml_bytes + p.o_bytes + p.qm_bytes + s.row_bytes;
   return p;
 }
 
