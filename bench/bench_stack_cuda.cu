@@ -142,7 +142,7 @@ void BM_decode_cuda(benchmark::State& state) {
   auto cache = g.make_cache(N, Lc + steps + 8);
   const double forward_ms = median_ms([&] { g.forward(vx, vy); }, 3);
   const double prefill_ms = median_ms([&] { g.prefill(vx, vy, cache); }, 3);
-  g.prefill(vx, vy, cache);  // the cache holds the L prompt tokens again
+  g.prefill(vx, vy, cache);   // the cache holds the L prompt tokens again
   g.decode(vxs, vys, cache);  // warm-up
   using attnmix::detail::cuda::check;
   cudaEvent_t a, b;
@@ -165,10 +165,10 @@ void BM_decode_cuda(benchmark::State& state) {
   double weights = 0;
   h.visit_parameters([&](const std::string&, auto& p) { weights += 2.0 * double(p.data.size()); });
   const double tokens = double(N) * double(Lc), d = double(c.dim());
-  const double per_token = double(c.kv_heads()) * 2.0 * d * 2.0 +
-                           (attnmix::kind_traits<typename Layer::kind>::uses_forget_gate
-                                ? 8.0 * double(c.num_heads)
-                                : 0.0);
+  const double per_token =
+      double(c.kv_heads()) * 2.0 * d * 2.0 +
+      (attnmix::kind_traits<typename Layer::kind>::uses_forget_gate ? 8.0 * double(c.num_heads)
+                                                                    : 0.0);
   const double bytes = weights + 12.0 * tokens * per_token;
   const double floor_ms = bytes / copy_rate() * 1e3;
   const double median = step_ms[step_ms.size() / 2];

@@ -3,6 +3,8 @@
 // plans were pulled out of them (dd67d4e), on an H200 (sm_90, 132 SMs) and on an sm_80 device
 // with 108 SMs, which takes the portable kernels. Pure host code: no CUDA header.
 
+#include <vector>
+
 #include "support/catch.hpp"
 
 #include "attnmix/cuda/plan/attention.hpp"
@@ -241,21 +243,68 @@ TEST_CASE("PaTH plans: the forward and a decoding step", "[plan]") {
     CHECK(p.block_keys == 256);
     CHECK(p.splits == 33);
     CHECK(p.dmax == 64);
-    CHECK(p.smem == (64 + 256 + 4 * 64) * 4);
+    CHECK(p.smem == (2 * 64 + 256 + 4 * 64) * 4);
     CHECK_FALSE(p.raise_smem_limit);
+    CHECK(p.flush_smem == (64 * 64 + 128) * 4);
     CHECK(p.grid == grid(33, 32, 32));
     CHECK(p.combine_grid == grid(32, 32));
+    CHECK(p.transition_grid == grid(32, 32));
     CHECK(p.ml_bytes == 32 * 32 * 33 * 2 * 4);
     CHECK(p.o_bytes == 32 * 32 * 33 * 64 * 4);
-    CHECK(p.bytes == p.ml_bytes + p.o_bytes + 256);
-    d.kv_heads = 1;  // a group of 32 query heads a KV head: 45 KB, still under 48 KB
+    CHECK(p.qm_bytes == 32 * 32 * 64 * 4);
+    CHECK(p.bytes == p.ml_bytes + p.o_bytes + p.qm_bytes + 256);
+    d.kv_heads = 8;  // a group of 4 query heads a KV head at D = 128: 14 KB
     d.head_dim = 128;
     p = plan_path_decode(d, h200());
     CHECK(p.dmax == 128);
-    CHECK(p.smem == (32 * 128 + 32 * 256 + 4 * 128) * 4);
-    CHECK(p.raise_smem_limit == (p.smem > 48 * 1024));
-    d.q_heads = 64;  // 64 query heads: above the default limit
+    CHECK(p.smem == (2 * 4 * 128 + 4 * 256 + 4 * 128) * 4);
+    CHECK_FALSE(p.raise_smem_limit);
+    CHECK(p.flush_smem == (128 * 128 + 128) * 4);  // 66 KB: above the default limit
+    d.kv_heads = 1;                                // a group of 32: 66 KB, above the default limit
     CHECK(plan_path_decode(d, h200()).raise_smem_limit);
+  }
+}
+
+// The deferred-transition schedule of a device PaTH cache (shapes.hpp; kernels/path_decode.cuh),
+// simulated on the host for prompts of every length up to three flush periods and the steps after:
+// every key a step scores is where the step kernel looks for it and carried through exactly the
+// transitions before it (kept: M s_j with M the product since s_j's last update; recent: in the
+// ring, current), the new key takes a ring entry no key still in the ring needs, and a flush
+// leaves every key kept, carried through its step.
+TEST_CASE("the PaTH decoding cache's flush schedule keeps every key once", "[plan][path][decode]") {
+  const index_t R = path_decode_flush, ring_size = path_decode_recent;
+  for (index_t prompt = 0; prompt <= 3 * R + 1; ++prompt) {
+    INFO("prompt of " << prompt << " tokens");
+    // through[j]: the last token whose transition key j's kept value includes (-1: not kept).
+    std::vector<index_t> through(static_cast<std::size_t>(prompt + 4 * R), -1);
+    std::vector<index_t> ring(static_cast<std::size_t>(ring_size), -1);
+    index_t m_from = prompt;  // M = H_(L-1) ... H_(m_from): the prefill leaves M = I
+    for (index_t j = 0; j < prompt; ++j) through[std::size_t(j)] = prompt - 1;
+    for (index_t j = path_decode_flushed(prompt); j < prompt; ++j)
+      ring[std::size_t(j % ring_size)] = j;
+    for (index_t L = prompt; L < prompt + 3 * R + 2; ++L) {
+      // The transition kernel: M <- H_L M, or H_L alone.
+      if (path_decode_fresh_transitions(L)) m_from = L;
+      // The step kernel.
+      const index_t F = path_decode_flushed(L);
+      REQUIRE(F <= L);
+      REQUIRE(L - F <= R);
+      for (index_t j = 0; j < F; ++j) REQUIRE(through[std::size_t(j)] == m_from - 1);
+      for (index_t j = F; j < L; ++j) REQUIRE(ring[std::size_t(j % ring_size)] == j);
+      const index_t taken = ring[std::size_t(L % ring_size)];
+      REQUIRE((taken < F || taken >= L));  // no key the step or its flush still reads
+      ring[std::size_t(L % ring_size)] = L;
+      // The flush kernel: every key before L kept, through H_L.
+      if (path_decode_flushes(L)) {
+        REQUIRE(F == L - R);
+        for (index_t j = 0; j < L; ++j) {
+          if (j >= F) REQUIRE(ring[std::size_t(j % ring_size)] == j);
+          through[std::size_t(j)] = L;
+        }
+        CHECK(path_decode_flushed(L + 1) == L);
+        CHECK(path_decode_fresh_transitions(L + 1));
+      }
+    }
   }
 }
 
