@@ -7,7 +7,8 @@
 //     SA + RoPE) serving N sequences: the prefill of N prompts of L tokens beside the stack's
 //     forward over them, then decoding steps from L cached tokens on. Counters: the step's time
 //     against its memory floor (every weight and every cached byte read once, at the rate of a
-//     device-to-device copy timed in the same run), and prefill / forward.
+//     device-to-device copy timed in the same run), and prefill / forward; the SA model also
+//     with its decoding through the split decoding kernel (attention_decode_splits).
 
 #include <benchmark/benchmark.h>
 
@@ -123,8 +124,11 @@ double copy_rate() {
   return 2.0 * double(bytes) / (ms * 1e-3);
 }
 
-template <class Layer>
+template <class Layer, bool split = false>
 void BM_decode_cuda(benchmark::State& state) {
+  namespace cu = attnmix::detail::cuda;
+  const bool saved = cu::attention_decode_splits();
+  cu::attention_decode_splits() = split;  // SA and FoX decoding through the split kernel
   const index_t N = state.range(0), Lc = state.range(1);
   L::config c;
   c.hidden_size = 1024;
@@ -179,6 +183,7 @@ void BM_decode_cuda(benchmark::State& state) {
   state.counters["prefill_ms"] = prefill_ms;
   state.counters["forward_ms"] = forward_ms;
   state.counters["prefill_over_forward"] = prefill_ms / forward_ms;
+  cu::attention_decode_splits() = saved;
 }
 BENCHMARK_TEMPLATE(BM_decode_cuda, attnmix::layer::path_fox)
     ->Name("decode_path_fox_12x1024")
@@ -189,6 +194,13 @@ BENCHMARK_TEMPLATE(BM_decode_cuda, attnmix::layer::path_fox)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_decode_cuda, attnmix::layer::causal_sa_rope)
     ->Name("decode_sa_rope_12x1024")
+    ->Args({32, 4096})
+    ->ArgNames({"N", "L"})
+    ->Iterations(64)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_decode_cuda, attnmix::layer::causal_sa_rope, true)
+    ->Name("decode_sa_rope_12x1024_split")
     ->Args({32, 4096})
     ->ArgNames({"N", "L"})
     ->Iterations(64)

@@ -59,6 +59,22 @@ std::vector<key_case> causal_cases() {
   };
 }
 
+// One query a row (decoding): what the split decoding kernel takes. Runs that split at block
+// edges (256, 257, 513 keys), a reset inside a later block, windows, wide and narrow groups, head
+// dims of 8-element multiples the tensor-core kernels do not tile, a single key.
+std::vector<key_case> decode_cases() {
+  return {
+      {2, 1, 300, 4, 2, 64, 64},
+      {3, 1, 1000, 8, 2, 64, 64, 0, {}, {}, 5, {4, 0, 2}, {257, 1000, 513}, 300},
+      {2, 1, 260, 2, 2, 64, 64, 0, {}, {}, 4, {3, 3}, {1, 259}},
+      {2, 1, 700, 4, 4, 128, 128, 100},
+      {1, 1, 600, 16, 1, 64, 64, 0, {}, {}, 0, {}, {}, 599},
+      {2, 1, 90, 2, 1, 96, 40},
+      {1, 1, 1, 2, 2, 64, 64},
+      {2, 1, 256, 4, 2, 64, 64, 0, {}, {}, 2, {1, 0}, {256, 255}},
+  };
+}
+
 // Bidirectional queries may have fewer keys than queries (cross-attention).
 std::vector<key_case> bidirectional_cases() {
   std::vector<key_case> cases = causal_cases();
@@ -170,6 +186,26 @@ TEMPLATE_TEST_CASE("CUDA attention with keys of other lengths matches the CPU pa
   all_kinds<TestType>(1000);
 }
 
+// Turns the split decoding kernel on for a scope.
+struct decode_on {
+  bool saved = attnmix::detail::cuda::attention_decode_splits();
+  decode_on() { attnmix::detail::cuda::attention_decode_splits() = true; }
+  ~decode_on() { attnmix::detail::cuda::attention_decode_splits() = saved; }
+};
+
+TEMPLATE_TEST_CASE("CUDA split decoding kernel matches the CPU path", "[cuda][keys][decode]", float,
+                   attnmix::bfloat16, attnmix::half) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using T = TestType;
+  const decode_on on;
+  std::vector<key_case> cross = decode_cases();
+  cross.push_back({2, 1, 7, 2, 1, 64, 64});  // cross-attention: all of a short memory
+  cross.push_back({2, 1, 20, 4, 4, 128, 64, 0, {}, {}, 3, {2, 0}, {5, 20}});
+  sweep<attnmix::kind::softmax, attnmix::softmax_policy, T>(decode_cases(), 4000);
+  sweep<attnmix::kind::softmax, attnmix::bidirectional_softmax_policy, T>(cross, 4100);
+  sweep<attnmix::kind::fox, attnmix::fox_policy, T>(decode_cases(), 4200);
+}
+
 TEST_CASE("CUDA attention with keys of other lengths on the portable tensor-core kernel",
           "[cuda][keys]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
@@ -183,6 +219,11 @@ TEST_CASE("CUDA attention with keys of other lengths, a small sweep for compute-
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   const std::vector<key_case> cases{causal_cases()[1], causal_cases()[4], causal_cases()[6]};
   sweep<attnmix::kind::fox, attnmix::fox_policy, attnmix::bfloat16>(cases, 3000);
+  {
+    const decode_on on;
+    sweep<attnmix::kind::fox, attnmix::fox_policy, attnmix::bfloat16>(
+        {decode_cases()[1], decode_cases()[3]}, 3050);
+  }
   sweep<attnmix::kind::fox, attnmix::fox_policy, float>(cases, 3100);
   attnmix::backend::cuda portable{};
   portable.portable = true;

@@ -22,7 +22,8 @@
 
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/arch/types.cuh"
-#include "attnmix/cuda/kernels/sm80_attention.cuh"
+#include "attnmix/cuda/kernels/shapes.hpp"
+#include "attnmix/cuda/kernels/split_decode.cuh"
 
 namespace attnmix {
 namespace detail {
@@ -37,9 +38,7 @@ struct path_decode_params {
   const float* beta;
   const float* g;  // nullptr: kind::path
   index_t q_s[2], k_s[2], v_s[2], w_s[2], beta_s[2], g_s[2];
-  void* out;
-  float* lse;  // nullptr: not requested
-  index_t out_s[2], lse_s[2];
+  split_decode_parts parts;  // the blocks' partial states, the output and lse
   // The cache: keys [slots, capacity, H, D], values [.., H, Dv], gates [slots, capacity, HQ];
   // recent keys [slots, path_decode_recent, H, D] and transitions M [slots, H, D, D] (float).
   void* keys;
@@ -52,46 +51,8 @@ struct path_decode_params {
   const std::int32_t* rows;  // [N][2]: slot, tokens held before this step
   int q_heads, kv_heads, group, head_dim, value_dim;
   float scale_log2, gate_coef_log2;
-  int block_keys, splits;
-  float* part_ml;  // [N, HQ, splits, 2]: running max (base 2) and sum of each block
-  float* part_o;   // [N, HQ, splits, Dv]
+  int block_keys;
 };
-
-template <class S>
-__device__ __forceinline__ void load8(float (&x)[8], const S* p) {
-  if constexpr (std::is_same_v<S, float>) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0],
-                 b = reinterpret_cast<const float4*>(p)[1];
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-  } else {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const S* e = reinterpret_cast<const S*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = to_float(e[i]);
-  }
-}
-
-template <class S>
-__device__ __forceinline__ void store8(S* p, const float (&x)[8]) {
-  if constexpr (std::is_same_v<S, float>) {
-    reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
-  } else {
-    uint4 raw;
-    S* e = reinterpret_cast<S*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) e[i] = from_float<S>(x[i]);
-    *reinterpret_cast<uint4*>(p) = raw;
-  }
-}
-
-// Sum over the `Lanes` consecutive lanes that share a key.
-template <int Lanes>
-__device__ __forceinline__ float group_sum(float s) {
-#pragma unroll
-  for (int off = 1; off < Lanes; off *= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-  return s;
-}
 
 // The transition kernel: M <- H_t M (column c by thread c; M starts as I after a flush or a
 // prefill) and qm = M^T q for each query head of the group. Grid (H, N), Dmax threads.
@@ -149,11 +110,8 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   const index_t slot = p.rows[2 * n], L = p.rows[2 * n + 1], F = path_decode_flushed(L);
   const index_t j_begin = static_cast<index_t>(split) * p.block_keys;
   const index_t j_end = j_begin + p.block_keys < L + 1 ? j_begin + p.block_keys : L + 1;
-  float* ml = p.part_ml + ((static_cast<index_t>(n) * HQ + h * G) * p.splits + split) * 2;
-  float* po = p.part_o + ((static_cast<index_t>(n) * HQ + h * G) * p.splits + split) * Dv;
   if (j_begin >= j_end) {  // past the end of this row's cache
-    for (int g = tid; g < G; g += threads)
-      ml[g * p.splits * 2] = -INFINITY, ml[g * p.splits * 2 + 1] = 0.f;
+    split_decode_empty(p.parts, n, h * G, G, split);
     return;
   }
 
@@ -253,57 +211,13 @@ __global__ void __launch_bounds__(128) path_decode_kernel(const path_decode_para
   }
   __syncthreads();
 
-  // Per query head: block max, probabilities, sum; then o = sum_j p_j v_j. A value row is read
-  // as 8-element vectors by Dmax / 8 lanes, so a warp covers 32 / (Dmax / 8) keys at a time.
-  constexpr int vlanes = Dmax / 8, keys_per_warp = 32 / vlanes;
-  static_assert(32 % vlanes == 0, "a warp covers whole value rows");
-  const int lane = tid % 32, warp = tid / 32, count = static_cast<int>(j_end - j_begin);
-  const int vl = lane % vlanes, e0 = vl * 8, ksub = lane / vlanes;
-  const Store* vals = static_cast<const Store*>(p.values) + (slot * p.capacity * H + h) * Dv;
-  for (int g = 0; g < G; ++g) {
-    float* z = sz + g * p.block_keys;
-    float mx = -INFINITY;
-    for (int j = lane; j < count; j += 32) mx = fmaxf(mx, z[j]);
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float acc[8] = {};
-    float sum = 0.f;
-#pragma unroll 4  // keeps several value loads in flight
-    for (int j = warp * keys_per_warp + ksub; j < count; j += 4 * keys_per_warp) {
-      const float pj = fast_exp2(z[j] - mx);
-      sum += pj;
-      if (e0 < Dv) {
-        float v8[8];
-        load8(v8, vals + (j_begin + j) * H * Dv + e0);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += pj * v8[e];
-      }
-    }
-    // Fold the warp's key subsets (lanes with the same vl), then its lanes' sums (each key's
-    // probability was added by all vlanes lanes of its subset: count it once).
-#pragma unroll
-    for (int off = vlanes; off < 32; off *= 2)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
-    sum = vl == 0 ? sum : 0.f;
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (ksub == 0)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) so[warp * Dmax + e0 + e] = acc[e];
-    __syncthreads();
-    if (warp == 0)  // each warp summed a quarter of the keys
-      for (int e = lane; e < Dv; e += 32)
-        po[g * p.splits * Dv + e] = so[e] + so[Dmax + e] + so[2 * Dmax + e] + so[3 * Dmax + e];
-    __syncthreads();
-    if (lane == 0) so[warp] = sum;
-    __syncthreads();
-    if (tid == 0) {
-      ml[g * p.splits * 2] = mx;
-      ml[g * p.splits * 2 + 1] = so[0] + so[1] + so[2] + so[3];
-    }
-    __syncthreads();
-  }
+  // Per query head: block max, probabilities, sum; then o = sum_j p_j v_j.
+  const Store* vals =
+      static_cast<const Store*>(p.values) + ((slot * p.capacity + j_begin) * H + h) * Dv;
+  for (int g = 0; g < G; ++g)
+    split_decode_values<Store, Dmax>(sz + g * p.block_keys, static_cast<int>(j_end - j_begin), vals,
+                                     H * Dv, Dv, so, p.parts.ml_at(n, h * G + g, split),
+                                     p.parts.o_at(n, h * G + g, split));
 }
 
 // The flush, for the rows whose step flushes (path_decode_flushes(L)): keys [0, L - flush) of
@@ -347,27 +261,6 @@ __global__ void __launch_bounds__(128) path_decode_flush_kernel(const path_decod
       keys[j * H * D + i] = from_float<Store>(y);
     }
   }
-}
-
-// Merges the blocks' partial states: grid (HQ, N), Dmax threads.
-template <class T>
-__global__ void path_decode_combine_kernel(const path_decode_params p) {
-  const int hq = blockIdx.x, n = blockIdx.y, e = threadIdx.x;
-  const float* ml = p.part_ml + (static_cast<index_t>(n) * p.q_heads + hq) * p.splits * 2;
-  const float* po = p.part_o + (static_cast<index_t>(n) * p.q_heads + hq) * p.splits * p.value_dim;
-  float M = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) M = fmaxf(M, ml[2 * s]);
-  float l = 0.f, o = 0.f;
-  for (int s = 0; s < p.splits; ++s) {
-    if (ml[2 * s] == -INFINITY) continue;
-    const float f = exp2f(ml[2 * s] - M);
-    l += f * ml[2 * s + 1];
-    if (e < p.value_dim) o += f * po[s * p.value_dim + e];
-  }
-  if (e < p.value_dim)
-    static_cast<T*>(p.out)[n * p.out_s[0] + hq * p.out_s[1] + e] = from_float<T>(o / l);
-  if (e == 0 && p.lse != nullptr)
-    p.lse[n * p.lse_s[0] + hq * p.lse_s[1]] = (M + log2f(l)) * 0.6931471805599453f;
 }
 
 }  // namespace cuda

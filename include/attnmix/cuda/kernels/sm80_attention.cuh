@@ -66,14 +66,6 @@ struct tile_loader {
   }
 };
 
-// 2^x on the special-function unit; inputs are <= 0 or -inf here, so flushing denormal
-// results to zero loses nothing that matters.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Epilogue of the tensor-core kernels, whose O accumulators share one layout: o[4 j + 2 h + e]
 // is row r0 + 8 h, column 8 j + c + e (c = 2 (lane % 4)), and a row's partial sums l live in
 // the quad of lanes that share it. Stores this thread's two rows of the tile at `out` (rows >=

@@ -15,10 +15,12 @@
 #include "attnmix/core/tags.hpp"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/dispatch.cuh"
+#include "attnmix/cuda/kernels/attention_decode.cuh"
 #include "attnmix/cuda/kernels/attention_simt.cuh"
 #include "attnmix/cuda/kernels/gate_cumsum.cuh"
 #include "attnmix/cuda/kernels/sm80_attention.cuh"
 #include "attnmix/cuda/kernels/sm90_attention.cuh"
+#include "attnmix/cuda/launch/split_decode.cuh"
 #include "attnmix/cuda/plan/attention.hpp"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -62,6 +64,36 @@ void launch_simt(const attention_kernel_params& kp, const attention_plan& plan,
                  cudaStream_t stream) {
   const dim3 grid(plan.grid.x, plan.grid.y, plan.grid.z);
   attention_simt_kernel<Dev, MaxChunks><<<grid, attention_simt_threads, 0, stream>>>(kp);
+}
+
+// Decoding: the split kernel's blocks, then their merge into a.out and a.lse.
+template <class T>
+void launch_decode(const attention_args<T>& a, const attention_kernel_params& kp,
+                   const attention_plan& plan, cudaStream_t stream) {
+  using Dev = device_t<T>;
+  stream_buffer work(plan.ml_bytes + plan.o_bytes, stream);
+  const split_decode_parts parts = split_parts(a, plan.splits, work.get(), plan.ml_bytes);
+  auto kernel =
+      plan.dmax == 64 ? attention_decode_kernel<Dev, 64> : attention_decode_kernel<Dev, 128>;
+  if (plan.raise_smem_limit) allow_dynamic_smem(kernel, plan.smem);  // wide groups only
+  const dim3 grid(plan.grid.x, plan.grid.y, plan.grid.z);
+  kernel<<<grid, attention_decode_threads, plan.smem, stream>>>(kp, parts, plan.block_keys);
+  check(cudaGetLastError(), "attention_decode_kernel launch");
+  split_decode_combine_kernel<Dev>
+      <<<dim3(plan.combine_grid.x, plan.combine_grid.y), attention_decode_threads, 0, stream>>>(
+          parts);
+}
+
+// The most keys a row of a decoding call sees: its key count, cut to the window.
+inline index_t decode_keys(const attention_problem& p) {
+  index_t most = 0;
+  for (index_t n = 0; n < p.num_sequences; ++n) {
+    index_t keys = p.key_tokens;
+    if (p.cu_seqlens_k != nullptr) keys = p.cu_seqlens_k[n + 1] - p.cu_seqlens_k[n];
+    if (p.key_lengths != nullptr) keys = p.key_lengths[n];
+    most = std::max(most, p.window > 0 ? std::min(keys, p.window) : keys);
+  }
+  return most;
 }
 
 // Everything a softmax-family kernel reads, set up on `stream`: the kernel parameters, the
@@ -156,7 +188,20 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
       aligned_for_vectors(a.out.data(), a.out.stride(0), a.out.stride(1), a.out.stride(2), 2);
   shape.positive_scale = p.scale > 0;
   shape.portable = be.portable;
+  shape.group = p.group();
+  shape.decode =
+      p.tokens == 1 && p.cu_seqlens == nullptr && !p.keys_match_queries() && p.head_dim % 8 == 0 &&
+      p.value_dim % 8 == 0 && std::max(p.head_dim, p.value_dim) <= 128 &&
+      (!a.g.has_value() || p.group() <= 32) &&
+      aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8, sizeof(T)) &&
+      aligned_for_vectors(a.v.data(), a.v.stride(0), a.v.stride(1), a.v.stride(2), 8, sizeof(T));
+  if (shape.decode) shape.decode_keys = decode_keys(p);
   const attention_plan plan = plan_attention(shape, current_properties());
+  if (plan.variant == attention_variant::decode) {
+    launch_decode(a, kp, plan, stream);
+    check(cudaGetLastError(), "split_decode_combine_kernel launch");
+    return;
+  }
   if constexpr (tensor_cores) {
     if (plan.variant != attention_variant::simt) {
       with_head_dims<64, 128>(plan.head_dim, plan.value_dim, [&](auto d, auto dv) {

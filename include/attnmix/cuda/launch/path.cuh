@@ -23,6 +23,7 @@
 #include "attnmix/cuda/kernels/sm80_path_prepare.cuh"
 #include "attnmix/cuda/kernels/sm90_path.cuh"
 #include "attnmix/cuda/launch/attention.cuh"
+#include "attnmix/cuda/launch/split_decode.cuh"
 #include "attnmix/cuda/plan/path.hpp"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -272,12 +273,10 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
   const path_decode_plan plan = plan_path_decode(shape, props);
   path_decode_params p{};
   p.block_keys = plan.block_keys;
-  p.splits = plan.splits;
   const index_t HQ = prob.q_heads, Dv = prob.value_dim;
   const std::size_t rows_bytes = shape.row_bytes;
   stream_buffer work(plan.bytes, stream);
-  p.part_ml = reinterpret_cast<float*>(work.get());
-  p.part_o = reinterpret_cast<float*>(work.get() + plan.ml_bytes);
+  p.parts = split_parts(a, plan.splits, work.get(), plan.ml_bytes);
   p.qm = reinterpret_cast<float*>(work.get() + plan.ml_bytes + plan.o_bytes);
   auto* rows_dev =
       reinterpret_cast<std::int32_t*>(work.get() + plan.ml_bytes + plan.o_bytes + plan.qm_bytes);
@@ -293,10 +292,6 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
   p.w_s[0] = a.w.stride(0), p.w_s[1] = a.w.stride(2);
   p.beta_s[0] = a.beta.stride(0), p.beta_s[1] = a.beta.stride(2);
   if (gated) p.g_s[0] = a.g.stride(0), p.g_s[1] = a.g.stride(2);
-  p.out = a.out.data();
-  p.out_s[0] = a.out.stride(0), p.out_s[1] = a.out.stride(2);
-  p.lse = a.lse.has_value() ? a.lse.data() : nullptr;
-  if (a.lse.has_value()) p.lse_s[0] = a.lse.stride(0), p.lse_s[1] = a.lse.stride(2);
   p.keys = cache.keys, p.values = cache.values, p.gates = cache.gates;
   p.recent = cache.recent, p.transitions = cache.transitions;
   p.capacity = cache.capacity;
@@ -320,10 +315,10 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
     allow_dynamic_smem(kernel, smem);
   kernel<<<grid, path_decode_threads, smem, stream>>>(p);
   check(cudaGetLastError(), "path_decode_kernel launch");
-  path_decode_combine_kernel<Dev>
+  split_decode_combine_kernel<Dev>
       <<<dim3(plan.combine_grid.x, plan.combine_grid.y), path_decode_combine_threads, 0, stream>>>(
-          p);
-  check(cudaGetLastError(), "path_decode_combine_kernel launch");
+          p.parts);
+  check(cudaGetLastError(), "split_decode_combine_kernel launch");
   const bool flushes = std::any_of(cache.rows.begin(), cache.rows.end(),
                                    [](const auto& r) { return path_decode_flushes(r[1]); });
   if (flushes) {  // one step in path_decode_flush; the other rows' blocks return at once

@@ -36,7 +36,18 @@ constexpr int attention_wgmma_consumers(int D, int Dv) {
 // CUDA cores: a warp a query row, 4 rows a CTA.
 constexpr int attention_simt_rows = 4, attention_simt_threads = 128;
 
-enum class attention_variant { sm90_wgmma, sm80_mma, simt };
+// Decoding (one query token a row against keys of their own): flash-decoding blocks of
+// attention_decode_block_keys keys, 128 threads, and the merge's 128 threads (Dv <= 128).
+constexpr int attention_decode_block_keys = 256, attention_decode_threads = 128;
+
+// Whether calls that qualify take the decoding kernel (attention_decode.cuh) instead of the
+// forward kernels; off by default until it has been measured against them.
+inline bool& attention_decode_splits() {
+  static bool on = false;
+  return on;
+}
+
+enum class attention_variant { sm90_wgmma, sm80_mma, simt, decode };
 
 // What the plan reads of a call (the launcher fills it from the validated problem and views).
 struct attention_shape {
@@ -48,6 +59,11 @@ struct attention_shape {
   bool aligned = false;        // q, k, v rows 16-byte aligned, out rows 4-byte aligned
   bool positive_scale = true;  // the wgmma kernels fold the scale into the exponent
   bool portable = false;       // backend::cuda::portable
+  // Decoding: one query a row against keys of their own, D and Dv multiples of 8 up to 128,
+  // k and v rows in 8-element vectors, a group of at most 32 query heads with a gate; the most
+  // keys a row sees, and the query heads a key/value head.
+  bool decode = false;
+  index_t decode_keys = 0, group = 1;
 };
 
 struct attention_plan {
@@ -59,6 +75,13 @@ struct attention_plan {
   index_t row_tiles = 0, items = 0;  // tensor cores: row tiles a sequence, and work items
   launch_grid grid;
   bool reset_work_counter = false;  // the persistent kernel takes items from a counter
+  // decode: keys a block, blocks a (row, key/value head), the kernel's bound of D and Dv (64 or
+  // 128), its dynamic shared memory (above the default limit for wide groups), the merge's grid
+  // and the partial states' scratch (maxima and sums, outputs).
+  int block_keys = 0, splits = 0, dmax = 0, smem = 0;
+  bool raise_smem_limit = false;
+  launch_grid combine_grid;
+  std::size_t ml_bytes = 0, o_bytes = 0;
 };
 
 // Whether a call may take the Hopper (wgmma) softmax-family and PaTH kernels: on Hopper, unless
@@ -75,6 +98,19 @@ inline bool tensor_core_dims(index_t D, index_t Dv) {
 
 inline attention_plan plan_attention(const attention_shape& s, const device_properties& d) {
   attention_plan p;
+  if (s.decode && attention_decode_splits()) {
+    p.variant = attention_variant::decode;
+    p.block_keys = attention_decode_block_keys;
+    p.splits = int(std::max<index_t>(1, (s.decode_keys + p.block_keys - 1) / p.block_keys));
+    p.dmax = std::max(s.head_dim, s.value_dim) <= 64 ? 64 : 128;
+    p.smem = int((s.group * p.dmax + s.group * p.block_keys + 4 * p.dmax) * 4);
+    p.raise_smem_limit = std::size_t(p.smem) > d.smem_per_block;
+    p.grid = {unsigned(p.splits), unsigned(s.q_heads / s.group), unsigned(s.sequences)};
+    p.combine_grid = {unsigned(s.q_heads), unsigned(s.sequences)};
+    p.ml_bytes = padded_bytes(static_cast<std::size_t>(s.sequences * s.q_heads * p.splits * 2) * 4);
+    p.o_bytes = static_cast<std::size_t>(s.sequences * s.q_heads * p.splits * s.value_dim) * 4;
+    return p;
+  }
   if (s.sixteen_bit && s.aligned && tensor_core_dims(s.head_dim, s.value_dim)) {
     p.head_dim = int(s.head_dim), p.value_dim = int(s.value_dim);
     if (hopper_kernels_apply(s.portable, s.positive_scale, d)) {
