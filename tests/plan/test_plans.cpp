@@ -124,6 +124,34 @@ TEST_CASE("softmax plans: wgmma on Hopper, mma.sync elsewhere, CUDA cores otherw
     s.value_dim = 256;
     CHECK(plan_attention(s, h200()).simt_chunks == 8);
   }
+  SECTION("decoding (one query a row, cached keys): the split kernel when it is asked for") {
+    // 32 rows of 4096 cached keys, 16 query heads over 4 key/value heads.
+    attention_shape s = attention_bench(32, 1, 16);
+    s.decode = true, s.decode_keys = 4096, s.group = 4;
+    CHECK(plan_attention(s, h200()).variant == attention_variant::sm90_wgmma);  // off by default
+    const bool saved = attention_decode_splits();
+    attention_decode_splits() = true;
+    attention_plan p = plan_attention(s, h200());
+    CHECK(p.variant == attention_variant::decode);
+    CHECK(p.block_keys == 256);
+    CHECK(p.splits == 16);
+    CHECK(p.dmax == 64);
+    CHECK(p.smem == (4 * 64 + 4 * 256 + 4 * 64) * 4);
+    CHECK_FALSE(p.raise_smem_limit);
+    CHECK(p.grid == grid(16, 4, 32));
+    CHECK(p.combine_grid == grid(16, 32));
+    CHECK(p.ml_bytes == 32 * 16 * 16 * 2 * 4);
+    CHECK(p.o_bytes == std::size_t(32) * 16 * 16 * 64 * 4);
+    s.decode_keys = 4097;  // a key past the last block: one more
+    CHECK(plan_attention(s, h200()).splits == 17);
+    s.group = 16, s.head_dim = 128;  // MQA at D = 128: above the default limit
+    p = plan_attention(s, h200());
+    CHECK(p.dmax == 128);
+    CHECK(p.raise_smem_limit);
+    s.decode = false;  // a call that does not qualify keeps the forward's kernels
+    CHECK(plan_attention(s, h200()).variant == attention_variant::sm90_wgmma);
+    attention_decode_splits() = saved;
+  }
 }
 
 TEST_CASE("softmax scratch: offsets, gate cumsum, part sums, work counter", "[plan]") {
