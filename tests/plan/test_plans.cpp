@@ -144,7 +144,7 @@ TEST_CASE("softmax plans: wgmma on Hopper, mma.sync elsewhere, CUDA cores otherw
     CHECK(p.o_bytes == std::size_t(32) * 16 * 16 * 64 * 4);
     s.decode_keys = 4097;  // a key past the last block: one more
     CHECK(plan_attention(s, h200()).splits == 17);
-    s.group = 16, s.head_dim = 128;  // MQA at D = 128: above the default limit
+    s.q_heads = s.group = 32, s.head_dim = 128;  // MQA, 32 heads at D = 128: above 48 KB
     p = plan_attention(s, h200());
     CHECK(p.dmax == 128);
     CHECK(p.raise_smem_limit);
