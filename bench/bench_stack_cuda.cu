@@ -92,21 +92,9 @@ BENCHMARK(BM_encoder_cuda)
 // Milliseconds of call() on the default stream: the median of `reps` after one warm-up.
 template <class Call>
 double median_ms(Call&& call, int reps) {
-  using attnmix::detail::cuda::check;
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "cudaEventCreate"), check(cudaEventCreate(&b), "cudaEventCreate");
   call();
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    check(cudaEventRecord(a), "cudaEventRecord");
-    call();
-    check(cudaEventRecord(b), "cudaEventRecord");
-    check(cudaEventSynchronize(b), "cudaEventSynchronize");
-    float t = 0;
-    check(cudaEventElapsedTime(&t, a, b), "cudaEventElapsedTime");
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a), cudaEventDestroy(b);
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) ms.push_back(attnmix_bench::event_ms(call));
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
 }
@@ -148,21 +136,11 @@ void BM_decode_cuda(benchmark::State& state) {
   const double prefill_ms = median_ms([&] { g.prefill(vx, vy, cache); }, 3);
   g.prefill(vx, vy, cache);   // the cache holds the L prompt tokens again
   g.decode(vxs, vys, cache);  // warm-up
-  using attnmix::detail::cuda::check;
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "cudaEventCreate"), check(cudaEventCreate(&b), "cudaEventCreate");
-  std::vector<float> step_ms;
+  std::vector<double> step_ms;
   for (auto _ : state) {  // one step an iteration; the cache grows by a token each
-    check(cudaEventRecord(a), "cudaEventRecord");
-    g.decode(vxs, vys, cache);
-    check(cudaEventRecord(b), "cudaEventRecord");
-    check(cudaEventSynchronize(b), "cudaEventSynchronize");
-    float t = 0;
-    check(cudaEventElapsedTime(&t, a, b), "cudaEventElapsedTime");
-    step_ms.push_back(t);
-    state.SetIterationTime(t * 1e-3);
+    step_ms.push_back(attnmix_bench::event_ms([&] { g.decode(vxs, vys, cache); }));
+    state.SetIterationTime(step_ms.back() * 1e-3);
   }
-  cudaEventDestroy(a), cudaEventDestroy(b);
   std::sort(step_ms.begin(), step_ms.end());
   // The floor: weights in bf16, each cached key and value in bf16 (and the PaTH-FoX gate sums in
   // double), read once.

@@ -34,20 +34,7 @@ using attnmix::detail::cuda::check;
 
 double gemm_tflops = 0;  // BM_gemm_bf16's rate, for the fractions of the later rows
 
-// Events around `body` (which ends with a read of the device, or is followed by one): ms.
-template <class Body>
-double timed_ms(Body&& body) {
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "cudaEventCreate"), check(cudaEventCreate(&b), "cudaEventCreate");
-  check(cudaEventRecord(a), "cudaEventRecord");
-  body();
-  check(cudaEventRecord(b), "cudaEventRecord");
-  check(cudaEventSynchronize(b), "cudaEventSynchronize");
-  float ms = 0;
-  check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
-  cudaEventDestroy(a), cudaEventDestroy(b);
-  return ms;
-}
+using attnmix_bench::event_ms;
 
 void BM_gemm_bf16(benchmark::State& state) {
   const index_t n = 8192;
@@ -61,7 +48,7 @@ void BM_gemm_bf16(benchmark::State& state) {
   ten();  // warm-up: cuBLAS picks its kernel
   double ms = 0;
   for (auto _ : state) {
-    const double t = timed_ms(ten) / 10;
+    const double t = event_ms(ten) / 10;
     ms += t;
     state.SetIterationTime(t * 1e-3);
   }
@@ -116,8 +103,8 @@ void BM_encoder_step(benchmark::State& state) {
     const attnmix::view3<bf16> vo(out.ptr, {B, T, D}, dev), vdx(dx.ptr, {B, T, D}, dev);
     rh.step(vx, vo, vd, vdx), rs.step(vx, vo, vd, vdx);  // the first steps allocate
     for (auto _ : state) {
-      const double a = timed_ms([&] { rh.step(vx, vo, vd, vdx); });
-      const double b = timed_ms([&] { rs.step(vx, vo, vd, vdx); });
+      const double a = event_ms([&] { rh.step(vx, vo, vd, vdx); });
+      const double b = event_ms([&] { rs.step(vx, vo, vd, vdx); });
       th += a, ts += b;
       state.SetIterationTime((a + b) * 1e-3);
     }
@@ -175,7 +162,7 @@ void BM_lm_step(benchmark::State& state) {
     };
     step();  // the first step allocates
     for (auto _ : state) {
-      const double t = timed_ms(step);
+      const double t = event_ms(step);
       ms += t;
       state.SetIterationTime(t * 1e-3);
     }

@@ -65,4 +65,20 @@ void time_with_events(benchmark::State& state, Call&& call, int calls = 1) {
   cudaEventDestroy(start), cudaEventDestroy(stop);
 }
 
+// Milliseconds of body() on the default stream (events around it).
+template <class Body>
+double event_ms(Body&& body) {
+  using attnmix::detail::cuda::check;
+  cudaEvent_t a, b;
+  check(cudaEventCreate(&a), "cudaEventCreate"), check(cudaEventCreate(&b), "cudaEventCreate");
+  check(cudaEventRecord(a), "cudaEventRecord");
+  body();
+  check(cudaEventRecord(b), "cudaEventRecord");
+  check(cudaEventSynchronize(b), "cudaEventSynchronize");
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+  cudaEventDestroy(a), cudaEventDestroy(b);
+  return ms;
+}
+
 }  // namespace attnmix_bench

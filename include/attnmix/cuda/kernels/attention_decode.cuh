@@ -69,11 +69,7 @@ __global__ void __launch_bounds__(128)
     float x[8] = {};  // lanes off the run or past D score zeros and store nothing
     if (live && d0 < D) load8(x, k + j * p.k_stride[1] + d0);
     for (int g = 0; g < G; ++g) {
-      const float4 qa = reinterpret_cast<const float4*>(sq + g * Dmax + d0)[0],
-                   qb = reinterpret_cast<const float4*>(sq + g * Dmax + d0)[1];
-      float s = qa.x * x[0] + qa.y * x[1] + qa.z * x[2] + qa.w * x[3] + qb.x * x[4] + qb.y * x[5] +
-                qb.z * x[6] + qb.w * x[7];
-      s = group_sum<lanes>(s);
+      const float s = split_decode_dot<lanes>(sq + g * Dmax, d0, x);
       if (kl == 0 && live) {
         float z = s;
         if (gated)

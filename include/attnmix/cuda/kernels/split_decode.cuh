@@ -56,6 +56,16 @@ __device__ __forceinline__ float group_sum(float s) {
   return s;
 }
 
+// A key's score against a query row q (Dmax floats in shared memory, zero past D) from this
+// lane's 8 elements x of the key (at d0 = 8 * (lane within the key)), summed over the key's lanes.
+template <int Lanes>
+__device__ __forceinline__ float split_decode_dot(const float* q, int d0, const float (&x)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(q + d0)[0],
+               b = reinterpret_cast<const float4*>(q + d0)[1];
+  return group_sum<Lanes>(a.x * x[0] + a.y * x[1] + a.z * x[2] + a.w * x[3] + b.x * x[4] +
+                          b.y * x[5] + b.z * x[6] + b.w * x[7]);
+}
+
 // The blocks' partial softmax states of a decoding step and where their merge writes: row n
 // (one query token), query head hq.
 struct split_decode_parts {
