@@ -135,7 +135,7 @@ void BM_copy_bandwidth(benchmark::State& state) {
 // scan and its transition gradients).
 // simt: the SIMT query and chunk kernels (the fallback) instead of the plan's tiled ones. One
 // warm-up call (a call takes up to seconds), then the iterations, each timed with events.
-template <class Kind, bool simt = false, bool lean = false>
+template <class Kind, bool simt = false>
 void BM_path_backward_cuda(benchmark::State& state) {
   namespace cu = attnmix::detail::cuda;
   using T = attnmix::bfloat16;
@@ -164,8 +164,6 @@ void BM_path_backward_cuda(benchmark::State& state) {
   const cu::path_backward_kernel saved = cu::path_backward_kernel_override();
   cu::path_backward_kernel_override() =
       simt ? cu::path_backward_kernel::simt : cu::path_backward_kernel::automatic;
-  const bool saved_lean = cu::path_backward_lean();
-  cu::path_backward_lean() = lean;
   const auto call_once = [&] {
     attnmix::attention<Kind>(fa, {}, be);
     attnmix::attention_backward<Kind>(a, {}, be);
@@ -185,7 +183,6 @@ void BM_path_backward_cuda(benchmark::State& state) {
   }
   cudaEventDestroy(start), cudaEventDestroy(stop);
   cu::path_backward_kernel_override() = saved;
-  cu::path_backward_lean() = saved_lean;
   const double flops = 3.5 * 4.0 * B * H * double(Tn) * double(Tn) * D;
   state.counters["TFLOP/s"] =
       benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
@@ -257,12 +254,6 @@ BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path)
     ->Apply(backward_shapes);
 BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox)
     ->Name("path_fox_fwd_bwd")
-    ->Apply(backward_shapes);
-BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path, false, true)
-    ->Name("path_fwd_bwd_lean")
-    ->Apply(backward_shapes);
-BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox, false, true)
-    ->Name("path_fox_fwd_bwd_lean")
     ->Apply(backward_shapes);
 BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox, true)
     ->Name("path_fox_fwd_bwd_simt")

@@ -195,18 +195,11 @@ double max_rel(const std::vector<double>& got, const std::vector<double>& ref) {
 // The worst error of each gradient (dv, dq, dk, dw, dbeta, dg) over the checks since reset.
 std::array<double, 6> worst_errors{};
 
-// The lean query kernel (one bfloat16 part for the walk's scan state, keys and P) is bounded as
-// a product of one-part operands: 2^-9 on its float gradients.
-enum class precision { exact, split, lean };
-
 template <class T>
 void check_grads(const grads& got, const grads& ref, bool gated, const grads* host = nullptr,
-                 precision mode = precision::exact) {
+                 bool split = false) {
   const double tol16 = sizeof(T) == 4 ? 1e-5 : 5e-3;
-  const double tol32 = sizeof(T) == 4             ? 1e-5
-                       : mode == precision::split ? 1.5e-4
-                       : mode == precision::lean  ? 2e-3
-                                                  : 2e-5;
+  const double tol32 = sizeof(T) == 4 ? 1e-5 : split ? 1.5e-4 : 2e-5;
   int which = 0;
   auto check = [&](const char* name, std::vector<double> grads::*m, double tol) {
     const double err = max_rel(got.*m, ref.*m), host_err = host ? max_rel(host->*m, ref.*m) : 0.0;
@@ -226,7 +219,7 @@ void check_grads(const grads& got, const grads& ref, bool gated, const grads* ho
 
 template <class T>
 void check_grads(const grads& got, const cpu_reference& ref, bool gated, bool split = false) {
-  check_grads<T>(got, ref.exact, gated, &ref.host, split ? precision::split : precision::exact);
+  check_grads<T>(got, ref.exact, gated, &ref.host, split);
 }
 
 using attnmix::detail::cuda::path_backward_kernel;
@@ -266,15 +259,6 @@ struct kernel_override {
   ~kernel_override() { attnmix::detail::cuda::path_backward_kernel_override() = saved; }
   kernel_override(const kernel_override&) = delete;
   kernel_override& operator=(const kernel_override&) = delete;
-};
-
-// The lean tensor-core query kernel for a scope.
-struct lean_override {
-  bool saved = attnmix::detail::cuda::path_backward_lean();
-  lean_override() { attnmix::detail::cuda::path_backward_lean() = true; }
-  ~lean_override() { attnmix::detail::cuda::path_backward_lean() = saved; }
-  lean_override(const lean_override&) = delete;
-  lean_override& operator=(const lean_override&) = delete;
 };
 
 const char* kernel_name(path_backward_kernel k) {
@@ -434,8 +418,10 @@ TEMPLATE_TEST_CASE("CUDA PaTH backward with 16-bit inputs", "[cuda][path][backwa
 
 // The tensor-core query kernel (16-bit inputs, D = Dv = 64), forced, on every shape it takes,
 // PaTH and PaTH-FoX in both gate conventions, against the CPU; the worst errors as a warning.
-template <class T>
-void mma_sweep(precision mode) {
+TEMPLATE_TEST_CASE("CUDA PaTH backward: the tensor-core query kernel matches the CPU",
+                   "[cuda][path][backward][kernels][mma]", attnmix::half, attnmix::bfloat16) {
+  ATTNMIX_REQUIRE_CUDA_DEVICE();
+  using T = TestType;
   worst_errors = {};
   std::uint64_t salt = 40000;
   const std::vector<path_case> cases = {
@@ -470,38 +456,24 @@ void mma_sweep(precision mode) {
         kernel_override o(path_backward_kernel::mma);
         const grads mma = d.template run<Kind, Policy>();
         INFO("the tensor-core query kernel against the CPU");
-        check_grads<T>(mma, ref.exact, gated, &ref.host, mode);
+        check_grads<T>(mma, ref, gated, true);
       };
       if (kind == 0) one(path{}, attnmix::path_policy{});
       if (kind == 1) one(path_fox{}, attnmix::path_fox_policy{});
       if (kind == 2) one(path_fox{}, after_scale{});
     }
   }
-  if (mode == precision::split) {
+  {
     kernel_override o(path_backward_kernel::mma);
     const path_case c{1, 200, 2, 1, 64, 64, {}, beta_range::near_two};
     backward_case<path_fox, attnmix::path_fox_policy, T>(c, 40901, {0, 17, 64, 65, 199});
     const path_case v{1, 200, 2, 1, 64, 64, {0, 0, 1, 70, 200}};
     backward_case<path_fox, attnmix::path_fox_policy, T>(v, 40902, {5, 100});
   }
-  WARN("tensor-core PaTH backward"
-       << (mode == precision::lean ? " (lean)" : "") << ", " << attnmix::scalar_traits<T>::name
-       << ", worst errors: dv " << worst_errors[0] << " dq " << worst_errors[1] << " dk "
-       << worst_errors[2] << " dw " << worst_errors[3] << " dbeta " << worst_errors[4] << " dg "
-       << worst_errors[5]);
-}
-
-TEMPLATE_TEST_CASE("CUDA PaTH backward: the tensor-core query kernel matches the CPU",
-                   "[cuda][path][backward][kernels][mma]", attnmix::half, attnmix::bfloat16) {
-  ATTNMIX_REQUIRE_CUDA_DEVICE();
-  mma_sweep<TestType>(precision::split);
-}
-
-TEMPLATE_TEST_CASE("CUDA PaTH backward: the lean tensor-core query kernel matches the CPU",
-                   "[cuda][path][backward][kernels][lean]", attnmix::half, attnmix::bfloat16) {
-  ATTNMIX_REQUIRE_CUDA_DEVICE();
-  lean_override lean;
-  mma_sweep<TestType>(precision::lean);
+  WARN("tensor-core PaTH backward, " << attnmix::scalar_traits<T>::name << ", worst errors: dv "
+                                     << worst_errors[0] << " dq " << worst_errors[1] << " dk "
+                                     << worst_errors[2] << " dw " << worst_errors[3] << " dbeta "
+                                     << worst_errors[4] << " dg " << worst_errors[5]);
 }
 
 TEST_CASE("CUDA PaTH-FoX backward gives the same bits twice", "[cuda][path_fox][backward]") {

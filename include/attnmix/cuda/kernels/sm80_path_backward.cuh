@@ -90,14 +90,6 @@ __device__ __forceinline__ void store_split(float (&acc)[4][4], split_op* hi, sp
   });
 }
 
-// The same rounded to one bfloat16 part (hi only).
-__device__ __forceinline__ void store_one(float (&acc)[4][4], split_op* hi, int r0, int c0,
-                                          int rows) {
-  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
-    *reinterpret_cast<std::uint32_t*>(hi + r * ld + c) = r < rows ? pack2<split_op>(x0, x1) : 0u;
-  });
-}
-
 // dst[r][c] += sign * acc for the rows r < rows of a warp's part (dst rows of ldd floats), as
 // reductions that nothing waits for. Each element of a sum has one thread of the grid adding to
 // it (a slice's sums are its CTA's; a warp's part is the same at every step), so the bits are
@@ -669,10 +661,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   });
 }
 
-// Lean: the products a walk step forms with the scan state and the keys -- the scores r K~^T,
-// e = dZ K~, dv += P^T dO and dK~ += dZ^T r -- take r, the keys and P in one bfloat16 part, as a
-// softmax backward takes q, k and P; dZ (which cancels) and the transitions keep two.
-template <class T, bool Lean = false>
+template <class T>
 __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     path_backward_query_mma_kernel(const path_backward_params p) {
   namespace pm = path_bwd_mma;
@@ -839,22 +828,16 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         });
       };
       // A sum over the chunk's query rows: acc = op(A)^T B over this warp's part, added to dst.
-      // A in two parts unless a_lo is false.
-      const auto cross_a = [&](auto a_lo, int a_slot, const split_op* bh, const split_op* bl,
-                               auto b_lo, float* dst, int ldd, int rows, float sign) {
+      const auto cross = [&](int a_slot, const split_op* bh, const split_op* bl, auto b_lo,
+                             float* dst, int ldd, int rows, float sign) {
         part acc;
         pm::zero(acc);
         warp_mma<ld, true, decltype(b_lo)::value, 4>(
-            acc, a_from_tile_t<ld, decltype(a_lo)::value>{hi(a_slot), lo(a_slot), m0}, bh, bl, n0);
+            acc, a_from_tile_t<ld, true>{hi(a_slot), lo(a_slot), m0}, bh, bl, n0);
         pm::add_rows(acc, dst, ldd, m0, n0, rows, sign);
-      };
-      const auto cross = [&](int a_slot, const split_op* bh, const split_op* bl, auto b_lo,
-                             float* dst, int ldd, int rows, float sign) {
-        cross_a(std::true_type{}, a_slot, bh, bl, b_lo, dst, ldd, rows, sign);
       };
       using split_b = std::true_type;
       using in_b = std::integral_constant<bool, in_lo>;
-      using walk_b = std::integral_constant<bool, !Lean>;  // r, the keys, P in a walk step
 
       __syncthreads();  // the chunk before is done with every tile
       for (int a = threadIdx.x; a < C; a += L::threads) {
@@ -953,23 +936,19 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         const auto scores = [&](index_t j0, int ks, const split_op* vh, const float* gj) {
           part s, dp;
           pm::zero(s);
-          warp_mma<ld, false, !Lean, 4>(s, a_from_tile<ld, !Lean>{hi(L::e3), lo(L::e3), m0}, hi(ks),
-                                        lo(ks), n0);
+          warp_mma<ld, false, true, 4>(s, rows_of(L::e3), hi(ks), lo(ks), n0);
           pm::zero(dp);
           warp_mma<ld, false, in_lo, 4>(dp, doa, vh, lo(L::v), n0);
           softmax_bwd(s, dp, j0, C, false, gj);
-          if constexpr (Lean)
-            pm::store_one(s, hi(L::e1), m0, n0, n);
-          else
-            pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
+          pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
           pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
           gate_parts(dp);
           __syncthreads();  // P, dZ whole
           gate_sums(j0, C);
         };
         const auto key_sums = [&](index_t j0, float* dkeys) {
-          cross_a(walk_b{}, L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + j0 * Dv, Dv, C, 1.f);
-          cross(L::e2, hi(L::e3), lo(L::e3), walk_b{}, dkeys + j0 * D, D, C, 1.f);
+          cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + j0 * Dv, Dv, C, 1.f);
+          cross(L::e2, hi(L::e3), lo(L::e3), split_b{}, dkeys + j0 * D, D, C, 1.f);
         };
         const auto prefetch_next = [&](index_t j0) {  // the walk's step after chunk j0's
           if (j0 == 0) return;
@@ -1000,7 +979,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           {  // e = dZ K~
             part e;
             pm::zero(e);
-            warp_mma<ld, true, !Lean, 4>(e, rows_of(L::e2), hi(L::k), lo(L::k), n0);
+            warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(L::k), lo(L::k), n0);
             pm::save_rows(e, cta.es + j0 * D, D, m0, n0, n);
           }
           key_sums(j0, cta.dkt);
@@ -1024,9 +1003,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           return async_v && b ? lo(L::v) : hi(L::v);
         };
         const auto issue = [&](index_t j0, int b) {
-          constexpr int pieces = Lean ? 8 : 16;  // 8 pieces of hi (, 8 of lo)
-          for (int i = threadIdx.x; i < C * pieces; i += L::threads) {
-            const int rr = i / pieces, piece = i % pieces;
+          for (int i = threadIdx.x; i < C * 16; i += L::threads) {  // 8 pieces of hi, 8 of lo
+            const int rr = i >> 4, piece = i & 15;
             split_op* dst = (piece < 8 ? hi(kslot(b)) : lo(kslot(b))) + rr * ld + 8 * (piece & 7);
             cp_async_16(dst, KHs + (j0 + rr) * 2 * D + 8 * piece, true);
           }
@@ -1079,8 +1057,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           cp_async_wait<1>();
           __syncthreads();  // K^ and v of this step whole
           scores(j0, kslot(b), vbuf(b), gj_s + b * C);
-          warp_mma<ld, true, !Lean, 4>(e, rows_of(L::e2), hi(kslot(b)), lo(kslot(b)),
-                                       n0);  // e += dZ K^
+          warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(kslot(b)), lo(kslot(b)),
+                                      n0);  // e += dZ K^
           key_sums(j0, cta.dKH);
           if (threadIdx.x < C) gj_s[(1 - b) * C + threadIdx.x] = g_next;
           if (cj == sg * SC) {  // the super-chunk's last step

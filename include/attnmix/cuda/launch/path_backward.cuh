@@ -149,10 +149,9 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
       if constexpr (std::is_same_v<T, float>) {
         require(false, fn, "q", "is float, but the tensor-core PaTH backward takes 16-bit inputs");
       } else {
-        auto kernel = path_backward_lean() ? path_backward_query_mma_kernel<Dev, true>
-                                           : path_backward_query_mma_kernel<Dev, false>;
-        allow_dynamic_smem(kernel, smem);
-        kernel<<<grid, path_bwd_mma_layout::threads, smem, stream>>>(bp);
+        allow_dynamic_smem(path_backward_query_mma_kernel<Dev>, smem);
+        path_backward_query_mma_kernel<Dev>
+            <<<grid, path_bwd_mma_layout::threads, smem, stream>>>(bp);
         check(cudaGetLastError(), "path_backward_query_mma_kernel launch");
       }
     } else {

@@ -37,14 +37,6 @@ inline path_backward_kernel& path_backward_kernel_override() {
   return k;
 }
 
-// Whether the tensor-core query kernel takes the scan state, the keys and P in one bfloat16 part
-// in its walk's scores and key sums (kernels/sm80_path_backward.cuh, Lean); process-wide, read
-// by the launcher, set only while no backward is being launched.
-inline bool& path_backward_lean() {
-  static bool lean = false;
-  return lean;
-}
-
 // Shared memory (floats) of the query kernel: Qs, dQs, R, Rbar (C x (D+1)); X, S, dZ, dX, Tmp
 // (C x (C+1)); lse, delta, gate, reset (C each). Of the chunk kernel: dK, dK~, dW, dU
 // (C x (D+1)); dM, WW, Lbar, XK (C x (C+1)); beta (C).
