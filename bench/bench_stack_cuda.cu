@@ -8,7 +8,8 @@
 //     forward over them, then decoding steps from L cached tokens on. Counters: the step's time
 //     against its memory floor (every weight and every cached byte read once, at the rate of a
 //     device-to-device copy timed in the same run), and prefill / forward; the SA model also
-//     with its decoding through the split decoding kernel (attention_decode_splits).
+//     with its decoding through the forward's kernels instead of the split decoding kernel
+//     (attention_decode_splits).
 
 #include <benchmark/benchmark.h>
 
@@ -112,11 +113,11 @@ double copy_rate() {
   return 2.0 * double(bytes) / (ms * 1e-3);
 }
 
-template <class Layer, bool split = false>
+template <class Layer, bool split = true>
 void BM_decode_cuda(benchmark::State& state) {
   namespace cu = attnmix::detail::cuda;
   const bool saved = cu::attention_decode_splits();
-  cu::attention_decode_splits() = split;  // SA and FoX decoding through the split kernel
+  cu::attention_decode_splits() = split;  // SA and FoX decoding: the split kernel or not
   const index_t N = state.range(0), Lc = state.range(1);
   L::config c;
   c.hidden_size = 1024;
@@ -177,8 +178,8 @@ BENCHMARK_TEMPLATE(BM_decode_cuda, attnmix::layer::causal_sa_rope)
     ->Iterations(64)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(BM_decode_cuda, attnmix::layer::causal_sa_rope, true)
-    ->Name("decode_sa_rope_12x1024_split")
+BENCHMARK_TEMPLATE(BM_decode_cuda, attnmix::layer::causal_sa_rope, false)
+    ->Name("decode_sa_rope_12x1024_forward_kernels")
     ->Args({32, 4096})
     ->ArgNames({"N", "L"})
     ->Iterations(64)

@@ -178,26 +178,28 @@ void all_kinds(std::uint64_t salt, const attnmix::backend::cuda& be = {}) {
   sweep<attnmix::kind::fox, attnmix::fox_policy, T>(causal_cases(), salt + 200, be);
 }
 
+// Whether one-query rows take the split decoding kernel (the default) or the forward's kernels,
+// for a scope.
+struct split_decoding {
+  bool saved = attnmix::detail::cuda::attention_decode_splits();
+  explicit split_decoding(bool on) { attnmix::detail::cuda::attention_decode_splits() = on; }
+  ~split_decoding() { attnmix::detail::cuda::attention_decode_splits() = saved; }
+};
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("CUDA attention with keys of other lengths matches the CPU path", "[cuda][keys]",
                    float, attnmix::bfloat16, attnmix::half) {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const split_decoding forward_kernels(false);  // the decoding rows on every forward kernel too
   all_kinds<TestType>(1000);
 }
-
-// Turns the split decoding kernel on for a scope.
-struct decode_on {
-  bool saved = attnmix::detail::cuda::attention_decode_splits();
-  decode_on() { attnmix::detail::cuda::attention_decode_splits() = true; }
-  ~decode_on() { attnmix::detail::cuda::attention_decode_splits() = saved; }
-};
 
 TEMPLATE_TEST_CASE("CUDA split decoding kernel matches the CPU path", "[cuda][keys][decode]", float,
                    attnmix::bfloat16, attnmix::half) {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   using T = TestType;
-  const decode_on on;
+  const split_decoding on(true);
   std::vector<key_case> cross = decode_cases();
   cross.push_back({2, 1, 7, 2, 1, 64, 64});  // cross-attention: all of a short memory
   cross.push_back({2, 1, 20, 4, 4, 128, 64, 0, {}, {}, 3, {2, 0}, {5, 20}});
@@ -209,6 +211,7 @@ TEMPLATE_TEST_CASE("CUDA split decoding kernel matches the CPU path", "[cuda][ke
 TEST_CASE("CUDA attention with keys of other lengths on the portable tensor-core kernel",
           "[cuda][keys]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
+  const split_decoding forward_kernels(false);
   attnmix::backend::cuda portable{};
   portable.portable = true;
   all_kinds<attnmix::bfloat16>(2000, portable);
@@ -220,7 +223,7 @@ TEST_CASE("CUDA attention with keys of other lengths, a small sweep for compute-
   const std::vector<key_case> cases{causal_cases()[1], causal_cases()[4], causal_cases()[6]};
   sweep<attnmix::kind::fox, attnmix::fox_policy, attnmix::bfloat16>(cases, 3000);
   {
-    const decode_on on;
+    const split_decoding on(true);
     sweep<attnmix::kind::fox, attnmix::fox_policy, attnmix::bfloat16>(
         {decode_cases()[1], decode_cases()[3]}, 3050);
   }

@@ -124,13 +124,14 @@ TEST_CASE("softmax plans: wgmma on Hopper, mma.sync elsewhere, CUDA cores otherw
     s.value_dim = 256;
     CHECK(plan_attention(s, h200()).simt_chunks == 8);
   }
-  SECTION("decoding (one query a row, cached keys): the split kernel when it is asked for") {
+  SECTION("decoding (one query a row, cached keys): the split kernel unless asked not to") {
     // 32 rows of 4096 cached keys, 16 query heads over 4 key/value heads.
     attention_shape s = attention_bench(32, 1, 16);
     s.decode = true, s.decode_keys = 4096, s.group = 4;
-    CHECK(plan_attention(s, h200()).variant == attention_variant::sm90_wgmma);  // off by default
     const bool saved = attention_decode_splits();
-    attention_decode_splits() = true;
+    attention_decode_splits() = false;  // asked not to: the forward's kernel
+    CHECK(plan_attention(s, h200()).variant == attention_variant::sm90_wgmma);
+    attention_decode_splits() = true;  // the default
     attention_plan p = plan_attention(s, h200());
     CHECK(p.variant == attention_variant::decode);
     CHECK(p.block_keys == 256);

@@ -41,9 +41,10 @@ constexpr int attention_simt_rows = 4, attention_simt_threads = 128;
 constexpr int attention_decode_block_keys = 256, attention_decode_threads = 128;
 
 // Whether calls that qualify take the decoding kernel (attention_decode.cuh) instead of the
-// forward kernels; off by default until it has been measured against them.
+// forward kernels (on: a 12-layer SA + RoPE model's decoding step measured 7 % faster with it on
+// an H100, 4.03 against 4.32 ms at 32 x 4096 cached tokens); off is for comparisons.
 inline bool& attention_decode_splits() {
-  static bool on = false;
+  static bool on = true;
   return on;
 }
 
