@@ -3,6 +3,7 @@
 // plans were pulled out of them (dd67d4e), on an H200 (sm_90, 132 SMs) and on an sm_80 device
 // with 108 SMs, which takes the portable kernels. Pure host code: no CUDA header.
 
+#include <cstdint>
 #include <vector>
 
 #include "support/catch.hpp"
@@ -152,6 +153,20 @@ TEST_CASE("softmax plans: wgmma on Hopper, mma.sync elsewhere, CUDA cores otherw
     s.decode = false;  // a call that does not qualify keeps the forward's kernels
     CHECK(plan_attention(s, h200()).variant == attention_variant::sm90_wgmma);
     attention_decode_splits() = saved;
+  }
+  SECTION("decoding: the most keys a row sees") {
+    attnmix::attention_problem p{};
+    p.num_sequences = 3, p.key_tokens = 1000;
+    CHECK(decode_keys(p) == 1000);  // dense keys: Tk
+    const std::int32_t lengths[] = {10, 700, 333};
+    p.key_lengths = lengths;
+    CHECK(decode_keys(p) == 700);
+    p.window = 100;
+    CHECK(decode_keys(p) == 100);
+    p.key_lengths = nullptr, p.window = 0;
+    const std::int32_t cu_k[] = {0, 5, 905, 1000};
+    p.cu_seqlens_k = cu_k;
+    CHECK(decode_keys(p) == 900);
   }
 }
 

@@ -84,18 +84,6 @@ void launch_decode(const attention_args<T>& a, const attention_kernel_params& kp
           parts);
 }
 
-// The most keys a row of a decoding call sees: its key count, cut to the window.
-inline index_t decode_keys(const attention_problem& p) {
-  index_t most = 0;
-  for (index_t n = 0; n < p.num_sequences; ++n) {
-    index_t keys = p.key_tokens;
-    if (p.cu_seqlens_k != nullptr) keys = p.cu_seqlens_k[n + 1] - p.cu_seqlens_k[n];
-    if (p.key_lengths != nullptr) keys = p.key_lengths[n];
-    most = std::max(most, p.window > 0 ? std::min(keys, p.window) : keys);
-  }
-  return most;
-}
-
 // Everything a softmax-family kernel reads, set up on `stream`: the kernel parameters, the
 // device copies of cu_seqlens and of the keys' offsets, slots and lengths where they differ from
 // the queries', and, with a gate, its cumsum G over the keys in double (gate_coef: the factor of

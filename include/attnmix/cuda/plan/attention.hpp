@@ -140,6 +140,19 @@ inline attention_plan plan_attention(const attention_shape& s, const device_prop
   return p;
 }
 
+// The most keys a row of a decoding call sees (attention_shape::decode_keys): its key count
+// (key_lengths, else its cu_seqlens_k segment, else Tk), cut to the window.
+inline index_t decode_keys(const attention_problem& p) {
+  index_t most = 0;
+  for (index_t n = 0; n < p.num_sequences; ++n) {
+    index_t keys = p.key_tokens;
+    if (p.cu_seqlens_k != nullptr) keys = p.cu_seqlens_k[n + 1] - p.cu_seqlens_k[n];
+    if (p.key_lengths != nullptr) keys = p.key_lengths[n];
+    most = std::max(most, p.window > 0 ? std::min(keys, p.window) : keys);
+  }
+  return most;
+}
+
 // The keys' layout, which the gate cumsum scans: its rows (packed sequences, or rows of k) and
 // the longest (max_len: the queries' longest sequence, the answer when keys match them).
 inline index_t key_layout_rows(const attention_problem& p) {
