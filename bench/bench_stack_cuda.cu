@@ -164,26 +164,19 @@ void BM_decode_cuda(benchmark::State& state) {
   state.counters["prefill_over_forward"] = prefill_ms / forward_ms;
   cu::attention_decode_splits() = saved;
 }
+// The issue's serving shape: 32 sequences of 4096 cached tokens, a step an iteration.
+void decode_shape(benchmark::internal::Benchmark* b) {
+  b->Args({32, 4096})->ArgNames({"N", "L"})->Iterations(64)->UseManualTime();
+  b->Unit(benchmark::kMillisecond);
+}
 BENCHMARK_TEMPLATE(BM_decode_cuda, attnmix::layer::path_fox)
     ->Name("decode_path_fox_12x1024")
-    ->Args({32, 4096})
-    ->ArgNames({"N", "L"})
-    ->Iterations(64)
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
+    ->Apply(decode_shape);
 BENCHMARK_TEMPLATE(BM_decode_cuda, attnmix::layer::causal_sa_rope)
     ->Name("decode_sa_rope_12x1024")
-    ->Args({32, 4096})
-    ->ArgNames({"N", "L"})
-    ->Iterations(64)
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
+    ->Apply(decode_shape);
 BENCHMARK_TEMPLATE(BM_decode_cuda, attnmix::layer::causal_sa_rope, false)
     ->Name("decode_sa_rope_12x1024_forward_kernels")
-    ->Args({32, 4096})
-    ->ArgNames({"N", "L"})
-    ->Iterations(64)
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
+    ->Apply(decode_shape);
 
 }  // namespace

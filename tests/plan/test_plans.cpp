@@ -135,20 +135,20 @@ TEST_CASE("softmax plans: wgmma on Hopper, mma.sync elsewhere, CUDA cores otherw
     attention_decode_splits() = true;  // the default
     attention_plan p = plan_attention(s, h200());
     CHECK(p.variant == attention_variant::decode);
-    CHECK(p.block_keys == 256);
-    CHECK(p.splits == 16);
-    CHECK(p.dmax == 64);
+    CHECK(p.split.block_keys == 256);
+    CHECK(p.split.splits == 16);
+    CHECK(p.split.dmax == 64);
     CHECK(p.smem == (4 * 64 + 4 * 256 + 4 * 64) * 4);
     CHECK_FALSE(p.raise_smem_limit);
-    CHECK(p.grid == grid(16, 4, 32));
-    CHECK(p.combine_grid == grid(16, 32));
-    CHECK(p.ml_bytes == 32 * 16 * 16 * 2 * 4);
-    CHECK(p.o_bytes == std::size_t(32) * 16 * 16 * 64 * 4);
+    CHECK(p.split.grid == grid(16, 4, 32));
+    CHECK(p.split.combine_grid == grid(16, 32));
+    CHECK(p.split.ml_bytes == 32 * 16 * 16 * 2 * 4);
+    CHECK(p.split.o_bytes == std::size_t(32) * 16 * 16 * 64 * 4);
     s.decode_keys = 4097;  // a key past the last block: one more
-    CHECK(plan_attention(s, h200()).splits == 17);
+    CHECK(plan_attention(s, h200()).split.splits == 17);
     s.q_heads = s.group = 32, s.head_dim = 128;  // MQA, 32 heads at D = 128: above 48 KB
     p = plan_attention(s, h200());
-    CHECK(p.dmax == 128);
+    CHECK(p.split.dmax == 128);
     CHECK(p.raise_smem_limit);
     s.decode = false;  // a call that does not qualify keeps the forward's kernels
     CHECK(plan_attention(s, h200()).variant == attention_variant::sm90_wgmma);
@@ -284,27 +284,29 @@ TEST_CASE("PaTH plans: the forward and a decoding step", "[plan]") {
     d.longest = 8193, d.batch = 32, d.q_heads = d.kv_heads = 32, d.head_dim = d.value_dim = 64;
     d.row_bytes = 32 * 8;
     path_decode_plan p = plan_path_decode(d, h200());
-    CHECK(p.block_keys == 256);
-    CHECK(p.splits == 33);
-    CHECK(p.dmax == 64);
+    CHECK(p.split.block_keys == 256);
+    CHECK(p.split.splits == 33);
+    CHECK(p.split.dmax == 64);
     CHECK(p.smem == (2 * 64 + 256 + 4 * 64) * 4);
     CHECK_FALSE(p.raise_smem_limit);
     CHECK(p.flush_smem == (64 * 64 + 128) * 4);
-    CHECK(p.grid == grid(33, 32, 32));
-    CHECK(p.combine_grid == grid(32, 32));
+    CHECK_FALSE(p.raise_flush_smem_limit);
+    CHECK(p.split.grid == grid(33, 32, 32));
+    CHECK(p.split.combine_grid == grid(32, 32));
     CHECK(p.transition_grid == grid(32, 32));
-    CHECK(p.ml_bytes == 32 * 32 * 33 * 2 * 4);
-    CHECK(p.o_bytes == 32 * 32 * 33 * 64 * 4);
+    CHECK(p.split.ml_bytes == 32 * 32 * 33 * 2 * 4);
+    CHECK(p.split.o_bytes == 32 * 32 * 33 * 64 * 4);
     CHECK(p.qm_bytes == 32 * 32 * 64 * 4);
-    CHECK(p.bytes == p.ml_bytes + p.o_bytes + p.qm_bytes + 256);
+    CHECK(p.bytes == p.split.ml_bytes + p.split.o_bytes + p.qm_bytes + 256);
     d.kv_heads = 8;  // a group of 4 query heads a KV head at D = 128: 14 KB
     d.head_dim = 128;
     p = plan_path_decode(d, h200());
-    CHECK(p.dmax == 128);
+    CHECK(p.split.dmax == 128);
     CHECK(p.smem == (2 * 4 * 128 + 4 * 256 + 4 * 128) * 4);
     CHECK_FALSE(p.raise_smem_limit);
     CHECK(p.flush_smem == (128 * 128 + 128) * 4);  // 66 KB: above the default limit
-    d.kv_heads = 1;                                // a group of 32: 66 KB, above the default limit
+    CHECK(p.raise_flush_smem_limit);
+    d.kv_heads = 1;  // a group of 32: 66 KB, above the default limit
     CHECK(plan_path_decode(d, h200()).raise_smem_limit);
   }
 }

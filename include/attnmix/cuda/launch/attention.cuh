@@ -71,17 +71,16 @@ template <class T>
 void launch_decode(const attention_args<T>& a, const attention_kernel_params& kp,
                    const attention_plan& plan, cudaStream_t stream) {
   using Dev = device_t<T>;
-  stream_buffer work(plan.ml_bytes + plan.o_bytes, stream);
-  const split_decode_parts parts = split_parts(a, plan.splits, work.get(), plan.ml_bytes);
+  const split_decode_plan& split = plan.split;
+  stream_buffer work(split.ml_bytes + split.o_bytes, stream);
+  const split_decode_parts parts = split_parts(a, split, work.get());
   auto kernel =
-      plan.dmax == 64 ? attention_decode_kernel<Dev, 64> : attention_decode_kernel<Dev, 128>;
+      split.dmax == 64 ? attention_decode_kernel<Dev, 64> : attention_decode_kernel<Dev, 128>;
   if (plan.raise_smem_limit) allow_dynamic_smem(kernel, plan.smem);  // wide groups only
-  const dim3 grid(plan.grid.x, plan.grid.y, plan.grid.z);
-  kernel<<<grid, attention_decode_threads, plan.smem, stream>>>(kp, parts, plan.block_keys);
+  const dim3 grid(split.grid.x, split.grid.y, split.grid.z);
+  kernel<<<grid, split_decode_threads, plan.smem, stream>>>(kp, parts, split.block_keys);
   check(cudaGetLastError(), "attention_decode_kernel launch");
-  split_decode_combine_kernel<Dev>
-      <<<dim3(plan.combine_grid.x, plan.combine_grid.y), attention_decode_threads, 0, stream>>>(
-          parts);
+  launch_split_combine<Dev>(parts, split, stream);
 }
 
 // Everything a softmax-family kernel reads, set up on `stream`: the kernel parameters, the
@@ -187,7 +186,6 @@ void run_attention(const std::string& fn, const attention_args<T>& a, const atte
   const attention_plan plan = plan_attention(shape, current_properties());
   if (plan.variant == attention_variant::decode) {
     launch_decode(a, kp, plan, stream);
-    check(cudaGetLastError(), "split_decode_combine_kernel launch");
     return;
   }
   if constexpr (tensor_cores) {

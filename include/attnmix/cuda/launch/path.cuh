@@ -272,14 +272,15 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
   shape.row_bytes = cache.rows.size() * sizeof(cache.rows[0]);
   const path_decode_plan plan = plan_path_decode(shape, props);
   path_decode_params p{};
-  p.block_keys = plan.block_keys;
+  const split_decode_plan& split = plan.split;
+  p.block_keys = split.block_keys;
   const index_t HQ = prob.q_heads, Dv = prob.value_dim;
   const std::size_t rows_bytes = shape.row_bytes;
   stream_buffer work(plan.bytes, stream);
-  p.parts = split_parts(a, plan.splits, work.get(), plan.ml_bytes);
-  p.qm = reinterpret_cast<float*>(work.get() + plan.ml_bytes + plan.o_bytes);
+  p.parts = split_parts(a, split, work.get());
+  p.qm = reinterpret_cast<float*>(work.get() + split.ml_bytes + split.o_bytes);
   auto* rows_dev =
-      reinterpret_cast<std::int32_t*>(work.get() + plan.ml_bytes + plan.o_bytes + plan.qm_bytes);
+      reinterpret_cast<std::int32_t*>(work.get() + split.ml_bytes + split.o_bytes + plan.qm_bytes);
   upload_host(rows_dev, cache.rows.data(), rows_bytes, stream, "cudaMemcpyAsync(rows)");
   p.rows = rows_dev;
 
@@ -302,30 +303,26 @@ void run_path_decode(const std::string& fn, const attention_args<T>& a,
   p.scale_log2 = static_cast<float>(prob.scale * log2e);
   p.gate_coef_log2 = static_cast<float>(gate_coef * log2e);
 
-  const dim3 grid(plan.grid.x, plan.grid.y, plan.grid.z);
-  const bool narrow = plan.dmax == 64;
+  const dim3 grid(split.grid.x, split.grid.y, split.grid.z);
+  const bool narrow = split.dmax == 64;
   auto transition =
       narrow ? path_decode_transition_kernel<Dev, 64> : path_decode_transition_kernel<Dev, 128>;
-  transition<<<dim3(plan.transition_grid.x, plan.transition_grid.y), plan.dmax, 0, stream>>>(p);
+  transition<<<dim3(plan.transition_grid.x, plan.transition_grid.y), split.dmax, 0, stream>>>(p);
   check(cudaGetLastError(), "path_decode_transition_kernel launch");
-  const int smem = plan.smem;
   auto kernel =
       narrow ? path_decode_kernel<Dev, DevStore, 64> : path_decode_kernel<Dev, DevStore, 128>;
   if (plan.raise_smem_limit)  // above the default limit: only wide GQA groups (not per step)
-    allow_dynamic_smem(kernel, smem);
-  kernel<<<grid, path_decode_threads, smem, stream>>>(p);
+    allow_dynamic_smem(kernel, plan.smem);
+  kernel<<<grid, split_decode_threads, plan.smem, stream>>>(p);
   check(cudaGetLastError(), "path_decode_kernel launch");
-  split_decode_combine_kernel<Dev>
-      <<<dim3(plan.combine_grid.x, plan.combine_grid.y), path_decode_combine_threads, 0, stream>>>(
-          p.parts);
-  check(cudaGetLastError(), "split_decode_combine_kernel launch");
+  launch_split_combine<Dev>(p.parts, split, stream);
   const bool flushes = std::any_of(cache.rows.begin(), cache.rows.end(),
                                    [](const auto& r) { return path_decode_flushes(r[1]); });
   if (flushes) {  // one step in path_decode_flush; the other rows' blocks return at once
     auto flush =
         narrow ? path_decode_flush_kernel<DevStore, 64> : path_decode_flush_kernel<DevStore, 128>;
-    if (plan.flush_smem > 48 * 1024) allow_dynamic_smem(flush, plan.flush_smem);
-    flush<<<grid, path_decode_threads, plan.flush_smem, stream>>>(p);
+    if (plan.raise_flush_smem_limit) allow_dynamic_smem(flush, plan.flush_smem);  // D = 128
+    flush<<<grid, split_decode_threads, plan.flush_smem, stream>>>(p);
     check(cudaGetLastError(), "path_decode_flush_kernel launch");
   }
 }

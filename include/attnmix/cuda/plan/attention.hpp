@@ -16,6 +16,7 @@
 #include "attnmix/cuda/plan/device_properties.hpp"
 #include "attnmix/cuda/plan/grid.hpp"
 #include "attnmix/cuda/plan/scratch.hpp"
+#include "attnmix/cuda/plan/split_decode.hpp"
 
 namespace attnmix {
 namespace detail {
@@ -35,10 +36,6 @@ constexpr int attention_wgmma_consumers(int D, int Dv) {
 }
 // CUDA cores: a warp a query row, 4 rows a CTA.
 constexpr int attention_simt_rows = 4, attention_simt_threads = 128;
-
-// Decoding (one query token a row against keys of their own): flash-decoding blocks of
-// attention_decode_block_keys keys, 128 threads, and the merge's 128 threads (Dv <= 128).
-constexpr int attention_decode_block_keys = 256, attention_decode_threads = 128;
 
 // Whether calls that qualify take the decoding kernel (attention_decode.cuh) instead of the
 // forward kernels (on: a 12-layer SA + RoPE model's decoding step measured 7 % faster with it on
@@ -76,13 +73,11 @@ struct attention_plan {
   index_t row_tiles = 0, items = 0;  // tensor cores: row tiles a sequence, and work items
   launch_grid grid;
   bool reset_work_counter = false;  // the persistent kernel takes items from a counter
-  // decode: keys a block, blocks a (row, key/value head), the kernel's bound of D and Dv (64 or
-  // 128), its dynamic shared memory (above the default limit for wide groups), the merge's grid
-  // and the partial states' scratch (maxima and sums, outputs).
-  int block_keys = 0, splits = 0, dmax = 0, smem = 0;
+  // decode: the split blocks (plan/split_decode.hpp) and the kernel's dynamic shared memory
+  // (above the default limit for wide groups).
+  split_decode_plan split;
+  int smem = 0;
   bool raise_smem_limit = false;
-  launch_grid combine_grid;
-  std::size_t ml_bytes = 0, o_bytes = 0;
 };
 
 // Whether a call may take the Hopper (wgmma) softmax-family and PaTH kernels: on Hopper, unless
@@ -101,15 +96,11 @@ inline attention_plan plan_attention(const attention_shape& s, const device_prop
   attention_plan p;
   if (s.decode && attention_decode_splits()) {
     p.variant = attention_variant::decode;
-    p.block_keys = attention_decode_block_keys;
-    p.splits = int(std::max<index_t>(1, (s.decode_keys + p.block_keys - 1) / p.block_keys));
-    p.dmax = std::max(s.head_dim, s.value_dim) <= 64 ? 64 : 128;
-    p.smem = int((s.group * p.dmax + s.group * p.block_keys + 4 * p.dmax) * 4);
+    p.split = plan_split_decode(s.sequences, s.q_heads, s.q_heads / s.group, s.head_dim,
+                                s.value_dim, s.decode_keys);
+    const int dmax = p.split.dmax;
+    p.smem = int((s.group * dmax + s.group * p.split.block_keys + 4 * dmax) * 4);
     p.raise_smem_limit = std::size_t(p.smem) > d.smem_per_block;
-    p.grid = {unsigned(p.splits), unsigned(s.q_heads / s.group), unsigned(s.sequences)};
-    p.combine_grid = {unsigned(s.q_heads), unsigned(s.sequences)};
-    p.ml_bytes = padded_bytes(static_cast<std::size_t>(s.sequences * s.q_heads * p.splits * 2) * 4);
-    p.o_bytes = static_cast<std::size_t>(s.sequences * s.q_heads * p.splits * s.value_dim) * 4;
     return p;
   }
   if (s.sixteen_bit && s.aligned && tensor_core_dims(s.head_dim, s.value_dim)) {

@@ -19,6 +19,7 @@
 #include "attnmix/cuda/plan/device_properties.hpp"
 #include "attnmix/cuda/plan/grid.hpp"
 #include "attnmix/cuda/plan/scratch.hpp"
+#include "attnmix/cuda/plan/split_decode.hpp"
 
 namespace attnmix {
 namespace detail {
@@ -118,37 +119,28 @@ struct path_decode_shape {
   std::size_t row_bytes = 0;  // the step rows' {slot, length} table
 };
 
-constexpr int path_decode_block_keys = 256, path_decode_threads = 128;
-constexpr int path_decode_combine_threads = 128;
-
 struct path_decode_plan {
-  int block_keys = 0;             // keys a block of the split cache
-  int splits = 0;                 // blocks a (KV head, sequence)
-  int dmax = 0;                   // the kernel's compile-time bound of D, Dv (64 or 128)
-  int smem = 0;                   // dynamic shared memory of the step kernel
-  bool raise_smem_limit = false;  // above the default limit: only wide GQA groups
-  int flush_smem = 0;             // dynamic shared memory of the flush kernel
-  launch_grid grid, combine_grid, transition_grid;
-  // scratch: partial (m, l), partial O, M^T q, rows
-  std::size_t ml_bytes = 0, o_bytes = 0, qm_bytes = 0, bytes = 0;
+  split_decode_plan split;              // the step's blocks and their merge (plan/split_decode.hpp)
+  int smem = 0;                         // dynamic shared memory of the step kernel
+  bool raise_smem_limit = false;        // above the default limit: only wide GQA groups
+  int flush_smem = 0;                   // dynamic shared memory of the flush kernel,
+  bool raise_flush_smem_limit = false;  // above the default limit (D = 128)
+  launch_grid transition_grid;          // (key/value heads, rows)
+  // scratch after the split's partial states: M^T q, then the rows
+  std::size_t qm_bytes = 0, bytes = 0;
 };
 
 inline path_decode_plan plan_path_decode(const path_decode_shape& s, const device_properties& d) {
   path_decode_plan p;
-  p.block_keys = path_decode_block_keys;
-  p.splits = int((s.longest + p.block_keys - 1) / p.block_keys);
-  const index_t group = s.q_heads / s.kv_heads;
-  p.dmax = std::max(s.head_dim, s.value_dim) <= 64 ? 64 : 128;
-  p.smem = int((2 * group * p.dmax + group * p.block_keys + 4 * p.dmax) * 4);
+  p.split = plan_split_decode(s.batch, s.q_heads, s.kv_heads, s.head_dim, s.value_dim, s.longest);
+  const index_t group = s.q_heads / s.kv_heads, dmax = p.split.dmax;
+  p.smem = int((2 * group * dmax + group * p.split.block_keys + 4 * dmax) * 4);
   p.raise_smem_limit = std::size_t(p.smem) > d.smem_per_block;
   p.flush_smem = path_decode_flush_smem(int(s.head_dim));
-  p.grid = {unsigned(p.splits), unsigned(s.kv_heads), unsigned(s.batch)};
-  p.combine_grid = {unsigned(s.q_heads), unsigned(s.batch)};
+  p.raise_flush_smem_limit = std::size_t(p.flush_smem) > d.smem_per_block;
   p.transition_grid = {unsigned(s.kv_heads), unsigned(s.batch)};
-  p.ml_bytes = static_cast<std::size_t>(s.batch * s.q_heads * p.splits * 2) * 4;
-  p.o_bytes = static_cast<std::size_t>(s.batch * s.q_heads * p.splits * s.value_dim) * 4;
-  p.qm_bytes = static_cast<std::size_t>(s.batch * s.q_heads * p.dmax) * 4;
-  p.bytes = p.ml_bytes + p.o_bytes + p.qm_bytes + s.row_bytes;
+  p.qm_bytes = static_cast<std::size_t>(s.batch * s.q_heads * dmax) * 4;
+  p.bytes = p.split.ml_bytes + p.split.o_bytes + p.qm_bytes + s.row_bytes;
   return p;
 }
 
