@@ -490,49 +490,82 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   const auto neg_rows_of = [&](int s) {
     return a_from_tile<ld, true, true>{hi(s), lo(s), m0};
   };
-  // The slices' sum of a [rows, Dv] part at element `at` of slice 0, in slice order; of dK~, dW
-  // or dU (their copies).
-  const auto sum = [&](const float* base, index_t at, index_t stride) {
-    float x = 0.f;
-    for (int sl = 0; sl < p.slices; ++sl) x += base[sl * stride + at];
-    return x;
-  };
+  // The tensor-core kernels keep one copy of dK~, dW and dU (own_slices = 1): element `at` of
+  // slice 0. Every global read below is issued from an unrolled loop without a loop over slices
+  // inside, so that a thread's reads of a tile are in flight together (one CTA an SM: nothing
+  // else hides their latency).
   const auto own = [&](const float* base, index_t at) {
-    float x = 0.f;
-    for (int sl = 0; sl < p.own_slices; ++sl) x += base[sl * p.slice_own + at];
-    return x;
+    return base[at];
   };
 
-  for (int i = threadIdx.x; i < n * C; i += L::threads) {  // dv
-    const int a = i / C, e = i % C;
-    static_cast<T*>(
-        p.dv)[batch * p.dv_stride[0] + (t0 + a) * p.dv_stride[1] + h * p.dv_stride[2] + e] =
-        from_float<T>(sum(p.dvs, (row0 + a) * C + e, p.slice_dv));
+  {  // dv: the slices' sums in slice order
+    pm::tile_regs x;
+    pm::load_tile(
+        x, [&](int r, int c) { return p.dvs[(row0 + r) * C + c]; }, n, C);
+    for (int sl = 1; sl < p.slices; ++sl) {
+      pm::tile_regs y;
+      pm::load_tile(
+          y, [&](int r, int c) { return p.dvs[sl * p.slice_dv + (row0 + r) * C + c]; }, n, C);
+#pragma unroll
+      for (int k = 0; k < C * 32 / L::threads; ++k) x[k][0] += y[k][0], x[k][1] += y[k][1];
+    }
+#pragma unroll
+    for (int k = 0; k < C * 32 / L::threads; ++k) {
+      const int i = int(threadIdx.x) + k * L::threads, a = i >> 5, e = 2 * (i & 31);
+      if (a >= n) continue;
+      T* at = static_cast<T*>(p.dv) + batch * p.dv_stride[0] + (t0 + a) * p.dv_stride[1] +
+              h * p.dv_stride[2] + e;
+      at[0] = from_float<T>(x[k][0]);
+      at[1] = from_float<T>(x[k][1]);
+    }
   }
-  pm::stage<true>(
-      hi(sw), lo(sw), [&](int r, int c) { return W[r * ws1 + c]; }, n, D);
-  pm::stage<in_lo>(
-      hi(sk), lo(sk), [&](int r, int c) { return to_float(K[r * ks1 + c]); }, n, D);
-  pm::stage<true>(
-      hi(su), lo(su), [&](int r, int c) { return UU[r * D + c]; }, n, D);
-  pm::stage<true>(
-      hi(sm), lo(sm), [&](int r, int c) { return c < r ? MM[r * C + c] : 0.f; }, n, C);
-  pm::stage<true>(
-      hi(sg), lo(sg), [&](int r, int c) { return own(p.dkt, (row0 + r) * D + c); }, n, D);
-  for (int i = threadIdx.x; i < C * C; i += L::threads) {
-    const int a = i / C, c = i % C;
-    fdU[a * lf + c] = a < n ? own(p.dus, (row0 + a) * D + c) : 0.f;
-    fdM[a * lf + c] = a < n && c < a ? p.dm[(row0 + a) * C + c] : 0.f;
+  // The chunk's tiles in three batches of loads, each batch's loads in flight together before
+  // its stores.
+  {
+    pm::tile_regs x0, x1, x2;
+    pm::load_tile(
+        x0, [&](int r, int c) { return W[r * ws1 + c]; }, n, D);
+    pm::load_tile(
+        x1, [&](int r, int c) { return to_float(K[r * ks1 + c]); }, n, D);
+    pm::load_tile(
+        x2, [&](int r, int c) { return UU[r * D + c]; }, n, D);
+    pm::store_tile<true>(x0, hi(sw), lo(sw));
+    pm::store_tile<in_lo>(x1, hi(sk), lo(sk));
+    pm::store_tile<true>(x2, hi(su), lo(su));
+    pm::load_tile(
+        x0, [&](int r, int c) { return c < r ? MM[r * C + c] : 0.f; }, n, C);
+    pm::load_tile(
+        x1, [&](int r, int c) { return own(p.dkt, (row0 + r) * D + c); }, n, D);
+    pm::load_tile(
+        x2, [&](int r, int c) { return own(p.dus, (row0 + r) * D + c); }, n, D);
+    pm::store_tile<true>(x0, hi(sm), lo(sm));
+    pm::store_tile<true>(x1, hi(sg), lo(sg));
+#pragma unroll
+    for (int k = 0; k < C * 32 / L::threads; ++k) {  // lf is odd: one float at a time
+      const int i = int(threadIdx.x) + k * L::threads, a = i >> 5, c = 2 * (i & 31);
+      fdU[a * lf + c] = x2[k][0], fdU[a * lf + c + 1] = x2[k][1];
+    }
   }
-  for (int a = threadIdx.x; a < C; a += L::threads)
-    sb[a] = a < n ? kp.beta[batch * kp.beta_stride[0] + (t0 + a) * kp.beta_stride[1] +
-                            h * kp.beta_stride[2]]
-                  : 0.f;
   part dw;
-  for_fragment_pairs<4>(dw, m0, n0, [&](int a, int c, float& x0, float& x1) {
-    x0 = a < n ? own(p.dws, (row0 + a) * D + c) : 0.f;
-    x1 = a < n ? own(p.dws, (row0 + a) * D + c + 1) : 0.f;
-  });
+  {
+    pm::tile_regs xm;
+    pm::load_tile(
+        xm, [&](int r, int c) { return c < r ? p.dm[(row0 + r) * C + c] : 0.f; }, n, C);
+    for_fragment_pairs<4>(dw, m0, n0, [&](int a, int c, float& x0, float& x1) {
+      x0 = a < n ? own(p.dws, (row0 + a) * D + c) : 0.f;
+      x1 = a < n ? own(p.dws, (row0 + a) * D + c + 1) : 0.f;
+    });
+    const float beta = threadIdx.x < n
+                           ? kp.beta[batch * kp.beta_stride[0] +
+                                     (t0 + threadIdx.x) * kp.beta_stride[1] + h * kp.beta_stride[2]]
+                           : 0.f;
+#pragma unroll
+    for (int k = 0; k < C * 32 / L::threads; ++k) {
+      const int i = int(threadIdx.x) + k * L::threads, a = i >> 5, c = 2 * (i & 31);
+      fdM[a * lf + c] = xm[k][0], fdM[a * lf + c + 1] = xm[k][1];
+    }
+    if (threadIdx.x < C) sb[threadIdx.x] = beta;
+  }
   __syncthreads();
 
   // K~ = K - M^T W: dM -= stril(W dK~^T), dW -= M dK~; the Gram products W W^T, stril(W K^T).
@@ -617,12 +650,20 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     if ((lane & 3) == 0) rowsum[half * C + m0 + g] = rs[0], rowsum[half * C + m0 + g + 8] = rs[1];
   }
   __syncthreads();  // Lbar . ww summed; ww, M, U read
-  for (int a = threadIdx.x; a < n; a += L::threads) {
-    float acc = 0.f, am = 0.f;
-    for (int d = 0; d < D; ++d) acc += fdU[a * lf + d] * W[a * ws1 + d];
-    for (int b = 0; b < a; ++b) am += fdM[a * lf + b] * fxk[a * lf + b];
-    p.dbeta[batch * p.dbeta_stride[0] + (t0 + a) * p.dbeta_stride[1] + h * p.dbeta_stride[2]] =
-        acc + am - (rowsum[a] + rowsum[C + a]);
+  {                 // four threads a row, each a quarter of the columns, summed across the quad
+    static_assert(L::threads == 4 * C && D == C, "a quad of threads a row");
+    const int a = threadIdx.x / 4, d0 = 16 * (threadIdx.x % 4);
+    float acc = 0.f;
+    if (a < n) {
+#pragma unroll
+      for (int d = d0; d < d0 + 16; ++d)
+        acc += fdU[a * lf + d] * W[a * ws1 + d] + (d < a ? fdM[a * lf + d] * fxk[a * lf + d] : 0.f);
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    if (a < n && d0 == 0)
+      p.dbeta[batch * p.dbeta_stride[0] + (t0 + a) * p.dbeta_stride[1] + h * p.dbeta_stride[2]] =
+          acc - (rowsum[a] + rowsum[C + a]);
   }
   // -beta_a Lbar into ww's tile; dM beta_a (strictly lower) into M's slot; dW += beta dU.
   for_fragment_pairs<4>(lb, m0, n0, [&](int a, int c, float x0, float x1) {
