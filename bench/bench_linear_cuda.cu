@@ -105,11 +105,8 @@ BENCHMARK_TEMPLATE(BM_linear_cuda, attnmix::kind::linear_causal, gated_causal_po
 namespace {
 
 // Saved: the forward hands its state (S, z, lse) to the backward, which then skips the reduce.
-// FuseNorm: a causal gated norm's backward formed in the tensor-core query pass
-// (linear_backward_fuse_norm).
-template <class Kind, class Policy, bool FwdToo, bool Saved = false, bool FuseNorm = false>
+template <class Kind, class Policy, bool FwdToo, bool Saved = false>
 void BM_linear_backward_cuda(benchmark::State& state) {
-  attnmix::detail::cuda::linear_backward_fuse_norm() = FuseNorm;
   using T = attnmix::bfloat16;
   constexpr bool normed = Policy::norm != attnmix::gated_norm::off;
   constexpr bool gated = Policy::gate != attnmix::key_gate::off;
@@ -161,7 +158,6 @@ void BM_linear_backward_cuda(benchmark::State& state) {
     attnmix::linear_attention_backward<Kind, Policy>(g, {}, attnmix::backend::cuda{});
   };
   attnmix_bench::time_with_events(state, call, 1);
-  attnmix::detail::cuda::linear_backward_fuse_norm() = false;
   const double act = double(B) * Tn * H * D * 2;
   double bytes = act * (normed ? 9 : 7) + (gated ? double(B) * Tn * 8 : 0);
   if (FwdToo) bytes += act * (normed ? 5 : 4) + (gated ? double(B) * Tn * 4 : 0);
@@ -204,12 +200,4 @@ BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::linear_causal, gated_
     ->Apply(causal_shapes);
 BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::linear_causal, gated_causal_policy, true)
     ->Name("linear_causal_gated_forward_backward")
-    ->Apply(causal_shapes);
-BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::linear_causal, gated_causal_policy,
-                   false, false, true)
-    ->Name("linear_causal_gated_backward_fused")
-    ->Apply(causal_shapes);
-BENCHMARK_TEMPLATE(BM_linear_backward_cuda, attnmix::kind::linear_causal, gated_causal_policy, true,
-                   false, true)
-    ->Name("linear_causal_gated_forward_backward_fused")
     ->Apply(causal_shapes);

@@ -224,27 +224,6 @@ TEST_CASE("CUDA causal linear backward on tensor cores under the key gate: the s
   tensor_core_bits_twice<causal_key_gate>(2900);
 }
 
-// The gated norm's backward formed in the query pass (linear_backward_fuse_norm) instead of a
-// recomputed forward and a row pass: the norm's cases above, walks of one chunk and of three, and
-// the same bits twice.
-struct fuse_norm {
-  fuse_norm() { attnmix::detail::cuda::linear_backward_fuse_norm() = true; }
-  ~fuse_norm() { attnmix::detail::cuda::linear_backward_fuse_norm() = false; }
-};
-
-TEST_CASE("CUDA causal linear backward on tensor cores, the gated norm in the query pass",
-          "[cuda][linear_backward][linear_causal][tensor_cores][fused_norm]") {
-  ATTNMIX_REQUIRE_CUDA_DEVICE();
-  const fuse_norm fused;
-  tensor_core_sweep<causal_head_norm>(3000, "per-head norm, gate then norm, sigmoid; fused");
-  tensor_core_sweep<causal_gated_norm>(3100, "key gate and gated norm; fused");
-  {
-    const force_walk walk(3);
-    tensor_core_sweep<causal_gated_norm>(3200, "key gate and gated norm; fused, walks of three");
-  }
-  tensor_core_bits_twice<causal_gated_norm>(3300);
-}
-
 TEST_CASE("CUDA linear backward: worst errors seen", "[cuda][linear_backward]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   // Runs last in declaration order; prints what the cases above saw.

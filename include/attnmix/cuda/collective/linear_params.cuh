@@ -172,13 +172,6 @@ struct linear_backward_params {
   const float* dlse_out = nullptr;
   float* dlse_in = nullptr;
   index_t dlse_out_stride[2] = {}, dlse_in_stride[2] = {};
-  // Causal on tensor cores behind the gated norm: the query pass takes dout as the gradient at the
-  // norm's output, writes the core's do to dnorm (contiguous [B, T, HQ, Dv]) for the key pass,
-  // and each 16-token tile's dgamma terms to dgamma_part[n][tile][HQ][Dv] (norm_tiles a sequence).
-  void* dnorm = nullptr;
-  index_t dnorm_stride[3] = {};
-  float* dgamma_part = nullptr;
-  index_t norm_tiles = 0;
 };
 
 template <class Dev>

@@ -237,136 +237,6 @@ __device__ __forceinline__ float2 row_mass(const float* mass, const linear_kerne
   return *reinterpret_cast<const float2*>(mass + mass_at(f, batch, t, h));
 }
 
-// ---- the gated RMSNorm's backward on the accumulator rows (normed policies) -----------------
-
-// The gate activation of raw bfloat16 pair element q and its derivative.
-template <class Policy>
-__device__ __forceinline__ void gate_act(std::uint32_t raw, int q, float& act, float& dact) {
-  const float2 v = unpack2<__nv_bfloat16>(raw);
-  lbm_gate<Policy>(q == 0 ? v.x : v.y, act, dact);
-}
-
-// norm_row_backward on the warp's rows r0 .. r0 + 15 of head hq, from o = N * inv (columns
-// 0 .. 63 of the accumulators, a row in a quad) and the gradient dy at the norm's output, which
-// `dy` holds on entry and do (rounded to bfloat16) on return. dgate goes out; dgm gets each of
-// the lane's columns' dgamma terms summed over the warp's 16 rows (complete in the lanes of
-// g = 0). Three passes over a row recompute the gate's activation instead of holding it.
-template <class Policy>
-__device__ __forceinline__ void norm_backward_rows(const linear_backward_params& bp,
-                                                   const float (&N)[NX][4], const float (&inv)[2],
-                                                   std::uint32_t (&dy)[8][2], index_t batch,
-                                                   index_t t0, int rows, int hq, int r0,
-                                                   const float* valid, float (&dgm)[8][2]) {
-  using Dev = __nv_bfloat16;
-  const linear_kernel_params& f = bp.f;
-  constexpr bool gate_first = Policy::order == norm_gate_order::gate_then_norm;
-  const int lane = threadIdx.x % 32, gi = lane >> 2, c2 = 2 * (lane & 3);
-  std::uint32_t graw[8][2];
-  lbm_fragment_pairs<Dev>(graw, f.gate, f.gate_stride, batch, t0, rows, hq, r0);
-  auto gamma = [&](int c) {
-    return f.gamma == nullptr
-               ? 1.f
-               : __ldg(f.gamma +
-                       (Policy::weight == norm_weight::per_head ? hq * D + c : c) * f.gamma_stride);
-  };
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) dgm[nt][0] = dgm[nt][1] = 0.f;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int i = r0 + gi + 8 * half;
-    const bool ok = valid[i] != 0.f;
-    float ss = 0.f, proj = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        float act, dact;
-        gate_act<Policy>(graw[nt][half], q, act, dact);
-        const float o = N[nt][2 * half + q] * inv[half], xg = gate_first ? o * act : o;
-        ss += xg * xg;
-      }
-    const float rstd = 1.f / sqrtf(quad_sum(ss) / float(D) + f.norm_eps);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const float2 d2 = unpack2<Dev>(dy[nt][half]);
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        float act, dact;
-        gate_act<Policy>(graw[nt][half], q, act, dact);
-        const float o = N[nt][2 * half + q] * inv[half], xg = gate_first ? o * act : o;
-        const float dn = gate_first ? (q == 0 ? d2.x : d2.y) : (q == 0 ? d2.x : d2.y) * act;
-        if (ok) dgm[nt][q] += rstd * dn * xg;
-        proj += dn * gamma(8 * nt + c2 + q) * xg;
-      }
-    }
-    proj = rstd * rstd * quad_sum(proj) / float(D);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const float2 d2 = unpack2<Dev>(dy[nt][half]);
-      float d_o[2], dg[2];
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        float act, dact;
-        gate_act<Policy>(graw[nt][half], q, act, dact);
-        const float o = N[nt][2 * half + q] * inv[half], xg = gate_first ? o * act : o;
-        const float dyv = q == 0 ? d2.x : d2.y, gam = gamma(8 * nt + c2 + q);
-        if constexpr (!gate_first) {
-          d_o[q] = rstd * (dyv * act * gam - proj * xg);
-          dg[q] = rstd * dyv * xg * dact * gam;
-        } else {
-          const float dx = rstd * (dyv * gam - proj * xg);
-          dg[q] = dx * o * dact;
-          d_o[q] = dx * act;
-        }
-      }
-      if (i < rows)
-        lbm_store2<Dev>(bp.dgate, bp.dgate_stride, batch, t0 + i, hq, 8 * nt + c2, ok ? dg[0] : 0.f,
-                        ok ? dg[1] : 0.f);
-      dy[nt][half] = pack2<Dev>(ok ? d_o[0] : 0.f, ok ? d_o[1] : 0.f);
-    }
-  }
-  // The warp's 16 rows: the lanes of one column pair differ in g (lane bits 2 .. 4).
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int q = 0; q < 2; ++q)
-#pragma unroll
-      for (int o = 4; o < 32; o *= 2) dgm[nt][q] += __shfl_xor_sync(0xffffffffu, dgm[nt][q], o);
-}
-
-// The fused gated norm of the query pass (bp.dnorm set): do of the warp's rows from o = N * inv
-// and the norm's gradient in dout, which then holds do (rounded to bfloat16); do goes to
-// bp.dnorm for the key pass, the rows' dgamma terms to the partial of their 16-token tile
-// (bp.dgamma_part[n][tile][hq][Dv], where dgamma is asked for).
-template <class Policy>
-__device__ __forceinline__ void fused_norm_rows(const linear_backward_params& bp,
-                                                const float (&N)[NX][4], const float (&inv)[2],
-                                                std::uint32_t (&dout)[8][2], index_t batch,
-                                                index_t start, index_t c0, int rows, int hq, int r0,
-                                                int n, const float* valid) {
-  using Dev = __nv_bfloat16;
-  const int lane = threadIdx.x % 32, gi = lane >> 2, c2 = 2 * (lane & 3);
-  float dgm[8][2];
-  norm_backward_rows<Policy>(bp, N, inv, dout, batch, start + c0, rows, hq, r0, valid, dgm);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int i = r0 + gi + 8 * half;
-    if (i >= rows) continue;
-    Dev* row = static_cast<Dev*>(bp.dnorm) + batch * bp.dnorm_stride[0] +
-               (start + c0 + i) * bp.dnorm_stride[1] + hq * bp.dnorm_stride[2];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-      *reinterpret_cast<std::uint32_t*>(row + 8 * nt + c2) = dout[nt][half];
-  }
-  if (gi == 0 && bp.dgamma_part != nullptr) {
-    const index_t tile = (c0 + r0) / 16;
-    float* part = bp.dgamma_part + ((index_t(n) * bp.norm_tiles + tile) * bp.f.q_heads + hq) * D;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-      *reinterpret_cast<float2*>(part + 8 * nt + c2) = make_float2(dgm[nt][0], dgm[nt][1]);
-  }
-}
-
 // dx = mul * acc * phi'(x) of the warp's rows r0 .. (tokens t0 + row of head hh; 0 at pads) into
 // out: the chunk's dq (x = q, mul = scale) or dk (x = k, mul = 1). The inputs are loaded in one
 // round trip (lbm_fragment_pairs).
@@ -457,7 +327,6 @@ __global__ void __launch_bounds__(lbc::threads)
   using Dev = __nv_bfloat16;
   constexpr bool normalize = Policy::normalize;
   constexpr bool gated = Policy::gate != key_gate::off;
-  constexpr bool normed = Policy::norm != gated_norm::off;
   constexpr int SSn = slot_floats<gated>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   split_op* Ph = reinterpret_cast<split_op*>(smem_raw);  // [C][ld] phi(k), two parts
@@ -557,17 +426,9 @@ __global__ void __launch_bounds__(lbc::threads)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int i = r0 + gi + 8 * half;
+        const bool ok = valid[i] != 0.f;
         const float den = __shfl_sync(0xffffffffu, N[NX - 2][2 * half], lane & ~3) + f.eps;
         inv[half] = normalize ? (gated && !(rs.mass[i] > 0.f) ? 0.f : 1.f / den) : 1.f;
-      }
-      if constexpr (normed) {
-        if (bp.dnorm != nullptr)  // dout is the norm's: do from this pass's o = num / den
-          fused_norm_rows<Policy>(bp, N, inv, dout, batch, start, c0, rows, hq, r0, n, valid);
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = r0 + gi + 8 * half;
-        const bool ok = valid[i] != 0.f;
         if (!ok) continue;  // g = delta = 0
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {

@@ -41,14 +41,6 @@ inline int& linear_backward_force_super() {
   return forced;
 }
 
-// Causal tensor-core calls behind a gated norm form the norm's backward in the query pass
-// (instead of recomputing the core's output for a row pass) where this is set. Off until the
-// fused pass has been measured against the row pass. Not thread-safe either.
-inline bool& linear_backward_fuse_norm() {
-  static bool fused = false;
-  return fused;
-}
-
 // The policy of a causal gated norm's core (the forward that recomputes o).
 template <class Policy>
 struct backward_core_policy : Policy {
@@ -300,59 +292,43 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
       fold_dgamma<Policy>(bp, dgamma_part, N * plan.parts, stream);
     }
   } else {
-    // A gated norm: on tensor cores the query pass forms do (and dgate, dgamma's terms) from its
-    // own o = num / den, reading dout as the norm's gradient, and leaves do for the key pass;
-    // elsewhere the core's output is recomputed and a row pass forms do, on which the core's
-    // backward runs.
-    const bool fused = linear_backward_fuse_norm() && normed &&
-                       std::is_same_v<Dev, __nv_bfloat16> && plan.mma && layout.slots(shape);
-    const index_t norm_rows = fused ? 16 : linear_bwd_tile;  // tokens a dgamma partial
-    const index_t norm_tiles = (shape.max_len + norm_rows - 1) / norm_rows;
+    // A gated norm: recompute the core's output, then do (and dgate, dgamma) row by row; the
+    // core's backward then runs on do.
     const std::size_t rows = std::size_t(B * Tn * HQ) * std::size_t(Dv);
-    const std::size_t part_bytes = std::size_t(N * norm_tiles * HQ * Dv) * sizeof(float);
     stream_buffer norm_scratch(
-        normed ? padded_bytes(rows * sizeof(T)) * 2 + padded_bytes(part_bytes) : 0, stream);
-    float* dgamma_part = nullptr;
-    T* dO = nullptr;
+        normed ? padded_bytes(rows * sizeof(T)) * 2 +
+                     padded_bytes(
+                         std::size_t(N) *
+                         std::size_t((shape.max_len + linear_bwd_tile - 1) / linear_bwd_tile) *
+                         std::size_t(HQ * Dv) * sizeof(float))
+               : 0,
+        stream);
     if constexpr (normed) {
       T* o = reinterpret_cast<T*>(norm_scratch.get());
-      dO = reinterpret_cast<T*>(norm_scratch.get() + padded_bytes(rows * sizeof(T)));
-      if (a.dgamma.has_value())
-        dgamma_part =
-            reinterpret_cast<float*>(norm_scratch.get() + 2 * padded_bytes(rows * sizeof(T)));
-      if (fused) {
-        if (dgamma_part != nullptr && part_bytes > 0)  // tiles past a sequence's end stay 0
-          check(cudaMemsetAsync(dgamma_part, 0, part_bytes, stream), "cudaMemsetAsync(dgamma)");
-        bp.dnorm = dO, bp.dgamma_part = dgamma_part, bp.norm_tiles = norm_tiles;
-        bp.dnorm_stride[0] = Tn * HQ * Dv, bp.dnorm_stride[1] = HQ * Dv, bp.dnorm_stride[2] = Dv;
-      } else {
-        linear_attention_args<T> fa;
-        fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.mask = a.mask, fa.a = a.a;
-        fa.state_in.S = a.state_in.S, fa.state_in.z = a.state_in.z;
-        fa.state_in.lse = a.state_in.lse;
-        fa.out = view4<T>(o, {B, Tn, HQ, Dv}, {Tn * HQ * Dv, HQ * Dv, Dv, 1}, memory_space::device);
-        run_linear<Kind, backward_core_policy<Policy>>(fn, fa, p, be);
-        if (norm_tiles > 0) {
-          const int smem = int(3 * linear_bwd_tile * Dv * sizeof(float));
-          auto norm = linear_bwd_norm_kernel<Dev, Policy>;
-          allow_dynamic_smem(norm, smem);
-          norm<<<dim3(unsigned(norm_tiles), n_grid), threads, smem, stream>>>(
-              bp, reinterpret_cast<const Dev*>(o), reinterpret_cast<Dev*>(dO), norm_tiles,
-              dgamma_part);
-          check(cudaGetLastError(), "linear_bwd_norm_kernel launch");
-        }
-        if (a.dgamma.has_value()) {  // with no tokens (norm_tiles == 0) it writes zeros
-          fold_dgamma<Policy>(bp, dgamma_part, N * norm_tiles, stream);
-        }
-        bp.dout = dO;
-        bp.dout_stride[0] = Tn * HQ * Dv, bp.dout_stride[1] = HQ * Dv, bp.dout_stride[2] = Dv;
+      T* dO = reinterpret_cast<T*>(norm_scratch.get() + padded_bytes(rows * sizeof(T)));
+      float* dgamma_part =
+          a.dgamma.has_value()
+              ? reinterpret_cast<float*>(norm_scratch.get() + 2 * padded_bytes(rows * sizeof(T)))
+              : nullptr;
+      linear_attention_args<T> fa;
+      fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.mask = a.mask, fa.a = a.a;
+      fa.state_in.S = a.state_in.S, fa.state_in.z = a.state_in.z, fa.state_in.lse = a.state_in.lse;
+      fa.out = view4<T>(o, {B, Tn, HQ, Dv}, {Tn * HQ * Dv, HQ * Dv, Dv, 1}, memory_space::device);
+      run_linear<Kind, backward_core_policy<Policy>>(fn, fa, p, be);
+      const index_t tiles = (shape.max_len + linear_bwd_tile - 1) / linear_bwd_tile;
+      if (tiles > 0) {
+        const int smem = int(3 * linear_bwd_tile * Dv * sizeof(float));
+        auto norm = linear_bwd_norm_kernel<Dev, Policy>;
+        allow_dynamic_smem(norm, smem);
+        norm<<<dim3(unsigned(tiles), n_grid), threads, smem, stream>>>(
+            bp, reinterpret_cast<const Dev*>(o), reinterpret_cast<Dev*>(dO), tiles, dgamma_part);
+        check(cudaGetLastError(), "linear_bwd_norm_kernel launch");
       }
-    }
-    // The key pass reads do (the query pass's, where it formed it).
-    linear_backward_params kbp = bp;
-    if (fused) {
-      kbp.dout = dO;
-      kbp.dout_stride[0] = Tn * HQ * Dv, kbp.dout_stride[1] = HQ * Dv, kbp.dout_stride[2] = Dv;
+      if (a.dgamma.has_value()) {  // with no tokens (tiles == 0) it writes zeros
+        fold_dgamma<Policy>(bp, dgamma_part, N * tiles, stream);
+      }
+      bp.dout = dO;
+      bp.dout_stride[0] = Tn * HQ * Dv, bp.dout_stride[1] = HQ * Dv, bp.dout_stride[2] = Dv;
     }
 
     if (gated && !layout.slots(shape)) {
@@ -440,7 +416,7 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
             auto kernel = linear_bwd_causal_key_mma_kernel<Policy>;
             allow_dynamic_smem(kernel, plan.causal_k_smem);
             kernel<<<chunk_grid, chunk_threads, plan.causal_k_smem, stream>>>(
-                kbp, offsets, walk, dstate, inv_den, delta, mass, da_heads);
+                bp, offsets, walk, dstate, inv_den, delta, mass, da_heads);
           }
         } else if constexpr (!gated) {
           auto key = linear_bwd_causal_key_kernel<Dev, Policy>;
@@ -450,8 +426,6 @@ void run_linear_backward(const std::string& fn, const linear_attention_grad_args
         }
         check(cudaGetLastError(), "linear_bwd_causal_key_kernel launch");
       }
-      if (fused && dgamma_part != nullptr)
-        fold_dgamma<Policy>(bp, dgamma_part, N * norm_tiles, stream);
       if constexpr (gated) {
         if (bp.dlse_in != nullptr) {
           linear_bwd_gated_dlse_kernel<<<dim3(unsigned(H), n_grid), 32, 0, stream>>>(
