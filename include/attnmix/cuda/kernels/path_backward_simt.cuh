@@ -65,10 +65,10 @@ struct path_backward_params {
   // Sums ([B, H, tokens, .] rows): slice s of a [rows, D] part at + s * slice_d (elements).
   float *dkt, *dws, *dus, *states, *e, *dvs, *dk_diag, *dm;
   index_t slice_d, slice_dv;
-  // dK~, dW, dU (and dP below): own_slices copies slice_own elements apart. The tensor-core
+  // dK~, dW, dU (and dP below): a copy a slice, slice_own elements apart. The tensor-core
   // kernels cut slices at super-chunks (slice_align chunks), so that only one slice writes each
   // chunk's rows of these: one copy (slice_own = 0). Else one a slice, as the other sums.
-  int own_slices, slice_align;
+  int slice_align;
   index_t slice_own;
   // The tensor-core query kernel's chunk transitions: N = W^T U of each chunk (P = I - N), D x D
   // at the chunk's rows of a [rows, D] part, and the slices' sums of dP (same layout, per slice);

@@ -47,29 +47,34 @@ constexpr int C = L::C, ld = L::ld;
 // Lo) holding what hi's rounding left. Loads of several tiles issued before the first store are in
 // flight together (a store to shared memory keeps the compiler from moving a later load above it).
 using tile_regs = float[C * 32 / L::threads][2];
-template <class F>
-__device__ __forceinline__ void load_tile(tile_regs& x, F&& at, int rows, int cols) {
+// f(r, c, x0, x1) for each pair of this thread's tile registers: row r, columns c and c + 1.
+template <class X, class F>
+__device__ __forceinline__ void for_tile_pairs(X& x, F&& f) {
 #pragma unroll
   for (int k = 0; k < C * 32 / L::threads; ++k) {
-    const int i = int(threadIdx.x) + k * L::threads, r = i >> 5, c = 2 * (i & 31);
-    x[k][0] = r < rows && c < cols ? at(r, c) : 0.f;
-    x[k][1] = r < rows && c + 1 < cols ? at(r, c + 1) : 0.f;
+    const int i = int(threadIdx.x) + k * L::threads;
+    f(i >> 5, 2 * (i & 31), x[k][0], x[k][1]);
   }
+}
+template <class F>
+__device__ __forceinline__ void load_tile(tile_regs& x, F&& at, int rows, int cols) {
+  for_tile_pairs(x, [&](int r, int c, float& x0, float& x1) {
+    x0 = r < rows && c < cols ? at(r, c) : 0.f;
+    x1 = r < rows && c + 1 < cols ? at(r, c + 1) : 0.f;
+  });
 }
 template <bool Lo>
 __device__ __forceinline__ void store_tile(const tile_regs& x, split_op* hi, split_op* lo) {
-#pragma unroll
-  for (int k = 0; k < C * 32 / L::threads; ++k) {
-    const int i = int(threadIdx.x) + k * L::threads, r = i >> 5, c = 2 * (i & 31);
+  for_tile_pairs(x, [&](int r, int c, float x0, float x1) {
     std::uint32_t h, l;
     if constexpr (Lo) {
-      split2(x[k][0], x[k][1], h, l);
+      split2(x0, x1, h, l);
       *reinterpret_cast<std::uint32_t*>(lo + r * ld + c) = l;
     } else {
-      h = pack2<split_op>(x[k][0], x[k][1]);
+      h = pack2<split_op>(x0, x1);
     }
     *reinterpret_cast<std::uint32_t*>(hi + r * ld + c) = h;
-  }
+  });
 }
 template <bool Lo, class F>
 __device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int rows, int cols) {
@@ -226,13 +231,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   };
   const float* dP = p.dtrans + ch.row0 * C;
   pm::stage<true>(
-      hi(0), lo(0),
-      [&](int r, int c) {
-        float x = 0.f;
-        for (int sl = 0; sl < p.own_slices; ++sl) x += dP[sl * p.slice_own + r * C + c];
-        return x;
-      },
-      C, C);
+      hi(0), lo(0), [&](int r, int c) { return dP[r * C + c]; }, C, C);  // one copy on tensor cores
   pm::stage<true>(
       hi(1), lo(1), [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
   pm::stage<true>(
@@ -490,13 +489,9 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   const auto neg_rows_of = [&](int s) {
     return a_from_tile<ld, true, true>{hi(s), lo(s), m0};
   };
-  // The tensor-core kernels keep one copy of dK~, dW and dU (own_slices = 1): element `at` of
-  // slice 0. Every global read below is issued from an unrolled loop without a loop over slices
-  // inside, so that a thread's reads of a tile are in flight together (one CTA an SM: nothing
-  // else hides their latency).
-  const auto own = [&](const float* base, index_t at) {
-    return base[at];
-  };
+  // The tensor-core kernels keep one copy of dK~, dW and dU (slice 0's). Every global read below
+  // is issued from an unrolled loop without a loop over slices inside, so that a thread's reads
+  // of a tile are in flight together (one CTA an SM: nothing else hides their latency).
 
   {  // dv: the slices' sums in slice order
     pm::tile_regs x;
@@ -509,15 +504,13 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
 #pragma unroll
       for (int k = 0; k < C * 32 / L::threads; ++k) x[k][0] += y[k][0], x[k][1] += y[k][1];
     }
-#pragma unroll
-    for (int k = 0; k < C * 32 / L::threads; ++k) {
-      const int i = int(threadIdx.x) + k * L::threads, a = i >> 5, e = 2 * (i & 31);
-      if (a >= n) continue;
+    pm::for_tile_pairs(x, [&](int a, int e, float x0, float x1) {
+      if (a >= n) return;
       T* at = static_cast<T*>(p.dv) + batch * p.dv_stride[0] + (t0 + a) * p.dv_stride[1] +
               h * p.dv_stride[2] + e;
-      at[0] = from_float<T>(x[k][0]);
-      at[1] = from_float<T>(x[k][1]);
-    }
+      at[0] = from_float<T>(x0);
+      at[1] = from_float<T>(x1);
+    });
   }
   // The chunk's tiles in three batches of loads, each batch's loads in flight together before
   // its stores.
@@ -535,16 +528,14 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     pm::load_tile(
         x0, [&](int r, int c) { return c < r ? MM[r * C + c] : 0.f; }, n, C);
     pm::load_tile(
-        x1, [&](int r, int c) { return own(p.dkt, (row0 + r) * D + c); }, n, D);
+        x1, [&](int r, int c) { return p.dkt[(row0 + r) * D + c]; }, n, D);
     pm::load_tile(
-        x2, [&](int r, int c) { return own(p.dus, (row0 + r) * D + c); }, n, D);
+        x2, [&](int r, int c) { return p.dus[(row0 + r) * D + c]; }, n, D);
     pm::store_tile<true>(x0, hi(sm), lo(sm));
     pm::store_tile<true>(x1, hi(sg), lo(sg));
-#pragma unroll
-    for (int k = 0; k < C * 32 / L::threads; ++k) {  // lf is odd: one float at a time
-      const int i = int(threadIdx.x) + k * L::threads, a = i >> 5, c = 2 * (i & 31);
-      fdU[a * lf + c] = x2[k][0], fdU[a * lf + c + 1] = x2[k][1];
-    }
+    pm::for_tile_pairs(x2, [&](int a, int c, float y0, float y1) {  // lf is odd: one at a time
+      fdU[a * lf + c] = y0, fdU[a * lf + c + 1] = y1;
+    });
   }
   part dw;
   {
@@ -552,18 +543,16 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     pm::load_tile(
         xm, [&](int r, int c) { return c < r ? p.dm[(row0 + r) * C + c] : 0.f; }, n, C);
     for_fragment_pairs<4>(dw, m0, n0, [&](int a, int c, float& x0, float& x1) {
-      x0 = a < n ? own(p.dws, (row0 + a) * D + c) : 0.f;
-      x1 = a < n ? own(p.dws, (row0 + a) * D + c + 1) : 0.f;
+      x0 = a < n ? p.dws[(row0 + a) * D + c] : 0.f;
+      x1 = a < n ? p.dws[(row0 + a) * D + c + 1] : 0.f;
     });
     const float beta = threadIdx.x < n
                            ? kp.beta[batch * kp.beta_stride[0] +
                                      (t0 + threadIdx.x) * kp.beta_stride[1] + h * kp.beta_stride[2]]
                            : 0.f;
-#pragma unroll
-    for (int k = 0; k < C * 32 / L::threads; ++k) {
-      const int i = int(threadIdx.x) + k * L::threads, a = i >> 5, c = 2 * (i & 31);
-      fdM[a * lf + c] = xm[k][0], fdM[a * lf + c + 1] = xm[k][1];
-    }
+    pm::for_tile_pairs(xm, [&](int a, int c, float y0, float y1) {
+      fdM[a * lf + c] = y0, fdM[a * lf + c + 1] = y1;
+    });
     if (threadIdx.x < C) sb[threadIdx.x] = beta;
   }
   __syncthreads();
@@ -697,8 +686,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     const index_t r = (row0 + a) * D + c;
     T* at = static_cast<T*>(p.dk) + batch * p.dk_stride[0] + (t0 + a) * p.dk_stride[1] +
             h * p.dk_stride[2] + c;
-    at[0] = from_float<T>(p.dk_diag[r] + own(p.dkt, r) + x0);
-    at[1] = from_float<T>(p.dk_diag[r + 1] + own(p.dkt, r + 1) + x1);
+    at[0] = from_float<T>(p.dk_diag[r] + p.dkt[r] + x0);
+    at[1] = from_float<T>(p.dk_diag[r + 1] + p.dkt[r + 1] + x1);
   });
 }
 

@@ -97,7 +97,6 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   bp.dk_diag = floats(l.dk), bp.dm = floats(l.dm);
   bp.slice_d = static_cast<index_t>(l.slice_d / sizeof(float));
   bp.slice_dv = static_cast<index_t>(l.slice_dv / sizeof(float));
-  bp.own_slices = l.own_copies;
   bp.slice_own = l.own_copies > 1 ? bp.slice_d : 0;
   bp.slice_pi = static_cast<index_t>(l.slice_pi / sizeof(float));
   const bool mma = plan.query_kernel == path_backward_kernel::mma;
