@@ -785,24 +785,37 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         for (int j = threadIdx.x; j < C; j += L::threads)
           gj_s[j] = j < cols ? static_cast<float>(p.coef * (qr.G[(j0 + j) * HQ] - g_ref)) : 0.f;
       };
-      // p and dZ of a warp's part of a tile in place of its scores s and dP; diag: causal.
+      // This thread's rows m0 + g and m0 + g + 8 (set once the chunk's row arrays are whole):
+      // the exponent's row term (gate - lse), delta, and the first key token each row sees (its
+      // hard reset; rows past n see none). Kept in registers: the walk reads them every step.
+      float row_base[2] = {0.f, 0.f}, row_delta[2] = {0.f, 0.f};
+      index_t row_first[2] = {0, 0};
+      // p and dZ of a warp's part of a tile in place of its scores s and dP; diag: causal. The
+      // hardware exp: its error (a few float ulps) is far below the 16-bit operands' rounding.
       const auto softmax_bwd = [&](part& s, part& dp, index_t j0, int cols, bool diag,
                                    const float* gj) {
         const int lane = threadIdx.x % 32, g = lane >> 2, c2 = n0 + 2 * (lane & 3);
+        int first[2];  // the first column each row sees
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const index_t d = row_first[i] - j0;
+          first[i] = d <= 0 ? 0 : d >= C ? C : static_cast<int>(d);
+        }
+        float2 gk[4];  // the keys' gate terms of this thread's columns
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          gk[nt] = qr.G != nullptr ? *reinterpret_cast<const float2*>(gj + 8 * nt + c2)
+                                   : make_float2(0.f, 0.f);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int a = m0 + g + (e >= 2 ? 8 : 0), j = 8 * nt + c2 + (e & 1);
-            float pv = 0.f, dzv = 0.f;
-            if (a < n && j < cols && (!diag || j <= a) && j0 + j >= reset_s[a]) {
-              float z = s[nt][e];
-              if (qr.G != nullptr) z += gi_s[a] - gj[j];
-              pv = expf(z - lse_s[a]);
-              dzv = pv * (dp[nt][e] - delta_s[a]);
-            }
+            const int i = e >> 1, a = m0 + g + 8 * i, j = 8 * nt + c2 + (e & 1);
+            const bool in = j >= first[i] && j < cols && (!diag || j <= a);
+            const float z = s[nt][e] + row_base[i] - ((e & 1) ? gk[nt].y : gk[nt].x);
+            const float pv = in ? __expf(z) : 0.f;
+            dp[nt][e] = pv * (dp[nt][e] - row_delta[i]);
             s[nt][e] = pv;
-            dp[nt][e] = dzv;
           }
       };
       // dG: each warp leaves its part's row sums and column sums in shared memory (before a
@@ -907,6 +920,16 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
       stage_gate(c0, n);
       if (ci > 0) prefetch_walk(c0 - C);
       __syncthreads();
+      {
+        const int g = (threadIdx.x % 32) >> 2;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int a = m0 + g + 8 * i;
+          row_base[i] = gi_s[a] - lse_s[a];
+          row_delta[i] = delta_s[a];
+          row_first[i] = a < n ? index_t(reset_s[a]) : cta.length;  // past every key
+        }
+      }
 
       // ---- 1. the diagonal tile: z = tril(Qs K^T - tril(Qs W^T) M) (+ gate) ----
       part dq;
@@ -1033,28 +1056,36 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           return async_v && b ? lo(L::v) : hi(L::v);
         };
         const auto issue = [&](index_t j0, int b) {
-          for (int i = threadIdx.x; i < C * 16; i += L::threads) {  // 8 pieces of hi, 8 of lo
-            const int rr = i >> 4, piece = i & 15;
+          // Unrolled with fixed trip counts: a thread's copies differ by constant offsets.
+          const split_op* src = KHs + j0 * 2 * D;
+#pragma unroll
+          for (int m = 0; m < C * 16 / L::threads; ++m) {  // 8 pieces of hi, 8 of lo
+            const int i = int(threadIdx.x) + m * L::threads, rr = i >> 4, piece = i & 15;
             split_op* dst = (piece < 8 ? hi(kslot(b)) : lo(kslot(b))) + rr * ld + 8 * (piece & 7);
-            cp_async_16(dst, KHs + (j0 + rr) * 2 * D + 8 * piece, true);
+            cp_async_16(dst, src + rr * 2 * D + 8 * piece, true);
           }
-          if (async_v)
-            for (int i = threadIdx.x; i < C * 8; i += L::threads) {
-              const int rr = i >> 3, piece = i & 7;
-              cp_async_16(vbuf(b) + rr * ld + 8 * piece, cta.V + (j0 + rr) * cta.vs1 + 8 * piece,
-                          true);
+          if (async_v) {
+            const T* vsrc = cta.V + j0 * cta.vs1;
+#pragma unroll
+            for (int m = 0; m < C * 8 / L::threads; ++m) {
+              const int i = int(threadIdx.x) + m * L::threads, rr = i >> 3, piece = i & 7;
+              cp_async_16(vbuf(b) + rr * ld + 8 * piece, vsrc + rr * cta.vs1 + 8 * piece, true);
             }
+          }
           cp_async_commit();
         };
-        const auto gate_of = [&](index_t j0) {  // key threadIdx.x's gate term (threads < C)
-          return qr.G != nullptr
-                     ? static_cast<float>(p.coef * (qr.G[(j0 + threadIdx.x) * HQ] - g_ref))
-                     : 0.f;
+        // Key threadIdx.x's gate (threads < C) read a step ahead; its term formed when stored,
+        // so that no thread waits for the read.
+        const auto gate_raw = [&](index_t j0) {
+          return qr.G != nullptr && threadIdx.x < C ? qr.G[(j0 + threadIdx.x) * HQ] : 0.0;
+        };
+        const auto gate_term = [&](double g) {
+          return static_cast<float>(p.coef * (g - g_ref));
         };
         if (own0 > 0) {
           __syncthreads();  // the own super-chunk's walk is done with slots k, v and the gate
           issue((own0 - 1) * C, 0);
-          if (threadIdx.x < C) gj_s[threadIdx.x] = gate_of((own0 - 1) * C);
+          if (threadIdx.x < C) gj_s[threadIdx.x] = gate_term(gate_raw((own0 - 1) * C));
         }
         part e;
         for (index_t cj = own0 - 1; cj >= 0; --cj) {
@@ -1069,7 +1100,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             issue(j0 - C, 1 - b);
           else
             cp_async_commit();  // an empty group: one a step
-          const float g_next = cj > 0 && threadIdx.x < C ? gate_of(j0 - C) : 0.f;
+          const double g_next = cj > 0 ? gate_raw(j0 - C) : 0.0;
           if (sg > 0 && cj == (sg + 1) * SC - 1)  // I - Pi, read after the super-chunk
             pm::stage<true>(
                 hi(L::w), lo(L::w),
@@ -1090,7 +1121,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(kslot(b)), lo(kslot(b)),
                                       n0);  // e += dZ K^
           key_sums(j0, cta.dKH);
-          if (threadIdx.x < C) gj_s[(1 - b) * C + threadIdx.x] = g_next;
+          if (threadIdx.x < C) gj_s[(1 - b) * C + threadIdx.x] = gate_term(g_next);
           if (cj == sg * SC) {  // the super-chunk's last step
             pm::save_rows(e, cta.es + s0 * D, D, m0, n0, n);
             if (sg > 0) {  // r <- r Pi = r - r (I - Pi)
