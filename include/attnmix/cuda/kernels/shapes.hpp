@@ -175,8 +175,9 @@ struct path_bwd_mma_layout {
   static constexpr int tile = C * ld;
   enum slot : int { q, dout, k, v, w, u, m, x, e1, e2, e3, slots };
   // The query kernel: the split slots, then floats: dZ's column sums [4][C], lse, delta, the
-  // queries' gate terms, resets, the keys' gate terms [2][C], dZ's row sums [2][C].
-  static constexpr int smem = 2 * (2 * slots * tile) + 4 * (12 * C);
+  // queries' gate terms, resets, the keys' gate terms [2][C], dZ's row sums [2][C], and a staged
+  // transition [C][C].
+  static constexpr int smem = 2 * (2 * slots * tile) + 4 * (12 * C) + 4 * C * C;
   static constexpr int fold_smem = 2 * (2 * 3 * tile);  // the transitions' kernels: three tiles
   // Super-chunks: the query kernel scores the keys of earlier super-chunks transformed to their
   // super-chunk's end, and steps through a super-chunk's product at once.

@@ -19,10 +19,11 @@
 // whole rows. The products that sum over the chunk's query rows (what keys and transitions
 // receive: dv, dK~, dP, and the diagonal tile's dk, dM, dW and dU) are added to the slice's float
 // sums, one thread an element, in a fixed order (the same bits on every run), as reductions that
-// no thread waits for. In the walk through earlier super-chunks, the next step's keys (and v) are
-// copied into a second buffer (cp.async) while a step computes.
+// no thread waits for. In both walks, the next step's keys, v and transition are copied
+// (cp.async) into a second buffer or a staging tile while a step computes.
 // Operands are bfloat16 in two parts (collective/split_mma.cuh); inputs in bfloat16 take one, half
-// inputs two (11 bits do not fit one bfloat16).
+// inputs two (11 bits do not fit one bfloat16). P takes one: it only makes dv, which is stored in
+// 16 bits.
 
 #include <cstdint>
 #include <type_traits>
@@ -83,15 +84,20 @@ __device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int ro
   store_tile<Lo>(x, hi, lo);
 }
 
-// A warp's part of a tile (16 x 32: rows r0 .., columns c0 ..) into (hi, lo); rows from `rows`
-// on as 0.
+// A warp's part of a tile (16 x 32: rows r0 .., columns c0 ..) into (hi, lo), or hi alone
+// (rounded once) without Lo; rows from `rows` on as 0.
+template <bool Lo = true>
 __device__ __forceinline__ void store_split(float (&acc)[4][4], split_op* hi, split_op* lo, int r0,
                                             int c0, int rows) {
   for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
     std::uint32_t h = 0u, l = 0u;
-    if (r < rows) split2(x0, x1, h, l);
+    if constexpr (Lo) {
+      if (r < rows) split2(x0, x1, h, l);
+      *reinterpret_cast<std::uint32_t*>(lo + r * ld + c) = l;
+    } else {
+      if (r < rows) h = pack2<split_op>(x0, x1);
+    }
     *reinterpret_cast<std::uint32_t*>(hi + r * ld + c) = h;
-    *reinterpret_cast<std::uint32_t*>(lo + r * ld + c) = l;
   });
 }
 
@@ -714,7 +720,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   float* gi_s = delta_s + C;
   int* reset_s = reinterpret_cast<int*>(gi_s + C);
   float* gj_s = reinterpret_cast<float*>(reset_s + C);  // [2][C]: the keys' gate terms, two buffers
-  float* rowsum = gj_s + 2 * C;  // [2][C]: the two column halves' row sums of dZ
+  float* rowsum = gj_s + 2 * C;      // [2][C]: the two column halves' row sums of dZ
+  float* stage_nn = rowsum + 2 * C;  // [D][D]: the own super-chunk walk's next N, in float
 
   const path_kernel_params& kp = p.kp;
   const int warp = threadIdx.x / 32, half = warp / 4, m0 = 16 * (warp % 4), n0 = 32 * half;
@@ -733,11 +740,6 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   const auto load_u = [&](pm::tile_regs& x, index_t j0, int rows) {
     pm::load_tile(
         x, [&](int r, int c) { return cta.UU[(j0 + r) * D + c]; }, rows, D);
-  };
-  // Chunk j0's transition N = W^T U (full chunks after the first), D x D, row-major [k][n].
-  const auto load_n = [&](pm::tile_regs& x, index_t j0) {
-    pm::load_tile(
-        x, [&](int r, int c) { return cta.NN[(j0 + r) * D + c]; }, D, D);
   };
   const auto load_v = [&](pm::tile_regs& x, index_t j0, int rows) {
     pm::load_tile(
@@ -879,6 +881,16 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             acc, a_from_tile_t<ld, true>{hi(a_slot), lo(a_slot), m0}, bh, bl, n0);
         pm::add_rows(acc, dst, ldd, m0, n0, rows, sign);
       };
+      // dv += P^T dO over the rows of a tile of keys at j0. P (in [0, 1]) is kept in one bfloat16
+      // part, the rounding of a 16-bit product's operand: dv is stored in 16 bits and feeds no
+      // other gradient.
+      const auto p_sums = [&](index_t j0, int rows) {
+        part acc;
+        pm::zero(acc);
+        warp_mma<ld, true, in_lo, 4>(acc, a_from_tile_t<ld, false>{hi(L::e1), nullptr, m0},
+                                     hi(L::dout), lo(L::dout), n0);
+        pm::add_rows(acc, cta.dvs + j0 * Dv, Dv, m0, n0, rows, 1.f);
+      };
       using split_b = std::true_type;
       using in_b = std::integral_constant<bool, in_lo>;
 
@@ -946,7 +958,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         __syncthreads();  // X whole
         warp_mma<ld, true, true, 4>(s, neg_rows_of(L::x), hi(L::m), lo(L::m), n0);
         softmax_bwd(s, dp, c0, n, true, gj_s);
-        pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
+        pm::store_split<false>(s, hi(L::e1), nullptr, m0, n0, n);
         pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
         gate_parts(dp);
         __syncthreads();  // P, dZ whole
@@ -958,8 +970,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         warp_mma<ld, false, true, 4>(x, neg_rows_of(L::e2), hi(L::m), lo(L::m), n0);
         tril_mask(x);
         pm::store_split(x, hi(L::e3), lo(L::e3), m0, n0, n);
-        cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + c0 * Dv, Dv, n,
-              1.f);                                                                 // dv += P^T dO
+        p_sums(c0, n);                                                              // dv += P^T dO
         cross(L::e2, hi(L::q), lo(L::q), split_b{}, cta.dkd + c0 * D, D, n, 1.f);   // dk += dZ^T Qs
         cross(L::x, hi(L::e2), lo(L::e2), split_b{}, cta.dm + c0 * C, C, n, -1.f);  // dM -= X^T dZ
         __syncthreads();                                                            // dX whole
@@ -976,6 +987,11 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         // e = sum dZ K^ at its first chunk's rows; then r <- r Pi ----
         constexpr index_t SC = L::super;
         const index_t own0 = (ci / SC) * SC;  // the own super-chunk's first chunk
+        // v rows that take 16-byte copies (bfloat16) are copied into one of two buffers.
+        const bool async_v = !in_lo && p.v_vectors;
+        const auto vbuf = [&](int b) {
+          return async_v && b ? lo(L::v) : hi(L::v);
+        };
         part r;
         for_fragment_pairs<4>(r, m0, n0, [&](int a, int c, float& x0, float& x1) {
           x0 = a < n ? scale * to_float(qr.Q[(c0 + a) * qr.qs1 + c]) : 0.f;
@@ -993,14 +1009,14 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           pm::zero(dp);
           warp_mma<ld, false, in_lo, 4>(dp, doa, vh, lo(L::v), n0);
           softmax_bwd(s, dp, j0, C, false, gj);
-          pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
+          pm::store_split<false>(s, hi(L::e1), nullptr, m0, n0, n);
           pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
           gate_parts(dp);
           __syncthreads();  // P, dZ whole
           gate_sums(j0, C);
         };
         const auto key_sums = [&](index_t j0, float* dkeys) {
-          cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + j0 * Dv, Dv, C, 1.f);
+          p_sums(j0, C);
           cross(L::e2, hi(L::e3), lo(L::e3), split_b{}, dkeys + j0 * D, D, C, 1.f);
         };
         const auto prefetch_next = [&](index_t j0) {  // the walk's step after chunk j0's
@@ -1011,24 +1027,54 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           pm::prefetch_rows(cta.dvs + (j0 - C) * Dv, Dv, C, Dv);
           pm::prefetch_rows(cta.dKH + (j0 - C) * D, D, C, D);
         };
+        // Step t + 1's K~ and N (float) are copied into staging while step t computes -- K~
+        // into slot m's space (the diagonal tile's only), N into its own tile after the slots --
+        // and split into slots k and w when the step starts; v with 16-byte rows (bfloat16)
+        // straight into buffer t % 2 (the first or second part of slot v; one part suffices).
+        float* const stage_kt = reinterpret_cast<float*>(hi(L::m));
+        const auto issue_own = [&](index_t cj) {
+          const float* ks = cta.KT + cj * C * D;
+          const float* ns = cta.NN + cj * C * D;
+#pragma unroll
+          for (int m = 0; m < C * D / 4 / L::threads; ++m) {  // rows are contiguous
+            const int i = 4 * (int(threadIdx.x) + m * L::threads);
+            cp_async_16(stage_kt + i, ks + i, true);
+            if (cj > 0) cp_async_16(stage_nn + i, ns + i, true);
+          }
+          if (async_v) {
+            const T* vsrc = cta.V + cj * C * cta.vs1;
+            split_op* dst = vbuf(int((ci - 1 - cj) & 1));
+#pragma unroll
+            for (int m = 0; m < C * 8 / L::threads; ++m) {
+              const int i = int(threadIdx.x) + m * L::threads, rr = i >> 3, piece = i & 7;
+              cp_async_16(dst + rr * ld + 8 * piece, vsrc + rr * cta.vs1 + 8 * piece, true);
+            }
+          }
+          cp_async_commit();
+        };
+        const auto unstage = [&](const float* src, int slot) {
+          pm::tile_regs x;
+          pm::for_tile_pairs(x, [&](int rr, int c, float& x0, float& x1) {
+            const float2 v = *reinterpret_cast<const float2*>(src + rr * D + c);
+            x0 = v.x, x1 = v.y;
+          });
+          pm::store_tile<true>(x, hi(slot), lo(slot));
+        };
+        if (ci - 1 >= own0) issue_own(ci - 1);
         for (index_t cj = ci - 1; cj >= own0; --cj) {
           const index_t j0 = cj * C;  // earlier chunks are full
-          __syncthreads();
-          {  // K~, v and N, their loads in flight together
-            pm::tile_regs kx, vx, nx;
-            pm::load_tile(
-                kx, [&](int rr, int c) { return cta.KT[(j0 + rr) * D + c]; }, C, D);
-            load_v(vx, j0, C);
-            if (cj > 0) load_n(nx, j0);
-            pm::store_tile<true>(kx, hi(L::k), lo(L::k));
-            pm::store_tile<in_lo>(vx, hi(L::v), lo(L::v));
-            if (cj > 0) pm::store_tile<true>(nx, hi(L::w), lo(L::w));
-          }
+          const int b = int((ci - 1 - cj) & 1);
+          cp_async_wait<0>();
+          __syncthreads();  // this step's copies whole; the step before is done with k, v, w
+          unstage(stage_kt, L::k);
+          if (cj > 0) unstage(stage_nn, L::w);
+          if (!async_v) stage_v(j0, C);
           stage_gate(j0, C);
           prefetch_next(j0);
           pm::save_rows(r, cta.states + j0 * D, D, m0, n0, n);
-          __syncthreads();
-          scores(j0, L::k, hi(L::v), gj_s);
+          __syncthreads();  // slots k, v, w whole; the staging free
+          if (cj > own0) issue_own(cj - 1);
+          scores(j0, L::k, async_v ? vbuf(b) : hi(L::v), gj_s);
           {  // e = dZ K~
             part e;
             pm::zero(e);
@@ -1047,13 +1093,9 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         // copied into buffer t % 2 while step t - 1 computes: K^ into slot k or m (M is the
         // diagonal tile's only), v into the first or second part of slot v (one part suffices);
         // its gate terms wait in a register, then in gate buffer t % 2.
-        const bool async_v = !in_lo && p.v_vectors;
         const split_op* KHs = reinterpret_cast<const split_op*>(cta.KH);  // rows of 2 D
         const auto kslot = [](int b) {
           return b ? int(L::m) : int(L::k);
-        };
-        const auto vbuf = [&](int b) {
-          return async_v && b ? lo(L::v) : hi(L::v);
         };
         const auto issue = [&](index_t j0, int b) {
           // Unrolled with fixed trip counts: a thread's copies differ by constant offsets.
