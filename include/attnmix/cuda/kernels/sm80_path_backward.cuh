@@ -758,12 +758,6 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     pm::prefetch_rows(cta.dvs + j0 * Dv, Dv, C, Dv);
     pm::prefetch_rows(cta.dkt + j0 * D, D, C, D);
   };
-  const auto prefetch_adjoint = [&](index_t j0) {
-    pm::prefetch_rows(cta.NN + j0 * D, D, D, D);
-    pm::prefetch_rows(cta.states + j0 * D, D, C, D);
-    pm::prefetch_rows(cta.es + j0 * D, D, C, D);
-    pm::prefetch_rows(cta.dP + j0 * D, D, D, D);
-  };
   // Operands: rows m0 .. of a slot (Neg: negated).
   const auto rows_of = [&](int s) {
     return a_from_tile<ld, true>{hi(s), lo(s), m0};
@@ -1182,36 +1176,69 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         pm::load_rows(rbar, cta.es, D, m0, n0, n);
         __syncthreads();  // the walk's dZ (e2) read
         pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n0, n);
-        // One step: the transition (I - its product, D x D rows at trans) into slot w, the
-        // state at j0 into e3, and e at j0 added, their loads in flight together.
-        const auto adjoint_step = [&](index_t j0, const float* trans, float* dtrans) {
-          __syncthreads();  // the step before is done with slots w and e3
+        // The steps: the super-chunks 1 .. own0 / SC - 1 at once (their I - Pi), then the chunks
+        // of the own super-chunk (chunk 0 has no transition). Step t + 1's transition (I - its
+        // product, D x D), scan state and e are copied (cp.async, float) into staging while step
+        // t computes: into the N staging tile and the spaces of slots m and k (the walks' keys),
+        // the latter two with rows padded by 4 floats (a warp reads 8 rows at once).
+        constexpr int lds = D + 4;
+        static_assert(C * lds * 4 <= 2 * L::tile * 2, "a padded float tile fits a split slot");
+        const index_t super_steps = own0 / SC > 1 ? own0 / SC - 1 : 0;
+        const index_t first_cj = own0 > 1 ? own0 : 1;
+        const index_t steps = super_steps + (ci > first_cj ? ci - first_cj : 0);
+        const auto step_at = [&](index_t t, index_t& j0, const float*& trans, float*& dtrans) {
+          if (t < super_steps) {
+            const index_t at = cta.pi_at(t + 1);
+            j0 = (t + 1) * SC * C, trans = cta.PIS + at, dtrans = cta.dPI + at;
+          } else {
+            j0 = (first_cj + t - super_steps) * C;
+            trans = cta.NN + j0 * D, dtrans = cta.dP + j0 * D;
+          }
+        };
+        float* const stage_st = reinterpret_cast<float*>(hi(L::m));
+        float* const stage_e = reinterpret_cast<float*>(hi(L::k));
+        const auto issue_adjoint = [&](index_t t) {
+          index_t j0;
+          const float* trans;
+          float* dtrans;
+          step_at(t, j0, trans, dtrans);
+          const float* st = cta.states + j0 * D;
+          const float* es = cta.es + j0 * D;
+#pragma unroll
+          for (int m = 0; m < C * D / 4 / L::threads; ++m) {  // rows are contiguous
+            const int i = 4 * (int(threadIdx.x) + m * L::threads);
+            const int at = i / D * lds + i % D;
+            cp_async_16(stage_nn + i, trans + i, true);
+            cp_async_16(stage_st + at, st + i, true);
+            cp_async_16(stage_e + at, es + i, true);
+          }
+          cp_async_commit();
+        };
+        if (steps > 0) issue_adjoint(0);
+        for (index_t t = 0; t < steps; ++t) {
+          index_t j0;
+          const float* trans;
+          float* dtrans;
+          step_at(t, j0, trans, dtrans);
+          cp_async_wait<0>();
+          __syncthreads();  // the copies whole; the step before is done with slots w and e3
           {
-            pm::tile_regs tx;
             part rr, e;
-            pm::load_tile(
-                tx, [&](int r0, int c) { return trans[r0 * D + c]; }, D, D);
-            pm::load_rows(rr, cta.states + j0 * D, D, m0, n0, n);
-            pm::load_rows(e, cta.es + j0 * D, D, m0, n0, n);
-            pm::store_tile<true>(tx, hi(L::w), lo(L::w));
+            unstage(stage_nn, L::w);
+            pm::load_rows(rr, stage_st, lds, m0, n0, n);
+            pm::load_rows(e, stage_e, lds, m0, n0, n);
             pm::store_split(rr, hi(L::e3), lo(L::e3), m0, n0, n);
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
               for (int jj = 0; jj < 4; ++jj) rbar[i][jj] += e[i][jj];
           }
-          __syncthreads();
+          __syncthreads();  // slots w, e3 whole; the staging free
+          if (t + 1 < steps) issue_adjoint(t + 1);
           cross(L::e3, hi(L::e2), lo(L::e2), split_b{}, dtrans, D, D, 1.f);
           warp_mma<ld, false, true, 4>(rbar, neg_rows_of(L::e2), hi(L::w), lo(L::w), n0);
           __syncthreads();  // rbar (e2) read
           pm::store_split(rbar, hi(L::e2), lo(L::e2), m0, n0, n);
-        };
-        for (index_t sg = 1; sg < own0 / SC; ++sg)
-          adjoint_step(sg * SC * C, cta.PIS + cta.pi_at(sg), cta.dPI + cta.pi_at(sg));
-        for (index_t cj = own0 > 1 ? own0 : 1; cj < ci; ++cj) {
-          const index_t j0 = cj * C;
-          if (cj + 1 < ci) prefetch_adjoint(j0 + C);
-          adjoint_step(j0, cta.NN + j0 * D, cta.dP + j0 * D);
         }
 
         // ---- the chunk's own transform, Q~ = Qs - tril(Qs W^T) U: dQs += rbar,
