@@ -22,8 +22,7 @@
 // no thread waits for. In both walks, the next step's keys, v and transition are copied
 // (cp.async) into a second buffer or a staging tile while a step computes.
 // Operands are bfloat16 in two parts (collective/split_mma.cuh); inputs in bfloat16 take one, half
-// inputs two (11 bits do not fit one bfloat16). P takes one: it only makes dv, which is stored in
-// 16 bits.
+// inputs two (11 bits do not fit one bfloat16).
 
 #include <cstdint>
 #include <type_traits>
@@ -84,20 +83,15 @@ __device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int ro
   store_tile<Lo>(x, hi, lo);
 }
 
-// A warp's part of a tile (16 x 32: rows r0 .., columns c0 ..) into (hi, lo), or hi alone
-// (rounded once) without Lo; rows from `rows` on as 0.
-template <bool Lo = true>
+// A warp's part of a tile (16 x 32: rows r0 .., columns c0 ..) into (hi, lo); rows from `rows`
+// on as 0.
 __device__ __forceinline__ void store_split(float (&acc)[4][4], split_op* hi, split_op* lo, int r0,
                                             int c0, int rows) {
   for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
     std::uint32_t h = 0u, l = 0u;
-    if constexpr (Lo) {
-      if (r < rows) split2(x0, x1, h, l);
-      *reinterpret_cast<std::uint32_t*>(lo + r * ld + c) = l;
-    } else {
-      if (r < rows) h = pack2<split_op>(x0, x1);
-    }
+    if (r < rows) split2(x0, x1, h, l);
     *reinterpret_cast<std::uint32_t*>(hi + r * ld + c) = h;
+    *reinterpret_cast<std::uint32_t*>(lo + r * ld + c) = l;
   });
 }
 
@@ -875,16 +869,6 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             acc, a_from_tile_t<ld, true>{hi(a_slot), lo(a_slot), m0}, bh, bl, n0);
         pm::add_rows(acc, dst, ldd, m0, n0, rows, sign);
       };
-      // dv += P^T dO over the rows of a tile of keys at j0. P (in [0, 1]) is kept in one bfloat16
-      // part, the rounding of a 16-bit product's operand: dv is stored in 16 bits and feeds no
-      // other gradient.
-      const auto p_sums = [&](index_t j0, int rows) {
-        part acc;
-        pm::zero(acc);
-        warp_mma<ld, true, in_lo, 4>(acc, a_from_tile_t<ld, false>{hi(L::e1), nullptr, m0},
-                                     hi(L::dout), lo(L::dout), n0);
-        pm::add_rows(acc, cta.dvs + j0 * Dv, Dv, m0, n0, rows, 1.f);
-      };
       using split_b = std::true_type;
       using in_b = std::integral_constant<bool, in_lo>;
 
@@ -952,7 +936,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         __syncthreads();  // X whole
         warp_mma<ld, true, true, 4>(s, neg_rows_of(L::x), hi(L::m), lo(L::m), n0);
         softmax_bwd(s, dp, c0, n, true, gj_s);
-        pm::store_split<false>(s, hi(L::e1), nullptr, m0, n0, n);
+        pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
         pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
         gate_parts(dp);
         __syncthreads();  // P, dZ whole
@@ -964,7 +948,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         warp_mma<ld, false, true, 4>(x, neg_rows_of(L::e2), hi(L::m), lo(L::m), n0);
         tril_mask(x);
         pm::store_split(x, hi(L::e3), lo(L::e3), m0, n0, n);
-        p_sums(c0, n);                                                              // dv += P^T dO
+        cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + c0 * Dv, Dv, n,
+              1.f);                                                                 // dv += P^T dO
         cross(L::e2, hi(L::q), lo(L::q), split_b{}, cta.dkd + c0 * D, D, n, 1.f);   // dk += dZ^T Qs
         cross(L::x, hi(L::e2), lo(L::e2), split_b{}, cta.dm + c0 * C, C, n, -1.f);  // dM -= X^T dZ
         __syncthreads();                                                            // dX whole
@@ -1003,14 +988,14 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           pm::zero(dp);
           warp_mma<ld, false, in_lo, 4>(dp, doa, vh, lo(L::v), n0);
           softmax_bwd(s, dp, j0, C, false, gj);
-          pm::store_split<false>(s, hi(L::e1), nullptr, m0, n0, n);
+          pm::store_split(s, hi(L::e1), lo(L::e1), m0, n0, n);
           pm::store_split(dp, hi(L::e2), lo(L::e2), m0, n0, n);
           gate_parts(dp);
           __syncthreads();  // P, dZ whole
           gate_sums(j0, C);
         };
         const auto key_sums = [&](index_t j0, float* dkeys) {
-          p_sums(j0, C);
+          cross(L::e1, hi(L::dout), lo(L::dout), in_b{}, cta.dvs + j0 * Dv, Dv, C, 1.f);
           cross(L::e2, hi(L::e3), lo(L::e3), split_b{}, dkeys + j0 * D, D, C, 1.f);
         };
         const auto prefetch_next = [&](index_t j0) {  // the walk's step after chunk j0's
