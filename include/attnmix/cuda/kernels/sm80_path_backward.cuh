@@ -30,6 +30,7 @@
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
+#include "attnmix/cuda/collective/tril_inverse.cuh"
 #include "attnmix/cuda/kernels/path_backward_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 
@@ -440,9 +441,9 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)  // super_sme
 // The chunk kernel on tensor cores: path_backward_chunk_tiled_kernel's algebra, a CTA a chunk,
 // back through K~ = K - M^T W and the UT transform [U, M] = (I + L)^-1 diag(beta) [W, stril(W K^T)]
 // with L = stril(diag(beta) W W^T), to dk, dw and dbeta. Every [64 x 64 x 64] product on mma.sync
-// from split tiles; the triangular solve with (I + L)^T in float, in blocks of 16 rows (the
-// updates between blocks in parallel, the 16-row solves a thread a column). Warp w owns rows
-// 16 (w % 4) .., columns 32 (w / 4) .. of each product, and keeps its part of dW in registers.
+// from split tiles; the solve with (I + L)^T as the product with A^T, A = (I + L)^-1 formed as the
+// forward's preparation forms it (collective/tril_inverse.cuh). Warp w owns rows 16 (w % 4) ..,
+// columns 32 (w / 4) .. of each product, and keeps its part of dW in registers.
 template <class T>
 __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     path_backward_chunk_mma_kernel(const path_backward_params p) {
@@ -586,32 +587,55 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   }
   __syncthreads();
 
-  // [dU, dM] <- (I + L)^-T [dU, dM]: (I + L^T) X = G, L^T[a][b] = beta_b (w_b . w_a) for b > a;
-  // bottom-up in blocks of 16 rows.
-  const auto col = [&](int a, int c) -> float& {
-    return c < D ? fdU[a * lf + c] : fdM[a * lf + c - D];
-  };
-  for (int blk = C / 16 - 1; blk >= 0; --blk) {
-    const int r0 = 16 * blk, r1 = r0 + 16;
-    if (r1 < C) {
-      for (int i = threadIdx.x; i < 16 * 2 * C; i += L::threads) {
-        const int c = i % (2 * C), a = r0 + i / (2 * C);
-        float acc = 0.f;
-        for (int b = r1; b < C; ++b) acc += sb[b] * fww[b * lf + a] * col(b, c);
-        col(a, c) -= acc;
-      }
-      __syncthreads();
-    }
-    if (threadIdx.x < 2 * C) {
-      const int c = threadIdx.x;
-      for (int a = r1 - 2; a >= r0; --a) {
-        float acc = 0.f;
-        for (int b = a + 1; b < r1; ++b) acc += sb[b] * fww[b * lf + a] * col(b, c);
-        col(a, c) -= acc;
-      }
+  // [dU, dM] <- A^T [dU, dM] with A = (I + L)^-1, L = stril(diag(beta) W W^T): the solve with
+  // (I + L)^T as a product (tf32 in three passes). A is formed in float in slot sx's space (free
+  // until dM' is staged); rows past n have W = 0, so L = 0 and A = I there.
+  {
+    constexpr int lda = C + 8;
+    static_assert(C * lda * 4 <= 2 * L::tile * 2, "A fits a split slot");
+    float* sa = reinterpret_cast<float*>(hi(sx));
+    for (int i = threadIdx.x; i < C * C; i += L::threads) {
+      const int a = i / C, b = i % C;
+      sa[a * lda + b] = b < a ? sb[a] * fww[a * lf + b] : 0.f;
     }
     __syncthreads();
+    invert_unit_lower_64<lda>(sa);
+    // Warp w: rows 16 (w % 4) .. of the result, the 64 columns of dU (w < 4) or dM. A^T is upper
+    // triangular: those rows take k >= 16 (w % 4), and A's diagonal blocks hold zeros above
+    // their diagonals.
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, rb = warp % 4;
+    float* gx = half ? fdM : fdU;
+    float acc[8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < C / 8; ++kk) {
+      if (kk < 2 * rb) continue;
+      const float* at = sa + 8 * kk * lda + 16 * rb;  // A^T's 16 x 8 tile, A stored [k][m]
+      std::uint32_t ab[4], as[4];
+      split_tf32(at[t * lda + g], ab[0], as[0]);
+      split_tf32(at[t * lda + g + 8], ab[1], as[1]);
+      split_tf32(at[(t + 4) * lda + g], ab[2], as[2]);
+      split_tf32(at[(t + 4) * lda + g + 8], ab[3], as[3]);
+      const float* bt = gx + 8 * kk * lf;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        std::uint32_t bb[2], bs[2];
+        split_tf32(bt[t * lf + 8 * nt + g], bb[0], bs[0]);
+        split_tf32(bt[(t + 4) * lf + 8 * nt + g], bb[1], bs[1]);
+        mma_1688_tf32(acc[nt], as, bb);
+        mma_1688_tf32(acc[nt], ab, bs);
+        mma_1688_tf32(acc[nt], ab, bb);
+      }
+    }
+    __syncthreads();  // [dU, dM] read
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float* at = gx + (16 * rb + g + 8 * hh) * lf + 8 * nt + 2 * t;  // lf is odd: one at a time
+        at[0] = acc[nt][2 * hh], at[1] = acc[nt][2 * hh + 1];
+      }
   }
+  __syncthreads();
 
   // Lbar = stril(dU U^T + dM M^T); dbeta = dU . w + dM . xk - Lbar . ww (rows).
   pm::stage<true>(

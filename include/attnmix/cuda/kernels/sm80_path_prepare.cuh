@@ -18,8 +18,9 @@
 #include <type_traits>
 
 #include "attnmix/cuda/arch/mma.cuh"
-#include "attnmix/cuda/kernels/path_simt.cuh"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/collective/tril_inverse.cuh"
+#include "attnmix/cuda/kernels/path_simt.cuh"
 
 namespace attnmix {
 namespace detail {
@@ -91,60 +92,6 @@ __device__ __forceinline__ void mma_split(float (&acc)[2][4], const std::uint32_
     mma_16816<T>(acc[nt], ah, l);
     mma_16816<T>(acc[nt], ah, h);
   }
-}
-
-// acc += A B over one m16n8k8 step, tf32 in three passes (big big + big small + small big: about
-// 21 significant bits): A's 16 x 8 tile at a, B's 8 x 8 tile at b, both row-major float, ld
-// elements a row.
-template <int ld>
-__device__ __forceinline__ void mma_tf32x3(float (&acc)[4], const float* a, const float* b,
-                                           int lane) {
-  const int g = lane / 4, t = lane % 4;
-  std::uint32_t ab[4], as[4], bb[2], bs[2];
-  split_tf32(a[g * ld + t], ab[0], as[0]);
-  split_tf32(a[(g + 8) * ld + t], ab[1], as[1]);
-  split_tf32(a[g * ld + t + 4], ab[2], as[2]);
-  split_tf32(a[(g + 8) * ld + t + 4], ab[3], as[3]);
-  split_tf32(b[t * ld + g], bb[0], bs[0]);
-  split_tf32(b[(t + 4) * ld + g], bb[1], bs[1]);
-  mma_1688_tf32(acc, as, bb);
-  mma_1688_tf32(acc, ab, bs);
-  mma_1688_tf32(acc, ab, bb);
-}
-
-// s times a 16 x 8 accumulator tile into a row-major float array.
-template <int ld>
-__device__ __forceinline__ void store_tile(float* dst, const float (&acc)[4], float s, int lane) {
-  const int g = lane / 4, c = 2 * (lane % 4);
-  *reinterpret_cast<float2*>(dst + g * ld + c) = make_float2(s * acc[0], s * acc[1]);
-  *reinterpret_cast<float2*>(dst + (g + 8) * ld + c) = make_float2(s * acc[2], s * acc[3]);
-}
-
-// One merge of the blocked inverse of a unit lower-triangular matrix, on the H x H blocks at
-// (o, o) of a (row-major float, ld): [[A11, 0], [L21, A22]] -> A21 = -A22 (L21 A11).
-// merge_left writes T = L21 A11 to t, merge_right then A21 = -A22 T in L21's place; the caller
-// puts a barrier between them. A warp computes the 16 x 8 output tile (mt, nt); the k steps skip
-// the blocks above the diagonals of A11 and A22, which may hold anything.
-template <int H, int ld>
-__device__ __forceinline__ void merge_left(float* a, float* t, int o, int mt, int nt, int lane) {
-  float acc[4] = {};
-#pragma unroll
-  for (int kk = 0; kk < H / 8; ++kk)
-    if (kk >= nt)
-      mma_tf32x3<ld>(acc, a + (o + H + 16 * mt) * ld + o + 8 * kk,
-                     a + (o + 8 * kk) * ld + o + 8 * nt, lane);
-  store_tile<ld>(t + 16 * mt * ld + 8 * nt, acc, 1.f, lane);
-}
-template <int H, int ld>
-__device__ __forceinline__ void merge_right(float* a, const float* t, int o, int mt, int nt,
-                                            int lane) {
-  float acc[4] = {};
-#pragma unroll
-  for (int kk = 0; kk < H / 8; ++kk)
-    if (8 * kk <= 16 * mt + 15)
-      mma_tf32x3<ld>(acc, a + (o + H + 16 * mt) * ld + o + H + 8 * kk, t + 8 * kk * ld + 8 * nt,
-                     lane);
-  store_tile<ld>(a + (o + H + 16 * mt) * ld + o + 8 * nt, acc, -1.f, lane);
 }
 
 // Shared memory of one CTA (bytes): W hi, lo [C][D+8]; S hi, lo [C][C+8], later M; and one
@@ -329,40 +276,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
   // scratch, and the products read A diag(beta) and S only at or below the diagonal.
   __syncthreads();
 
-  // A = (I + L)^-1 in place. The diagonal 16 x 16 blocks first, in float: a thread per column of
-  // a block (its 16 threads share a warp), forward substitution in registers.
-  if (tid < 4 * 16) {
-    const int o = 16 * (tid / 16), j = tid % 16;
-    float x[16];
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      const float* lr = sf + (o + r) * ldf + o;
-      float s = 0.f;
-#pragma unroll
-      for (int b = 0; b < r; ++b) s += lr[b] * x[b];
-      x[r] = r < j ? 0.f : (r == j ? 1.f : -s);
-    }
-    __syncwarp();  // the block's other columns have read L
-#pragma unroll
-    for (int r = 0; r < 16; ++r) sf[(o + r) * ldf + o + j] = x[r];
-  }
-  __syncthreads();
-  // Merges, two 16 -> 32 on warps 0..3, then 32 -> 64 on all eight (merge_left, merge_right).
-  // Their T goes to the top-right 32 x 32 quarter, unused above the diagonal.
-  if (warp < 4) {
-    const int o = 32 * (warp / 2);
-    merge_left<16, ldf>(sf, sf + (o / 2) * ldf + 32 + o / 2, o, 0, warp % 2, lane);
-  }
-  __syncthreads();
-  if (warp < 4) {
-    const int o = 32 * (warp / 2);
-    merge_right<16, ldf>(sf, sf + (o / 2) * ldf + 32 + o / 2, o, 0, warp % 2, lane);
-  }
-  __syncthreads();
-  merge_left<32, ldf>(sf, sf + 32, 0, warp % 2, warp / 2, lane);
-  __syncthreads();
-  merge_right<32, ldf>(sf, sf + 32, 0, warp % 2, warp / 2, lane);
-  __syncthreads();
+  invert_unit_lower_64<ldf>(sf);  // A = (I + L)^-1 in place
   {  // A diag(beta) split into hi + lo, at or below the diagonal blocks (the substitution left
      // zeros above the diagonal inside them): a thread per 16-byte column, down the rows, reading
      // all it needs of the float A before anyone writes over it.
