@@ -202,10 +202,15 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   const pm::cta_tiles t(smem_raw);
   const int m0 = t.m0, n0 = t.n0;
   split_op *wh = t.hi(0), *wl = t.lo(0), *uh = t.hi(1), *ul = t.lo(1);
-  pm::stage<true>(
-      wh, wl, [&](int r, int c) { return ch.W[r * ch.ws1 + c]; }, C, C);
-  pm::stage<true>(
-      uh, ul, [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
+  {  // both tiles' loads in flight before the first store
+    pm::tile_regs xw, xu;
+    pm::load_tile(
+        xw, [&](int r, int c) { return ch.W[r * ch.ws1 + c]; }, C, C);
+    pm::load_tile(
+        xu, [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
+    pm::store_tile<true>(xw, wh, wl);
+    pm::store_tile<true>(xu, uh, ul);
+  }
   __syncthreads();
   float acc[4][4];
   pm::zero(acc);
@@ -230,13 +235,19 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads)
   const auto lo = [&](int s) {
     return t.lo(s);
   };
-  const float* dP = p.dtrans + ch.row0 * C;
-  pm::stage<true>(
-      hi(0), lo(0), [&](int r, int c) { return dP[r * C + c]; }, C, C);  // one copy on tensor cores
-  pm::stage<true>(
-      hi(1), lo(1), [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
-  pm::stage<true>(
-      hi(2), lo(2), [&](int r, int c) { return ch.W[r * ch.ws1 + c]; }, C, C);
+  const float* dP = p.dtrans + ch.row0 * C;  // one copy on tensor cores
+  {  // the three tiles' loads in flight before the first store
+    pm::tile_regs xp, xu, xw;
+    pm::load_tile(
+        xp, [&](int r, int c) { return dP[r * C + c]; }, C, C);
+    pm::load_tile(
+        xu, [&](int r, int c) { return ch.U[r * C + c]; }, C, C);
+    pm::load_tile(
+        xw, [&](int r, int c) { return ch.W[r * ch.ws1 + c]; }, C, C);
+    pm::store_tile<true>(xp, hi(0), lo(0));
+    pm::store_tile<true>(xu, hi(1), lo(1));
+    pm::store_tile<true>(xw, hi(2), lo(2));
+  }
   __syncthreads();
   float acc[4][4];
   pm::zero(acc);
@@ -405,17 +416,26 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)  // super_sme
   });
   pm::store_split(u, hi(su), lo(su), m0, n0, C);
   for (int j = 0; j < S; ++j) {
-    if (j < S - 1) stage_n(j);
-    pm::stage<true>(
-        hi(sk), lo(sk), [&](int r, int col) { return KT[(j * C + r) * C + col]; }, C, C);
-    pm::stage<true>(
-        hi(sdk), lo(sdk),
-        [&](int r, int col) {
-          float x = 0.f;
-          for (int sl = 0; sl < p.slices; ++sl) x += dKH[sl * p.slice_d + (j * C + r) * C + col];
-          return x;
-        },
-        C, C);
+    {  // N, K~ and dK^ (the slices' sums, in slice order), their loads in flight together
+      pm::tile_regs xn, xk, xd;
+      if (j < S - 1)
+        pm::load_tile(
+            xn, [&](int r, int col) { return NN[(j * C + r) * C + col]; }, C, C);
+      pm::load_tile(
+          xk, [&](int r, int col) { return KT[(j * C + r) * C + col]; }, C, C);
+      pm::load_tile(
+          xd, [&](int r, int col) { return dKH[(j * C + r) * C + col]; }, C, C);
+      for (int sl = 1; sl < p.slices; ++sl) {
+        pm::tile_regs y;
+        pm::load_tile(
+            y, [&](int r, int col) { return dKH[sl * p.slice_d + (j * C + r) * C + col]; }, C, C);
+#pragma unroll
+        for (int k = 0; k < C * 32 / L::threads; ++k) xd[k][0] += y[k][0], xd[k][1] += y[k][1];
+      }
+      if (j < S - 1) pm::store_tile<true>(xn, hi(sn), lo(sn));
+      pm::store_tile<true>(xk, hi(sk), lo(sk));
+      pm::store_tile<true>(xd, hi(sdk), lo(sdk));
+    }
     __syncthreads();
     float acc[4][4];
     if (j > 0 || sc.has_pi) {  // dP += A_j^T U_j
