@@ -112,6 +112,36 @@ __device__ __forceinline__ void invert_unit_lower_64(float* a) {
   __syncthreads();
 }
 
+// acc = A^T B for rows 16 rb .. 16 rb + 15 (a warp's 16 x 64 result, eight n-tiles): A as
+// invert_unit_lower_64 leaves it (row-major, lda; A^T is upper triangular, so these rows take
+// k >= 16 rb, and the diagonal blocks' zeros above their diagonals stand for A^T's below), B
+// [64][64] row-major float (ldb), tf32 in three passes. A's fragments are split once a k step.
+template <int lda, int ldb>
+__device__ __forceinline__ void mma_inverse_t(float (&acc)[8][4], const float* a, const float* b,
+                                              int rb, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    if (kk < 2 * rb) continue;
+    const float* at = a + 8 * kk * lda + 16 * rb;  // A^T's 16 x 8 tile: A stored [k][m]
+    std::uint32_t ab[4], as[4];
+    split_tf32(at[t * lda + g], ab[0], as[0]);
+    split_tf32(at[t * lda + g + 8], ab[1], as[1]);
+    split_tf32(at[(t + 4) * lda + g], ab[2], as[2]);
+    split_tf32(at[(t + 4) * lda + g + 8], ab[3], as[3]);
+    const float* bt = b + 8 * kk * ldb;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      std::uint32_t bb[2], bs[2];
+      split_tf32(bt[t * ldb + 8 * nt + g], bb[0], bs[0]);
+      split_tf32(bt[(t + 4) * ldb + 8 * nt + g], bb[1], bs[1]);
+      mma_1688_tf32(acc[nt], as, bb);
+      mma_1688_tf32(acc[nt], ab, bs);
+      mma_1688_tf32(acc[nt], ab, bb);
+    }
+  }
+}
+
 }  // namespace cuda
 }  // namespace detail
 }  // namespace attnmix

@@ -83,6 +83,21 @@ __device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int ro
   load_tile(x, at, rows, cols);
   store_tile<Lo>(x, hi, lo);
 }
+// x = the slices' sum, in slice order, of the tile at base[at(r, c)] of slice 0, each slice's
+// copy `stride` elements further: slice 0's loads in flight together, then one slice at a time.
+template <class F>
+__device__ __forceinline__ void load_slice_sum(tile_regs& x, const float* base, index_t stride,
+                                               int slices, F&& at, int rows, int cols) {
+  load_tile(
+      x, [&](int r, int c) { return base[at(r, c)]; }, rows, cols);
+  for (int sl = 1; sl < slices; ++sl) {
+    tile_regs y;
+    load_tile(
+        y, [&](int r, int c) { return base[sl * stride + at(r, c)]; }, rows, cols);
+#pragma unroll
+    for (int k = 0; k < C * 32 / L::threads; ++k) x[k][0] += y[k][0], x[k][1] += y[k][1];
+  }
+}
 
 // A warp's part of a tile (16 x 32: rows r0 .., columns c0 ..) into (hi, lo); rows from `rows`
 // on as 0.
@@ -423,15 +438,9 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)  // super_sme
             xn, [&](int r, int col) { return NN[(j * C + r) * C + col]; }, C, C);
       pm::load_tile(
           xk, [&](int r, int col) { return KT[(j * C + r) * C + col]; }, C, C);
-      pm::load_tile(
-          xd, [&](int r, int col) { return dKH[(j * C + r) * C + col]; }, C, C);
-      for (int sl = 1; sl < p.slices; ++sl) {
-        pm::tile_regs y;
-        pm::load_tile(
-            y, [&](int r, int col) { return dKH[sl * p.slice_d + (j * C + r) * C + col]; }, C, C);
-#pragma unroll
-        for (int k = 0; k < C * 32 / L::threads; ++k) xd[k][0] += y[k][0], xd[k][1] += y[k][1];
-      }
+      pm::load_slice_sum(
+          xd, dKH, p.slice_d, p.slices, [&](int r, int col) { return (j * C + r) * C + col; }, C,
+          C);
       if (j < S - 1) pm::store_tile<true>(xn, hi(sn), lo(sn));
       pm::store_tile<true>(xk, hi(sk), lo(sk));
       pm::store_tile<true>(xd, hi(sdk), lo(sdk));
@@ -516,15 +525,8 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
 
   {  // dv: the slices' sums in slice order
     pm::tile_regs x;
-    pm::load_tile(
-        x, [&](int r, int c) { return p.dvs[(row0 + r) * C + c]; }, n, C);
-    for (int sl = 1; sl < p.slices; ++sl) {
-      pm::tile_regs y;
-      pm::load_tile(
-          y, [&](int r, int c) { return p.dvs[sl * p.slice_dv + (row0 + r) * C + c]; }, n, C);
-#pragma unroll
-      for (int k = 0; k < C * 32 / L::threads; ++k) x[k][0] += y[k][0], x[k][1] += y[k][1];
-    }
+    pm::load_slice_sum(
+        x, p.dvs, p.slice_dv, p.slices, [&](int r, int c) { return (row0 + r) * C + c; }, n, C);
     pm::for_tile_pairs(x, [&](int a, int e, float x0, float x1) {
       if (a >= n) return;
       T* at = static_cast<T*>(p.dv) + batch * p.dv_stride[0] + (t0 + a) * p.dv_stride[1] +
@@ -620,32 +622,11 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
     }
     __syncthreads();
     invert_unit_lower_64<lda>(sa);
-    // Warp w: rows 16 (w % 4) .. of the result, the 64 columns of dU (w < 4) or dM. A^T is upper
-    // triangular: those rows take k >= 16 (w % 4), and A's diagonal blocks hold zeros above
-    // their diagonals.
+    // Warp w: rows 16 (w % 4) .. of the result, the 64 columns of dU (w < 4) or dM.
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, rb = warp % 4;
     float* gx = half ? fdM : fdU;
     float acc[8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < C / 8; ++kk) {
-      if (kk < 2 * rb) continue;
-      const float* at = sa + 8 * kk * lda + 16 * rb;  // A^T's 16 x 8 tile, A stored [k][m]
-      std::uint32_t ab[4], as[4];
-      split_tf32(at[t * lda + g], ab[0], as[0]);
-      split_tf32(at[t * lda + g + 8], ab[1], as[1]);
-      split_tf32(at[(t + 4) * lda + g], ab[2], as[2]);
-      split_tf32(at[(t + 4) * lda + g + 8], ab[3], as[3]);
-      const float* bt = gx + 8 * kk * lf;
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        std::uint32_t bb[2], bs[2];
-        split_tf32(bt[t * lf + 8 * nt + g], bb[0], bs[0]);
-        split_tf32(bt[(t + 4) * lf + 8 * nt + g], bb[1], bs[1]);
-        mma_1688_tf32(acc[nt], as, bb);
-        mma_1688_tf32(acc[nt], ab, bs);
-        mma_1688_tf32(acc[nt], ab, bb);
-      }
-    }
+    mma_inverse_t<lda, lf>(acc, sa, gx, rb, lane);
     __syncthreads();  // [dU, dM] read
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
@@ -759,7 +740,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
   int* reset_s = reinterpret_cast<int*>(gi_s + C);
   float* gj_s = reinterpret_cast<float*>(reset_s + C);  // [2][C]: the keys' gate terms, two buffers
   float* rowsum = gj_s + 2 * C;      // [2][C]: the two column halves' row sums of dZ
-  float* stage_nn = rowsum + 2 * C;  // [D][D]: the own super-chunk walk's next N, in float
+  float* stage_tr = rowsum + 2 * C;  // [D][D]: the own walk's and adjoint's next transition
 
   const path_kernel_params& kp = p.kp;
   const int warp = threadIdx.x / 32, half = warp / 4, m0 = 16 * (warp % 4), n0 = 32 * half;
@@ -1015,6 +996,14 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
         const auto vbuf = [&](int b) {
           return async_v && b ? lo(L::v) : hi(L::v);
         };
+        const auto copy_v = [&](split_op* dst, index_t j0) {  // cp.async, not committed
+          const T* src = cta.V + j0 * cta.vs1;
+#pragma unroll
+          for (int m = 0; m < C * 8 / L::threads; ++m) {
+            const int i = int(threadIdx.x) + m * L::threads, rr = i >> 3, piece = i & 7;
+            cp_async_16(dst + rr * ld + 8 * piece, src + rr * cta.vs1 + 8 * piece, true);
+          }
+        };
         part r;
         for_fragment_pairs<4>(r, m0, n0, [&](int a, int c, float& x0, float& x1) {
           x0 = a < n ? scale * to_float(qr.Q[(c0 + a) * qr.qs1 + c]) : 0.f;
@@ -1062,17 +1051,9 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           for (int m = 0; m < C * D / 4 / L::threads; ++m) {  // rows are contiguous
             const int i = 4 * (int(threadIdx.x) + m * L::threads);
             cp_async_16(stage_kt + i, ks + i, true);
-            if (cj > 0) cp_async_16(stage_nn + i, ns + i, true);
+            if (cj > 0) cp_async_16(stage_tr + i, ns + i, true);
           }
-          if (async_v) {
-            const T* vsrc = cta.V + cj * C * cta.vs1;
-            split_op* dst = vbuf(int((ci - 1 - cj) & 1));
-#pragma unroll
-            for (int m = 0; m < C * 8 / L::threads; ++m) {
-              const int i = int(threadIdx.x) + m * L::threads, rr = i >> 3, piece = i & 7;
-              cp_async_16(dst + rr * ld + 8 * piece, vsrc + rr * cta.vs1 + 8 * piece, true);
-            }
-          }
+          if (async_v) copy_v(vbuf(int((ci - 1 - cj) & 1)), cj * C);
           cp_async_commit();
         };
         const auto unstage = [&](const float* src, int slot) {
@@ -1090,7 +1071,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           cp_async_wait<0>();
           __syncthreads();  // this step's copies whole; the step before is done with k, v, w
           unstage(stage_kt, L::k);
-          if (cj > 0) unstage(stage_nn, L::w);
+          if (cj > 0) unstage(stage_tr, L::w);
           if (!async_v) stage_v(j0, C);
           stage_gate(j0, C);
           prefetch_next(j0);
@@ -1129,14 +1110,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             split_op* dst = (piece < 8 ? hi(kslot(b)) : lo(kslot(b))) + rr * ld + 8 * (piece & 7);
             cp_async_16(dst, src + rr * 2 * D + 8 * piece, true);
           }
-          if (async_v) {
-            const T* vsrc = cta.V + j0 * cta.vs1;
-#pragma unroll
-            for (int m = 0; m < C * 8 / L::threads; ++m) {
-              const int i = int(threadIdx.x) + m * L::threads, rr = i >> 3, piece = i & 7;
-              cp_async_16(vbuf(b) + rr * ld + 8 * piece, vsrc + rr * cta.vs1 + 8 * piece, true);
-            }
-          }
+          if (async_v) copy_v(vbuf(b), j0);
           cp_async_commit();
         };
         // Key threadIdx.x's gate (threads < C) read a step ahead; its term formed when stored,
@@ -1237,7 +1211,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           for (int m = 0; m < C * D / 4 / L::threads; ++m) {  // rows are contiguous
             const int i = 4 * (int(threadIdx.x) + m * L::threads);
             const int at = i / D * lds + i % D;
-            cp_async_16(stage_nn + i, trans + i, true);
+            cp_async_16(stage_tr + i, trans + i, true);
             cp_async_16(stage_st + at, st + i, true);
             cp_async_16(stage_e + at, es + i, true);
           }
@@ -1253,7 +1227,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
           __syncthreads();  // the copies whole; the step before is done with slots w and e3
           {
             part rr, e;
-            unstage(stage_nn, L::w);
+            unstage(stage_tr, L::w);
             pm::load_rows(rr, stage_st, lds, m0, n0, n);
             pm::load_rows(e, stage_e, lds, m0, n0, n);
             pm::store_split(rr, hi(L::e3), lo(L::e3), m0, n0, n);
