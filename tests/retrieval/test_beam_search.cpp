@@ -115,6 +115,71 @@ TEST_CASE("beam search: narrower beams give real items, their scores, best first
   for (const index_t i : r.items) CHECK(ids.of(i)[0] != 0);
 }
 
+TEST_CASE("beam search: searches in lockstep give each search's own result",
+          "[retrieval][beam_search][batched]") {
+  const attnmix::semantic_ids ids = catalogue(70, 6);
+  // Search q scores with its own salt; search 2 forbids every first code (no result).
+  std::vector<hash_scorer> own;
+  for (std::uint64_t q = 0; q < 4; ++q) own.push_back({ids.codes, 20 + q});
+  for (int width : {1, 4, 70}) {
+    int calls = 0;
+    const auto batched = [&](const prefix_list& p, const std::vector<index_t>& owner,
+                             std::vector<double>& out) {
+      ++calls;
+      REQUIRE(owner.size() == p.size());
+      for (std::size_t b = 0; b < p.size(); ++b) {
+        if (b > 0) CHECK(owner[b] >= owner[b - 1]);  // a search's beams together, in order
+        std::vector<double> row(static_cast<std::size_t>(ids.codes));
+        own[std::size_t(owner[b])](prefix_list{p[b]}, row);
+        std::copy(row.begin(), row.end(), out.begin() + std::ptrdiff_t(b * ids.codes));
+      }
+    };
+    const auto forbid_all = [&](const prefix_list& p, std::vector<double>& out) {
+      std::fill(out.begin(), out.end(), -std::numeric_limits<double>::infinity());
+      (void)p;
+    };
+    // Search 2 as its own beams would see it: -inf everywhere.
+    const auto with_forbidden = [&](const prefix_list& p, const std::vector<index_t>& owner,
+                                    std::vector<double>& out) {
+      std::vector<index_t> o2;
+      prefix_list p2;
+      std::vector<std::size_t> at;
+      for (std::size_t b = 0; b < p.size(); ++b) {
+        if (owner[b] != 2) {
+          p2.push_back(p[b]), o2.push_back(owner[b]), at.push_back(b);
+        } else {
+          CHECK(p[b].empty());  // search 2 has no beams past level 0: not scored again
+        }
+      }
+      std::vector<double> o(p2.size() * std::size_t(ids.codes));
+      if (!p2.empty()) batched(p2, o2, o);
+      std::fill(out.begin(), out.end(), -std::numeric_limits<double>::infinity());
+      for (std::size_t k = 0; k < at.size(); ++k)
+        std::copy(o.begin() + std::ptrdiff_t(k * ids.codes),
+                  o.begin() + std::ptrdiff_t((k + 1) * ids.codes),
+                  out.begin() + std::ptrdiff_t(at[k] * ids.codes));
+    };
+    const int top = std::min(width, 5);
+    const auto got = attnmix::beam_search_items_batched(ids, 4, width, top, with_forbidden);
+    REQUIRE(got.size() == 4u);
+    CHECK(calls == ids.depth());  // one call a level for every search
+    for (std::size_t q = 0; q < 4; ++q) {
+      INFO("width " << width << " search " << q);
+      const attnmix::beam_result want =
+          q == 2 ? attnmix::beam_search_items(ids, width, top, forbid_all)
+                 : attnmix::beam_search_items(ids, width, top, own[q]);
+      CHECK(got[q].items == want.items);
+      CHECK(got[q].scores == want.scores);
+    }
+  }
+  const auto never = [](const prefix_list&, const std::vector<index_t>&, std::vector<double>&) {
+    FAIL("no search, no scorer call");
+  };
+  CHECK(attnmix::beam_search_items_batched(ids, 0, 3, 3, never).empty());
+  expect_error("attnmix::beam_search_items_batched", "searches", "is -1 but must be >= 0",
+               [&] { attnmix::beam_search_items_batched(ids, -1, 3, 3, never); });
+}
+
 TEST_CASE("beam search: bad input is an attnmix::error naming the argument",
           "[retrieval][beam_search][errors]") {
   const attnmix::semantic_ids ids = catalogue(20, 5);

@@ -118,6 +118,38 @@ TEST_CASE("generative retrieval: as wide as the catalogue, every item's teacher-
   }
 }
 
+TEST_CASE("generative retrieval: many users at once, each user's own recommendations",
+          "[retrieval][generative]") {
+  // More users than one decoder call scores: each group's beams are scored together.
+  const attnmix::semantic_ids ids = catalogue(14, 4, 2);
+  attnmix::retrieval_config rc;
+  rc.depth = ids.depth(), rc.codes = ids.codes, rc.buckets = 9, rc.hashes = 2;
+  model<double> m(config_of(8, 2, 4, 12), rc);
+  L::randomize_parameters(m, test_seed() ^ 5, 0.5, 0.3);
+  const index_t users = model<double>::recommend_group + 5;
+  std::mt19937_64 g(test_seed() ^ 55);
+  histories h;
+  for (index_t u = 0; u < users; ++u) {
+    std::vector<std::uint64_t> one;
+    for (index_t t = 0, n = 1 + index_t(g() % 5); t < n; ++t)
+      one.push_back(item_id(index_t(g() % std::uint64_t(ids.items))));
+    h.add(one);
+  }
+  const auto all = m.recommend(h.view(), ids, 5, 3, serial);
+  REQUIRE(all.size() == std::size_t(users));
+  for (index_t u = 0; u < users; ++u) {
+    INFO("seed " << test_seed() << " user " << u);
+    histories one;
+    one.add(std::vector<std::uint64_t>(h.items.begin() + h.offsets[std::size_t(u)],
+                                       h.items.begin() + h.offsets[std::size_t(u) + 1]));
+    const auto want = m.recommend(one.view(), ids, 5, 3, serial);
+    CHECK(all[std::size_t(u)].items == want[0].items);
+    REQUIRE(all[std::size_t(u)].scores.size() == want[0].scores.size());
+    for (std::size_t k = 0; k < want[0].scores.size(); ++k)
+      CHECK(all[std::size_t(u)].scores[k] == Approx(want[0].scores[k]).epsilon(1e-12));
+  }
+}
+
 TEST_CASE("generative retrieval: a small model learns a task and recommends its answers",
           "[retrieval][generative][train]") {
   // Items come in three genres (i mod 3); a history holds items of one genre, and the next item

@@ -9,9 +9,10 @@
 //   // fill logp[b * codes + c] with log p(code c | prefixes[b]).
 //   const attnmix::beam_result r = attnmix::beam_search_items(ids, 100, 10, scorer);
 //
-// One scorer call a level for all the beams (a decoder batches them). Deterministic: equal
-// scores are ordered by the codes, lower first. With a width at least the number of distinct
-// prefixes of every level the search is exhaustive.
+// One scorer call a level for all the beams (a decoder batches them); beam_search_items_batched
+// runs several searches (users) with one scorer call a level for all of them. Deterministic:
+// equal scores are ordered by the codes, lower first. With a width at least the number of
+// distinct prefixes of every level the search is exhaustive.
 
 #include <algorithm>
 #include <cmath>
@@ -31,9 +32,14 @@ struct beam_result {
   std::vector<double> scores;  // their summed log-probabilities
 };
 
+namespace detail {
+
+// What beam_search_items and beam_search_items_batched share: `searches` searches in lockstep,
+// scorer(prefixes, owner, logp) scoring the beams of every search still running at a level
+// (owner[b]: beam b's search).
 template <class Scorer>
-beam_result beam_search_items(const semantic_ids& ids, int width, int top_k, Scorer&& scorer) {
-  const std::string fn = "attnmix::beam_search_items";
+std::vector<beam_result> beam_searches(const std::string& fn, const semantic_ids& ids,
+                                       index_t searches, int width, int top_k, Scorer&& scorer) {
   detail::require(ids.items > 0 && ids.code.size() == std::size_t(ids.items * ids.depth()), fn,
                   "ids", "holds ", ids.code.size(), " codes for ", ids.items, " items of ",
                   ids.depth(), " codes");
@@ -41,6 +47,7 @@ beam_result beam_search_items(const semantic_ids& ids, int width, int top_k, Sco
                   " but must be in [1, ", ids.items, "] (the catalogue's items)");
   detail::require(top_k >= 1 && top_k <= width, fn, "top_k", "is ", top_k,
                   " but must be in [1, width = ", width, "]");
+  detail::require(searches >= 0, fn, "searches", "is ", searches, " but must be >= 0");
   const int depth = ids.depth(), codes = ids.codes;
 
   // Items in the lexicographic order of their IDs: a prefix is a contiguous range.
@@ -54,51 +61,81 @@ beam_result beam_search_items(const semantic_ids& ids, int width, int top_k, Sco
     double score;
     std::vector<std::int32_t> prefix;
   };
-  std::vector<beam> beams{{0, ids.items, 0.0, {}}};
+  std::vector<std::vector<beam>> beams(static_cast<std::size_t>(searches),
+                                       std::vector<beam>{{0, ids.items, 0.0, {}}});
   std::vector<std::vector<std::int32_t>> prefixes;
+  std::vector<index_t> owner;
   std::vector<double> logp;
   for (int level = 0; level < depth; ++level) {
-    prefixes.clear();
-    for (const beam& b : beams) prefixes.push_back(b.prefix);
-    logp.assign(beams.size() * std::size_t(codes), 0.0);
-    scorer(static_cast<const std::vector<std::vector<std::int32_t>>&>(prefixes), logp);
-    detail::require(logp.size() == beams.size() * std::size_t(codes), fn, "scorer",
+    prefixes.clear(), owner.clear();
+    for (index_t q = 0; q < searches; ++q)
+      for (const beam& b : beams[std::size_t(q)]) prefixes.push_back(b.prefix), owner.push_back(q);
+    if (prefixes.empty()) break;  // every code of every beam impossible
+    logp.assign(prefixes.size() * std::size_t(codes), 0.0);
+    scorer(static_cast<const std::vector<std::vector<std::int32_t>>&>(prefixes),
+           static_cast<const std::vector<index_t>&>(owner), logp);
+    detail::require(logp.size() == prefixes.size() * std::size_t(codes), fn, "scorer",
                     "resized its output to ", logp.size(), " values; expected ",
-                    beams.size() * std::size_t(codes), " (beams x codes)");
-    std::vector<beam> next;
-    for (std::size_t bi = 0; bi < beams.size(); ++bi) {
-      const beam& b = beams[bi];
-      for (index_t at = b.lo; at < b.hi;) {
-        const std::int32_t c = ids.of(order[at])[level];
-        index_t end = at;
-        while (end < b.hi && ids.of(order[end])[level] == c) ++end;
-        const double lp = logp[bi * codes + c];
-        detail::require(!std::isnan(lp), fn, "scorer", "gave NaN for code ", c, " at level ",
-                        level);
-        if (lp != -std::numeric_limits<double>::infinity()) {
-          beam n{at, end, b.score + lp, b.prefix};
-          n.prefix.push_back(c);
-          next.push_back(std::move(n));
+                    prefixes.size() * std::size_t(codes), " (beams x codes)");
+    std::size_t row = 0;  // the first beam of search q in prefixes
+    for (std::vector<beam>& mine : beams) {
+      std::vector<beam> next;
+      for (std::size_t bi = 0; bi < mine.size(); ++bi, ++row) {
+        const beam& b = mine[bi];
+        for (index_t at = b.lo; at < b.hi;) {
+          const std::int32_t c = ids.of(order[at])[level];
+          index_t end = at;
+          while (end < b.hi && ids.of(order[end])[level] == c) ++end;
+          const double lp = logp[row * codes + c];
+          detail::require(!std::isnan(lp), fn, "scorer", "gave NaN for code ", c, " at level ",
+                          level);
+          if (lp != -std::numeric_limits<double>::infinity()) {
+            beam n{at, end, b.score + lp, b.prefix};
+            n.prefix.push_back(c);
+            next.push_back(std::move(n));
+          }
+          at = end;
         }
-        at = end;
       }
+      const auto better = [](const beam& a, const beam& b) {
+        if (a.score != b.score) return a.score > b.score;
+        return a.prefix < b.prefix;
+      };
+      const std::size_t keep = std::min(next.size(), std::size_t(width));
+      std::partial_sort(next.begin(), next.begin() + keep, next.end(), better);
+      next.resize(keep);
+      mine = std::move(next);
     }
-    const auto better = [](const beam& a, const beam& b) {
-      if (a.score != b.score) return a.score > b.score;
-      return a.prefix < b.prefix;
-    };
-    const std::size_t keep = std::min(next.size(), std::size_t(width));
-    std::partial_sort(next.begin(), next.begin() + keep, next.end(), better);
-    next.resize(keep);
-    beams = std::move(next);
-    if (beams.empty()) break;  // every code of every beam impossible
   }
-  beam_result r;
-  for (std::size_t i = 0; i < beams.size() && int(i) < top_k; ++i) {
-    r.items.push_back(order[beams[i].lo]);  // a whole ID: one item
-    r.scores.push_back(beams[i].score);
-  }
-  return r;
+  std::vector<beam_result> out(static_cast<std::size_t>(searches));
+  for (std::size_t q = 0; q < out.size(); ++q)
+    for (std::size_t i = 0; i < beams[q].size() && int(i) < top_k; ++i) {
+      out[q].items.push_back(order[beams[q][i].lo]);  // a whole ID: one item
+      out[q].scores.push_back(beams[q][i].score);
+    }
+  return out;
+}
+
+}  // namespace detail
+
+template <class Scorer>
+beam_result beam_search_items(const semantic_ids& ids, int width, int top_k, Scorer&& scorer) {
+  return detail::beam_searches(
+      "attnmix::beam_search_items", ids, 1, width, top_k,
+      [&](const std::vector<std::vector<std::int32_t>>& prefixes, const std::vector<index_t>&,
+          std::vector<double>& logp) { scorer(prefixes, logp); })[0];
+}
+
+// `searches` searches over one catalogue in lockstep (a recommender's users):
+// scorer(prefixes, owner, logp) gets the beams of every search still running at a level, beam b
+// of search owner[b] (a search's beams together, searches in order), and fills
+// logp[b * codes + c]: one scorer call a level for all of them. Search q gives what
+// beam_search_items gives with its beams' scores.
+template <class Scorer>
+std::vector<beam_result> beam_search_items_batched(const semantic_ids& ids, index_t searches,
+                                                   int width, int top_k, Scorer&& scorer) {
+  return detail::beam_searches("attnmix::beam_search_items_batched", ids, searches, width, top_k,
+                               scorer);
 }
 
 }  // namespace attnmix

@@ -9,9 +9,9 @@
 //   logits(l)  = head( decoder(tokens, memory) )[l] over the columns of level l
 //   p(item)    = prod_l softmax(logits(l))[code_l(item)]      (teacher forcing in training)
 // Recommending encodes each history once, remembers it in the decoder's cross-attention caches,
-// and runs a beam search over the codes (beam_search_items) whose every level is one decoder call
-// for all the beams. Parameter names: "items.*", "encoder.*", "codes.weight", "decoder.*",
-// "head.weight".
+// and runs a beam search over the codes (beam_search_items_batched) whose every level is one
+// decoder call for the beams of a group of users. Parameter names: "items.*", "encoder.*",
+// "codes.weight", "decoder.*", "head.weight".
 //
 // Histories are packed: the item IDs of every user one after the other (host memory) and their
 // offsets [users + 1]. Training and recommending are written over the backend: a model on the
@@ -219,10 +219,13 @@ class generative_retrieval {
     encoder.forward(view3<const T>(x, {1, hist, D}, space_of_v<Backend>), memory, ein, be);
   }
 
+  // Users whose beams one decoder call scores (recommend's scratch grows with it).
+  static constexpr index_t recommend_group = 32;
+
   // The top_k items of the catalogue `ids` (whose depth and codes are the model's) for each user,
   // best first, by a beam search of `width` beams over their semantic IDs: each history encoded
-  // once, each level one decoder call for a user's beams. Throws attnmix::error on bad arguments
-  // (a width or top_k out of range, a catalogue of other codes).
+  // once, each level one decoder call for the beams of up to recommend_group users. Throws
+  // attnmix::error on bad arguments (a width or top_k out of range, a catalogue of other codes).
   std::vector<beam_result> recommend(const user_histories& h, const semantic_ids& ids, int width,
                                      int top_k, const Backend& be = Backend{}) const {
     using attnmix::detail::require;
@@ -240,21 +243,23 @@ class generative_retrieval {
     index_t longest = 0;
     for (index_t u = 0; u < users; ++u)
       longest = std::max<index_t>(longest, h.offsets(u + 1) - h.offsets(u));
-    // In the backend's memory: the encoder's output, then per scoring call (at most `width`
-    // beams of depth tokens) the tokens, their embeddings, the decoder's output, the beams' last
-    // rows and their logits. The logits of the level scored come back to the host.
+    // In the backend's memory: the encoder's output, then per scoring call (the beams of up to
+    // `group` users, at most `width` beams of depth tokens each) the tokens, their embeddings,
+    // the decoder's output, the beams' last rows and their logits. The logits of the level scored
+    // come back to the host.
+    const index_t group = std::min<index_t>(users, recommend_group);
     using layers::scratch_bytes;
-    const index_t max_rows = index_t(width) * index_t(rc_.depth);
+    const index_t max_beams = group * index_t(width), max_rows = max_beams * index_t(rc_.depth);
     typename O::scratch s(
         be, scratch_bytes<T>(hist * D) + scratch_bytes<std::int32_t>(max_rows) +
-                scratch_bytes<T>(max_rows * D) * 2 + scratch_bytes<std::int64_t>(width) +
-                scratch_bytes<T>(index_t(width) * D) + scratch_bytes<T>(index_t(width) * V));
+                scratch_bytes<T>(max_rows * D) * 2 + scratch_bytes<std::int64_t>(max_beams) +
+                scratch_bytes<T>(max_beams * D) + scratch_bytes<T>(max_beams * V));
     T* memory = s.template take<T>(hist * D);
     std::int32_t* dtokens = s.template take<std::int32_t>(max_rows);
     T *x = s.template take<T>(max_rows * D), *z = s.template take<T>(max_rows * D);
-    std::int64_t* dlast_rows = s.template take<std::int64_t>(width);
-    T* last = s.template take<T>(index_t(width) * D);
-    T* logits = s.template take<T>(index_t(width) * V);
+    std::int64_t* dlast_rows = s.template take<std::int64_t>(max_beams);
+    T* last = s.template take<T>(max_beams * D);
+    T* logits = s.template take<T>(max_beams * V);
     const auto in_backend = [&](T* p, index_t rows) {
       return view3<T>(p, {1, rows, D}, space_of_v<Backend>);
     };
@@ -265,21 +270,25 @@ class generative_retrieval {
 
     std::vector<beam_result> out;
     out.reserve(static_cast<std::size_t>(users));
-    std::vector<std::int32_t> tokens;
+    std::vector<std::int32_t> tokens, slots;
     std::vector<std::int64_t> last_rows;
     std::vector<T> level_logits;
-    for (index_t u = 0; u < users; ++u) {
+    for (index_t u0 = 0; u0 < users; u0 += group) {
+      // Each level one decoder call for the beams of users u0 .. u0 + group - 1, each beam
+      // reading its user's remembered memory.
       const auto scorer = [&](const std::vector<std::vector<std::int32_t>>& prefixes,
-                              std::vector<double>& logp) {
+                              const std::vector<index_t>& owner, std::vector<double>& logp) {
         const index_t beams = index_t(prefixes.size()), level = index_t(prefixes[0].size());
         const index_t len = level + 1, rows = beams * len;
         tokens.assign(static_cast<std::size_t>(rows), 0);
         last_rows.resize(static_cast<std::size_t>(beams));
+        slots.resize(static_cast<std::size_t>(beams));
         for (index_t b = 0; b < beams; ++b) {
           for (index_t l = 0; l < level; ++l)
             tokens[std::size_t(b * len + l + 1)] =
                 token(l, prefixes[std::size_t(b)][std::size_t(l)]);
           last_rows[std::size_t(b)] = b * len + level;
+          slots[std::size_t(b)] = std::int32_t(u0 + owner[std::size_t(b)]);
         }
         O::upload(be, dtokens, tokens.data(), rows);
         O::upload(be, dlast_rows, last_rows.data(), beams);
@@ -287,8 +296,7 @@ class generative_retrieval {
         const layers::context<Backend> c{be, LB, nullptr, handles_};
         codes.apply(c, dtokens, rows, x);
         dec.forward(view3<const T>(x, {beams, len, D}, space_of_v<Backend>),
-                    view3<T>(z, {beams, len, D}, space_of_v<Backend>), cache,
-                    std::vector<std::int32_t>(std::size_t(beams), std::int32_t(u)), be);
+                    view3<T>(z, {beams, len, D}, space_of_v<Backend>), cache, slots, be);
         // The last row of each beam predicts the next level, from that level's columns.
         O::move_rows(c, z, last, dlast_rows, static_cast<const std::int64_t*>(nullptr), beams, D);
         head.apply(c, last, beams, logits);
@@ -297,7 +305,9 @@ class generative_retrieval {
         for (index_t b = 0; b < beams; ++b)
           log_softmax_row(level_logits.data() + b * V + level * C, C, logp.data() + b * C);
       };
-      out.push_back(beam_search_items(ids, width, top_k, scorer));
+      for (beam_result& r :
+           beam_search_items_batched(ids, std::min(group, users - u0), width, top_k, scorer))
+        out.push_back(std::move(r));
     }
     return out;
   }
