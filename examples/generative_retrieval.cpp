@@ -14,7 +14,10 @@
 //                        [--items 2048] [--clusters 32] [--codes 16] [--history 32]
 //                        [--width 64] [--heads 4] [--steps 1500] [--batch 32]
 //                        [--lr 3e-3] [--users 200] [--beam 100] [--threads 0] [--every 500]
+//                        [--device cpu]
 //
+// Built by nvcc (generative_retrieval_cuda), --device cuda trains and evaluates each model on the
+// GPU (float), its weights starting as the CPU model's of the same seed.
 // Prints a progress line per run and the table of Recall@1/10/100 (those K not above the beam)
 // beside the paper's figures (Recall@1000 at history 2048, on its own data).
 
@@ -30,6 +33,9 @@
 #include <vector>
 
 #include "attnmix/attnmix.hpp"
+#ifdef __CUDACC__
+#include "attnmix/cuda.cuh"
+#endif
 #include "attnmix/retrieval/generative_retrieval.hpp"
 #include "attnmix/train/optimizer.hpp"
 #include "attnmix/train/progress.hpp"
@@ -45,6 +51,7 @@ struct options {
   index_t items = 2048, clusters = 32, history = 32, width = 64, heads = 4;
   int codes = 16, steps = 1500, batch = 32, users = 200, beam = 100, threads = 0, every = 500;
   double lr = 3e-3;
+  std::string device = "cpu";
 };
 
 // The catalogue and the generative process of histories and next items.
@@ -161,18 +168,11 @@ std::vector<int> recall_ks(const options& o) {
   return ks;
 }
 
-template <class Encoder>
-result run(const std::string& name, const options& o, const world& w, int seed) {
-  attnmix::layers::config c;
-  c.hidden_size = o.width;
-  c.num_heads = o.heads;
-  attnmix::retrieval_config rc;
-  rc.depth = w.ids.depth(), rc.codes = w.ids.codes;
-  rc.buckets = std::max<index_t>(64, 2 * w.items), rc.hashes = 2;
-  attnmix::generative_retrieval<Encoder> model(c, rc);
-  attnmix::layers::randomize_parameters(model, 1000 + std::uint64_t(seed));
-  attnmix::train::adamw<> opt({0.9, 0.98, 1e-8, 0.01, 1.0});
-  const attnmix::backend::cpu be{o.threads};
+// Trains `model` on o.steps batches and measures Recall@K on held-out users.
+template <class Model, class Backend>
+result train_and_evaluate(Model& model, const std::string& name, const options& o, const world& w,
+                          int seed, const Backend& be) {
+  attnmix::train::adamw<Backend> opt({0.9, 0.98, 1e-8, 0.01, 1.0});
   std::mt19937_64 g(7919 * std::uint64_t(seed) + 1);
   const attnmix::train::warmup_cosine lr{std::max<index_t>(1, o.steps / 10), o.steps, o.lr,
                                          0.1 * o.lr};
@@ -181,7 +181,7 @@ result run(const std::string& name, const options& o, const world& w, int seed) 
   double loss = 0;
   for (int step = 1; step <= o.steps; ++step) {
     const batch b = make_batch(w, g, o.batch, o.history);
-    attnmix::train::adamw<>::zero_grad(model);
+    attnmix::train::adamw<Backend>::zero_grad(model);
     loss = model.loss(b.view(), {b.codes.data(), {index_t(o.batch), w.ids.depth()}}, true, be);
     opt.step(model, lr(step), be);
     bar.step(step, loss);
@@ -201,6 +201,25 @@ result run(const std::string& name, const options& o, const world& w, int seed) 
   }
   for (double& r : recall) r /= double(recs.size());
   return {name, seed, loss, recall, bar.seconds()};
+}
+
+template <class Encoder>
+result run(const std::string& name, const options& o, const world& w, int seed) {
+  attnmix::layers::config c;
+  c.hidden_size = o.width;
+  c.num_heads = o.heads;
+  attnmix::retrieval_config rc;
+  rc.depth = w.ids.depth(), rc.codes = w.ids.codes;
+  rc.buckets = std::max<index_t>(64, 2 * w.items), rc.hashes = 2;
+  attnmix::generative_retrieval<Encoder> model(c, rc);
+  attnmix::layers::randomize_parameters(model, 1000 + std::uint64_t(seed));
+#ifdef __CUDACC__
+  if (o.device == "cuda") {
+    attnmix::generative_retrieval<attnmix::device_stack<Encoder, float>> gpu(model);
+    return train_and_evaluate(gpu, name, o, w, seed, attnmix::backend::cuda{});
+  }
+#endif
+  return train_and_evaluate(model, name, o, w, seed, attnmix::backend::cpu{o.threads});
 }
 
 bool parse(int argc, char** argv, options& o) {
@@ -242,11 +261,18 @@ bool parse(int argc, char** argv, options& o) {
       o.threads = std::atoi(v);
     else if (a == "--every")
       o.every = std::max(1, std::atoi(v));
+    else if (a == "--device")
+      o.device = v;
     else
       return false;
   }
-  return o.seeds >= 1 && o.items >= 2 && o.clusters >= 1 && o.history >= 1 && o.steps >= 1 &&
-         o.batch >= 1 && o.users >= 1 && o.beam >= 1;
+#ifdef __CUDACC__
+  const bool device_ok = o.device == "cpu" || o.device == "cuda";
+#else
+  const bool device_ok = o.device == "cpu";
+#endif
+  return device_ok && o.seeds >= 1 && o.items >= 2 && o.clusters >= 1 && o.history >= 1 &&
+         o.steps >= 1 && o.batch >= 1 && o.users >= 1 && o.beam >= 1;
 }
 
 }  // namespace
@@ -258,7 +284,8 @@ int main(int argc, char** argv) {
                  "usage: generative_retrieval [--encoders bi_sa,causal_sa,hybrid,gbla] [--seeds N]"
                  " [--first-seed S] [--items N] [--clusters K] [--codes C] [--history T]"
                  " [--width D] [--heads H] [--steps N] [--batch B] [--lr X]"
-                 " [--users N] [--beam W] [--threads N] [--every N]\n");
+                 " [--users N] [--beam W] [--threads N] [--every N] [--device cpu|cuda]\n"
+                 "(--device cuda: the build by nvcc, generative_retrieval_cuda)\n");
     return 2;
   }
   try {
