@@ -1134,17 +1134,16 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             pm::save_rows(r, cta.states + s0 * D, D, m0, n0, n);
             pm::zero(e);
           }
-          __syncthreads();  // step t - 1 is done with buffer 1 - b
-          if (cj > 0)
-            issue(j0 - C, 1 - b);
-          else
-            cp_async_commit();  // an empty group: one a step
+          // One barrier a step: after it this step's copies are whole and step t - 1 is done
+          // with buffer 1 - b and slot w, so the next step's copies may start.
+          cp_async_wait<0>();
+          __syncthreads();
+          if (cj > 0) issue(j0 - C, 1 - b);
           const double g_next = cj > 0 ? gate_raw(j0 - C) : 0.0;
-          if (sg > 0 && cj == (sg + 1) * SC - 1)  // I - Pi, read after the super-chunk
+          if (sg > 0 && cj == (sg + 1) * SC - 1)  // I - Pi, read at the super-chunk's last step
             pm::stage<true>(
                 hi(L::w), lo(L::w),
                 [&](int rr, int c) { return cta.PIS[cta.pi_at(sg) + rr * D + c]; }, D, D);
-          if (!async_v) stage_v(j0, C);
           if (cj >= 2) {  // asked of L2: the copies of the step after next, this one's sums
             pm::prefetch_rows(cta.KH + (j0 - 2 * C) * D, D, C, D);
             if (async_v) pm::prefetch_rows(cta.V + (j0 - 2 * C) * cta.vs1, cta.vs1, C, Dv);
@@ -1154,8 +1153,10 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             pm::prefetch_rows(cta.dvs + (j0 - C) * Dv, Dv, C, Dv);
             pm::prefetch_rows(cta.dKH + (j0 - C) * D, D, C, D);
           }
-          cp_async_wait<1>();
-          __syncthreads();  // K^ and v of this step whole
+          if (!async_v) {  // v staged here: a second barrier
+            stage_v(j0, C);
+            __syncthreads();
+          }
           scores(j0, kslot(b), vbuf(b), gj_s + b * C);
           warp_mma<ld, true, true, 4>(e, rows_of(L::e2), hi(kslot(b)), lo(kslot(b)),
                                       n0);  // e += dZ K^
