@@ -1,9 +1,13 @@
 // CUDA PaTH and PaTH-FoX, bf16: the forward at the causal SA shapes of bench/sdpa_peer.py
 // (which times cuDNN causal SDPA beside it), one decoding step against its memory floor, the
-// forward + backward (attention_backward) and the backward's extra device memory.
-// FLOPs of the forward: 4*B*H*T^2*D (spec/path_fox.md §6: twice causal attention's).
+// prefill of a decoding cache against the forward, the forward + backward (attention_backward) and
+// the backward's extra device memory. FLOPs of the forward: 4*B*H*T^2*D (spec/path_fox.md §6: twice
+// causal attention's).
 
 #include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <vector>
 
 #include "attnmix/cuda.cuh"
 #include "cuda_bench.cuh"
@@ -113,6 +117,30 @@ void BM_path_decode(benchmark::State& state) {
   const double bytes = double(N) * double(L) * H * 2.0 * D * sizeof(Store);
   state.counters["GB/s"] =
       benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The prefill of N prompts of L tokens (PaTH-FoX, H = HQ heads, D = Dv = 64) into a bfloat16
+// device cache: the forward plus the keys carried to the prompt's end, the values and the gates
+// moved into the slots. prefill_over_forward: its time over the forward's alone (median of 5,
+// the same inputs, after the timed iterations).
+void BM_path_prefill(benchmark::State& state) {
+  const index_t N = state.range(0), L = state.range(1), H = state.range(2), D = 64;
+  using fox = attnmix::kind::path_fox;
+  attnmix::device_path_cache<attnmix::bfloat16> cache(N, L, H, H, D, D);
+  const path_call prompt(N, L, H, D, 0);
+  const auto a = prompt.args<fox>();
+  attnmix_bench::time_with_events(
+      state, [&] { attnmix::path_prefill<fox>(cache, a, {}, {}, attnmix::backend::cuda{}); });
+  std::vector<double> prefill, forward;
+  for (int i = 0; i < 5; ++i) {
+    prefill.push_back(attnmix_bench::event_ms(
+        [&] { attnmix::path_prefill<fox>(cache, a, {}, {}, attnmix::backend::cuda{}); }));
+    forward.push_back(
+        attnmix_bench::event_ms([&] { attnmix::attention<fox>(a, {}, attnmix::backend::cuda{}); }));
+  }
+  std::sort(prefill.begin(), prefill.end()), std::sort(forward.begin(), forward.end());
+  state.counters["forward_ms"] = forward[2];
+  state.counters["prefill_over_forward"] = prefill[2] / forward[2];
 }
 
 // Device-to-device copy of 2 GiB: the bandwidth the decoding floor is measured against.
@@ -247,6 +275,12 @@ BENCHMARK_TEMPLATE(BM_path_decode, float)
     ->ArgNames({"N", "L", "heads"})
     ->UseManualTime()
     ->Iterations(200)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_path_prefill)
+    ->Name("path_fox_prefill_bf16_cache")
+    ->Args({32, 4096, 16})
+    ->ArgNames({"N", "L", "heads"})
+    ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_copy_bandwidth)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path)

@@ -30,6 +30,7 @@
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
+#include "attnmix/cuda/collective/split_tiles.cuh"
 #include "attnmix/cuda/collective/tril_inverse.cuh"
 #include "attnmix/cuda/kernels/path_backward_simt.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
@@ -43,46 +44,16 @@ namespace path_bwd_mma {
 using L = path_bwd_mma_layout;
 constexpr int C = L::C, ld = L::ld;
 
-// The CTA stages [C][64] tiles into (hi, lo) in two halves: load_tile reads this thread's
-// elements (r, c) = at(r, c) for r < rows and c < cols, else 0; store_tile writes them, lo (when
-// Lo) holding what hi's rounding left. Loads of several tiles issued before the first store are in
-// flight together (a store to shared memory keeps the compiler from moving a later load above it).
-using tile_regs = float[C * 32 / L::threads][2];
-// f(r, c, x0, x1) for each pair of this thread's tile registers: row r, columns c and c + 1.
-template <class X, class F>
-__device__ __forceinline__ void for_tile_pairs(X& x, F&& f) {
-#pragma unroll
-  for (int k = 0; k < C * 32 / L::threads; ++k) {
-    const int i = int(threadIdx.x) + k * L::threads;
-    f(i >> 5, 2 * (i & 31), x[k][0], x[k][1]);
-  }
-}
-template <class F>
-__device__ __forceinline__ void load_tile(tile_regs& x, F&& at, int rows, int cols) {
-  for_tile_pairs(x, [&](int r, int c, float& x0, float& x1) {
-    x0 = r < rows && c < cols ? at(r, c) : 0.f;
-    x1 = r < rows && c + 1 < cols ? at(r, c + 1) : 0.f;
-  });
-}
-template <bool Lo>
-__device__ __forceinline__ void store_tile(const tile_regs& x, split_op* hi, split_op* lo) {
-  for_tile_pairs(x, [&](int r, int c, float x0, float x1) {
-    std::uint32_t h, l;
-    if constexpr (Lo) {
-      split2(x0, x1, h, l);
-      *reinterpret_cast<std::uint32_t*>(lo + r * ld + c) = l;
-    } else {
-      h = pack2<split_op>(x0, x1);
-    }
-    *reinterpret_cast<std::uint32_t*>(hi + r * ld + c) = h;
-  });
-}
-template <bool Lo, class F>
-__device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int rows, int cols) {
-  tile_regs x;
-  load_tile(x, at, rows, cols);
-  store_tile<Lo>(x, hi, lo);
-}
+// The CTA's tile staging (collective/split_tiles.cuh).
+static_assert(C == split_tile::C && ld == split_tile::ld && L::threads == split_tile::threads,
+              "the backward's tiles are split_tile's");
+using tile_regs = split_tile::regs;
+using split_tile::for_tile_pairs;
+using split_tile::load_tile;
+using split_tile::stage;
+using split_tile::store_split;
+using split_tile::store_tile;
+
 // x = the slices' sum, in slice order, of the tile at base[at(r, c)] of slice 0, each slice's
 // copy `stride` elements further: slice 0's loads in flight together, then one slice at a time.
 template <class F>
@@ -97,18 +68,6 @@ __device__ __forceinline__ void load_slice_sum(tile_regs& x, const float* base, 
 #pragma unroll
     for (int k = 0; k < C * 32 / L::threads; ++k) x[k][0] += y[k][0], x[k][1] += y[k][1];
   }
-}
-
-// A warp's part of a tile (16 x 32: rows r0 .., columns c0 ..) into (hi, lo); rows from `rows`
-// on as 0.
-__device__ __forceinline__ void store_split(float (&acc)[4][4], split_op* hi, split_op* lo, int r0,
-                                            int c0, int rows) {
-  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
-    std::uint32_t h = 0u, l = 0u;
-    if (r < rows) split2(x0, x1, h, l);
-    *reinterpret_cast<std::uint32_t*>(hi + r * ld + c) = h;
-    *reinterpret_cast<std::uint32_t*>(lo + r * ld + c) = l;
-  });
 }
 
 // dst[r][c] += sign * acc for the rows r < rows of a warp's part (dst rows of ldd floats), as

@@ -20,6 +20,7 @@
 #include "attnmix/cuda/kernels/path_decode.cuh"
 #include "attnmix/cuda/kernels/path_simt.cuh"
 #include "attnmix/cuda/kernels/sm80_path.cuh"
+#include "attnmix/cuda/kernels/sm80_path_key_cache.cuh"
 #include "attnmix/cuda/kernels/sm80_path_prepare.cuh"
 #include "attnmix/cuda/kernels/sm90_path.cuh"
 #include "attnmix/cuda/launch/attention.cuh"
@@ -100,12 +101,25 @@ struct key_cache_target {
 template <class T, class KT, class TU, class Out>
 void launch_path_key_cache(const path_kernel_params& kp, index_t sequences,
                            const key_cache_target<Out>& target, cudaStream_t stream) {
-  const int smem = path_key_cache_smem_bytes(kp.a.head_dim);
-  auto kernel = path_key_cache_kernel<KT, TU, Out>;
-  allow_dynamic_smem(kernel, smem);
-  kernel<<<dim3(static_cast<unsigned>(kp.kv_heads), static_cast<unsigned>(sequences)), 256, smem,
-           stream>>>(kp, target.keys, target.stride[0], target.stride[1], target.stride[2],
-                     target.slot_of, target.recent, target.transitions);
+  const dim3 grid(static_cast<unsigned>(kp.kv_heads), static_cast<unsigned>(sequences));
+  const auto launch = [&](auto kernel, int threads, int smem) {
+    allow_dynamic_smem(kernel, smem);
+    kernel<<<grid, threads, smem, stream>>>(kp, target.keys, target.stride[0], target.stride[1],
+                                            target.stride[2], target.slot_of, target.recent,
+                                            target.transitions);
+  };
+  // The tensor-core forward's chunk data (16-bit K~, U in half) at D = 64: on tensor cores.
+  constexpr bool mma = !std::is_same_v<KT, float> && std::is_same_v<TU, __half>;
+  bool done = false;
+  if constexpr (mma) {
+    if (kp.a.head_dim == 64) {
+      launch(path_key_cache_mma_kernel<KT, Out>, split_tile::threads,
+             path_key_cache_mma_layout::smem);
+      done = true;
+    }
+  }
+  if (!done)
+    launch(path_key_cache_kernel<KT, TU, Out>, 256, path_key_cache_smem_bytes(kp.a.head_dim));
   check(cudaGetLastError(), "path_key_cache_kernel launch");
   if (target.values != nullptr) {
     path_cache_fill_kernel<T, Out><<<dim3(64, static_cast<unsigned>(sequences)), 128, 0, stream>>>(
