@@ -217,8 +217,9 @@ void run_path(const std::string& fn, const attention_args<T>& a, const attention
     launch_path_key_cache<Dev, float, float>(kp, p.num_sequences, cache, stream);
 }
 
-// The prefill key cache alone (path_prefill_key_cache): the chunk data in float, then the
-// suffix-product walk.
+// The prefill key cache alone (path_prefill_key_cache): the chunk data, then the suffix-product
+// walk; for 16-bit keys whose rows take 16-byte copies at D = 64 or 128 both as the tensor-core
+// forward makes them, otherwise in float on CUDA cores.
 template <class T>
 void run_path_key_cache(const std::string& fn, const path_key_cache_args<T>& a,
                         const attention_problem& p, const backend::cuda& be) {
@@ -235,18 +236,30 @@ void run_path_key_cache(const std::string& fn, const path_key_cache_args<T>& a,
   kp.a.head_dim = static_cast<int>(p.head_dim);
   kp.a.cu_seqlens = upload_offsets(offsets.get(), p, stream);
   set_householder(kp, a.w, a.beta, p.kv_heads);
-  path_shape shape;  // the float chunk data of the portable forward
+  path_shape shape;
   shape.batch = p.batch, shape.tokens = p.tokens;
-  shape.head_dim = p.head_dim, shape.value_dim = p.value_dim;
+  shape.head_dim = shape.value_dim = p.head_dim;
   shape.max_len = max_len, shape.q_heads = p.q_heads, shape.kv_heads = p.kv_heads;
   shape.sequences = p.num_sequences;
+  // The chunk data of the mma.sync forward (no dense transitions), if it applies.
+  shape.sixteen_bit = !std::is_same_v<T, float>;
+  shape.aligned = shape.q_vectors =
+      aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8);
+  shape.portable = true;
   const path_plan plan = plan_path(shape, current_properties());
   path_chunk_data chunks(plan.chunks, stream);
   chunks.attach(kp);
-  launch_path_prepare<Dev, float, float>(kp, plan, stream);
   key_cache_target<Dev> target;
   target.keys = reinterpret_cast<Dev*>(a.key_cache.data());
   for (int i = 0; i < 3; ++i) target.stride[i] = a.key_cache.stride(i);
+  if constexpr (!std::is_same_v<T, float>) {
+    if (plan.variant != path_variant::simt) {
+      launch_path_prepare_mma<Dev>(kp, plan, stream);
+      launch_path_key_cache<Dev, Dev, __half>(kp, p.num_sequences, target, stream);
+      return;
+    }
+  }
+  launch_path_prepare<Dev, float, float>(kp, plan, stream);
   launch_path_key_cache<Dev, float, float>(kp, p.num_sequences, target, stream);
 }
 
