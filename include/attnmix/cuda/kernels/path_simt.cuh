@@ -388,12 +388,46 @@ __global__ void __launch_bounds__(256) path_forward_simt_kernel(const path_kerne
         (m_run + log2f(l_run)) * 0.6931471805599453f;
 }
 
+// Where the prefill key cache of (KV head h, sequence blockIdx.y) goes. Out: [B, T, H, D]
+// (strided). slot_of != nullptr: sequence n goes to out + slot_of[n] * out_s0, its token j at
+// j * out_s1 (a decoding cache); otherwise to its batch row and its own token positions. recent
+// and transitions (a device decoding cache, else nullptr): the slot's ring of recent keys and M.
+// A decoding cache defers the transitions (path_decode.cuh): the keys from F on are recent, kept
+// in float in the ring too, and M starts as I (set by the constructor, the CTA's threads).
+template <class Out>
+struct key_cache_rows {
+  Out* dst;
+  float* ring = nullptr;
+  index_t F, ring_stride;
+  __device__ key_cache_rows(const path_kernel_params& p, Out* out, index_t out_s0, index_t out_s1,
+                            index_t out_s2, const std::int32_t* slot_of, float* recent,
+                            float* transitions, int h, index_t batch, index_t start, index_t length)
+      : dst(slot_of != nullptr ? out + slot_of[blockIdx.y] * out_s0 + h * out_s2
+                               : out + batch * out_s0 + start * out_s1 + h * out_s2),
+        F(path_decode_flushed(length)),
+        ring_stride(index_t(p.kv_heads) * p.a.head_dim),
+        s1(out_s1) {
+    if (recent == nullptr) return;
+    const int D = p.a.head_dim;
+    const index_t slot = slot_of[blockIdx.y];
+    ring = recent + (slot * path_decode_recent * p.kv_heads + h) * D;
+    float* M = transitions + (slot * p.kv_heads + h) * D * D;
+    for (int idx = threadIdx.x; idx < D * D; idx += blockDim.x)
+      M[idx] = idx / D == idx % D ? 1.f : 0.f;
+  }
+  // Element i of token j's key.
+  __device__ void put(index_t j, int i, float x) const {
+    dst[j * s1 + i] = from_float<Out>(x);
+    if (ring != nullptr && j >= F) ring[(j % path_decode_recent) * ring_stride + i] = x;
+  }
+
+ private:
+  index_t s1;
+};
+
 // The prefill key cache, one 256-thread block per (KV head, sequence): walks the chunks from the
 // last, keeping S = P_last ... P_{c+1} (D x D, float, shared memory); kappa_b = S k~_b for the
-// rows of chunk c, then S <- S P_c = S - (S W_c^T) U_c. O(T D^2). Out: [B, T, H, D] (strided).
-// slot_of != nullptr: sequence n goes to out + slot_of[n] * out_s0, its token j at j * out_s1
-// (a decoding cache); otherwise to its batch row and its own token positions. recent and
-// transitions (a device decoding cache, else nullptr): the slot's ring of recent keys and M.
+// rows of chunk c, then S <- S P_c = S - (S W_c^T) U_c. O(T D^2). Where it goes: key_cache_rows.
 template <class KT, class TU, class Out>
 __global__ void __launch_bounds__(256)
     path_key_cache_kernel(const path_kernel_params p, Out* out, index_t out_s0, index_t out_s1,
@@ -413,18 +447,8 @@ __global__ void __launch_bounds__(256)
   const KT* kt = static_cast<const KT*>(p.kt) + p.row(batch, h, start) * D;
   const TU* u = static_cast<const TU*>(p.u) + p.row(batch, h, start) * D;
   const float* w = p.w + batch * p.w_stride[0] + start * p.w_stride[1] + h * p.w_stride[2];
-  Out* dst = slot_of != nullptr ? out + slot_of[blockIdx.y] * out_s0 + h * out_s2
-                                : out + batch * out_s0 + start * out_s1 + h * out_s2;
-  // A decoding cache that defers the transitions (path_decode.cuh): the keys from F on are
-  // recent, kept in float in the slot's ring too, and M starts as I.
-  const index_t F = path_decode_flushed(length);
-  float* ring = nullptr;
-  if (recent != nullptr) {
-    const index_t slot = slot_of[blockIdx.y];
-    ring = recent + (slot * path_decode_recent * p.kv_heads + h) * D;
-    float* M = transitions + (slot * p.kv_heads + h) * D * D;
-    for (int idx = tid; idx < D * D; idx += threads) M[idx] = idx / D == idx % D ? 1.f : 0.f;
-  }
+  const key_cache_rows<Out> rows(p, out, out_s0, out_s1, out_s2, slot_of, recent, transitions, h,
+                                 batch, start, length);
 
   for (index_t ci = (length + C - 1) / C - 1; ci >= 0; --ci) {
     const index_t j0 = ci * C;
@@ -434,9 +458,7 @@ __global__ void __launch_bounds__(256)
       const KT* kb = kt + (j0 + b) * D;
       float s = 0.f;
       for (int d = 0; d < D; ++d) s += S[i * lds + d] * to_float(kb[d]);
-      dst[(j0 + b) * out_s1 + i] = from_float<Out>(s);
-      if (ring != nullptr && j0 + b >= F)
-        ring[((j0 + b) % path_decode_recent) * p.kv_heads * D + i] = s;
+      rows.put(j0 + b, i, s);
     }
     if (ci == 0) break;
     for (int idx = tid; idx < D * n; idx += threads) {  // Y[i][b] = sum_d S[i][d] w_b[d]

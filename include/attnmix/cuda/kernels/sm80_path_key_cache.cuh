@@ -30,7 +30,7 @@ struct path_key_cache_mma_layout {
   static constexpr int smem = 2 * split_tile::elements * 2 * slots;  // bytes
 };
 
-// out, out_s*, slot_of, recent, transitions: as path_key_cache_kernel's.
+// out, out_s*, slot_of, recent, transitions: as path_key_cache_kernel's (key_cache_rows).
 template <class T, class Out>
 __global__ void __launch_bounds__(split_tile::threads)
     path_key_cache_mma_kernel(const path_kernel_params p, Out* out, index_t out_s0, index_t out_s1,
@@ -58,17 +58,8 @@ __global__ void __launch_bounds__(split_tile::threads)
   const __half* u = static_cast<const __half*>(p.u) + p.row(batch, h, start) * D;
   const float* w = p.w + batch * p.w_stride[0] + start * p.w_stride[1] + h * p.w_stride[2];
   const index_t ws1 = p.w_stride[1];
-  Out* dst = slot_of != nullptr ? out + slot_of[blockIdx.y] * out_s0 + h * out_s2
-                                : out + batch * out_s0 + start * out_s1 + h * out_s2;
-  const index_t F = path_decode_flushed(length);
-  float* ring = nullptr;
-  if (recent != nullptr) {
-    const index_t slot = slot_of[blockIdx.y];
-    ring = recent + (slot * path_decode_recent * p.kv_heads + h) * D;
-    float* M = transitions + (slot * p.kv_heads + h) * D * D;
-    for (int idx = threadIdx.x; idx < D * D; idx += st::threads)
-      M[idx] = idx / D == idx % D ? 1.f : 0.f;
-  }
+  const key_cache_rows<Out> rows(p, out, out_s0, out_s1, out_s2, slot_of, recent, transitions, h,
+                                 batch, start, length);
 
   float s[4][4];  // this warp's part of S, from I
   for_fragment_pairs<4>(s, m0, n0, [](int r, int c, float& x0, float& x1) {
@@ -107,13 +98,8 @@ __global__ void __launch_bounds__(split_tile::threads)
                                  lo(Lay::s), n0);
     for_fragment_pairs<4>(acc, m0, n0, [&](int b, int i, float x0, float x1) {
       if (b >= n) return;
-      Out* at = dst + (j0 + b) * out_s1 + i;
-      at[0] = from_float<Out>(x0);
-      at[1] = from_float<Out>(x1);
-      if (ring != nullptr && j0 + b >= F) {
-        float* r = ring + ((j0 + b) % path_decode_recent) * p.kv_heads * D + i;
-        r[0] = x0, r[1] = x1;
-      }
+      rows.put(j0 + b, i, x0);
+      rows.put(j0 + b, i + 1, x1);
     });
     if (ci == 0) break;
 
