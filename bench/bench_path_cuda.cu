@@ -122,9 +122,15 @@ void BM_path_decode(benchmark::State& state) {
 // The prefill of N prompts of L tokens (PaTH-FoX, H = HQ heads, D = Dv = 64) into a bfloat16
 // device cache: the forward plus the keys carried to the prompt's end, the values and the gates
 // moved into the slots. prefill_over_forward: its time over the forward's alone (median of 5,
-// the same inputs, after the timed iterations).
+// the same inputs, after the timed iterations). TensorCores: the key cache's walk on tensor cores
+// (else on CUDA cores).
+template <bool TensorCores>
 void BM_path_prefill(benchmark::State& state) {
   const index_t N = state.range(0), L = state.range(1), H = state.range(2), D = 64;
+  struct restore {
+    ~restore() { attnmix::detail::cuda::path_key_cache_tensor_cores() = true; }
+  } r;
+  attnmix::detail::cuda::path_key_cache_tensor_cores() = TensorCores;
   using fox = attnmix::kind::path_fox;
   attnmix::device_path_cache<attnmix::bfloat16> cache(N, L, H, H, D, D);
   const path_call prompt(N, L, H, D, 0);
@@ -276,8 +282,14 @@ BENCHMARK_TEMPLATE(BM_path_decode, float)
     ->UseManualTime()
     ->Iterations(200)
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_path_prefill)
+BENCHMARK_TEMPLATE(BM_path_prefill, true)
     ->Name("path_fox_prefill_bf16_cache")
+    ->Args({32, 4096, 16})
+    ->ArgNames({"N", "L", "heads"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_path_prefill, false)
+    ->Name("path_fox_prefill_bf16_cache_simt")
     ->Args({32, 4096, 16})
     ->ArgNames({"N", "L", "heads"})
     ->UseManualTime()

@@ -98,6 +98,13 @@ struct key_cache_target {
   index_t capacity = 0;
 };
 
+// Whether the prefill key cache of 16-bit chunk data at D = 64 runs on tensor cores
+// (path_key_cache_mma_kernel); off: the CUDA-core walk. Tests and benches switch it.
+inline bool& path_key_cache_tensor_cores() {
+  static bool on = true;
+  return on;
+}
+
 template <class T, class KT, class TU, class Out>
 void launch_path_key_cache(const path_kernel_params& kp, index_t sequences,
                            const key_cache_target<Out>& target, cudaStream_t stream) {
@@ -112,7 +119,7 @@ void launch_path_key_cache(const path_kernel_params& kp, index_t sequences,
   constexpr bool mma = !std::is_same_v<KT, float> && std::is_same_v<TU, __half>;
   bool done = false;
   if constexpr (mma) {
-    if (kp.a.head_dim == 64) {
+    if (kp.a.head_dim == 64 && path_key_cache_tensor_cores()) {
       launch(path_key_cache_mma_kernel<KT, Out>, split_tile::threads,
              path_key_cache_mma_layout::smem);
       done = true;
