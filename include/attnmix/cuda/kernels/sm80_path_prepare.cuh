@@ -1,8 +1,9 @@
 #pragma once
-// The PaTH chunk preparation on tensor cores (spec/path_fox.md §1.5), for the tensor-core forward:
-// half / bfloat16 keys, D in {64, 128}. It writes what path_prepare_kernel<T, T, __half> would
-// (U and M in half, K~ in T, same layout), and -W in half for the forward's transition, computed
-// per (chunk, KV head, sequence) as
+// The PaTH chunk preparation on tensor cores (spec/path_fox.md §1.5): half / bfloat16 keys, D in
+// {64, 128}. For the tensor-core forward it writes what path_prepare_kernel<T, T, __half> would
+// (U and M in half, K~ in T, same layout), and -W in half for the forward's transition; with
+// Float, for the tensor-core backward, what path_prepare_kernel<T, float, float> would (U, M and
+// K~ in float; no -W, no E). Computed per (chunk, KV head, sequence) as
 //   G = W W^T, S = stril(W K^T)                        tensor cores
 //   A = (I + stril(diag(beta) G))^-1                   the 16 x 16 diagonal blocks by substitution
 //                                                      (CUDA cores, float), then merges (tensor
@@ -12,7 +13,8 @@
 // A tensor-core operand that is not exact in T (W, S, A diag(beta), M) is split into two T
 // numbers, x = hi + lo, and its products take three passes (hi hi + hi lo + lo hi): about 16
 // significant bits in bfloat16 and more in half, far below the half rounding of the outputs even
-// where the inverse amplifies errors (beta near 2). K is exact in T: two passes.
+// where the inverse amplifies errors (beta near 2). K is exact in T: two passes. The float results
+// carry that accuracy, which the backward's two-part products round to anyway.
 
 #include <cstdint>
 #include <type_traits>
@@ -112,10 +114,12 @@ struct path_prepare_mma_layout {
 };
 
 // One (chunk, KV head, sequence) = (blockIdx.x, .y, .z) per 256-thread CTA.
-template <class T, int D>
+template <class T, int D, bool Float = false>
 __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
     path_prepare_mma_kernel(const path_kernel_params p) {
   using layout = path_prepare_mma_layout<D>;
+  using Out = std::conditional_t<Float, float, __half>;  // U and M
+  constexpr bool staged = layout::staged && !Float;      // U and M leave through shared memory
   constexpr int C = path_chunk, threads = 256, ldw = layout::ldw, ldc = layout::ldc,
                 ldf = layout::ldf;
   static_assert(D % 16 == 0 && D <= 128, "head dim");
@@ -183,7 +187,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
         split_pair<T>(x.z, x.w, hi[1], lo[1]);
         *reinterpret_cast<uint2*>(sh + i * w_rows * ldw) = make_uint2(hi[0], hi[1]);
         *reinterpret_cast<uint2*>(sh + (C + i * w_rows) * ldw) = make_uint2(lo[0], lo[1]);
-        if (wa + i * w_rows < n)
+        if (!Float && wa + i * w_rows < n)
           *reinterpret_cast<uint2*>(whp + i * w_rows * D) =
               make_uint2(pack2<__half>(-x.x, -x.y), pack2<__half>(-x.z, -x.w));
       }
@@ -193,7 +197,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
         const int idx = tid + i * threads, a = idx / D, d = idx % D;
         const float x = a < n ? w[a * ws1 + d] : 0.f;
         split_hi_lo(x, swh[a * ldw + d], swl[a * ldw + d]);
-        if (a < n) wh[a * D + d] = __float2half_rn(-x);
+        if (!Float && a < n) wh[a * D + d] = __float2half_rn(-x);
       }
     }
     if (tid < C) sbeta[tid] = beta;
@@ -322,8 +326,8 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
       }
     }
   };
-  // Rows < n of a 64 x 16 accumulator as half pairs (straight to global memory).
-  auto store_rows = [&](__half* dst, int ld, const float(&acc)[4][2][4]) {
+  // Rows < n of a 64 x 16 accumulator as Out pairs (straight to global memory).
+  auto store_rows = [&](Out* dst, int ld, const float(&acc)[4][2][4]) {
 #pragma unroll
     for (int rb = 0; rb < 4; ++rb)
 #pragma unroll
@@ -331,9 +335,13 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
         const int a = 16 * rb + g + 8 * hh;
         if (a >= n) continue;
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-          *reinterpret_cast<__half2*>(dst + a * ld + 8 * nt + c2) =
-              __floats2half2_rn(acc[rb][nt][2 * hh], acc[rb][nt][2 * hh + 1]);
+        for (int nt = 0; nt < 2; ++nt) {
+          const float x0 = acc[rb][nt][2 * hh], x1 = acc[rb][nt][2 * hh + 1];
+          if constexpr (Float)
+            *reinterpret_cast<float2*>(dst + a * ld + 8 * nt + c2) = make_float2(x0, x1);
+          else
+            *reinterpret_cast<__half2*>(dst + a * ld + 8 * nt + c2) = __floats2half2_rn(x0, x1);
+        }
       }
   };
   // A 64 x 16 accumulator as half pairs into a shared tile, all 64 rows.
@@ -376,14 +384,14 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
           *reinterpret_cast<std::uint32_t*>(ssl + a * ldc + b) = lo;
         }
   };
-  __half* const u_out = static_cast<__half*>(p.u) + row0 * D;
-  __half* const m_out = static_cast<__half*>(p.m) + row0 * C;
+  Out* const u_out = static_cast<Out*>(p.u) + row0 * D;
+  Out* const m_out = static_cast<Out*>(p.m) + row0 * C;
   // E = -W^T U (D = C = 64, when asked) of the chunks a later chunk's queries pass: full ones,
   // not the last (computed with K~ below).
-  const bool dense = layout::staged && p.e != nullptr && c0 + C < length;
+  const bool dense = staged && p.e != nullptr && c0 + C < length;
 
   __half* const su = reinterpret_cast<__half*>(region);  // U in half (D = 64), later E
-  if constexpr (layout::staged) {
+  if constexpr (staged) {
     // D = 64: one 16-column block a warp, U (warps 0..3) or M (warps 4..7). After the products
     // A diag(beta)'s region holds U and M in half, and the CTA writes them out as 16-byte rows.
     static_assert(ldw == ldc, "U's and M's operands share a row length");
@@ -417,7 +425,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
 
   // K back into the region (rows past n are not written out), while the tensor cores work; at
   // D = 64 into its second half, the first takes E on its way out.
-  T* skt = reinterpret_cast<T*>(region) + (layout::staged ? C * ldw : 0);
+  T* skt = reinterpret_cast<T*>(region) + (staged ? C * ldw : 0);
   {
     constexpr int chunks = D / 8, step = threads / chunks;
     const int cc = tid % chunks, r0 = tid / chunks;
@@ -476,34 +484,56 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
       }
     }
     cp_async_wait<0>();
-    __syncthreads();  // K is in; U is no longer read
-    // K~ in place of K (each thread rewrites the elements it read), E in place of U, then both
-    // out as 16-byte rows.
+    __syncthreads();        // K is in; U is no longer read
+    if constexpr (Float) {  // K~ straight out, rows < n
+      float* const kt_out = static_cast<float*>(p.kt) + row0 * D;
 #pragma unroll
-    for (int sl = 0; sl < slots; ++sl) {
-      const int rb = block_of(sl);
+      for (int sl = 0; sl < slots; ++sl) {
+        const int rb = block_of(sl);
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
+        for (int hh = 0; hh < 2; ++hh) {
+          const int a = 16 * rb + g + 8 * hh;
+          if (a >= n) continue;
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          T* at = skt + (16 * rb + g + 8 * hh) * ldw + 16 * du + 8 * nt + c2;
-          const float2 kb = unpack2<T>(*reinterpret_cast<const std::uint32_t*>(at));
-          *reinterpret_cast<std::uint32_t*>(at) =
-              pack2<T>(kb.x - acc[sl][nt][2 * hh], kb.y - acc[sl][nt][2 * hh + 1]);
+          for (int nt = 0; nt < 2; ++nt) {
+            const int d = 16 * du + 8 * nt + c2;
+            const float2 kb =
+                unpack2<T>(*reinterpret_cast<const std::uint32_t*>(skt + a * ldw + d));
+            *reinterpret_cast<float2*>(kt_out + a * D + d) =
+                make_float2(kb.x - acc[sl][nt][2 * hh], kb.y - acc[sl][nt][2 * hh + 1]);
+          }
         }
-    }
-    if (dense) {
+      }
+    } else {
+      // K~ in place of K (each thread rewrites the elements it read), E in place of U, then both
+      // out as 16-byte rows.
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int sl = 0; sl < slots; ++sl) {
+        const int rb = block_of(sl);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          *reinterpret_cast<__half2*>(su + (16 * du + g + 8 * hh) * ldw + 32 * grp + 8 * nt + c2) =
-              __floats2half2_rn(eacc[nt][2 * hh], eacc[nt][2 * hh + 1]);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            T* at = skt + (16 * rb + g + 8 * hh) * ldw + 16 * du + 8 * nt + c2;
+            const float2 kb = unpack2<T>(*reinterpret_cast<const std::uint32_t*>(at));
+            *reinterpret_cast<std::uint32_t*>(at) =
+                pack2<T>(kb.x - acc[sl][nt][2 * hh], kb.y - acc[sl][nt][2 * hh + 1]);
+          }
+      }
+      if (dense) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            *reinterpret_cast<__half2*>(su + (16 * du + g + 8 * hh) * ldw + 32 * grp + 8 * nt +
+                                        c2) =
+                __floats2half2_rn(eacc[nt][2 * hh], eacc[nt][2 * hh + 1]);
+      }
+      __syncthreads();
+      copy_rows(static_cast<T*>(p.kt) + row0 * D, skt, ldw, std::integral_constant<int, D>{});
+      if (dense)
+        copy_rows(static_cast<__half*>(p.e) + row0 * D, su, ldw, std::integral_constant<int, D>{});
     }
-    __syncthreads();
-    copy_rows(static_cast<T*>(p.kt) + row0 * D, skt, ldw, std::integral_constant<int, D>{});
-    if (dense)
-      copy_rows(static_cast<__half*>(p.e) + row0 * D, su, ldw, std::integral_constant<int, D>{});
   }
 }
 

@@ -68,14 +68,16 @@ void launch_path_prepare(const path_kernel_params& kp, const path_plan& plan, cu
   check(cudaGetLastError(), "path_prepare_kernel launch");
 }
 
-// The tensor-core preparation (16-bit keys, D = 64 or 128): U, M, W in half, K~ in T.
-template <class T>
+// The tensor-core preparation (16-bit keys, rows 16-byte aligned, D = 64 or 128): U, M, W in half,
+// K~ in T; with Float, U, M and K~ in float.
+template <class T, bool Float = false>
 void launch_path_prepare_mma(const path_kernel_params& kp, const path_plan& plan,
                              cudaStream_t stream) {
   const bool narrow = plan.prepare_dim == 64;
   const int smem =
       narrow ? path_prepare_mma_layout<64>::smem_bytes : path_prepare_mma_layout<128>::smem_bytes;
-  auto kernel = narrow ? path_prepare_mma_kernel<T, 64> : path_prepare_mma_kernel<T, 128>;
+  auto kernel =
+      narrow ? path_prepare_mma_kernel<T, 64, Float> : path_prepare_mma_kernel<T, 128, Float>;
   allow_dynamic_smem(kernel, smem);
   prefer_shared_memory(kernel);  // occupancy is bound by it (four CTAs at D = 64)
   const dim3 grid(plan.prepare_grid.x, plan.prepare_grid.y, plan.prepare_grid.z);
