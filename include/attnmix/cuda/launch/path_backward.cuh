@@ -125,8 +125,8 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   // keys' rows allow 16-byte copies.
   bool prepared = false;
   if constexpr (!std::is_same_v<T, float>) {
-    prepared =
-        mma && aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8);
+    prepared = mma && path_backward_tensor_core_prepare() &&
+               aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8);
     if (prepared) launch_path_prepare_mma<Dev, true>(kp, plan.forward, stream);
   }
   if (!prepared) launch_path_prepare<Dev, float, float>(kp, plan.forward, stream);
