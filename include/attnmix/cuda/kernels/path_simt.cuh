@@ -28,6 +28,7 @@ struct path_kernel_params {
   const float* beta;
   index_t w_stride[3], beta_stride[3];
   int kv_heads;
+  bool k_scalar;  // K rows not 16-byte aligned: the tensor-core preparation reads them elementwise
   // Chunk data ([B, H, tokens, .]); element types are the kernels' template arguments.
   void* kt;  // K~, [.., D]
   void* u;   // U,  [.., D]

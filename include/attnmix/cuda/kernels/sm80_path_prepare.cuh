@@ -1,9 +1,10 @@
 #pragma once
-// The PaTH chunk preparation on tensor cores (spec/path_fox.md §1.5): half / bfloat16 keys, D in
-// {64, 128}. For the tensor-core forward it writes what path_prepare_kernel<T, T, __half> would
-// (U and M in half, K~ in T, same layout), and -W in half for the forward's transition; with
-// Float, for the tensor-core backward, what path_prepare_kernel<T, float, float> would (U, M and
-// K~ in float; no -W, no E). Computed per (chunk, KV head, sequence) as
+// The PaTH chunk preparation on tensor cores (spec/path_fox.md §1.5): half / bfloat16 keys (rows
+// 16-byte aligned unless p.k_scalar), D in {64, 128}. For the tensor-core forward it writes what
+// path_prepare_kernel<T, T, __half> would (U and M in half, K~ in T, same layout), and -W in half
+// for the forward's transition; with Float, for the tensor-core backward, what
+// path_prepare_kernel<T, float, float> would (U, M and K~ in float; no -W, no E). Computed per
+// (chunk, KV head, sequence) as
 //   G = W W^T, S = stril(W K^T)                        tensor cores
 //   A = (I + stril(diag(beta) G))^-1                   the 16 x 16 diagonal blocks by substitution
 //                                                      (CUDA cores, float), then merges (tensor
@@ -147,6 +148,16 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
       static_cast<const T*>(p.a.k) + batch * p.a.k_stride[0] + t0 * ks1 + h * p.a.k_stride[2];
   const float* w = p.w + batch * p.w_stride[0] + t0 * p.w_stride[1] + h * p.w_stride[2];
   const index_t row0 = p.row(batch, h, t0);
+  // Eight elements of K into shared memory (zeros unless ok): one 16-byte copy, or (p.k_scalar)
+  // eight loads.
+  const auto copy_k8 = [&](T* dst, const T* src, bool ok) {
+    if (!p.k_scalar) {
+      cp_async_16(dst, ok ? src : k, ok);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[e] = ok ? src[e] : from_float<T>(0.f);
+    }
+  };
 
   // K (rows past n zero-filled), W split into hi + lo (and written out in half), beta. Each
   // thread keeps one 16-byte column and steps down the rows: one pointer each, constant offsets.
@@ -157,7 +168,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
 #pragma unroll
     for (int i = 0; i < C / k_rows; ++i) {
       const bool in = ka + i * k_rows < n;
-      cp_async_16(sk + (ka + i * k_rows) * ldw + kd, in ? kp + i * k_rows * ks1 : k, in);
+      copy_k8(sk + (ka + i * k_rows) * ldw + kd, kp + i * k_rows * ks1, in);
     }
     cp_async_commit();
     // beta and W are read before anything is stored (see below).
@@ -432,7 +443,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 4 : 3)
 #pragma unroll
     for (int i = 0; i < C / step; ++i) {
       const int a = r0 + i * step;
-      if (a < n) cp_async_16(skt + a * ldw + 8 * cc, k + a * ks1 + 8 * cc, true);
+      if (a < n) copy_k8(skt + a * ldw + 8 * cc, k + a * ks1 + 8 * cc, true);
     }
     cp_async_commit();
   }

@@ -121,13 +121,14 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
     bp.slice_gate = static_cast<index_t>(l.slice_gate / sizeof(double));
   }
 
-  // The chunk data in float; on tensor cores where the query kernel is (16-bit keys) and the
-  // keys' rows allow 16-byte copies.
+  // The chunk data in float; on tensor cores where the query kernel is (16-bit keys): strided
+  // views take the same path (and bits) as dense ones.
   bool prepared = false;
   if constexpr (!std::is_same_v<T, float>) {
-    prepared = mma && path_backward_tensor_core_prepare() &&
-               aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8);
+    prepared = mma && path_backward_tensor_core_prepare();
+    kp.k_scalar = !aligned_for_vectors(a.k.data(), a.k.stride(0), a.k.stride(1), a.k.stride(2), 8);
     if (prepared) launch_path_prepare_mma<Dev, true>(kp, plan.forward, stream);
+    kp.k_scalar = false;
   }
   if (!prepared) launch_path_prepare<Dev, float, float>(kp, plan.forward, stream);
   const dim3 chunk_grid(plan.chunk_grid.x, plan.chunk_grid.y, plan.chunk_grid.z);
