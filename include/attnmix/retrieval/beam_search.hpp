@@ -50,12 +50,18 @@ std::vector<beam_result> beam_searches(const std::string& fn, const semantic_ids
   detail::require(searches >= 0, fn, "searches", "is ", searches, " but must be >= 0");
   const int depth = ids.depth(), codes = ids.codes;
 
-  // Items in the lexicographic order of their IDs: a prefix is a contiguous range.
+  // Items in the lexicographic order of their IDs: a prefix is a contiguous range, and within it
+  // the next level's codes ascend. sorted: the codes in that order, [items][depth].
+  const std::int32_t* code = ids.code.data();  // checked above
   std::vector<index_t> order(static_cast<std::size_t>(ids.items));
   for (index_t i = 0; i < ids.items; ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](index_t a, index_t b) {
-    return std::lexicographical_compare(ids.of(a), ids.of(a) + depth, ids.of(b), ids.of(b) + depth);
+    return std::lexicographical_compare(code + a * depth, code + (a + 1) * depth, code + b * depth,
+                                        code + (b + 1) * depth);
   });
+  std::vector<std::int32_t> sorted(ids.code.size());
+  for (index_t k = 0; k < ids.items; ++k)
+    std::copy(code + order[k] * depth, code + (order[k] + 1) * depth, sorted.begin() + k * depth);
   struct beam {
     index_t lo, hi;  // the items of order[lo, hi) share the prefix
     double score;
@@ -78,32 +84,54 @@ std::vector<beam_result> beam_searches(const std::string& fn, const semantic_ids
                     "resized its output to ", logp.size(), " values; expected ",
                     prefixes.size() * std::size_t(codes), " (beams x codes)");
     std::size_t row = 0;  // the first beam of search q in prefixes
+    // A search's extensions as (parent beam, code) until the best `width` are known; only those
+    // get their prefix.
+    struct extension {
+      index_t lo, hi;
+      double score;
+      std::size_t parent;
+      std::int32_t code;
+    };
+    std::vector<extension> ext;
     for (std::vector<beam>& mine : beams) {
-      std::vector<beam> next;
+      ext.clear();
       for (std::size_t bi = 0; bi < mine.size(); ++bi, ++row) {
         const beam& b = mine[bi];
         for (index_t at = b.lo; at < b.hi;) {
-          const std::int32_t c = ids.of(order[at])[level];
-          index_t end = at;
-          while (end < b.hi && ids.of(order[end])[level] == c) ++end;
+          const std::int32_t c = sorted[at * depth + level];
+          index_t end = at + 1, past = b.hi;  // the first item past code c: a binary search
+          while (end < past) {
+            const index_t mid = end + (past - end) / 2;
+            if (sorted[mid * depth + level] == c)
+              end = mid + 1;
+            else
+              past = mid;
+          }
           const double lp = logp[row * codes + c];
           detail::require(!std::isnan(lp), fn, "scorer", "gave NaN for code ", c, " at level ",
                           level);
-          if (lp != -std::numeric_limits<double>::infinity()) {
-            beam n{at, end, b.score + lp, b.prefix};
-            n.prefix.push_back(c);
-            next.push_back(std::move(n));
-          }
+          if (lp != -std::numeric_limits<double>::infinity())
+            ext.push_back({at, end, b.score + lp, bi, c});
           at = end;
         }
       }
-      const auto better = [](const beam& a, const beam& b) {
+      // Higher scores first; equal ones by their prefixes (the parents' are distinct and of one
+      // length), lower first.
+      const auto better = [&](const extension& a, const extension& b) {
         if (a.score != b.score) return a.score > b.score;
-        return a.prefix < b.prefix;
+        if (a.parent != b.parent) return mine[a.parent].prefix < mine[b.parent].prefix;
+        return a.code < b.code;
       };
-      const std::size_t keep = std::min(next.size(), std::size_t(width));
-      std::partial_sort(next.begin(), next.begin() + keep, next.end(), better);
-      next.resize(keep);
+      const std::size_t keep = std::min(ext.size(), std::size_t(width));
+      std::partial_sort(ext.begin(), ext.begin() + std::ptrdiff_t(keep), ext.end(), better);
+      std::vector<beam> next;
+      next.reserve(keep);
+      for (std::size_t i = 0; i < keep; ++i) {
+        const extension& e = ext[i];
+        beam n{e.lo, e.hi, e.score, mine[e.parent].prefix};
+        n.prefix.push_back(e.code);
+        next.push_back(std::move(n));
+      }
       mine = std::move(next);
     }
   }
