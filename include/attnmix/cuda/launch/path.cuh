@@ -101,7 +101,8 @@ struct key_cache_target {
 };
 
 // Whether the prefill key cache of 16-bit chunk data at D = 64 runs on tensor cores
-// (path_key_cache_mma_kernel); off: the CUDA-core walk. Tests and benches switch it.
+// (path_key_cache_mma_kernel); off: the CUDA-core walk (bench_path_cuda times both). Not
+// synchronised: set it only while no prefill is being launched.
 inline bool& path_key_cache_tensor_cores() {
   static bool on = true;
   return on;
