@@ -76,34 +76,38 @@ __device__ __forceinline__ void load_slice_sum(tile_regs& x, const float* base, 
 // those of a load, add and store in program order.
 __device__ __forceinline__ void add_rows(float (&acc)[4][4], float* dst, int ldd, int r0, int c0,
                                          int rows, float sign) {
-  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
-    if (r < rows) red_add2(dst + r * ldd + c, sign * x0, sign * x1);
+  float* const first = dst + fragment_first(r0, c0, ldd);
+  for_fragment_offsets<4>(acc, r0, c0, ldd, [&](int r, int at, float x0, float x1) {
+    if (r < rows) red_add2(first + at, sign * x0, sign * x1);
   });
 }
 
 // A warp's part into rows of a split tile kept in global memory for 16-byte copies: row r holds
 // hi (C elements) then lo (C elements), the 256 bytes of a float row.
 __device__ __forceinline__ void save_split_rows(float (&acc)[4][4], split_op* dst, int r0, int c0) {
-  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
+  split_op* const first = dst + fragment_first(r0, c0, 2 * C);
+  for_fragment_offsets<4>(acc, r0, c0, 2 * C, [&](int, int at, float x0, float x1) {
     std::uint32_t h, l;
     split2(x0, x1, h, l);
-    *reinterpret_cast<std::uint32_t*>(dst + r * 2 * C + c) = h;
-    *reinterpret_cast<std::uint32_t*>(dst + r * 2 * C + C + c) = l;
+    *reinterpret_cast<std::uint32_t*>(first + at) = h;
+    *reinterpret_cast<std::uint32_t*>(first + at + C) = l;
   });
 }
 
 // A warp's part to / from float rows (rows r < rows; others read as 0).
 __device__ __forceinline__ void save_rows(float (&acc)[4][4], float* dst, int ldd, int r0, int c0,
                                           int rows) {
-  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float x0, float x1) {
-    if (r < rows) *reinterpret_cast<float2*>(dst + r * ldd + c) = make_float2(x0, x1);
+  float* const first = dst + fragment_first(r0, c0, ldd);
+  for_fragment_offsets<4>(acc, r0, c0, ldd, [&](int r, int at, float x0, float x1) {
+    if (r < rows) *reinterpret_cast<float2*>(first + at) = make_float2(x0, x1);
   });
 }
 __device__ __forceinline__ void load_rows(float (&acc)[4][4], const float* src, int ldd, int r0,
                                           int c0, int rows) {
-  for_fragment_pairs<4>(acc, r0, c0, [&](int r, int c, float& x0, float& x1) {
+  const float* const first = src + fragment_first(r0, c0, ldd);
+  for_fragment_offsets<4>(acc, r0, c0, ldd, [&](int r, int at, float& x0, float& x1) {
     float2 v = make_float2(0.f, 0.f);
-    if (r < rows) v = *reinterpret_cast<const float2*>(src + r * ldd + c);
+    if (r < rows) v = *reinterpret_cast<const float2*>(first + at);
     x0 = v.x, x1 = v.y;
   });
 }
