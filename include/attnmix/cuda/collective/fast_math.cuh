@@ -6,6 +6,7 @@
 // rounding. Pure functions of one element: callers select pads away rather than branch.
 
 #include "attnmix/core/linear_policy.hpp"
+#include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/math/feature_map.hpp"
 
 namespace attnmix {
@@ -15,9 +16,9 @@ namespace cuda {
 template <feature_map F>
 __device__ __forceinline__ float fast_feature_map(float x) {
   if constexpr (F == feature_map::elu_plus_one) {
-    return x > 0.f ? x + 1.f : __expf(x);
+    return x > 0.f ? x + 1.f : fast_exp(x);
   } else if constexpr (F == feature_map::sigmoid) {
-    return __fdividef(1.f, 1.f + __expf(-x));
+    return __fdividef(1.f, 1.f + fast_exp(-x));
   } else {
     return apply_feature_map<F>(x);
   }
@@ -36,7 +37,7 @@ __device__ __forceinline__ float phi_derivative_of(float x, float phi) {
   } else if constexpr (F == feature_map::sigmoid) {
     // sigma(x) sigma(-x) without 1 - phi's rounding
     if constexpr (Fast) {
-      const float e = __expf(-fabsf(x));
+      const float e = fast_exp(-fabsf(x));
       return __fdividef(e, (1.f + e) * (1.f + e));
     } else {
       const float e = expf(-fabsf(x));
@@ -55,9 +56,9 @@ template <gate_activation G>
 __device__ __forceinline__ float fast_gate_activation(float g) {
   // exp(-g) = inf for g < -88 gives g * 0 = -0 and 1 * 0 = 0, the limits.
   if constexpr (G == gate_activation::silu) {
-    return __fdividef(g, 1.f + __expf(-g));
+    return __fdividef(g, 1.f + fast_exp(-g));
   } else {
-    return __fdividef(1.f, 1.f + __expf(-g));
+    return __fdividef(1.f, 1.f + fast_exp(-g));
   }
 }
 

@@ -113,15 +113,8 @@ __device__ __forceinline__ void lbm_warp_copy16(lbm_op* dst, const void* src, co
   }
 }
 
-// A pair of activations at (b, t, h, d..d+1) (4-byte aligned): raw bits through the read-only
-// cache (the loads a pass asks for early), and as floats by a plain load (through __ldg the
-// causal query kernel spills 100 bytes more).
-template <class Dev>
-__device__ __forceinline__ std::uint32_t lbm_raw2(const void* base, const index_t* st, index_t b,
-                                                  index_t t, int h, int d) {
-  return __ldg(reinterpret_cast<const std::uint32_t*>(static_cast<const Dev*>(base) + b * st[0] +
-                                                      t * st[1] + h * st[2] + d));
-}
+// A pair of activations at (b, t, h, d..d+1) (4-byte aligned), as floats by a plain load (through
+// __ldg the causal query kernel spills 100 bytes more).
 template <class Dev>
 __device__ __forceinline__ float2 lbm_load2(const void* base, const index_t* st, index_t b,
                                             index_t t, int h, int d) {
@@ -137,19 +130,25 @@ __device__ __forceinline__ void lbm_store2(void* base, const index_t* st, index_
 
 // The raw pairs of a 16-bit activation at this thread's positions of a warp's 16 x 64 accumulator
 // (rows r0 + g and r0 + g + 8 of a chunk that starts at token t0, columns 8 nt + 2 (lane % 4)):
-// x[nt][0] for the first row, x[nt][1] for the second. Every load is issued before any is used
-// (one round trip, where a load a pair in the epilogue's branches took sixteen); rows at or past
-// `rows` (>= 1) read the chunk's last row, which the caller does not use.
+// x[nt][0] for the first row, x[nt][1] for the second, through the read-only cache. Every load
+// is issued before any is used (one round trip, where a load a pair in the epilogue's branches
+// took sixteen); rows at or past `rows` (>= 1) read the chunk's last row, which the caller does
+// not use.
 template <class Dev>
 __device__ __forceinline__ void lbm_fragment_pairs(std::uint32_t (&x)[8][2], const void* base,
                                                    const index_t* st, index_t b, index_t t0,
                                                    int rows, int h, int r0) {
   const int lane = threadIdx.x % 32, g = lane >> 2, c2 = 2 * (lane & 3);
   const int i0 = min(r0 + g, rows - 1), i1 = min(r0 + g + 8, rows - 1);
+  // Each row's address formed once; the pairs are compile-time offsets from it (an address a
+  // pair cost ~9 instructions, a tenth of the causal query pass).
+  const Dev* at = static_cast<const Dev*>(base) + b * st[0] + h * st[2] + c2;
+  const auto* row0 = reinterpret_cast<const std::uint32_t*>(at + (t0 + i0) * st[1]);
+  const auto* row1 = reinterpret_cast<const std::uint32_t*>(at + (t0 + i1) * st[1]);
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
-    x[nt][0] = lbm_raw2<Dev>(base, st, b, t0 + i0, h, 8 * nt + c2);
-    x[nt][1] = lbm_raw2<Dev>(base, st, b, t0 + i1, h, 8 * nt + c2);
+    x[nt][0] = __ldg(row0 + 4 * nt);
+    x[nt][1] = __ldg(row1 + 4 * nt);
   }
 }
 

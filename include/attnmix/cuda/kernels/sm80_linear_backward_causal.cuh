@@ -247,7 +247,11 @@ __device__ __forceinline__ void store_phi_grad(float (&acc)[8][4], const void* x
                                                const float* valid, float mul) {
   std::uint32_t raw[8][2];
   lbm_fragment_pairs<Dev>(raw, x, xs, batch, t0, rows, hh, r0);
-  for_fragment_pairs_at<8>(acc, r0, 0, [&](int i, int d, float x0, float x1, int nt, int half) {
+  // The two rows' output addresses formed once (see lbm_fragment_pairs).
+  const int g = (threadIdx.x % 32) >> 2;
+  Dev* const at = static_cast<Dev*>(out) + batch * os[0] + hh * os[2] + 2 * (threadIdx.x % 4);
+  Dev* const out_row[2] = {at + (t0 + r0 + g) * os[1], at + (t0 + r0 + g + 8) * os[1]};
+  for_fragment_pairs_at<8>(acc, r0, 0, [&](int i, int, float x0, float x1, int nt, int half) {
     if (i >= rows) return;
     const float2 v = unpack2<Dev>(raw[nt][half]);
     const bool ok = valid[i] != 0.f;
@@ -257,7 +261,7 @@ __device__ __forceinline__ void store_phi_grad(float (&acc)[8][4], const void* x
     const float y1 =
         ok ? mul * x1 * fast_phi_derivative<Policy::phi>(v.y, fast_feature_map<Policy::phi>(v.y))
            : 0.f;
-    lbm_store2<Dev>(out, os, batch, t0 + i, hh, d, y0, y1);
+    *reinterpret_cast<std::uint32_t*>(out_row[half] + 8 * nt) = pack2<Dev>(y0, y1);
   });
 }
 }  // namespace lbc

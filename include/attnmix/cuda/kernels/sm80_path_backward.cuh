@@ -805,7 +805,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
             const int i = e >> 1, a = m0 + g + 8 * i, j = 8 * nt + c2 + (e & 1);
             const bool in = j >= first[i] && j < cols && (!diag || j <= a);
             const float z = s[nt][e] + row_base[i] - ((e & 1) ? gk[nt].y : gk[nt].x);
-            const float pv = in ? __expf(z) : 0.f;
+            const float pv = in ? fast_exp(z) : 0.f;
             dp[nt][e] = pv * (dp[nt][e] - row_delta[i]);
             s[nt][e] = pv;
           }
