@@ -70,9 +70,9 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int off = 16; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
   return x;
 }
-// exp(x - m) with m = -inf (nothing seen) giving 0 rather than NaN.
+// exp(x - m) with m = -inf (nothing seen) giving 0 rather than NaN (fast_exp: see arch/mma.cuh).
 __device__ __forceinline__ float shifted_exp(float x, float m) {
-  return x == -INFINITY ? 0.f : __expf(x - m);
+  return x == -INFINITY ? 0.f : fast_exp(x - m);
 }
 
 // Block-wide reduction of 256 threads through `scratch` (>= 8 floats); every thread gets it.

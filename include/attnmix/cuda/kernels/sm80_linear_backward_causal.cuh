@@ -176,8 +176,10 @@ __device__ __forceinline__ void causal_mask(float (&x)[8][4], int r0) {
 // has seen no key and past the chunk's end; lg: the logits, -inf at pads).
 __device__ __forceinline__ float gate_w(const float* lg, const float* u, const float* il, int i,
                                         int j) {
-  const float li = il[i];
-  return j <= i && li > 0.f ? shifted_exp(lg[j], u[i]) * li : 0.f;
+  // Formed for every pair and selected (a branch a pair cost more than the exp); a masked pair's
+  // exp may be inf or NaN, and is dropped.
+  const float li = il[i], w = shifted_exp(lg[j], u[i]) * li;
+  return j <= i && li > 0.f ? w : 0.f;
 }
 
 // x[i][j] *= W_ij in place of the causal mask (Transposed: the warp's rows are keys j and its
