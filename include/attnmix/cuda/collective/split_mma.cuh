@@ -171,25 +171,21 @@ __device__ __forceinline__ void for_fragment_pairs(float (&acc)[NT][4], int r0, 
   }
 }
 
-// As for_fragment_pairs for a row-major array of leading dimension ld: f(row, at, x0, x1), at =
-// the pair's element offset from the thread's first pair. The thread's first address is formed
-// once and the offsets are compile-time once ld is, so they fold into the instructions' immediate
-// offsets (an address formed from (row, col) costs a few instructions a pair).
-template <int NT, class F>
-__device__ __forceinline__ void for_fragment_offsets(float (&acc)[NT][4], int r0, int c0, int ld,
-                                                     F&& f) {
+// As for_fragment_pairs over a row-major array of leading dimension ld at base: f(row, at, x0,
+// x1) with at = base + the pair's element offset (base a pointer, or 0 for offsets). The thread's
+// first place is formed once and the others are compile-time offsets from it (once ld is), which
+// fold into the instructions' immediates; an address formed from (row, col) costs a few
+// instructions a pair.
+template <int NT, class B, class F>
+__device__ __forceinline__ void for_fragment_at(float (&acc)[NT][4], B base, int r0, int c0, int ld,
+                                                F&& f) {
   const int lane = threadIdx.x % 32, g = lane >> 2;
+  const B first = base + (r0 + g) * ld + c0 + 2 * (lane & 3);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    f(r0 + g, 8 * nt, acc[nt][0], acc[nt][1]);
-    f(r0 + g + 8, 8 * ld + 8 * nt, acc[nt][2], acc[nt][3]);
+    f(r0 + g, first + 8 * nt, acc[nt][0], acc[nt][1]);
+    f(r0 + g + 8, first + 8 * ld + 8 * nt, acc[nt][2], acc[nt][3]);
   }
-  (void)c0;
-}
-// The thread's first element offset of for_fragment_offsets.
-__device__ __forceinline__ int fragment_first(int r0, int c0, int ld) {
-  const int lane = threadIdx.x % 32;
-  return (r0 + (lane >> 2)) * ld + c0 + 2 * (lane & 3);
 }
 
 // As for_fragment_pairs, with each pair's place in the fragment as well, f(row, col, x0, x1, nt,

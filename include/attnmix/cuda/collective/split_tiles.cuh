@@ -60,12 +60,11 @@ __device__ __forceinline__ void stage(split_op* hi, split_op* lo, F&& at, int ro
 // warp_mma with NT = 4) into (hi, lo); rows from `rows` on as 0.
 __device__ __forceinline__ void store_split(float (&acc)[4][4], split_op* hi, split_op* lo, int r0,
                                             int c0, int rows = C) {
-  const int first = fragment_first(r0, c0, ld);
-  for_fragment_offsets<4>(acc, r0, c0, ld, [&](int r, int at, float x0, float x1) {
+  for_fragment_at<4>(acc, 0, r0, c0, ld, [&](int r, int at, float x0, float x1) {
     std::uint32_t h = 0u, l = 0u;
     if (r < rows) split2(x0, x1, h, l);
-    *reinterpret_cast<std::uint32_t*>(hi + first + at) = h;
-    *reinterpret_cast<std::uint32_t*>(lo + first + at) = l;
+    *reinterpret_cast<std::uint32_t*>(hi + at) = h;
+    *reinterpret_cast<std::uint32_t*>(lo + at) = l;
   });
 }
 

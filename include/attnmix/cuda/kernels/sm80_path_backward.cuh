@@ -76,38 +76,34 @@ __device__ __forceinline__ void load_slice_sum(tile_regs& x, const float* base, 
 // those of a load, add and store in program order.
 __device__ __forceinline__ void add_rows(float (&acc)[4][4], float* dst, int ldd, int r0, int c0,
                                          int rows, float sign) {
-  float* const first = dst + fragment_first(r0, c0, ldd);
-  for_fragment_offsets<4>(acc, r0, c0, ldd, [&](int r, int at, float x0, float x1) {
-    if (r < rows) red_add2(first + at, sign * x0, sign * x1);
+  for_fragment_at<4>(acc, dst, r0, c0, ldd, [&](int r, float* p, float x0, float x1) {
+    if (r < rows) red_add2(p, sign * x0, sign * x1);
   });
 }
 
 // A warp's part into rows of a split tile kept in global memory for 16-byte copies: row r holds
 // hi (C elements) then lo (C elements), the 256 bytes of a float row.
 __device__ __forceinline__ void save_split_rows(float (&acc)[4][4], split_op* dst, int r0, int c0) {
-  split_op* const first = dst + fragment_first(r0, c0, 2 * C);
-  for_fragment_offsets<4>(acc, r0, c0, 2 * C, [&](int, int at, float x0, float x1) {
+  for_fragment_at<4>(acc, dst, r0, c0, 2 * C, [&](int, split_op* p, float x0, float x1) {
     std::uint32_t h, l;
     split2(x0, x1, h, l);
-    *reinterpret_cast<std::uint32_t*>(first + at) = h;
-    *reinterpret_cast<std::uint32_t*>(first + at + C) = l;
+    *reinterpret_cast<std::uint32_t*>(p) = h;
+    *reinterpret_cast<std::uint32_t*>(p + C) = l;
   });
 }
 
 // A warp's part to / from float rows (rows r < rows; others read as 0).
 __device__ __forceinline__ void save_rows(float (&acc)[4][4], float* dst, int ldd, int r0, int c0,
                                           int rows) {
-  float* const first = dst + fragment_first(r0, c0, ldd);
-  for_fragment_offsets<4>(acc, r0, c0, ldd, [&](int r, int at, float x0, float x1) {
-    if (r < rows) *reinterpret_cast<float2*>(first + at) = make_float2(x0, x1);
+  for_fragment_at<4>(acc, dst, r0, c0, ldd, [&](int r, float* p, float x0, float x1) {
+    if (r < rows) *reinterpret_cast<float2*>(p) = make_float2(x0, x1);
   });
 }
 __device__ __forceinline__ void load_rows(float (&acc)[4][4], const float* src, int ldd, int r0,
                                           int c0, int rows) {
-  const float* const first = src + fragment_first(r0, c0, ldd);
-  for_fragment_offsets<4>(acc, r0, c0, ldd, [&](int r, int at, float& x0, float& x1) {
+  for_fragment_at<4>(acc, src, r0, c0, ldd, [&](int r, const float* p, float& x0, float& x1) {
     float2 v = make_float2(0.f, 0.f);
-    if (r < rows) v = *reinterpret_cast<const float2*>(first + at);
+    if (r < rows) v = *reinterpret_cast<const float2*>(p);
     x0 = v.x, x1 = v.y;
   });
 }

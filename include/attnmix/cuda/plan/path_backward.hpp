@@ -37,14 +37,6 @@ inline path_backward_kernel& path_backward_kernel_override() {
   return k;
 }
 
-// Whether the tensor-core backward takes its chunk data (U, M, K~ in float) from the tensor-core
-// preparation rather than the float one on CUDA cores (on: 3.3 -> 1 ms at (32, 2048, 32, 64),
-// the same errors; off is kept for A/B runs). Not synchronised, as the override above.
-inline bool& path_backward_tensor_core_prepare() {
-  static bool on = true;
-  return on;
-}
-
 // Shared memory (floats) of the query kernel: Qs, dQs, R, Rbar (C x (D+1)); X, S, dZ, dX, Tmp
 // (C x (C+1)); lse, delta, gate, reset (C each). Of the chunk kernel: dK, dK~, dW, dU
 // (C x (D+1)); dM, WW, Lbar, XK (C x (C+1)); beta (C).
