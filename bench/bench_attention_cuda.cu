@@ -78,9 +78,14 @@ BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::softmax_p
 // forward table wants a filter that leaves these out.
 namespace {
 
-template <class Kind, class Policy, bool BackwardOnly>
+// Forced: the backward's kernels forced to the mma.sync ones (sm80_mma_v2) where the plan would
+// take the wgmma ones, for an A/B in one run.
+template <class Kind, class Policy, bool BackwardOnly, bool Forced = false>
 void BM_attention_train_cuda(benchmark::State& state) {
   using T = attnmix::bfloat16;
+  using attnmix::detail::cuda::backward_variant_override;
+  backward_variant_override() = {Forced,
+                                 attnmix::detail::cuda::attention_backward_variant::sm80_mma_v2};
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = state.range(3);
   const std::size_t n = static_cast<std::size_t>(B * Tn * H * D);
@@ -115,6 +120,7 @@ void BM_attention_train_cuda(benchmark::State& state) {
   const double flops = forward * (BackwardOnly ? 2.5 : 3.5);
   state.counters["TFLOP/s"] =
       benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+  backward_variant_override() = {};
 }
 
 void train_shapes(benchmark::internal::Benchmark* b) {
@@ -129,6 +135,10 @@ BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::softmax, attnmix::sof
     ->Apply(train_shapes);
 BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::softmax, attnmix::softmax_policy, true)
     ->Name("softmax_bwd_causal")
+    ->Apply(train_shapes);
+BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::softmax, attnmix::softmax_policy, true,
+                   true)
+    ->Name("softmax_bwd_causal_mma_sync")
     ->Apply(train_shapes);
 BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::fox, attnmix::fox_policy, false)
     ->Name("fox_fwd_bwd")

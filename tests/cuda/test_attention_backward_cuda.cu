@@ -379,8 +379,9 @@ TEMPLATE_TEST_CASE("CUDA softmax backward, small shapes first", "[cuda][backward
   sweep<attnmix::kind::fox, attnmix::fox_policy, TestType>(small_cases(), 200, "fox");
 }
 
-// The v2 kernels (the plan's choice for these shapes), then each against the sm80_mma variant on
-// the same inputs, then the older variants forced at the shapes v2 now takes.
+// The v2 kernels (the plan's choice for these shapes: on wgmma on Hopper), then each against the
+// sm80_mma variant on the same inputs, then the v2 kernels on mma.sync and the older variants
+// forced at the shapes v2 takes.
 TEMPLATE_TEST_CASE("CUDA softmax backward, v2 tensor-core kernels", "[cuda][backward][v2]",
                    attnmix::half, attnmix::bfloat16) {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
@@ -393,6 +394,13 @@ TEMPLATE_TEST_CASE("CUDA softmax backward, v2 tensor-core kernels", "[cuda][back
                                                            true);
   sweep<attnmix::kind::fox, fox_before, TestType>(reset_cases(), 8300, "v2 fox before, resets", {},
                                                   0, true);
+  {
+    const forced_variant mma_sync(attention_backward_variant::sm80_mma_v2);
+    sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(
+        v2_cases(), 8700, "sm80_mma_v2 forced", {}, 0, true);
+    sweep<attnmix::kind::fox, fox_before, TestType>(reset_cases(), 8800,
+                                                    "sm80_mma_v2 forced, fox resets", {}, 0, true);
+  }
   {
     const forced_variant old(attention_backward_variant::sm80_mma);
     sweep<attnmix::kind::softmax, attnmix::softmax_policy, TestType>(v2_cases(), 8400,

@@ -107,7 +107,7 @@ TEST_CASE("softmax backward plans: v2 tensor-core kernels for aligned 16-bit D =
           "[plan]") {
   attention_backward_shape s = shape(32, 2048, 32, 32, 64, 64);
   s.sixteen_bit = true, s.aligned = true;
-  const attention_backward_plan p = plan_attention_backward(s, h200());
+  const attention_backward_plan p = plan_attention_backward(s, small_smem());
   CHECK(p.variant == attention_backward_variant::sm80_mma_v2);
   CHECK(p.tile == 64);
   CHECK(p.threads == 128);
@@ -116,13 +116,23 @@ TEST_CASE("softmax backward plans: v2 tensor-core kernels for aligned 16-bit D =
   CHECK(p.preprocess == launch_grid{256, 32, 32});
   CHECK(p.smem_bytes == 2 * (2 * 64 * 64 + 4 * 32 * 64) + 2 * 32 * 20 + 2 * 64 * 8);
   CHECK(p.fits);
+  // On Hopper the same kernels on wgmma: 64-row streamed tiles, 1024-byte aligned.
+  const attention_backward_plan h = plan_attention_backward(s, h200());
+  CHECK(h.variant == attention_backward_variant::sm90_wgmma);
+  CHECK(h.tile == 64);
+  CHECK(h.threads == 128);
+  CHECK(h.dkdv == p.dkdv);
+  CHECK(h.dq == p.dq);
+  CHECK(h.smem_bytes == 2 * (2 * 64 * 64 + 4 * 64 * 64) + 2 * 64 * 20 + 2 * 64 * 8 + 1024);
+  s.portable = true;  // the portable knob keeps to the sm_80 kernels
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma_v2);
   const attention_backward_plan w = plan_attention_backward(
       [&] {
         attention_backward_shape x = shape(8, 4096, 16, 16, 128, 128);
         x.sixteen_bit = true, x.aligned = true;
         return x;
       }(),
-      h200());
+      small_smem());
   CHECK(w.variant == attention_backward_variant::sm80_mma_v2);
   CHECK(w.dkdv == launch_grid{64, 16, 8});
   CHECK(w.smem_bytes == 2 * (2 * 64 * 128 + 4 * 32 * 128) + 2 * 32 * 20 + 2 * 64 * 8);
@@ -164,6 +174,11 @@ TEST_CASE("softmax backward plans: a forced variant where it applies", "[plan]")
   CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);
   s.force = attention_backward_variant::sm80_mma_v2;
   CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma_v2);
+  s.force = attention_backward_variant::sm90_wgmma;
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm90_wgmma);
+  CHECK(plan_attention_backward(s, small_smem()).variant ==
+        attention_backward_variant::sm80_mma_v2);  // not Hopper: the plan's own choice
+  s.force = attention_backward_variant::sm80_mma_v2;
   s.head_dim = 48;  // v2 does not apply: the plan's own choice
   CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);
   s.head_dim = 32, s.value_dim = 32, s.force = attention_backward_variant::sm80_mma_v2;
@@ -195,7 +210,7 @@ TEST_CASE("softmax backward with keys of other lengths: CUDA cores, key tiles of
           "[plan]") {
   attention_backward_shape s = shape(2, 37, 4, 2, 64, 64);
   s.sixteen_bit = s.aligned = true;
-  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma_v2);
+  CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm90_wgmma);
   s.keys_differ = true, s.max_key_len = 300;
   s.forced = true, s.force = attention_backward_variant::sm80_mma;
   const attention_backward_plan p = plan_attention_backward(s, h200());

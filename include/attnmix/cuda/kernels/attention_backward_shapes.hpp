@@ -26,27 +26,29 @@ constexpr ATTNMIX_HOST_DEVICE int attention_backward_smem_bytes(int tile, int D,
          4 * (2 * tile * (D + 1) + 2 * tile * (Dv + 1) + 2 * tile * (tile + 1) + 3 * tile);
 }
 
-// The FlashAttention-2-style tensor-core backward (sm80_attention_backward_v2.cuh), D = Dv in
-// {64, 128}: 4 warps; a dk/dv CTA holds 64 keys (16 a warp) and streams query tiles of
-// attention_backward_v2_stream(D) rows through two buffers, a dq CTA holds 64 query rows and
-// streams key tiles of as many keys. 32 streamed rows or keys keep the registers of D = 64
-// within 168, so that a multiprocessor runs 3 CTAs (attention_backward_v2_min_blocks); at
-// D = 128 it runs 2 (255 registers).
+// The FlashAttention-2-style tensor-core backward (attention_backward_mma.cuh), D = Dv in
+// {64, 128}, on mma.sync (sm80_mma_v2) or wgmma (sm90_wgmma): 4 warps (a warpgroup); a dk/dv CTA
+// holds 64 keys (16 a warp) and streams query tiles of attention_backward_v2_stream rows through
+// two buffers, a dq CTA holds 64 query rows and streams key tiles of as many keys. On mma.sync 32
+// streamed rows keep the registers of D = 64 within 168, so that a multiprocessor runs 3 CTAs
+// (attention_backward_v2_min_blocks); wgmma's products are 64 wide. At D = 128: 2 CTAs.
 constexpr int attention_backward_v2_threads = 128;
 constexpr int attention_backward_v2_fixed = 64;
-constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_stream(int) {
-  return 32;
+constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_stream(bool wgmma) {
+  return wgmma ? 64 : 32;
 }
 constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_min_blocks(int D) {
   return D <= 64 ? 3 : 2;
 }
 
-// Shared memory of either v2 kernel (the larger of the two): the fixed tiles (k, v or q, dout)
-// and two buffers of the streamed ones, 16-bit, then two buffers of the streamed rows' terms
-// (G as double; lse, delta, last reset as 4-byte values) and of the fixed keys' G (double).
-constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_smem_bytes(int D) {
-  return 2 * (2 * attention_backward_v2_fixed * D + 4 * attention_backward_v2_stream(D) * D) +
-         2 * attention_backward_v2_stream(D) * (8 + 3 * 4) + 2 * attention_backward_v2_fixed * 8;
+// Shared memory of either kernel (the larger of the two): the fixed tiles (k, v or q, dout) and
+// two buffers of the streamed ones, 16-bit, then two buffers of the streamed rows' terms (G as
+// double; lse, delta, last reset as 4-byte values) and of the fixed keys' G (double); wgmma's
+// tiles start 1024-byte aligned (slack for aligning the dynamic shared memory).
+constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_smem_bytes(int D, bool wgmma) {
+  return 2 * (2 * attention_backward_v2_fixed * D + 4 * attention_backward_v2_stream(wgmma) * D) +
+         2 * attention_backward_v2_stream(wgmma) * (8 + 3 * 4) +
+         2 * attention_backward_v2_fixed * 8 + (wgmma ? 1024 : 0);
 }
 
 }  // namespace cuda

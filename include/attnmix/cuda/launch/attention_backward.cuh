@@ -14,9 +14,9 @@
 #include "attnmix/core/tags.hpp"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/dispatch.cuh"
+#include "attnmix/cuda/kernels/attention_backward_mma.cuh"
 #include "attnmix/cuda/kernels/attention_backward_simt.cuh"
 #include "attnmix/cuda/kernels/sm80_attention_backward.cuh"
-#include "attnmix/cuda/kernels/sm80_attention_backward_v2.cuh"
 #include "attnmix/cuda/plan/attention_backward.hpp"
 #include "attnmix/cuda/runtime.cuh"
 
@@ -145,12 +145,19 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
   }
   bool launched = false;
   if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
-    if (plan.variant == attention_backward_variant::sm80_mma_v2)
-      launched = with_value<64, 128>(p.head_dim, [&](auto d) {
+    const auto launch_v2 = [&](auto products) {
+      using Products = decltype(products);
+      return with_value<64, 128>(p.head_dim, [&](auto d) {
         constexpr int D = decltype(d)::value;
-        launch_backward_kernels(sm80_attention_backward_v2_dkdv_kernel<Dev, D>,
-                                sm80_attention_backward_v2_dq_kernel<Dev, D>, kp, plan, stream);
+        launch_backward_kernels(attention_backward_dkdv_mma_kernel<Products, Dev, D>,
+                                attention_backward_dq_mma_kernel<Products, Dev, D>, kp, plan,
+                                stream);
       });
+    };
+    if (plan.variant == attention_backward_variant::sm90_wgmma)
+      launched = launch_v2(sm90_backward_products{});
+    if (plan.variant == attention_backward_variant::sm80_mma_v2)
+      launched = launch_v2(sm80_backward_products{});
     if (plan.variant == attention_backward_variant::sm80_mma)
       launched = with_value<2, 4>(plan.chunks, [&](auto chunks) {
         launch_attention_backward_tiles<Dev, decltype(chunks)::value, true>(kp, plan, stream);

@@ -8,6 +8,8 @@
 // Every output element is written by one thread in a fixed order of sums: the same bits on every
 // run.
 //
+//   sm90_wgmma: Hopper, not portable, where sm80_mma_v2 applies: its kernels with the products on
+//             wgmma (a warpgroup a CTA, 64-row streamed tiles in 128-byte-swizzled atoms).
 //   sm80_mma_v2: half and bfloat16, D = Dv in {64, 128}, 16-byte aligned rows of q, k, v, dout
 //             (4-byte of dq, dk, dv): FlashAttention-2's kernels, with the accumulators (dk and
 //             dv of 64 keys, dq of 64 rows) in registers across the whole loop, 16-bit tiles
@@ -35,7 +37,7 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-enum class attention_backward_variant { sm80_mma_v2, sm80_mma, simt };
+enum class attention_backward_variant { sm90_wgmma, sm80_mma_v2, sm80_mma, simt };
 
 // What the plan reads of a call (the launcher fills it from the validated problem).
 struct attention_backward_shape {
@@ -86,23 +88,33 @@ inline attention_backward_plan plan_attention_backward(const attention_backward_
   attention_backward_plan p;
   const index_t widest = std::max(s.head_dim, s.value_dim);
   p.chunks = widest <= 64 ? 2 : widest <= 128 ? 4 : 8;
-  // v2 where its shared memory fits (else the older tensor-core kernels, whose tiles are smaller).
-  const bool v2 =
-      backward_v2_applies(s) &&
-      std::size_t(attention_backward_v2_smem_bytes(int(s.head_dim))) <= d.smem_per_block_optin;
+  // v2 where its shared memory fits (else the older tensor-core kernels, whose tiles are smaller),
+  // on wgmma where the Hopper kernels may run.
+  const auto fits_v2 = [&](bool wgmma) {
+    return backward_v2_applies(s) && std::size_t(attention_backward_v2_smem_bytes(
+                                         int(s.head_dim), wgmma)) <= d.smem_per_block_optin;
+  };
+  const bool v2 = fits_v2(false);
+  const bool wgmma = fits_v2(true) && !s.portable && d.hopper();
   const bool mma = s.sixteen_bit && backward_tensor_core_dims(s.head_dim, s.value_dim);
-  if (v2)
+  if (wgmma)
+    p.variant = attention_backward_variant::sm90_wgmma;
+  else if (v2)
     p.variant = attention_backward_variant::sm80_mma_v2;
   else if (mma)
     p.variant = attention_backward_variant::sm80_mma;
   if (s.forced && (s.force == attention_backward_variant::simt ||
-                   (s.force == attention_backward_variant::sm80_mma && mma)))
+                   (s.force == attention_backward_variant::sm80_mma && mma) ||
+                   (s.force == attention_backward_variant::sm80_mma_v2 && v2) ||
+                   (s.force == attention_backward_variant::sm90_wgmma && wgmma)))
     p.variant = s.force;
   if (s.keys_differ) p.variant = attention_backward_variant::simt;
-  if (p.variant == attention_backward_variant::sm80_mma_v2) {
+  if (p.variant == attention_backward_variant::sm90_wgmma ||
+      p.variant == attention_backward_variant::sm80_mma_v2) {
+    const bool on_wgmma = p.variant == attention_backward_variant::sm90_wgmma;
     p.tile = attention_backward_v2_fixed;
     p.threads = attention_backward_v2_threads;
-    p.smem_bytes = attention_backward_v2_smem_bytes(int(s.head_dim));
+    p.smem_bytes = attention_backward_v2_smem_bytes(int(s.head_dim), on_wgmma);
   } else {
     p.tile = attention_backward_tile(p.chunks);
     p.threads = attention_backward_threads;

@@ -1,18 +1,20 @@
 #pragma once
-// The softmax-family backward on tensor cores, FlashAttention-2's kernels (mma.sync m16n8k16,
-// sm_80 and later): half and bfloat16, D = Dv in {64, 128}, rows of q, k, v and dout 16-byte
-// aligned. The delta and gate kernels are attention_backward_simt.cuh's.
+// The softmax-family backward on tensor cores, FlashAttention-2's kernels, a body for both
+// instruction sets: Products = sm80_backward_products (mma.sync m16n8k16, sm_80 and later) or
+// sm90_backward_products (wgmma, sm_90a), collective/backward_products.cuh. Half and bfloat16,
+// D = Dv in {64, 128}, rows of q, k, v and dout 16-byte aligned. The delta and gate kernels are
+// attention_backward_simt.cuh's.
 //
 //   dk/dv: a CTA of 4 warps owns 64 keys of one KV head (a warp 16 of them), with K and V in
 //          shared memory and dK, dV in registers (float) over every query tile of every query
-//          head of the group. Query tiles of Br = attention_backward_v2_stream(D) rows (q, dout
-//          and the rows' lse, delta and visible keys) stream through two buffers with cp.async.
-//          A warp computes S^T = K Q^T and dP^T = V dO^T for its keys (16 x Br), P^T and
+//          head of the group. Query tiles of Br = Products::stream rows (q, dout and the rows'
+//          lse, delta and visible keys) stream through two buffers with cp.async. The CTA
+//          computes S^T = K Q^T and dP^T = V dO^T for its keys (64 x Br), P^T and
 //          dS^T = P^T (dP^T - delta) in place, and dV += P^T dO, dK += dS^T Q with P and dS
-//          taken from the accumulators as 16-bit A fragments (as the forward does with P).
-//   dq:    a CTA of 4 warps owns 64 query rows (a warp 16), with q and dout fragments in
-//          registers, and streams key tiles of Bc = attention_backward_v2_stream(D) keys (k, v)
-//          through two buffers: S = Q K^T, dP = dO V^T, dS, dQ += dS K.
+//          taken from the accumulators as 16-bit operands (as the forward does with P).
+//   dq:    a CTA of 4 warps owns 64 query rows (a warp 16) with q and dout in shared memory, and
+//          streams key tiles of Bc = Products::stream keys (k, v) through two buffers:
+//          S = Q K^T, dP = dO V^T, dS, dQ += dS K.
 // Masks (window, causal, hard resets, the tiles' tails) are applied per element from each row's
 // first and last visible key. Every sum runs in a fixed order: the same bits on every run.
 
@@ -20,9 +22,9 @@
 #include <cstdint>
 
 #include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/collective/backward_products.cuh"
 #include "attnmix/cuda/kernels/attention_backward_shapes.hpp"
 #include "attnmix/cuda/kernels/attention_backward_simt.cuh"
-#include "attnmix/cuda/kernels/sm80_attention.cuh"
 
 namespace attnmix {
 namespace detail {
@@ -30,146 +32,27 @@ namespace cuda {
 
 constexpr float backward_log2e = 1.4426950408889634f;
 
-// Copies rows [0, Rows) of a row-major tile into swizzled shared memory with cp.async (as
-// tile_loader, with the offsets computed on each call: fewer live registers); rows >= valid are
-// zero-filled. gmem's row 0 must be readable.
-template <int Rows, int Cols, int Threads, class T>
-__device__ __forceinline__ void load_tile_v2(T* smem, const T* gmem, index_t stride,
-                                             index_t valid) {
-  constexpr int chunks = Cols / 8, per = Rows * chunks / Threads;
-  static_assert(per * Threads == Rows * chunks, "tile chunks must divide evenly among threads");
-#pragma unroll
-  for (int k = 0; k < per; ++k) {
-    const int idx = threadIdx.x + k * Threads, r = idx / chunks, c = idx % chunks;
-    const bool ok = r < valid;
-    cp_async_16(smem + swizzle<Cols>(r, c), ok ? gmem + r * stride + c * 8 : gmem, ok);
-  }
-}
-
-// 4- and 8-byte global -> shared copies (cp.async.ca); zero-filled when not `valid`. The rows'
-// and keys' terms travel with their tiles, so that no thread waits on a load of its own.
-__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(smem)),
-               "l"(gmem), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_address(smem)),
-               "l"(gmem), "r"(valid ? 8 : 0));
-}
-
-// The A fragment of a 16 x 16 chunk kc of a product whose A operand is the 16 x 8 accumulator
-// tiles x[2 kc] and x[2 kc + 1] (the C layout of two n-tiles is the A layout of one k-chunk).
-template <class T>
-__device__ __forceinline__ void accumulators_as_a(std::uint32_t (&a)[4], const float (&x0)[4],
-                                                  const float (&x1)[4]) {
-  a[0] = pack2<T>(x0[0], x0[1]);
-  a[1] = pack2<T>(x0[2], x0[3]);
-  a[2] = pack2<T>(x1[0], x1[1]);
-  a[3] = pack2<T>(x1[2], x1[3]);
-}
-
-// acc[16 x 8 N] += A (16 x K, fragments a[K / 16]) B^T, B an N x K row-major swizzled tile in
-// shared memory (B's rows are the product's columns): the forward's S = Q K^T.
-template <class T, int K, int N>
-__device__ __forceinline__ void mma_a_bt(float (&acc)[N / 8][4],
-                                         const std::uint32_t (&a)[K / 16][4], const T* b) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk)
-#pragma unroll
-    for (int n = 0; n < N / 16; ++n) {
-      std::uint32_t f[4];
-      ldmatrix_x4(f, b + swizzle<K>(n * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
-      const std::uint32_t b0[2] = {f[0], f[1]}, b1[2] = {f[2], f[3]};
-      mma_16816<T>(acc[2 * n], a[kk], b0);
-      mma_16816<T>(acc[2 * n + 1], a[kk], b1);
-    }
-}
-
-// As mma_a_bt with A rows [r0, r0 + 16) of a row-major swizzled K-column tile in shared memory,
-// read a 16-column chunk at a time (fewer live registers than whole fragments).
-template <class T, int K, int N>
-__device__ __forceinline__ void mma_smem_a_bt(float (&acc)[N / 8][4], const T* a_tile, int r0,
-                                              const T* b) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) {
-    std::uint32_t a[4];
-    ldmatrix_x4(a, a_tile + swizzle<K>(r0 + lane % 16, kk * 2 + lane / 16));
-#pragma unroll
-    for (int n = 0; n < N / 16; ++n) {
-      std::uint32_t f[4];
-      ldmatrix_x4(f, b + swizzle<K>(n * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
-      const std::uint32_t b0[2] = {f[0], f[1]}, b1[2] = {f[2], f[3]};
-      mma_16816<T>(acc[2 * n], a, b0);
-      mma_16816<T>(acc[2 * n + 1], a, b1);
-    }
-  }
-}
-
-// acc[16 x N] (N / 8 tiles) += X B, X the 16 x K accumulators x[K / 8] (rounded to T) and B a
-// K x N row-major swizzled tile in shared memory: the forward's O += P V.
-template <class T, int K, int N>
-__device__ __forceinline__ void mma_acc_b(float (&acc)[N / 8][4], const float (&x)[K / 8][4],
-                                          const T* b) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int kc = 0; kc < K / 16; ++kc) {
-    std::uint32_t a[4];
-    accumulators_as_a<T>(a, x[2 * kc], x[2 * kc + 1]);
-#pragma unroll
-    for (int n = 0; n < N / 16; ++n) {
-      std::uint32_t f[4];
-      ldmatrix_x4_trans(
-          f, b + swizzle<N>(kc * 16 + lane % 8 + ((lane / 8) % 2) * 8, n * 2 + lane / 16));
-      const std::uint32_t b0[2] = {f[0], f[1]}, b1[2] = {f[2], f[3]};
-      mma_16816<T>(acc[2 * n], a, b0);
-      mma_16816<T>(acc[2 * n + 1], a, b1);
-    }
-  }
-}
-
-// The A fragments of rows [r0, r0 + 16) of a row-major swizzled K-column tile.
-template <class T, int K>
-__device__ __forceinline__ void load_a_fragments(std::uint32_t (&a)[K / 16][4], const T* tile,
-                                                 int r0) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk)
-    ldmatrix_x4(a[kk], tile + swizzle<K>(r0 + lane % 16, kk * 2 + lane / 16));
-}
-
-// Stores a warp's 16 x D accumulators (times `factor`) as rows r0 + g, r0 + g + 8 of `out`
-// (rows >= `rows` are not stored), a 4-byte pair a thread.
-template <class T, int D>
-__device__ __forceinline__ void store_rows_v2(T* out, index_t stride, int r0, int rows,
-                                              const float (&acc)[D / 8][4], float factor) {
-  const int lane = threadIdx.x % 32, g = lane / 4, c2 = 2 * (lane % 4);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = r0 + g + 8 * h;
-    if (r >= rows) continue;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<std::uint32_t*>(out + r * stride + 8 * n + c2) =
-          pack2<T>(acc[n][2 * h] * factor, acc[n][2 * h + 1] * factor);
-  }
-}
-
 // ---- dk, dv --------------------------------------------------------------------------------
 
-template <class T, int D>
+// Dynamic shared memory aligned as Products' tile layout needs (the plan adds the slack).
+template <class Products>
+__device__ __forceinline__ unsigned char* backward_smem_base(unsigned char* raw) {
+  constexpr int A = Products::align;
+  return raw + ((A - smem_address(raw) % A) % A);
+}
+
+template <class Products, class T, int D>
 __global__ void __launch_bounds__(attention_backward_v2_threads,
                                   attention_backward_v2_min_blocks(D))
-    sm80_attention_backward_v2_dkdv_kernel(const attention_backward_params p) {
-  constexpr int Bc = attention_backward_v2_fixed, Br = attention_backward_v2_stream(D);
+    attention_backward_dkdv_mma_kernel(const attention_backward_params p) {
+  constexpr int Bc = attention_backward_v2_fixed, Br = Products::stream;
   constexpr int NT = attention_backward_v2_threads;
   static_assert(Bc == 16 * (NT / 32), "16 keys a warp");
   extern __shared__ __align__(128) unsigned char v2_smem[];
-  T* sk = reinterpret_cast<T*>(v2_smem);  // [Bc][D]
-  T* sv = sk + Bc * D;                    // [Bc][D]
-  T* sq = sv + Bc * D;                    // [2][Br][D]
-  T* sd = sq + 2 * Br * D;                // [2][Br][D] dout
+  T* sk = reinterpret_cast<T*>(backward_smem_base<Products>(v2_smem));  // [Bc][D]
+  T* sv = sk + Bc * D;                                                  // [Bc][D]
+  T* sq = sv + Bc * D;                                                  // [2][Br][D]
+  T* sd = sq + 2 * Br * D;                                              // [2][Br][D] dout
   // The streamed rows' G (gate cumsum), lse, delta and last reset, and the keys' G, as read.
   double* s_gi = reinterpret_cast<double*>(sd + 2 * Br * D);  // [2][Br]
   double* s_gj = s_gi + 2 * Br;                               // [2][Bc]
@@ -198,8 +81,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
                 (start + j0) * p.f.k_stride[1] + h * p.f.k_stride[2];
   const T* vg = static_cast<const T*>(p.f.v) + batch * p.f.v_stride[0] +
                 (start + j0) * p.f.v_stride[1] + h * p.f.v_stride[2];
-  load_tile_v2<Bc, D, NT>(sk, kg, p.f.k_stride[1], cols);
-  load_tile_v2<Bc, D, NT>(sv, vg, p.f.v_stride[1], cols);
+  Products::template load<Bc, D>(sk, kg, p.f.k_stride[1], cols);
+  Products::template load<Bc, D>(sv, vg, p.f.v_stride[1], cols);
   cp_async_commit();
 
   // The logits less lse in base 2 are s scale log2 e + gi - gj: without a gate gi = -lse_i log2 e
@@ -214,8 +97,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
                   (start + i0) * p.f.q_stride[1] + hq * p.f.q_stride[2];
     const T* dg = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
                   (start + i0) * p.dout_stride[1] + hq * p.dout_stride[2];
-    load_tile_v2<Br, D, NT>(sq + buf * Br * D, qg, p.f.q_stride[1], rows);
-    load_tile_v2<Br, D, NT>(sd + buf * Br * D, dg, p.dout_stride[1], rows);
+    Products::template load<Br, D>(sq + buf * Br * D, qg, p.f.q_stride[1], rows);
+    Products::template load<Br, D>(sd + buf * Br * D, dg, p.dout_stride[1], rows);
     if (threadIdx.x < Br) {  // rows past `rows` read as 0 (and are masked)
       const int r = threadIdx.x, b = buf * Br + r;
       const bool ok = r < rows;
@@ -254,6 +137,7 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     cp_async_commit();
     const int hq = h * group + t / row_tiles;
     cp_async_wait<1>();
+    Products::ready();
     __syncthreads();
     const T* sqb = sq + buf * Br * D;
     const T* sdb = sd + buf * Br * D;
@@ -269,12 +153,7 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
 
     // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys and the tile's Br rows.
     float s[Br / 8][4], dp[Br / 8][4];
-#pragma unroll
-    for (int n = 0; n < Br / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = 0.f, dp[n][e] = 0.f;
-    mma_smem_a_bt<T, D, Br>(s, sk, 16 * warp, sqb);
-    mma_smem_a_bt<T, D, Br>(dp, sv, 16 * warp, sdb);
+    Products::template scores<T, D, Br>(s, dp, sk, sqb, sv, sdb);
 
     // P^T and dS^T in place: element (key key0 + 8 (e / 2), row 8 n + c2 + e % 2). A row's
     // visible keys [klo, khi] as key_range gives them, klo raised to its last reset.
@@ -318,8 +197,7 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     }
 
     // dV += P^T dO, dK += dS^T Q (the rows past the tile's are 0 in P and dS).
-    mma_acc_b<T, Br, D>(dv, s, sdb);
-    mma_acc_b<T, Br, D>(dk, dp, sqb);
+    Products::template grads<T, Br, D>(dv, s, sdb, dk, dp, sqb);
 
     if (gated && t % row_tiles == row_tiles - 1) {  // the head's last tile: its column sums
 #pragma unroll
@@ -345,18 +223,18 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
 
 // ---- dq ------------------------------------------------------------------------------------
 
-template <class T, int D>
+template <class Products, class T, int D>
 __global__ void __launch_bounds__(attention_backward_v2_threads,
                                   attention_backward_v2_min_blocks(D))
-    sm80_attention_backward_v2_dq_kernel(const attention_backward_params p) {
-  constexpr int Br = attention_backward_v2_fixed, Bc = attention_backward_v2_stream(D);
+    attention_backward_dq_mma_kernel(const attention_backward_params p) {
+  constexpr int Br = attention_backward_v2_fixed, Bc = Products::stream;
   constexpr int NT = attention_backward_v2_threads;
   static_assert(Br == 16 * (NT / 32), "16 rows a warp");
   extern __shared__ __align__(128) unsigned char v2_smem[];
-  T* sq = reinterpret_cast<T*>(v2_smem);                      // [Br][D]
-  T* sd = sq + Br * D;                                        // [Br][D] dout
-  T* sk = sd + Br * D;                                        // [2][Bc][D]
-  T* sv = sk + 2 * Bc * D;                                    // [2][Bc][D]
+  T* sq = reinterpret_cast<T*>(backward_smem_base<Products>(v2_smem));  // [Br][D]
+  T* sd = sq + Br * D;                                                  // [Br][D] dout
+  T* sk = sd + Br * D;                                                  // [2][Bc][D]
+  T* sv = sk + 2 * Bc * D;                                              // [2][Bc][D]
   double* s_gj = reinterpret_cast<double*>(sv + 2 * Bc * D);  // [2][Bc] the keys' G, as read
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
@@ -387,8 +265,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
                 (start + i0) * p.f.q_stride[1] + hq * p.f.q_stride[2];
   const T* dg = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
                 (start + i0) * p.dout_stride[1] + hq * p.dout_stride[2];
-  load_tile_v2<Br, D, NT>(sq, qg, p.f.q_stride[1], rows);
-  load_tile_v2<Br, D, NT>(sd, dg, p.dout_stride[1], rows);
+  Products::template load<Br, D>(sq, qg, p.f.q_stride[1], rows);
+  Products::template load<Br, D>(sd, dg, p.dout_stride[1], rows);
   const T* kg = static_cast<const T*>(p.f.k) + batch * p.f.k_stride[0] + start * p.f.k_stride[1] +
                 h * p.f.k_stride[2];
   const T* vg = static_cast<const T*>(p.f.v) + batch * p.f.v_stride[0] + start * p.f.v_stride[1] +
@@ -397,8 +275,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     const index_t j = j_lo + static_cast<index_t>(t) * Bc;
     const T* kj = kg + j * p.f.k_stride[1];
     const T* vj = vg + j * p.f.v_stride[1];
-    load_tile_v2<Bc, D, NT>(sk + buf * Bc * D, kj, p.f.k_stride[1], j_hi + 1 - j);
-    load_tile_v2<Bc, D, NT>(sv + buf * Bc * D, vj, p.f.v_stride[1], j_hi + 1 - j);
+    Products::template load<Bc, D>(sk + buf * Bc * D, kj, p.f.k_stride[1], j_hi + 1 - j);
+    Products::template load<Bc, D>(sv + buf * Bc * D, vj, p.f.v_stride[1], j_hi + 1 - j);
     if (gated && threadIdx.x < Bc) {  // keys past j_hi read as 0 (and are masked)
       const bool ok = j + threadIdx.x <= j_hi;
       cp_async_8(s_gj + buf * Bc + threadIdx.x,
@@ -441,29 +319,20 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
   float rowsum[2] = {0.f, 0.f};
-  std::uint32_t qf[D / 16][4], df[D / 16][4];
 
   for (int t = 0; t < key_tiles; ++t) {
     const int buf = t % 2;
     if (t + 1 < key_tiles) load_keys_v2(t + 1, buf ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
+    Products::ready();
     __syncthreads();
-    if (t == 0) {
-      load_a_fragments<T, D>(qf, sq, 16 * warp);
-      load_a_fragments<T, D>(df, sd, 16 * warp);
-    }
     const T* skb = sk + buf * Bc * D;
     const T* svb = sv + buf * Bc * D;
     const int j0 = static_cast<int>(j_lo) + t * Bc;
 
     float s[Bc / 8][4], dp[Bc / 8][4];
-#pragma unroll
-    for (int n = 0; n < Bc / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = 0.f, dp[n][e] = 0.f;
-    mma_a_bt<T, D, Bc>(s, qf, skb);
-    mma_a_bt<T, D, Bc>(dp, df, svb);
+    Products::template scores<T, D, Bc>(s, dp, sq, skb, sd, svb);
 
     // dS in place of dP: element (row 16 warp + g + 8 (e / 2), key j0 + 8 n + c2 + e % 2).
 #pragma unroll
@@ -486,8 +355,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
       }
     }
 
-    mma_acc_b<T, Bc, D>(dq, dp, skb);  // dQ += dS K
-    __syncthreads();                   // the next iteration's prefetch overwrites this buffer
+    Products::template grad<T, Bc, D>(dq, dp, skb);  // dQ += dS K
+    __syncthreads();  // the next iteration's prefetch overwrites this buffer
   }
 
   T* dq_out = static_cast<T*>(p.dq) + batch * p.dq_stride[0] + (start + i0) * p.dq_stride[1] +
