@@ -124,7 +124,8 @@ void BM_attention_train_cuda(benchmark::State& state) {
 }
 
 void train_shapes(benchmark::internal::Benchmark* b) {
-  b->Args({32, 2048, 32, 64})->Args({8, 8192, 32, 64})->Args({8, 4096, 16, 128});
+  b->Args({32, 2048, 32, 64})->Args({32, 4096, 32, 64})->Args({8, 8192, 32, 64});
+  b->Args({4, 16384, 32, 64})->Args({8, 4096, 16, 128})->Args({2, 16384, 16, 128});
   b->ArgNames({"B", "T", "H", "D"})->UseManualTime()->Unit(benchmark::kMillisecond);
 }
 

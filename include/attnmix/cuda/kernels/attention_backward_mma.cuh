@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/collective/backward_products.cuh"
@@ -138,7 +139,10 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     const int hq = h * group + t / row_tiles;
     cp_async_wait<1>();
     Products::ready();
-    __syncthreads();
+    // Whether a row of the tile restarts (a hard reset) past the CTA's first key: each thread reads
+    // the reset of the row whose terms it copied (its own copies are complete).
+    const bool restarts = gated && int(threadIdx.x) < Br && s_reset[buf * Br + threadIdx.x] > j0;
+    const bool any_restart = __syncthreads_or(restarts);
     const T* sqb = sq + buf * Br * D;
     const T* sdb = sd + buf * Br * D;
     const index_t i0 = lo + static_cast<index_t>(t % row_tiles) * Br;
@@ -155,46 +159,66 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     float s[Br / 8][4], dp[Br / 8][4];
     Products::template scores<T, D, Br>(s, dp, sk, sqb, sv, sdb);
 
-    // P^T and dS^T in place: element (key key0 + 8 (e / 2), row 8 n + c2 + e % 2). A row's
-    // visible keys [klo, khi] as key_range gives them, klo raised to its last reset.
-    // (A window of the sequence's length or more sees what no window sees: clamped to it.)
+    // A row's visible keys [first_key, last_key] as key_range gives them, the first raised to its
+    // last reset. (A window of the sequence's length or more sees what no window sees: clamped
+    // to it.) Both bounds grow with the row, so every row of the tile sees every key of the CTA
+    // when the last row's first key and the first row's last key enclose them: then no mask.
     const int len = static_cast<int>(length);
     const int W = p.f.window < length ? static_cast<int>(p.f.window) : len;
+    const auto first_key = [&](int i) {
+      return W > 0 ? (i - W + 1 > 0 ? i - W + 1 : 0) : 0;
+    };
+    const auto last_key = [&](int i) {
+      return p.f.causal ? i : (W > 0 && i + W - 1 < len - 1 ? i + W - 1 : len - 1);
+    };
+    const bool interior = rows == Br && cols == Bc && !any_restart &&
+                          first_key(static_cast<int>(i0) + Br - 1) <= static_cast<int>(j0) &&
+                          last_key(static_cast<int>(i0)) >= static_cast<int>(j0) + Bc - 1;
+
+    // P^T and dS^T in place: element (key key0 + 8 (e / 2), row 8 n + c2 + e % 2).
+    const auto to_grads = [&](auto masked) {
 #pragma unroll
-    for (int n = 0; n < Br / 8; ++n) {
-      const int rb = buf * Br + 8 * n + c2;
-      const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + rb);
-      const float2 delta2 = *reinterpret_cast<const float2*>(s_delta + rb);
-      float gi[2] = {-lse2.x * backward_log2e, -lse2.y * backward_log2e};
-      const float dl[2] = {delta2.x, delta2.y};
-      int klo[2], khi[2];
+      for (int n = 0; n < Br / 8; ++n) {
+        const int rb = buf * Br + 8 * n + c2;
+        const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + rb);
+        const float2 delta2 = *reinterpret_cast<const float2*>(s_delta + rb);
+        float gi[2] = {-lse2.x * backward_log2e, -lse2.y * backward_log2e};
+        const float dl[2] = {delta2.x, delta2.y};
+        int klo[2] = {0, 0}, khi[2] = {0, 0};
 #pragma unroll
-      for (int odd = 0; odd < 2; ++odd) {
-        const int r = 8 * n + c2 + odd, i = static_cast<int>(i0) + r;
-        klo[odd] = W > 0 ? (i - W + 1 > 0 ? i - W + 1 : 0) : 0;
-        khi[odd] = p.f.causal ? i : (W > 0 && i + W - 1 < len - 1 ? i + W - 1 : len - 1);
-        if (gated) {
-          const int reset = s_reset[rb + odd];
-          klo[odd] = reset > klo[odd] ? reset : klo[odd];
-          gi[odd] = static_cast<float>(
-              (p.gate_coef * s_gi[rb + odd] - ref - static_cast<double>(odd ? lse2.y : lse2.x)) *
-              1.4426950408889634);
+        for (int odd = 0; odd < 2; ++odd) {
+          const int r = 8 * n + c2 + odd, i = static_cast<int>(i0) + r;
+          if (gated)
+            gi[odd] = static_cast<float>(
+                (p.gate_coef * s_gi[rb + odd] - ref - static_cast<double>(odd ? lse2.y : lse2.x)) *
+                1.4426950408889634);
+          if constexpr (decltype(masked)::value) {
+            klo[odd] = first_key(i), khi[odd] = last_key(i);
+            if (gated) klo[odd] = max(klo[odd], s_reset[rb + odd]);
+            if (r >= rows) klo[odd] = 1, khi[odd] = 0;  // no key visible: P = 0
+          }
         }
-        if (r >= rows) klo[odd] = 1, khi[odd] = 0;  // no key visible: P = 0
-      }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hh = e / 2, odd = e % 2;
-        const int j = static_cast<int>(j0) + key0 + 8 * hh;
-        const bool seen = key0 + 8 * hh < cols && j >= klo[odd] && j <= khi[odd];
-        const float z = fmaf(s[n][e], scale_log2, gi[odd] - gj[hh]);
-        const float P = seen ? fast_exp2(z) : 0.f;
-        const float ds = P * (dp[n][e] - dl[odd]);
-        s[n][e] = P;
-        dp[n][e] = ds;
-        if (gated) colsum[hh] += ds;
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e / 2, odd = e % 2;
+          const float z = fmaf(s[n][e], scale_log2, gi[odd] - gj[hh]);
+          float P = fast_exp2(z);
+          if constexpr (decltype(masked)::value) {
+            const int j = static_cast<int>(j0) + key0 + 8 * hh;
+            const bool seen = key0 + 8 * hh < cols && j >= klo[odd] && j <= khi[odd];
+            P = seen ? P : 0.f;
+          }
+          const float ds = P * (dp[n][e] - dl[odd]);
+          s[n][e] = P;
+          dp[n][e] = ds;
+          if (gated) colsum[hh] += ds;
+        }
       }
-    }
+    };
+    if (interior)
+      to_grads(std::false_type{});
+    else
+      to_grads(std::true_type{});
 
     // dV += P^T dO, dK += dS^T Q (the rows past the tile's are 0 in P and dS).
     Products::template grads<T, Br, D>(dv, s, sdb, dk, dp, sqb);
