@@ -9,9 +9,12 @@
 //   ready()         after this thread's copies are waited for, before the barrier that publishes
 //                   them: makes them readable by the products
 //   scores          s = A1 B1^T and dp = A2 B2^T: A the CTA's fixed [64][K] tiles, B streamed
-//                   [N][K] tiles, both K-contiguous
-//   grads / grad    acc += X B with X an accumulator taken as a 16-bit operand and B a streamed
-//                   [K][N] tile (N contiguous)
+//                   [N][K] tiles, both K-contiguous. s is ready on return, dp after
+//                   wait_scores<Later> (Later: the products issued since, which may go on)
+//   grad            acc += X B with X an accumulator taken as a 16-bit operand (kept in f) and
+//                   B a streamed [K][N] tile (N contiguous), issued: the threads go on while it
+//                   runs, until done(acc.., f..)
+// (On mma.sync every product is finished when its call returns.)
 // Accumulators are float [N / 8][4] in the mma.sync m16n8 layout of the warp's 16 rows (warp w
 // of the CTA's 4: rows 16 w ..), which is also what a warpgroup's m64nN wgmma accumulator holds.
 //
@@ -142,6 +145,8 @@ struct sm80_backward_products {
   static constexpr int stream = attention_backward_v2_stream(false);
   static constexpr int align = 128;
   static constexpr int threads = attention_backward_v2_threads;
+  __host__ __device__ static constexpr bool overlap(int) { return false; }
+  static constexpr int dkdv_blocks(int D) { return attention_backward_v2_min_blocks(D); }
 
   template <int Rows, int Cols, class T>
   __device__ __forceinline__ static void load(T* smem, const T* gmem, index_t stride,
@@ -159,9 +164,11 @@ struct sm80_backward_products {
     mma_smem_a_bt<T, K, N>(s, a1, r0, b1);
     mma_smem_a_bt<T, K, N>(dp, a2, r0, b2);
   }
+  template <int Later, int N>
+  __device__ __forceinline__ static void wait_scores(float (&)[N][4]) {}
   template <class T, int K, int N>
   __device__ __forceinline__ static void grad(float (&acc)[N / 8][4], const float (&x)[K / 8][4],
-                                              const T* b) {
+                                              const T* b, std::uint32_t (&)[K / 16][4]) {
     mma_acc_b<T, K, N>(acc, x, b);
   }
   template <class T, int K, int N>
@@ -171,6 +178,11 @@ struct sm80_backward_products {
     mma_acc_b<T, K, N>(acc1, x1, b1);
     mma_acc_b<T, K, N>(acc2, x2, b2);
   }
+  template <int N, int F>
+  __device__ __forceinline__ static void done(float (&)[N][4], std::uint32_t (&)[F][4]) {}
+  template <int N, int F>
+  __device__ __forceinline__ static void done(float (&)[N][4], float (&)[N][4],
+                                              std::uint32_t (&)[F][4], std::uint32_t (&)[F][4]) {}
 };
 
 // The CTA is one warpgroup. Descriptors: a K-contiguous [R][K] tile's k-step kk is 16 columns,
@@ -181,6 +193,12 @@ struct sm90_backward_products {
   static constexpr int stream = attention_backward_v2_stream(true);
   static constexpr int align = 1024;  // the 128-byte swizzle is a function of the address
   static constexpr int threads = attention_backward_v2_threads;
+  // At D = 128 the dk/dv kernel overlaps products and threads (S's exponentials under dP^T, dS
+  // under dV); at D = 64 it waits for both scores and issues both gradients together, within
+  // the 168 registers of 3 CTAs a multiprocessor (the overlap needs 212: 2 CTAs, 4 % slower on
+  // an H200; at D = 128, 6 % faster).
+  __host__ __device__ static constexpr bool overlap(int D) { return D > 64; }
+  static constexpr int dkdv_blocks(int D) { return attention_backward_v2_min_blocks(D); }
   static_assert(threads == 128, "a warpgroup");
 
   template <int Rows, int Cols, class T>
@@ -229,40 +247,54 @@ struct sm90_backward_products {
     wgmma_commit();
     issue_a_bt<T, K, N>(DP, a2, b2);
     wgmma_commit();
-    wgmma_wait<0>();
+    if constexpr (overlap(K)) {
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+      wgmma_fence_operand(DP);
+    }
     wgmma_fence_operand(S);
-    wgmma_fence_operand(DP);
+  }
+  template <int Later, int N>
+  __device__ __forceinline__ static void wait_scores(float (&dp)[N][4]) {
+    wgmma_wait<Later>();
+    wgmma_fence_operand(flat(dp));
   }
   template <class T, int K, int N>
   __device__ __forceinline__ static void grad(float (&acc)[N / 8][4], float (&x)[K / 8][4],
-                                              const T* b) {
-    auto& A = flat(acc);
-    std::uint32_t f[K / 16][4];
+                                              const T* b, std::uint32_t (&f)[K / 16][4]) {
     to_fragments<T, K / 2>(f, flat(x));
     wgmma_fence();
-    issue_x_b<T, K, N>(A, f, b);
+    issue_x_b<T, K, N>(flat(acc), f, b);
     wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operand(A);
-    wgmma_fence_operand(f);
   }
   template <class T, int K, int N>
   __device__ __forceinline__ static void grads(float (&acc1)[N / 8][4], float (&x1)[K / 8][4],
                                                const T* b1, float (&acc2)[N / 8][4],
                                                float (&x2)[K / 8][4], const T* b2) {
-    auto& A1 = flat(acc1);
-    auto& A2 = flat(acc2);
     std::uint32_t f1[K / 16][4], f2[K / 16][4];
     to_fragments<T, K / 2>(f1, flat(x1));
     to_fragments<T, K / 2>(f2, flat(x2));
     wgmma_fence();
-    issue_x_b<T, K, N>(A1, f1, b1);
+    issue_x_b<T, K, N>(flat(acc1), f1, b1);
     wgmma_commit();
-    issue_x_b<T, K, N>(A2, f2, b2);
+    issue_x_b<T, K, N>(flat(acc2), f2, b2);
     wgmma_commit();
+    done(acc1, acc2, f1, f2);
+  }
+  template <int N, int F>
+  __device__ __forceinline__ static void done(float (&acc)[N][4], std::uint32_t (&f)[F][4]) {
     wgmma_wait<0>();
-    wgmma_fence_operand(A1);
-    wgmma_fence_operand(A2);
+    wgmma_fence_operand(flat(acc));
+    wgmma_fence_operand(f);
+  }
+  template <int N, int F>
+  __device__ __forceinline__ static void done(float (&acc1)[N][4], float (&acc2)[N][4],
+                                              std::uint32_t (&f1)[F][4],
+                                              std::uint32_t (&f2)[F][4]) {
+    wgmma_wait<0>();
+    wgmma_fence_operand(flat(acc1));
+    wgmma_fence_operand(flat(acc2));
     wgmma_fence_operand(f1);
     wgmma_fence_operand(f2);
   }

@@ -43,8 +43,7 @@ __device__ __forceinline__ unsigned char* backward_smem_base(unsigned char* raw)
 }
 
 template <class Products, class T, int D>
-__global__ void __launch_bounds__(attention_backward_v2_threads,
-                                  attention_backward_v2_min_blocks(D))
+__global__ void __launch_bounds__(attention_backward_v2_threads, Products::dkdv_blocks(D))
     attention_backward_dkdv_mma_kernel(const attention_backward_params p) {
   constexpr int Bc = attention_backward_v2_fixed, Br = Products::stream;
   constexpr int NT = attention_backward_v2_threads;
@@ -175,15 +174,15 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
                           first_key(static_cast<int>(i0) + Br - 1) <= static_cast<int>(j0) &&
                           last_key(static_cast<int>(i0)) >= static_cast<int>(j0) + Bc - 1;
 
-    // P^T and dS^T in place: element (key key0 + 8 (e / 2), row 8 n + c2 + e % 2).
-    const auto to_grads = [&](auto masked) {
+    // P^T in place of S^T, element (key key0 + 8 (e / 2), row 8 n + c2 + e % 2), then
+    // dS^T = P^T (dP^T - delta) in place of dP^T; where Products overlap, P's exponentials run
+    // while dP^T is on the tensor cores, and dS while dV += P^T dO is.
+    const auto to_p = [&](auto masked) {
 #pragma unroll
       for (int n = 0; n < Br / 8; ++n) {
         const int rb = buf * Br + 8 * n + c2;
         const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + rb);
-        const float2 delta2 = *reinterpret_cast<const float2*>(s_delta + rb);
         float gi[2] = {-lse2.x * backward_log2e, -lse2.y * backward_log2e};
-        const float dl[2] = {delta2.x, delta2.y};
         int klo[2] = {0, 0}, khi[2] = {0, 0};
 #pragma unroll
         for (int odd = 0; odd < 2; ++odd) {
@@ -201,27 +200,43 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int hh = e / 2, odd = e % 2;
-          const float z = fmaf(s[n][e], scale_log2, gi[odd] - gj[hh]);
-          float P = fast_exp2(z);
+          float P = fast_exp2(fmaf(s[n][e], scale_log2, gi[odd] - gj[hh]));
           if constexpr (decltype(masked)::value) {
             const int j = static_cast<int>(j0) + key0 + 8 * hh;
             const bool seen = key0 + 8 * hh < cols && j >= klo[odd] && j <= khi[odd];
             P = seen ? P : 0.f;
           }
-          const float ds = P * (dp[n][e] - dl[odd]);
           s[n][e] = P;
-          dp[n][e] = ds;
-          if (gated) colsum[hh] += ds;
         }
       }
     };
     if (interior)
-      to_grads(std::false_type{});
+      to_p(std::false_type{});
     else
-      to_grads(std::true_type{});
-
-    // dV += P^T dO, dK += dS^T Q (the rows past the tile's are 0 in P and dS).
-    Products::template grads<T, Br, D>(dv, s, sdb, dk, dp, sqb);
+      to_p(std::true_type{});
+    constexpr bool overlap = Products::overlap(D);
+    std::uint32_t fp[Br / 16][4], fds[Br / 16][4];
+    if constexpr (overlap) {
+      Products::template grad<T, Br, D>(dv, s, sdb, fp);  // dV += P^T dO
+      Products::template wait_scores<1>(dp);
+    }
+#pragma unroll
+    for (int n = 0; n < Br / 8; ++n) {
+      const float2 delta2 = *reinterpret_cast<const float2*>(s_delta + buf * Br + 8 * n + c2);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float ds = s[n][e] * (dp[n][e] - (e % 2 ? delta2.y : delta2.x));
+        dp[n][e] = ds;
+        if (gated) colsum[e / 2] += ds;
+      }
+    }
+    // dK += dS^T Q (the rows past the tile's are 0 in P and dS).
+    if constexpr (overlap) {
+      Products::template grad<T, Br, D>(dk, dp, sqb, fds);
+      Products::done(dv, dk, fp, fds);
+    } else {
+      Products::template grads<T, Br, D>(dv, s, sdb, dk, dp, sqb);
+    }
 
     if (gated && t % row_tiles == row_tiles - 1) {  // the head's last tile: its column sums
 #pragma unroll
@@ -358,7 +373,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     float s[Bc / 8][4], dp[Bc / 8][4];
     Products::template scores<T, D, Bc>(s, dp, sq, skb, sd, svb);
 
-    // dS in place of dP: element (row 16 warp + g + 8 (e / 2), key j0 + 8 n + c2 + e % 2).
+    // P in place of S while dP is on the tensor cores, then dS in place of dP: element (row
+    // 16 warp + g + 8 (e / 2), key j0 + 8 n + c2 + e % 2).
 #pragma unroll
     for (int n = 0; n < Bc / 8; ++n) {
       float gj[2] = {0.f, 0.f};  // (coef G_j - ref) log2 e of the two keys
@@ -372,14 +388,22 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
         const int hh = e / 2, odd = e % 2, j = j0 + 8 * n + c2 + odd;
         const bool seen = j >= klo[hh] && j <= khi[hh];
         const float z = fmaf(s[n][e], scale_log2, gated ? gi[hh] - gj[odd] : -lse2[hh]);
-        const float P = seen ? fast_exp2(z) : 0.f;
-        const float ds = P * (dp[n][e] - delta[hh]);
-        dp[n][e] = ds;
-        if (gated) rowsum[hh] += ds;
+        s[n][e] = seen ? fast_exp2(z) : 0.f;
       }
     }
+    Products::template wait_scores<0>(dp);
+#pragma unroll
+    for (int n = 0; n < Bc / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float ds = s[n][e] * (dp[n][e] - delta[e / 2]);
+        dp[n][e] = ds;
+        if (gated) rowsum[e / 2] += ds;
+      }
 
-    Products::template grad<T, Bc, D>(dq, dp, skb);  // dQ += dS K
+    std::uint32_t fds[Bc / 16][4];
+    Products::template grad<T, Bc, D>(dq, dp, skb, fds);  // dQ += dS K
+    Products::done(dq, fds);
     __syncthreads();  // the next iteration's prefetch overwrites this buffer
   }
 
