@@ -54,11 +54,14 @@ __global__ void __launch_bounds__(attention_backward_v2_threads, Products::dkdv_
   T* sq = sv + Bc * D;                                                  // [2][Br][D]
   T* sd = sq + 2 * Br * D;                                              // [2][Br][D] dout
   // The streamed rows' G (gate cumsum), lse, delta and last reset, and the keys' G, as read.
+  // The streamed rows' lse becomes their term gi, the keys' G their term gj (below), once a tile
+  // by the thread that copied it.
   double* s_gi = reinterpret_cast<double*>(sd + 2 * Br * D);  // [2][Br]
   double* s_gj = s_gi + 2 * Br;                               // [2][Bc]
   float* s_lse = reinterpret_cast<float*>(s_gj + 2 * Bc);     // [2][Br]
   float* s_delta = s_lse + 2 * Br;                            // [2][Br]
   int* s_reset = reinterpret_cast<int*>(s_delta + 2 * Br);    // [2][Br]
+  float* s_gjf = reinterpret_cast<float*>(s_reset + 2 * Br);  // [2][Bc]
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
   const int h = blockIdx.y, group = p.f.group;
@@ -89,8 +92,11 @@ __global__ void __launch_bounds__(attention_backward_v2_threads, Products::dkdv_
   // and gj = 0; with one gi = (coef G_i - ref - lse_i) log2 e of the rows and gj = (coef G_j -
   // ref) log2 e of the keys, formed in double and rounded once to float, ref = coef G_j0 of the
   // query head: the floats stay small wherever P is not negligible (as the forward's g_ref).
+  // An item's ref is read when its copies are issued and used a step later.
+  double ref_next = 0.0;
   auto load_item = [&](int t, int buf) {
     const int hq = h * group + t / row_tiles;
+    if (gated) ref_next = p.gate_coef * p.G[p.at(batch, start, j0, hq)];
     const index_t i0 = lo + static_cast<index_t>(t % row_tiles) * Br;
     const index_t rows = hi - i0 < Br ? hi - i0 : index_t{Br};
     const T* qg = static_cast<const T*>(p.f.q) + batch * p.f.q_stride[0] +
@@ -133,11 +139,24 @@ __global__ void __launch_bounds__(attention_backward_v2_threads, Products::dkdv_
 
   for (int t = 0; t < items; ++t) {
     const int buf = t % 2;
+    const double ref = ref_next;
     if (t + 1 < items) load_item(t + 1, buf ^ 1);
     cp_async_commit();
     const int hq = h * group + t / row_tiles;
     cp_async_wait<1>();
     Products::ready();
+    if (int(threadIdx.x) < Br) {  // the row this thread copied: its term
+      const int b = buf * Br + threadIdx.x;
+      const float lse = s_lse[b];
+      s_lse[b] = gated
+                     ? static_cast<float>((p.gate_coef * s_gi[b] - ref - static_cast<double>(lse)) *
+                                          1.4426950408889634)
+                     : -lse * backward_log2e;
+    }
+    if (gated && int(threadIdx.x) < Bc) {  // the key this thread copied: its term
+      const int b = buf * Bc + threadIdx.x;
+      s_gjf[b] = static_cast<float>((p.gate_coef * s_gj[b] - ref) * 1.4426950408889634);
+    }
     // Whether a row of the tile restarts (a hard reset) past the CTA's first key: each thread reads
     // the reset of the row whose terms it copied (its own copies are complete).
     const bool restarts = gated && int(threadIdx.x) < Br && s_reset[buf * Br + threadIdx.x] > j0;
@@ -146,13 +165,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads, Products::dkdv_
     const T* sdb = sd + buf * Br * D;
     const index_t i0 = lo + static_cast<index_t>(t % row_tiles) * Br;
     const int rows = hi - i0 < Br ? static_cast<int>(hi - i0) : Br;
-    const double ref = gated ? p.gate_coef * s_gj[buf * Bc] : 0.0;  // key 0 (j0) is in the tile
     float gj[2] = {0.f, 0.f};
-    if (gated)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        gj[hh] = static_cast<float>((p.gate_coef * s_gj[buf * Bc + key0 + 8 * hh] - ref) *
-                                    1.4426950408889634);
+    if (gated) gj[0] = s_gjf[buf * Bc + key0], gj[1] = s_gjf[buf * Bc + key0 + 8];
 
     // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys and the tile's Br rows.
     float s[Br / 8][4], dp[Br / 8][4];
@@ -181,16 +195,12 @@ __global__ void __launch_bounds__(attention_backward_v2_threads, Products::dkdv_
 #pragma unroll
       for (int n = 0; n < Br / 8; ++n) {
         const int rb = buf * Br + 8 * n + c2;
-        const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + rb);
-        float gi[2] = {-lse2.x * backward_log2e, -lse2.y * backward_log2e};
+        const float2 gi2 = *reinterpret_cast<const float2*>(s_lse + rb);  // the rows' terms
+        const float gi[2] = {gi2.x, gi2.y};
         int klo[2] = {0, 0}, khi[2] = {0, 0};
 #pragma unroll
         for (int odd = 0; odd < 2; ++odd) {
           const int r = 8 * n + c2 + odd, i = static_cast<int>(i0) + r;
-          if (gated)
-            gi[odd] = static_cast<float>(
-                (p.gate_coef * s_gi[rb + odd] - ref - static_cast<double>(odd ? lse2.y : lse2.x)) *
-                1.4426950408889634);
           if constexpr (decltype(masked)::value) {
             klo[odd] = first_key(i), khi[odd] = last_key(i);
             if (gated) klo[odd] = max(klo[odd], s_reset[rb + odd]);
@@ -275,6 +285,7 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   T* sk = sd + Br * D;                                                  // [2][Bc][D]
   T* sv = sk + 2 * Bc * D;                                              // [2][Bc][D]
   double* s_gj = reinterpret_cast<double*>(sv + 2 * Bc * D);  // [2][Bc] the keys' G, as read
+  float* s_gjf = reinterpret_cast<float*>(s_gj + 2 * Bc);     // [2][Bc] their terms gj (below)
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
   const int hq = blockIdx.y, h = hq / p.f.group;
@@ -365,6 +376,10 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     cp_async_commit();
     cp_async_wait<1>();
     Products::ready();
+    if (gated && int(threadIdx.x) < Bc) {  // the key this thread copied: (coef G_j - ref) log2 e
+      const int b = buf * Bc + threadIdx.x;
+      s_gjf[b] = static_cast<float>((p.gate_coef * s_gj[b] - ref) * 1.4426950408889634);
+    }
     __syncthreads();
     const T* skb = sk + buf * Bc * D;
     const T* svb = sv + buf * Bc * D;
@@ -377,12 +392,9 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     // 16 warp + g + 8 (e / 2), key j0 + 8 n + c2 + e % 2).
 #pragma unroll
     for (int n = 0; n < Bc / 8; ++n) {
-      float gj[2] = {0.f, 0.f};  // (coef G_j - ref) log2 e of the two keys
-      if (gated)
-#pragma unroll
-        for (int odd = 0; odd < 2; ++odd)
-          gj[odd] = static_cast<float>((p.gate_coef * s_gj[buf * Bc + 8 * n + c2 + odd] - ref) *
-                                       1.4426950408889634);
+      float2 gj2 = make_float2(0.f, 0.f);  // the two keys' terms
+      if (gated) gj2 = *reinterpret_cast<const float2*>(s_gjf + buf * Bc + 8 * n + c2);
+      const float gj[2] = {gj2.x, gj2.y};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hh = e / 2, odd = e % 2, j = j0 + 8 * n + c2 + odd;

@@ -43,12 +43,13 @@ constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_min_blocks(int D) {
 
 // Shared memory of either kernel (the larger of the two): the fixed tiles (k, v or q, dout) and
 // two buffers of the streamed ones, 16-bit, then two buffers of the streamed rows' terms (G as
-// double; lse, delta, last reset as 4-byte values) and of the fixed keys' G (double); wgmma's
-// tiles start 1024-byte aligned (slack for aligning the dynamic shared memory).
+// double; lse, delta, last reset as 4-byte values) and of the fixed keys' G (double) and their
+// float terms; wgmma's tiles start 1024-byte aligned (slack for aligning the dynamic shared
+// memory).
 constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_smem_bytes(int D, bool wgmma) {
   return 2 * (2 * attention_backward_v2_fixed * D + 4 * attention_backward_v2_stream(wgmma) * D) +
          2 * attention_backward_v2_stream(wgmma) * (8 + 3 * 4) +
-         2 * attention_backward_v2_fixed * 8 + (wgmma ? 1024 : 0);
+         2 * attention_backward_v2_fixed * (8 + 4) + (wgmma ? 1024 : 0);
 }
 
 }  // namespace cuda
