@@ -308,6 +308,16 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     j_lo = r > j_lo ? r : j_lo;
   }
   const int key_tiles = static_cast<int>((j_hi - j_lo + Bc) / Bc);
+  // A row's first and last visible keys grow with the row (its last reset too), so every row
+  // sees every key of a tile when the last row's first key and the first row's last key enclose
+  // it: then no mask.
+  index_t lo_last, hi_first;
+  p.f.key_range(i0 + rows - 1, length, lo_last, unused);
+  p.f.key_range(i0, length, unused, hi_first);
+  if (gated) {
+    const index_t r = p.reset[p.at(batch, start, i0 + rows - 1, hq)];
+    lo_last = r > lo_last ? r : lo_last;
+  }
   // The gate terms as in the dk/dv kernel, relative to ref = coef G_i0.
   const double ref = gated ? p.gate_coef * p.G[p.at(batch, start, i0, hq)] : 0.0;
 
@@ -390,19 +400,27 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
 
     // P in place of S while dP is on the tensor cores, then dS in place of dP: element (row
     // 16 warp + g + 8 (e / 2), key j0 + 8 n + c2 + e % 2).
+    const bool interior = rows == Br && j0 >= lo_last && j0 + Bc - 1 <= hi_first;
+    const auto to_p = [&](auto masked) {
 #pragma unroll
-    for (int n = 0; n < Bc / 8; ++n) {
-      float2 gj2 = make_float2(0.f, 0.f);  // the two keys' terms
-      if (gated) gj2 = *reinterpret_cast<const float2*>(s_gjf + buf * Bc + 8 * n + c2);
-      const float gj[2] = {gj2.x, gj2.y};
+      for (int n = 0; n < Bc / 8; ++n) {
+        float2 gj2 = make_float2(0.f, 0.f);  // the two keys' terms
+        if (gated) gj2 = *reinterpret_cast<const float2*>(s_gjf + buf * Bc + 8 * n + c2);
+        const float gj[2] = {gj2.x, gj2.y};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hh = e / 2, odd = e % 2, j = j0 + 8 * n + c2 + odd;
-        const bool seen = j >= klo[hh] && j <= khi[hh];
-        const float z = fmaf(s[n][e], scale_log2, gated ? gi[hh] - gj[odd] : -lse2[hh]);
-        s[n][e] = seen ? fast_exp2(z) : 0.f;
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e / 2, odd = e % 2, j = j0 + 8 * n + c2 + odd;
+          const float z = fmaf(s[n][e], scale_log2, gated ? gi[hh] - gj[odd] : -lse2[hh]);
+          float P = fast_exp2(z);
+          if constexpr (decltype(masked)::value) P = j >= klo[hh] && j <= khi[hh] ? P : 0.f;
+          s[n][e] = P;
+        }
       }
-    }
+    };
+    if (interior)
+      to_p(std::false_type{});
+    else
+      to_p(std::true_type{});
     Products::template wait_scores<0>(dp);
 #pragma unroll
     for (int n = 0; n < Bc / 8; ++n)
