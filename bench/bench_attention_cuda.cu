@@ -78,14 +78,15 @@ BENCHMARK_TEMPLATE(BM_attention_cuda, attnmix::kind::softmax, attnmix::softmax_p
 // forward table wants a filter that leaves these out.
 namespace {
 
-// Forced: the backward's kernels forced to the mma.sync ones (sm80_mma_v2) where the plan would
-// take the wgmma ones, for an A/B in one run.
-template <class Kind, class Policy, bool BackwardOnly, bool Forced = false>
+// Forced: the backward's kernels forced to another variant where it applies (the mma.sync ones,
+// or dQ inside the dk/dv kernel), for an A/B in one run.
+using attnmix::detail::cuda::attention_backward_variant;
+template <class Kind, class Policy, bool BackwardOnly, bool Forced = false,
+          attention_backward_variant Variant = attention_backward_variant::sm80_mma_v2>
 void BM_attention_train_cuda(benchmark::State& state) {
   using T = attnmix::bfloat16;
   using attnmix::detail::cuda::backward_variant_override;
-  backward_variant_override() = {Forced,
-                                 attnmix::detail::cuda::attention_backward_variant::sm80_mma_v2};
+  backward_variant_override() = {Forced, Variant};
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
   const index_t B = state.range(0), Tn = state.range(1), H = state.range(2), D = state.range(3);
   const std::size_t n = static_cast<std::size_t>(B * Tn * H * D);
@@ -140,6 +141,14 @@ BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::softmax, attnmix::sof
 BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::softmax, attnmix::softmax_policy, true,
                    true)
     ->Name("softmax_bwd_causal_mma_sync")
+    ->Apply(train_shapes);
+BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::softmax, attnmix::softmax_policy, true,
+                   true, attention_backward_variant::sm90_wgmma_fused)
+    ->Name("softmax_bwd_causal_fused")
+    ->Apply(train_shapes);
+BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::fox, attnmix::fox_policy, false, true,
+                   attention_backward_variant::sm90_wgmma_fused)
+    ->Name("fox_fused_fwd_bwd")
     ->Apply(train_shapes);
 BENCHMARK_TEMPLATE(BM_attention_train_cuda, attnmix::kind::fox, attnmix::fox_policy, false)
     ->Name("fox_fwd_bwd")

@@ -177,7 +177,14 @@ TEST_CASE("softmax backward plans: a forced variant where it applies", "[plan]")
   s.force = attention_backward_variant::sm90_wgmma;
   CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm90_wgmma);
   CHECK(plan_attention_backward(s, small_smem()).variant ==
-        attention_backward_variant::sm80_mma_v2);  // not Hopper: the plan's own choice
+        attention_backward_variant::sm80_mma_v2);          // not Hopper: the plan's own choice
+  s.force = attention_backward_variant::sm90_wgmma_fused;  // dQ in the dk/dv kernel
+  const attention_backward_plan f = plan_attention_backward(s, h200());
+  CHECK(f.variant == attention_backward_variant::sm90_wgmma_fused);
+  CHECK(f.dq_tiles == 5);  // 300 rows
+  CHECK(f.smem_bytes == attention_backward_v2_smem_bytes(64, true) + 64 * 64 * 2 + 4 * 64 * 4);
+  CHECK(plan_attention_backward(s, small_smem()).variant ==
+        attention_backward_variant::sm80_mma_v2);
   s.force = attention_backward_variant::sm80_mma_v2;
   s.head_dim = 48;  // v2 does not apply: the plan's own choice
   CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);
@@ -200,6 +207,13 @@ TEST_CASE("softmax backward scratch: offsets, delta, gate sums, G and resets", "
   CHECK(gated.gate == gated.rowsum + 3328);
   CHECK(gated.reset == gated.gate + 6400);  // 800 doubles
   CHECK(gated.bytes == gated.reset + 3328 + scratch_alignment);
+  // Fused: the float dQ sums (800 rows of D = 64) and the turns (2 sequences x 4 heads x 2 tiles).
+  const attention_backward_scratch_layout fused(p, true, 2);
+  CHECK(fused.dq_acc == gated.reset + 3328);
+  CHECK(fused.dq_acc_bytes == 800 * 64 * 4);
+  CHECK(fused.dq_turn == fused.dq_acc + 800 * 64 * 4);
+  CHECK(fused.dq_turn_bytes == 2 * 4 * 2 * 4);
+  CHECK(fused.bytes == fused.dq_turn + 256 + scratch_alignment);
   const std::int32_t offsets[] = {0, 50, 200};
   attnmix::attention_problem packed = p;
   packed.batch = 1, packed.tokens = 200, packed.cu_seqlens = offsets;

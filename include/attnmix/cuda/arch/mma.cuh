@@ -86,6 +86,21 @@ __device__ __forceinline__ void red_add2(float* p, float x, float y) {
 __device__ __forceinline__ void red_add(double* p, double x) {
   asm volatile("red.global.add.f64 [%0], %1;\n" ::"l"(p), "d"(x) : "memory");
 }
+__device__ __forceinline__ void red_add(float* p, float x) {
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
+}
+
+// A flag in global memory read with acquire and written with release semantics (GPU scope):
+// what a thread wrote before the release (and fenced, for the other threads of its CTA) is seen
+// by a thread that reads the released value.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 
 // d += a * b with 16-bit inputs (T = __half or __nv_bfloat16) and float accumulators.
 template <class T>

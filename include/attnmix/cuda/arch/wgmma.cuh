@@ -183,9 +183,9 @@ __device__ __forceinline__ void to_fragments(std::uint32_t (&a)[N / 8][4], const
 
 // wgmma with both operands in shared memory; `accumulate` = 0 overwrites d. Operands %R.. follow
 // the R accumulators.
-#define ATTNMIX_WGMMA_SS(shape, type, regs, a, b, acc, tb)                             \
+#define ATTNMIX_WGMMA_SS(shape, type, regs, a, b, acc, ta, tb)                         \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %" acc ", 0;\nwgmma.mma_async.sync.aligned." shape \
-  ".f32." type "." type " {" regs "}, %" a ", %" b ", p, 1, 1, 0, %" tb ";\n}\n"
+  ".f32." type "." type " {" regs "}, %" a ", %" b ", p, 1, 1, %" ta ", %" tb ";\n}\n"
 // wgmma with A in registers.
 #define ATTNMIX_WGMMA_RS(shape, type, regs, a0, a1, a2, a3, b, tb, one)                            \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %" one ", 0;\nwgmma.mma_async.sync.aligned." shape             \
@@ -193,35 +193,36 @@ __device__ __forceinline__ void to_fragments(std::uint32_t (&a)[N / 8][4], const
   ";\n}\n"
 
 // d (+)= A B for a 64 x N tile (N = 64 or 128: d has N / 2 floats), K = 16; A and B are
-// descriptors. TransB = 1 reads B stored with N contiguous (MN-major), 0 with K contiguous.
-template <class T, int TransB>
+// descriptors. TransB = 1 reads B stored with N contiguous (MN-major), 0 with K contiguous;
+// TransA = 1 reads A stored with M contiguous.
+template <class T, int TransB, int TransA = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[32], std::uint64_t a, std::uint64_t b,
                                          int accumulate) {
 #if ATTNMIX_WGMMA
   if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    asm volatile(ATTNMIX_WGMMA_SS("m64n64k16", "bf16", ATTNMIX_R32, "32", "33", "34", "35")
+    asm volatile(ATTNMIX_WGMMA_SS("m64n64k16", "bf16", ATTNMIX_R32, "32", "33", "34", "36", "35")
                  : ATTNMIX_D32
-                 : "l"(a), "l"(b), "r"(accumulate), "n"(TransB));
+                 : "l"(a), "l"(b), "r"(accumulate), "n"(TransB), "n"(TransA));
   else
-    asm volatile(ATTNMIX_WGMMA_SS("m64n64k16", "f16", ATTNMIX_R32, "32", "33", "34", "35")
+    asm volatile(ATTNMIX_WGMMA_SS("m64n64k16", "f16", ATTNMIX_R32, "32", "33", "34", "36", "35")
                  : ATTNMIX_D32
-                 : "l"(a), "l"(b), "r"(accumulate), "n"(TransB));
+                 : "l"(a), "l"(b), "r"(accumulate), "n"(TransB), "n"(TransA));
 #else
   wgmma_unsupported();
 #endif
 }
-template <class T, int TransB>
+template <class T, int TransB, int TransA = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], std::uint64_t a, std::uint64_t b,
                                          int accumulate) {
 #if ATTNMIX_WGMMA
   if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    asm volatile(ATTNMIX_WGMMA_SS("m64n128k16", "bf16", ATTNMIX_R64, "64", "65", "66", "67")
+    asm volatile(ATTNMIX_WGMMA_SS("m64n128k16", "bf16", ATTNMIX_R64, "64", "65", "66", "68", "67")
                  : ATTNMIX_D64
-                 : "l"(a), "l"(b), "r"(accumulate), "n"(TransB));
+                 : "l"(a), "l"(b), "r"(accumulate), "n"(TransB), "n"(TransA));
   else
-    asm volatile(ATTNMIX_WGMMA_SS("m64n128k16", "f16", ATTNMIX_R64, "64", "65", "66", "67")
+    asm volatile(ATTNMIX_WGMMA_SS("m64n128k16", "f16", ATTNMIX_R64, "64", "65", "66", "68", "67")
                  : ATTNMIX_D64
-                 : "l"(a), "l"(b), "r"(accumulate), "n"(TransB));
+                 : "l"(a), "l"(b), "r"(accumulate), "n"(TransB), "n"(TransA));
 #else
   wgmma_unsupported();
 #endif

@@ -282,6 +282,34 @@ struct sm90_backward_products {
     wgmma_commit();
     done(acc1, acc2, f1, f2);
   }
+  // A [64][N] accumulator (the warpgroup's 64 rows) as 16-bit into a tile of 128-byte atoms, for
+  // use as a product's operand (N = 64: one atom).
+  template <class T, int N>
+  __device__ __forceinline__ static void store_tile(T* tile, const float (&x)[N / 8][4]) {
+    static_assert(N == 64, "one atom wide");
+    const int lane = threadIdx.x % 32, r0 = 16 * (int(threadIdx.x) / 32) + lane / 4;
+    const int c2 = 2 * (lane % 4);
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<std::uint32_t*>(tile + sw128_layout<64>::offset(r0 + 8 * h, n) + c2) =
+            pack2<T>(x[n][2 * h], x[n][2 * h + 1]);
+  }
+  // d = X B over K (waited for): X [64][K] read from xt, its transpose [K][64] as store_tile
+  // wrote it (M contiguous), and B [K][N] N-contiguous.
+  template <class T, int K, int N>
+  __device__ __forceinline__ static void xt_b(float (&d)[N / 8][4], const T* xt, const T* b) {
+    const std::uint64_t da = wgmma_desc(xt, K * 128, 1024), db = wgmma_desc(b, K * 128, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < K / 16; ++kc)
+      wgmma_ss<T, 1, 1>(flat(d), wgmma_desc_add(da, kc * 128), wgmma_desc_add(db, kc * 128),
+                        kc > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(flat(d));
+  }
   template <int N, int F>
   __device__ __forceinline__ static void done(float (&acc)[N][4], std::uint32_t (&f)[F][4]) {
     wgmma_wait<0>();

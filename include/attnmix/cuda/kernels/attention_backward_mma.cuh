@@ -42,26 +42,36 @@ __device__ __forceinline__ unsigned char* backward_smem_base(unsigned char* raw)
   return raw + ((A - smem_address(raw) % A) % A);
 }
 
-template <class Products, class T, int D>
-__global__ void __launch_bounds__(attention_backward_v2_threads, Products::dkdv_blocks(D))
+// Fused (wgmma only): the kernel also takes each row tile's dQ = dS K and adds it to p.dq_acc
+// (and FoX's row sums of dS to p.rowsum) in the order of the key blocks, so that no dq kernel
+// recomputes S and dP: the row tiles are aligned to Br rows, and key block j adds to a tile once
+// the blocks before it (those whose rows reach the tile) have: its turn, p.dq_turn, counts them.
+// The key blocks of a (sequence, head) are launched in blockIdx.x order, so a block waits only
+// on blocks that run or have run.
+template <class Products, class T, int D, bool Fused = false>
+__global__ void __launch_bounds__(attention_backward_v2_threads,
+                                  Fused ? 2 : Products::dkdv_blocks(D))
     attention_backward_dkdv_mma_kernel(const attention_backward_params p) {
   constexpr int Bc = attention_backward_v2_fixed, Br = Products::stream;
   constexpr int NT = attention_backward_v2_threads;
   static_assert(Bc == 16 * (NT / 32), "16 keys a warp");
+  static_assert(!Fused || Br == Bc, "fused: square tiles");
   extern __shared__ __align__(128) unsigned char v2_smem[];
   T* sk = reinterpret_cast<T*>(backward_smem_base<Products>(v2_smem));  // [Bc][D]
   T* sv = sk + Bc * D;                                                  // [Bc][D]
   T* sq = sv + Bc * D;                                                  // [2][Br][D]
   T* sd = sq + 2 * Br * D;                                              // [2][Br][D] dout
+  T* s_ds = sd + 2 * Br * D;  // fused: dS^T [Bc][Br], the A operand of dQ
   // The streamed rows' G (gate cumsum), lse, delta and last reset, and the keys' G, as read.
   // The streamed rows' lse becomes their term gi, the keys' G their term gj (below), once a tile
   // by the thread that copied it.
-  double* s_gi = reinterpret_cast<double*>(sd + 2 * Br * D);  // [2][Br]
-  double* s_gj = s_gi + 2 * Br;                               // [2][Bc]
-  float* s_lse = reinterpret_cast<float*>(s_gj + 2 * Bc);     // [2][Br]
-  float* s_delta = s_lse + 2 * Br;                            // [2][Br]
-  int* s_reset = reinterpret_cast<int*>(s_delta + 2 * Br);    // [2][Br]
-  float* s_gjf = reinterpret_cast<float*>(s_reset + 2 * Br);  // [2][Bc]
+  double* s_gi = reinterpret_cast<double*>(s_ds + (Fused ? Bc * Br : 0));  // [2][Br]
+  double* s_gj = s_gi + 2 * Br;                                            // [2][Bc]
+  float* s_lse = reinterpret_cast<float*>(s_gj + 2 * Bc);                  // [2][Br]
+  float* s_delta = s_lse + 2 * Br;                                         // [2][Br]
+  int* s_reset = reinterpret_cast<int*>(s_delta + 2 * Br);                 // [2][Br]
+  float* s_gjf = reinterpret_cast<float*>(s_reset + 2 * Br);               // [2][Bc]
+  float* s_rs = s_gjf + 2 * Bc;  // fused, FoX: each warp's row sums of dS [4][Br]
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
   const int h = blockIdx.y, group = p.f.group;
@@ -73,7 +83,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads, Products::dkdv_
 
   // The query rows [lo, hi) that see some key of the tile (as attention_backward_dkdv_kernel).
   const index_t W = p.f.window, j1 = j0 + cols;
-  const index_t lo = p.f.causal ? j0 : (W > 0 ? (j0 - W + 1 > 0 ? j0 - W + 1 : 0) : 0);
+  const index_t first_row = p.f.causal ? j0 : (W > 0 ? (j0 - W + 1 > 0 ? j0 - W + 1 : 0) : 0);
+  const index_t lo = Fused ? first_row / Br * Br : first_row;
   const index_t hi = W > 0 ? (j1 + W - 1 < length ? j1 + W - 1 : length) : length;
   const int row_tiles = static_cast<int>((hi - lo + Br - 1) / Br);
   const int items = group * row_tiles;  // (query head of the group, row tile), heads outer
@@ -246,6 +257,63 @@ __global__ void __launch_bounds__(attention_backward_v2_threads, Products::dkdv_
       Products::done(dv, dk, fp, fds);
     } else {
       Products::template grads<T, Br, D>(dv, s, sdb, dk, dp, sqb);
+    }
+
+    if constexpr (Fused) {
+      // dQ of the tile's rows, dS K (dS^T through shared memory as the transposed A).
+      Products::template store_tile<T, Br>(s_ds, dp);
+      if (gated) {  // this warp's keys' sums of dS for each row, over the quad's lanes g
+#pragma unroll
+        for (int n = 0; n < Br / 8; ++n)
+#pragma unroll
+          for (int odd = 0; odd < 2; ++odd) {
+            float x = dp[n][odd] + dp[n][2 + odd];
+            x += __shfl_xor_sync(0xffffffffu, x, 4);
+            x += __shfl_xor_sync(0xffffffffu, x, 8);
+            x += __shfl_xor_sync(0xffffffffu, x, 16);
+            if (g == 0) s_rs[warp * Br + 8 * n + c2 + odd] = x;
+          }
+      }
+      fence_proxy_async();
+      __syncthreads();
+      float dqp[D / 8][4];
+      Products::template xt_b<T, Bc, D>(dqp, s_ds, sk);
+      // This block's turn on the tile: the key blocks before it whose rows reach it (the last
+      // row any block sees grows with the block).
+      int* turn = p.dq_turn + (index_t(blockIdx.z) * p.f.q_heads + hq) * p.dq_tiles + i0 / Br;
+      int rank = 0;
+      if (threadIdx.x == 0) {
+        index_t a = 0, b = blockIdx.x;
+        while (a < b) {
+          const index_t m = (a + b) / 2, m1 = min((m + 1) * Bc, length);
+          const index_t reach = W > 0 ? (m1 + W - 1 < length ? m1 + W - 1 : length) : length;
+          if (reach > i0)
+            b = m;
+          else
+            a = m + 1;
+        }
+        rank = static_cast<int>(blockIdx.x - a);
+        while (ld_acquire_gpu(turn) != rank) __nanosleep(64);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = 16 * warp + g + 8 * hh;
+        if (r < rows) {
+          float* dst = p.dq_acc + p.at(batch, start, i0 + r, hq) * D;
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n)
+            red_add2(dst + 8 * n + c2, dqp[n][2 * hh], dqp[n][2 * hh + 1]);
+        }
+      }
+      if (gated && int(threadIdx.x) < rows) {
+        const int r = threadIdx.x;
+        red_add(p.rowsum + p.at(batch, start, i0 + r, hq),
+                ((s_rs[r] + s_rs[Br + r]) + s_rs[2 * Br + r]) + s_rs[3 * Br + r]);
+      }
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) st_release_gpu(turn, rank + 1);
     }
 
     if (gated && t % row_tiles == row_tiles - 1) {  // the head's last tile: its column sums

@@ -52,6 +52,13 @@ constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_smem_bytes(int D, bool w
          2 * attention_backward_v2_fixed * (8 + 4) + (wgmma ? 1024 : 0);
 }
 
+// The fused dk/dv kernel (wgmma): the above and the dS^T tile [64][64] (16-bit) and the warps'
+// row sums of dS [4][64] (float).
+constexpr ATTNMIX_HOST_DEVICE int attention_backward_fused_smem_bytes(int D) {
+  return attention_backward_v2_smem_bytes(D, true) + attention_backward_v2_fixed * 64 * 2 +
+         4 * 64 * 4;
+}
+
 }  // namespace cuda
 }  // namespace detail
 }  // namespace attnmix

@@ -44,6 +44,12 @@ struct attention_backward_params {
   int* reset;     // [B*T*HQ] scratch: sequence-local position of the last reset at or before t
   float* colsum;  // [B*T*HQ] scratch: sum_i dS_ij of key j (per query head)
   float* rowsum;  // [B*T*HQ] scratch: sum_j dS_ij of query i
+  // dQ inside the dk/dv kernel (attention_backward_mma.cuh, Fused), else nullptr: the float sums
+  // ([B*T*HQ, D], laid out like g) and the turn of each (sequence, query head, 64-row tile): the
+  // key blocks that have added to it, which they do in order (dq_tiles tiles a head).
+  float* dq_acc;
+  int* dq_turn;
+  index_t dq_tiles;
 
   __host__ __device__ bool gated() const { return G != nullptr; }
   // Index of (sequence token t, query head hq) in the [B*T*HQ] scratch arrays.
@@ -72,6 +78,23 @@ __global__ void __launch_bounds__(attention_backward_threads)
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
   if (lane == 0) p.delta[p.at(batch, start, i, hq)] = s;
+}
+
+// dq = scale * the float sums of the fused dk/dv kernel (p.dq_acc), a warp a row, on the delta
+// kernel's grid.
+template <class T>
+__global__ void __launch_bounds__(attention_backward_threads)
+    attention_backward_dq_convert_kernel(const attention_backward_params p) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int hq = blockIdx.y;
+  index_t batch, start, length;
+  p.f.sequence(blockIdx.z, batch, start, length);
+  const index_t i = static_cast<index_t>(blockIdx.x) * attention_backward_preprocess_rows + warp;
+  if (i >= length) return;
+  const float* acc = p.dq_acc + p.at(batch, start, i, hq) * p.f.head_dim;
+  T* dq = static_cast<T*>(p.dq) + batch * p.dq_stride[0] + (start + i) * p.dq_stride[1] +
+          hq * p.dq_stride[2];
+  for (int c = lane; c < p.f.head_dim; c += 32) dq[c] = from_float<T>(acc[c] * p.scale);
 }
 
 // ---- shared tiles --------------------------------------------------------------------------

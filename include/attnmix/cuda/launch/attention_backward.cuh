@@ -94,7 +94,8 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
           " bytes of shared memory, more than this GPU gives a block (",
           current_properties().smem_per_block_optin, ")");
 
-  const attention_backward_scratch_layout layout(p, gated);
+  const bool fused = plan.variant == attention_backward_variant::sm90_wgmma_fused;
+  const attention_backward_scratch_layout layout(p, gated, fused ? plan.dq_tiles : 0);
   const stream_buffer scratch(layout.bytes, stream);
   attention_backward_params kp{};
   attention_kernel_params& f = kp.f;
@@ -131,6 +132,17 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
     kp.G = reinterpret_cast<double*>(scratch.get() + layout.gate);
     kp.reset = reinterpret_cast<int*>(scratch.get() + layout.reset);
   }
+  if (fused) {  // the sums start at 0; so do FoX's row sums, which the key blocks add to
+    kp.dq_acc = reinterpret_cast<float*>(scratch.get() + layout.dq_acc);
+    kp.dq_turn = reinterpret_cast<int*>(scratch.get() + layout.dq_turn);
+    kp.dq_tiles = plan.dq_tiles;
+    check(cudaMemsetAsync(kp.dq_acc, 0, layout.dq_acc_bytes, stream), "dq sums zeroing");
+    check(cudaMemsetAsync(kp.dq_turn, 0, layout.dq_turn_bytes, stream), "dq turns zeroing");
+    if (gated)
+      check(cudaMemsetAsync(kp.rowsum, 0,
+                            sizeof(float) * std::size_t(p.batch * p.tokens * p.q_heads), stream),
+            "row sums zeroing");
+  }
 
   const dim3 pre(plan.preprocess.x, plan.preprocess.y, plan.preprocess.z);
   if (max_len > 0) {
@@ -156,6 +168,19 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
     };
     if (plan.variant == attention_backward_variant::sm90_wgmma)
       launched = launch_v2(sm90_backward_products{});
+    if (fused)
+      launched = with_value<64, 128>(p.head_dim, [&](auto d) {
+        constexpr int D = decltype(d)::value;
+        const auto kernel =
+            attention_backward_dkdv_mma_kernel<sm90_backward_products, Dev, D, true>;
+        allow_dynamic_smem(kernel, plan.smem_bytes);
+        const dim3 g1(plan.dkdv.x, plan.dkdv.y, plan.dkdv.z);
+        kernel<<<g1, plan.threads, plan.smem_bytes, stream>>>(kp);
+        check(cudaGetLastError(), "attention backward fused dk/dv/dq kernel launch");
+        attention_backward_dq_convert_kernel<Dev>
+            <<<pre, attention_backward_threads, 0, stream>>>(kp);
+        check(cudaGetLastError(), "attention_backward_dq_convert_kernel launch");
+      });
     if (plan.variant == attention_backward_variant::sm80_mma_v2)
       launched = launch_v2(sm80_backward_products{});
     if (plan.variant == attention_backward_variant::sm80_mma)

@@ -10,6 +10,9 @@
 //
 //   sm90_wgmma: Hopper, not portable, where sm80_mma_v2 applies: its kernels with the products on
 //             wgmma (a warpgroup a CTA, 64-row streamed tiles in 128-byte-swizzled atoms).
+//   sm90_wgmma_fused: (forced only, for now) sm90_wgmma's dk/dv kernel also adds each row tile's
+//             dQ = dS K to one float sum in the order of the key blocks, then a kernel rounds it:
+//             five products where the two kernels take seven, the same bits on every run.
 //   sm80_mma_v2: half and bfloat16, D = Dv in {64, 128}, 16-byte aligned rows of q, k, v, dout
 //             (4-byte of dq, dk, dv): FlashAttention-2's kernels, with the accumulators (dk and
 //             dv of 64 keys, dq of 64 rows) in registers across the whole loop, 16-bit tiles
@@ -37,7 +40,7 @@ namespace attnmix {
 namespace detail {
 namespace cuda {
 
-enum class attention_backward_variant { sm90_wgmma, sm80_mma_v2, sm80_mma, simt };
+enum class attention_backward_variant { sm90_wgmma_fused, sm90_wgmma, sm80_mma_v2, sm80_mma, simt };
 
 // What the plan reads of a call (the launcher fills it from the validated problem).
 struct attention_backward_shape {
@@ -81,6 +84,7 @@ struct attention_backward_plan {
   launch_grid dkdv;        // (key tiles, KV heads, sequences)
   launch_grid dq;          // (query tiles, query heads, sequences)
   launch_grid gate;        // (32 query heads, sequences)
+  index_t dq_tiles = 0;    // sm90_wgmma_fused: 64-row tiles of the longest sequence (no dq grid)
 };
 
 inline attention_backward_plan plan_attention_backward(const attention_backward_shape& s,
@@ -96,6 +100,8 @@ inline attention_backward_plan plan_attention_backward(const attention_backward_
   };
   const bool v2 = fits_v2(false);
   const bool wgmma = fits_v2(true) && !s.portable && d.hopper();
+  const bool fused = wgmma && std::size_t(attention_backward_fused_smem_bytes(int(s.head_dim))) <=
+                                  d.smem_per_block_optin;
   const bool mma = s.sixteen_bit && backward_tensor_core_dims(s.head_dim, s.value_dim);
   if (wgmma)
     p.variant = attention_backward_variant::sm90_wgmma;
@@ -106,11 +112,17 @@ inline attention_backward_plan plan_attention_backward(const attention_backward_
   if (s.forced && (s.force == attention_backward_variant::simt ||
                    (s.force == attention_backward_variant::sm80_mma && mma) ||
                    (s.force == attention_backward_variant::sm80_mma_v2 && v2) ||
-                   (s.force == attention_backward_variant::sm90_wgmma && wgmma)))
+                   (s.force == attention_backward_variant::sm90_wgmma && wgmma) ||
+                   (s.force == attention_backward_variant::sm90_wgmma_fused && fused)))
     p.variant = s.force;
   if (s.keys_differ) p.variant = attention_backward_variant::simt;
-  if (p.variant == attention_backward_variant::sm90_wgmma ||
-      p.variant == attention_backward_variant::sm80_mma_v2) {
+  if (p.variant == attention_backward_variant::sm90_wgmma_fused) {
+    p.tile = attention_backward_v2_fixed;
+    p.threads = attention_backward_v2_threads;
+    p.smem_bytes = attention_backward_fused_smem_bytes(int(s.head_dim));
+    p.dq_tiles = (s.max_len + p.tile - 1) / p.tile;
+  } else if (p.variant == attention_backward_variant::sm90_wgmma ||
+             p.variant == attention_backward_variant::sm80_mma_v2) {
     const bool on_wgmma = p.variant == attention_backward_variant::sm90_wgmma;
     p.tile = attention_backward_v2_fixed;
     p.threads = attention_backward_v2_threads;
@@ -137,9 +149,13 @@ inline attention_backward_plan plan_attention_backward(const attention_backward_
 // column and row sums of dS [B*T*HQ] (float), the gate cumsum G [B*T*HQ] (double, restarting at
 // hard resets) and the position of the last reset [B*T*HQ] (int32). Each part padded to 256
 // bytes. Laid out like g ([B, T, HQ], heads innermost).
+// The fused variant (dq_tiles > 0: 64-row tiles of the longest sequence) adds the float dQ sums
+// [B*T*HQ, D] and the tiles' turns [sequences, HQ, dq_tiles] (int32), both zeroed a call.
 struct attention_backward_scratch_layout {
-  std::size_t keys = 0, delta = 0, colsum = 0, rowsum = 0, gate = 0, reset = 0, bytes = 0;
-  attention_backward_scratch_layout(const attention_problem& p, bool gated) {
+  std::size_t keys = 0, delta = 0, colsum = 0, rowsum = 0, gate = 0, reset = 0, dq_acc = 0,
+              dq_turn = 0, bytes = 0;
+  std::size_t dq_acc_bytes = 0, dq_turn_bytes = 0;
+  attention_backward_scratch_layout(const attention_problem& p, bool gated, index_t dq_tiles = 0) {
     const auto n = static_cast<std::size_t>(p.batch * p.tokens * p.q_heads);
     keys = p.cu_seqlens == nullptr ? 0 : cu_seqlens_scratch_bytes(p.num_sequences);
     delta = keys + key_offsets_bytes(p);
@@ -147,7 +163,14 @@ struct attention_backward_scratch_layout {
     rowsum = colsum + (gated ? padded_bytes(n * sizeof(float)) : 0);
     gate = rowsum + (gated ? padded_bytes(n * sizeof(float)) : 0);
     reset = gate + (gated ? padded_bytes(n * sizeof(double)) : 0);
-    bytes = reset + (gated ? padded_bytes(n * sizeof(std::int32_t)) : 0) + scratch_alignment;
+    dq_acc = reset + (gated ? padded_bytes(n * sizeof(std::int32_t)) : 0);
+    if (dq_tiles > 0) {
+      dq_acc_bytes = n * static_cast<std::size_t>(p.head_dim) * sizeof(float);
+      dq_turn_bytes =
+          static_cast<std::size_t>(p.num_sequences * p.q_heads * dq_tiles) * sizeof(std::int32_t);
+    }
+    dq_turn = dq_acc + padded_bytes(dq_acc_bytes);
+    bytes = dq_turn + padded_bytes(dq_turn_bytes) + scratch_alignment;
   }
 };
 
