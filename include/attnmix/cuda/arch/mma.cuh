@@ -57,6 +57,13 @@ __device__ __forceinline__ float fast_exp(float x) {
   return fast_exp2(x * 1.4426950408889634f);
 }
 
+// Element offset of 16-byte chunk `c` of row `r` in a row-major tile of Cols elements. Chunks
+// are XOR-swizzled by the row so that ldmatrix reads of 8 consecutive rows hit distinct banks.
+template <int Cols>
+__device__ __forceinline__ int swizzle(int r, int c) {
+  return r * Cols + ((c ^ (r & 7)) * 8);
+}
+
 __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -28,7 +28,6 @@
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/arch/wgmma.cuh"
 #include "attnmix/cuda/kernels/attention_backward_shapes.hpp"
-#include "attnmix/cuda/kernels/sm80_attention.cuh"
 
 namespace attnmix {
 namespace detail {

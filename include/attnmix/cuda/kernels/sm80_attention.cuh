@@ -28,13 +28,6 @@ struct mma_tile {
   static constexpr int smem_bytes = 2 * (q_elems + 2 * k_elems + 2 * v_elems);
 };
 
-// Element offset of 16-byte chunk `c` of row `r` in a row-major tile of Cols elements. Chunks
-// are XOR-swizzled by the row so that ldmatrix reads of 8 consecutive rows hit distinct banks.
-template <int Cols>
-__device__ __forceinline__ int swizzle(int r, int c) {
-  return r * Cols + ((c ^ (r & 7)) * 8);
-}
-
 // Copies rows [0, Rows) of a row-major tile into swizzled shared memory with cp.async; rows
 // >= valid are zero-filled. Each thread's (row, chunk) pairs are fixed, so their offsets are
 // computed once per kernel rather than once per tile.
