@@ -4,6 +4,7 @@
 // with 99 KiB. Pure host code: no CUDA header.
 
 #include <utility>
+#include <vector>
 
 #include "support/catch.hpp"
 
@@ -192,6 +193,31 @@ TEST_CASE("softmax backward plans: a forced variant where it applies", "[plan]")
   CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::sm80_mma);
   s.sixteen_bit = false, s.force = attention_backward_variant::sm80_mma;  // float: simt only
   CHECK(plan_attention_backward(s, h200()).variant == attention_backward_variant::simt);
+}
+
+// The fused kernel's turns: for every 64-row tile, the key blocks whose walks include it (from
+// their first row rounded down to 64, to their end row) are one run of blocks, and
+// backward_first_block_at finds its first from any block of the run.
+TEST_CASE("softmax backward, fused dQ: the key blocks at a row tile are a run", "[plan]") {
+  using attnmix::detail::cuda::backward_block_end_row;
+  using attnmix::detail::cuda::backward_block_first_row;
+  using attnmix::detail::cuda::backward_first_block_at;
+  for (index_t length : {1, 63, 64, 65, 300, 1000})
+    for (index_t W : {0, 1, 5, 64, 65, 200, 5000})
+      for (bool causal : {true, false}) {
+        const index_t blocks = (length + 63) / 64;
+        for (index_t i0 = 0; i0 < length; i0 += 64) {
+          std::vector<index_t> at;
+          for (index_t j = 0; j < blocks; ++j)
+            if (backward_block_first_row(j, W, causal) / 64 * 64 <= i0 &&
+                backward_block_end_row(j, W, length) > i0)
+              at.push_back(j);
+          INFO("length " << length << " W " << W << " causal " << causal << " tile " << i0);
+          REQUIRE(!at.empty());  // a row sees at least one key
+          CHECK(at.back() - at.front() + 1 == index_t(at.size()));
+          for (index_t j : at) CHECK(backward_first_block_at(i0, j, W, length) == at.front());
+        }
+      }
 }
 
 TEST_CASE("softmax backward scratch: offsets, delta, gate sums, G and resets", "[plan]") {

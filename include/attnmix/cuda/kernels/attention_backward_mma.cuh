@@ -82,10 +82,10 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   const int cols = length - j0 < Bc ? static_cast<int>(length - j0) : Bc;
 
   // The query rows [lo, hi) that see some key of the tile (as attention_backward_dkdv_kernel).
-  const index_t W = p.f.window, j1 = j0 + cols;
-  const index_t first_row = p.f.causal ? j0 : (W > 0 ? (j0 - W + 1 > 0 ? j0 - W + 1 : 0) : 0);
+  const index_t W = p.f.window;
+  const index_t first_row = backward_block_first_row(blockIdx.x, W, p.f.causal);
   const index_t lo = Fused ? first_row / Br * Br : first_row;
-  const index_t hi = W > 0 ? (j1 + W - 1 < length ? j1 + W - 1 : length) : length;
+  const index_t hi = backward_block_end_row(blockIdx.x, W, length);
   const int row_tiles = static_cast<int>((hi - lo + Br - 1) / Br);
   const int items = group * row_tiles;  // (query head of the group, row tile), heads outer
   const bool gated = p.gated();
@@ -283,16 +283,7 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
       int* turn = p.dq_turn + (index_t(blockIdx.z) * p.f.q_heads + hq) * p.dq_tiles + i0 / Br;
       int rank = 0;
       if (threadIdx.x == 0) {
-        index_t a = 0, b = blockIdx.x;
-        while (a < b) {
-          const index_t m = (a + b) / 2, m1 = min((m + 1) * Bc, length);
-          const index_t reach = W > 0 ? (m1 + W - 1 < length ? m1 + W - 1 : length) : length;
-          if (reach > i0)
-            b = m;
-          else
-            a = m + 1;
-        }
-        rank = static_cast<int>(blockIdx.x - a);
+        rank = static_cast<int>(blockIdx.x - backward_first_block_at(i0, blockIdx.x, W, length));
         while (ld_acquire_gpu(turn) != rank) __nanosleep(64);
       }
       __syncthreads();
