@@ -3,6 +3,7 @@
 // benchmarks run, on an H200 (sm_90, 132 SMs, 227 KiB of opt-in shared memory) and on a device
 // with 99 KiB. Pure host code: no CUDA header.
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -199,9 +200,9 @@ TEST_CASE("softmax backward plans: a forced variant where it applies", "[plan]")
 // their first row rounded down to 64, to their end row) are one run of blocks, and
 // backward_first_block_at finds its first from any block of the run.
 TEST_CASE("softmax backward, fused dQ: the key blocks at a row tile are a run", "[plan]") {
-  using attnmix::detail::cuda::backward_block_end_row;
-  using attnmix::detail::cuda::backward_block_first_row;
+  using attnmix::detail::cuda::backward_end_row;
   using attnmix::detail::cuda::backward_first_block_at;
+  using attnmix::detail::cuda::backward_first_row;
   for (index_t length : {1, 63, 64, 65, 300, 1000})
     for (index_t W : {0, 1, 5, 64, 65, 200, 5000})
       for (bool causal : {true, false}) {
@@ -209,8 +210,8 @@ TEST_CASE("softmax backward, fused dQ: the key blocks at a row tile are a run", 
         for (index_t i0 = 0; i0 < length; i0 += 64) {
           std::vector<index_t> at;
           for (index_t j = 0; j < blocks; ++j)
-            if (backward_block_first_row(j, W, causal) / 64 * 64 <= i0 &&
-                backward_block_end_row(j, W, length) > i0)
+            if (backward_first_row(64 * j, W, causal) / 64 * 64 <= i0 &&
+                backward_end_row(std::min(64 * j + 64, length), W, length) > i0)
               at.push_back(j);
           INFO("length " << length << " W " << W << " causal " << causal << " tile " << i0);
           REQUIRE(!at.empty());  // a row sees at least one key

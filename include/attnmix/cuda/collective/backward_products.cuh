@@ -145,7 +145,6 @@ struct sm80_backward_products {
   static constexpr int align = 128;
   static constexpr int threads = attention_backward_v2_threads;
   __host__ __device__ static constexpr bool overlap(int) { return false; }
-  static constexpr int dkdv_blocks(int D) { return attention_backward_v2_min_blocks(D); }
 
   template <int Rows, int Cols, class T>
   __device__ __forceinline__ static void load(T* smem, const T* gmem, index_t stride,
@@ -197,7 +196,6 @@ struct sm90_backward_products {
   // the 168 registers of 3 CTAs a multiprocessor (the overlap needs 212: 2 CTAs, 4 % slower on
   // an H200; at D = 128, 6 % faster).
   __host__ __device__ static constexpr bool overlap(int D) { return D > 64; }
-  static constexpr int dkdv_blocks(int D) { return attention_backward_v2_min_blocks(D); }
   static_assert(threads == 128, "a warpgroup");
 
   template <int Rows, int Cols, class T>

@@ -50,7 +50,7 @@ __device__ __forceinline__ unsigned char* backward_smem_base(unsigned char* raw)
 // on blocks that run or have run.
 template <class Products, class T, int D, bool Fused = false>
 __global__ void __launch_bounds__(attention_backward_v2_threads,
-                                  Fused ? 2 : Products::dkdv_blocks(D))
+                                  Fused ? 2 : attention_backward_v2_min_blocks(D))
     attention_backward_dkdv_mma_kernel(const attention_backward_params p) {
   constexpr int Bc = attention_backward_v2_fixed, Br = Products::stream;
   constexpr int NT = attention_backward_v2_threads;
@@ -83,9 +83,9 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
 
   // The query rows [lo, hi) that see some key of the tile (as attention_backward_dkdv_kernel).
   const index_t W = p.f.window;
-  const index_t first_row = backward_block_first_row(blockIdx.x, W, p.f.causal);
+  const index_t first_row = backward_first_row(j0, W, p.f.causal);
   const index_t lo = Fused ? first_row / Br * Br : first_row;
-  const index_t hi = backward_block_end_row(blockIdx.x, W, length);
+  const index_t hi = backward_end_row(j0 + cols, W, length);
   const int row_tiles = static_cast<int>((hi - lo + Br - 1) / Br);
   const int items = group * row_tiles;  // (query head of the group, row tile), heads outer
   const bool gated = p.gated();

@@ -52,28 +52,25 @@ constexpr ATTNMIX_HOST_DEVICE int attention_backward_v2_smem_bytes(int D, bool w
          2 * attention_backward_v2_fixed * (8 + 4) + (wgmma ? 1024 : 0);
 }
 
-// The query rows [first, end) that see some key of key block j (64 keys from 64 j, of a sequence
-// of `length`) under a window W (0: none), causal or not, as the dk/dv kernels walk them.
-constexpr ATTNMIX_HOST_DEVICE index_t backward_block_first_row(index_t j, index_t W, bool causal) {
-  const index_t j0 = j * attention_backward_v2_fixed;
+// The query rows [first, end) that see some key of keys [j0, j1) of a sequence of `length`, under
+// a window W (0: none), causal or not: the rows the dk/dv kernels walk.
+constexpr ATTNMIX_HOST_DEVICE index_t backward_first_row(index_t j0, index_t W, bool causal) {
   return causal ? j0 : (W > 0 ? (j0 - W + 1 > 0 ? j0 - W + 1 : 0) : 0);
 }
-constexpr ATTNMIX_HOST_DEVICE index_t backward_block_end_row(index_t j, index_t W, index_t length) {
-  const index_t j1 = (j + 1) * attention_backward_v2_fixed < length
-                         ? (j + 1) * attention_backward_v2_fixed
-                         : length;
+constexpr ATTNMIX_HOST_DEVICE index_t backward_end_row(index_t j1, index_t W, index_t length) {
   return W > 0 ? (j1 + W - 1 < length ? j1 + W - 1 : length) : length;
 }
-// The fused kernel walks row tiles from first / 64 * 64, so the blocks whose tiles include the one
-// at row i0 (a multiple of 64) are those up to the last such block whose rows reach past i0: a run
-// from the first block whose end row passes i0 (end rows grow with the block). Its rank in that run
-// is a block's turn on the tile. Searched among blocks 0 .. j (j's tiles include i0).
+// The fused kernel walks row tiles from first / 64 * 64, so the 64-key blocks whose tiles include
+// the one at row i0 (a multiple of 64) are those up to the last such block whose rows reach past
+// i0: a run from the first block whose end row passes i0 (end rows grow with the block). Its rank
+// in that run is a block's turn on the tile. Searched among blocks 0 .. j (j's tiles include i0).
 constexpr ATTNMIX_HOST_DEVICE index_t backward_first_block_at(index_t i0, index_t j, index_t W,
                                                               index_t length) {
+  constexpr index_t B = attention_backward_v2_fixed;
   index_t a = 0, b = j;
   while (a < b) {
     const index_t m = (a + b) / 2;
-    if (backward_block_end_row(m, W, length) > i0)
+    if (backward_end_row((m + 1) * B < length ? (m + 1) * B : length, W, length) > i0)
       b = m;
     else
       a = m + 1;

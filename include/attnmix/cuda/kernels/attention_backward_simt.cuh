@@ -58,43 +58,51 @@ struct attention_backward_params {
   }
 };
 
-// ---- delta ---------------------------------------------------------------------------------
+// ---- per-row kernels: delta, and dq from the fused kernel's sums ----------------------------
+
+// The (token, query head) a warp of the per-row kernels owns on the preprocess grid: token i of
+// sequence blockIdx.z, query head blockIdx.y; `ok` false past the sequence's end.
+struct backward_warp_row {
+  int lane, hq;
+  index_t batch, start, i;
+  bool ok;
+  __device__ explicit backward_warp_row(const attention_backward_params& p)
+      : lane(int(threadIdx.x) % 32), hq(blockIdx.y) {
+    index_t length;
+    p.f.sequence(blockIdx.z, batch, start, length);
+    i = static_cast<index_t>(blockIdx.x) * attention_backward_preprocess_rows + threadIdx.x / 32;
+    ok = i < length;
+  }
+  // Element 0 of the row in a [B, T, H, .] tensor of strides s.
+  template <class T>
+  __device__ T* in(T* base, const index_t (&s)[3]) const {
+    return base + batch * s[0] + (start + i) * s[1] + hq * s[2];
+  }
+};
 
 template <class T>
 __global__ void __launch_bounds__(attention_backward_threads)
     attention_backward_delta_kernel(const attention_backward_params p) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int hq = blockIdx.y;
-  index_t batch, start, length;
-  p.f.sequence(blockIdx.z, batch, start, length);
-  const index_t i = static_cast<index_t>(blockIdx.x) * attention_backward_preprocess_rows + warp;
-  if (i >= length) return;
-  const T* o = static_cast<const T*>(p.f.out) + batch * p.f.out_stride[0] +
-               (start + i) * p.f.out_stride[1] + hq * p.f.out_stride[2];
-  const T* d = static_cast<const T*>(p.dout) + batch * p.dout_stride[0] +
-               (start + i) * p.dout_stride[1] + hq * p.dout_stride[2];
+  const backward_warp_row w(p);
+  if (!w.ok) return;
+  const T* o = w.in(static_cast<const T*>(p.f.out), p.f.out_stride);
+  const T* d = w.in(static_cast<const T*>(p.dout), p.dout_stride);
   float s = 0.f;
-  for (int c = lane; c < p.f.value_dim; c += 32) s += to_float(o[c]) * to_float(d[c]);
+  for (int c = w.lane; c < p.f.value_dim; c += 32) s += to_float(o[c]) * to_float(d[c]);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if (lane == 0) p.delta[p.at(batch, start, i, hq)] = s;
+  if (w.lane == 0) p.delta[p.at(w.batch, w.start, w.i, w.hq)] = s;
 }
 
-// dq = scale * the float sums of the fused dk/dv kernel (p.dq_acc), a warp a row, on the delta
-// kernel's grid.
+// dq = scale * the float sums of the fused dk/dv kernel (p.dq_acc).
 template <class T>
 __global__ void __launch_bounds__(attention_backward_threads)
     attention_backward_dq_convert_kernel(const attention_backward_params p) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int hq = blockIdx.y;
-  index_t batch, start, length;
-  p.f.sequence(blockIdx.z, batch, start, length);
-  const index_t i = static_cast<index_t>(blockIdx.x) * attention_backward_preprocess_rows + warp;
-  if (i >= length) return;
-  const float* acc = p.dq_acc + p.at(batch, start, i, hq) * p.f.head_dim;
-  T* dq = static_cast<T*>(p.dq) + batch * p.dq_stride[0] + (start + i) * p.dq_stride[1] +
-          hq * p.dq_stride[2];
-  for (int c = lane; c < p.f.head_dim; c += 32) dq[c] = from_float<T>(acc[c] * p.scale);
+  const backward_warp_row w(p);
+  if (!w.ok) return;
+  const float* acc = p.dq_acc + p.at(w.batch, w.start, w.i, w.hq) * p.f.head_dim;
+  T* dq = w.in(static_cast<T*>(p.dq), p.dq_stride);
+  for (int c = w.lane; c < p.f.head_dim; c += 32) dq[c] = from_float<T>(acc[c] * p.scale);
 }
 
 // ---- shared tiles --------------------------------------------------------------------------

@@ -94,9 +94,9 @@ __global__ void __launch_bounds__(attention_backward_threads)
   if (j0 >= length) return;
   const int cols = length - j0 < B ? static_cast<int>(length - j0) : B;
 
-  const index_t W = p.f.window, j1 = j0 + cols;
-  const index_t lo = p.f.causal ? j0 : (W > 0 ? (j0 - W + 1 > 0 ? j0 - W + 1 : 0) : 0);
-  const index_t hi = W > 0 ? (j1 + W - 1 < length ? j1 + W - 1 : length) : length;
+  const index_t W = p.f.window;
+  const index_t lo = backward_first_row(j0, W, p.f.causal);
+  const index_t hi = backward_end_row(j0 + cols, W, length);
 
   load_keys<T>(p, t, batch, start, j0, cols, h);
   float dk[Chunks][4], dv[Chunks][4];  // column tiles w / 2 + 4 j of key tile mt
