@@ -338,12 +338,17 @@ void check_chaining(index_t B, index_t Tn, index_t T1, index_t HQ, index_t H, in
   attnmix::detail::cuda::check(cudaDeviceSynchronize(), "chained calls");
 
   const double tol = sizeof(T) == 2 ? 1e-2 : 2e-5;
+  // 16-bit gated: the state update rounds w o v to bfloat16 once, w relative to the running
+  // reference, which the split moves (the second call's is the carried log-sum-exp, where one
+  // call's may be the last key's own logit, w = 1 exact). A dominant key then differs by its
+  // rounding, 2^-9 of its term: the states agree to twice that, not to float.
+  const double state_tol = sizeof(T) == 2 && gated ? 4e-3 : 2e-5;
   INFO("seed " << test_seed() << " B=" << B << " T=" << Tn << " T1=" << T1 << " HQ=" << HQ << " H="
                << H << " D=" << D << " Dv=" << Dv << " dtype " << attnmix::scalar_traits<T>::name);
   CHECK(rel_error(convert_all<double>(out_two.to_host()), convert_all<double>(out_one.to_host())) <=
         tol);
-  CHECK(rel_error(S_two.to_host(), to_double(S_one.to_host())) <= 2e-5);
-  CHECK(rel_error(z_two.to_host(), to_double(z_one.to_host())) <= 2e-5);
+  CHECK(rel_error(S_two.to_host(), to_double(S_one.to_host())) <= state_tol);
+  CHECK(rel_error(z_two.to_host(), to_double(z_one.to_host())) <= state_tol);
   if (gated) CHECK(lse_error(lse_two.to_host(), to_double(lse_one.to_host())) <= 2e-5);
 }
 
