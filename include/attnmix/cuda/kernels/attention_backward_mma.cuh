@@ -46,8 +46,8 @@ __device__ __forceinline__ unsigned char* backward_smem_base(unsigned char* raw)
 // (and FoX's row sums of dS to p.rowsum) in the order of the key blocks, so that no dq kernel
 // recomputes S and dP: the row tiles are aligned to Br rows, and key block j adds to a tile once
 // the blocks before it (those whose rows reach the tile) have: its turn, p.dq_turn, counts them.
-// The key blocks of a (sequence, head) are launched in blockIdx.x order, so a block waits only
-// on blocks that run or have run.
+// Blocks are launched in blockIdx.x order and take their key blocks in turn order (descending
+// when causal, below), so a block waits only on blocks that run or have run.
 template <class Products, class T, int D, bool Fused = false>
 __global__ void __launch_bounds__(attention_backward_v2_threads,
                                   Fused ? 2 : attention_backward_v2_min_blocks(D))
@@ -77,8 +77,15 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   const int h = blockIdx.y, group = p.f.group;
   index_t batch, start, length;
   p.f.sequence(blockIdx.z, batch, start, length);
-  const index_t j0 = static_cast<index_t>(blockIdx.x) * Bc;
-  if (j0 >= length) return;
+  // Fused and causal: key blocks in descending order (blockIdx.x 0 takes the last), the order
+  // of their turns, so that a block waits only on blocks launched before it, and, each walking
+  // its row tiles up from its own, never waits on one (the block after it reaches a tile a step
+  // after it does).
+  const index_t blocks = (length + Bc - 1) / Bc;
+  const bool descending = Fused && p.f.causal;
+  const index_t jb = descending ? blocks - 1 - index_t(blockIdx.x) : index_t(blockIdx.x);
+  if (jb < 0 || jb >= blocks) return;
+  const index_t j0 = jb * Bc;
   const int cols = length - j0 < Bc ? static_cast<int>(length - j0) : Bc;
 
   // The query rows [lo, hi) that see some key of the tile (as attention_backward_dkdv_kernel).
@@ -278,12 +285,15 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
       __syncthreads();
       float dqp[D / 8][4];
       Products::template xt_b<T, Bc, D>(dqp, s_ds, sk);
-      // This block's turn on the tile: the key blocks before it whose rows reach it (the last
-      // row any block sees grows with the block).
+      // This block's turn on the tile: the key blocks before it whose rows reach it. Causal:
+      // blocks i0 / Br down to this one (each starts at its own tile); else in ascending order,
+      // from the first block whose rows reach the tile (the last row any block sees grows with
+      // the block).
       int* turn = p.dq_turn + (index_t(blockIdx.z) * p.f.q_heads + hq) * p.dq_tiles + i0 / Br;
       int rank = 0;
       if (threadIdx.x == 0) {
-        rank = static_cast<int>(blockIdx.x - backward_first_block_at(i0, blockIdx.x, W, length));
+        rank = static_cast<int>(descending ? i0 / Br - jb
+                                           : jb - backward_first_block_at(i0, jb, W, length));
         while (ld_acquire_gpu(turn) != rank) __nanosleep(64);
       }
       __syncthreads();
