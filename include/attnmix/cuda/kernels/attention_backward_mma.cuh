@@ -154,6 +154,9 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   // This thread's keys: 16 warp + g + 8 h (h = 0, 1), sequence-local j0 + that.
   const int key0 = 16 * warp + g;
   float colsum[2] = {0.f, 0.f};
+  // Fused: the turn this block holds, passed on a tile later, once its adds are visible.
+  int* held = nullptr;
+  int held_rank = 0;
 
   for (int t = 0; t < items; ++t) {
     const int buf = t % 2;
@@ -282,7 +285,11 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
           }
       }
       fence_proxy_async();
+      // The previous tile's adds, issued a tile's products ago, are visible before its turn
+      // passes on (after the barrier).
+      if (held != nullptr) __threadfence();
       __syncthreads();
+      if (threadIdx.x == 0 && held != nullptr) st_release_gpu(held, held_rank + 1);
       float dqp[D / 8][4];
       Products::template xt_b<T, Bc, D>(dqp, s_ds, sk);
       // This block's turn on the tile: the key blocks before it whose rows reach it. Causal:
@@ -312,9 +319,7 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
         red_add(p.rowsum + p.at(batch, start, i0 + r, hq),
                 ((s_rs[r] + s_rs[Br + r]) + s_rs[2 * Br + r]) + s_rs[3 * Br + r]);
       }
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) st_release_gpu(turn, rank + 1);
+      held = turn, held_rank = rank;
     }
 
     if (gated && t % row_tiles == row_tiles - 1) {  // the head's last tile: its column sums
@@ -329,6 +334,11 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
       }
     }
     __syncthreads();  // the next iteration's prefetch overwrites this buffer
+  }
+  if (Fused && held != nullptr) {  // the last tile's turn
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_gpu(held, held_rank + 1);
   }
 
   T* dk_out = static_cast<T*>(p.dk) + batch * p.dk_stride[0] + (start + j0) * p.dk_stride[1] +
