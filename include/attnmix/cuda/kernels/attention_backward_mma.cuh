@@ -24,8 +24,8 @@
 
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/collective/backward_products.cuh"
+#include "attnmix/cuda/kernels/attention_backward_params.cuh"
 #include "attnmix/cuda/kernels/attention_backward_shapes.hpp"
-#include "attnmix/cuda/kernels/attention_backward_simt.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -10,8 +10,8 @@
 #include <cstdint>
 
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/collective/split_decode.cuh"
 #include "attnmix/cuda/kernels/attention_params.cuh"
-#include "attnmix/cuda/kernels/split_decode.cuh"
 
 namespace attnmix {
 namespace detail {

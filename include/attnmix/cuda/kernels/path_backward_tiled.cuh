@@ -20,7 +20,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attnmix/cuda/kernels/path_backward_simt.cuh"
+#include "attnmix/cuda/kernels/path_backward_params.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -22,8 +22,8 @@
 
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/collective/split_decode.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
-#include "attnmix/cuda/kernels/split_decode.cuh"
 
 namespace attnmix {
 namespace detail {

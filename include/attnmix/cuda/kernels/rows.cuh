@@ -9,6 +9,7 @@
 
 #include "attnmix/core/tensor_view.hpp"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/collective/row_ops.cuh"
 
 namespace attnmix {
 namespace detail {
@@ -16,32 +17,6 @@ namespace cuda {
 
 // ---- elementwise maps ----------------------------------------------------------------------
 // y[i] = Op(a[i], b[i]) over n values; each Op is a struct so that nvcc needs no lambdas.
-
-struct silu_times {  // SwiGLU: SiLU(gate) * up
-  __device__ float operator()(float g, float u) const { return g / (1.f + __expf(-g)) * u; }
-};
-struct times_sigmoid {  // output gate: o * sigmoid(g)
-  __device__ float operator()(float o, float g) const { return o / (1.f + __expf(-g)); }
-};
-struct gelu_of {  // exact (erf) GELU
-  __device__ float operator()(float x, float) const {
-    return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
-  }
-};
-struct relu_of {
-  __device__ float operator()(float x, float) const { return fmaxf(x, 0.f); }
-};
-struct log_sigmoid_of {  // min(x, 0) - log1p(exp(-|x|)): no overflow
-  __device__ float operator()(float x, float) const {
-    return fminf(x, 0.f) - log1pf(__expf(-fabsf(x)));
-  }
-};
-struct two_sigmoid_of {  // PaTH's beta = 2 sigmoid(x)
-  __device__ float operator()(float x, float) const { return 2.f / (1.f + __expf(-x)); }
-};
-struct plus {  // the residual update h + m
-  __device__ float operator()(float h, float m) const { return h + m; }
-};
 
 template <class Op, class Out, class InA, class InB>
 __global__ void map_kernel(Out* __restrict__ y, const InA* a, const InB* b, index_t n, Op op) {

@@ -16,7 +16,7 @@
 
 #include "attnmix/core/tensor_view.hpp"
 #include "attnmix/cuda/arch/types.cuh"
-#include "attnmix/cuda/kernels/rows.cuh"
+#include "attnmix/cuda/collective/row_ops.cuh"
 
 namespace attnmix {
 namespace detail {

@@ -11,6 +11,7 @@
 
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/arch/types.cuh"
+#include "attnmix/cuda/collective/attention_tiles.cuh"
 #include "attnmix/cuda/kernels/attention_params.cuh"
 
 namespace attnmix {
@@ -27,66 +28,6 @@ struct mma_tile {
   static constexpr int q_elems = br * D, k_elems = Bc * D, v_elems = Bc * Dv;
   static constexpr int smem_bytes = 2 * (q_elems + 2 * k_elems + 2 * v_elems);
 };
-
-// Copies rows [0, Rows) of a row-major tile into swizzled shared memory with cp.async; rows
-// >= valid are zero-filled. Each thread's (row, chunk) pairs are fixed, so their offsets are
-// computed once per kernel rather than once per tile.
-template <int Rows, int Cols, int Threads>
-struct tile_loader {
-  static constexpr int chunks = Cols / 8;
-  static constexpr int per_thread = (Rows * chunks + Threads - 1) / Threads;
-  static_assert(Rows * chunks % Threads == 0, "tile chunks must divide evenly among threads");
-  int row[per_thread], smem_offset[per_thread];
-  index_t gmem_offset[per_thread];
-
-  __device__ tile_loader(index_t row_stride) {
-#pragma unroll
-    for (int k = 0; k < per_thread; ++k) {
-      const int idx = threadIdx.x + k * Threads, r = idx / chunks, c = idx % chunks;
-      row[k] = r;
-      smem_offset[k] = swizzle<Cols>(r, c);
-      gmem_offset[k] = r * row_stride + c * 8;
-    }
-  }
-  // `safe` is any readable address, used for the zero-filled rows.
-  template <class T>
-  __device__ __forceinline__ void load(T* smem, const T* gmem, index_t valid, const T* safe) const {
-#pragma unroll
-    for (int k = 0; k < per_thread; ++k) {
-      const bool ok = row[k] < valid;
-      cp_async_16(smem + smem_offset[k], ok ? gmem + gmem_offset[k] : safe, ok);
-    }
-  }
-};
-
-// Epilogue of the tensor-core kernels, whose O accumulators share one layout: o[4 j + 2 h + e]
-// is row r0 + 8 h, column 8 j + c + e (c = 2 (lane % 4)), and a row's partial sums l live in
-// the quad of lanes that share it. Stores this thread's two rows of the tile at `out` (rows >=
-// `rows` are not stored), normalised, and with `lse` (row 0's, or nullptr) the log-sum-exp from
-// the base-2 maxima m.
-template <class T, int Dv>
-__device__ __forceinline__ void store_output_rows(T* out, index_t out_stride, float* lse,
-                                                  index_t lse_stride, int r0, index_t rows,
-                                                  const float* o, const float (&m)[2],
-                                                  const float (&l)[2]) {
-  const int lane = threadIdx.x % 32, c = 2 * (lane % 4);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = l[h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int r = r0 + 8 * h;
-    if (r >= rows) continue;
-    const float inv = 1.f / sum;
-    T* orow = out + r * out_stride;
-#pragma unroll
-    for (int j = 0; j < Dv / 8; ++j)
-      *reinterpret_cast<std::uint32_t*>(orow + 8 * j + c) =
-          pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-    if (lse != nullptr && lane % 4 == 0)
-      lse[r * lse_stride] = (m[h] + log2f(sum)) * 0.6931471805599453f;
-  }
-}
 
 template <class T, int D, int Dv, int Warps, int MTiles, int Bc>
 __global__ void __launch_bounds__(32 * Warps)

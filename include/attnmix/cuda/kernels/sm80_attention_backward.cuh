@@ -12,7 +12,8 @@
 #include <cstdint>
 
 #include "attnmix/cuda/arch/mma.cuh"
-#include "attnmix/cuda/kernels/attention_backward_simt.cuh"
+#include "attnmix/cuda/collective/backward_tiles.cuh"
+#include "attnmix/cuda/kernels/attention_backward_params.cuh"
 
 namespace attnmix {
 namespace detail {

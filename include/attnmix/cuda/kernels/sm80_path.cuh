@@ -15,8 +15,8 @@
 
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/arch/types.cuh"
-#include "attnmix/cuda/kernels/path_simt.cuh"
-#include "attnmix/cuda/kernels/sm80_attention.cuh"
+#include "attnmix/cuda/collective/attention_tiles.cuh"
+#include "attnmix/cuda/kernels/path_params.cuh"
 
 namespace attnmix {
 namespace detail {

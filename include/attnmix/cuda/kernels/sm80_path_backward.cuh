@@ -32,7 +32,7 @@
 #include "attnmix/cuda/collective/split_mma.cuh"
 #include "attnmix/cuda/collective/split_tiles.cuh"
 #include "attnmix/cuda/collective/tril_inverse.cuh"
-#include "attnmix/cuda/kernels/path_backward_simt.cuh"
+#include "attnmix/cuda/kernels/path_backward_params.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {

@@ -18,7 +18,7 @@
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/collective/split_mma.cuh"
 #include "attnmix/cuda/collective/split_tiles.cuh"
-#include "attnmix/cuda/kernels/path_simt.cuh"
+#include "attnmix/cuda/kernels/path_params.cuh"
 #include "attnmix/cuda/kernels/shapes.hpp"
 
 namespace attnmix {

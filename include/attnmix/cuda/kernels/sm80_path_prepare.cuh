@@ -23,7 +23,7 @@
 #include "attnmix/cuda/arch/mma.cuh"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/collective/tril_inverse.cuh"
-#include "attnmix/cuda/kernels/path_simt.cuh"
+#include "attnmix/cuda/kernels/path_params.cuh"
 
 namespace attnmix {
 namespace detail {

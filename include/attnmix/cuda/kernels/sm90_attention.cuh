@@ -17,8 +17,8 @@
 #include "attnmix/cuda/arch/mbarrier.cuh"
 #include "attnmix/cuda/arch/types.cuh"
 #include "attnmix/cuda/arch/wgmma.cuh"
+#include "attnmix/cuda/collective/attention_tiles.cuh"
 #include "attnmix/cuda/kernels/attention_params.cuh"
-#include "attnmix/cuda/kernels/sm80_attention.cuh"
 
 namespace attnmix {
 namespace detail {
@@ -48,62 +48,6 @@ struct wgmma_tile {
   static constexpr int queue_offset = barrier_offset + 16 * (Stages + 1);
   static constexpr int smem_bytes = queue_offset + 16 + 1024;  // + alignment slack
 };
-
-// One step of the online softmax (base 2) of a 64 x N score tile in the wgmma accumulator
-// layout (s[4 j + 2 h + e]: row row0 + 8 h, column 8 j + c2 + e; a row lives in a quad of lanes):
-// s becomes P, the row maxima m (of the logits) and this thread's partial row sums l advance,
-// and rescale[h] says by how much O shrinks. One FFMA and one exp2 a score: without a gate the
-// maximum is taken over the raw scores (scale > 0) and the scale is folded into the exponent;
-// with one, over s * scale - gate_col (neg_gate: -gate_col at this thread's first column), the
-// row's gate term added to the maximum (gate_row is read only then). A row that has seen no
-// visible key keeps zeros.
-template <int N>
-__device__ __forceinline__ void online_softmax(float (&s)[N / 2], bool gated, const float* neg_gate,
-                                               const float (&gate_row)[2], float scale_log2,
-                                               float (&m)[2], float (&l)[2], float (&rescale)[2]) {
-  if (gated) {
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-      const float2 gc = *reinterpret_cast<const float2*>(neg_gate + 8 * j);  // both rows' columns
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        s[4 * j + 2 * h] = fmaf(s[4 * j + 2 * h], scale_log2, gc.x);
-        s[4 * j + 2 * h + 1] = fmaf(s[4 * j + 2 * h + 1], scale_log2, gc.y);
-      }
-    }
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    // Maxima and sums in 4 independent chains: with few warps an SM, latency rules.
-    float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-      part[j % 4] = fmaxf(part[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-    float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float tile_max =
-        mx == -INFINITY ? -INFINITY : (gated ? mx + gate_row[h] : mx * scale_log2);
-    const float m_new = fmaxf(m[h], tile_max);
-    // exp2(logit - m_new) = exp2(s * mul + add); no visible key yet: keep zeros.
-    const float mul = gated ? 1.f : scale_log2;
-    const float add = m_new == -INFINITY ? 0.f : (gated ? gate_row[h] : 0.f) - m_new;
-    rescale[h] = fast_exp2(m[h] - (m_new == -INFINITY ? 0.f : m_new));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) part[i] = 0.f;
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[4 * j + 2 * h + e];
-        x = fast_exp2(fmaf(x, mul, add));
-        part[j % 4] += x;
-      }
-    // Per-thread partial sums; the quad is summed at the end.
-    l[h] = l[h] * rescale[h] + ((part[0] + part[1]) + (part[2] + part[3]));
-    m[h] = m_new;
-  }
-}
 
 // Persistent: a CTA an SM. Each takes item blockIdx.x first, then the next of a device-wide
 // counter (p.work_counter, zeroed before the launch), so that items start in order (heaviest
