@@ -188,6 +188,72 @@ __device__ __forceinline__ void for_tile(int rows, int cols, F&& f) {
   for (int idx = threadIdx.x; idx < total; idx += blockDim.x) f(idx / cols, idx % cols);
 }
 
+// The shared memory of the CUDA-core query kernels (path_backward_simt.cuh,
+// path_backward_tiled.cuh) as plan/path_backward.hpp's path_backward_query_smem, ld = D + 1, lc = C
+// + 1 floats a row; and a query chunk's rows loaded into it.
+struct path_backward_float_tiles {
+  static constexpr int C = path_chunk, lc = C + 1;
+  int ld;
+  float* qs;     // scale * Q                        [C][ld]
+  float* dqs;    // d Qs                             [C][ld]
+  float* r;      // the running queries              [C][ld]
+  float* rbar;   // their adjoint                    [C][ld]
+  float* x;      // tril(Qs W^T)                     [C][lc]
+  float* s;      // scores, then p                   [C][lc]
+  float* dz;     // dZ (the tiled kernel: dO V^T first) [C][lc]
+  float* dx;     // dX                               [C][lc]
+  float* tmp;    // r W^T or rbar U^T                [C][lc]
+  float* lse;    // [C]
+  float* delta;  // [C]
+  float* gi;     // [C]
+  int* reset_i;  // [C] each row's last hard reset
+
+  __device__ path_backward_float_tiles(float* smem, int D)
+      : ld(D + 1),
+        qs(smem),
+        dqs(qs + C * ld),
+        r(dqs + C * ld),
+        rbar(r + C * ld),
+        x(rbar + C * ld),
+        s(x + C * lc),
+        dz(s + C * lc),
+        dx(dz + C * lc),
+        tmp(dx + C * lc),
+        lse(tmp + C * lc),
+        delta(lse + C),
+        gi(delta + C),
+        reset_i(reinterpret_cast<int*>(gi + C)) {}
+
+  // Query chunk c0 (n rows) of head hq: Qs, lse, delta, the rows' gate terms (relative to g_ref)
+  // and their last resets; rows past n are 0. Ends with a barrier.
+  template <class T>
+  __device__ __forceinline__ void load_rows(const path_backward_params& p,
+                                            const path_backward_cta<T>& cta,
+                                            const path_backward_query_rows<T>& qr, int hq,
+                                            index_t c0, int n, double g_ref) const {
+    const int D = p.kp.a.head_dim, Dv = p.kp.a.value_dim;
+    const index_t HQ = p.kp.a.q_heads;
+    const float scale = p.scale;
+    for_tile(C, D, [&](int a, int d) {
+      qs[a * ld + d] = a < n ? scale * to_float(qr.Q[(c0 + a) * qr.qs1 + d]) : 0.f;
+    });
+    for (int a = threadIdx.x; a < C; a += blockDim.x) {
+      float dl = 0.f, l = 0.f, gg = 0.f;
+      int rs = 0;
+      if (a < n) {
+        for (int e = 0; e < Dv; ++e)
+          dl += to_float(qr.dO[(c0 + a) * qr.dos1 + e]) * to_float(qr.O[(c0 + a) * qr.os1 + e]);
+        l = p.lse[cta.batch * p.lse_stride[0] + (cta.start + c0 + a) * p.lse_stride[1] +
+                  hq * p.lse_stride[2]];
+        if (qr.G != nullptr) gg = static_cast<float>(p.coef * (qr.G[(c0 + a) * HQ] - g_ref));
+        if (qr.R != nullptr) rs = qr.R[(c0 + a) * HQ];
+      }
+      delta[a] = dl, lse[a] = l, gi[a] = gg, reset_i[a] = rs;
+    }
+    __syncthreads();
+  }
+};
+
 }  // namespace cuda
 }  // namespace detail
 }  // namespace attnmix

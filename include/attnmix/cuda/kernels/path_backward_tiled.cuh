@@ -95,19 +95,12 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
   extern __shared__ float smem[];
   const path_kernel_params& kp = p.kp;
   const int D = kp.a.head_dim, Dv = kp.a.value_dim, ld = D + 1;
-  float* qs = smem;                               // scale * Q            [C][ld]
-  float* dqs = qs + C * ld;                       // d Qs                 [C][ld]
-  float* r = dqs + C * ld;                        // the running queries  [C][ld]
-  float* rbar = r + C * ld;                       // their adjoint        [C][ld]
-  float* x = rbar + C * ld;                       // tril(Qs W^T)         [C][lc]
-  float* s = x + C * lc;                          // scores, then p       [C][lc]
-  float* dz = s + C * lc;                         // dO V^T, then dZ      [C][lc]
-  float* dx = dz + C * lc;                        // dX                   [C][lc]
-  float* tmp = dx + C * lc;                       // r W^T or rbar U^T    [C][lc]
-  float* lse = tmp + C * lc;                      // [C]
-  float* delta = lse + C;                         // [C]
-  float* gi = delta + C;                          // [C]
-  int* reset_i = reinterpret_cast<int*>(gi + C);  // [C] each row's last hard reset
+  const path_backward_float_tiles tiles(smem, D);
+  float *qs = tiles.qs, *dqs = tiles.dqs, *r = tiles.r, *rbar = tiles.rbar, *x = tiles.x,
+        *s = tiles.s;
+  float *dz = tiles.dz, *dx = tiles.dx, *tmp = tiles.tmp, *lse = tiles.lse, *delta = tiles.delta,
+        *gi = tiles.gi;
+  int* reset_i = tiles.reset_i;
 
   const int h = blockIdx.y, group = kp.a.group;
   const path_backward_cta<T> cta(p);
@@ -123,24 +116,7 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
       const int n = cta.length - c0 < C ? static_cast<int>(cta.length - c0) : C;
       const double g_ref = qr.G != nullptr ? qr.G[c0 * HQ] : 0.0;
 
-      // Load Qs, lse, delta, the gate terms of the rows and their resets.
-      for_tile(C, D, [&](int a, int d) {
-        qs[a * ld + d] = a < n ? scale * to_float(qr.Q[(c0 + a) * qr.qs1 + d]) : 0.f;
-      });
-      for (int a = threadIdx.x; a < C; a += blockDim.x) {
-        float dl = 0.f, l = 0.f, gg = 0.f;
-        int rs = 0;
-        if (a < n) {
-          for (int e = 0; e < Dv; ++e)
-            dl += to_float(qr.dO[(c0 + a) * qr.dos1 + e]) * to_float(qr.O[(c0 + a) * qr.os1 + e]);
-          l = p.lse[cta.batch * p.lse_stride[0] + (cta.start + c0 + a) * p.lse_stride[1] +
-                    hq * p.lse_stride[2]];
-          if (qr.G != nullptr) gg = static_cast<float>(p.coef * (qr.G[(c0 + a) * HQ] - g_ref));
-          if (qr.R != nullptr) rs = qr.R[(c0 + a) * HQ];
-        }
-        delta[a] = dl, lse[a] = l, gi[a] = gg, reset_i[a] = rs;
-      }
-      __syncthreads();
+      tiles.load_rows(p, cta, qr, hq, c0, n, g_ref);
 
       // Query rows past n read as 0 (qs is 0 there; global rows are never read).
       const auto dO_at = [&](int a, int e) {
