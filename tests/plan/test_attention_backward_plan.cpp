@@ -198,11 +198,14 @@ TEST_CASE("softmax backward plans: a forced variant where it applies", "[plan]")
 
 // The fused kernel's turns: for every 64-row tile, the key blocks whose walks include it (from
 // their first row rounded down to 64, to their end row) are one run of blocks, and
-// backward_first_block_at finds its first from any block of the run.
+// backward_first_block_at finds its first from any block of the run. Their turns
+// (backward_turn) are 0, 1, ... in the order the blocks launch (causal: the last block first,
+// and the last block at a tile is the one that starts there).
 TEST_CASE("softmax backward, fused dQ: the key blocks at a row tile are a run", "[plan]") {
   using attnmix::detail::cuda::backward_end_row;
   using attnmix::detail::cuda::backward_first_block_at;
   using attnmix::detail::cuda::backward_first_row;
+  using attnmix::detail::cuda::backward_turn;
   for (index_t length : {1, 63, 64, 65, 300, 1000})
     for (index_t W : {0, 1, 5, 64, 65, 200, 5000})
       for (bool causal : {true, false}) {
@@ -217,6 +220,13 @@ TEST_CASE("softmax backward, fused dQ: the key blocks at a row tile are a run", 
           REQUIRE(!at.empty());  // a row sees at least one key
           CHECK(at.back() - at.front() + 1 == index_t(at.size()));
           for (index_t j : at) CHECK(backward_first_block_at(i0, j, W, length) == at.front());
+          for (index_t j : at) {
+            const index_t turn = backward_turn(i0, j, W, length, causal);
+            // Launched in blockIdx order: causal, blockIdx = blocks - 1 - j.
+            const index_t launched = causal ? blocks - 1 - j : j;
+            const index_t first_launched = causal ? blocks - 1 - at.back() : at.front();
+            CHECK(turn == launched - first_launched);
+          }
         }
       }
 }

@@ -292,15 +292,12 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
       if (threadIdx.x == 0 && held != nullptr) st_release_gpu(held, held_rank + 1);
       float dqp[D / 8][4];
       Products::template xt_b<T, Bc, D>(dqp, s_ds, sk);
-      // This block's turn on the tile: the key blocks before it whose rows reach it. Causal:
-      // blocks i0 / Br down to this one (each starts at its own tile); else in ascending order,
-      // from the first block whose rows reach the tile (the last row any block sees grows with
-      // the block).
+      // This block's turn on the tile (backward_turn): the key blocks before it whose rows reach
+      // it have added theirs.
       int* turn = p.dq_turn + (index_t(blockIdx.z) * p.f.q_heads + hq) * p.dq_tiles + i0 / Br;
       int rank = 0;
       if (threadIdx.x == 0) {
-        rank = static_cast<int>(descending ? i0 / Br - jb
-                                           : jb - backward_first_block_at(i0, jb, W, length));
+        rank = static_cast<int>(backward_turn(i0, jb, W, length, descending));
         while (ld_acquire_gpu(turn) != rank) __nanosleep(64);
       }
       __syncthreads();

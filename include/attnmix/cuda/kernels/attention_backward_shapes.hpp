@@ -78,6 +78,16 @@ constexpr ATTNMIX_HOST_DEVICE index_t backward_first_block_at(index_t i0, index_
   return a;
 }
 
+// Key block j's turn on the row tile at i0 (a multiple of 64) in the fused kernel, whose rows
+// reach it: causal, the blocks take their turns in descending order from i0 / 64 (the last block
+// whose rows start at or before the tile; each starts at its own tile, so the one after it in
+// turn reaches the tile a step later and never waits); otherwise ascending from the first.
+constexpr ATTNMIX_HOST_DEVICE index_t backward_turn(index_t i0, index_t j, index_t W,
+                                                    index_t length, bool causal) {
+  return causal ? i0 / attention_backward_v2_fixed - j
+                : j - backward_first_block_at(i0, j, W, length);
+}
+
 // The fused dk/dv kernel (wgmma): the above and the dS^T tile [64][64] (16-bit) and the warps'
 // row sums of dS [4][64] (float).
 constexpr ATTNMIX_HOST_DEVICE int attention_backward_fused_smem_bytes(int D) {
