@@ -179,6 +179,29 @@ struct path_backward_query_rows {
     if (p.reset != nullptr) R = p.reset + gate_at;
     if (p.dgate != nullptr) dG = p.dgate + blockIdx.x * p.slice_gate + gate_at;
   }
+
+  // The terms of query chunk c0's rows (n of them; C entries, 0 past n), by the CTA's threads:
+  // delta = dO . O, lse, the gate terms coef (G - g_ref) and the last hard resets. No barrier.
+  __device__ __forceinline__ void row_terms(const path_backward_params& p,
+                                            const path_backward_cta<T>& b, int hq, index_t c0,
+                                            int n, double g_ref, float* lse, float* delta,
+                                            float* gi, int* reset) const {
+    const int Dv = p.kp.a.value_dim;
+    const index_t HQ = p.kp.a.q_heads;
+    for (int a = threadIdx.x; a < path_chunk; a += blockDim.x) {
+      float dl = 0.f, l = 0.f, gg = 0.f;
+      int rs = 0;
+      if (a < n) {
+        for (int e = 0; e < Dv; ++e)
+          dl += to_float(dO[(c0 + a) * dos1 + e]) * to_float(O[(c0 + a) * os1 + e]);
+        l = p.lse[b.batch * p.lse_stride[0] + (b.start + c0 + a) * p.lse_stride[1] +
+                  hq * p.lse_stride[2]];
+        if (G != nullptr) gg = static_cast<float>(p.coef * (G[(c0 + a) * HQ] - g_ref));
+        if (R != nullptr) rs = R[(c0 + a) * HQ];
+      }
+      delta[a] = dl, lse[a] = l, gi[a] = gg, reset[a] = rs;
+    }
+  }
 };
 
 // f(r, c) for every (r, c) of rows x cols, spread over the CTA.
@@ -231,25 +254,12 @@ struct path_backward_float_tiles {
                                             const path_backward_cta<T>& cta,
                                             const path_backward_query_rows<T>& qr, int hq,
                                             index_t c0, int n, double g_ref) const {
-    const int D = p.kp.a.head_dim, Dv = p.kp.a.value_dim;
-    const index_t HQ = p.kp.a.q_heads;
+    const int D = p.kp.a.head_dim;
     const float scale = p.scale;
     for_tile(C, D, [&](int a, int d) {
       qs[a * ld + d] = a < n ? scale * to_float(qr.Q[(c0 + a) * qr.qs1 + d]) : 0.f;
     });
-    for (int a = threadIdx.x; a < C; a += blockDim.x) {
-      float dl = 0.f, l = 0.f, gg = 0.f;
-      int rs = 0;
-      if (a < n) {
-        for (int e = 0; e < Dv; ++e)
-          dl += to_float(qr.dO[(c0 + a) * qr.dos1 + e]) * to_float(qr.O[(c0 + a) * qr.os1 + e]);
-        l = p.lse[cta.batch * p.lse_stride[0] + (cta.start + c0 + a) * p.lse_stride[1] +
-                  hq * p.lse_stride[2]];
-        if (qr.G != nullptr) gg = static_cast<float>(p.coef * (qr.G[(c0 + a) * HQ] - g_ref));
-        if (qr.R != nullptr) rs = qr.R[(c0 + a) * HQ];
-      }
-      delta[a] = dl, lse[a] = l, gi[a] = gg, reset_i[a] = rs;
-    }
+    qr.row_terms(p, cta, hq, c0, n, g_ref, lse, delta, gi, reset_i);
     __syncthreads();
   }
 };

@@ -871,19 +871,7 @@ __global__ void __launch_bounds__(path_bwd_mma_layout::threads, 1)
       using in_b = std::integral_constant<bool, in_lo>;
 
       __syncthreads();  // the chunk before is done with every tile
-      for (int a = threadIdx.x; a < C; a += L::threads) {
-        float dl = 0.f, l = 0.f, gg = 0.f;
-        int rs = 0;
-        if (a < n) {
-          for (int e = 0; e < Dv; ++e)
-            dl += to_float(qr.dO[(c0 + a) * qr.dos1 + e]) * to_float(qr.O[(c0 + a) * qr.os1 + e]);
-          l = p.lse[cta.batch * p.lse_stride[0] + (cta.start + c0 + a) * p.lse_stride[1] +
-                    hq * p.lse_stride[2]];
-          if (qr.G != nullptr) gg = static_cast<float>(p.coef * (qr.G[(c0 + a) * HQ] - g_ref));
-          if (qr.R != nullptr) rs = qr.R[(c0 + a) * HQ];
-        }
-        delta_s[a] = dl, lse_s[a] = l, gi_s[a] = gg, reset_s[a] = rs;
-      }
+      qr.row_terms(p, cta, hq, c0, n, g_ref, lse_s, delta_s, gi_s, reset_s);
       {  // the chunk's tiles, in two batches of loads
         pm::tile_regs x0, x1, x2, x3;
         pm::load_tile(
