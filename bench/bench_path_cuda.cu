@@ -167,9 +167,8 @@ void BM_copy_bandwidth(benchmark::State& state) {
 // kernels take them, H = HQ, D = Dv; args B, T, H, D. FLOPs counted as the forward's
 // 4 B H T^2 D plus 2.5 times that for the backward (the recomputed scan, dV, dK~, the adjoint
 // scan and its transition gradients).
-// simt: the SIMT query and chunk kernels (the fallback) instead of the plan's tiled ones. One
-// warm-up call (a call takes up to seconds), then the iterations, each timed with events.
-template <class Kind, bool simt = false>
+// One warm-up call (a call takes up to seconds), then the iterations, each timed with events.
+template <class Kind>
 void BM_path_backward_cuda(benchmark::State& state) {
   namespace cu = attnmix::detail::cuda;
   using T = attnmix::bfloat16;
@@ -195,9 +194,6 @@ void BM_path_backward_cuda(benchmark::State& state) {
   if constexpr (attnmix::kind_traits<Kind>::uses_forget_gate)
     a.dg = attnmix::view3<float>(dg.ptr, {B, Tn, H}, dev);
   const attnmix::backend::cuda be{};
-  const cu::path_backward_kernel saved = cu::path_backward_kernel_override();
-  cu::path_backward_kernel_override() =
-      simt ? cu::path_backward_kernel::simt : cu::path_backward_kernel::automatic;
   const auto call_once = [&] {
     attnmix::attention<Kind>(fa, {}, be);
     attnmix::attention_backward<Kind>(a, {}, be);
@@ -216,7 +212,6 @@ void BM_path_backward_cuda(benchmark::State& state) {
     state.SetIterationTime(ms / 1e3);
   }
   cudaEventDestroy(start), cudaEventDestroy(stop);
-  cu::path_backward_kernel_override() = saved;
   const double flops = 3.5 * 4.0 * B * H * double(Tn) * double(Tn) * D;
   state.counters["TFLOP/s"] =
       benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
@@ -229,10 +224,6 @@ void backward_shapes(benchmark::internal::Benchmark* b) {
   for (auto [B, T] : {std::pair{8, 4096}, {2, 16384}}) b->Args({B, T, 16, 128});
   // A call takes up to seconds: a few iterations are enough.
   b->ArgNames({"B", "T", "H", "D"})->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
-}
-void backward_simt_shapes(benchmark::internal::Benchmark* b) {
-  b->Args({32, 2048, 32, 64});
-  b->ArgNames({"B", "T", "H", "D"})->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
 }
 
 // The backward's extra device memory (the plan's scratch: chunk data, per-slice sums, gate sums)
@@ -301,9 +292,6 @@ BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path)
 BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox)
     ->Name("path_fox_fwd_bwd")
     ->Apply(backward_shapes);
-BENCHMARK_TEMPLATE(BM_path_backward_cuda, attnmix::kind::path_fox, true)
-    ->Name("path_fox_fwd_bwd_simt")
-    ->Apply(backward_simt_shapes);
 BENCHMARK(BM_path_backward_memory)
     ->Name("path_backward_scratch")
     ->Args({4, 16384, 32})

@@ -6,9 +6,9 @@
 // length-1 sequence, an odd head dim, several slices), then PaTH-FoX in both gate conventions and
 // with hard resets, 16-bit inputs, two runs giving identical bits, and the CUDA forward's out and
 // lse as the backward's input. The kernels are the plan's (the register-blocked "tiled" query and
-// chunk kernels) except in the first cases, which run the tiled and the SIMT kernels on the same
-// inputs and compare each with the CPU and with each other, in the SIMT sweep, and in the
-// run-twice check (both sets).
+// chunk kernels for float, the tensor-core ones for 16-bit inputs where they apply) except in the
+// first cases, which force the tiled kernels for every dtype, and in the run-twice check (every
+// set).
 
 #include <algorithm>
 #include <array>
@@ -262,43 +262,23 @@ struct kernel_override {
 };
 
 const char* kernel_name(path_backward_kernel k) {
-  return k == path_backward_kernel::simt    ? "SIMT"
-         : k == path_backward_kernel::tiled ? "tiled"
-         : k == path_backward_kernel::mma   ? "tensor-core query"
-                                            : "automatic";
+  return k == path_backward_kernel::tiled ? "tiled"
+         : k == path_backward_kernel::mma ? "tensor-core query"
+                                          : "automatic";
 }
 
-// Both kernel sets (query + chunk) on the same inputs: each against the CPU, then the tiled one
-// against the SIMT one (the same sums in the same order: they differ at most by rounding).
+// The CUDA-core kernel set (query + chunk), forced for every dtype, against the CPU.
 template <class Kind, class Policy, class T>
-void both_kernels_case(const path_case& c, std::uint64_t salt) {
+void tiled_kernels_case(const path_case& c, std::uint64_t salt) {
   INFO("seed " << test_seed() << " salt " << salt << " " << c.describe() << " dtype "
                << attnmix::scalar_traits<T>::name << " kind " << Kind::name);
   const bwd_inputs b = make_inputs<Kind, Policy, T>(c, salt);
   const cpu_reference ref = cpu_backward<Kind, Policy>(c, b);
   device_case<T> d(c, b);
   constexpr bool gated = attnmix::kind_traits<Kind>::uses_forget_gate;
-  grads simt, tiled;
-  {
-    kernel_override o(path_backward_kernel::simt);
-    simt = d.template run<Kind, Policy>();
-  }
-  {
-    kernel_override o(path_backward_kernel::tiled);
-    tiled = d.template run<Kind, Policy>();
-  }
-  {
-    INFO("the SIMT query and chunk kernels against the CPU");
-    check_grads<T>(simt, ref, gated);
-  }
-  {
-    INFO("the tiled query and chunk kernels against the CPU");
-    check_grads<T>(tiled, ref, gated);
-  }
-  {
-    INFO("the tiled kernels against the SIMT ones");
-    check_grads<T>(tiled, simt, gated);
-  }
+  kernel_override o(path_backward_kernel::tiled);
+  INFO("the tiled query and chunk kernels against the CPU");
+  check_grads<T>(d.template run<Kind, Policy>(), ref, gated);
 }
 
 // Smallest first, so that the first failure points at the simplest shape.
@@ -320,9 +300,9 @@ std::vector<path_case> sweep() {
 
 }  // namespace
 
-// First: both query kernels on small shapes, one case at a time, so that a failure names the
-// kernel, the shape and the gradient.
-TEST_CASE("CUDA PaTH backward: the tiled and SIMT kernels agree with the CPU and each other",
+// First: the CUDA-core kernels on small shapes, one case at a time, so that a failure names the
+// shape and the gradient.
+TEST_CASE("CUDA PaTH backward: the tiled kernels agree with the CPU on every dtype",
           "[cuda][path][backward][kernels]") {
   ATTNMIX_REQUIRE_CUDA_DEVICE();
   std::uint64_t salt = 30000;
@@ -338,22 +318,13 @@ TEST_CASE("CUDA PaTH backward: the tiled and SIMT kernels agree with the CPU and
       {1, 100, 1, 1, 17, 9},                            // head dims not multiples of 4
   };
   for (const path_case& c : cases) {
-    both_kernels_case<path, attnmix::path_policy, float>(c, ++salt);
-    both_kernels_case<path_fox, attnmix::path_fox_policy, float>(c, ++salt);
+    tiled_kernels_case<path, attnmix::path_policy, float>(c, ++salt);
+    tiled_kernels_case<path_fox, attnmix::path_fox_policy, float>(c, ++salt);
   }
   for (const path_case& c : cases) {
-    both_kernels_case<path, attnmix::path_policy, attnmix::bfloat16>(c, ++salt);
-    both_kernels_case<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(c, ++salt);
+    tiled_kernels_case<path, attnmix::path_policy, attnmix::bfloat16>(c, ++salt);
+    tiled_kernels_case<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(c, ++salt);
   }
-}
-
-TEST_CASE("CUDA PaTH-FoX backward, the SIMT kernels (the fallback) match the CPU, float",
-          "[cuda][path_fox][backward][kernels]") {
-  ATTNMIX_REQUIRE_CUDA_DEVICE();
-  kernel_override o(path_backward_kernel::simt);
-  std::uint64_t salt = 30500;
-  for (const path_case& c : sweep())
-    backward_case<path_fox, attnmix::path_fox_policy, float>(c, ++salt);
 }
 
 TEST_CASE("CUDA PaTH backward matches the CPU, float", "[cuda][path][backward]") {
@@ -482,8 +453,7 @@ TEST_CASE("CUDA PaTH-FoX backward gives the same bits twice", "[cuda][path_fox][
   INFO("seed " << test_seed() << " " << c.describe());
   const bwd_inputs b = make_inputs<path_fox, attnmix::path_fox_policy, attnmix::bfloat16>(c, 35001);
   device_case<attnmix::bfloat16> d(c, b);
-  for (path_backward_kernel k :
-       {path_backward_kernel::simt, path_backward_kernel::tiled, path_backward_kernel::mma}) {
+  for (path_backward_kernel k : {path_backward_kernel::tiled, path_backward_kernel::mma}) {
     INFO("query and chunk kernels " << kernel_name(k));
     kernel_override o(k);
     const grads one = d.run<path_fox, attnmix::path_fox_policy>();

@@ -1,7 +1,7 @@
 // The plan of the CUDA PaTH backward (include/attnmix/cuda/plan/path_backward.hpp) on this CPU:
 // slices, grids, shared memory against the device's limit, and the scratch layout (aligned,
 // disjoint parts, the zeroed range, the size the benchmark reports), the choice of the tiled or
-// SIMT kernels and its override. Pure host code.
+// tensor-core kernels and its override. Pure host code.
 
 #include <algorithm>
 #include <cstddef>
@@ -115,7 +115,7 @@ TEST_CASE("PaTH backward plan: extra memory is O(B T H D)", "[plan][path][backwa
   CHECK(double(p.scratch_bytes) <= 4 * floats * 1.01 + 4.0 * rows * 8);
 }
 
-TEST_CASE("PaTH backward plan: the query kernel, tiled unless the SIMT one is asked for",
+TEST_CASE("PaTH backward plan: the query kernel, tiled for float inputs and every head dim",
           "[plan][path][backward]") {
   const path_shape s = shape(2, 1100, 4, 2, 64, 64);
   const path_backward_plan a = plan_path_backward(s, true, h200());
@@ -127,14 +127,14 @@ TEST_CASE("PaTH backward plan: the query kernel, tiled unless the SIMT one is as
             .query_kernel == path_backward_kernel::tiled);
   CHECK(plan_path_backward(shape(1, 100, 1, 1, 17, 9), false, h200(), path_backward_kernel::tiled)
             .query_kernel == path_backward_kernel::tiled);
-  const path_backward_plan f = plan_path_backward(s, true, h200(), path_backward_kernel::simt);
-  CHECK(f.query_kernel == path_backward_kernel::simt);
-  // Forcing a kernel changes nothing else: the same grids, shared memory and scratch (but the
-  // SIMT chunk kernel's own layout).
+  CHECK(a.query_smem == path_backward_query_smem(64));
+  CHECK(a.chunk_smem == path_backward_chunk_tiled_smem(64));
+  // Forcing the tensor-core kernel where it does not apply (float) changes nothing.
+  const path_backward_plan f = plan_path_backward(s, true, h200(), path_backward_kernel::mma);
+  CHECK(f.query_kernel == path_backward_kernel::tiled);
   CHECK(f.slices == a.slices);
   CHECK(f.query_smem == a.query_smem);
-  CHECK(f.chunk_smem == path_backward_chunk_smem(64));
-  CHECK(a.chunk_smem == path_backward_chunk_tiled_smem(64));
+  CHECK(f.chunk_smem == a.chunk_smem);
   CHECK(f.scratch_bytes == a.scratch_bytes);
   CHECK(f.query_grid.x == a.query_grid.x);
   // The launcher's override starts automatic.
@@ -189,8 +189,6 @@ TEST_CASE("PaTH backward plan: the tensor-core query kernel for 16-bit inputs at
   CHECK(m.super_grid.x == 3u);
   CHECK(m.super_grid.y == 2u);
   CHECK(m.super_grid.z == 2u);
-  CHECK(plan_path_backward(s, true, h200(), path_backward_kernel::simt).query_kernel ==
-        path_backward_kernel::simt);
   // Elsewhere the tiled ones, forced or not: float, D = 128, D != Dv, a device before sm_80 or
   // with too little shared memory.
   const auto pick = [](path_shape x, const device_properties& d) {

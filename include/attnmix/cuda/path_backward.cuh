@@ -2,7 +2,7 @@
 // The backward of PaTH and PaTH-FoX on CUDA (attnmix::attention_backward<kind::path / path_fox>
 // with backend::cuda): float, half or bfloat16 q, k, v (and out, dout, dq, dk, dv); float w, beta,
 // g, lse, dw, dbeta, dg. Head dims up to 128 (the tiles' shared memory). Deterministic: no float
-// atomics, fixed-order sums. See cuda/kernels/path_backward_simt.cuh.
+// atomics, fixed-order sums. See cuda/kernels/path_backward_tiled.cuh and sm80_path_backward.cuh.
 
 #include <type_traits>
 

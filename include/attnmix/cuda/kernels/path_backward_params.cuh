@@ -1,6 +1,6 @@
 #pragma once
-// The parameters of the PaTH / PaTH-FoX backward kernels (path_backward_simt.cuh,
-// path_backward_tiled.cuh, sm80_path_backward.cuh) and what every variant's CTA derives from them:
+// The parameters of the PaTH / PaTH-FoX backward kernels (path_backward_tiled.cuh,
+// sm80_path_backward.cuh, path_backward_gate.cuh) and what every variant's CTA derives from them:
 // its slice of query chunks, its (sequence, KV head) rows and chunk data, a query head's rows.
 
 #include <cstdint>
@@ -211,9 +211,9 @@ __device__ __forceinline__ void for_tile(int rows, int cols, F&& f) {
   for (int idx = threadIdx.x; idx < total; idx += blockDim.x) f(idx / cols, idx % cols);
 }
 
-// The shared memory of the CUDA-core query kernels (path_backward_simt.cuh,
-// path_backward_tiled.cuh) as plan/path_backward.hpp's path_backward_query_smem, ld = D + 1, lc = C
-// + 1 floats a row; and a query chunk's rows loaded into it.
+// The shared memory of the CUDA-core query kernel (path_backward_tiled.cuh) as
+// plan/path_backward.hpp's path_backward_query_smem, ld = D + 1, lc = C + 1 floats a row; and a
+// query chunk's rows loaded into it.
 struct path_backward_float_tiles {
   static constexpr int C = path_chunk, lc = C + 1;
   int ld;

@@ -1,21 +1,38 @@
 #pragma once
-// The PaTH / PaTH-FoX backward's query kernel with register-blocked products: the same algorithm,
-// the same shared memory, the same passes and barriers as path_backward_query_kernel
-// (path_backward_simt.cuh, which stays the fallback), but every C x C x D or C x D x C product
-// runs through tile_product, where each thread computes a block of RM x RN elements of the
-// output (rows tr + 16 i, columns tc + 16 j of the 16 x 16 thread grid) from RM + RN operand
-// loads per step of the reduction instead of 2 loads per multiply-add. Still float on CUDA
-// cores, still one fixed-order sum per element (k = 0, 1, ... in order), so the bits do not
+// The PaTH / PaTH-FoX backward on CUDA cores (spec/path_fox.md §4), the CPU's blocked algorithm
+// (cpu/detail/path_backward.hpp) mapped onto CTAs, in float, with no atomics; the plan's kernels
+// for float inputs and head dims the tensor-core ones (sm80_path_backward.cuh) do not take:
+//
+//   0. path_backward_gate_kernel (PaTH-FoX, path_backward_gate.cuh): the gate cumsum G in double
+//      and each token's last hard reset.
+//   1. path_prepare_kernel (path_simt.cuh, the forward's): per chunk U, M, K~ in float.
+//   2. path_backward_query_tiled_kernel: a CTA per (slice, KV head, sequence). A slice is a
+//      contiguous range of query chunks of about equal work (the CPU's cut). For each query head
+//      of the group and each query chunk of its slice, in order: the diagonal tile from the saved
+//      lse, the forward's right-to-left walk (keeping each chunk's scan state and dZ K~ in the
+//      slice's scratch), the left-to-right adjoint through the chunk products, and the query's
+//      own chunk back to dq. What the keys, values and transitions receive goes to the slice's
+//      own float sums (dK~, dv, dW, dU by token; dk and dM of the diagonal tiles, which only the
+//      owning slice touches, once); dG to the slice's double sums.
+//   3. path_backward_chunk_tiled_kernel: a CTA per (chunk, KV head, sequence) adds the slices'
+//      sums in slice order and takes the chunk back through K~ = K - M^T W, P = I - W^T U and the
+//      UT transform to dk, dv, dw and dbeta.
+//   4. path_backward_dg_kernel (PaTH-FoX, path_backward_gate.cuh): dG summed over slices in
+//      order, then the reverse cumsum to dg per sequence and query head (0 at hard resets).
+// Extra memory: the slices' sums, O(slices * B * T * H * (5 D + Dv)) floats (slices <= 8, fewer
+// when B * H fills the GPU); never T x T, never a copy of the queries per chunk.
+//
+// Every C x C x D or C x D x C product runs through tile_product, where each thread computes a
+// block of RM x RN elements of the output (rows tr + 16 i, columns tc + 16 j of the 16 x 16
+// thread grid) from RM + RN operand loads per step of the reduction. Every sum element is one
+// fixed-order sum (k = 0, 1, ... in order) updated by one thread a pass, so the bits do not
 // depend on the run. Products whose CPU loop stops early (c <= a, b < n) run to a fixed depth
 // over operands that are exactly 0 past the end (x, dx are stored triangular), which adds exact
 // zeros. Operands past the sequence or the chunk are never read from global memory: accessors
-// return 0 there. dO V^T is one more product (into dZ) before the softmax's elementwise pass.
-// Row-indexed operands (the A side, rows spread over a warp) are read from shared memory: dO is
-// staged in Tmp while the softmax runs (when Dv <= C; else read from global memory), and each
-// scan state of the adjoint pass in R (free after the walk); the key-side operands (the B side,
-// two addresses a warp instruction) come from global memory (L1).
-// path_backward_chunk_tiled_kernel (below) is the chunk kernel with its n x n x D passes tiled
-// the same way. The plan takes both (plan/path_backward.hpp) unless the SIMT ones are forced.
+// return 0 there. Row-indexed operands (the A side, rows spread over a warp) are read from shared
+// memory: dO is staged in Tmp while the softmax runs (when Dv <= C; else read from global
+// memory), and each scan state of the adjoint pass in R (free after the walk); the key-side
+// operands (the B side, two addresses a warp instruction) come from global memory (L1).
 
 #include <cmath>
 #include <cstdint>
@@ -337,8 +354,8 @@ __global__ void __launch_bounds__(path_tile_threads, 1)
 }
 
 // ---- the chunks, back through the UT transform -----------------------------------------------
-// path_backward_chunk_kernel with its two n x n x D passes (the Gram products of W with dK~, W
-// and K, and Lbar) through tile_product; the rest as there. Shared memory as
+// Its two n x n x D passes (the Gram products of W with dK~, W and K, and Lbar) run through
+// tile_product, the back substitution a thread a column. Shared memory as
 // path_backward_chunk_tiled_smem (ld = D + 1, lc = C + 1): two CTAs a multiprocessor at D = 64,
 // as Lbar takes dK~'s tile once dK~ is read, and dK = dk_diag + dK~ is summed again (the same
 // sum, the same bits) in the last pass instead of kept.

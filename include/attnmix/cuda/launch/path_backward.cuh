@@ -1,5 +1,5 @@
 #pragma once
-// Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_simt.cuh): the scratch
+// Host side of the CUDA PaTH / PaTH-FoX backward (kernels/path_backward_tiled.cuh): the scratch
 // that plan/path_backward.hpp lays out, the forward's float chunk preparation, then the query
 // kernel, the chunk kernel and (PaTH-FoX) the gate's reverse cumsum, all on the backend's stream.
 // The tensor-core query kernel has the chunks' dense transitions and its super-chunks' keys and
@@ -14,7 +14,7 @@
 
 #include "attnmix/attention/args.hpp"
 #include "attnmix/cuda/arch/types.cuh"
-#include "attnmix/cuda/kernels/path_backward_simt.cuh"
+#include "attnmix/cuda/kernels/path_backward_gate.cuh"
 #include "attnmix/cuda/kernels/path_backward_tiled.cuh"
 #include "attnmix/cuda/kernels/sm80_path_backward.cuh"
 #include "attnmix/cuda/launch/path.cuh"
@@ -150,7 +150,6 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
   {
     static_assert(path_backward_threads == path_tile_threads,
                   "the tiled query kernel's thread grid is 16 x 16");
-    const path_backward_kernel k = plan.query_kernel;
     const int smem = static_cast<int>(plan.query_smem);
     const dim3 grid(plan.query_grid.x, plan.query_grid.y, plan.query_grid.z);
     if (mma) {
@@ -163,12 +162,9 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
         check(cudaGetLastError(), "path_backward_query_mma_kernel launch");
       }
     } else {
-      const bool tiled = k == path_backward_kernel::tiled;
-      auto kernel = tiled ? path_backward_query_tiled_kernel<Dev> : path_backward_query_kernel<Dev>;
-      allow_dynamic_smem(kernel, smem);
-      kernel<<<grid, path_backward_threads, smem, stream>>>(bp);
-      check(cudaGetLastError(), tiled ? "path_backward_query_tiled_kernel launch"
-                                      : "path_backward_query_kernel launch");
+      allow_dynamic_smem(path_backward_query_tiled_kernel<Dev>, smem);
+      path_backward_query_tiled_kernel<Dev><<<grid, path_backward_threads, smem, stream>>>(bp);
+      check(cudaGetLastError(), "path_backward_query_tiled_kernel launch");
     }
   }
   if (mma) {
@@ -178,17 +174,13 @@ void run_path_backward(const std::string& fn, const attention_grad_args<T>& a,
                     "path_backward_fold_transitions_kernel launch");
   }
   {
-    const bool tiled = plan.query_kernel == path_backward_kernel::tiled;
-    auto kernel = mma     ? path_backward_chunk_mma_kernel<Dev>
-                  : tiled ? path_backward_chunk_tiled_kernel<Dev>
-                          : path_backward_chunk_kernel<Dev>;
+    auto kernel = mma ? path_backward_chunk_mma_kernel<Dev> : path_backward_chunk_tiled_kernel<Dev>;
     const int smem = static_cast<int>(plan.chunk_smem);
     allow_dynamic_smem(kernel, smem);
-    if (tiled) prefer_shared_memory(kernel);  // two CTAs a multiprocessor at D = 64
+    if (!mma) prefer_shared_memory(kernel);  // two CTAs a multiprocessor at D = 64
     kernel<<<chunk_grid, path_backward_threads, smem, stream>>>(bp);
-    check(cudaGetLastError(), mma     ? "path_backward_chunk_mma_kernel launch"
-                              : tiled ? "path_backward_chunk_tiled_kernel launch"
-                                      : "path_backward_chunk_kernel launch");
+    check(cudaGetLastError(), mma ? "path_backward_chunk_mma_kernel launch"
+                                  : "path_backward_chunk_tiled_kernel launch");
   }
   if (gated) {
     path_backward_dg_kernel<<<gate_grid, 32 * path_gate_warps, 0, stream>>>(

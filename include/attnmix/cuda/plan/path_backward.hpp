@@ -24,11 +24,10 @@ constexpr int path_backward_max_slices = 8;
 
 // Which query and chunk kernels run, all with the same grids: the query and chunk kernels on
 // tensor cores (kernels/sm80_path_backward.cuh: 16-bit inputs, D = Dv = 64, sm_80 and later; with
-// their chunk transitions and super-chunks, and the scratch for them); the register-blocked ones
-// (kernels/path_backward_tiled.cuh, about 3.3x faster than SIMT); or the plain SIMT ones
-// (kernels/path_backward_simt.cuh). The last two are float on CUDA cores with the same sums in
-// the same order. `automatic` lets the plan choose: the first that applies.
-enum class path_backward_kernel { automatic, simt, tiled, mma };
+// their chunk transitions and super-chunks, and the scratch for them); or the register-blocked
+// ones on CUDA cores in float (kernels/path_backward_tiled.cuh: every dtype, head dims up to 128,
+// any GPU). `automatic` lets the plan choose: the first that applies.
+enum class path_backward_kernel { automatic, tiled, mma };
 
 // A process-wide override read by the launcher (tests run both kernels on the same inputs);
 // automatic unless set. Not synchronised: set it only while no backward is being launched.
@@ -37,20 +36,15 @@ inline path_backward_kernel& path_backward_kernel_override() {
   return k;
 }
 
-// Shared memory (floats) of the query kernel: Qs, dQs, R, Rbar (C x (D+1)); X, S, dZ, dX, Tmp
-// (C x (C+1)); lse, delta, gate, reset (C each). Of the chunk kernel: dK, dK~, dW, dU
-// (C x (D+1)); dM, WW, Lbar, XK (C x (C+1)); beta (C).
+// Shared memory (floats) of the CUDA-core query kernel: Qs, dQs, R, Rbar (C x (D+1)); X, S, dZ,
+// dX, Tmp (C x (C+1)); lse, delta, gate, reset (C each).
 inline std::size_t path_backward_query_smem(index_t D) {
   constexpr std::size_t C = path_chunk;
   return sizeof(float) * (4 * C * std::size_t(D + 1) + 5 * C * (C + 1) + 4 * C);
 }
-inline std::size_t path_backward_chunk_smem(index_t D) {
-  constexpr std::size_t C = path_chunk;
-  return sizeof(float) * (4 * C * std::size_t(D + 1) + 4 * C * (C + 1) + C);
-}
-// The tiled chunk kernel keeps no dK and puts Lbar in dK~'s tile: dK~ then Lbar (C x max(D+1,
-// C+1)), dW, dU (C x (D+1)); dM, WW, XK (C x (C+1)); beta (C). Two CTAs a multiprocessor at
-// D = 64.
+// The CUDA-core chunk kernel keeps no dK and puts Lbar in dK~'s tile: dK~ then Lbar (C x
+// max(D+1, C+1)), dW, dU (C x (D+1)); dM, WW, XK (C x (C+1)); beta (C). Two CTAs a
+// multiprocessor at D = 64.
 inline std::size_t path_backward_chunk_tiled_smem(index_t D) {
   constexpr std::size_t C = path_chunk;
   const std::size_t first = C * std::max(std::size_t(D + 1), C + 1);
@@ -86,7 +80,7 @@ inline bool path_backward_mma_applies(const path_shape& s, const device_properti
 struct path_backward_plan {
   int slices = 1;
   // Never automatic.
-  path_backward_kernel query_kernel = path_backward_kernel::simt;
+  path_backward_kernel query_kernel = path_backward_kernel::tiled;
   launch_grid query_grid;  // (slice, KV head, sequence)
   launch_grid chunk_grid;  // (chunk, KV head, sequence)
   launch_grid super_grid;  // (super-chunk, KV head, sequence): the tensor-core kernel's
@@ -100,18 +94,15 @@ struct path_backward_plan {
 
 // Slices: (sequence, KV head) pairs are few when B * H is small; cut each into up to
 // path_backward_max_slices ranges of query chunks so that the CTAs cover the SMs twice.
-// The tiled kernels take every shape the SIMT ones take; the tensor-core query kernel where it
-// applies. `automatic` takes the fastest that applies; `force` picks (mma where it does not
-// apply: the tiled ones).
+// The tiled kernels take every shape; the tensor-core query kernel where it applies. `automatic`
+// takes the fastest that applies; `force` picks (mma where it does not apply: the tiled ones).
 inline path_backward_plan plan_path_backward(
     const path_shape& s, bool gated, const device_properties& d,
     path_backward_kernel force = path_backward_kernel::automatic) {
   path_backward_plan p;
   const bool mma = path_backward_mma_applies(s, d);
-  p.query_kernel = force == path_backward_kernel::simt    ? path_backward_kernel::simt
-                   : force == path_backward_kernel::tiled ? path_backward_kernel::tiled
-                   : mma                                  ? path_backward_kernel::mma
-                                                          : path_backward_kernel::tiled;
+  p.query_kernel = force != path_backward_kernel::tiled && mma ? path_backward_kernel::mma
+                                                               : path_backward_kernel::tiled;
   path_shape fs = s;
   fs.sixteen_bit = false;  // the float chunk data of the portable forward
   p.forward = plan_path(fs, d);
@@ -131,8 +122,7 @@ inline path_backward_plan plan_path_backward(
   p.query_smem = p.query_kernel == path_backward_kernel::mma
                      ? std::size_t(path_bwd_mma_layout::smem)
                      : path_backward_query_smem(s.head_dim);
-  p.chunk_smem = p.query_kernel == path_backward_kernel::simt ? path_backward_chunk_smem(s.head_dim)
-                 : p.query_kernel == path_backward_kernel::mma
+  p.chunk_smem = p.query_kernel == path_backward_kernel::mma
                      ? std::size_t(path_bwd_mma_layout::chunk_smem)
                      : path_backward_chunk_tiled_smem(s.head_dim);
   p.fits = std::max(p.query_smem, p.chunk_smem) <= d.smem_per_block_optin;
