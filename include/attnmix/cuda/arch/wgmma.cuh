@@ -110,6 +110,36 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
+// The same between global memory written by the async proxy (bulk copies) and the generic
+// proxy's loads, stores and flags.
+__device__ __forceinline__ void fence_proxy_async_global() {
+#if ATTNMIX_WGMMA
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
+
+// dst[i] += src[i] for the `bytes` / 4 floats at src (shared memory) by the bulk-copy engine, one
+// instruction a thread issues (16-byte aligned, bytes a multiple of 16); then the group commit,
+// and the wait until at most Pending groups of this thread are incomplete (their writes done).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+#if ATTNMIX_WGMMA
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+      "r"(smem_address(src)), "r"(bytes)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if ATTNMIX_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+template <int Pending>
+__device__ __forceinline__ void bulk_wait() {
+#if ATTNMIX_WGMMA
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(Pending) : "memory");
+#endif
+}
 
 // The register file of an sm_90 multiprocessor. setmaxnreg takes its counts as immediates, so
 // the split below is fixed when the kernel is compiled: this is a fact of the architecture the

@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "attnmix/cuda/arch/mma.cuh"
+#include "attnmix/cuda/arch/wgmma.cuh"
 #include "attnmix/cuda/collective/backward_products.cuh"
 #include "attnmix/cuda/kernels/attention_backward_params.cuh"
 #include "attnmix/cuda/kernels/attention_backward_shapes.hpp"
@@ -43,9 +44,11 @@ __device__ __forceinline__ unsigned char* backward_smem_base(unsigned char* raw)
 }
 
 // Fused (wgmma only): the kernel also takes each row tile's dQ = dS K and adds it to p.dq_acc
-// (and FoX's row sums of dS to p.rowsum) in the order of the key blocks, so that no dq kernel
-// recomputes S and dP: the row tiles are aligned to Br rows, and key block j adds to a tile once
-// the blocks before it (those whose rows reach the tile) have: its turn, p.dq_turn, counts them.
+// (the tile through shared memory, one bulk reduce-add that one thread issues, as
+// FlashAttention-3 does; FoX's row sums of dS to p.rowsum with red.add) in the order of the key
+// blocks, so that no dq kernel recomputes S and dP: the row tiles are aligned to Br rows, and key
+// block j adds to a tile once the blocks before it (those whose rows reach the tile) have: its
+// turn, p.dq_turn, counts them.
 // Blocks are launched in blockIdx.x order and take their key blocks in turn order (descending
 // when causal, below), so a block waits only on blocks that run or have run.
 template <class Products, class T, int D, bool Fused = false>
@@ -62,15 +65,17 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
   T* sq = sv + Bc * D;                                                  // [2][Br][D]
   T* sd = sq + 2 * Br * D;                                              // [2][Br][D] dout
   T* s_ds = sd + 2 * Br * D;  // fused: dS^T [Bc][Br], the A operand of dQ
+  // fused: dQ of the tile [Br][D], the source of its bulk add
+  float* s_dq = reinterpret_cast<float*>(s_ds + (Fused ? Bc * Br : 0));
   // The streamed rows' G (gate cumsum), lse, delta and last reset, and the keys' G, as read.
   // The streamed rows' lse becomes their term gi, the keys' G their term gj (below), once a tile
   // by the thread that copied it.
-  double* s_gi = reinterpret_cast<double*>(s_ds + (Fused ? Bc * Br : 0));  // [2][Br]
-  double* s_gj = s_gi + 2 * Br;                                            // [2][Bc]
-  float* s_lse = reinterpret_cast<float*>(s_gj + 2 * Bc);                  // [2][Br]
-  float* s_delta = s_lse + 2 * Br;                                         // [2][Br]
-  int* s_reset = reinterpret_cast<int*>(s_delta + 2 * Br);                 // [2][Br]
-  float* s_gjf = reinterpret_cast<float*>(s_reset + 2 * Br);               // [2][Bc]
+  double* s_gi = reinterpret_cast<double*>(s_dq + (Fused ? Br * D : 0));  // [2][Br]
+  double* s_gj = s_gi + 2 * Br;                                           // [2][Bc]
+  float* s_lse = reinterpret_cast<float*>(s_gj + 2 * Bc);                 // [2][Br]
+  float* s_delta = s_lse + 2 * Br;                                        // [2][Br]
+  int* s_reset = reinterpret_cast<int*>(s_delta + 2 * Br);                // [2][Br]
+  float* s_gjf = reinterpret_cast<float*>(s_reset + 2 * Br);              // [2][Bc]
   float* s_rs = s_gjf + 2 * Bc;  // fused, FoX: each warp's row sums of dS [4][Br]
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c2 = 2 * (lane % 4);
@@ -285,15 +290,27 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
           }
       }
       fence_proxy_async();
-      // The previous tile's adds, issued a tile's products ago, are visible before its turn
-      // passes on (after the barrier).
-      if (held != nullptr) __threadfence();
+      // The previous tile's adds, issued a tile's products ago, are complete and visible before
+      // its turn passes on (after the barrier), and its dQ tile is free again.
+      if (held != nullptr) {
+        if (threadIdx.x == 0) bulk_wait<0>(), fence_proxy_async_global();
+        if (gated) __threadfence();  // the row sums' adds
+      }
       __syncthreads();
       if (threadIdx.x == 0 && held != nullptr) st_release_gpu(held, held_rank + 1);
       float dqp[D / 8][4];
       Products::template xt_b<T, Bc, D>(dqp, s_ds, sk);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = 16 * warp + g + 8 * hh;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+          *reinterpret_cast<float2*>(s_dq + r * D + 8 * n + c2) =
+              make_float2(dqp[n][2 * hh], dqp[n][2 * hh + 1]);
+      }
+      fence_proxy_async();
       // This block's turn on the tile (backward_turn): the key blocks before it whose rows reach
-      // it have added theirs.
+      // it have added theirs. Then the tile's rows, one span of dq_acc, in one bulk add.
       int* turn = p.dq_turn + (index_t(blockIdx.z) * p.f.q_heads + hq) * p.dq_tiles + i0 / Br;
       int rank = 0;
       if (threadIdx.x == 0) {
@@ -301,15 +318,11 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
         while (ld_acquire_gpu(turn) != rank) __nanosleep(64);
       }
       __syncthreads();
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = 16 * warp + g + 8 * hh;
-        if (r < rows) {
-          float* dst = p.dq_acc + p.at(batch, start, i0 + r, hq) * D;
-#pragma unroll
-          for (int n = 0; n < D / 8; ++n)
-            red_add2(dst + 8 * n + c2, dqp[n][2 * hh], dqp[n][2 * hh + 1]);
-        }
+      if (threadIdx.x == 0) {
+        fence_proxy_async_global();
+        bulk_reduce_add(p.dq_acc + p.dq_at(batch, start, i0, hq) * D, s_dq,
+                        rows * D * int(sizeof(float)));
+        bulk_commit();
       }
       if (gated && int(threadIdx.x) < rows) {
         const int r = threadIdx.x;
@@ -333,7 +346,8 @@ __global__ void __launch_bounds__(attention_backward_v2_threads,
     __syncthreads();  // the next iteration's prefetch overwrites this buffer
   }
   if (Fused && held != nullptr) {  // the last tile's turn
-    __threadfence();
+    if (threadIdx.x == 0) bulk_wait<0>(), fence_proxy_async_global();
+    if (gated) __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) st_release_gpu(held, held_rank + 1);
   }

@@ -33,16 +33,21 @@ struct attention_backward_params {
   float* colsum;  // [B*T*HQ] scratch: sum_i dS_ij of key j (per query head)
   float* rowsum;  // [B*T*HQ] scratch: sum_j dS_ij of query i
   // dQ inside the dk/dv kernel (attention_backward_mma.cuh, Fused), else nullptr: the float sums
-  // ([B*T*HQ, D], laid out like g) and the turn of each (sequence, query head, 64-row tile): the
-  // key blocks that have added to it, which they do in order (dq_tiles tiles a head).
+  // ([HQ, B*T, D], heads outermost, so that a tile's rows are one span; dq_rows = B*T) and the
+  // turn of each (sequence, query head, 64-row tile): the key blocks that have added to it, which
+  // they do in order (dq_tiles tiles a head).
   float* dq_acc;
   int* dq_turn;
-  index_t dq_tiles;
+  index_t dq_tiles, dq_rows;
 
   __host__ __device__ bool gated() const { return G != nullptr; }
   // Index of (sequence token t, query head hq) in the [B*T*HQ] scratch arrays.
   __device__ index_t at(index_t batch, index_t start, index_t t, int hq) const {
     return (batch * f.tokens + start + t) * f.q_heads + hq;
+  }
+  // Row of (sequence token t, query head hq) in dq_acc.
+  __device__ index_t dq_at(index_t batch, index_t start, index_t t, int hq) const {
+    return hq * dq_rows + batch * f.tokens + start + t;
   }
 };
 

@@ -88,11 +88,11 @@ constexpr ATTNMIX_HOST_DEVICE index_t backward_turn(index_t i0, index_t j, index
                 : j - backward_first_block_at(i0, j, W, length);
 }
 
-// The fused dk/dv kernel (wgmma): the above and the dS^T tile [64][64] (16-bit) and the warps'
-// row sums of dS [4][64] (float).
+// The fused dk/dv kernel (wgmma): the above and the dS^T tile [64][64] (16-bit), the dQ tile
+// [64][D] and the warps' row sums of dS [4][64] (float).
 constexpr ATTNMIX_HOST_DEVICE int attention_backward_fused_smem_bytes(int D) {
   return attention_backward_v2_smem_bytes(D, true) + attention_backward_v2_fixed * 64 * 2 +
-         4 * 64 * 4;
+         64 * D * 4 + 4 * 64 * 4;
 }
 
 }  // namespace cuda

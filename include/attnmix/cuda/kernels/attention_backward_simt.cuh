@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(attention_backward_threads)
     attention_backward_dq_convert_kernel(const attention_backward_params p) {
   const backward_warp_row w(p);
   if (!w.ok) return;
-  const float* acc = p.dq_acc + p.at(w.batch, w.start, w.i, w.hq) * p.f.head_dim;
+  const float* acc = p.dq_acc + p.dq_at(w.batch, w.start, w.i, w.hq) * p.f.head_dim;
   T* dq = w.in(static_cast<T*>(p.dq), p.dq_stride);
   for (int c = w.lane; c < p.f.head_dim; c += 32) dq[c] = from_float<T>(acc[c] * p.scale);
 }

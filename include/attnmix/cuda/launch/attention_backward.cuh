@@ -136,6 +136,7 @@ void run_attention_backward(const std::string& fn, const attention_grad_args<T>&
     kp.dq_acc = reinterpret_cast<float*>(scratch.get() + layout.dq_acc);
     kp.dq_turn = reinterpret_cast<int*>(scratch.get() + layout.dq_turn);
     kp.dq_tiles = plan.dq_tiles;
+    kp.dq_rows = p.batch * p.tokens;
     check(cudaMemsetAsync(kp.dq_acc, 0, layout.dq_acc_bytes, stream), "dq sums zeroing");
     check(cudaMemsetAsync(kp.dq_turn, 0, layout.dq_turn_bytes, stream), "dq turns zeroing");
     if (gated)

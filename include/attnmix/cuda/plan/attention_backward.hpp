@@ -152,7 +152,7 @@ inline attention_backward_plan plan_attention_backward(const attention_backward_
 // hard resets) and the position of the last reset [B*T*HQ] (int32). Each part padded to 256
 // bytes. Laid out like g ([B, T, HQ], heads innermost).
 // The fused variant (dq_tiles > 0: 64-row tiles of the longest sequence) adds the float dQ sums
-// [B*T*HQ, D] and the tiles' turns [sequences, HQ, dq_tiles] (int32), both zeroed a call.
+// [HQ, B*T, D] and the tiles' turns [sequences, HQ, dq_tiles] (int32), both zeroed a call.
 struct attention_backward_scratch_layout {
   std::size_t keys = 0, delta = 0, colsum = 0, rowsum = 0, gate = 0, reset = 0, dq_acc = 0,
               dq_turn = 0, bytes = 0;
