@@ -19,7 +19,9 @@ fi
 cmake --workflow --preset asan
 ptx_only=ON
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then ptx_only=OFF; fi
-cmake --preset default -DATTNMIX_CUDA_PTX_ONLY=$ptx_only -DATTNMIX_TESTS=rest >/dev/null
+# -O2 rather than Release's -O3: these tests compile a quarter faster and run as fast.
+cmake --preset default -DATTNMIX_CUDA_PTX_ONLY=$ptx_only -DATTNMIX_TESTS=rest \
+  -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" >/dev/null
 cmake --build --preset default
 ctest --preset default
 if [ "${ATTNMIX_FUZZ:-1}" != 0 ]; then
