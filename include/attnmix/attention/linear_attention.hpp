@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 
@@ -104,6 +105,7 @@ struct state_names {
   const char *S, *z, *lse;
 };
 inline constexpr state_names state_in_names{"state_in.S", "state_in.z", "state_in.lse"};
+inline constexpr state_names state_out_names{"state_out.S", "state_out.z", "state_out.lse"};
 
 // A state read as a whole: S, then z with the normaliser on and lse under a key gate; no z or
 // lse without S.
@@ -119,6 +121,37 @@ void check_state_parts(const std::string& fn, const state_names& n, const linear
   } else {
     require(!st.z.has_value(), fn, n.z, "was given but '", n.S, "' was not");
     require(!st.lse.has_value(), fn, n.lse, "was given but '", n.S, "' was not");
+  }
+}
+
+// The shapes of the policy's optional tensors, each under the names given (an input and its
+// gradient): the mask, the key-gate logits, the gated norm's output gate and weight. Hg: the
+// key gate's heads.
+template <class Policy>
+void expect_policy_shapes(arg_list& args, const qkv_sizes& s, index_t Hg,
+                          std::initializer_list<const char*> logits,
+                          std::initializer_list<const char*> gates,
+                          std::initializer_list<const char*> weights) {
+  find_arg(args, "mask")->expect("[B, T]", s.B, s.T);
+  const char* a_dims = Policy::gate == key_gate::shared ? "[B, T, 1] (key_gate::shared)"
+                                                        : "[B, T, H] (key_gate::per_head)";
+  for (const char* n : logits) find_arg(args, n)->expect(a_dims, s.B, s.T, Hg);
+  for (const char* n : gates) find_arg(args, n)->expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
+  for (const char* n : weights) {
+    if constexpr (Policy::weight == norm_weight::shared)
+      find_arg(args, n)->expect("[Dv] (norm_weight::shared)", s.Dv);
+    else
+      find_arg(args, n)->expect("[HQ * Dv] (norm_weight::per_head)", s.HQ * s.Dv);
+  }
+}
+
+// The parts of each named state against N sequences: S [N, H, D, Dv], z [N, H, D], lse [N, H].
+inline void expect_state_shapes(arg_list& args, const qkv_sizes& s, index_t N,
+                                std::initializer_list<state_names> states) {
+  for (const state_names& n : states) {
+    find_arg(args, n.S)->expect("[N, H, D, Dv]", N, s.H, s.D, s.Dv);
+    find_arg(args, n.z)->expect("[N, H, D]", N, s.H, s.D);
+    find_arg(args, n.lse)->expect("[N, H]", N, s.H);
   }
 }
 
@@ -138,26 +171,12 @@ linear_attention_problem validate_linear_attention(const std::string& fn,
   check_placement(fn, args, space::value, Backend::name);
   const qkv_sizes s = resolve_qkv(fn, args);
   const index_t Hg = !gated ? 0 : Policy::gate == key_gate::shared ? 1 : s.H;
-  find_arg(args, "mask")->expect("[B, T]", s.B, s.T);
-  find_arg(args, "a")->expect(Policy::gate == key_gate::shared ? "[B, T, 1] (key_gate::shared)"
-                                                               : "[B, T, H] (key_gate::per_head)",
-                              s.B, s.T, Hg);
-  find_arg(args, "gate")->expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
-  if constexpr (Policy::weight == norm_weight::shared)
-    find_arg(args, "gamma")->expect("[Dv] (norm_weight::shared)", s.Dv);
-  else
-    find_arg(args, "gamma")->expect("[HQ * Dv] (norm_weight::per_head)", s.HQ * s.Dv);
+  expect_policy_shapes<Policy>(args, s, Hg, {"a"}, {"gate"}, {"gamma"});
   check_shapes(fn, args);
 
   const double scale = check_linear_scalars<Policy, A>(fn, p, s);
   const packed_batch packed = check_packed_batch(fn, p.cu_seqlens, s);
-  const index_t N = packed.sequences;
-  for (const char* S : {"state_in.S", "state_out.S"})
-    find_arg(args, S)->expect("[N, H, D, Dv]", N, s.H, s.D, s.Dv);
-  for (const char* z : {"state_in.z", "state_out.z"})
-    find_arg(args, z)->expect("[N, H, D]", N, s.H, s.D);
-  for (const char* l : {"state_in.lse", "state_out.lse"})
-    find_arg(args, l)->expect("[N, H]", N, s.H);
+  expect_state_shapes(args, s, packed.sequences, {state_in_names, state_out_names});
   check_shapes(fn, args);
   check_outputs(fn, args);
   pointer_check<space>::run(fn, args);

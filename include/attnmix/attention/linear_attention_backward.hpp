@@ -17,6 +17,8 @@ namespace attnmix {
 namespace detail {
 
 inline constexpr state_names saved_names{"saved.S", "saved.z", "saved.lse"};
+inline constexpr state_names dstate_out_names{"dstate_out.S", "dstate_out.z", "dstate_out.lse"};
+inline constexpr state_names dstate_in_names{"dstate_in.S", "dstate_in.z", "dstate_in.lse"};
 
 // The tensors of a linear-attention backward, in the order of checks and messages. Entry 3 is
 // dout (shaped like the forward's out).
@@ -108,19 +110,7 @@ linear_attention_problem validate_linear_attention_backward(const std::string& f
   check_placement(fn, args, space::value, Backend::name);
   const qkv_sizes s = resolve_qkv(fn, args);  // k, v and dout (entry 3)
   const index_t Hg = !gated ? 0 : Policy::gate == key_gate::shared ? 1 : s.H;
-  const char* a_dims = Policy::gate == key_gate::shared ? "[B, T, 1] (key_gate::shared)"
-                                                        : "[B, T, H] (key_gate::per_head)";
-  find_arg(args, "mask")->expect("[B, T]", s.B, s.T);
-  find_arg(args, "a")->expect(a_dims, s.B, s.T, Hg);
-  find_arg(args, "da")->expect(a_dims, s.B, s.T, Hg);
-  find_arg(args, "gate")->expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
-  find_arg(args, "dgate")->expect("[B, T, HQ, Dv]", s.B, s.T, s.HQ, s.Dv);
-  for (const char* g : {"gamma", "dgamma"}) {
-    if constexpr (Policy::weight == norm_weight::shared)
-      find_arg(args, g)->expect("[Dv] (norm_weight::shared)", s.Dv);
-    else
-      find_arg(args, g)->expect("[HQ * Dv] (norm_weight::per_head)", s.HQ * s.Dv);
-  }
+  expect_policy_shapes<Policy>(args, s, Hg, {"a", "da"}, {"gate", "dgate"}, {"gamma", "dgamma"});
   find_arg(args, "dq")->expect("[B, T, HQ, D]", s.B, s.T, s.HQ, s.D);
   find_arg(args, "dk")->expect("[B, T, H, D]", s.B, s.T, s.H, s.D);
   find_arg(args, "dv")->expect("[B, T, H, Dv]", s.B, s.T, s.H, s.Dv);
@@ -128,13 +118,8 @@ linear_attention_problem validate_linear_attention_backward(const std::string& f
 
   const double scale = check_linear_scalars<Policy, A>(fn, p, s);
   const packed_batch packed = check_packed_batch(fn, p.cu_seqlens, s);
-  const index_t N = packed.sequences;
-  for (const char* S : {"state_in.S", "saved.S", "dstate_out.S", "dstate_in.S"})
-    find_arg(args, S)->expect("[N, H, D, Dv]", N, s.H, s.D, s.Dv);
-  for (const char* z : {"state_in.z", "saved.z", "dstate_out.z", "dstate_in.z"})
-    find_arg(args, z)->expect("[N, H, D]", N, s.H, s.D);
-  for (const char* l : {"state_in.lse", "saved.lse", "dstate_out.lse", "dstate_in.lse"})
-    find_arg(args, l)->expect("[N, H]", N, s.H);
+  expect_state_shapes(args, s, packed.sequences,
+                      {state_in_names, saved_names, dstate_out_names, dstate_in_names});
   check_shapes(fn, args);
   check_outputs(fn, args);
   pointer_check<space>::run(fn, args);
