@@ -5,10 +5,12 @@
 // if one is not its argmax. Built by nvcc (generate_cuda) it also generates on the GPU.
 //   generate [steps=24] [width=64]
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <random>
 #include <vector>
 
@@ -59,12 +61,19 @@ void print(const char* where, const attnmix::host_tensor<std::int32_t, 2>& out, 
   }
 }
 
-}  // namespace
+// A whole decimal number in [lo, hi] into x, else false.
+bool parse_count(const char* s, long long lo, long long hi, index_t& x) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(s, &end, 10);
+  if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi) return false;
+  x = index_t(v);
+  return true;
+}
 
-int main(int argc, char** argv) {
-  const index_t steps = argc > 1 ? std::atoll(argv[1]) : 24;
+int run(index_t steps, index_t width) {
   attnmix::layers::config c;
-  c.hidden_size = argc > 2 ? std::atoll(argv[2]) : 64;
+  c.hidden_size = width;
   c.num_heads = 2;
   c.intermediate_size = 2 * c.hidden_size;
   c.w_rank = 16;
@@ -127,4 +136,21 @@ int main(int argc, char** argv) {
   }
   std::printf("every generated token is the full forward's argmax: done\n");
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  index_t steps = 24, width = 64;
+  if (argc > 3 || (argc > 1 && !parse_count(argv[1], 1, 1 << 20, steps)) ||
+      (argc > 2 && !parse_count(argv[2], 2, 1 << 14, width)) || width % 2 != 0) {
+    std::fprintf(stderr, "usage: generate [steps >= 1] [width: even, 2 to 16384]\n");
+    return 2;
+  }
+  try {
+    return run(steps, width);
+  } catch (const std::exception& e) {  // attnmix::error, attnmix::cuda_error
+    std::fprintf(stderr, "generate: %s\n", e.what());
+    return 1;
+  }
 }

@@ -22,14 +22,12 @@
 // the accuracy table.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -251,23 +249,15 @@ int main(int argc, char** argv) {
     for (const int l : mq ? std::vector<int>{o.layers.front()} : o.layers)
       for (const int v : o.nback) cells.push_back({k, l, v, std::vector<double>(o.seeds, 0.0)});
   try {
-    const std::size_t runs = cells.size() * std::size_t(o.seeds);
-    std::atomic<std::size_t> next{0};
-    const auto worker = [&] {
-      for (std::size_t i; (i = next++) < runs;) {
-        cell& c = cells[i / std::size_t(o.seeds)];
-        const int s = int(i % std::size_t(o.seeds));
-        c.acc[std::size_t(s)] = run_kind(c.kind, c.layers, c.variant, o.first_seed + s, o);
-        std::printf("  %s x%d%s seed %d: accuracy %.1f %%\n", c.kind.c_str(), c.layers,
-                    mq ? (" N=" + std::to_string(c.variant)).c_str() : "", o.first_seed + s,
-                    100.0 * c.acc[std::size_t(s)]);
-        std::fflush(stdout);
-      }
-    };
-    std::vector<std::thread> pool;
-    for (int j = 1; j < o.jobs; ++j) pool.emplace_back(worker);
-    worker();
-    for (auto& t : pool) t.join();
+    run_jobs(cells.size() * std::size_t(o.seeds), o.jobs, [&](std::size_t i) {
+      cell& c = cells[i / std::size_t(o.seeds)];
+      const int s = int(i % std::size_t(o.seeds));
+      c.acc[std::size_t(s)] = run_kind(c.kind, c.layers, c.variant, o.first_seed + s, o);
+      std::printf("  %s x%d%s seed %d: accuracy %.1f %%\n", c.kind.c_str(), c.layers,
+                  mq ? (" N=" + std::to_string(c.variant)).c_str() : "", o.first_seed + s,
+                  100.0 * c.acc[std::size_t(s)]);
+      std::fflush(stdout);
+    });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "state_tracking: %s\n", e.what());
     return 1;

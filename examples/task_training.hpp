@@ -1,17 +1,21 @@
 #pragma once
 // What the state-tracking examples (train_flipflop, state_tracking) share: a language model
 // trained on batches of a synthetic task (train/tasks.hpp) with AdamW and a warm-up + cosine
-// schedule, on the CPU or, built by nvcc, on the GPU in float or bfloat16 mixed precision; and
-// its predictions counted at a batch's scored positions.
+// schedule, on the CPU or, built by nvcc, on the GPU in float or bfloat16 mixed precision; its
+// predictions counted at a batch's scored positions; and the runs spread over threads.
 //
 // Options: any struct with steps, batch, length, every (index_t), lr (double), threads (int),
 // device ("cpu" | "cuda") and precision ("float" | "bf16").
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -24,6 +28,31 @@
 #include "attnmix/train/progress.hpp"
 #include "attnmix/train/schedule.hpp"
 #include "attnmix/train/tasks.hpp"
+
+// run(i) for i = 0 .. runs - 1, `jobs` at a time (this thread is one of them). The first exception
+// a run throws stops the runs not yet started and is rethrown here once every thread has joined.
+template <class Run>
+void run_jobs(std::size_t runs, int jobs, Run&& run) {
+  std::atomic<std::size_t> next{0};
+  std::exception_ptr failed;
+  std::mutex m;
+  const auto worker = [&] {
+    for (std::size_t i; (i = next++) < runs;) {
+      try {
+        run(i);
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(m);
+        if (!failed) failed = std::current_exception();
+        next = runs;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int j = 1; j < jobs; ++j) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+  if (failed) std::rethrow_exception(failed);
+}
 
 // run(model, backend) on the device the options choose: the host model itself, or a device copy
 // of it (the host model then stays as it is: the source of the initial weights).

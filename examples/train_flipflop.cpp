@@ -18,7 +18,6 @@
 // per run and the table beside the paper's figures.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -26,7 +25,6 @@
 #include <random>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "attnmix/attnmix.hpp"
@@ -215,19 +213,16 @@ int main(int argc, char** argv) {
   std::vector<row> rows;
   for (const auto& k : o.kinds) rows.push_back({k, std::vector<errors>(std::size_t(o.seeds))});
   // The (kind, seed) runs, o.jobs at a time.
-  const std::size_t runs = rows.size() * std::size_t(o.seeds);
-  std::atomic<std::size_t> next{0};
-  const auto worker = [&] {
-    for (std::size_t i; (i = next++) < runs;) {
+  try {
+    run_jobs(rows.size() * std::size_t(o.seeds), o.jobs, [&](std::size_t i) {
       row& r = rows[i / std::size_t(o.seeds)];
       const int s = int(i % std::size_t(o.seeds));
       r.e[std::size_t(s)] = run_kind(r.kind, o.first_seed + s, o);
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int j = 1; j < o.jobs; ++j) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
+    });
+  } catch (const std::exception& e) {  // attnmix::error, attnmix::cuda_error
+    std::fprintf(stderr, "train_flipflop: %s\n", e.what());
+    return 1;
+  }
   std::printf("\nread-bit error, %% (mean over %d seeds, [min, max]; paper in parentheses)\n",
               o.seeds);
   std::printf("%-10s %-30s %-30s %-30s\n", "kind", "in dist. (0.8)", "sparse (0.98)",
