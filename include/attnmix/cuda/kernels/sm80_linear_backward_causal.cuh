@@ -266,6 +266,28 @@ __device__ __forceinline__ void store_phi_grad(float (&acc)[8][4], const void* x
     *reinterpret_cast<std::uint32_t*>(out_row[half] + 8 * nt) = pack2<Dev>(y0, y1);
   });
 }
+// The query and key kernels' shared memory: phi(k) and R = scale phi(q) ([C][ld], two parts
+// each), [v | valid] ([C][ldx]), the carried state or its gradient ([D][ldx], two parts; [S | z]
+// or [dS | dz]), [g | delta] ([C][ldx], two parts), the chunk's valid flags [C], the running sum
+// in float (4 NX floats a thread), then each kernel's own gate rows.
+struct walk_smem {
+  split_op *Ph, *Pl, *Rh, *Rl, *V, *Xh, *Xl, *Gh, *Gl;
+  float *valid, *run, *rows;
+  __device__ explicit walk_smem(unsigned char* raw)
+      : Ph(reinterpret_cast<split_op*>(raw)),
+        Pl(Ph + tile),
+        Rh(Pl + tile),
+        Rl(Rh + tile),
+        V(Rl + tile),
+        Xh(V + xtile),
+        Xl(Xh + xtile),
+        Gh(Xl + xtile),
+        Gl(Gh + xtile),
+        valid(reinterpret_cast<float*>(Gl + xtile)),
+        run(valid + C),
+        rows(run + 4 * NX * threads) {}
+};
+
 }  // namespace lbc
 
 // CTA (slot s, KV head h, sequence n): the slot's own [S | z], summed over its chunks (under the
@@ -335,20 +357,14 @@ __global__ void __launch_bounds__(lbc::threads)
   constexpr bool gated = Policy::gate != key_gate::off;
   constexpr int SSn = slot_floats<gated>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  split_op* Ph = reinterpret_cast<split_op*>(smem_raw);  // [C][ld] phi(k), two parts
-  split_op* Pl = Ph + tile;
-  split_op* Rh = Pl + tile;  // [C][ld] scale phi(q), two parts
-  split_op* Rl = Rh + tile;
-  split_op* V = Rl + tile;   // [C][ldx] v | valid
-  split_op* Sh = V + xtile;  // [D][ldx] S | z, two parts
-  split_op* Sl = Sh + xtile;
-  split_op* Gh = Sl + xtile;  // [C][ldx] g | delta, two parts
-  split_op* Gl = Gh + xtile;
-  float* valid = reinterpret_cast<float*>(Gl + xtile);  // [C]
-  float* run = valid + C;                               // the running [S | z], in float
+  const walk_smem sm(smem_raw);  // the carried state: [S | z]
+  split_op *const Ph = sm.Ph, *const Pl = sm.Pl, *const Rh = sm.Rh, *const Rl = sm.Rl;
+  split_op *const V = sm.V, *const Sh = sm.Xh, *const Sl = sm.Xl, *const Gh = sm.Gh,
+                  *const Gl = sm.Gl;
+  float *const valid = sm.valid, *const run = sm.run;
   // Gated: the chunk's gate rows (causal_chunk_gates; mass and carry become 1 / ell_i and cn_i),
   // then 4 floats of reduction.
-  float* gr = run + 4 * NX * threads;
+  float* gr = sm.rows;
   const causal_chunk_rows rs{valid, gr, gr + C, gr + 2 * C, gr + 3 * C, gr + 4 * C, gr + 5 * C};
   const linear_kernel_params& f = bp.f;
   const int s = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
@@ -528,20 +544,14 @@ __global__ void __launch_bounds__(lbc::threads)
   constexpr bool gated = Policy::gate != key_gate::off;
   constexpr int SSn = slot_floats<gated>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  split_op* Ph = reinterpret_cast<split_op*>(smem_raw);  // [C][ld] phi(k), two parts
-  split_op* Pl = Ph + tile;
-  split_op* Rh = Pl + tile;  // [C][ld] scale phi(q), two parts
-  split_op* Rl = Rh + tile;
-  split_op* V = Rl + tile;    // [C][ldx] v | valid
-  split_op* dSh = V + xtile;  // [D][ldx] dS | dz, two parts
-  split_op* dSl = dSh + xtile;
-  split_op* Gh = dSl + xtile;  // [C][ldx] g | delta, two parts
-  split_op* Gl = Gh + xtile;
-  float* valid = reinterpret_cast<float*>(Gl + xtile);  // [C]
-  float* run = valid + C;                               // the running [dS | dz], in float
+  const walk_smem sm(smem_raw);  // the carried gradient: [dS | dz]
+  split_op *const Ph = sm.Ph, *const Pl = sm.Pl, *const Rh = sm.Rh, *const Rl = sm.Rl;
+  split_op *const V = sm.V, *const dSh = sm.Xh, *const dSl = sm.Xl, *const Gh = sm.Gh,
+                  *const Gl = sm.Gl;
+  float *const valid = sm.valid, *const run = sm.run;
   // Gated: the chunk's logits, u_i, 1 / ell_i, beta_i and one head's kappa_i; 4 floats of
   // reduction.
-  float* lg = run + 4 * NX * threads;
+  float* lg = sm.rows;
   float *u = lg + C, *il = lg + 2 * C, *beta = lg + 3 * C, *kap = lg + 4 * C, *red = lg + 5 * C;
   const linear_kernel_params& f = bp.f;
   const int s = blockIdx.x, h = blockIdx.y, n = blockIdx.z;
